@@ -4,8 +4,10 @@ Rendered by Jinja before it runs; the functions take plain arguments so the temp
 tests import and call them on a directory of their own.
 """
 
+import json
 import shutil
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
@@ -42,6 +44,49 @@ def remove_excluded(project: Path, use_slurm: bool, use_github_actions: bool) ->
     return removed
 
 
+def template_commit(repo_dir: Path) -> str | None:
+    """The commit the template was rendered from, or None if it is not a clean git checkout."""
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(repo_dir), "rev-parse", "HEAD"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(repo_dir), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    # A dirty template has no commit that reproduces it, so cruft could not diff against it.
+    return None if dirty else commit
+
+
+def template_url(template: str, repo_dir: Path) -> str:
+    """A location cruft can clone: abbreviations (gh:owner/repo) expanded, local paths absolute."""
+    from cookiecutter.config import BUILTIN_ABBREVIATIONS
+    from cookiecutter.repository import expand_abbreviations, is_repo_url
+
+    url = expand_abbreviations(template, BUILTIN_ABBREVIATIONS)
+    return url if is_repo_url(url) else str(repo_dir.resolve())
+
+
+def write_cruft_state(project: Path, context: dict, repo_dir: Path) -> bool:
+    """Record the answers and the template commit in .cruft.json, as `cruft create` would,
+    so that a project made with plain cookiecutter can be updated with `cruft update`."""
+    commit = template_commit(repo_dir)
+    if commit is None:
+        return False
+    state = {
+        "template": template_url(context["_template"], repo_dir),
+        "commit": commit,
+        "checkout": context.get("_checkout"),
+        "context": {"cookiecutter": {**context, "_commit": commit}},
+        "directory": None,
+    }
+    (project / ".cruft.json").write_text(json.dumps(state, indent=2) + "\n")
+    return True
+
+
 def next_steps(slug: str) -> str:
     return "\n".join(
         [
@@ -61,6 +106,12 @@ def main() -> int:
         use_slurm="{{ cookiecutter.use_slurm }}" == "True",
         use_github_actions="{{ cookiecutter.use_github_actions }}" == "True",
     )
+    context = json.loads(r'''{{ cookiecutter | jsonify }}''')
+    if not (project / ".cruft.json").exists() and not write_cruft_state(
+        project, context, Path(context["_repo_dir"])
+    ):
+        print("note: the template is not a clean git checkout, so no .cruft.json was written;")
+        print("      link the project later with `cruft link <template url>` to get updates.")
     print(next_steps("{{ cookiecutter.project_slug }}"))
     return 0
 

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The main job: stamp out a demo project with the default answers and run it end to end on CPU:
+# a small sweep with run.sh (real training on the offline digits data), then plot.py.
+#
+# Usage: bash scripts/demo.sh [OUTPUT_DIR]      (default: build/demo)
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=scripts/venv.sh
+source scripts/venv.sh
+ensure_venv demo
+
+readonly OUT_DIR="${1:-build/demo}"
+readonly VENV_PYTHON="${PWD}/.venv/bin/python"
+
+mkdir -p "${OUT_DIR}"
+# -f: the demo is regenerated on every call; results of earlier sweeps are kept and skipped.
+.venv/bin/cookiecutter --no-input --overwrite-if-exists . -o "${OUT_DIR}"
+cd "${OUT_DIR}/lab_project"
+
+# Both cores, one job each; tiny model and few epochs so the sweep takes a few minutes on CPU.
+CPU_JOBS=2 PYTHON="${VENV_PYTHON}" bash run.sh -- --epochs 6 --width 16
+"${VENV_PYTHON}" plot.py
+
+echo
+echo "Demo finished."
+echo "  figures:         ${PWD}/figures/"
+echo "  results:         ${PWD}/results/"
+echo "  MLflow database: ${PWD}/mlflow.db"
+echo "  browse it with:  ${VENV_PYTHON%/python}/mlflow ui --backend-store-uri sqlite:///${PWD}/mlflow.db"
