@@ -107,9 +107,9 @@ def main() -> int:
         use_github_actions="{{ cookiecutter.use_github_actions }}" == "True",
     )
     context = json.loads(r'''{{ cookiecutter | jsonify }}''')
-    if not (project / ".cruft.json").exists() and not write_cruft_state(
-        project, context, Path(context["_repo_dir"])
-    ):
+    # cruft renders without _repo_dir and writes .cruft.json itself; plain cookiecutter has it.
+    repo_dir = context.get("_repo_dir")
+    if repo_dir and not write_cruft_state(project, context, Path(repo_dir)):
         print("note: the template is not a clean git checkout, so no .cruft.json was written;")
         print("      link the project later with `cruft link <template url>` to get updates.")
     print(next_steps("{{ cookiecutter.project_slug }}"))
