@@ -1,0 +1,31 @@
+"""The generated project's own test suite, run in a subprocess on CPU, as a user would."""
+
+import os
+import subprocess
+import sys
+
+from conftest import BIN
+
+
+def run_project_tests(project, *args):
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("MLFLOW_TRACKING_URI", None)  # the project's tests isolate MLflow themselves
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+        cwd=project, env=env, capture_output=True, text=True, timeout=1500,
+    )
+
+
+def test_default_project_passes_its_own_tests(bake):
+    project = bake()
+    result = run_project_tests(project)
+    print(result.stdout[-6000:], result.stderr[-3000:])
+    assert result.returncode == 0
+
+
+def test_project_without_options_collects_its_tests(bake):
+    """Without Slurm and CI files the suite still collects: nothing refers to removed files."""
+    project = bake(use_slurm=False, use_github_actions=False)
+    result = run_project_tests(project, "--collect-only")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "test_slurm" not in result.stdout

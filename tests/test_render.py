@@ -1,0 +1,138 @@
+"""Render the option matrix derived from cookiecutter.json and check every render."""
+
+import re
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from conftest import BIN, CONFIG, TEMPLATE, option_matrix, prompted
+
+MATRIX = option_matrix()
+
+PACKAGE_FILES = [
+    "__init__.py", "config.py", "runs.py", "data.py", "model.py", "train.py",
+    "checkpoint.py", "tracking.py", "tuning.py", "analysis.py",
+]
+BASE_FILES = [
+    ".gitignore", "LICENSE", "README.md", "pyproject.toml",
+    "run.py", "run.sh", "plot.py", "scripts/sweep_lib.sh",
+    "tests/conftest.py", "tests/test_run.py", "tests/test_resume.py",
+    "tests/test_train_units.py", "tests/test_data.py", "tests/test_model.py",
+    "tests/test_tuning.py", "tests/test_sweep.py", "tests/test_plot.py",
+]
+SLURM_FILES = ["scripts/slurm_task.sh", "tests/test_slurm.py"]
+GITHUB_ACTIONS_FILES = [".github/workflows/ci.yml"]
+LEFTOVER_JINJA = re.compile(r"\{\{|\}\}|\{%|%\}|\{#")
+
+
+def expected_files(answers: dict, package: str) -> set[str]:
+    files = set(BASE_FILES) | {f"{package}/{name}" for name in PACKAGE_FILES}
+    if answers["use_slurm"]:
+        files |= set(SLURM_FILES)
+    if answers["use_github_actions"]:
+        files |= set(GITHUB_ACTIONS_FILES)
+    return files
+
+
+def rendered_files(project: Path) -> set[str]:
+    return {
+        str(p.relative_to(project)) for p in project.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+
+
+def test_matrix_covers_every_option_value():
+    """The meta-test: a value no render uses is a value nothing tests."""
+    for key, default in prompted(CONFIG).items():
+        values = [True, False] if isinstance(default, bool) else default
+        if not isinstance(values, list):
+            continue  # free text: exercised by the naming tests
+        used = {answers[key] for answers in MATRIX}
+        assert used == set(values), f"{key}: {set(values) - used} never rendered"
+
+
+def test_matrix_renders_every_switch_combination():
+    switches = [k for k, v in prompted(CONFIG).items() if isinstance(v, bool)]
+    combos = {tuple(a[k] for k in switches) for a in MATRIX}
+    assert len(combos) == 2 ** len(switches)
+
+
+@pytest.fixture(scope="module", params=MATRIX, ids=lambda a: "-".join(map(str, a.values())))
+def render(request, template_copy, tmp_path_factory):
+    from cookiecutter.main import cookiecutter
+
+    answers = request.param
+    out = tmp_path_factory.mktemp("render")
+    project = Path(cookiecutter(str(template_copy), no_input=True, extra_context=answers,
+                                output_dir=str(out)))
+    return answers, project
+
+
+def test_exactly_the_expected_files(render):
+    answers, project = render
+    assert rendered_files(project) == expected_files(answers, "lab_project")
+
+
+def test_no_template_syntax_left(render):
+    _, project = render
+    for path in project.rglob("*"):
+        if path.is_file() and path.name != "LICENSE":
+            text = path.read_text()
+            # The shell scripts are copied unrendered: bash's ${#array[@]} is legal there.
+            pattern = re.compile(r"\{\{|\{%") if path.suffix == ".sh" else LEFTOVER_JINJA
+            assert not pattern.search(text), f"template syntax left in {path.relative_to(project)}"
+
+
+def test_license_matches_the_choice(render):
+    answers, project = render
+    text = (project / "LICENSE").read_text()
+    first_words = {
+        "MIT": "MIT License", "BSD-3-Clause": "BSD 3-Clause License",
+        "Apache-2.0": "Apache License", "GPL-3.0-only": "GNU GENERAL PUBLIC LICENSE",
+        "Proprietary": "All rights reserved",
+    }
+    assert first_words[answers["license"]] in text
+    pyproject = tomllib.loads((project / "pyproject.toml").read_text())["project"]
+    if answers["license"] == "Proprietary":
+        assert "license" not in pyproject
+    else:
+        assert pyproject["license"] == answers["license"]
+
+
+def test_ruff_is_clean(render):
+    _, project = render
+    result = subprocess.run([BIN / "ruff", "check", "--no-cache", "."], cwd=project,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_shell_scripts_parse_and_pass_shellcheck(render):
+    _, project = render
+    scripts = sorted(project.rglob("*.sh"))
+    assert project / "run.sh" in scripts
+    for script in scripts:
+        subprocess.run(["bash", "-n", script], check=True)
+        assert script.stat().st_mode & 0o100, f"{script.name} is not executable"
+    result = subprocess.run([BIN / "shellcheck", "-x", *map(str, scripts)], cwd=project,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_workflow_is_valid_yaml(render):
+    answers, project = render
+    if not answers["use_github_actions"]:
+        pytest.skip("no workflow in this render")
+    import yaml  # installed with mlflow
+
+    workflow = yaml.safe_load((project / ".github/workflows/ci.yml").read_text())
+    assert "jobs" in workflow
+
+
+def test_template_repo_scripts_pass_shellcheck():
+    scripts = sorted(map(str, [*TEMPLATE.glob("scripts/*.sh"), *TEMPLATE.glob(".ci/*.sh"),
+                               TEMPLATE / ".ci" / "run"]))
+    result = subprocess.run([BIN / "shellcheck", "-x", *scripts], cwd=TEMPLATE,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
