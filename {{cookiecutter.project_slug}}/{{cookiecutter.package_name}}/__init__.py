@@ -1,3 +1,6 @@
-"""{{ cookiecutter.project_name }}: {{ cookiecutter.description }}"""
+"""{{ cookiecutter.project_name }}.
+
+{{ cookiecutter.description | wordwrap(96) }}
+"""
 
 __version__ = "0.1.0"

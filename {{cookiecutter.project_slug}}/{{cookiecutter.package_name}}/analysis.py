@@ -1,0 +1,485 @@
+"""Load a sweep's runs and aggregate them over seeds: the analysis half of plot.py.
+
+No torch and no matplotlib here (and no pandas: `python plot.py` should start fast). The same
+functions serve a notebook:
+
+    from PKG.analysis import load_runs, aggregate
+    runs, skipped = load_runs("results")
+    table = aggregate(runs)
+    for row in table.rows:
+        print(row.label, row.n, row.mean["test_acc"], row.se["test_acc"])
+
+Sources (docs/design.md): `results/<name>/{config.json, metrics.json, history.csv, status}`, or
+the MLflow tracking server (`load_runs_from_mlflow`). A run is *done* iff metrics.json exists.
+
+Statistics: a *configuration* is the tuple of experiment keys except `seed`; runs of the same
+configuration are its seeds. For every numeric metric: mean, standard error SE = s / sqrt(n) with
+the sample standard deviation s (ddof=1), and n. With n = 1 the SE is undefined and is NaN (an
+empty cell in the CSV, no error bar in the figures), never a misleading 0. A configuration with
+fewer seeds than the largest n of the sweep is flagged (`fewer_seeds`).
+"""
+
+from __future__ import annotations
+
+import ast
+import csv
+import io
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .config import EXECUTION_KEYS
+from .runs import CONFIG, HISTORY, HISTORY_FIELDS, METRICS, STATUS, atomic_write_text
+
+# metrics.json in design order; the aggregate keeps this order, then any other numeric metric.
+METRIC_NAMES = (
+    "best_val_acc", "test_acc", "test_loss", "best_epoch", "epochs_run", "steps", "wall_time_s",
+    "train_time_s", "compile_time_s", "samples_per_sec", "peak_mem_bytes",
+)  # fmt: skip
+# Keys of config.json that describe the run rather than the experiment.
+BOOKKEEPING_KEYS = frozenset({"run_name", "experiment_keys", "code_version", "config_hash"})
+SEED_KEY = "seed"
+# The LaTeX table shows these (a paper table has room for a handful); the CSV has every metric.
+LATEX_METRICS = ("best_val_acc", "test_acc", "test_loss", "epochs_run", "wall_time_s")
+
+
+@dataclass
+class Run:
+    """One finished run: its resolved config, final metrics and per-epoch history."""
+
+    name: str
+    config: dict
+    metrics: dict[str, float]  # numeric entries of metrics.json
+    history: dict[str, np.ndarray]  # history.csv column -> values, one per epoch
+    source: str = ""  # run directory or MLflow run id
+
+    @property
+    def experiment_keys(self) -> list[str]:
+        keys = self.config.get("experiment_keys")
+        if isinstance(keys, list) and all(isinstance(k, str) for k in keys):
+            return keys
+        # Older or foreign runs: everything that is not execution detail or bookkeeping.
+        return [k for k in self.config if k not in EXECUTION_KEYS | BOOKKEEPING_KEYS]
+
+
+@dataclass
+class Row:
+    """One configuration: its runs (seeds) and the statistics over them."""
+
+    values: tuple  # values of Table.keys (the swept hyperparameters)
+    label: str  # "lr=0.01, width=64": legends, table rows
+    runs: list[Run]
+    mean: dict[str, float] = field(default_factory=dict)
+    se: dict[str, float] = field(default_factory=dict)
+    fewer_seeds: bool = False
+
+    @property
+    def n(self) -> int:
+        return len(self.runs)
+
+    @property
+    def seeds(self) -> list:
+        return sorted((r.config.get(SEED_KEY) for r in self.runs), key=_sort_key)
+
+
+@dataclass
+class Table:
+    """The aggregate: one row per configuration, sorted by the swept values."""
+
+    keys: list[str]  # swept hyperparameters: experiment keys (not seed) whose values differ
+    metrics: list[str]  # numeric metrics present in any run
+    rows: list[Row]
+    constant: dict = field(default_factory=dict)  # experiment keys shared by every run
+
+    @property
+    def max_n(self) -> int:
+        return max((row.n for row in self.rows), default=0)
+
+    def column(self, key: str) -> list:
+        """Values of one swept hyperparameter, row by row."""
+        i = self.keys.index(key)
+        return [row.values[i] for row in self.rows]
+
+    def to_dataframe(self):
+        """The CSV's content as a pandas DataFrame (imports pandas, for notebooks)."""
+        import pandas as pd
+
+        header, records = _records(self)
+        return pd.DataFrame(records, columns=header)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading from the results directory
+# ----------------------------------------------------------------------------------------------
+
+
+def load_runs(results_dir: str | os.PathLike) -> tuple[list[Run], list[tuple[Path, str]]]:
+    """Every finished run under `results_dir`, and the (path, reason) of the ones skipped.
+
+    reason is `unfinished` (running or interrupted: no metrics.json yet), `failed` (status says
+    so and no metrics.json) or `corrupt` (a file is missing or cannot be parsed). Sub-directories
+    with none of the run files (e.g. a user's notes) are ignored. A missing directory gives no runs.
+    """
+    root = Path(results_dir)
+    runs: list[Run] = []
+    skipped: list[tuple[Path, str]] = []
+    if not root.is_dir():
+        return runs, skipped
+    for path in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        names = {CONFIG, METRICS, HISTORY, STATUS}
+        present = {n for n in names if (path / n).is_file()}
+        if not present:
+            continue
+        if METRICS not in present:
+            status = _read_status(path)
+            skipped.append((path, "failed" if status == "failed" else "unfinished"))
+            continue
+        try:
+            runs.append(_load_run_dir(path))
+        except (OSError, ValueError, TypeError, KeyError, UnicodeDecodeError):
+            skipped.append((path, "corrupt"))
+    return runs, skipped
+
+
+def _read_status(path: Path) -> str:
+    try:
+        return (path / STATUS).read_text().strip()
+    except OSError:
+        return ""
+
+
+def _load_run_dir(path: Path) -> Run:
+    config = json.loads((path / CONFIG).read_text())
+    metrics = json.loads((path / METRICS).read_text())
+    if not isinstance(config, dict) or not isinstance(metrics, dict):
+        raise ValueError("config.json and metrics.json must hold JSON objects")
+    history = read_history((path / HISTORY).read_text())
+    name = str(config.get("run_name") or path.name)
+    return Run(name, config, _numeric(metrics), history, source=str(path))
+
+
+def read_history(text: str) -> dict[str, np.ndarray]:
+    """history.csv -> {column: float array}; empty cells become NaN; rows sorted by epoch."""
+    rows = list(csv.reader(io.StringIO(text)))
+    if not rows or "epoch" not in rows[0]:
+        raise ValueError("history.csv has no header with an 'epoch' column")
+    header, body = rows[0], [r for r in rows[1:] if r]
+    if any(len(r) != len(header) for r in body):
+        raise ValueError("history.csv has rows of the wrong length")
+    # float('') fails: map empty cells to NaN explicitly, let any other junk raise ValueError.
+    data = np.array([[float(c) if c else math.nan for c in r] for r in body], dtype=float)
+    data = data.reshape(len(body), len(header))
+    data = data[np.argsort(data[:, header.index("epoch")], kind="stable")]
+    return {col: data[:, j] for j, col in enumerate(header)}
+
+
+def _numeric(metrics: dict) -> dict[str, float]:
+    """The numeric entries (bool is not a number here: it is a flag)."""
+    return {
+        k: float(v)
+        for k, v in metrics.items()
+        if isinstance(v, int | float) and not isinstance(v, bool)
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading from MLflow
+# ----------------------------------------------------------------------------------------------
+
+
+def load_runs_from_mlflow(
+    tracking_uri: str, experiment: str
+) -> tuple[list[Run], list[tuple[str, str]]]:
+    """The same as `load_runs`, from an MLflow experiment (imports mlflow: slow, ~2 s).
+
+    Mapping (what run.py logs, see PKG/tracking.py): every config key is a param (strings,
+    parsed back to numbers/bools/lists where they look like one); per-epoch metrics carry the
+    history.csv column names with step = epoch; final metrics carry the metrics.json names.
+    FINISHED runs are done; RUNNING/SCHEDULED/KILLED are unfinished; FAILED are failed. When
+    several finished runs share a config *and* seed (a re-run with --fresh), the newest wins and
+    the others are reported as `duplicate`.
+    Raises LookupError when the experiment does not exist.
+    """
+    from mlflow.tracking import MlflowClient  # lazy: keeps `python plot.py` fast
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        raise LookupError(f"no MLflow experiment named {experiment!r} at {tracking_uri}")
+    mlflow_runs, token = [], None
+    while True:
+        page = client.search_runs(
+            [exp.experiment_id], max_results=1000, page_token=token, order_by=["start_time DESC"]
+        )
+        mlflow_runs.extend(page)
+        token = page.token
+        if not token:
+            break
+
+    runs: list[Run] = []
+    skipped: list[tuple[str, str]] = []
+    seen: set[str] = set()
+    for mr in mlflow_runs:  # newest first
+        name = mr.data.tags.get("mlflow.runName") or mr.info.run_id
+        status = mr.info.status
+        if status != "FINISHED":
+            skipped.append((name, "failed" if status == "FAILED" else "unfinished"))
+            continue
+        config = {k: _parse_param(v) for k, v in mr.data.params.items()}
+        config.setdefault("run_name", name)
+        run = Run(str(config["run_name"]), config, {}, {}, source=mr.info.run_id)
+        identity = json.dumps(_identity(run, include_seed=True), sort_keys=True, default=str)
+        if identity in seen:
+            skipped.append((name, "duplicate"))
+            continue
+        seen.add(identity)
+        logged = mr.data.metrics
+        run.metrics = {m: float(logged[m]) for m in METRIC_NAMES if m in logged}
+        run.history = _mlflow_history(
+            client, mr.info.run_id, [c for c in HISTORY_FIELDS if c in logged]
+        )
+        runs.append(run)
+    runs.reverse()  # oldest first, like the sorted directory listing
+    return runs, skipped
+
+
+def _mlflow_history(client, run_id: str, columns: Sequence[str]) -> dict[str, np.ndarray]:
+    """Per-epoch metric histories aligned on step (= epoch); the last value logged per step wins.
+
+    run.py also logs the final metrics, with step = total optimizer steps; one of them shares its
+    name with a history column (samples_per_sec). So the epochs are the steps of the columns that
+    only exist per epoch (val_acc, ...), and other steps of a shared name are ignored.
+    """
+    series = {}
+    for col in columns:
+        if col in ("epoch", "step"):
+            continue
+        points = sorted(client.get_metric_history(run_id, col), key=lambda m: m.timestamp)
+        series[col] = {m.step: m.value for m in points}
+    per_epoch = [steps for col, steps in series.items() if col not in METRIC_NAMES]
+    epochs = sorted(set().union(*(per_epoch or series.values()))) if series else []
+    history = {"epoch": np.asarray(epochs, dtype=float)}
+    for col, by_step in series.items():
+        history[col] = np.array([by_step.get(e, math.nan) for e in epochs], dtype=float)
+    return history
+
+
+def _parse_param(text: str):
+    """MLflow params are strings: '0.01' -> 0.01, 'True' -> True, '[1, 2]' -> [1, 2]."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    try:
+        return ast.literal_eval(text)  # Python reprs: True, None, ['a', 'b']
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return text
+
+
+# ----------------------------------------------------------------------------------------------
+# Aggregation over seeds
+# ----------------------------------------------------------------------------------------------
+
+
+def _hashable(value):
+    """Config values as dictionary keys (lists and dicts via their JSON)."""
+    if isinstance(value, list | dict):
+        return json.dumps(value, sort_keys=True)
+    return value
+
+
+def _sort_key(value):
+    """Order mixed values: None, then numbers numerically, then everything else as text."""
+    if value is None:
+        return (0, 0.0, "")
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return (1, float(value), "")
+    return (2, 0.0, str(value))
+
+
+def _identity(run: Run, include_seed: bool = False) -> dict:
+    keys = run.experiment_keys
+    return {k: _hashable(run.config.get(k)) for k in keys if include_seed or k != SEED_KEY}
+
+
+def format_value(value) -> str:
+    """Short text for a hyperparameter value: 0.001 -> '0.001', 1e-05 -> '1e-05', True -> 'True'."""
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def aggregate(runs: Iterable[Run]) -> Table:
+    """Group runs by configuration (all experiment keys but seed); mean, SE and n per metric."""
+    runs = list(runs)
+    key_order: list[str] = []
+    for run in runs:
+        key_order += [k for k in run.experiment_keys if k != SEED_KEY and k not in key_order]
+    groups: dict[tuple, list[Run]] = {}
+    for run in runs:
+        ident = _identity(run)
+        groups.setdefault(tuple(ident.get(k) for k in key_order), []).append(run)
+
+    # Swept = takes more than one value over the configurations; the rest is constant.
+    swept = [i for i, _ in enumerate(key_order) if len({g[i] for g in groups}) > 1]
+    keys = [key_order[i] for i in swept]
+    constant = {} if not groups else {
+        k: next(iter(groups))[i] for i, k in enumerate(key_order) if i not in swept
+    }  # fmt: skip
+
+    metrics = [m for m in METRIC_NAMES if any(m in r.metrics for r in runs)]
+    metrics += sorted({m for r in runs for m in r.metrics} - set(metrics))
+
+    rows = []
+    for members in groups.values():
+        # The original (unhashed) values of the first member: a list stays a list for display.
+        values = tuple(members[0].config.get(key_order[i]) for i in swept)
+        label = ", ".join(f"{k}={format_value(v)}" for k, v in zip(keys, values, strict=True))
+        members.sort(key=lambda r: _sort_key(r.config.get(SEED_KEY)))
+        row = Row(values, label or "all runs", members)
+        for m in metrics:
+            row.mean[m], row.se[m] = mean_se([r.metrics.get(m, math.nan) for r in members])
+        rows.append(row)
+    rows.sort(key=lambda row: tuple(_sort_key(_hashable(v)) for v in row.values))
+    table = Table(keys, metrics, rows, constant)
+    for row in rows:
+        row.fewer_seeds = row.n < table.max_n
+    return table
+
+
+def mean_se(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and standard error (ddof=1) of the finite values; SE is NaN for fewer than two."""
+    x = np.asarray(values, dtype=float)
+    x = x[np.isfinite(x)]
+    if x.size == 0:
+        return math.nan, math.nan
+    se = float(np.std(x, ddof=1) / math.sqrt(x.size)) if x.size > 1 else math.nan
+    return float(np.mean(x)), se
+
+
+def curve(
+    row: Row, column: str = "val_acc"
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(epochs, mean, se, n) of one history column over a configuration's seeds.
+
+    Runs are aligned on the epoch number. Seeds that stopped early (early stopping) simply drop
+    out of the later epochs, so n can shrink along the curve; SE is NaN where n < 2.
+    """
+    parts = [(r.history["epoch"], r.history[column]) for r in row.runs if column in r.history]
+    if not parts:
+        empty = np.empty(0)
+        return empty, empty, empty, empty
+    epochs = np.unique(np.concatenate([e for e, _ in parts]))
+    grid = np.full((len(parts), epochs.size), np.nan)
+    for i, (e, v) in enumerate(parts):
+        grid[i, np.searchsorted(epochs, e)] = v
+    n = np.isfinite(grid).sum(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.nansum(grid, axis=0) / n
+        dev = np.where(np.isfinite(grid), grid - mean, 0.0)
+        se = np.sqrt((dev**2).sum(axis=0) / (n - 1)) / np.sqrt(n)
+    se[n < 2] = np.nan
+    return epochs, mean, se, n
+
+
+# ----------------------------------------------------------------------------------------------
+# Tables
+# ----------------------------------------------------------------------------------------------
+
+
+def _records(table: Table) -> tuple[list[str], list[list]]:
+    header = [*table.keys, "n", "seeds", "fewer_seeds"]
+    header += [f"{m}_{s}" for m in table.metrics for s in ("mean", "se")]
+    records = []
+    for row in table.rows:
+        rec = [*row.values, row.n, " ".join(format_value(s) for s in row.seeds), row.fewer_seeds]
+        for m in table.metrics:
+            rec += [row.mean[m], row.se[m]]
+        records.append(rec)
+    return header, records
+
+
+def table_csv(table: Table) -> str:
+    """The aggregate as CSV text: swept keys, n, seeds, fewer_seeds, <metric>_mean, <metric>_se."""
+    header, records = _records(table)
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(header)
+    for rec in records:
+        writer.writerow(["" if _is_nan(v) else _csv_cell(v) for v in rec])
+    return buf.getvalue()
+
+
+def _is_nan(value) -> bool:
+    return isinstance(value, float) and math.isnan(value)
+
+
+def _csv_cell(value):
+    if isinstance(value, float):
+        return f"{value:.12g}"  # 0.72, not 0.7200000000000001
+    if isinstance(value, list | dict):
+        return json.dumps(value)
+    return value
+
+
+_LATEX_SPECIAL = [
+    ("\\", r"\textbackslash "), ("&", r"\&"), ("%", r"\%"), ("$", r"\$"), ("#", r"\#"),
+    ("_", r"\_"), ("{", r"\{"), ("}", r"\}"), ("~", r"\textasciitilde "), ("^", r"\^ "),
+]  # fmt: skip
+
+
+def latex_escape(text: str) -> str:
+    # One pass, character by character, so an escape's own backslash is not escaped again.
+    special = dict(_LATEX_SPECIAL)
+    return "".join(special.get(ch, ch) for ch in str(text))
+
+
+def format_mean_se(mean: float, se: float) -> str:
+    """'$0.912 \\pm 0.004$': the mean rounded to the SE's second significant digit."""
+    if math.isnan(mean):
+        return "--"
+    if math.isnan(se) or se == 0:
+        return f"${mean:.4g}$"
+    decimals = min(6, max(0, 1 - math.floor(math.log10(se))))
+    return f"${mean:.{decimals}f} \\pm {se:.{decimals}f}$"
+
+
+def table_latex(table: Table, metrics: Sequence[str] = LATEX_METRICS) -> str:
+    """A booktabs `tabular` (\\usepackage{booktabs}): keys, n, mean +- SE of a few metrics."""
+    metrics = [m for m in metrics if m in table.metrics]
+    columns = [*table.keys, "n", *metrics]
+    align = "l" * len(table.keys) + "r" * (1 + len(metrics))
+    lines = [
+        "% Generated by plot.py from the aggregate over seeds: mean $\\pm$ standard error.",
+        "% Needs \\usepackage{booktabs}. The CSV beside this file has every metric.",
+        "\\begin{tabular}{" + align + "}",
+        "\\toprule",
+        " & ".join(latex_escape(c) for c in columns) + " \\\\",
+        "\\midrule",
+    ]
+    for row in table.rows:
+        cells = [latex_escape(format_value(v)) for v in row.values]
+        cells.append(f"{row.n}" + ("$^\\dagger$" if row.fewer_seeds else ""))
+        cells += [format_mean_se(row.mean[m], row.se[m]) for m in metrics]
+        lines.append(" & ".join(cells) + " \\\\")
+    lines.append("\\bottomrule")
+    if any(row.fewer_seeds for row in table.rows):
+        note = "$^\\dagger$ fewer seeds than the other configurations"
+        lines.append("\\multicolumn{" + str(len(columns)) + "}{l}{\\footnotesize " + note + "}")
+    lines.append("\\end{tabular}")
+    return "\n".join(lines) + "\n"
+
+
+def write_tables(table: Table, out_dir: str | os.PathLike, stem: str = "aggregate") -> list[Path]:
+    """`<out_dir>/<stem>.csv` and `<stem>.tex`, written atomically; returns their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{stem}.csv", out / f"{stem}.tex"]
+    atomic_write_text(paths[0], table_csv(table))
+    atomic_write_text(paths[1], table_latex(table))
+    return paths
