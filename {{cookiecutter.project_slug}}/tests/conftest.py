@@ -1,0 +1,107 @@
+"""Shared test helpers: run run.py as a user would, against a private MLflow database.
+
+Every test runs on CPU with tiny settings (digits, width 8, a few epochs). The MLflow database is
+created once per session (its first creation costs ~2 s) and shared; each test gets its own
+results directory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN_PY = ROOT / "run.py"
+# Small and fast on 2 CPU cores, yet well above chance on digits after a few epochs.
+TINY = ["--device", "cpu", "--width", "8", "--batch-size", "64", "--lr", "0.01",
+        "--progress", "off"]
+
+
+@pytest.fixture(scope="session")
+def mlflow_uri(tmp_path_factory) -> str:
+    """A private sqlite DB, created once (as run.sh does before fanning out)."""
+    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
+    subprocess.run([sys.executable, str(RUN_PY), "--init-tracking"], env=env, check=True,
+                   capture_output=True, cwd=ROOT)
+    return uri
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("data")
+
+
+@pytest.fixture
+def env(mlflow_uri, monkeypatch) -> dict:
+    """Environment for subprocesses; also set in-process (for tests that call main())."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
+    monkeypatch.delenv("LAB_INJECT_NAN_AT_STEP", raising=False)
+    return {**os.environ, "MLFLOW_TRACKING_URI": mlflow_uri, "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture
+def run_cli(env, data_dir):
+    """run_cli(*args, results_dir=..., extra_env=None) -> CompletedProcess (text, captured)."""
+
+    def run(*args: str, results_dir: Path, extra_env: dict | None = None, timeout: float = 300):
+        cmd = [sys.executable, str(RUN_PY), *TINY, "--data-dir", str(data_dir),
+               "--results-dir", str(results_dir), *args]
+        return subprocess.run(cmd, env={**env, **(extra_env or {})}, cwd=ROOT, text=True,
+                              capture_output=True, timeout=timeout)
+
+    return run
+
+
+@pytest.fixture
+def main_in_process(env, data_dir):
+    """Call run.main() in this process (torch is imported once, so quick checks stay quick)."""
+    run = load_run_py()
+
+    def call(*args: str) -> int:
+        return run.main([*TINY, "--data-dir", str(data_dir), *args])
+
+    return call
+
+
+def popen_cli(*args: str, results_dir: Path, data_dir: Path, env: dict) -> subprocess.Popen:
+    cmd = [sys.executable, str(RUN_PY), *TINY, "--data-dir", str(data_dir),
+           "--results-dir", str(results_dir), *args]
+    return subprocess.Popen(cmd, env=env, cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+
+
+def run_dir_of(results_dir: Path) -> Path:
+    """The single run directory under `results_dir`."""
+    dirs = [p for p in results_dir.iterdir() if p.is_dir()]
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+def read_metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def mlflow_run(uri: str, run_id: str):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri).get_run(run_id)
+
+
+def load_run_py():
+    """Import run.py as a module (to call main() in-process)."""
+    spec = importlib.util.spec_from_file_location("run_under_test", RUN_PY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def temp_files(directory: Path) -> list[Path]:
+    """Leftovers of an interrupted atomic write (there must be none)."""
+    return [p for p in directory.rglob("*") if p.name.endswith(".tmp")]

@@ -1,0 +1,242 @@
+"""Datasets (digits offline, synthetic cache, CIFAR-10 download path) and the two loaders."""
+
+import hashlib
+import io
+import pickle
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+
+from {{ cookiecutter.package_name }} import data
+from {{ cookiecutter.package_name }}.data import (
+    NUM_CLASSES,
+    Split,
+    build_loader,
+    fits_on_device,
+    load_dataset,
+    random_crop_flip,
+)
+
+
+def check_splits(splits, sizes):
+    assert set(splits) == {"train", "val", "test"}
+    for name, split in splits.items():
+        assert split.images.dtype == torch.uint8
+        assert split.images.shape == (sizes[name], 3, 32, 32)
+        assert split.labels.dtype == torch.int64
+        assert split.labels.shape == (sizes[name],)
+        assert split.labels.min() >= 0 and split.labels.max() < NUM_CLASSES
+
+
+def test_digits_loads_offline_with_fixed_splits(tmp_path):
+    splits = load_dataset("digits", tmp_path)
+    # 1797 images: stratified 80/20 -> 1437 train pool / 360 test; 10 % of the pool is val.
+    check_splits(splits, {"train": 1293, "val": 144, "test": 360})
+    again = load_dataset("digits", tmp_path)
+    assert torch.equal(splits["val"].labels, again["val"].labels)
+    other_seed = load_dataset("digits", tmp_path, seed=1)
+    assert not torch.equal(splits["val"].images, other_seed["val"].images)
+    assert torch.equal(splits["test"].images, other_seed["test"].images)
+    assert list(tmp_path.iterdir()) == []  # digits ships with scikit-learn: nothing cached
+
+
+def test_unknown_dataset_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="unknown dataset 'mnist'"):
+        load_dataset("mnist", tmp_path)
+
+
+def test_synthetic_is_deterministic_and_cached(tmp_path, monkeypatch):
+    first = load_dataset("synthetic", tmp_path, synthetic_size=500)
+    check_splits(first, {"train": 450, "val": 50, "test": 100})
+    assert (tmp_path / "synthetic_500.npz").exists()
+
+    def must_not_generate(*args):
+        raise AssertionError("the second load must read the cache")
+
+    monkeypatch.setattr(data, "_generate_synthetic", must_not_generate)
+    second = load_dataset("synthetic", tmp_path, synthetic_size=500)
+    for name in first:
+        assert torch.equal(first[name].images, second[name].images)
+        assert torch.equal(first[name].labels, second[name].labels)
+    monkeypatch.undo()
+    fresh_dir = load_dataset("synthetic", tmp_path / "elsewhere", synthetic_size=500)
+    assert torch.equal(first["train"].images, fresh_dir["train"].images)
+
+
+def fake_cifar_tarball(path, n_per_batch=20, n_test=10, corrupt_shape=False):
+    """A tiny tarball in the official layout: pickled dicts in cifar-10-batches-py/."""
+    rng = np.random.default_rng(0)
+
+    def batch(n):
+        pixels = 3 * 32 * 32 - (1 if corrupt_shape else 0)
+        return {
+            b"data": rng.integers(0, 256, (n, pixels), dtype=np.uint8),
+            b"labels": rng.integers(0, 10, n).tolist(),
+        }
+
+    with tarfile.open(path, "w:gz") as tar:
+        names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+        for name in names:
+            payload = pickle.dumps(batch(n_test if name == "test_batch" else n_per_batch))
+            info = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
+            info.size = len(payload)
+            tar.addfile(info, io.BytesIO(payload))
+    return hashlib.md5(path.read_bytes()).hexdigest()
+
+
+def point_cifar_at(monkeypatch, tarball, md5):
+    monkeypatch.setattr(data, "CIFAR10_URL", tarball.as_uri())
+    monkeypatch.setattr(data, "CIFAR10_MD5", md5)
+
+
+def test_cifar10_download_verifies_and_caches(tmp_path, monkeypatch):
+    served = tmp_path / "served.tar.gz"
+    point_cifar_at(monkeypatch, served, fake_cifar_tarball(served))
+    data_dir = tmp_path / "data"
+    splits = load_dataset("cifar10", data_dir)
+    check_splits(splits, {"train": 90, "val": 10, "test": 10})
+    assert (data_dir / data.CIFAR10_CACHE).exists()
+    assert not list(data_dir.glob("*.part"))
+
+    served.unlink()  # a second load must need neither the network nor the tarball
+    (data_dir / data.CIFAR10_TARBALL).unlink()
+    again = load_dataset("cifar10", data_dir)
+    assert torch.equal(splits["train"].images, again["train"].images)
+
+
+def test_cifar10_checksum_mismatch_leaves_nothing(tmp_path, monkeypatch):
+    served = tmp_path / "served.tar.gz"
+    fake_cifar_tarball(served)
+    point_cifar_at(monkeypatch, served, "0" * 32)
+    data_dir = tmp_path / "data"
+    with pytest.raises(ValueError, match="corrupt or partial"):
+        load_dataset("cifar10", data_dir)
+    assert sorted(p.name for p in data_dir.iterdir()) == ["cifar10.npz.lock"]
+
+
+def test_cifar10_unreadable_tarball_is_deleted(tmp_path, monkeypatch):
+    served = tmp_path / "served.tar.gz"
+    served.write_bytes(b"this is not a tarball")
+    point_cifar_at(monkeypatch, served, hashlib.md5(served.read_bytes()).hexdigest())
+    data_dir = tmp_path / "data"
+    with pytest.raises(ValueError, match="could not be read as CIFAR-10"):
+        load_dataset("cifar10", data_dir)
+    assert not (data_dir / data.CIFAR10_CACHE).exists()
+    assert not (data_dir / data.CIFAR10_TARBALL).exists()
+
+
+def test_cifar10_bad_sizes_never_cached(tmp_path, monkeypatch):
+    served = tmp_path / "served.tar.gz"
+    point_cifar_at(monkeypatch, served, fake_cifar_tarball(served, corrupt_shape=True))
+    with pytest.raises(ValueError, match="CIFAR-10"):
+        load_dataset("cifar10", tmp_path / "data")
+    assert not (tmp_path / "data" / data.CIFAR10_CACHE).exists()
+
+
+def test_cifar10_unreachable_url_is_a_clear_error(tmp_path, monkeypatch):
+    point_cifar_at(monkeypatch, tmp_path / "missing.tar.gz", "0" * 32)
+    with pytest.raises(ValueError, match="could not download"):
+        load_dataset("cifar10", tmp_path / "data")
+    assert not list((tmp_path / "data").glob("*.part"))
+
+
+@pytest.fixture(scope="module")
+def small_split():
+    gen = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (100, 3, 32, 32), dtype=torch.uint8, generator=gen)
+    return Split(images, torch.arange(100) % NUM_CLASSES)
+
+
+@pytest.mark.parametrize("gpu_resident", [False, True])
+def test_loader_batches(small_split, gpu_resident):
+    loader = build_loader(small_split, 32, train=True, device="cpu", gpu_resident=gpu_resident)
+    assert len(loader) == 3  # 100 // 32, the ragged batch dropped
+    batches = list(loader)
+    assert len(batches) == 3
+    for x, y in batches:
+        assert x.shape == (32, 3, 32, 32) and x.dtype == torch.float32
+        assert x.is_contiguous(memory_format=torch.channels_last)
+        assert y.dtype == torch.int64 and y.shape == (32,)
+    seen = torch.cat([y for _, y in batches])
+    assert len(set(seen.tolist())) == NUM_CLASSES  # labels travel with their images
+
+    evaluation = build_loader(small_split, 32, train=False, device="cpu", gpu_resident=gpu_resident)
+    assert len(evaluation) == 4  # every sample scored
+    x, _ = next(iter(evaluation))
+    expected = (small_split.images[:32].float() - torch.tensor(data.MEAN).view(1, 3, 1, 1)) / (
+        torch.tensor(data.STD).view(1, 3, 1, 1)
+    )
+    torch.testing.assert_close(x, expected)  # no augmentation, in order, normalised
+
+
+@pytest.mark.parametrize("gpu_resident", [False, True])
+def test_shuffle_is_a_function_of_seed_and_epoch(small_split, gpu_resident):
+    def epoch_labels(seed, epoch, skip=0):
+        loader = build_loader(
+            small_split, 10, train=True, device="cpu", seed=seed, gpu_resident=gpu_resident
+        )
+        loader.set_epoch(epoch, skip_batches=skip)
+        return [y for _, y in loader]
+
+    assert all(map(torch.equal, epoch_labels(0, 3), epoch_labels(0, 3)))
+    assert not torch.equal(torch.cat(epoch_labels(0, 3)), torch.cat(epoch_labels(0, 4)))
+    assert not torch.equal(torch.cat(epoch_labels(0, 3)), torch.cat(epoch_labels(1, 3)))
+    full, resumed = epoch_labels(0, 3), epoch_labels(0, 3, skip=4)
+    assert len(resumed) == len(full) - 4
+    assert all(map(torch.equal, full[4:], resumed))
+
+
+def test_resume_with_restored_rng_is_exact(small_split):
+    loader = build_loader(small_split, 10, train=True, device="cpu")
+    loader.set_epoch(2)
+    batches = iter(loader)
+    for _ in range(4):
+        next(batches)
+    rng_state = torch.get_rng_state()  # what a checkpoint after batch 4 would hold
+    rest = [x for x, _ in batches]
+
+    torch.set_rng_state(rng_state)
+    loader.set_epoch(2, skip_batches=4)
+    resumed = [x for x, _ in loader]
+    assert all(map(torch.equal, rest, resumed))
+
+
+def test_next_iteration_without_set_epoch_moves_on(small_split):
+    loader = build_loader(small_split, 10, train=True, device="cpu")
+    first = torch.cat([y for _, y in loader])
+    second = torch.cat([y for _, y in loader])
+    assert not torch.equal(first, second)
+    assert loader.epoch == 1
+
+
+def test_random_crop_flip():
+    images = torch.randint(0, 256, (64, 32, 32, 3), dtype=torch.uint8)
+    out = random_crop_flip(torch.nn.functional.pad(images, (0, 0, 4, 4, 4, 4)), 4)
+    assert out.shape == images.shape and out.dtype == torch.uint8
+    flipped = 0
+    for original, augmented in zip(images, out, strict=True):
+        # Every output is a shifted (and maybe mirrored) window of the zero-padded input.
+        padded = torch.nn.functional.pad(original, (0, 0, 4, 4, 4, 4))
+        windows = [
+            padded[dy : dy + 32, dx : dx + 32] for dy in range(9) for dx in range(9)
+        ]
+        assert any(
+            torch.equal(augmented, w) or torch.equal(augmented, w.flip(1)) for w in windows
+        )
+        flipped += not any(torch.equal(augmented, w) for w in windows)
+    assert 10 < flipped < 54  # about half
+
+
+def test_dataloader_workers(small_split):
+    loader = build_loader(small_split, 25, train=True, device="cpu", workers=1)
+    assert sum(len(y) for _, y in loader) == 100
+
+
+def test_fits_on_device(small_split):
+    assert fits_on_device({"train": small_split}, "cpu")
+    assert fits_on_device([50_000, 10_000], "cpu")
+    if torch.cuda.is_available():
+        assert fits_on_device([60_000], "cuda")
+        assert not fits_on_device([10**9], "cuda")

@@ -1,0 +1,101 @@
+"""Interruption and resume, faults, and the tools (--find-lr, --find-batch-size, --profile)."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import time
+from pathlib import Path
+
+from conftest import mlflow_run, popen_cli, read_metrics, run_dir_of, temp_files
+
+# Everything that has state to restore: EMA, accumulation, clipping, the one-cycle schedule.
+RESUME_ARGS = ("--epochs", "3", "--patience", "0", "--deterministic", "--ema", "0.9",
+               "--grad-accum", "2", "--batch-size", "32", "--clip-grad", "1.0")
+TIMINGS = {"wall_time_s", "train_time_s", "compile_time_s", "samples_per_sec", "peak_mem_bytes",
+           "mlflow_run_id"}
+
+
+def _wait_for(predicate, proc, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no progress in time"
+        time.sleep(0.02)
+
+
+def test_sigterm_then_rerun_gives_the_same_final_metrics(run_cli, env, data_dir, tmp_path,
+                                                          mlflow_uri):
+    reference = run_cli(*RESUME_ARGS, results_dir=tmp_path / "straight")
+    assert reference.returncode == 0, reference.stderr
+    expected = read_metrics(run_dir_of(tmp_path / "straight"))
+
+    results = tmp_path / "stopped"
+    proc = popen_cli(*RESUME_ARGS, results_dir=results, data_dir=data_dir, env=env)
+    # Stop as soon as training starts: the signal lands inside the first epoch (its first steps
+    # take seconds while oneDNN warms up), so the resume starts mid-epoch, the hardest case.
+    _wait_for(lambda: any("MLflow run" in p.read_text() for p in results.glob("*/run.log")), proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err
+    run_dir = run_dir_of(results)
+    assert (run_dir / "status").read_text() == "interrupted\n"
+    assert (run_dir / "checkpoint.pt").exists() and not (run_dir / "metrics.json").exists()
+    assert "SIGTERM received" in (run_dir / "run.log").read_text()
+
+    resumed = run_cli(*RESUME_ARGS, results_dir=results)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming" in resumed.stderr
+    got = read_metrics(run_dir)
+    assert {k: v for k, v in got.items() if k not in TIMINGS} == {
+        k: v for k, v in expected.items() if k not in TIMINGS
+    }
+    assert (run_dir / "history.csv").read_text().count("\n") == 4  # header + 3 epochs, no repeats
+    run = mlflow_run(mlflow_uri, got["mlflow_run_id"])
+    assert run.info.status == "FINISHED"  # the same MLflow run, continued
+
+
+def test_nan_loss_fails_clearly_and_keeps_the_last_good_checkpoint(run_cli, tmp_path, mlflow_uri):
+    import torch
+
+    result = run_cli("--epochs", "2", results_dir=tmp_path,
+                     extra_env={"LAB_INJECT_NAN_AT_STEP": "25"})  # in epoch 2 (20 steps each)
+    assert result.returncode == 1
+    assert "error: NonFiniteLoss: non-finite training loss" in result.stderr
+    assert "epoch 2, between optimizer steps 21 and 40" in result.stderr
+    run_dir = run_dir_of(tmp_path)
+    assert (run_dir / "status").read_text() == "failed\n"
+    assert not (run_dir / "metrics.json").exists() and not temp_files(run_dir)
+    state = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    assert state["epoch"] == 1 and state["step"] == 20  # the last good one
+    assert mlflow_run(mlflow_uri, state["mlflow_run_id"]).info.status == "FAILED"
+
+
+def test_bad_checkpoints_are_refused_and_fresh_starts_over(main_in_process, tmp_path, capsys):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main_in_process("--epochs", "1", "--max-steps", "2", "--results-dir", str(a)) == 0
+    assert main_in_process("--epochs", "2", "--max-steps", "2", "--print-run-dir",
+                           "--results-dir", str(b)) == 0
+    target = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    target.mkdir(parents=True)
+    shutil.copy(run_dir_of(a) / "checkpoint.pt", target / "checkpoint.pt")
+    args = ("--epochs", "2", "--max-steps", "2", "--results-dir", str(b))
+    assert main_in_process(*args) == 2
+    assert "belongs to another configuration" in capsys.readouterr().err
+    (target / "checkpoint.pt").write_bytes(b"garbage")
+    assert main_in_process(*args) == 2
+    assert "corrupt or unreadable" in capsys.readouterr().err
+    assert main_in_process(*args, "--fresh") == 0
+    assert "--fresh: deleting checkpoint.pt" in capsys.readouterr().out
+    assert read_metrics(target)["steps"] == 2
+
+
+def test_tools_report_and_exit_without_training(run_cli, tmp_path):
+    # All three in one invocation (each process start costs seconds of imports and data).
+    result = run_cli("--find-lr", "--find-batch-size", "--profile", results_dir=tmp_path)
+    assert result.returncode == 0, result.stderr
+    for expected in ("suggested --lr", "largest batch size that fits", "Self CPU"):
+        assert expected in result.stdout
+    run_dir = run_dir_of(tmp_path)
+    assert (run_dir / "lr_find.csv").is_file() and (run_dir / "trace.json").is_file()
+    assert not (run_dir / "metrics.json").exists() and not (run_dir / "checkpoint.pt").exists()

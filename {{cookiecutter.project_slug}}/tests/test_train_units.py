@@ -1,0 +1,160 @@
+"""Unit tests of the training pieces: early stopping, precision policy, accumulation, checkpoints,
+run identity and atomic files. No training run; each test takes milliseconds."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from {{ cookiecutter.package_name }} import checkpoint, config, runs
+from {{ cookiecutter.package_name }}.train import (
+    EarlyStopping,
+    NonFiniteLoss,
+    Trainer,
+    amp_dtype,
+    build_optimizer,
+    build_scheduler,
+    check_finite,
+    evaluate,
+    use_compile,
+)
+
+CPU = torch.device("cpu")
+
+
+def _model_with_weight(value: float) -> nn.Linear:
+    model = nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(value)
+    return model
+
+
+def test_early_stopping_keeps_and_restores_the_best_weights():
+    # Scripted validation accuracies: best at epoch 3, then 3 epochs without improvement.
+    scores = [0.50, 0.60, 0.80, 0.70, 0.80, 0.75, 0.90]
+    stopper, model, stopped_at = EarlyStopping(patience=3), _model_with_weight(0.0), None
+    for epoch, score in enumerate(scores, start=1):
+        with torch.no_grad():
+            model.weight.fill_(float(epoch))  # the weights "are" the epoch number
+        stopper.update(score, epoch, model)
+        if stopper.should_stop:
+            stopped_at = epoch
+            break
+    assert stopped_at == 6 and stopper.best_epoch == 3 and stopper.best_score == 0.80
+    stopper.restore(model)
+    assert model.weight.item() == 3.0  # a tie (0.80 at epoch 5) does not replace the best
+
+
+def test_early_stopping_state_round_trips_and_patience_zero_never_stops():
+    stopper, model = EarlyStopping(patience=0), _model_with_weight(1.0)
+    for epoch in range(1, 20):
+        stopper.update(0.5 if epoch == 1 else 0.1, epoch, model)
+    assert not stopper.should_stop and stopper.bad_epochs == 18
+    copy = EarlyStopping(patience=5)
+    copy.load_state_dict(stopper.state_dict())
+    assert (copy.patience, copy.best_epoch, copy.bad_epochs) == (0, 1, 18)
+
+
+def test_precision_and_compile_policy_on_cpu():
+    assert amp_dtype(CPU, "auto") is None  # bf16 autocast is a slowdown on most CPUs
+    assert amp_dtype(CPU, "off") is None
+    assert not use_compile(CPU, "auto") and use_compile(CPU, "on")
+    cuda = torch.device("cuda")
+    assert use_compile(cuda, "auto") and not use_compile(cuda, "off")
+
+
+def test_check_finite_names_the_steps():
+    check_finite(1.5, 1, 1, 10)
+    for bad in (math.nan, math.inf):
+        with pytest.raises(NonFiniteLoss, match="epoch 3, between optimizer steps 21 and 30"):
+            check_finite(bad, 3, 21, 30)
+
+
+def _trainer(model: nn.Module, grad_accum: int) -> Trainer:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = build_scheduler(optimizer, 0.1, 10)
+    return Trainer(model, optimizer, scheduler, nn.CrossEntropyLoss(), device=CPU, dtype=None,
+                   grad_accum=grad_accum, log=logging.getLogger("test"))
+
+
+def test_grad_accumulation_equals_one_big_batch():
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    big, small = nn.Linear(5, 3), nn.Linear(5, 3)
+    small.load_state_dict(big.state_dict())
+    _trainer(big, 1).step([(x, y)], 1)
+    accumulating = _trainer(small, 2)
+    accumulating.step([(x[:4], y[:4]), (x[4:], y[4:])], 1)
+    for p, q in zip(big.parameters(), small.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+    loss, acc, seen = accumulating.take_sums()
+    assert seen == 8 and math.isfinite(loss) and 0 <= acc <= 1
+
+
+def test_evaluate_is_inference_only_and_restores_train_mode():
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)).train()
+    batches = [(torch.randn(6, 4), torch.randint(0, 3, (6,))) for _ in range(2)]
+    before = model[1].running_mean.clone()
+    loss, acc = evaluate(model, batches, nn.CrossEntropyLoss(), device=CPU, dtype=None)
+    assert model.training and torch.equal(before, model[1].running_mean)
+    assert math.isfinite(loss) and 0 <= acc <= 1
+
+
+def test_fused_adamw_only_on_cuda_and_no_decay_on_norms():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.BatchNorm2d(4))
+    optimizer = build_optimizer(model, 1e-3, 0.05, CPU)
+    assert not optimizer.defaults["fused"]
+    decays = sorted(g["weight_decay"] for g in optimizer.param_groups)
+    assert decays == [0.0, 0.05] and len(optimizer.param_groups[1]["params"]) == 2
+
+
+def test_checkpoint_round_trip_and_refusals(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    model = _model_with_weight(2.0)
+    checkpoint.save(path, {"model": model.state_dict(), "rng": checkpoint.rng_state(),
+                           "config_hash": "abcd1234"})
+    expected = torch.rand(3)  # drawn right after the state was captured
+    state = checkpoint.load(path, config_hash="abcd1234")
+    checkpoint.set_rng_state(state["rng"])
+    torch.testing.assert_close(torch.rand(3), expected)
+    with pytest.raises(checkpoint.CheckpointError, match="another configuration"):
+        checkpoint.load(path, config_hash="ffff0000")
+    with pytest.raises(checkpoint.CheckpointError, match="does not fit this model"):
+        checkpoint.load_model_state(nn.Linear(2, 2), state["model"], "checkpoint.pt")
+    path.write_bytes(path.read_bytes()[:100])  # truncated, as after a crash without atomicity
+    with pytest.raises(checkpoint.CheckpointError, match="corrupt or unreadable"):
+        checkpoint.load(path, config_hash="abcd1234")
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # no temp files left
+
+
+def test_atomic_write_leaves_the_old_file_when_writing_fails(tmp_path):
+    target = tmp_path / "metrics.json"
+    runs.write_json(target, {"a": 1})
+    with pytest.raises(RuntimeError), runs.atomic_path(target) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("crash mid-write")
+    assert runs.read_json(target) == {"a": 1} and len(list(tmp_path.iterdir())) == 1
+
+
+def test_run_identity():
+    parser = config.build_parser()
+    base, _ = config.parse_args(["--lr", "0.01", "--seed", "2"])
+    same = parser.parse_args(["--lr", "0.01", "--seed", "2", "--device", "cpu", "--amp", "off",
+                              "--deterministic", "--results-dir", "/elsewhere"])
+    assert config.config_hash(base) == config.config_hash(same)
+    assert config.config_hash(base) != config.config_hash(parser.parse_args(["--lr", "0.02"]))
+    name = config.run_name(base, parser)
+    assert name.startswith("digits_lr=0.01_seed=2-") and len(name.rsplit("-", 1)[1]) == 8
+    dests = {a.dest for a in parser._actions}
+    assert dests >= config.EXECUTION_KEYS  # every execution key is a real flag
+
+
+def test_history_file_has_the_documented_header(tmp_path):
+    row = dict.fromkeys(runs.HISTORY_FIELDS, 1.0)
+    runs.write_history(tmp_path, [row, row])
+    lines = (tmp_path / "history.csv").read_text().splitlines()
+    assert lines[0].split(",") == list(runs.HISTORY_FIELDS) and len(lines) == 3

@@ -1,0 +1,87 @@
+"""LR range test, batch-size search and profiler on a tiny model, CPU only."""
+
+import csv
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from {{ cookiecutter.package_name }}.data import Split, build_loader
+from {{ cookiecutter.package_name }}.model import build_model
+from {{ cookiecutter.package_name }}.tuning import (
+    find_batch_size,
+    find_lr,
+    profile_steps,
+    scale_lr,
+    suggest_lr,
+)
+
+
+@pytest.fixture(scope="module")
+def loader():
+    gen = torch.Generator().manual_seed(0)
+    labels = torch.arange(128) % 10
+    # Learnable: brightness encodes the class.
+    images = (labels.view(-1, 1, 1, 1) * 25 + torch.randint(0, 20, (128, 3, 32, 32),
+                                                             generator=gen)).to(torch.uint8)
+    return build_loader(Split(images, labels), 16, train=True, device="cpu")
+
+
+def tiny_model():
+    return build_model(width=8)
+
+
+def test_find_lr_suggests_and_restores(loader, tmp_path):
+    model = tiny_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng_before = torch.get_rng_state()
+    lr = find_lr(model, loader, nn.CrossEntropyLoss(),
+                 lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                 device="cpu", out_dir=tmp_path, steps=20, start_lr=1e-4, end_lr=10)
+    assert math.isfinite(lr) and 1e-4 <= lr <= 10
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    assert (tmp_path / "lr_find.png").stat().st_size > 0
+    with open(tmp_path / "lr_find.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert 1 <= len(rows) <= 20 and set(rows[0]) == {"step", "lr", "loss", "smoothed_loss"}
+
+
+def test_suggest_lr_rule():
+    lrs = [10.0 ** (e / 2) for e in range(-12, 1)]  # 1e-6 .. 1, 13 points
+    # EMA start-up noise first (ignored), then a plateau, the steepest fall at 1e-3, the
+    # minimum at 1e-2, then divergence.
+    smoothed = [3.0, 2.0, 2.4, 2.3, 2.3, 2.3, 1.6, 0.9, 0.7, 0.8, 2.0, 5.0, 9.0]
+    assert suggest_lr(lrs, smoothed) == pytest.approx(1e-3)
+    # The minimum comes too early for a slope: its LR / 10.
+    assert suggest_lr(lrs[:5], [1.0, 0.5, 5.0, 9.0, 9.0]) == pytest.approx(10**-5.5 / 10)
+
+
+def test_find_batch_size_on_cpu_is_a_capped_power_of_two(capsys):
+    size = find_batch_size(tiny_model, device="cpu", start=4, max_batch=20)
+    assert size == 16  # the largest power of two <= 20; 4, 8 and 16 each ran one step
+    assert "no out-of-memory test on the CPU" in capsys.readouterr().out
+
+
+def test_scale_lr():
+    assert scale_lr(0.1, 128, 512) == pytest.approx(0.4)
+    assert scale_lr(0.1, 128, 512, rule="sqrt") == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="unknown LR scaling rule"):
+        scale_lr(0.1, 128, 512, rule="cubic")
+
+
+def test_profile_writes_trace(loader, tmp_path):
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step(x, y):
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    table = profile_steps(step, loader, device="cpu", out_dir=tmp_path, steps=2, warmup=1)
+    assert "convolution" in table  # the top-10 table names the expensive ops
+    assert (tmp_path / "trace.json").stat().st_size > 0

@@ -1,0 +1,82 @@
+"""Full-state checkpoints: written atomically, checked before they are trusted.
+
+A checkpoint holds everything needed to continue as if never stopped: model, optimizer, scheduler,
+GradScaler, EMA, early-stopping state, RNG states (python, numpy, torch, CUDA), epoch / step /
+batch-in-epoch, the partial epoch's running sums, history so far, the MLflow run id and the config
+hash. It is loaded with `weights_only=True` (no pickled code runs), so everything in it is tensors,
+numbers, strings, lists and dicts.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .runs import atomic_path
+
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that must not be loaded (corrupt, another config, another model)."""
+
+
+def rng_state() -> dict:
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached": float(cached)},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    keys = n["keys"].numpy().astype(np.uint32)
+    np.random.set_state((n["name"], keys, n["pos"], n["has_gauss"], n["cached"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(path: Path, state: dict) -> None:
+    """torch.save to a temp file, then os.replace: the old checkpoint survives a crash mid-write."""
+    state = {"format_version": FORMAT_VERSION, **state}
+    with atomic_path(path) as tmp:
+        torch.save(state, tmp)
+
+
+def load(path: Path, *, config_hash: str, map_location: torch.device | str = "cpu") -> dict:
+    """Read and validate a checkpoint; raise CheckpointError with a readable reason."""
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:  # truncated zip, pickle error, not a checkpoint at all
+        raise CheckpointError(f"{path} is corrupt or unreadable ({type(exc).__name__}: {exc}); "
+                              "re-run with --fresh to start over") from exc
+    if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path} is not a checkpoint of this code (format version "
+                              f"{state.get('format_version') if isinstance(state, dict) else '?'}, "
+                              f"expected {FORMAT_VERSION}); re-run with --fresh")
+    if state.get("config_hash") != config_hash:
+        raise CheckpointError(f"{path} belongs to another configuration (its hash "
+                              f"{state.get('config_hash')}, this run's {config_hash}); "
+                              "refusing to load it")
+    return state
+
+
+def load_model_state(model: torch.nn.Module, state_dict: dict, what: str) -> None:
+    """load_state_dict(strict) with a clear message when the architecture does not match."""
+    try:
+        model.load_state_dict(state_dict)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[:3]
+        raise CheckpointError(f"{what} does not fit this model: {' '.join(first)}") from exc

@@ -1,0 +1,318 @@
+"""Measure before you tune: LR range test, largest batch size, and a profile of training steps.
+
+Used by `run.py --find-lr | --find-batch-size | --profile`; each writes into the run directory
+and changes nothing about the run itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import itertools
+import math
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+SMOOTHING = 0.98  # EMA factor of the LR-finder loss (fastai's value: ~50 steps of memory)
+DIVERGENCE_FACTOR = 4.0  # stop the range test once the smoothed loss is 4x its best
+
+
+def _cycle_batches(loader: Iterable) -> Iterable:
+    """Batches from `loader`, epoch after epoch, for tools that need more steps than one epoch."""
+    for epoch in itertools.count():
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(epoch)
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:
+            raise ValueError("the loader yielded no batches")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --------------------------------------------------------------------------------------------
+# Learning-rate range test
+
+
+def find_lr(
+    model: nn.Module,
+    loader: Iterable,
+    loss_fn: nn.Module,
+    optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer],
+    *,
+    device,
+    amp_dtype: torch.dtype | None = None,
+    out_dir,
+    start_lr: float = 1e-6,
+    end_lr: float = 1.0,
+    steps: int = 100,
+) -> float:
+    """LR range test (Smith 2017): train `steps` steps with the LR growing exponentially from
+    `start_lr` to `end_lr`, stopping early once the smoothed loss diverges (> 4x its minimum).
+
+    Suggestion rule (`suggest_lr`): the smaller of (1) the LR where the smoothed loss falls
+    fastest (most negative slope against log LR) before its minimum and (2) the LR at the
+    minimum / 10. The EMA lags the raw loss, which moves (1) to the right; (2) bounds that.
+    The model, the optimizer's state and the torch RNG are restored afterwards.
+    Writes `lr_find.csv` (step, lr, loss, smoothed_loss) and `lr_find.png` into `out_dir`.
+    """
+    device = torch.device(device)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    initial_model = copy.deepcopy(model.state_dict())
+    was_training = model.training
+    rng_state = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
+    optimizer = optimizer_factory(model)
+    initial_optimizer = copy.deepcopy(optimizer.state_dict())
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+    growth = (end_lr / start_lr) ** (1 / max(steps - 1, 1))
+
+    lrs, losses, smoothed = [], [], []
+    average, best = 0.0, math.inf
+    model.train()
+    try:
+        for step, (x, y) in zip(range(steps), _cycle_batches(loader), strict=False):
+            lr = start_lr * growth**step
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                loss = loss_fn(model(x).float(), y)
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            value = loss.item()  # a sync point every step: fine for a 100-step tool
+            average = SMOOTHING * average + (1 - SMOOTHING) * value
+            debiased = average / (1 - SMOOTHING ** (step + 1))
+            lrs.append(lr)
+            losses.append(value)
+            smoothed.append(debiased)
+            best = min(best, debiased)
+            if not math.isfinite(debiased) or debiased > DIVERGENCE_FACTOR * best:
+                break
+    finally:
+        model.load_state_dict(initial_model)
+        optimizer.load_state_dict(initial_optimizer)
+        model.train(was_training)
+        torch.set_rng_state(rng_state)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+    suggestion = suggest_lr(lrs, smoothed)
+    _write_lr_find(out_dir, lrs, losses, smoothed, suggestion)
+    return suggestion
+
+
+def suggest_lr(lrs: list[float], smoothed: list[float]) -> float:
+    """min(LR of steepest descent before the minimum, LR at the minimum / 10)."""
+    finite = [i for i, v in enumerate(smoothed) if math.isfinite(v)]
+    if not finite:
+        return lrs[0]
+    lowest = min(finite, key=lambda i: smoothed[i])
+    # The first points carry the EMA's start-up noise, which can look like a steep descent.
+    skip = max(3, len(lrs) // 10)
+    if lowest - skip < 3:  # too few points before the minimum for a meaningful slope
+        return lrs[lowest] / 10
+    curve = np.asarray(smoothed[skip : lowest + 1])
+    slope = np.gradient(curve, np.log(lrs[skip : lowest + 1]))
+    return min(float(lrs[skip + int(np.argmin(slope))]), lrs[lowest] / 10)
+
+
+def _write_lr_find(out_dir: Path, lrs, losses, smoothed, suggestion: float) -> None:
+    with open(out_dir / "lr_find.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["step", "lr", "loss", "smoothed_loss"])
+        writer.writerows(zip(range(len(lrs)), lrs, losses, smoothed, strict=True))
+    # Figure without pyplot: no global backend switch, no GUI, safe on a headless node.
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(4.5, 3.0), layout="constrained")
+    ax = fig.add_subplot()
+    ax.plot(lrs, losses, color="0.75", linewidth=0.8, label="loss")
+    ax.plot(lrs, smoothed, color="C0", label="smoothed")
+    ax.axvline(suggestion, color="C3", linestyle="--", label=f"suggested {suggestion:.2g}")
+    ax.set(xscale="log", xlabel="learning rate", ylabel="training loss", title="LR range test")
+    finite = [v for v in smoothed + losses if math.isfinite(v)]
+    if finite:  # the divergence spike would flatten the interesting part
+        ax.set_ylim(min(finite) * 0.9, min(max(finite), 2 * smoothed[0]) * 1.1)
+    ax.legend(fontsize=8)
+    fig.savefig(out_dir / "lr_find.png", dpi=150)
+
+
+# --------------------------------------------------------------------------------------------
+# Batch size
+
+
+def scale_lr(base_lr: float, base_batch: int, new_batch: int, rule: str = "linear") -> float:
+    """LR for `new_batch` given a good `base_lr` at `base_batch`.
+
+    "linear": lr * k (Goyal et al. 2017; for SGD, with warm-up), "sqrt": lr * sqrt(k) (keeps the
+    gradient-noise scale; the usual choice for Adam), with k = new_batch / base_batch.
+    """
+    ratio = new_batch / base_batch
+    if rule == "linear":
+        return base_lr * ratio
+    if rule == "sqrt":
+        return base_lr * math.sqrt(ratio)
+    raise ValueError(f"unknown LR scaling rule {rule!r}; use 'linear' or 'sqrt'")
+
+
+def _power_of_two_at_most(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def _available_ram_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _activation_bytes_per_sample(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes of all module outputs of one forward pass, per sample (what backward keeps)."""
+    total = 0
+
+    def count(_module, _inputs, output):
+        nonlocal total
+        if isinstance(output, torch.Tensor):
+            total += output.numel() * output.element_size()
+
+    hooks = [m.register_forward_hook(count) for m in model.modules() if not list(m.children())]
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return total // len(x)
+
+
+def _try_batch(build_model_fn, batch: int, device, amp_dtype, input_shape, num_classes) -> None:
+    """One full training step (forward, backward, AdamW step) at `batch`, on a fresh model."""
+    model = build_model_fn().to(device, memory_format=torch.channels_last)
+    # AdamW keeps two state tensors per weight: the hungriest common optimizer, so the answer
+    # also holds for SGD with momentum.
+    optimizer = torch.optim.AdamW(model.parameters())
+    x = torch.randn(batch, *input_shape, device=device)
+    x = x.contiguous(memory_format=torch.channels_last)
+    y = torch.randint(num_classes, (batch,), device=device)
+    with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+        loss = nn.functional.cross_entropy(model(x).float(), y)
+    loss.backward()
+    optimizer.step()
+    _sync(device)
+
+
+def find_batch_size(
+    build_model_fn: Callable[[], nn.Module],
+    *,
+    device,
+    amp_dtype: torch.dtype | None = None,
+    start: int = 32,
+    max_batch: int = 8192,
+    input_shape: tuple[int, ...] = (3, 32, 32),
+    num_classes: int = 10,
+) -> int:
+    """Largest power-of-two batch (from `start`, doubling, at most `max_batch`) for which a full
+    training step of a fresh model runs in the current precision.
+
+    On CUDA each size is tried until torch.OutOfMemoryError. On the CPU running out of memory
+    means the kernel kills the process, so sizes are also capped by a conservative estimate
+    (3x the forward activations per sample must fit in half of the available RAM), and the cap
+    is printed. The largest size is rarely the fastest to converge: scale the LR (`scale_lr`).
+    """
+    device = torch.device(device)
+    batch, cap = _power_of_two_at_most(start), _power_of_two_at_most(max_batch)
+    if device.type != "cuda":
+        probe = build_model_fn().to(device, memory_format=torch.channels_last)
+        sample = torch.randn(2, *input_shape, device=device)
+        per_sample = 3 * _activation_bytes_per_sample(probe, sample)
+        del probe
+        available = _available_ram_bytes()
+        if available is not None:
+            ram_cap = _power_of_two_at_most(available // 2 // max(per_sample, 1))
+            print(f"find_batch_size on {device.type}: capped at {min(cap, ram_cap)} by max_batch="
+                  f"{max_batch} and RAM (~{per_sample / 2**20:.1f} MiB/sample estimated, "
+                  f"{available / 2**30:.1f} GiB available); no out-of-memory test on the CPU")
+            cap = min(cap, ram_cap)
+    batch = min(batch, cap)
+    largest = 0
+    while batch <= cap:
+        try:
+            _try_batch(build_model_fn, batch, device, amp_dtype, input_shape, num_classes)
+        except torch.OutOfMemoryError:
+            break
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # give the failed try's blocks back before the next
+        largest, batch = batch, batch * 2
+    if largest == 0:
+        raise ValueError(f"not even batch {batch} fits on {device}")
+    return largest
+
+
+# --------------------------------------------------------------------------------------------
+# Profiler
+
+
+def profile_steps(
+    step_fn: Callable[[torch.Tensor, torch.Tensor], object],
+    batches: Iterable,
+    *,
+    device,
+    out_dir,
+    steps: int = 5,
+    warmup: int = 3,
+) -> str:
+    """Profile `steps` calls of `step_fn(x, y)` after `warmup` untimed ones (compilation, cuDNN
+    autotuning and allocator growth would otherwise dominate).
+
+    Writes `trace.json` (open in https://ui.perfetto.dev or chrome://tracing) and, on CUDA,
+    `memory_snapshot.pickle` (https://pytorch.org/memory_viz) into `out_dir`. Returns the
+    top-10 ops by self time: the loader's own ops show up there too, if it is the bottleneck.
+    """
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    device = torch.device(device)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    on_cuda = device.type == "cuda"
+    source = iter(_cycle_batches(batches))
+    for _ in range(warmup):
+        step_fn(*next(source))
+    _sync(device)
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    if on_cuda:
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+    try:
+        with profile(activities=activities, record_shapes=True) as prof:
+            for i in range(steps):
+                with record_function(f"train_step_{i}"):
+                    step_fn(*next(source))
+            _sync(device)
+        if on_cuda:
+            torch.cuda.memory._dump_snapshot(str(out_dir / "memory_snapshot.pickle"))
+    finally:
+        if on_cuda:
+            torch.cuda.memory._record_memory_history(enabled=None)
+    prof.export_chrome_trace(str(out_dir / "trace.json"))
+    sort_by = "self_device_time_total" if on_cuda else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=sort_by, row_limit=10)
