@@ -524,8 +524,12 @@ class DeviceResidentLoader(Loader):
 
     def __iter__(self):
         self._next_epoch()
-        for index in self.batch_indices():
-            index = index.to(self.device, non_blocking=True)
+        batches = self.batch_indices()
+        if not batches:
+            return
+        # One copy of the epoch's order to the device, then every gather happens there.
+        order = torch.cat(batches).to(self.device, non_blocking=True)
+        for index in order.split(self.batch_size):
             with _one_cpu_thread(self.device):
                 images = self.images.index_select(0, index)
                 labels = self.labels.index_select(0, index)
@@ -566,7 +570,8 @@ def fits_on_device(split_sizes, device, *, max_fraction: float = 0.25) -> bool:
     if isinstance(split_sizes, Mapping):
         split_sizes = split_sizes.values()
     samples = sum(s if isinstance(s, int) else len(s) for s in split_sizes)
-    needed = samples * (int(np.prod(IMAGE_SHAPE)) + 8)  # uint8 pixels + an int64 label
+    padded_pixels = 3 * (IMAGE_SHAPE[1] + 2 * CROP_PADDING) * (IMAGE_SHAPE[2] + 2 * CROP_PADDING)
+    needed = samples * (padded_pixels + 8)  # uint8 pixels as stored for training + int64 label
     if device.type == "cpu":
         return True
     if device.type == "cuda":
