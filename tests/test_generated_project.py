@@ -28,4 +28,4 @@ def test_project_without_options_collects_its_tests(bake):
     project = bake(use_slurm=False, use_github_actions=False)
     result = run_project_tests(project, "--collect-only")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "test_slurm" not in result.stdout
+    assert "tests/test_slurm.py" not in result.stdout
