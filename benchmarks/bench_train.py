@@ -15,7 +15,8 @@ before the clock stops. Each variant runs `--repeats` times, interleaved, and th
 reported (the least disturbed by other load on the machine).
 
 Usage (template repo root, an environment with the project's dependencies + cookiecutter):
-    python benchmarks/bench_train.py                           # CPU, ~3-4 min on 2 cores
+    python benchmarks/bench_train.py                           # CPU: ~3.5 min on 2 quiet cores
+    python benchmarks/bench_train.py --threads 1               # steadier on a shared machine
     python benchmarks/bench_train.py --device cuda --steps 300 --batch-size 512
 Prints a markdown table for benchmarks/RESULTS.md and whether each target is met.
 """
@@ -43,11 +44,11 @@ TARGET_OF_CEILING = 0.90
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="device to train on")
-    p.add_argument("--steps", type=int, default=40, help="timed optimizer steps per variant")
+    p.add_argument("--steps", type=int, default=30, help="timed optimizer steps per variant")
     p.add_argument("--batch-size", type=int, default=128, help="batch size of every variant")
     p.add_argument("--warmup", type=int, default=3,
                    help="untimed steps before (b) and (c) (the job excludes compile itself)")
-    p.add_argument("--repeats", type=int, default=2, help="runs per variant; the best is kept")
+    p.add_argument("--repeats", type=int, default=3, help="runs per variant; the best is kept")
     p.add_argument("--synthetic-size", type=int, default=10_000,
                    help="training images of the synthetic dataset")
     p.add_argument("--job-args", default="",
@@ -285,14 +286,20 @@ def main(argv=None) -> int:
             f"{rate / best['plain']:.2f}x | {100 * rate / best['ceiling']:.1f} % | "
             f"{', '.join(f'{v:.1f}' for v in runs[name])} |"
         )
+    # The job runs the ceiling's step plus a data pipeline, so it cannot be clearly faster than
+    # it: if it is, the machine's load changed between runs and no verdict is possible.
+    valid = of_ceiling <= 1 / TARGET_OF_CEILING
+
+    def verdict(ok: bool) -> str:
+        return ("met" if ok else "NOT met") if valid else "not assessable (see warning)"
+
     lines += [
         "",
-        f"- job vs plain: {speedup:.2f}x, target >= {target}x: "
-        f"{'met' if speedup >= target else 'NOT met'}",
+        f"- job vs plain: {speedup:.2f}x, target >= {target}x: {verdict(speedup >= target)}",
         f"- job vs ceiling: {100 * of_ceiling:.1f} %, target >= {100 * TARGET_OF_CEILING:.0f} %: "
-        f"{'met' if of_ceiling >= TARGET_OF_CEILING else 'NOT met'}",
+        f"{verdict(of_ceiling >= TARGET_OF_CEILING)}",
     ]
-    if of_ceiling > 1 / TARGET_OF_CEILING:
+    if not valid:
         excess = 100 * of_ceiling - 100
         lines.append(f"- WARNING: the job beat its own compute ceiling by {excess:.0f} %: the "
                      "machine's load changed between runs; these numbers are not valid, rerun "
