@@ -28,7 +28,8 @@ def option_matrix(config: dict = CONFIG) -> list[dict]:
     options = prompted(config)
     switches = {k: [True, False] for k, v in options.items() if isinstance(v, bool)}
     choices = {k: v for k, v in options.items() if isinstance(v, list)}
-    product = [dict(zip(switches, values)) for values in itertools.product(*switches.values())]
+    combos = itertools.product(*switches.values())
+    product = [dict(zip(switches, values, strict=True)) for values in combos]
     n = max([len(product), *(len(v) for v in choices.values())])
     return [
         {**product[i % len(product)], **{k: v[i % len(v)] for k, v in choices.items()}}

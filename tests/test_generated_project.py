@@ -1,6 +1,7 @@
 """The generated project's own test suite, run in a subprocess on CPU, as a user would."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -21,6 +22,9 @@ def test_default_project_passes_its_own_tests(bake):
     result = run_project_tests(project)
     print(result.stdout[-6000:], result.stderr[-3000:])
     assert result.returncode == 0
+    if shutil.which("sbatch"):  # CI brings a cluster up (.ci/slurm-up.sh): the test must run
+        skipped = [line for line in result.stdout.splitlines() if line.startswith("SKIPPED")]
+        assert not [line for line in skipped if "test_slurm" in line], skipped
 
 
 def test_project_without_options_collects_its_tests(bake):

@@ -80,7 +80,11 @@ def test_must_fail_inputs_leave_nothing_behind(bake, tmp_path, answers):
 
 @pytest.mark.parametrize(
     ("project_name", "package"),
-    [("Résumé Net", "resume_net"), ("my project 2", "my_project_2"), ("3D vision", "lab_3d_vision")],
+    [
+        ("Résumé Net", "resume_net"),
+        ("my project 2", "my_project_2"),
+        ("3D vision", "lab_3d_vision"),
+    ],
 )
 def test_awkward_names_become_importable_ascii_packages(bake, project_name, package):
     project = bake(project_name=project_name)

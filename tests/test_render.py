@@ -136,3 +136,11 @@ def test_template_repo_scripts_pass_shellcheck():
     result = subprocess.run([BIN / "shellcheck", "-x", *scripts], cwd=TEMPLATE,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_template_repo_python_is_ruff_clean():
+    """Hooks, tests and benchmarks of the template itself (the project template is linted per
+    render above, since it is not Python until rendered)."""
+    result = subprocess.run([BIN / "ruff", "check", "--no-cache", "hooks", "tests", "benchmarks"],
+                            cwd=TEMPLATE, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
