@@ -47,6 +47,7 @@ from {{ cookiecutter.package_name }}.analysis import (  # noqa: E402
     load_runs_from_mlflow,
     write_tables,
 )
+from {{ cookiecutter.package_name }}.runs import atomic_path  # noqa: E402
 
 PROJECT_ROOT = Path(__file__).resolve().parent
 DEFAULT_EXPERIMENT = "{{ cookiecutter.project_slug }}"
@@ -292,13 +293,9 @@ def save(fig: Figure, name: str, out: Path, formats: Sequence[str] = ("pdf", "pn
     paths = []
     for fmt in formats:
         path = out / f"{name}.{fmt}"
-        tmp = out / f".{name}.{fmt}.tmp"
         metadata = {"CreationDate": None} if fmt == "pdf" else None
-        try:
+        with atomic_path(path) as tmp:
             fig.savefig(tmp, format=fmt, metadata=metadata)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
         paths.append(path)
     return paths
 

@@ -24,7 +24,6 @@ import io
 import os
 import pickle
 import tarfile
-import tempfile
 import urllib.request
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -33,6 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from .runs import atomic_path
 
 DATASETS = ("digits", "cifar10", "synthetic")
 NUM_CLASSES = 10
@@ -216,11 +217,10 @@ def _download(url: str, dest: Path, md5: str) -> None:
     """Stream `url` into a temp file next to `dest`; rename it to `dest` only if the md5 matches."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     print(f"downloading {url} -> {dest}", flush=True)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=dest.name, suffix=".part")
     digest = hashlib.md5()
-    try:  # whatever happens (error, Ctrl-C), the partial file goes
+    with atomic_path(dest) as tmp:  # whatever happens (error, Ctrl-C), the partial file goes
         try:
-            with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=60) as response:
+            with open(tmp, "wb") as out, urllib.request.urlopen(url, timeout=60) as response:
                 while chunk := response.read(1 << 20):
                     digest.update(chunk)
                     out.write(chunk)
@@ -233,10 +233,6 @@ def _download(url: str, dest: Path, md5: str) -> None:
                 f"download of {url} is corrupt or partial (md5 {digest.hexdigest()}, expected "
                 f"{md5}); deleted it, run again to retry"
             )
-        os.replace(tmp, dest)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
 
 
 def _md5(path: Path) -> str:
@@ -274,14 +270,8 @@ def _extract_cifar10(tarball: Path) -> dict[str, np.ndarray]:
 def _save_npz(path: Path, **arrays: np.ndarray) -> None:
     """Write atomically (temp file + rename): a killed job never leaves a half-written cache."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)  # uncompressed: loading 180 MB of CIFAR takes ~0.1 s
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        np.savez(f, **arrays)  # uncompressed: loading 180 MB of CIFAR takes ~0.1 s
 
 
 def _read_npz(path: Path) -> tuple[Split, Split]:
