@@ -105,3 +105,18 @@ def load_run_py():
 def temp_files(directory: Path) -> list[Path]:
     """Leftovers of an interrupted atomic write (there must be none)."""
     return [p for p in directory.rglob("*") if p.name.endswith(".tmp")]
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true",
+                     help="also run the slow end-to-end tests (real signals, sweeps, Slurm)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slow tests run only with --runslow or when `-m` names them (pytest -m slow)."""
+    if config.getoption("--runslow") or "slow" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --runslow (or -m slow)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
