@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
+import os
 import re
 from pathlib import Path
 
@@ -28,46 +30,107 @@ EXECUTION_KEYS = frozenset(
     {
         "device", "amp", "compile", "workers", "gpu_resident", "results_dir", "data_dir", "fresh",
         "progress", "deterministic", "profile", "find_lr", "find_batch_size", "print_run_dir",
-        "experiment", "init_tracking",
+        "experiment", "init_tracking", "tracking",
     }
 )
 MAX_READABLE = 80
+MAX_SEED = 2**32 - 1  # numpy's seed range; torch takes 64 bits, but one seed feeds both
+MAX_EXPERIMENT_NAME = 500  # MLflow's limit (mlflow.utils.validation.MAX_EXPERIMENT_NAME_LENGTH)
+MAX_NAME_BYTES = 255  # NAME_MAX of Linux file systems: longest single path component
+TRACKING_ENV = "LAB_TRACKING"  # LAB_TRACKING=off runs without MLflow, like --tracking off
 
 
 class UsageError(ValueError):
     """Bad command line or bad input: run.py prints `error: <message>` and exits 2."""
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, but a refusal is one line, `error: --flag: why`, and exit 2 (no usage dump)."""
+
+    def error(self, message: str):
+        message = re.sub(r"^argument ([^:]+): ", lambda m: m.group(1).split("/")[-1] + ": ",
+                         message)
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value + 0.0  # -0.0 -> 0.0: equal values must hash to one run directory
+
+
 def _positive_int(text: str) -> int:
-    value = int(text)
+    value = _int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
 
 
 def _non_negative_int(text: str) -> int:
-    value = int(text)
+    value = _int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 
+def _seed(text: str) -> int:
+    value = _int(text)
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be in [0, {MAX_SEED}], got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _finite(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
 def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:  # also rejects nan
+    value = _finite(text)
+    if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 
 def _fraction(text: str) -> float:
-    value = float(text)
+    value = _finite(text)
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
     return value
 
 
+def _experiment(text: str) -> str:
+    if not text.strip() or len(text) > MAX_EXPERIMENT_NAME:
+        raise argparse.ArgumentTypeError(
+            f"must be 1 to {MAX_EXPERIMENT_NAME} characters, got {len(text)}")
+    return text
+
+
+def _directory(text: str) -> Path:
+    path = Path(text).expanduser()
+    for part in path.parts:
+        if len(part.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES:
+            raise argparse.ArgumentTypeError(
+                f"path component '{part[:20]}...' is {len(part)} characters; file systems "
+                f"allow {MAX_NAME_BYTES} bytes")
+    return path.resolve()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="run.py",
         description="Train one model; results go to <results-dir>/<run name>/ (docs/design.md).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -83,14 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--epochs", type=_positive_int, default=20, help="maximum number of epochs")
     e.add_argument("--max-steps", type=_non_negative_int, default=0,
                    help="stop after exactly this many optimizer steps (0 = no limit)")
-    e.add_argument("--batch-size", type=int, default=128,
+    e.add_argument("--batch-size", type=_positive_int, default=128,
                    help="micro-batch size; effective batch = batch size x --grad-accum")
-    e.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (one-cycle schedule)")
+    e.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate (one-cycle schedule)")
     e.add_argument("--weight-decay", type=_non_negative_float, default=5e-4,
                    help="AdamW weight decay")
     e.add_argument("--patience", type=_non_negative_int, default=5,
                    help="early stopping: epochs without a better val accuracy (0 = off)")
-    e.add_argument("--seed", type=int, default=0,
+    e.add_argument("--seed", type=_seed, default=0,
                    help="seed of the initialisation, validation split, shuffling, augmentation")
     e.add_argument("--grad-accum", type=_positive_int, default=1,
                    help="micro-batches per optimizer step")
@@ -114,11 +177,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the dataset on the GPU; auto = when it fits comfortably")
     x.add_argument("--deterministic", action="store_true",
                    help="bitwise-reproducible kernels (slower; resume then matches exactly)")
-    x.add_argument("--results-dir", type=Path, default=PROJECT_ROOT / "results",
-                   help="parent of the run directories")
-    x.add_argument("--data-dir", type=Path, default=PROJECT_ROOT / "data",
+    x.add_argument("--results-dir", type=_directory, default=PROJECT_ROOT / "results" / "trials",
+                   help="parent of the run directories (run.sh uses results/<sweep name>)")
+    x.add_argument("--data-dir", type=_directory, default=PROJECT_ROOT / "data",
                    help="where datasets are downloaded / cached")
-    x.add_argument("--experiment", default=DEFAULT_EXPERIMENT, help="MLflow experiment name")
+    x.add_argument("--experiment", type=_experiment, default=DEFAULT_EXPERIMENT,
+                   help="MLflow experiment name")
+    x.add_argument("--tracking", choices=("on", "off"),
+                   default="off" if os.environ.get(TRACKING_ENV) == "off" else "on",
+                   help=f"log to MLflow (off: only the run directory; also {TRACKING_ENV}=off). "
+                   "An unreachable tracker never stops training: see README, Tracking")
     x.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
                    help="tqdm progress bar; auto = when stderr is a terminal")
     x.add_argument("--fresh", action="store_true",
@@ -141,12 +209,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     """Parse and check what can be checked without data; argparse exits 2 on errors."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.batch_size < 1:
-        parser.error(f"--batch-size must be a positive integer, got {args.batch_size}")
-    if args.lr <= 0:
-        parser.error(f"--lr must be positive, got {args.lr}")
-    args.results_dir = args.results_dir.expanduser().resolve()
-    args.data_dir = args.data_dir.expanduser().resolve()
+    out = run_dir(args, parser)
+    for path, flag in ((args.results_dir, "--results-dir"), (out, "--results-dir")):
+        if path.exists() and not path.is_dir():
+            parser.error(f"{flag}: {path} exists and is not a directory")
     return args, parser
 
 

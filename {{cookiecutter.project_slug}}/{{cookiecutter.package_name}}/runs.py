@@ -2,13 +2,15 @@
 
 Imports no torch: plot.py, analysis.py and the sweep read the same names. Every file except the
 append-only run.log is written to a temporary file in the same directory and moved into place with
-os.replace, so a reader (or a crash) never sees half a file.
+os.replace, so a reader (or a crash) never sees half a file. Files get the permissions the umask
+allows (as `open()` would), so colleagues sharing the results folder can read them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import csv
+import errno
 import io
 import json
 import logging
@@ -17,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +30,6 @@ CHECKPOINT = "checkpoint.pt"
 BEST_MODEL = "best_model.pt"
 METRICS = "metrics.json"
 LOG = "run.log"
-TRACEBACK = "traceback.txt"
 STATUSES = ("running", "interrupted", "failed", "finished")
 HISTORY_FIELDS = (
     "epoch", "step", "lr", "train_loss", "train_acc", "val_loss", "val_acc", "epoch_time_s",
@@ -35,18 +37,61 @@ HISTORY_FIELDS = (
 )
 
 
+TEMP_SUFFIX = ".tmp"
+# Errors that mean "the disk cannot take this write", as opposed to a bug in the caller.
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG})
+
+
+def _umask() -> int:
+    """The process umask (os.umask can only be read by setting it; done once, at import)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+FILE_MODE = 0o666 & ~_umask()  # what open() would give a new file
+
+
 @contextlib.contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
-    """Yield a temporary path next to `path`; move it into place only if the block succeeds."""
+    """Yield a temporary path next to `path`; move it into place only if the block succeeds.
+
+    mkstemp creates the file 0600 whatever the umask; it is chmod-ed to what the umask allows
+    before it is moved into place, so a shared results folder stays readable by the group.
+    """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
     os.close(fd)
     try:
         yield Path(tmp)
+        os.chmod(tmp, FILE_MODE)
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+
+
+def remove_stale_temps(run_dir: Path, older_than_s: float = 60.0) -> list[str]:
+    """Delete temporary files a killed writer (kill -9, power loss) left behind; return names.
+
+    Only called while holding the run directory's claim, so no live writer of this run exists;
+    the age limit is a second guard for files of other tools that share the folder.
+    """
+    removed, now = [], time.time()
+    for path in Path(run_dir).glob(f".*{TEMP_SUFFIX}"):
+        with contextlib.suppress(OSError):
+            if now - path.stat().st_mtime > older_than_s:
+                path.unlink()
+                removed.append(path.name)
+    return removed
+
+
+def is_disk_error(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in DISK_ERRNOS
+
+
+def free_bytes(directory: Path) -> int:
+    return shutil.disk_usage(directory).free
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -60,25 +105,45 @@ def write_json(path: Path, obj: dict) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
-def read_json(path: Path) -> dict:
-    return json.loads(Path(path).read_text(encoding="utf-8"))
-
-
 def write_status(run_dir: Path, status: str) -> None:
     assert status in STATUSES, status
     atomic_write_text(Path(run_dir) / STATUS, status + "\n")
 
 
-def read_status(run_dir: Path) -> str | None:
+def try_write_status(run_dir: Path, status: str) -> bool:
+    """write_status for fault paths: never raises (the disk may be the fault); True if written.
+
+    Falls back to an in-place write of the tiny file when there is no room for a temporary copy.
+    """
     try:
-        return (Path(run_dir) / STATUS).read_text(encoding="utf-8").strip() or None
-    except FileNotFoundError:
+        write_status(run_dir, status)
+        return True
+    except OSError:
+        pass
+    try:
+        with open(Path(run_dir) / STATUS, "w", encoding="utf-8") as f:
+            f.write(status + "\n")
+        return True
+    except OSError:
+        return False
+
+
+def read_metrics(run_dir: Path) -> dict | None:
+    """metrics.json if it exists and parses to a JSON object, else None."""
+    try:
+        metrics = json.loads((Path(run_dir) / METRICS).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
         return None
+    return metrics if isinstance(metrics, dict) and metrics else None
 
 
 def is_done(run_dir: Path) -> bool:
-    """A run is done iff metrics.json exists (written once, last)."""
-    return (Path(run_dir) / METRICS).is_file()
+    """A run is done iff metrics.json (written once, last) exists and parses.
+
+    An empty or truncated file (a disk that filled, a copy that broke off) is not "done": the run
+    resumes from its checkpoint and writes it again.
+    """
+    return read_metrics(run_dir) is not None
 
 
 def write_history(run_dir: Path, rows: list[dict]) -> None:
@@ -94,19 +159,26 @@ def _fmt(value: object) -> object:
     return f"{value:.6g}" if isinstance(value, float) else value
 
 
-def read_history(run_dir: Path) -> list[dict]:
-    with open(Path(run_dir) / HISTORY, encoding="utf-8", newline="") as f:
-        return list(csv.DictReader(f))
+def ensure_writable(directory: Path, need_bytes: int = 0) -> None:
+    """Create `directory`, prove we can write there and that `need_bytes` fit; raise OSError.
 
-
-def ensure_writable(directory: Path) -> None:
-    """Create `directory` and prove we can write there; raise OSError with a readable message."""
+    The probe writes `need_bytes` for real (not just checks statvfs), so quotas and nearly full
+    disks are caught before any work is done rather than at the first checkpoint.
+    """
     try:
         Path(directory).mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".probe."):
-            pass
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".probe.", suffix=TEMP_SUFFIX) as f:
+            chunk = b"\0" * (1 << 20)
+            for start in range(0, need_bytes, len(chunk)):
+                f.write(chunk[: min(len(chunk), need_bytes - start)])
+            f.flush()
+            os.fsync(f.fileno())
     except OSError as exc:
-        raise OSError(f"cannot write to {directory}: {exc.strerror or exc}") from exc
+        if is_disk_error(exc):
+            raise OSError(exc.errno, f"{directory} has no room for this run: it needs about "
+                          f"{need_bytes / 2**20:.0f} MiB for its checkpoints "
+                          f"({exc.strerror})") from exc
+        raise OSError(exc.errno, f"cannot write to {directory}: {exc.strerror or exc}") from exc
 
 
 def clear_run_dir(run_dir: Path) -> list[str]:

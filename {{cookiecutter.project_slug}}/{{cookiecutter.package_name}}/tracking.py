@@ -1,60 +1,110 @@
-"""MLflow: where the database lives, creating it once, one run per job, batched metrics.
+"""MLflow tracking that never stops training: one run per run directory, sent when it can be.
 
 - Tracking URI: `MLFLOW_TRACKING_URI` if set, else an absolute `sqlite:///<project root>/mlflow.db`
   (absolute, so it does not depend on the directory you start from). Artifacts go next to the
   database, in `mlruns/`.
-- Create the DB once before starting jobs in parallel (concurrent first-time schema migrations of
-  one sqlite file fail): `python -m PKG.tracking init` or `python run.py --init-tracking`.
-- Metrics are sent once per epoch in one `log_batch` call (about 0.1 s); never one call per step.
-- Uses MlflowClient with explicit run ids, never the fluent "active run" global.
+- Safe from any number of processes at once: creating or migrating the sqlite schema happens under
+  an exclusive lock on `mlflow.db.lock` (concurrent first-time migrations of one sqlite file
+  corrupt it), so `python run.py` needs no set-up step.
+- Bounded: an HTTP tracking server that does not answer fails within about
+  `MLFLOW_HTTP_REQUEST_TIMEOUT` x (`MLFLOW_HTTP_REQUEST_MAX_RETRIES` + 1) seconds; this module
+  sets those to 5 s and 1 retry unless you set them yourself.
+- Never fatal: when the tracker cannot be reached or errors, the job warns once and keeps
+  training; the run directory (history.csv, metrics.json, status) stays the record. What was not
+  sent is sent at the next epoch that reaches the tracker, at the end, when the run is resumed, or
+  with `python -m <package>.tracking sync RESULTS_OR_RUN_DIR...`. `tracking.json` in the run
+  directory says which MLflow run it is and how much of the history it holds.
+- `--tracking off` (or `LAB_TRACKING=off`) runs without MLflow at all.
 
-Imports no torch at module level (only `provenance()` asks torch for versions).
+Imports neither torch nor mlflow at module level (mlflow costs ~1.5 s to import).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import csv
+import fcntl
+import json
+import logging
 import os
 import platform
 import shlex
 import socket
 import sys
 import time
-import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
+from . import runs
 from .config import DEFAULT_EXPERIMENT, PROJECT_ROOT
-from .runs import git_state
+
+STATE_FILE = "tracking.json"
+RETRY_AFTER_S = 60.0  # after a failure, try the tracker again at the next epoch this much later
+ARTIFACT_MAX_BYTES = 200 * 2**20  # larger best_model.pt files stay in the run directory only
+SYSTEM_METRICS_INTERVAL_S = 10.0  # CPU/RAM (psutil) and GPU (nvidia-ml-py) sampling period
+HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "5", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+                 "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
 
 
 def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{PROJECT_ROOT / 'mlflow.db'}"
 
 
+def _sqlite_path(uri: str) -> Path | None:
+    return Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+
+
 def _artifact_location(uri: str) -> str | None:
     """`mlruns/` next to a sqlite DB; the server's default for anything else."""
-    if uri.startswith("sqlite:///"):
-        return (Path(uri.removeprefix("sqlite:///")).parent / "mlruns").as_uri()
-    return None
+    db = _sqlite_path(uri)
+    return (db.parent / "mlruns").as_uri() if db is not None else None
+
+
+def _quiet_mlflow() -> None:
+    """MLflow's INFO lines (creating tables, system metrics started) are not the job's news."""
+    for name in ("mlflow", "alembic"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+@contextlib.contextmanager
+def _schema_lock(uri: str) -> Iterator[None]:
+    """Serialise the first touch of a sqlite DB across processes (it creates and migrates)."""
+    db = _sqlite_path(uri)
+    if db is None:
+        yield
+        return
+    db.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(f"{db}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        yield
+    finally:
+        os.close(fd)
 
 
 def _client():
+    for key, value in HTTP_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    _quiet_mlflow()
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=tracking_uri())
-
-
-def init(experiment: str = DEFAULT_EXPERIMENT) -> str:
-    """Create the DB (schema) and the experiment if missing; return the experiment id."""
     uri = tracking_uri()
-    if uri.startswith("sqlite:///"):
-        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    client = _client()
+    client = MlflowClient(tracking_uri=uri)
+    with _schema_lock(uri):
+        client.search_experiments(max_results=1)  # the store (and schema) exists after this
+    return client
+
+
+def init(experiment: str = DEFAULT_EXPERIMENT, client=None) -> str:
+    """Create the DB (schema) and the experiment if missing; return the experiment id."""
+    client = client or _client()
     found = client.get_experiment_by_name(experiment)
     if found is not None:
         return found.experiment_id
     try:
-        return client.create_experiment(experiment, artifact_location=_artifact_location(uri))
+        return client.create_experiment(experiment,
+                                        artifact_location=_artifact_location(tracking_uri()))
     except Exception:  # another job created it between our two calls
         found = client.get_experiment_by_name(experiment)
         if found is None:
@@ -66,7 +116,7 @@ def provenance() -> dict[str, str]:
     """Tags that let someone reproduce the run: code, command, versions, hardware."""
     import torch
 
-    commit, dirty = git_state(PROJECT_ROOT)
+    commit, dirty = runs.git_state(PROJECT_ROOT)
     tags = {
         "git_commit": commit or "unknown",
         "git_dirty": str(dirty).lower() if dirty is not None else "unknown",
@@ -84,71 +134,229 @@ def provenance() -> dict[str, str]:
 
 
 class Tracker:
-    """One MLflow run: created fresh or re-opened (resume), ended FINISHED/KILLED/FAILED."""
+    """The MLflow side of one run directory; every call is guarded and none raises.
 
-    def __init__(self, experiment: str, run_name: str, *, run_id: str | None = None,
-                 params: dict | None = None, tags: dict | None = None) -> None:
-        from mlflow.entities import Param
+    `tracking.json` (in the run directory) holds the MLflow run id, how many history rows the run
+    has received and whether its end was recorded, so a resumed job or `sync` continues the same
+    MLflow run and sends each row once.
+    """
 
-        self.client = _client()
-        if run_id is not None:  # resume: same run, back to RUNNING
-            try:
-                self.client.update_run(run_id, status="RUNNING")
+    def __init__(self, run_dir: Path, *, enabled: bool, experiment: str, run_name: str,
+                 log: logging.Logger, params: dict | None = None, tags: dict | None = None,
+                 system_metrics: bool = True) -> None:
+        self.run_dir, self.log, self.enabled = Path(run_dir), log, enabled
+        self.experiment, self.run_name = experiment, run_name
+        self.params, self.tags = params or {}, tags or {}
+        self.state = _read_state(self.run_dir)
+        self.client = self.monitor = None
+        self._failed_at: float | None = None
+        self._warned = False
+        if self.enabled:
+            self._guard("open the MLflow run", self._open)
+            if system_metrics and self.ready:
+                self._guard("start system metrics", self._start_monitor)
+
+    @property
+    def run_id(self) -> str | None:
+        return self.state.get("run_id")
+
+    @property
+    def ready(self) -> bool:
+        return self.client is not None and self.run_id is not None
+
+    # ---- the guarded calls ---------------------------------------------------------------------
+    def _guard(self, what: str, fn, *args):
+        """Run fn unless tracking is off or failed recently; a failure warns once, never raises."""
+        if not self.enabled:
+            return None
+        if self._failed_at is not None and time.monotonic() - self._failed_at < RETRY_AFTER_S:
+            return None
+        try:
+            result = fn(*args)
+        except Exception as exc:  # the tracker is never a reason to stop training
+            self._failed_at = time.monotonic()
+            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            if not self._warned:
+                self._warned = True
+                self.log.warning(
+                    "MLflow (%s) failed to %s: %s: %s -- training goes on; the run directory "
+                    "keeps everything and unsent metrics follow later (or run `python -m "
+                    "%s.tracking sync %s`)", tracking_uri(), what, type(exc).__name__,
+                    first_line, __package__, self.run_dir)
+            return None
+        if self._failed_at is not None:
+            self.log.info("MLflow reachable again")
+            self._failed_at = None
+        return result
+
+    def _open(self) -> None:
+        from mlflow.entities import Param, RunTag
+
+        if self.client is None:
+            self.client = _client()
+        if self.run_id is not None:
+            try:  # resume: the same run, back to RUNNING
+                self.client.update_run(self.run_id, status="RUNNING")
+                return
             except Exception as exc:  # e.g. another MLFLOW_TRACKING_URI than the first attempt
-                warnings.warn(f"MLflow run {run_id} not found ({exc}); starting a new one",
-                              stacklevel=2)
-                run_id = None
-        if run_id is not None:
-            self.run_id = run_id
-        else:
-            experiment_id = init(experiment)
-            self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
-            self.client.log_batch(
-                self.run_id,
-                params=[Param(k, str(v)[:6000]) for k, v in sorted((params or {}).items())],
-            )
-        self.set_tags(tags or {})
+                self.log.warning("MLflow run %s not found (%s); starting a new one", self.run_id,
+                                 str(exc).splitlines()[0][:200])
+                self.state = {}
+        experiment_id = init(self.experiment, self.client)
+        run_id = self.client.create_run(experiment_id, run_name=self.run_name).info.run_id
+        self.client.log_batch(
+            run_id,
+            params=[Param(k, str(v)[:6000]) for k, v in sorted(self.params.items())],
+            tags=[RunTag(k, str(v)[:8000]) for k, v in self.tags.items()],
+        )
+        self.state = {"run_id": run_id, "sent_rows": 0, "ended": None}
+        self._save_state()
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """All of one epoch's numbers in one call (values must already be Python floats)."""
+    def _start_monitor(self) -> None:
+        try:
+            import psutil  # noqa: F401  (MLflow's monitor needs it; without it, no system metrics)
+        except ImportError:
+            return
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        self.monitor = SystemMetricsMonitor(
+            self.run_id, sampling_interval=SYSTEM_METRICS_INTERVAL_S, resume_logging=True,
+            tracking_uri=tracking_uri())
+        self.monitor.start()
+
+    def _save_state(self) -> None:
+        with contextlib.suppress(OSError):  # a full disk must not turn tracking into a crash
+            runs.write_json(self.run_dir / STATE_FILE, self.state)
+
+    # ---- what run.py calls ----------------------------------------------------------------------
+    def log_history(self, history: list[dict]) -> None:
+        """Send every history row the MLflow run has not received yet (one log_batch call)."""
+        if self.enabled and not self.ready:
+            self._guard("open the MLflow run", self._open)
+        if self.ready:
+            self._guard("log metrics", self._send_rows, history)
+
+    def _send_rows(self, history: list[dict]) -> None:
         from mlflow.entities import Metric
 
+        start = self.state.get("sent_rows", 0)
+        if start >= len(history):
+            return
         now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
+        batch = [Metric(k, float(v), now, int(row["epoch"])) for row in history[start:]
+                 for k, v in row.items() if k not in ("epoch", "step") and v is not None]
         self.client.log_batch(self.run_id, metrics=batch)
+        self.state["sent_rows"] = len(history)
+        self._save_state()
 
-    def set_tags(self, tags: dict[str, str]) -> None:
-        from mlflow.entities import RunTag
+    def end(self, status: str, history: list[dict], *, metrics: dict | None = None,
+            tags: dict | None = None, artifacts: list[Path] = (), error: str | None = None) -> None:
+        """Send what is missing, attach files, end the MLflow run: FINISHED, KILLED or FAILED."""
+        self.log_history(history)
+        if self.ready:
+            self._guard("end the MLflow run", self._end, status, metrics or {}, tags or {},
+                        list(artifacts), error)
+        self.close()
 
-        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+    def _end(self, status: str, metrics: dict, tags: dict, artifacts: list[Path],
+             error: str | None) -> None:
+        from mlflow.entities import Metric, RunTag
 
-    def finish(self, status: str = "FINISHED") -> None:
-        """status: FINISHED, KILLED (interrupted, resumable) or FAILED."""
+        if self.state.get("ended") == status:
+            return
+        step = int(metrics.get("steps", 0))
+        now = int(time.time() * 1000)
+        numbers = [Metric(k, float(v), now, step) for k, v in metrics.items()
+                   if isinstance(v, int | float) and not isinstance(v, bool)]
+        if error:
+            tags = {**tags, "error": error.strip().splitlines()[-1][:4000]}
+        self.client.log_batch(self.run_id, metrics=numbers,
+                              tags=[RunTag(k, str(v)[:8000]) for k, v in tags.items()])
+        for path in artifacts:
+            if path.is_file() and path.stat().st_size <= ARTIFACT_MAX_BYTES:
+                self.client.log_artifact(self.run_id, str(path))
+        if error:
+            self.client.log_text(self.run_id, error, "traceback.txt")
         self.client.set_terminated(self.run_id, status=status)
+        self.state["ended"] = status
+        self._save_state()
 
-    def fail(self, traceback_text: str) -> None:
-        """Attach the traceback (artifact + short tag) and end the run as FAILED."""
-        try:
-            self.client.log_text(self.run_id, traceback_text, "traceback.txt")
-        finally:
-            last_line = traceback_text.strip().splitlines()[-1]
-            self.client.set_tag(self.run_id, "error", last_line[:4000])
-            self.client.set_terminated(self.run_id, status="FAILED")
+    def close(self) -> None:
+        if self.monitor is not None:
+            with contextlib.suppress(Exception):
+                self.monitor.finish()
+            self.monitor = None
+
+
+def _read_state(run_dir: Path) -> dict:
+    try:
+        state = json.loads((Path(run_dir) / STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def _history_rows(run_dir: Path) -> list[dict]:
+    try:
+        with open(run_dir / runs.HISTORY, encoding="utf-8", newline="") as f:
+            return [{k: float(v) if v not in ("", None) else None for k, v in row.items()}
+                    for row in csv.DictReader(f)]
+    except OSError:
+        return []
+
+
+MLFLOW_STATUS = {"finished": "FINISHED", "interrupted": "KILLED", "failed": "FAILED"}
+
+
+def sync(run_dir: Path, log: logging.Logger) -> bool:
+    """Send to MLflow what a run directory holds and its tracker missed; True if all arrived."""
+    config = json.loads((run_dir / runs.CONFIG).read_text(encoding="utf-8"))
+    status = (run_dir / runs.STATUS).read_text(encoding="utf-8").strip()
+    tracker = Tracker(run_dir, enabled=True, experiment=config.get("experiment",
+                      DEFAULT_EXPERIMENT), run_name=run_dir.name, log=log,
+                      params={k: config[k] for k in config.get("experiment_keys", [])
+                              if k in config},
+                      tags={"run_dir": str(run_dir), "synced_later": "true"},
+                      system_metrics=False)
+    history = _history_rows(run_dir)
+    if status in MLFLOW_STATUS:
+        tracker.end(MLFLOW_STATUS[status], history, metrics=runs.read_metrics(run_dir),
+                    artifacts=[run_dir / runs.CONFIG, run_dir / runs.HISTORY])
+    else:
+        tracker.log_history(history)
+    state = tracker.state
+    return bool(state.get("run_id")) and state.get("sent_rows", 0) >= len(history) and (
+        status not in MLFLOW_STATUS or state.get("ended") == MLFLOW_STATUS[status])
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=f"python -m {__package__}.tracking", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=("init", "uri"),
-                   help="init: create the DB and the experiment; uri: print the tracking URI")
+    p.add_argument("command", choices=("init", "uri", "sync"),
+                   help="init: create the DB and the experiment; uri: print the tracking URI; "
+                   "sync: send what run directories hold and MLflow missed")
+    p.add_argument("paths", nargs="*", type=Path,
+                   help="sync: run directories, or folders holding them (e.g. results/sweep)")
     p.add_argument("--experiment", default=DEFAULT_EXPERIMENT, help="MLflow experiment name")
     args = p.parse_args(argv)
     if args.command == "uri":
         print(tracking_uri())
         return 0
-    experiment_id = init(args.experiment)
-    print(f"MLflow ready: {tracking_uri()} (experiment {args.experiment!r}, id {experiment_id})")
-    return 0
+    if args.command == "init":
+        experiment_id = init(args.experiment)
+        print(f"MLflow ready: {tracking_uri()} (experiment {args.experiment!r}, "
+              f"id {experiment_id})")
+        return 0
+    log = logging.getLogger("tracking.sync")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    run_dirs = sorted({c.parent for path in args.paths for c in path.rglob(runs.CONFIG)})
+    if not run_dirs:
+        p.error("sync: no run directory (a folder with config.json) under the given paths")
+    missing = [d for d in run_dirs if not sync(d, log)]
+    print(f"synced {len(run_dirs) - len(missing)} of {len(run_dirs)} run directories to "
+          f"{tracking_uri()}" + (f"; not reached: {', '.join(map(str, missing))}" if missing
+                                  else ""))
+    return 1 if missing else 0
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import signal
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -25,10 +24,6 @@ import torch
 from torch import nn
 
 INJECT_NAN_ENV = "LAB_INJECT_NAN_AT_STEP"  # test hook, see inject_nan_step()
-
-
-class NonFiniteLoss(RuntimeError):
-    """The accumulated loss of an interval was nan or inf."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -188,14 +183,6 @@ class Trainer:
             self.ema.update_parameters(self.model)
 
 
-def check_finite(mean_loss: float, epoch: int, first_step: int, last_step: int) -> None:
-    """Fail clearly when the accumulated loss of an interval is nan/inf (checked once per epoch)."""
-    if mean_loss != mean_loss or mean_loss in (float("inf"), float("-inf")):
-        raise NonFiniteLoss(f"non-finite training loss ({mean_loss}) in epoch {epoch}, between "
-                            f"optimizer steps {first_step} and {last_step}; the last good "
-                            "checkpoint is kept (try a lower --lr or --clip-grad)")
-
-
 @torch.inference_mode()
 def evaluate(model: nn.Module, loader: Iterable, loss_fn: nn.Module, *, device: torch.device,
              dtype: torch.dtype | None) -> tuple[float, float]:
@@ -215,48 +202,6 @@ def evaluate(model: nn.Module, loader: Iterable, loss_fn: nn.Module, *, device: 
     # note: sync point (one per evaluation)
     total_loss, total_correct = torch.stack([loss_sum, correct.float()]).tolist()
     return total_loss / max(seen, 1), total_correct / max(seen, 1)
-
-
-class EarlyStopping:
-    """Patience on a validation score (higher is better); keeps a copy of the best weights.
-
-    patience=0 never stops early but still keeps (and lets you restore) the best weights.
-    """
-
-    def __init__(self, patience: int) -> None:
-        self.patience = patience
-        self.best_score = float("-inf")
-        self.best_epoch = 0
-        self.bad_epochs = 0
-        self.best_state: dict[str, torch.Tensor] | None = None
-
-    def update(self, score: float, epoch: int, model: nn.Module) -> bool:
-        """Record an epoch's score; return True if it is a new best (weights copied to CPU)."""
-        if score > self.best_score:
-            self.best_score, self.best_epoch, self.bad_epochs = score, epoch, 0
-            weights = model.state_dict().items()
-            self.best_state = {k: v.detach().to("cpu", copy=True) for k, v in weights}
-            return True
-        self.bad_epochs += 1
-        return False
-
-    @property
-    def should_stop(self) -> bool:
-        return self.patience > 0 and self.bad_epochs >= self.patience
-
-    def restore(self, model: nn.Module) -> None:
-        if self.best_state is not None:
-            model.load_state_dict(self.best_state)
-
-    def state_dict(self) -> dict:
-        return {"patience": self.patience, "best_score": self.best_score,
-                "best_epoch": self.best_epoch, "bad_epochs": self.bad_epochs,
-                "best_state": self.best_state}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.patience = state["patience"]
-        self.best_score, self.best_epoch = state["best_score"], state["best_epoch"]
-        self.bad_epochs, self.best_state = state["bad_epochs"], state["best_state"]
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -292,36 +237,3 @@ def choose_gpu_resident(flag: str, device: torch.device, splits: dict) -> bool:
     if flag != "auto" or device.type != "cuda":
         return flag == "on" and device.type == "cuda"
     return fits_on_device(splits, device)
-
-
-class GracefulStop:
-    """SIGTERM / SIGINT / SIGUSR1 ask the loop to stop after the current step (checkpoint, exit 75).
-
-    A second signal exits at once with 130 after `on_force_exit()` (e.g. mark the status file);
-    the last end-of-epoch checkpoint remains, so re-running still resumes.
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-
-    def __init__(self, log: logging.Logger, on_force_exit: Callable[[], None] | None = None):
-        self.log, self.requested, self._old = log, None, {}
-        self.on_force_exit = on_force_exit
-
-    def _handle(self, signum: int, _frame) -> None:
-        name = signal.Signals(signum).name
-        if self.requested is not None:
-            self.log.warning("second signal (%s): exiting now without a checkpoint", name)
-            if self.on_force_exit is not None:
-                self.on_force_exit()
-            os._exit(130)
-        self.requested = name
-        self.log.warning("%s received: finishing the current step, then checkpoint and exit", name)
-
-    def __enter__(self) -> GracefulStop:
-        for sig in self.SIGNALS:
-            self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)

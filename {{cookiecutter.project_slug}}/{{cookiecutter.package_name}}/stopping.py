@@ -1,0 +1,136 @@
+"""When training stops: stop signals, early stopping, a loss that is no longer finite.
+
+Stop signals: whatever arrives, and however often, the job checkpoints once and exits 75.
+
+Who sends what (README, "Stops and resume"): Slurm sends SIGTERM to every process of the job step
+on preemption (after the partition's GraceTime), on `scancel` and at the time limit, and SIGUSR1
+first when the job was submitted with `--signal=B:USR1@SECONDS`; a terminal's Ctrl-C sends SIGINT
+to the whole foreground process group; run.sh forwards SIGTERM. Bursts are normal: two SIGTERMs a
+few milliseconds apart (the step's and the wrapper's) are one request to stop, not two.
+
+So the first signal asks the training loop to stop after the current step; later ones are logged
+and ignored, except
+- a second Ctrl-C (SIGINT) while run.py runs in a terminal: the person asked twice, exit at once;
+- any signal more than `LAB_STOP_GRACE_S` seconds (default 120) after the first: writing a
+  checkpoint takes far less, so the job is stuck; exit at once.
+An exit at once writes status `interrupted` and exits 130; the last checkpoint (end of the previous
+epoch, or the one being written, which is atomic) is still there, so re-running resumes.
+Handlers are installed in the first lines of run.py's main(), before anything slow.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported after the handlers are installed (it takes ~2 s)
+    import torch
+    from torch import nn
+
+EXIT_FORCED = 130
+GRACE_ENV = "LAB_STOP_GRACE_S"
+DEFAULT_GRACE_S = 120.0
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+class GracefulStop:
+    """Context manager: `requested` is None, or the name of the first stop signal received."""
+
+    def __init__(self, log: logging.Logger | None = None, grace_s: float | None = None,
+                 interactive: bool | None = None) -> None:
+        self.log = log or logging.getLogger(__name__)
+        self.grace_s = float(os.environ.get(GRACE_ENV, DEFAULT_GRACE_S)) if grace_s is None \
+            else grace_s
+        self.interactive = sys.stdin.isatty() if interactive is None else interactive
+        self.requested: str | None = None
+        self.on_force_exit: Callable[[], None] | None = None  # e.g. mark the status file
+        self._first_at = 0.0
+        self._ignored = 0
+        self._old: dict = {}
+
+    def _handle(self, signum: int, _frame) -> None:
+        name = signal.Signals(signum).name
+        if self.requested is None:
+            self.requested, self._first_at = name, time.monotonic()
+            self.log.warning("%s received: finishing the current step, then checkpoint and exit",
+                             name)
+            return
+        late = time.monotonic() - self._first_at > self.grace_s
+        if (signum == signal.SIGINT and self.interactive) or late:
+            why = "second Ctrl-C" if not late else f"{name} {self.grace_s:.0f}s after {self.requested}"
+            self.log.warning("%s: exiting now; the last checkpoint is kept", why)
+            if self.on_force_exit is not None:
+                self.on_force_exit()
+            logging.shutdown()
+            os._exit(EXIT_FORCED)
+        self._ignored += 1
+        if self._ignored == 1:  # one line, however long the burst
+            self.log.info("%s received again: already stopping (signals within %.0fs are one "
+                          "request)", name, self.grace_s)
+
+    def __enter__(self) -> GracefulStop:
+        for sig in STOP_SIGNALS:
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+class NonFiniteLoss(RuntimeError):
+    """The training loss became nan/inf: the run fails, its last good checkpoint is kept."""
+
+
+def check_finite(mean_loss: float, epoch: int, first_step: int, last_step: int) -> None:
+    """Fail clearly when the accumulated loss of an interval is nan/inf (checked once per epoch)."""
+    if mean_loss != mean_loss or mean_loss in (float("inf"), float("-inf")):
+        raise NonFiniteLoss(f"non-finite training loss ({mean_loss}) in epoch {epoch}, between "
+                            f"optimizer steps {first_step} and {last_step}; the last good "
+                            "checkpoint is kept (try a lower --lr or --clip-grad)")
+
+
+class EarlyStopping:
+    """Patience on a validation score (higher is better); keeps a copy of the best weights.
+
+    patience=0 never stops early but still keeps (and lets you restore) the best weights.
+    """
+
+    def __init__(self, patience: int) -> None:
+        self.patience = patience
+        self.best_score = float("-inf")
+        self.best_epoch = 0
+        self.bad_epochs = 0
+        self.best_state: dict[str, torch.Tensor] | None = None
+
+    def update(self, score: float, epoch: int, model: nn.Module) -> bool:
+        """Record an epoch's score; return True if it is a new best (weights copied to CPU)."""
+        if score > self.best_score:
+            self.best_score, self.best_epoch, self.bad_epochs = score, epoch, 0
+            weights = model.state_dict().items()
+            self.best_state = {k: v.detach().to("cpu", copy=True) for k, v in weights}
+            return True
+        self.bad_epochs += 1
+        return False
+
+    @property
+    def should_stop(self) -> bool:
+        return self.patience > 0 and self.bad_epochs >= self.patience
+
+    def restore(self, model: nn.Module) -> None:
+        if self.best_state is not None:
+            model.load_state_dict(self.best_state)
+
+    def state_dict(self) -> dict:
+        return {"patience": self.patience, "best_score": self.best_score,
+                "best_epoch": self.best_epoch, "bad_epochs": self.bad_epochs,
+                "best_state": self.best_state}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.patience = state["patience"]
+        self.best_score, self.best_epoch = state["best_score"], state["best_epoch"]
+        self.bad_epochs, self.best_state = state["bad_epochs"], state["best_state"]
