@@ -24,7 +24,12 @@ class CheckpointError(RuntimeError):
     """A checkpoint that must not be loaded (corrupt, another config, another model)."""
 
 
-def rng_state() -> dict:
+def rng_state(device: torch.device) -> dict:
+    """Python, numpy and torch RNG states, and the training device's (not every GPU's).
+
+    Saving only the device the run trains on keeps a checkpoint valid when it is resumed with
+    another number of visible GPUs, or on CPU after CUDA (and back).
+    """
     name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": random.getstate(),
@@ -32,20 +37,28 @@ def rng_state() -> dict:
                   "has_gauss": int(has_gauss), "cached": float(cached)},
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, device: torch.device) -> None:
+    """Restore rng_state(); a CUDA state is restored only when resuming on CUDA.
+
+    Older checkpoints hold a list of every visible GPU's state: the first one is the device the
+    job trained on (jobs see one GPU through CUDA_VISIBLE_DEVICES).
+    """
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     n = state["numpy"]
     keys = n["keys"].numpy().astype(np.uint32)
     np.random.set_state((n["name"], keys, n["pos"], n["has_gauss"], n["cached"]))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if isinstance(cuda, list | tuple):
+        cuda = cuda[0] if cuda else None
+    if cuda is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(cuda, device)
 
 
 def save(path: Path, state: dict) -> None:
@@ -80,3 +93,18 @@ def load_model_state(model: torch.nn.Module, state_dict: dict, what: str) -> Non
     except RuntimeError as exc:
         first = str(exc).strip().splitlines()[:3]
         raise CheckpointError(f"{what} does not fit this model: {' '.join(first)}") from exc
+
+
+def save_weights(path: Path, state_dict: dict | None) -> None:
+    """best_model.pt: a plain state_dict, so `model.load_state_dict(torch.load(path))` works."""
+    if state_dict is not None:
+        with atomic_path(path) as tmp:
+            torch.save(state_dict, tmp)
+
+
+def load_weights(path: Path) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"{path} is missing or unreadable ({type(exc).__name__}: {exc}); "
+                              "re-run with --fresh") from exc

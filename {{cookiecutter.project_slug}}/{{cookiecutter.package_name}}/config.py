@@ -30,7 +30,7 @@ EXECUTION_KEYS = frozenset(
     {
         "device", "amp", "compile", "workers", "gpu_resident", "results_dir", "data_dir", "fresh",
         "progress", "deterministic", "profile", "find_lr", "find_batch_size", "print_run_dir",
-        "experiment", "init_tracking", "tracking",
+        "experiment", "init_tracking", "tracking", "checkpoint_every",
     }
 )
 MAX_READABLE = 80
@@ -148,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop after exactly this many optimizer steps (0 = no limit)")
     e.add_argument("--batch-size", type=_positive_int, default=128,
                    help="micro-batch size; effective batch = batch size x --grad-accum")
-    e.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate (one-cycle schedule)")
+    e.add_argument("--lr", type=_positive_float, default=3e-3,
+                   help="peak learning rate (one-cycle schedule)")
     e.add_argument("--weight-decay", type=_non_negative_float, default=5e-4,
                    help="AdamW weight decay")
     e.add_argument("--patience", type=_non_negative_int, default=5,
@@ -189,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "An unreachable tracker never stops training: see README, Tracking")
     x.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
                    help="tqdm progress bar; auto = when stderr is a terminal")
+    x.add_argument("--checkpoint-every", type=_non_negative_float, default=300.0,
+                   help="seconds between end-of-epoch checkpoints (0 = every epoch); a stop "
+                   "signal and the end of the run always checkpoint")
     x.add_argument("--fresh", action="store_true",
                    help="delete this run's directory contents and start over")
 

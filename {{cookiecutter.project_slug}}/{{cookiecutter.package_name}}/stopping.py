@@ -62,7 +62,7 @@ class GracefulStop:
             return
         late = time.monotonic() - self._first_at > self.grace_s
         if (signum == signal.SIGINT and self.interactive) or late:
-            why = "second Ctrl-C" if not late else f"{name} {self.grace_s:.0f}s after {self.requested}"
+            why = f"{name} {self.grace_s:.0f}s after {self.requested}" if late else "second Ctrl-C"
             self.log.warning("%s: exiting now; the last checkpoint is kept", why)
             if self.on_force_exit is not None:
                 self.on_force_exit()

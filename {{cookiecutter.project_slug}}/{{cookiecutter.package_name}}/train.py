@@ -98,6 +98,17 @@ def build_ema(model: nn.Module, decay: float) -> torch.optim.swa_utils.AveragedM
     return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
 
 
+def build_trainer(model: nn.Module, args, *, device: torch.device, dtype: torch.dtype | None,
+                  total_steps: int, log: logging.Logger) -> Trainer:
+    """The Trainer a run's arguments describe: AdamW, one-cycle, EMA, loss, compile policy."""
+    optimizer = build_optimizer(model, args.lr, args.weight_decay, device)
+    return Trainer(model, optimizer, build_scheduler(optimizer, args.lr, total_steps),
+                   nn.CrossEntropyLoss(label_smoothing=args.label_smoothing), device=device,
+                   dtype=dtype, grad_accum=args.grad_accum, clip_grad=args.clip_grad,
+                   ema=build_ema(model, args.ema), compile_model=use_compile(device, args.compile),
+                   log=log)
+
+
 def inject_nan_step() -> int | None:
     """Test hook: with LAB_INJECT_NAN_AT_STEP=N the loss of optimizer step N becomes nan.
 
@@ -128,6 +139,24 @@ class Trainer:
         self.compiled = compile_model
         self.nan_at = inject_nan_step()
         self.reset_sums()
+
+    def state_dict(self) -> dict:
+        """Everything the step owns: model, optimizer, scheduler, GradScaler, EMA, running sums."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                "ema": self.ema.state_dict() if self.ema is not None else None,
+                "sums": self.sums_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        from .checkpoint import load_model_state
+
+        load_model_state(self.model, state["model"], "the checkpoint's model")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        if self.ema is not None:
+            self.ema.load_state_dict(state["ema"])
+        self.load_sums_state(state["sums"])
 
     def reset_sums(self) -> None:
         zero = torch.zeros((), device=self.device)

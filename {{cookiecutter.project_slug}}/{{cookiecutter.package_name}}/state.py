@@ -1,0 +1,84 @@
+"""The resumable state of a training run: where it is, what it has seen, and everything to go on.
+
+`TrainingState` owns it all -- progress (epoch, optimizer step, position in the epoch), history,
+timers, early stopping and the Trainer's own state (model, optimizer, scheduler, GradScaler, EMA,
+partial-epoch sums) -- so saving and resuming are one call each. The best weights live only in
+best_model.pt (a plain state_dict); the checkpoint records which epoch they are from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import torch
+
+from . import checkpoint as ckpt
+from .stopping import EarlyStopping
+
+
+@dataclasses.dataclass
+class Progress:
+    epoch: int = 0  # epochs completed
+    batch: int = 0  # micro-batches done in the current epoch
+    step: int = 0  # optimizer steps done
+    history: list[dict] = dataclasses.field(default_factory=list)
+    wall_time_s: float = 0.0
+    train_time_s: float = 0.0
+    compile_time_s: float = 0.0
+    samples: int = 0
+
+
+class TrainingState:
+    """Progress + Trainer + early stopping, checkpointed together and restored together."""
+
+    def __init__(self, trainer, stopper: EarlyStopping, *, device: torch.device,
+                 config_hash: str) -> None:
+        self.trainer, self.stopper, self.device = trainer, stopper, device
+        self.config_hash = config_hash
+        self.progress = Progress()
+        self.compiled_here = False  # a compiled model compiles once per process, resumes too
+        self._clock = time.perf_counter()  # wall time is accumulated across resumes
+
+    def tick(self) -> None:
+        """Add the wall time since the last tick (call before saving or reporting)."""
+        now = time.perf_counter()
+        self.progress.wall_time_s += now - self._clock
+        self._clock = now
+
+    def state_dict(self) -> dict:
+        early = self.stopper.state_dict()
+        early.pop("best_state", None)  # the best weights are in best_model.pt, not twice on disk
+        return {"trainer": self.trainer.state_dict(), "early_stopping": early,
+                "progress": dataclasses.asdict(self.progress), "rng": ckpt.rng_state(self.device),
+                "config_hash": self.config_hash}
+
+    def save(self, path: Path) -> None:
+        self.tick()
+        ckpt.save(path, self.state_dict())
+
+    def save_best(self, path: Path) -> None:
+        ckpt.save_weights(path, self.stopper.best_state)
+
+    def resume(self, path: Path, best_model: Path) -> bool:
+        """Load the checkpoint at `path` if there is one; False if there is none.
+
+        Raises CheckpointError (corrupt, another configuration, another model) with the reason.
+        The RNG state is restored last, so nothing after it consumes random numbers.
+        """
+        if not path.exists():
+            return False
+        state = ckpt.load(path, config_hash=self.config_hash)
+        try:
+            self.trainer.load_state_dict(state["trainer"])
+            early = state["early_stopping"]
+            if early["best_epoch"] > 0:
+                early["best_state"] = ckpt.load_weights(best_model)
+            self.stopper.load_state_dict(early)
+            self.progress = Progress(**state["progress"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ckpt.CheckpointError(f"{path} does not fit this code ({type(exc).__name__}: "
+                                       f"{exc}); re-run with --fresh") from exc
+        ckpt.set_rng_state(state["rng"], self.device)
+        return True
