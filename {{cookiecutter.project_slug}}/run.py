@@ -47,10 +47,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"already finished: {out} (metrics.json exists; --fresh re-trains)")
             return EXIT_OK
         try:
-            with claim(out):  # one process per run directory, released by the kernel on death
-                return train(args, parser, out, stop)
+            with claim(out) as held:  # one process per run directory, freed by the kernel on death
+                code = train(args, parser, out, stop)
+                if code in (EXIT_USAGE, EXIT_INTERRUPTED):
+                    held.discard()  # refused or stopped before any work: leave nothing behind
+                return code
         except Busy as exc:
             return error(f"running elsewhere: {exc}", EXIT_BUSY)
+        except OSError as exc:  # the run directory cannot be created
+            return error(f"--results-dir: cannot write to {out.parent}: {exc.strerror}",
+                         EXIT_USAGE)
 
 
 def train(args, parser, out, stop: GracefulStop) -> int:
@@ -79,9 +85,12 @@ def train(args, parser, out, stop: GracefulStop) -> int:
         seed_everything(args.seed)  # same seed => same init, split, order, augmentation
         model = build_model(data.num_classes, args.width).to(device,
                                                              memory_format=torch.channels_last)
-        runs.ensure_writable(args.results_dir, need_bytes=checkpoint_bytes(model, args.ema))
     except (UsageError, ValueError, OSError) as exc:
         return error(str(exc), EXIT_USAGE)
+    try:
+        runs.ensure_writable(out, need_bytes=checkpoint_bytes(model, args.ema))
+    except OSError as exc:  # not writable, or no room for a checkpoint: found before any work
+        return error(f"--results-dir: {exc.strerror or exc}", EXIT_USAGE)
     if stop.requested:
         return EXIT_INTERRUPTED  # stopped while starting: nothing of this run exists yet
 
@@ -91,6 +100,7 @@ def train(args, parser, out, stop: GracefulStop) -> int:
         print(f"--fresh: deleting {', '.join(runs.clear_run_dir(out)) or 'nothing'} in {out}")
     runs.remove_stale_temps(out)
     log = runs.setup_logging(out, out.name)
+    stop.log = log  # from here on, stop requests are in run.log too
     setup_backends(device, args.deterministic, log)
     trainer = build_trainer(model, args, device=device, dtype=dtype,
                             total_steps=total_steps(args, data.steps_per_epoch), log=log)
@@ -332,8 +342,9 @@ class RunRecord:
         runs.write_history(self.out, p.history)
         self.tracker.log_history(p.history)
         self.log.info("epoch %d/%d step %d | lr %.2e | train %.4f %.2f%% | val %.4f %.2f%%%s | "
-                      "%.1fs %.0f img/s", p.epoch, self.epochs, p.step, row["lr"], row["train_loss"],
-                      100 * row["train_acc"], row["val_loss"], 100 * row["val_acc"],
+                      "%.1fs %.0f img/s", p.epoch, self.epochs, p.step, row["lr"],
+                      row["train_loss"], 100 * row["train_acc"], row["val_loss"],
+                      100 * row["val_acc"],
                       " *" if state.stopper.best_epoch == p.epoch else "", row["epoch_time_s"],
                       row["samples_per_sec"])
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import time
@@ -58,7 +59,7 @@ def test_sigterm_then_rerun_gives_the_same_final_metrics(run_cli, env, data_dir,
 def test_nan_loss_fails_clearly_and_keeps_the_last_good_checkpoint(run_cli, tmp_path, mlflow_uri):
     import torch
 
-    result = run_cli("--epochs", "2", results_dir=tmp_path,
+    result = run_cli("--epochs", "2", "--checkpoint-every", "0", results_dir=tmp_path,
                      extra_env={"LAB_INJECT_NAN_AT_STEP": "25"})  # in epoch 2 (20 steps each)
     assert result.returncode == 1
     assert "error: NonFiniteLoss: non-finite training loss" in result.stderr
@@ -66,9 +67,10 @@ def test_nan_loss_fails_clearly_and_keeps_the_last_good_checkpoint(run_cli, tmp_
     run_dir = run_dir_of(tmp_path)
     assert (run_dir / "status").read_text() == "failed\n"
     assert not (run_dir / "metrics.json").exists() and not temp_files(run_dir)
-    state = torch.load(run_dir / "checkpoint.pt", weights_only=True)
-    assert state["epoch"] == 1 and state["step"] == 20  # the last good one
-    assert mlflow_run(mlflow_uri, state["mlflow_run_id"]).info.status == "FAILED"
+    progress = torch.load(run_dir / "checkpoint.pt", weights_only=True)["progress"]
+    assert progress["epoch"] == 1 and progress["step"] == 20  # the last good one
+    run_id = json.loads((run_dir / "tracking.json").read_text())["run_id"]
+    assert mlflow_run(mlflow_uri, run_id).info.status == "FAILED"
 
 
 def test_bad_checkpoints_are_refused_and_fresh_starts_over(main_in_process, tmp_path, capsys):

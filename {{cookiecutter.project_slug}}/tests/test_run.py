@@ -29,7 +29,7 @@ def test_cheap_flags_import_neither_torch_nor_mlflow(flag):
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     if flag == "--print-run-dir":
-        assert result.stdout.strip().startswith(str(ROOT / "results" / "digits"))
+        assert result.stdout.strip().startswith(str(ROOT / "results" / "trials" / "digits"))
 
 
 def test_print_run_dir_is_stable_and_ignores_execution_flags(tmp_path):
@@ -123,7 +123,7 @@ def test_unwritable_results_dir(main_in_process, tmp_path, capsys):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     assert main_in_process("--results-dir", str(blocker / "results")) == 2
-    assert capsys.readouterr().err.startswith("error: cannot write to")
+    assert capsys.readouterr().err.startswith("error: --results-dir: cannot write to")
 
 
 @pytest.mark.gpu

@@ -3,10 +3,10 @@
 Imports no torch and no mlflow: `run.py --help` and `run.py --print-run-dir` must answer at once,
 and the sweep calls the latter for every job.
 
-Identity (docs/design.md): the run directory is `<results-dir>/<readable>-<hash8>`, where the hash
-is sha256 over the sorted-key JSON of every *experiment-defining* argument, i.e. every argument
-except those in EXECUTION_KEYS. Add a flag to the parser and it joins the hash unless you also add
-it to EXECUTION_KEYS.
+Identity (README, "What a run writes"): the run directory is `<results-dir>/<readable>-<hash8>`,
+where the hash is sha256 over the sorted-key JSON of every *experiment-defining* argument, i.e.
+every argument except those in EXECUTION_KEYS. Add a flag to the parser and it joins the hash
+unless you also add it to EXECUTION_KEYS.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def _directory(text: str) -> Path:
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="run.py",
-        description="Train one model; results go to <results-dir>/<run name>/ (docs/design.md).",
+        description="Train one model; results go to <results-dir>/<run name>/ (README.md).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     e = p.add_argument_group("experiment (these define the run directory's hash)")

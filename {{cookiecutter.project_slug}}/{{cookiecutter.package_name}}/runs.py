@@ -1,4 +1,4 @@
-"""One run's directory: file names, atomic writes, status, history, log (docs/design.md).
+"""One run's directory: file names, atomic writes, status, log (README, "What a run writes").
 
 Imports no torch: plot.py, analysis.py and the sweep read the same names. Every file except the
 append-only run.log is written to a temporary file in the same directory and moved into place with
@@ -30,6 +30,7 @@ CHECKPOINT = "checkpoint.pt"
 BEST_MODEL = "best_model.pt"
 METRICS = "metrics.json"
 LOG = "run.log"
+LOCK = ".lock"  # held (flock) by the process training this directory: see claim.py
 STATUSES = ("running", "interrupted", "failed", "finished")
 HISTORY_FIELDS = (
     "epoch", "step", "lr", "train_loss", "train_acc", "val_loss", "val_acc", "epoch_time_s",
@@ -103,6 +104,17 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def write_json(path: Path, obj: dict) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def read_status(run_dir: Path) -> str | None:
+    try:
+        return (Path(run_dir) / STATUS).read_text(encoding="utf-8").strip() or None
+    except OSError:
+        return None
 
 
 def write_status(run_dir: Path, status: str) -> None:
@@ -182,9 +194,15 @@ def ensure_writable(directory: Path, need_bytes: int = 0) -> None:
 
 
 def clear_run_dir(run_dir: Path) -> list[str]:
-    """Delete the files of a run directory (for --fresh); return their names. Nothing is moved."""
+    """Delete the files of a run directory (for --fresh); return their names. Nothing is moved.
+
+    The claim's lock file stays: this process holds it, and a new file would let a second
+    process claim the directory too.
+    """
     removed = []
     for path in sorted(Path(run_dir).iterdir()):
+        if path.name == LOCK:
+            continue
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
         else:

@@ -1,0 +1,113 @@
+"""Benchmark: many jobs on one fresh project, and a tracker that is down (issue "Many jobs").
+
+    .venv/bin/python benchmarks/bench_lifecycle.py            # both checks, markdown to stdout
+
+1. Eight `python run.py --seed S` started at once on a freshly rendered project: no run.sh, no
+   `--init-tracking`, so all eight race to create `mlflow.db`. Counts the jobs that finished, the
+   MLflow runs and metric rows in the DB, and checks the DB (`pragma integrity_check`, no
+   half-migrated `_alembic_tmp_*` tables).
+2. One job with `MLFLOW_TRACKING_URI` pointing at a local port where nothing listens: the wall
+   time of the job against the same job with `--tracking off`, so the difference is the cost of the
+   unreachable tracker (it must be seconds, not the minutes of MLflow's default retries).
+
+Every job is tiny (digits, width 8, 3 optimizer steps): what is measured is start-up and the
+shared-DB path, not training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import socket
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TEMPLATE = Path(__file__).resolve().parents[1]
+JOB = ["--device", "cpu", "--width", "8", "--batch-size", "64", "--epochs", "1", "--max-steps",
+       "3", "--progress", "off"]
+
+
+def render(out: Path) -> Path:
+    from cookiecutter.main import cookiecutter
+
+    return Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=str(out)))
+
+
+def parallel_jobs(project: Path, n: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)  # the project's own default: <project>/mlflow.db
+    started = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, "run.py", *JOB, "--seed", str(seed)], cwd=project,
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True) for seed in range(n)]
+    errors = [proc.communicate()[1] for proc in procs]
+    wall = time.perf_counter() - started
+    codes = [proc.returncode for proc in procs]
+    with sqlite3.connect(project / "mlflow.db") as con:
+        runs = con.execute("select status, count(*) from runs group by status").fetchall()
+        rows = con.execute("select count(*) from metrics").fetchone()[0]
+        integrity = con.execute("pragma integrity_check").fetchone()[0]
+        tmp_tables = [r[0] for r in con.execute("select name from sqlite_master")
+                      if r[0].startswith("_alembic_tmp")]
+    failed = [err.strip().splitlines()[-1] for code, err in zip(codes, errors, strict=True)
+              if code != 0]
+    return {"jobs": n, "finished": codes.count(0), "runs": dict(runs), "metric_rows": rows,
+            "integrity": integrity, "tmp_tables": tmp_tables, "wall_s": wall, "failed": failed}
+
+
+def tracker_down(project: Path) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    times = {}
+    for label, extra, env_uri in (("tracking off", ["--tracking", "off"], None),
+                                  ("tracker down", [], f"http://127.0.0.1:{port}")):
+        env = {**os.environ}
+        env.pop("MLFLOW_TRACKING_URI", None)
+        if env_uri:
+            env["MLFLOW_TRACKING_URI"] = env_uri
+        results = project / "results" / label.replace(" ", "_")
+        started = time.perf_counter()
+        proc = subprocess.run([sys.executable, "run.py", *JOB, *extra, "--results-dir",
+                               str(results)], cwd=project, env=env, capture_output=True,
+                              text=True)
+        times[label] = (time.perf_counter() - started, proc.returncode,
+                        proc.stderr.count("training goes on"))
+    return times
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=8, help="parallel jobs on the fresh project")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        project = render(Path(tmp))
+        load_before = os.getloadavg()[0]
+        par = parallel_jobs(project, args.jobs)
+        down = tracker_down(project)
+        load_after = os.getloadavg()[0]
+    print(f"- machine: {platform.machine()}, {os.cpu_count()} cores; Python "
+          f"{platform.python_version()}; load average (1 min) before / after: {load_before:.2f} "
+          f"/ {load_after:.2f}")
+    print("- command: `python benchmarks/bench_lifecycle.py`\n")
+    print("| check | result |\n|---|---|")
+    print(f"| {par['jobs']} parallel `run.py` on a fresh project | {par['finished']} finished, "
+          f"MLflow runs {par['runs']}, {par['metric_rows']} metric rows, integrity "
+          f"{par['integrity']}, half-migrated tables {par['tmp_tables'] or 'none'}, "
+          f"{par['wall_s']:.1f} s wall |")
+    off, down_ = down["tracking off"], down["tracker down"]
+    print(f"| one job, `--tracking off` | exit {off[1]}, {off[0]:.1f} s |")
+    print(f"| one job, tracker down (closed local port) | exit {down_[1]}, {down_[0]:.1f} s, "
+          f"{down_[2]} warning line(s); cost of the dead tracker {down_[0] - off[0]:+.1f} s |")
+    if par["failed"]:
+        print("\nfailed jobs:", *par["failed"], sep="\n  ")
+    return 0 if par["finished"] == par["jobs"] and off[1] == down_[1] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

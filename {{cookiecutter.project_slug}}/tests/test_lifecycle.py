@@ -1,0 +1,258 @@
+"""Many jobs, one lab: claims, the shared tracking DB, a tracker that is down, full disks,
+permissions, refusals, and stop signals in bursts (issues 9 and 10 of the template)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, RUN_PY, TINY, mlflow_run, popen_cli, read_metrics, run_dir_of
+
+from {{ cookiecutter.package_name }} import runs
+
+QUICK = ("--epochs", "1", "--max-steps", "3")
+
+
+def _wait_for(predicate, proc, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no progress in time"
+        time.sleep(0.02)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- refusals: one line, exit 2, nothing written ---
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["--lr", "nan"], "--lr"),
+        (["--lr", "inf"], "--lr"),
+        (["--lr", "-1"], "--lr"),
+        (["--seed", "4294967296"], "--seed"),
+        (["--seed", "-1"], "--seed"),
+        (["--seed", "1.5"], "--seed"),
+        (["--batch-size", "0"], "--batch-size"),
+        (["--weight-decay", "nan"], "--weight-decay"),
+        (["--experiment", "x" * 501], "--experiment"),
+        (["--results-dir", "r/" + "x" * 300], "--results-dir"),
+        (["--dataset", "mnist"], "--dataset"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_flag(args, flag, tmp_path, capsys):
+    from conftest import load_run_py
+
+    with pytest.raises(SystemExit) as exit_info:
+        load_run_py().main(["--results-dir", str(tmp_path / "results"), *args])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.startswith(f"error: {flag}: ") and err.count("\n") == 1, err
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_file_where_the_run_directory_should_be(tmp_path, capsys):
+    from conftest import load_run_py
+
+    run = load_run_py()
+    assert run.main(["--results-dir", str(tmp_path), "--print-run-dir"]) == 0
+    Path(capsys.readouterr().out.strip()).write_text("not a directory")
+    with pytest.raises(SystemExit) as exit_info:
+        run.main(["--results-dir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "exists and is not a directory" in capsys.readouterr().err
+
+
+def test_equal_numbers_share_one_run_directory(tmp_path, capsys):
+    from conftest import load_run_py
+
+    run = load_run_py()
+    dirs = set()
+    for wd in ("0", "-0.0", "0.0", "0e5"):
+        run.main(["--weight-decay", wd, "--results-dir", str(tmp_path), "--print-run-dir"])
+        dirs.add(capsys.readouterr().out.strip())
+    assert len(dirs) == 1, dirs
+
+
+# ---- run-directory files ---
+def test_files_follow_the_umask_and_temps_are_cleaned(tmp_path):
+    runs.write_json(tmp_path / "config.json", {"a": 1})
+    assert (tmp_path / "config.json").stat().st_mode & 0o777 == runs.FILE_MODE
+    assert runs.FILE_MODE & 0o044, "readable by group/others under the usual umask"
+    stale = tmp_path / ".checkpoint.pt.abc.tmp"
+    stale.write_bytes(b"left by kill -9")
+    os.utime(stale, (time.time() - 3600,) * 2)
+    assert runs.remove_stale_temps(tmp_path) == [stale.name] and not stale.exists()
+
+
+@pytest.mark.parametrize("content", ["", "{", "[]", "{}", "null"])
+def test_metrics_json_counts_only_if_it_parses(tmp_path, content):
+    (tmp_path / "metrics.json").write_text(content)
+    assert not runs.is_done(tmp_path)
+    (tmp_path / "metrics.json").write_text('{"test_acc": 0.5}')
+    assert runs.is_done(tmp_path)
+
+
+def test_status_is_written_even_when_the_disk_has_no_room_for_a_temp_file(tmp_path, monkeypatch):
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(runs.tempfile, "mkstemp", full)
+    assert runs.try_write_status(tmp_path, "failed")  # in place: the file is a few bytes
+    assert (tmp_path / "status").read_text() == "failed\n"
+
+
+# ---- faults during a run ---
+def test_disk_full_mid_run_is_one_error_line_and_a_failed_status(main_in_process, tmp_path,
+                                                                  monkeypatch, capsys,
+                                                                  mlflow_uri):
+    write_history = runs.write_history
+
+    def fills_up(run_dir, rows):
+        if len(rows) >= 1:
+            raise OSError(errno.ENOSPC, "No space left on device", str(run_dir / "history.csv"))
+        write_history(run_dir, rows)
+
+    monkeypatch.setattr(runs, "write_history", fills_up)
+    results = tmp_path / "results"
+    code = main_in_process("--epochs", "2", "--checkpoint-every", "0",
+                           "--results-dir", str(results))
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.count("error:") == 1 and "No space left on device" in err
+    assert "Traceback" not in err.split("error:")[1]
+    run_dir = run_dir_of(results)
+    assert (run_dir / "status").read_text() == "failed\n"
+    assert not runs.is_done(run_dir) and (run_dir / "checkpoint.pt").exists()
+    state = json.loads((run_dir / "tracking.json").read_text())
+    assert mlflow_run(mlflow_uri, state["run_id"]).info.status == "FAILED"
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 2 MiB tmpfs (needs root, as in CI); skipped where mounting is not allowed."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
+                            capture_output=True)
+    if result.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_no_room_for_a_checkpoint_is_refused_before_any_work(main_in_process, tiny_disk, capsys):
+    # width 64: checkpoints of ~7 MiB do not fit in 2 MiB
+    code = main_in_process("--width", "64", "--results-dir", str(tiny_disk / "results"))
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and "no room for this run" in err
+    assert not list((tiny_disk / "results").iterdir())
+
+
+# ---- one claim per run directory ---
+def test_the_same_run_started_twice_trains_once(env, data_dir, tmp_path):
+    results = tmp_path / "results"
+    first = popen_cli("--epochs", "2", results_dir=results, data_dir=data_dir, env=env)
+    _wait_for(lambda: any(results.glob("*/run.log")), first)
+    second = subprocess.run([sys.executable, str(RUN_PY), *TINY, "--epochs", "2", "--data-dir",
+                             str(data_dir), "--results-dir", str(results)], env=env, cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert second.returncode == 73, second.stderr
+    assert second.stderr.startswith("error: running elsewhere: ")
+    assert "torch" not in second.stderr  # refused before anything heavy was imported
+    _, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err
+    assert (run_dir_of(results) / "history.csv").read_text().count("\n") == 3
+
+
+# ---- tracking ---
+def test_a_tracker_that_is_down_never_stops_training_and_sync_sends_it_later(run_cli, tmp_path):
+    dead = f"http://127.0.0.1:{_free_port()}"
+    results = tmp_path / "results"
+    started = time.monotonic()
+    result = run_cli(*QUICK, results_dir=results, extra_env={"MLFLOW_TRACKING_URI": dead})
+    took = time.monotonic() - started
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("training goes on") == 1  # warned once
+    run_dir = run_dir_of(results)
+    assert read_metrics(run_dir)["mlflow_run_id"] is None
+    print(f"job with the tracker down: {took:.1f}s")
+
+    uri = f"sqlite:///{tmp_path / 'later.db'}"
+    synced = subprocess.run(
+        [sys.executable, "-m", "{{ cookiecutter.package_name }}.tracking", "sync", str(results)],
+        env={**os.environ, "MLFLOW_TRACKING_URI": uri}, cwd=ROOT, capture_output=True,
+        text=True, timeout=120)
+    assert synced.returncode == 0, synced.stderr
+    run_id = json.loads((run_dir / "tracking.json").read_text())["run_id"]
+    run = mlflow_run(uri, run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["test_acc"] == pytest.approx(read_metrics(run_dir)["test_acc"])
+
+
+def test_tracking_off_needs_no_mlflow(run_cli, tmp_path):
+    result = run_cli(*QUICK, "--tracking", "off", results_dir=tmp_path,
+                     extra_env={"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"})
+    assert result.returncode == 0, result.stderr
+    assert "MLflow off" in result.stderr and "MLflow (" not in result.stderr
+    assert not (run_dir_of(tmp_path) / "tracking.json").exists()
+
+
+@pytest.mark.slow
+def test_eight_parallel_jobs_on_a_fresh_project(data_dir, tmp_path):
+    """No run.sh, no --init-tracking: 8 jobs at once create the DB safely and all finish."""
+    db = tmp_path / "mlflow.db"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{db}", "OMP_NUM_THREADS": "1"}
+    procs = [popen_cli(*QUICK, "--seed", str(seed), results_dir=tmp_path / "results",
+                       data_dir=data_dir, env=env) for seed in range(8)]
+    outputs = [proc.communicate(timeout=600) for proc in procs]
+    assert [p.returncode for p in procs] == [0] * 8, [err[-500:] for _, err in outputs]
+    with contextlib.closing(sqlite3.connect(db)) as con:
+        statuses = con.execute("select status from runs").fetchall()
+        assert sorted(statuses) == [("FINISHED",)] * 8
+        assert con.execute("pragma integrity_check").fetchone() == ("ok",)
+        tables = {r[0] for r in con.execute("select name from sqlite_master")}
+        assert not [t for t in tables if t.startswith("_alembic_tmp")]
+
+
+# ---- stop signals ---
+@pytest.mark.slow
+@pytest.mark.parametrize("burst", [("SIGTERM", "SIGTERM"), ("SIGUSR1", "SIGTERM", "SIGTERM"),
+                                   ("SIGINT", "SIGTERM")])
+def test_a_burst_of_signals_checkpoints_once_and_exits_75(env, data_dir, tmp_path, burst):
+    results = tmp_path / "results"
+    proc = popen_cli("--epochs", "3", "--checkpoint-every", "1000", results_dir=results,
+                     data_dir=data_dir, env=env)
+    _wait_for(lambda: any("steps/epoch" in p.read_text() for p in results.glob("*/run.log")),
+              proc)
+    for name in burst:
+        proc.send_signal(getattr(signal, name))
+        time.sleep(0.005)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err
+    run_dir = run_dir_of(results)
+    assert (run_dir / "status").read_text() == "interrupted\n"
+    assert (run_dir / "checkpoint.pt").exists()
+
+
+@pytest.mark.slow
+def test_a_stop_signal_during_start_up_exits_75(env, data_dir, tmp_path):
+    proc = popen_cli(*QUICK, results_dir=tmp_path, data_dir=data_dir, env=env)
+    time.sleep(0.5)  # importing torch: long before the training loop
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err
