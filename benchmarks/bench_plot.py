@@ -109,7 +109,7 @@ def main() -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_plot_"))
     project = render(tmp)
-    n = write_sweep(project / "results", args.seeds, args.epochs)
+    n = write_sweep(project / "results" / "sweep", args.seeds, args.epochs)  # plot.py default
     cmd = [sys.executable, "plot.py"]
     subprocess.run(cmd, cwd=project, check=True, capture_output=True)  # warm-up, untimed
     times = []

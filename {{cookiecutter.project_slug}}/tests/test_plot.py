@@ -76,7 +76,7 @@ def write_run(root: Path, lr: float, seed: int, *, test_acc: float | None, statu
             "best_val_acc": test_acc + 0.01, "test_acc": test_acc,
             "test_loss": 1 - test_acc if test_loss is None else test_loss,
             "best_epoch": epochs, "epochs_run": epochs, "steps": epochs * 10,
-            "wall_time_s": 30.0 + seed, "train_time_s": 25.0, "compile_time_s": 0.0,
+            "wall_time_s": 600.0 + 30 * seed, "train_time_s": 25.0, "compile_time_s": 0.0,
             "samples_per_sec": 1000.0 + 10 * seed, "peak_mem_bytes": 0, "device": "cpu",
             "stop_reason": "max_epochs", "mlflow_run_id": None,
         }  # fmt: skip
@@ -239,6 +239,24 @@ def test_log_axes_label_every_tick_without_overlap(drawn):
         boxes = [lab.get_window_extent() for _, lab in shown]
         for a, b in zip(boxes, boxes[1:], strict=False):
             assert a.x1 <= b.x0, f"{name} ({width}): tick labels overlap: {texts}"
+
+
+def test_no_tick_labels_overlap(drawn):
+    width, figures = drawn
+    for name, fig in figures.items():
+        renderer = fig.canvas.get_renderer()
+        for ax in (a for a in fig.axes if a.get_visible()):
+            for axis in (ax.xaxis, ax.yaxis):
+                lo, hi = sorted(axis.get_view_interval())
+                labels = [t.label1 for t in axis.get_major_ticks() if lo <= t.get_loc() <= hi
+                          and t.label1.get_visible() and t.label1.get_text()]  # fmt: skip
+                boxes = [lab.get_window_extent(renderer) for lab in labels]
+                for i, a in enumerate(boxes):
+                    for b in boxes[i + 1 :]:
+                        assert not a.overlaps(b), (
+                            f"{name} ({width}): tick labels overlap: "
+                            f"{[lab.get_text() for lab in labels]}"
+                        )
 
 
 def config_texts(fig) -> list[str]:
