@@ -403,21 +403,24 @@ def _time_unit(seconds: float) -> tuple[float, str]:
 
 
 def plot_system(series: dict[str, tuple[np.ndarray, np.ndarray]], style: Style,
-                title: str = "") -> Figure:  # fmt: skip
+                title: str = "") -> Figure | None:  # fmt: skip
     """Utilisation and memory over the run's time, from MLflow's system metrics.
 
     `series`: metric name without `system/` -> (seconds since the run's first sample, values),
     as `load_system_metrics` returns. Top panel: every GPU's utilisation, or the CPU's when no GPU
-    was recorded; bottom: GPU memory (or the machine's RAM), in % of the total.
+    was recorded; bottom: GPU memory (or the machine's RAM), in % of the total. None if `series`
+    has neither.
     """
     gpus = sorted(k for k in series if re.fullmatch(r"gpu_\d+_utilization_percentage", k))
+    memory = [k.replace("utilization", "memory_usage") for k in gpus]
     panels = [
-        ("utilisation (%)", gpus or [k for k in ["cpu_utilization_percentage"] if k in series]),
-        ("memory (%)", [k.replace("utilization", "memory_usage") for k in gpus
-                        if k.replace("utilization", "memory_usage") in series]
-         or [k for k in ["system_memory_usage_percentage"] if k in series]),
-    ]  # fmt: skip
+        ("GPU util. (%)", gpus) if gpus else ("CPU util. (%)", ["cpu_utilization_percentage"]),
+        ("GPU memory (%)", memory) if gpus else ("RAM (%)", ["system_memory_usage_percentage"]),
+    ]
+    panels = [(label, [k for k in names if k in series]) for label, names in panels]
     panels = [(label, names) for label, names in panels if names]
+    if not panels:
+        return None
     fig = Figure(figsize=(style.width, style.panel_height * max(1, len(panels)) * 0.75 + 0.3),
                  layout="constrained")  # fmt: skip
     axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False).ravel()
@@ -573,14 +576,14 @@ def system_main(args: argparse.Namespace) -> int:
     except LookupError as e:
         print(f"error: --system: {e}", file=sys.stderr)
         return 2
-    if not series:
+    set_style()
+    style = Style(PAGE_WIDTHS[args.width], PANEL_HEIGHTS[args.width], {})
+    fig = plot_system(series, style, title=name)
+    if fig is None:
         print(f"error: --system: MLflow run {run_id} recorded no system metrics "
               "(system/gpu_0_utilization_percentage, system/cpu_utilization_percentage, ...)",
               file=sys.stderr)  # fmt: skip
         return 1
-    set_style()
-    style = Style(PAGE_WIDTHS[args.width], PANEL_HEIGHTS[args.width], {})
-    fig = plot_system(series, style, title=name)
     paths = save(fig, f"system_{name}", args.out, args.formats)
     print(f"{args.out}/: {', '.join(p.name for p in paths)} ({len(series)} system metrics)")
     return 0

@@ -447,7 +447,8 @@ def test_system_figure(gpus):
     w, h = fig.get_size_inches()
     assert box.x0 >= 0 and box.y0 >= 0 and box.x1 <= w + 1 / 72 and box.y1 <= h + 1 / 72
     util, memory = fig.axes
-    assert util.get_ylabel() == "utilisation (%)" and memory.get_ylabel() == "memory (%)"
+    device, ram = ("GPU", "GPU memory") if gpus else ("CPU", "RAM")
+    assert util.get_ylabel() == f"{device} util. (%)" and memory.get_ylabel() == f"{ram} (%)"
     assert len(util.get_lines()) == max(1, gpus), "one line per GPU, or the CPU's"
     assert memory.get_xlabel() == "time since the first sample (min)"
     if gpus == 2:
