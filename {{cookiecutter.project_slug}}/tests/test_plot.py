@@ -366,7 +366,7 @@ def test_bad_and_duplicate_runs_skipped_and_named_in_one_line(results, plotted):
         "digits_lr=0.01_seed=10": "corrupt",  # empty metrics.json: not a finished run
         "digits_lr=0.01_seed=8": "unfinished",
         "digits_lr=0.01_seed=9": "failed",
-        "digits_lr=0.01_seed=11": "no experiment_keys in config.json",
+        "digits_lr=0.01_seed=11": "no experiment_keys in its config",
         "copy": f"duplicate of {original}",
     }
     _, proc = plotted

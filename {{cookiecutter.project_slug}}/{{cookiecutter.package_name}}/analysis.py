@@ -191,7 +191,7 @@ def settle(runs: Sequence[Run]) -> tuple[list[Run], list[tuple[str, str]]]:
         if run.experiment_keys:
             kept.append(run)
         else:
-            skipped.append((run.where, "no experiment_keys in config.json"))
+            skipped.append((run.where, "no experiment_keys in its config"))
     keys = sorted({k for run in kept for k in run.experiment_keys})
     defaults = parser_defaults()
     for run in kept:
