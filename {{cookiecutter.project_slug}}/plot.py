@@ -440,6 +440,8 @@ def plot_system(series: dict[str, tuple[np.ndarray, np.ndarray]], style: Style,
     if title:
         fig.suptitle(title, fontsize=STYLE["legend.fontsize"])
     return fig
+
+
 # ----------------------------------------------------------------------------------------------
 # Output and command line
 # ----------------------------------------------------------------------------------------------

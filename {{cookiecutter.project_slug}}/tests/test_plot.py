@@ -546,4 +546,3 @@ def test_from_mlflow(tmp_path, capsys):
     capsys.readouterr()  # drop mlflow's own log lines from creating the DB above
     assert plot.main(["--from-mlflow", "--tracking-uri", uri, "--experiment", "nope"]) == 1
     assert capsys.readouterr().err.startswith("error: no MLflow experiment named 'nope'")
-
