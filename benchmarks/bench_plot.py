@@ -4,7 +4,8 @@
     .venv/bin/python benchmarks/bench_plot.py --profile   # + cProfile of plot.main, top 25
 
 Renders the template into a temporary directory, writes 200 finished runs that follow
-docs/design.md (config.json, metrics.json, history.csv, status), then times `python plot.py` in a
+docs/design.md (config.json, metrics.json, history.csv, status) into results/sweep (where run.sh
+puts a sweep and plot.py looks by default), then times `python plot.py` in a
 fresh subprocess -- interpreter start, imports, loading, aggregation, 3 figures as PDF + PNG and
 the tables -- `--repeat` times after one untimed warm-up run (which fills the OS file cache and
 writes __pycache__). Prints a markdown table for benchmarks/RESULTS.md.
@@ -109,7 +110,7 @@ def main() -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_plot_"))
     project = render(tmp)
-    n = write_sweep(project / "results", args.seeds, args.epochs)
+    n = write_sweep(project / "results" / "sweep", args.seeds, args.epochs)  # plot.py default
     cmd = [sys.executable, "plot.py"]
     subprocess.run(cmd, cwd=project, check=True, capture_output=True)  # warm-up, untimed
     times = []
@@ -125,11 +126,12 @@ def main() -> int:
     info = machine()
     grid = f"{len(LRS)} lr x {len(WIDTHS)} width x {args.seeds} seeds"
     print(f"`python plot.py` on {n} runs x {args.epochs} epochs ({grid}), {args.repeat} runs:\n")
-    print("| runs | epochs | best (s) | median (s) | all (s) | CPU | cores | Python | matplotlib |")
-    print("|---:|---:|---:|---:|---|---|---:|---|---|")
+    print("| runs | epochs | best (s) | median (s) | all (s) | CPU | cores | Python | matplotlib "
+          "| numpy |")  # fmt: skip
+    print("|---:|---:|---:|---:|---|---|---:|---|---|---|")
     print(f"| {n} | {args.epochs} | {min(times):.2f} | {statistics.median(times):.2f} | "
           f"{', '.join(f'{t:.2f}' for t in times)} | {info['cpu']} | {info['cores']} | "
-          f"{info['python']} | {info['matplotlib']} |")  # fmt: skip
+          f"{info['python']} | {info['matplotlib']} | {info['numpy']} |")  # fmt: skip
     print(f"\nplot.py said: {proc.stdout.strip()}")
     print(f"files: {', '.join(figures)}")
     print(f"os: {info['os']}, numpy {info['numpy']}, load average during the runs: {load}")

@@ -1,9 +1,11 @@
 """Figures and aggregate tables from a sweep: the plotting half (analysis is in PKG/analysis.py).
 
-    python plot.py                       # results/ -> figures/*.pdf, *.png, aggregate.csv, .tex
-    python plot.py --width double        # figures for the full text width of a two-column paper
-    python plot.py --from-mlflow         # read the runs from the MLflow tracking server instead
-    python plot.py --formats pdf         # only PDFs (for LaTeX), faster
+    python plot.py                     # results/sweep -> figures/*.pdf, *.png, aggregate.csv/.tex
+    python plot.py --results results/trials  # the trial runs of `python run.py` instead
+    python plot.py --width double      # figures for the full text width of a two-column paper
+    python plot.py --from-mlflow       # read the runs from the MLflow tracking server instead
+    python plot.py --system RUN        # GPU/CPU utilisation over time of one run (from MLflow)
+    python plot.py --formats pdf       # only PDFs (for LaTeX), faster
 
 Figures are made and re-made dozens of times before publication, so their styling lives here, in
 code: `figsize` is the size on the page in inches (PAGE_WIDTHS x a height each figure declares),
@@ -13,17 +15,18 @@ fonts are 10 pt and never below 8 pt, all set in one place (STYLE), and savefig 
 
 One function per figure; each takes the aggregate table and the Style and returns a Figure. To add
 a figure, copy one of the plot_* functions, change it, and add a line to `figures` in main().
-Colours are per configuration (Style.colours) and the same in every figure.
+A configuration has one colour *and* one marker (Style.looks), the same in every figure, and
+every legend lists configurations in the table's sorted order. Where fewer seeds stand behind a
+number than behind the others, the figure says n.
 
-No torch import, and mlflow only with --from-mlflow: this runs in a few seconds
-(benchmarks/RESULTS.md: 200 runs x 50 epochs).
+No torch import, and mlflow only with --from-mlflow or --system, so it starts fast.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +38,9 @@ matplotlib.use("Agg")  # files only, no display: also the fastest backend to imp
 
 import numpy as np  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.font_manager import FontProperties  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.textpath import TextToPath  # noqa: E402
 from matplotlib.ticker import EngFormatter, MaxNLocator, NullLocator  # noqa: E402
 
 from {{ cookiecutter.package_name }}.analysis import (  # noqa: E402
@@ -45,13 +51,17 @@ from {{ cookiecutter.package_name }}.analysis import (  # noqa: E402
     format_value,
     load_runs,
     load_runs_from_mlflow,
+    load_system_metrics,
     write_tables,
 )
-from {{ cookiecutter.package_name }}.runs import atomic_path  # noqa: E402
+from {{ cookiecutter.package_name }}.config import DEFAULT_EXPERIMENT, PROJECT_ROOT  # noqa: E402
+from {{ cookiecutter.package_name }}.runs import METRICS, atomic_path, read_json  # noqa: E402
+from {{ cookiecutter.package_name }}.tracking import tracking_uri  # noqa: E402  (no mlflow import)
 
-PROJECT_ROOT = Path(__file__).resolve().parent
-DEFAULT_EXPERIMENT = "{{ cookiecutter.project_slug }}"
-
+# run.sh gives every job `--results-dir results/$SWEEP_NAME` (default: sweep); `python run.py` on
+# its own writes to results/trials, so trial runs never mix into the sweep's figures.
+SWEEP_RESULTS = PROJECT_ROOT / "results" / "sweep"
+TRIAL_RESULTS = PROJECT_ROOT / "results" / "trials"
 # Widths on the page, in inches. single/double: column and text width of the common two-column
 # conference layouts (ICML: 3.25 in / 6.75 in; IEEE and CVPR are within 0.1 in of these).
 # slide: the content area of a 16:9 slide (13.33 in x 7.5 in) less margins.
@@ -60,7 +70,7 @@ PAGE_WIDTHS = {"single": 3.25, "double": 6.75, "slide": 10.0}
 PANEL_HEIGHTS = {"single": 2.0, "double": 2.3, "slide": 4.5}
 
 STYLE = {
-    # The lab's rule: 10 pt text, 8 pt the absolute minimum (ticks and legends use 9).
+    # The lab's rule: 10 pt text, 8 pt the absolute minimum (ticks use 9, legend entries 8).
     "font.size": 10,
     "axes.labelsize": 10,
     "axes.titlesize": 10,
@@ -68,7 +78,7 @@ STYLE = {
     "figure.labelsize": 10,
     "xtick.labelsize": 9,
     "ytick.labelsize": 9,
-    "legend.fontsize": 9,
+    "legend.fontsize": 8,
     "legend.title_fontsize": 9,
     # Embed TrueType (Type 42) fonts: editable text in Illustrator/Inkscape, and journals reject
     # the Type 3 fonts matplotlib embeds by default.
@@ -86,10 +96,14 @@ STYLE = {
     "lines.markersize": 4,
     "errorbar.capsize": 2,
     "legend.frameon": False,
-    "legend.handlelength": 1.5,
-    "legend.columnspacing": 1.0,
+    # Compact legends: 20 configurations must not take the height of the panel.
+    "legend.handlelength": 1.2,
+    "legend.handletextpad": 0.4,
+    "legend.columnspacing": 0.9,
+    "legend.labelspacing": 0.25,
+    "legend.borderpad": 0.2,
 }
-MARKERS = "osD^vPX*"  # one per series in plot_final_vs_hparam
+MARKERS = "osD^vP<X>*"  # with the colours: each configuration's look (Style.looks)
 LABELS = {  # axis labels of metrics (anything missing falls back to the metric's name)
     "best_val_acc": "best validation accuracy",
     "test_acc": "test accuracy",
@@ -98,6 +112,8 @@ LABELS = {  # axis labels of metrics (anything missing falls back to the metric'
     "samples_per_sec": "throughput (samples/s)",
     "wall_time_s": "wall time",
 }
+# Identifies the artists that stand for a configuration (its colour and marker); tests read it.
+GID = "config:"
 
 
 def set_style() -> None:
@@ -106,35 +122,50 @@ def set_style() -> None:
 
 
 @dataclass(frozen=True)
+class Look:
+    colour: tuple
+    marker: str
+
+
+@dataclass(frozen=True)
 class Style:
-    """Page geometry and colours that every figure function uses."""
+    """Page geometry and the look of each configuration that every figure function uses."""
 
     width: float  # inches, one of PAGE_WIDTHS
     panel_height: float  # inches, one row of panels
-    colours: dict[str, tuple]  # Row.label -> RGBA, identical across figures
+    looks: dict[str, Look]  # Row.label -> colour and marker, identical across figures
 
 
 def make_style(table: Table, width: str = "single") -> Style:
-    return Style(PAGE_WIDTHS[width], PANEL_HEIGHTS[width], config_colours(table))
+    return Style(PAGE_WIDTHS[width], PANEL_HEIGHTS[width], config_looks(table))
 
 
-def config_colours(table: Table) -> dict[str, tuple]:
-    """A stable colour per configuration: the i-th configuration (sorted by its hyperparameter
-    values) gets the i-th tab10 colour; 11-20 the light tab20 shades; more share a colormap."""
+def config_looks(table: Table) -> dict[str, Look]:
+    """A stable colour and marker per configuration: the i-th configuration (sorted by its
+    hyperparameter values) gets the i-th tab10 colour (11-20: the light tab20 shades; more share
+    a colormap) and the i-th marker, so two configurations differ in colour and, up to
+    len(MARKERS), in marker too (readable in greyscale print)."""
     n = len(table.rows)
     if n <= 20:
         tab20 = matplotlib.colormaps["tab20"].colors
         palette = list(tab20[0::2]) + list(tab20[1::2])  # tab10 first, then the light shades
     else:
         palette = matplotlib.colormaps["turbo"](np.linspace(0.05, 0.95, n))
-    return {row.label: tuple(palette[i]) for i, row in enumerate(table.rows)}
+    return {
+        row.label: Look(tuple(palette[i]), MARKERS[i % len(MARKERS)])
+        for i, row in enumerate(table.rows)
+    }
 
 
-def legend_label(row: Row) -> str:
+def legend_label(row: Row, n: int | None = None, n_last: int | None = None) -> str:
     """A configuration's values only ("0.01, 64"; the key names go in the legend's title, see
-    key_title); those with fewer seeds than the others show their n."""
+    key_title), plus its n where it differs from the others': `(n=2)` for fewer seeds (or fewer
+    finite values, `n`), `(n=3→1)` for a curve whose seeds stopped early (`n_last` at the end)."""
     label = ", ".join(format_value(v) for v in row.values) or row.label
-    return f"{label} (n={row.n})" if row.fewer_seeds else label
+    n = row.n if n is None else n
+    if n_last is not None and n_last < n:
+        return f"{label} (n={n}→{n_last})"
+    return f"{label} (n={n})" if row.fewer_seeds or n < row.n else label
 
 
 def key_title(table: Table) -> str | None:
@@ -142,17 +173,53 @@ def key_title(table: Table) -> str | None:
     return ", ".join(table.keys) or None
 
 
-def legend_rows(labels: Sequence[str], width: float) -> tuple[int, int]:
-    """(ncols, rows) of a legend of `labels` that spans `width` inches (a rough text estimate)."""
-    size = STYLE["legend.fontsize"] / 72  # inches
-    col = 0.55 * size * max(len(s) for s in labels) + 0.5  # text + handle + spacing
-    ncols = max(1, min(len(labels), int(width // col)))
-    return ncols, math.ceil(len(labels) / ncols)
+def text_width(text: str, size: float) -> float:
+    """Width of `text` set at `size` pt, in inches (the font's own metrics)."""
+    width, _, _ = TextToPath().get_text_width_height_descent(text, FontProperties(size=size), False)
+    return width / 72
 
 
-def legend_height(rows: int) -> float:
-    """Inches a legend of `rows` rows needs below the axes (line spacing ~1.5 x font size)."""
-    return 0.1 + rows * 1.5 * STYLE["legend.fontsize"] / 72 if rows else 0.0
+def wrap(text: str, width: float, size: float) -> str:
+    """`text` broken into lines no wider than `width` inches at `size` pt (measured)."""
+    lines: list[str] = []
+    for word in text.split():
+        if lines and text_width(f"{lines[-1]} {word}", size) <= width:
+            lines[-1] += f" {word}"
+        else:
+            lines.append(word)
+    return "\n".join(lines)
+
+
+def legend_layout(labels: Sequence[str], width: float, title: str | None) -> tuple[int, float]:
+    """(ncols, height in inches) of a legend of `labels` spanning `width` inches below the axes.
+
+    As many columns as fit, so that 20 configurations take a few rows rather than the
+    height of the panel; the column width is measured with the font's metrics.
+    """
+    size = STYLE["legend.fontsize"]
+    em = size / 72
+    handle = (STYLE["legend.handlelength"] + STYLE["legend.handletextpad"]) * em
+    col = max(text_width(s, size) for s in labels) + handle + STYLE["legend.columnspacing"] * em
+    ncols = max(1, min(len(labels), int((width - 0.1) // col)))
+    rows = math.ceil(len(labels) / ncols) + (1 if title else 0)
+    return ncols, 0.15 + rows * STYLE["legend.labelspacing"] * em + rows * 1.2 * em
+
+
+def config_legend(fig: Figure, table: Table, style: Style, labels: Sequence[str],
+                  title: str | None, **line) -> None:  # fmt: skip
+    """The figure's legend of configurations, below the axes, in the table's (sorted) order."""
+    handles = [
+        Line2D([], [], color=style.looks[row.label].colour, marker=style.looks[row.label].marker,
+               gid=GID + row.label, **line)
+        for row in table.rows
+    ]  # fmt: skip
+    ncols, _ = legend_layout(labels, style.width, title)
+    fig.legend(handles, labels, loc="outside lower center", ncols=ncols, title=title)
+
+
+def legend_room(table: Table, style: Style, labels: Sequence[str], title: str | None) -> float:
+    """Inches to add to a figure's height for its config_legend (0 with one configuration)."""
+    return legend_layout(labels, style.width, title)[1] if len(table.rows) > 1 else 0.0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -161,42 +228,78 @@ def legend_height(rows: int) -> float:
 
 
 def plot_learning_curves(table: Table, style: Style, column: str = "val_acc") -> Figure:
-    """Validation accuracy per epoch: mean over seeds, band = +-1 standard error."""
-    labels = [legend_label(row) for row in table.rows]
-    ncols, rows = legend_rows(labels, style.width) if len(labels) > 1 else (1, 0)
-    height = style.panel_height + legend_height(rows + 1)  # the declared height; +1: its title
+    """Validation accuracy per epoch: mean over seeds, band = +-1 standard error.
+
+    Where some seeds have stopped (early stopping), the mean is over fewer seeds: that part of
+    the curve is dashed and the legend says `n=3→1`. The y-axis spans what the curves reach after
+    the first quarter of the epochs (the region where configurations differ); the steep first
+    epochs may leave it at the bottom.
+    """
+    curves = {row.label: curve(row, column) for row in table.rows}
+    labels = [legend_label(row, n_last=int(curves[row.label][3].min(initial=row.n)))
+              for row in table.rows]  # fmt: skip
+    any_dashed = any(curves[row.label][3].min(initial=row.n) < row.n for row in table.rows)
+    title = key_title(table)
+    if title and any_dashed:
+        title += " (dashed: fewer seeds)"
+    height = style.panel_height + legend_room(table, style, labels, title)
     fig = Figure(figsize=(style.width, height), layout="constrained")
     ax = fig.add_subplot()
-    for row, label in zip(table.rows, labels, strict=True):
-        epochs, mean, se, _ = curve(row, column)
-        colour = style.colours[row.label]
-        ax.plot(epochs, mean, color=colour, label=label)
+    focus = []
+    for i, row in enumerate(table.rows):
+        epochs, mean, se, n = curves[row.label]
+        if not epochs.size:
+            continue
+        look = style.looks[row.label]
+        full = n >= row.n
+        dashed = ~full
+        dashed[:-1] |= dashed[1:]  # the dashed part starts at the last point with every seed
+        ax.plot(epochs, np.where(full, mean, np.nan), color=look.colour)
+        ax.plot(epochs, np.where(dashed, mean, np.nan), color=look.colour, ls="--", lw=0.9)
+        every = max(1, epochs.size // 5)  # ~5 markers a curve, staggered between configurations
+        ax.plot(epochs, mean, ls="none", marker=look.marker, color=look.colour, gid=GID + row.label,
+                markevery=(i % every, every))  # fmt: skip
         if np.isfinite(se).any():
-            ax.fill_between(epochs, mean - se, mean + se, color=colour, alpha=0.2, lw=0)
+            ax.fill_between(epochs, mean - se, mean + se, color=look.colour, alpha=0.2, lw=0)
+        late = epochs >= epochs.min() + 0.25 * (epochs.max() - epochs.min())
+        focus += [mean[late] - np.nan_to_num(se[late]), mean[late] + np.nan_to_num(se[late])]
+    values = np.concatenate(focus) if focus else np.empty(0)
+    values = values[np.isfinite(values)]
+    if values.size:
+        lo, hi = values.min(), values.max()
+        pad = 0.08 * (hi - lo) or 0.01
+        ax.set_ylim(lo - pad, hi + pad)
     ax.set_xlabel("epoch")
     ax.set_ylabel(LABELS.get(column, column))
-    if rows:
-        fig.legend(loc="outside lower center", ncols=ncols, title=key_title(table))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if len(table.rows) > 1:
+        config_legend(fig, table, style, labels, title)
     return fig
 
 
 def plot_final_vs_hparam(table: Table, style: Style, metric: str = "test_acc") -> Figure | None:
     """`metric` against each swept hyperparameter (one panel each), mean +- SE over seeds.
 
-    A point is one configuration, in its colour; points that share the other hyperparameters are
-    joined by a grey line and share a marker (legend to the right). None if nothing was swept.
+    A point is one configuration, in its colour and marker (legend below); points that share the
+    other hyperparameters are joined by a grey line. None if nothing was swept.
     """
     if not table.keys or metric not in table.metrics:
         return None
+    most = max(row.count[metric] for row in table.rows)
+    labels = [legend_label(row, n=row.count[metric]) if row.count[metric] < most
+              else legend_label(row) for row in table.rows]  # fmt: skip
+    title = key_title(table)
     ncols = min(len(table.keys), max(1, int(style.width // 2.2)))  # panels at least ~2.2 in wide
     nrows = math.ceil(len(table.keys) / ncols)
-    fig = Figure(figsize=(style.width, nrows * style.panel_height), layout="constrained")
+    height = nrows * style.panel_height + legend_room(table, style, labels, title)
+    fig = Figure(figsize=(style.width, height), layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     for ax in axes[len(table.keys) :]:
         ax.set_visible(False)
     for ax, key in zip(axes, table.keys, strict=False):
         _final_vs_one(ax, table, style, key, metric)
-    axes[0].set_ylabel(LABELS.get(metric, metric))
+        ax.set_ylabel(LABELS.get(metric, metric))  # every panel: each may be read alone
+    config_legend(fig, table, style, labels, title, ls="none")
     return fig
 
 
@@ -211,15 +314,15 @@ def _final_vs_one(ax, table: Table, style: Style, key: str, metric: str) -> None
     log = numeric and min(xs) > 0 and max(xs) / min(xs) >= 8  # geometric grids: lr, width
     if numeric:
         ax.set_xscale("log" if log else "linear")
-        ticks = sorted(set(xs))
-        if log and len(ticks) <= 6 and all(float(v).is_integer() for v in ticks):
-            ax.set_xticks(ticks, [format_value(v) for v in ticks])  # 16 32 64, not 10^1 10^2
-            ax.xaxis.set_minor_locator(NullLocator())
+        values = sorted(set(xs))
+        ticks = values[:: math.ceil(len(values) / 8)]  # the swept values, each labelled
+        ax.set_xticks(ticks, [format_value(v) for v in ticks])  # 0.001 0.01, 16 32 64
+        ax.xaxis.set_minor_locator(NullLocator())  # no unlabelled ticks between them
     else:  # categorical: evenly spaced, in the table's order
         categories = list(dict.fromkeys(format_value(v) for v in xs))
         ax.set_xticks(range(len(categories)), categories)
     span = ((max(xs) - min(xs)) or 1.0) if numeric and not log else 1.0
-    for s, (other, rows) in enumerate(series.items()):
+    for s, rows in enumerate(series.values()):
         shift = (s - (len(series) - 1) / 2) * 0.03  # dodge series so error bars do not overlap
         if log:
             x = np.array([r.values[k] for r in rows], dtype=float) * 10 ** (shift / 2)
@@ -229,48 +332,66 @@ def _final_vs_one(ax, table: Table, style: Style, key: str, metric: str) -> None
             x = np.array([categories.index(format_value(r.values[k])) for r in rows]) + shift * 3
         y = np.array([r.mean[metric] for r in rows])
         err = np.nan_to_num(np.array([r.se[metric] for r in rows]))  # n = 1: no bar
-        marker = MARKERS[s % len(MARKERS)]
-        name = ", ".join(other)
-        ax.plot(x, y, color="0.6", lw=0.8, marker=marker, mfc="0.6", mec="0.6", label=name)
+        ax.plot(x, y, color="0.7", lw=0.8, zorder=1)
         for xi, yi, ei, r in zip(x, y, err, rows, strict=True):
-            c = style.colours[r.label]
-            ax.errorbar(xi, yi, yerr=ei, color=c, marker=marker, mfc=c, mec=c, lw=1.0)
+            look = style.looks[r.label]
+            bars = ax.errorbar(xi, yi, yerr=ei, color=look.colour, marker=look.marker, lw=1.0)
+            bars.lines[0].set_gid(GID + r.label)
     ax.set_xlabel(key)
-    if len(series) > 1:
-        title = ", ".join(table.keys[i] for i in others)
-        ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), handlelength=1.2, title=title)
 
 
 def plot_throughput(table: Table, style: Style) -> Figure:
-    """Training throughput and wall time per configuration (horizontal bars, mean +- SE)."""
+    """Training throughput and wall time of every run, one row per configuration.
+
+    Each dot is one run and the bar | their median: the spread between the seeds of one
+    configuration is the machine (other jobs sharing the GPU or CPU, data loading), not an effect
+    of the hyperparameters, and the caption says so; compare rows only where their dots separate.
+    Both axes start at 0, so a few percent of contention look like a few percent.
+    """
     n = len(table.rows)
-    # Bars need ~0.17 in each to keep their 9 pt labels apart; plus room for the axis labels.
-    height = max(style.panel_height, 0.6 + 0.17 * n)
+    caption = wrap(
+        "One dot per run, | median. Spread within a row is machine load, not the hyperparameter.",
+        style.width - 0.1,
+        STYLE["legend.fontsize"],
+    )
+    lines = caption.count("\n") + 1
+    # Rows need ~0.17 in each to keep their 9 pt labels apart; plus the axis labels and caption.
+    height = max(style.panel_height, 0.6 + 0.17 * n) + lines * 0.2
     fig = Figure(figsize=(style.width, height), layout="constrained")
     fig.get_layout_engine().set(wspace=0.08)  # room between the panels' tick labels
     ax_speed, ax_time = fig.subplots(1, 2, sharey=True)
-    y = np.arange(n)
-    colours = [style.colours[row.label] for row in table.rows]
-    walls = [row.mean.get("wall_time_s", math.nan) for row in table.rows]
-    scale, unit = _time_unit(np.nanmax(walls) if np.isfinite(walls).any() else 0.0)
-    for ax, metric, factor in (
-        (ax_speed, "samples_per_sec", 1.0),
-        (ax_time, "wall_time_s", 1 / scale),
-    ):
-        mean = np.array([row.mean.get(metric, math.nan) for row in table.rows]) * factor
-        err = np.nan_to_num(np.array([row.se.get(metric, math.nan) for row in table.rows]))
-        ax.barh(y, mean, xerr=err * factor, color=colours, height=0.7,
-                error_kw={"lw": 0.8, "capsize": 1.5})  # fmt: skip
+    walls = [v for row in table.rows for v in _per_run(row, "wall_time_s")]
+    finite = [v for v in walls if math.isfinite(v)]
+    scale, unit = _time_unit(max(finite, default=0.0))
+    panels = ((ax_speed, "samples_per_sec", 1.0), (ax_time, "wall_time_s", 1 / scale))
+    for ax, metric, factor in panels:
+        largest = 0.0
+        for y, row in enumerate(table.rows):
+            look = style.looks[row.label]
+            values = np.array(_per_run(row, metric)) * factor
+            values = values[np.isfinite(values)]
+            if not values.size:
+                continue
+            ax.plot(values, np.full(values.size, y), ls="none", marker=look.marker,
+                    color=look.colour, alpha=0.8, gid=GID + row.label)  # fmt: skip
+            ax.plot([np.median(values)] * 2, [y - 0.35, y + 0.35], color="0.2", lw=1.0)
+            largest = max(largest, values.max())
+        # From 0: the spread between runs is seen against the whole, not blown up to the panel.
+        ax.set_xlim(0, 1.1 * largest or 1.0)
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=3))  # few ticks: no clash at the gap
     ax_speed.set_xlabel("samples/s")  # short: two labels share one width
     ax_time.set_xlabel(f"wall time ({unit})")
-    for ax in (ax_speed, ax_time):
-        ax.xaxis.set_major_locator(MaxNLocator(nbins=3))  # few ticks: no clash at the gap
     ax_speed.xaxis.set_major_formatter(EngFormatter(sep=""))  # 30k, not 30000
-    ax_speed.set_yticks(y, [legend_label(row) for row in table.rows])
+    ax_speed.set_yticks(range(n), [legend_label(row) for row in table.rows])
+    ax_speed.set_ylim(n - 0.5, -0.5)  # first configuration on top, as in the table
     ax_speed.set_ylabel(key_title(table) or "")
-    ax_speed.invert_yaxis()  # first configuration on top, as in the table
     ax_time.tick_params(axis="y", left=False)
+    fig.suptitle(caption, fontsize=STYLE["legend.fontsize"])
     return fig
+
+
+def _per_run(row: Row, metric: str) -> list[float]:
+    return [r.metrics.get(metric, math.nan) for r in row.runs]
 
 
 def _time_unit(seconds: float) -> tuple[float, str]:
@@ -279,6 +400,46 @@ def _time_unit(seconds: float) -> tuple[float, str]:
     if seconds >= 120:
         return 60.0, "min"
     return 1.0, "s"
+
+
+def plot_system(series: dict[str, tuple[np.ndarray, np.ndarray]], style: Style,
+                title: str = "") -> Figure | None:  # fmt: skip
+    """Utilisation and memory over the run's time, from MLflow's system metrics.
+
+    `series`: metric name without `system/` -> (seconds since the run's first sample, values),
+    as `load_system_metrics` returns. Top panel: every GPU's utilisation, or the CPU's when no GPU
+    was recorded; bottom: GPU memory (or the machine's RAM), in % of the total. None if `series`
+    has neither.
+    """
+    gpus = sorted(k for k in series if re.fullmatch(r"gpu_\d+_utilization_percentage", k))
+    memory = [k.replace("utilization", "memory_usage") for k in gpus]
+    panels = [
+        ("GPU util. (%)", gpus) if gpus else ("CPU util. (%)", ["cpu_utilization_percentage"]),
+        ("GPU memory (%)", memory) if gpus else ("RAM (%)", ["system_memory_usage_percentage"]),
+    ]
+    panels = [(label, [k for k in names if k in series]) for label, names in panels]
+    panels = [(label, names) for label, names in panels if names]
+    if not panels:
+        return None
+    fig = Figure(figsize=(style.width, style.panel_height * max(1, len(panels)) * 0.75 + 0.3),
+                 layout="constrained")  # fmt: skip
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False).ravel()
+    seconds = max((t.max() for t, _ in series.values() if t.size), default=0.0)
+    scale, unit = _time_unit(seconds)
+    palette = matplotlib.colormaps["tab10"].colors
+    for ax, (label, names) in zip(axes, panels, strict=True):
+        for i, name in enumerate(names):
+            t, v = series[name]
+            device = " ".join(name.split("_")[:2]) if name.startswith("gpu_") else "all"
+            ax.plot(t / scale, v, color=palette[i % 10], label=device.upper())
+        ax.set_ylim(0, 105)
+        ax.set_ylabel(label)
+        if len(names) > 1:
+            ax.legend(loc="lower right", ncols=min(4, len(names)))
+    axes[-1].set_xlabel(f"time since the first sample ({unit})")
+    if title:
+        fig.suptitle(title, fontsize=STYLE["legend.fontsize"])
+    return fig
 
 
 # ----------------------------------------------------------------------------------------------
@@ -315,9 +476,21 @@ def skipped_line(skipped: Sequence[tuple], limit: int = 5) -> str:
     return f"warning: skipped {len(skipped)} {noun} ({'; '.join(parts)})"
 
 
-def tracking_uri(arg: str | None) -> str:
-    """--tracking-uri, else $MLFLOW_TRACKING_URI, else the project's sqlite DB (docs/design.md)."""
-    return arg or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{PROJECT_ROOT / 'mlflow.db'}"
+def dropped_line(table: Table, limit: int = 5) -> str:
+    """`warning: left out 2 non-finite values (test_loss=nan: a; ...)`: they are not in n."""
+    parts = [f"{metric}={value}: {where}" for where, metric, value in table.dropped]
+    more = f"; +{len(parts) - limit} more" if len(parts) > limit else ""
+    noun = "value" if len(parts) == 1 else "values"
+    return (f"warning: left out {len(parts)} non-finite {noun}, not counted in n "
+            f"({'; '.join(parts[:limit])}{more})")  # fmt: skip
+
+
+def shown(path: Path) -> str:
+    """`results/sweep/` relative to the current directory where possible."""
+    try:
+        return f"{path.resolve().relative_to(Path.cwd())}/"
+    except ValueError:
+        return f"{path}/"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -327,10 +500,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
+        "--results",
         "--results-dir",
+        dest="results",
         type=Path,
-        default=Path("results"),
-        help="directory of run directories written by run.py / run.sh",
+        default=SWEEP_RESULTS,
+        help="directory of run directories: run.sh's sweep (results/<SWEEP_NAME>); the trial "
+        "runs of `python run.py` are in results/trials",
     )
     p.add_argument(
         "--out",
@@ -341,7 +517,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--from-mlflow",
         action="store_true",
-        help="read the runs from the MLflow tracking server instead of --results-dir",
+        help="read the runs from the MLflow tracking server instead of --results",
+    )
+    p.add_argument(
+        "--system",
+        metavar="RUN",
+        default=None,
+        help="instead of the sweep's figures: GPU (or CPU) utilisation and memory over time of "
+        "one run, from MLflow's system metrics; RUN is a run directory or an MLflow run id",
     )
     p.add_argument(
         "--experiment",
@@ -374,10 +557,46 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def system_main(args: argparse.Namespace) -> int:
+    """--system RUN: the run's utilisation over time, figures/system_<run>.{pdf,png}."""
+    run = Path(args.system)
+    run_id, name = args.system, args.system
+    if run.is_dir():
+        try:
+            run_id = read_json(run / METRICS).get("mlflow_run_id")
+        except (OSError, ValueError, AttributeError):
+            run_id = None
+        if not run_id:
+            print(f"error: --system: {shown(run)} has no MLflow run id in its {METRICS} "
+                  "(unfinished, or trained with tracking off): pass the run id",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        name = run.resolve().name
+    uri = args.tracking_uri or tracking_uri()
+    try:
+        series = load_system_metrics(uri, run_id)
+    except LookupError as e:
+        print(f"error: --system: {e}", file=sys.stderr)
+        return 2
+    set_style()
+    style = Style(PAGE_WIDTHS[args.width], PANEL_HEIGHTS[args.width], {})
+    fig = plot_system(series, style, title=name)
+    if fig is None:
+        print(f"error: --system: MLflow run {run_id} recorded no system metrics "
+              "(system/gpu_0_utilization_percentage, system/cpu_utilization_percentage, ...)",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    paths = save(fig, f"system_{name}", args.out, args.formats)
+    print(f"{args.out}/: {', '.join(p.name for p in paths)} ({len(series)} system metrics)")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.system is not None:
+        return system_main(args)
     if args.from_mlflow:
-        uri = tracking_uri(args.tracking_uri)
+        uri = args.tracking_uri or tracking_uri()
         try:
             runs, skipped = load_runs_from_mlflow(uri, args.experiment)
         except LookupError as e:
@@ -385,23 +604,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         where = f"MLflow experiment {args.experiment!r}"
     else:
-        runs, skipped = load_runs(args.results_dir)
-        where = f"{args.results_dir}/"
-        if not args.results_dir.is_dir():
-            print(f"error: results directory {where} does not exist (run bash run.sh first)",
-                  file=sys.stderr)  # fmt: skip
-            return 1
+        runs, skipped = load_runs(args.results)
+        where = shown(args.results)
     if skipped:
         print(skipped_line(skipped), file=sys.stderr)
     if not runs:
-        print(f"error: no finished runs in {where} (run bash run.sh first)", file=sys.stderr)
+        trials = "" if args.from_mlflow else (
+            f"; `python run.py` alone writes trial runs to {shown(TRIAL_RESULTS)}, "
+            f"plot them with --results {shown(TRIAL_RESULTS)}"
+        )  # fmt: skip
+        print(f"error: no finished runs in {where} (bash run.sh fills {shown(SWEEP_RESULTS)}"
+              f"{trials})", file=sys.stderr)  # fmt: skip
         return 1
 
     table = aggregate(runs)
     if args.metric not in table.metrics:
-        print(f"error: --metric {args.metric} is not among the runs' metrics: "
+        print(f"error: --metric: {args.metric} is not among the runs' metrics: "
               f"{', '.join(table.metrics)}", file=sys.stderr)  # fmt: skip
         return 2
+    if table.dropped:
+        print(dropped_line(table), file=sys.stderr)
+    defaulted = sorted({f"{k}={format_value(v)}" for r in runs for k, v in r.defaulted.items()})
+    if defaulted:
+        older = sum(bool(r.defaulted) for r in runs)
+        print(f"note: {older} older runs lack keys; took run.py's current defaults: "
+              f"{', '.join(defaulted)}", file=sys.stderr)  # fmt: skip
     few = [f"{row.label} (n={row.n})" for row in table.rows if row.fewer_seeds]
     if few:
         print(f"note: fewer seeds than the others (max n={table.max_n}): {'; '.join(few)}",

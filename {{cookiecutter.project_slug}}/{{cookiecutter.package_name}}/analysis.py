@@ -9,14 +9,25 @@ functions serve a notebook:
     for row in table.rows:
         print(row.label, row.n, row.mean["test_acc"], row.se["test_acc"])
 
-Sources (docs/design.md): `results/<name>/{config.json, metrics.json, history.csv, status}`, or
-the MLflow tracking server (`load_runs_from_mlflow`). A run is *done* iff metrics.json exists.
+Sources: `results/sweep/<run>/{config.json, metrics.json, history.csv, status}` as run.py writes
+them (PKG/runs.py names the files), or the MLflow tracking server (`load_runs_from_mlflow`). A run
+is *done* iff its metrics.json parses to a non-empty JSON object.
+
+Which runs count (each exclusion is returned in `skipped`, with its reason, for one warning line):
+- a config.json without `experiment_keys` (every config.json run.py writes has it) is skipped: we
+  cannot tell which of its keys define the experiment;
+- a key that older runs lack (a flag added since) takes its default from run.py's current parser
+  (PKG/config.py `build_parser()`), so those runs join the configuration they belong to;
+- duplicates (same experiment keys *and* seed, e.g. a copied run directory) count once: the one
+  whose directory name is its run name (else the first) stays, the others are `duplicate of ...`.
 
 Statistics: a *configuration* is the tuple of experiment keys except `seed`; runs of the same
 configuration are its seeds. For every numeric metric: mean, standard error SE = s / sqrt(n) with
-the sample standard deviation s (ddof=1), and n. With n = 1 the SE is undefined and is NaN (an
-empty cell in the CSV, no error bar in the figures), never a misleading 0. A configuration with
-fewer seeds than the largest n of the sweep is flagged (`fewer_seeds`).
+the sample standard deviation s (ddof=1), and n = the number of *finite* values (a NaN or inf
+test loss of a diverged seed is dropped and listed in `Table.dropped`, never averaged and never
+counted). With n = 1 the SE is undefined and is NaN (an empty cell in the CSV, no error bar in the
+figures), never a misleading 0. A configuration with fewer seeds than the largest n of the sweep
+is flagged (`fewer_seeds`).
 """
 
 from __future__ import annotations
@@ -33,16 +44,23 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import EXECUTION_KEYS
-from .runs import CONFIG, HISTORY, HISTORY_FIELDS, METRICS, STATUS, atomic_write_text
+from .config import build_parser
+from .runs import (
+    CONFIG,
+    HISTORY,
+    HISTORY_FIELDS,
+    METRICS,
+    STATUS,
+    atomic_write_text,
+    read_json,
+    read_status,
+)
 
 # metrics.json in design order; the aggregate keeps this order, then any other numeric metric.
 METRIC_NAMES = (
     "best_val_acc", "test_acc", "test_loss", "best_epoch", "epochs_run", "steps", "wall_time_s",
     "train_time_s", "compile_time_s", "samples_per_sec", "peak_mem_bytes",
 )  # fmt: skip
-# Keys of config.json that describe the run rather than the experiment.
-BOOKKEEPING_KEYS = frozenset({"run_name", "experiment_keys", "code_version", "config_hash"})
 SEED_KEY = "seed"
 # The LaTeX table shows these (a paper table has room for a handful); the CSV has every metric.
 LATEX_METRICS = ("best_val_acc", "test_acc", "test_loss", "epochs_run", "wall_time_s")
@@ -57,14 +75,20 @@ class Run:
     metrics: dict[str, float]  # numeric entries of metrics.json
     history: dict[str, np.ndarray]  # history.csv column -> values, one per epoch
     source: str = ""  # run directory or MLflow run id
+    defaulted: dict = field(default_factory=dict)  # keys this run lacked -> the parser's default
 
     @property
     def experiment_keys(self) -> list[str]:
+        """config.json's `experiment_keys`; [] if it has none (such a run is skipped)."""
         keys = self.config.get("experiment_keys")
-        if isinstance(keys, list) and all(isinstance(k, str) for k in keys):
+        if isinstance(keys, list) and keys and all(isinstance(k, str) for k in keys):
             return keys
-        # Older or foreign runs: everything that is not execution detail or bookkeeping.
-        return [k for k in self.config if k not in EXECUTION_KEYS | BOOKKEEPING_KEYS]
+        return []
+
+    @property
+    def where(self) -> str:
+        """How warnings name the run: its directory's name, or its MLflow run name."""
+        return Path(self.source).name if Path(self.source).is_dir() else self.name
 
 
 @dataclass
@@ -76,6 +100,7 @@ class Row:
     runs: list[Run]
     mean: dict[str, float] = field(default_factory=dict)
     se: dict[str, float] = field(default_factory=dict)
+    count: dict[str, int] = field(default_factory=dict)  # finite values per metric (<= n)
     fewer_seeds: bool = False
 
     @property
@@ -95,6 +120,7 @@ class Table:
     metrics: list[str]  # numeric metrics present in any run
     rows: list[Row]
     constant: dict = field(default_factory=dict)  # experiment keys shared by every run
+    dropped: list[tuple[str, str, float]] = field(default_factory=list)  # (run, metric, value)
 
     @property
     def max_n(self) -> int:
@@ -122,8 +148,9 @@ def load_runs(results_dir: str | os.PathLike) -> tuple[list[Run], list[tuple[Pat
     """Every finished run under `results_dir`, and the (path, reason) of the ones skipped.
 
     reason is `unfinished` (running or interrupted: no metrics.json yet), `failed` (status says
-    so and no metrics.json) or `corrupt` (a file is missing or cannot be parsed). Sub-directories
-    with none of the run files (e.g. a user's notes) are ignored. A missing directory gives no runs.
+    so and no metrics.json), `corrupt` (a file is missing or cannot be parsed; an empty
+    metrics.json too) or one of `settle`'s. Sub-directories with none of the run files (e.g. a
+    user's notes) are ignored. A missing directory gives no runs.
     """
     root = Path(results_dir)
     runs: list[Run] = []
@@ -136,35 +163,71 @@ def load_runs(results_dir: str | os.PathLike) -> tuple[list[Run], list[tuple[Pat
         if not present:
             continue
         if METRICS not in present:
-            status = _read_status(path)
+            status = read_status(path)
             skipped.append((path, "failed" if status == "failed" else "unfinished"))
             continue
         try:
             runs.append(_load_run_dir(path))
         except (OSError, ValueError, TypeError, KeyError, UnicodeDecodeError):
             skipped.append((path, "corrupt"))
-    return runs, skipped
+    runs, unsettled = settle(runs)
+    return runs, skipped + unsettled
 
 
-def _read_status(path: Path) -> str:
-    try:
-        return (path / STATUS).read_text().strip()
-    except OSError:
-        return ""
+def parser_defaults() -> dict:
+    """run.py's current defaults of every flag (PKG/config.py, no torch)."""
+    return vars(build_parser().parse_args([]))
+
+
+def settle(runs: Sequence[Run]) -> tuple[list[Run], list[tuple[str, str]]]:
+    """The runs that count, and (run, reason) for the others (see the module docstring).
+
+    Skips runs without experiment keys; fills keys other runs have and this one lacks with the
+    parser's default (recorded in `Run.defaulted`); keeps one run per (configuration, seed).
+    """
+    kept: list[Run] = []
+    skipped: list[tuple[str, str]] = []
+    for run in runs:
+        if run.experiment_keys:
+            kept.append(run)
+        else:
+            skipped.append((run.where, "no experiment_keys in its config"))
+    keys = sorted({k for run in kept for k in run.experiment_keys})
+    defaults = parser_defaults()
+    for run in kept:
+        for key in keys:
+            if key not in run.config and key in defaults:
+                run.config[key] = run.defaulted[key] = defaults[key]
+    by_identity: dict[str, list[Run]] = {}
+    for run in kept:
+        identity = json.dumps({k: _hashable(run.config.get(k)) for k in keys}, sort_keys=True)
+        by_identity.setdefault(identity, []).append(run)
+    unique = []
+    for same in by_identity.values():
+        # The original directory is named after its run; a copy has another name.
+        keeper = next((r for r in same if r.where == r.name), same[0])
+        unique.append(keeper)
+        skipped += [(r.where, f"duplicate of {keeper.where}") for r in same if r is not keeper]
+    order = {id(run): i for i, run in enumerate(kept)}
+    unique.sort(key=lambda run: order[id(run)])
+    return unique, skipped
 
 
 def _load_run_dir(path: Path) -> Run:
-    config = json.loads((path / CONFIG).read_text())
-    metrics = json.loads((path / METRICS).read_text())
-    if not isinstance(config, dict) or not isinstance(metrics, dict):
-        raise ValueError("config.json and metrics.json must hold JSON objects")
+    config = read_json(path / CONFIG)
+    metrics = read_json(path / METRICS)
+    if not isinstance(config, dict) or not isinstance(metrics, dict) or not metrics:
+        raise ValueError("config.json and metrics.json must hold JSON objects, metrics non-empty")
     history = read_history((path / HISTORY).read_text())
     name = str(config.get("run_name") or path.name)
     return Run(name, config, _numeric(metrics), history, source=str(path))
 
 
 def read_history(text: str) -> dict[str, np.ndarray]:
-    """history.csv -> {column: float array}; empty cells become NaN; rows sorted by epoch."""
+    """history.csv -> {column: float array}; empty cells become NaN; rows sorted by epoch.
+
+    The project's one reader of history.csv (run.py only writes it, PKG/runs.py).
+    """
     rows = list(csv.reader(io.StringIO(text)))
     if not rows or "epoch" not in rows[0]:
         raise ValueError("history.csv has no header with an 'epoch' column")
@@ -202,7 +265,7 @@ def load_runs_from_mlflow(
     history.csv column names with step = epoch; final metrics carry the metrics.json names.
     FINISHED runs are done; RUNNING/SCHEDULED/KILLED are unfinished; FAILED are failed. When
     several finished runs share a config *and* seed (a re-run with --fresh), the newest wins and
-    the others are reported as `duplicate`.
+    the others are reported as duplicates (`settle`).
     Raises LookupError when the experiment does not exist.
     """
     from mlflow.tracking import MlflowClient  # lazy: keeps `python plot.py` fast
@@ -223,7 +286,6 @@ def load_runs_from_mlflow(
 
     runs: list[Run] = []
     skipped: list[tuple[str, str]] = []
-    seen: set[str] = set()
     for mr in mlflow_runs:  # newest first
         name = mr.data.tags.get("mlflow.runName") or mr.info.run_id
         status = mr.info.status
@@ -233,19 +295,15 @@ def load_runs_from_mlflow(
         config = {k: _parse_param(v) for k, v in mr.data.params.items()}
         config.setdefault("run_name", name)
         run = Run(str(config["run_name"]), config, {}, {}, source=mr.info.run_id)
-        identity = json.dumps(_identity(run, include_seed=True), sort_keys=True, default=str)
-        if identity in seen:
-            skipped.append((name, "duplicate"))
-            continue
-        seen.add(identity)
         logged = mr.data.metrics
         run.metrics = {m: float(logged[m]) for m in METRIC_NAMES if m in logged}
         run.history = _mlflow_history(
             client, mr.info.run_id, [c for c in HISTORY_FIELDS if c in logged]
         )
         runs.append(run)
+    runs, unsettled = settle(runs)  # newest first: the newest of duplicates stays
     runs.reverse()  # oldest first, like the sorted directory listing
-    return runs, skipped
+    return runs, skipped + unsettled
 
 
 def _mlflow_history(client, run_id: str, columns: Sequence[str]) -> dict[str, np.ndarray]:
@@ -267,6 +325,31 @@ def _mlflow_history(client, run_id: str, columns: Sequence[str]) -> dict[str, np
     for col, by_step in series.items():
         history[col] = np.array([by_step.get(e, math.nan) for e in epochs], dtype=float)
     return history
+
+
+SYSTEM_PREFIX = "system/"  # MLflow's system metrics: system/gpu_0_utilization_percentage, ...
+
+
+def load_system_metrics(tracking_uri: str, run_id: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """One run's system metrics (MLflow samples them in the background while the run is active):
+    name without `system/` -> (seconds since the run's first sample, values), in time order.
+    {} when none were recorded. Raises LookupError for an unknown run (imports mlflow)."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    try:
+        names = [k for k in client.get_run(run_id).data.metrics if k.startswith(SYSTEM_PREFIX)]
+    except MlflowException as e:
+        raise LookupError(f"no MLflow run {run_id!r} at {tracking_uri}") from e
+    histories = {name: client.get_metric_history(run_id, name) for name in names}
+    start = min((m.timestamp for h in histories.values() for m in h), default=0)
+    series = {}
+    for name, history in sorted(histories.items()):
+        points = sorted((m.timestamp, m.value) for m in history)
+        t = np.array([(ts - start) / 1000 for ts, _ in points], dtype=float)
+        series[name.removeprefix(SYSTEM_PREFIX)] = (t, np.array([v for _, v in points], float))
+    return series
 
 
 def _parse_param(text: str):
@@ -302,11 +385,6 @@ def _sort_key(value):
     return (2, 0.0, str(value))
 
 
-def _identity(run: Run, include_seed: bool = False) -> dict:
-    keys = run.experiment_keys
-    return {k: _hashable(run.config.get(k)) for k in keys if include_seed or k != SEED_KEY}
-
-
 def format_value(value) -> str:
     """Short text for a hyperparameter value: 0.001 -> '0.001', 1e-05 -> '1e-05', True -> 'True'."""
     if isinstance(value, float):
@@ -315,15 +393,19 @@ def format_value(value) -> str:
 
 
 def aggregate(runs: Iterable[Run]) -> Table:
-    """Group runs by configuration (all experiment keys but seed); mean, SE and n per metric."""
+    """Group runs by configuration (all experiment keys but seed); mean, SE and n per metric.
+
+    `runs` as `load_runs` returns them (settled: see `settle`). n per metric counts the finite
+    values only; each non-finite value dropped is listed in `Table.dropped`.
+    """
     runs = list(runs)
     key_order: list[str] = []
     for run in runs:
         key_order += [k for k in run.experiment_keys if k != SEED_KEY and k not in key_order]
     groups: dict[tuple, list[Run]] = {}
     for run in runs:
-        ident = _identity(run)
-        groups.setdefault(tuple(ident.get(k) for k in key_order), []).append(run)
+        ident = tuple(_hashable(run.config.get(k)) for k in key_order)
+        groups.setdefault(ident, []).append(run)
 
     # Swept = takes more than one value over the configurations; the rest is constant.
     swept = [i for i, _ in enumerate(key_order) if len({g[i] for g in groups}) > 1]
@@ -336,6 +418,7 @@ def aggregate(runs: Iterable[Run]) -> Table:
     metrics += sorted({m for r in runs for m in r.metrics} - set(metrics))
 
     rows = []
+    dropped = []
     for members in groups.values():
         # The original (unhashed) values of the first member: a list stays a list for display.
         values = tuple(members[0].config.get(key_order[i]) for i in swept)
@@ -343,10 +426,14 @@ def aggregate(runs: Iterable[Run]) -> Table:
         members.sort(key=lambda r: _sort_key(r.config.get(SEED_KEY)))
         row = Row(values, label or "all runs", members)
         for m in metrics:
-            row.mean[m], row.se[m] = mean_se([r.metrics.get(m, math.nan) for r in members])
+            values = [r.metrics.get(m, math.nan) for r in members]
+            row.mean[m], row.se[m] = mean_se(values)
+            row.count[m] = int(np.isfinite(values).sum())
+            dropped += [(r.where, m, r.metrics[m]) for r in members
+                        if m in r.metrics and not math.isfinite(r.metrics[m])]  # fmt: skip
         rows.append(row)
     rows.sort(key=lambda row: tuple(_sort_key(_hashable(v)) for v in row.values))
-    table = Table(keys, metrics, rows, constant)
+    table = Table(keys, metrics, rows, constant, dropped)
     for row in rows:
         row.fewer_seeds = row.n < table.max_n
     return table
@@ -394,18 +481,19 @@ def curve(
 
 def _records(table: Table) -> tuple[list[str], list[list]]:
     header = [*table.keys, "n", "seeds", "fewer_seeds"]
-    header += [f"{m}_{s}" for m in table.metrics for s in ("mean", "se")]
+    header += [f"{m}_{s}" for m in table.metrics for s in ("mean", "se", "n")]
     records = []
     for row in table.rows:
         rec = [*row.values, row.n, " ".join(format_value(s) for s in row.seeds), row.fewer_seeds]
         for m in table.metrics:
-            rec += [row.mean[m], row.se[m]]
+            rec += [row.mean[m], row.se[m], row.count[m]]
         records.append(rec)
     return header, records
 
 
 def table_csv(table: Table) -> str:
-    """The aggregate as CSV text: swept keys, n, seeds, fewer_seeds, <metric>_mean, <metric>_se."""
+    """The aggregate as CSV text: swept keys, n, seeds, fewer_seeds, then <metric>_mean,
+    <metric>_se and <metric>_n (finite values: smaller than n where a value was dropped)."""
     header, records = _records(table)
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
@@ -465,12 +553,19 @@ def table_latex(table: Table, metrics: Sequence[str] = LATEX_METRICS) -> str:
     for row in table.rows:
         cells = [latex_escape(format_value(v)) for v in row.values]
         cells.append(f"{row.n}" + ("$^\\dagger$" if row.fewer_seeds else ""))
-        cells += [format_mean_se(row.mean[m], row.se[m]) for m in metrics]
+        cells += [format_mean_se(row.mean[m], row.se[m])
+                  + ("$^\\ddagger$" if row.count[m] < row.n else "")
+                  for m in metrics]  # fmt: skip
         lines.append(" & ".join(cells) + " \\\\")
     lines.append("\\bottomrule")
+    notes = []
     if any(row.fewer_seeds for row in table.rows):
-        note = "$^\\dagger$ fewer seeds than the other configurations"
-        lines.append("\\multicolumn{" + str(len(columns)) + "}{l}{\\footnotesize " + note + "}")
+        notes.append("$^\\dagger$ fewer seeds than the other configurations")
+    if any(row.count[m] < row.n for row in table.rows for m in metrics):
+        notes.append("$^\\ddagger$ over the finite values only (their n: aggregate.csv)")
+    notes = ["\\multicolumn{" + str(len(columns)) + "}{l}{\\footnotesize " + note + "}"
+             for note in notes]  # fmt: skip
+    lines += [" \\\\\n".join(notes)] if notes else []
     lines.append("\\end{tabular}")
     return "\n".join(lines) + "\n"
 
