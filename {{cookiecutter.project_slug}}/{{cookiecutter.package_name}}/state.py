@@ -73,8 +73,7 @@ class TrainingState:
         try:
             self.trainer.load_state_dict(state["trainer"])
             early = state["early_stopping"]
-            if early["best_epoch"] > 0:
-                early["best_state"] = ckpt.load_weights(best_model)
+            early["best_state"] = ckpt.load_weights(best_model) if early["best_epoch"] else None
             self.stopper.load_state_dict(early)
             self.progress = Progress(**state["progress"])
         except (KeyError, TypeError, ValueError) as exc:
