@@ -90,8 +90,8 @@ def _client():
     from mlflow.tracking import MlflowClient
 
     uri = tracking_uri()
-    client = MlflowClient(tracking_uri=uri)
-    with _schema_lock(uri):
+    with _schema_lock(uri):  # creating the client opens the store, which creates the schema
+        client = MlflowClient(tracking_uri=uri)
         client.search_experiments(max_results=1)  # the store (and schema) exists after this
     return client
 
