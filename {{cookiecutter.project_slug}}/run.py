@@ -61,17 +61,24 @@ def main(argv: list[str] | None = None) -> int:
     from {{ cookiecutter.package_name }} import checkpoint as ckpt
     from {{ cookiecutter.package_name }}.data import NUM_CLASSES, build_loader, load_dataset
     from {{ cookiecutter.package_name }}.model import build_model
+    from {{ cookiecutter.package_name }}.hardware import (
+        choose_compile, choose_gpu_resident, choose_precision, peak_memory_bytes, resolve_device,
+        setup_backends, timed,
+    )
     from {{ cookiecutter.package_name }}.train import (
-        EarlyStopping, GracefulStop, Trainer, amp_dtype, build_ema, build_optimizer,
-        build_scheduler, check_finite, choose_gpu_resident, evaluate, peak_memory_bytes,
-        resolve_device, seed_everything, setup_backends, timed, use_compile,
+        EarlyStopping, GracefulStop, Trainer, build_ema, build_optimizer, build_scheduler,
+        check_finite, evaluate, seed_everything,
     )
 
     # ---- setup + data: every bad input is found here, before a single file is written -------
     config = resolved_config(args, parser)
     try:
         device = resolve_device(args.device)
-        dtype = amp_dtype(device, args.amp)
+        dtype, precision_why = choose_precision(device, args.amp)
+        if args.profile:  # the memory snapshot then covers the whole run, model included
+            from {{ cookiecutter.package_name }}.tuning import start_memory_history
+
+            start_memory_history(device)
         runs.ensure_writable(args.results_dir)
         splits = load_dataset(args.dataset, args.data_dir, val_fraction=args.val_fraction,
                               seed=args.seed, synthetic_size=args.synthetic_size)
@@ -108,20 +115,29 @@ def main(argv: list[str] | None = None) -> int:
     scheduler = build_scheduler(optimizer, args.lr, total_steps)
     ema = build_ema(model, args.ema)
     eval_model = ema.module if ema is not None else model  # EMA weights are what we evaluate
-    loss_fn = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
-    eval_loss_fn = nn.CrossEntropyLoss()  # plain CE, comparable across --label-smoothing values
     out.mkdir(parents=True, exist_ok=True)
     log = runs.setup_logging(out, out.name)
-    setup_backends(device, args.deterministic, log)
-    trainer = Trainer(model, optimizer, scheduler, loss_fn, device=device, dtype=dtype,
+    backends_why = setup_backends(device, args.deterministic)
+    compile_mode, compile_why = choose_compile(device, args.compile, total_steps,
+                                               args.deterministic)
+    for what, why in (("precision", precision_why), ("kernels", backends_why),
+                      ("compile", compile_why)):
+        log.info("%s: %s", what, why)
+    trainer = Trainer(model, optimizer, scheduler, device=device, dtype=dtype,
                       grad_accum=args.grad_accum, clip_grad=args.clip_grad, ema=ema,
-                      compile_model=use_compile(device, args.compile), log=log)
+                      label_smoothing=args.label_smoothing, compile_mode=compile_mode, log=log)
 
     # ---- tools: measure something and exit without training ------------------------------------
     if tool:
-        from {{ cookiecutter.package_name }}.tuning import find_batch_size, find_lr, profile_steps
+        from {{ cookiecutter.package_name }}.tuning import (
+            find_batch_size,
+            find_lr,
+            profile_training,
+            recommend_batch_size,
+        )
 
         if args.find_lr:
+            loss_fn = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
             lr = find_lr(model, loaders["train"], loss_fn,
                          lambda m: build_optimizer(m, args.lr, args.weight_decay, device),
                          device=device, amp_dtype=dtype, out_dir=out)
@@ -130,12 +146,11 @@ def main(argv: list[str] | None = None) -> int:
             size = find_batch_size(lambda: build_model(NUM_CLASSES, args.width), device=device,
                                    amp_dtype=dtype, start=args.batch_size,
                                    max_batch=len(splits["train"]))
-            print(f"largest batch size that fits: {size}")
+            batch, lr = recommend_batch_size(size, device)
+            print(f"largest batch size that fits: {size}; this device's default rule: "
+                  f"--batch-size {batch} --lr {lr:.3g}")
         if args.profile:
-            loaders["train"].set_epoch(0)
-            table = profile_steps(lambda x, y: trainer.step([(x, y)], 0), loaders["train"],
-                                  device=device, out_dir=out)
-            print(table)
+            print(profile_training(trainer, loaders["train"], out_dir=out))
         runs.close_logging(log)
         return EXIT_OK
 
@@ -147,14 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     run_id = None
     if resume is not None:
         try:
-            ckpt.load_model_state(model, resume["model"], f"{out / runs.CHECKPOINT}")
-            optimizer.load_state_dict(resume["optimizer"])
-            scheduler.load_state_dict(resume["scheduler"])
-            trainer.scaler.load_state_dict(resume["scaler"])
-            if ema is not None:
-                ema.load_state_dict(resume["ema"])
+            trainer.load_state_dict(resume["trainer"])
             stopper.load_state_dict(resume["early_stopping"])
-            trainer.load_sums_state(resume["sums"])
             epoch, batch, step = resume["epoch"], resume["batch"], resume["step"]
             history, times, run_id = resume["history"], resume["times"], resume["mlflow_run_id"]
         except (KeyError, ValueError, ckpt.CheckpointError) as exc:
@@ -165,11 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     runs.write_status(out, "running")
 
     def snapshot() -> dict:  # the full state: enough to continue as if never stopped
-        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "scaler": trainer.scaler.state_dict(),
-                "ema": ema.state_dict() if ema is not None else None,
-                "early_stopping": stopper.state_dict(), "sums": trainer.sums_state(),
-                "rng": ckpt.rng_state(), "epoch": epoch, "batch": batch, "step": step,
+        return {"trainer": trainer.state_dict(), "early_stopping": stopper.state_dict(),
+                "rng": ckpt.rng_state(device), "epoch": epoch, "batch": batch, "step": step,
                 "history": history, "times": times, "mlflow_run_id": tracker.run_id,
                 "config_hash": config["config_hash"]}
 
@@ -182,13 +188,23 @@ def main(argv: list[str] | None = None) -> int:
             tracker = Tracker(args.experiment, out.name, run_id=run_id,
                               params={**config, "amp_dtype": dtype, "total_steps": total_steps},
                               tags={**provenance(), "run_dir": str(out)})
-            log.info("run %s on %s | amp %s | compile %s | %d steps/epoch | MLflow run %s",
-                     out.name, device, dtype, trainer.compiled, steps_per_epoch, tracker.run_id)
-            if resume is not None:
-                ckpt.set_rng_state(resume["rng"])  # last, so nothing above consumes random numbers
+            log.info("run %s on %s | %d steps/epoch | MLflow run %s",
+                     out.name, device, steps_per_epoch, tracker.run_id)
+            if trainer.compiled:  # compile warm-up: its own step, outside the timed loop
+                x, _ = next(iter(loaders["val"]))  # only for the shape; reads no RNG
+                shape = (args.batch_size, *x.shape[1:])
+                x = torch.zeros(shape, device=device).contiguous(memory_format=torch.channels_last)
+                t_compile = now()
+                trainer.warm_up(x, torch.zeros(args.batch_size, dtype=torch.long, device=device))
+                spent = now() - t_compile
+                times["compile_time_s"] += spent  # summed over resumes: all compiling paid
+                if trainer.compiled:
+                    log.info("compiled (%s) in %.1f s", trainer.compile_mode, spent)
+            if resume is not None:  # last, so nothing above consumes random numbers
+                note = ckpt.set_rng_state(resume["rng"], device)
+                if note:
+                    log.warning(note)
             progress = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
-            t_first = None  # end of the first compiled step: compile time is measured once
-            first_compile = trainer.compiled
             while epoch < args.epochs and step < total_steps and not stopper.should_stop:
                 t_epoch = time.perf_counter()
                 loaders["train"].set_epoch(epoch, skip_batches=batch)  # order = f(seed, epoch)
@@ -205,8 +221,6 @@ def main(argv: list[str] | None = None) -> int:
                 while batch < micro_per_epoch and step < total_steps:
                     trainer.step([next(batches) for _ in range(args.grad_accum)], step + 1)
                     step, batch = step + 1, batch + args.grad_accum
-                    if first_compile:  # the first compiled step = compile + one normal step
-                        t_first, first_compile = now(), False
                     if bar is not None:
                         bar.update()
                     if stop.requested:
@@ -215,10 +229,6 @@ def main(argv: list[str] | None = None) -> int:
                 if bar is not None:
                     bar.close()
                 train_s = t1 - t0
-                if t_first is not None and step - steps_before > 1:  # compile time = first step
-                    normal = (t1 - t_first) / (step - steps_before - 1)  # minus a normal step
-                    times["compile_time_s"] = max(t_first - t0 - normal, 0.0)
-                    train_s, t_first = train_s - times["compile_time_s"], None
                 times["train_time_s"] += train_s
                 if stop.requested and batch < micro_per_epoch and step < total_steps:
                     break  # mid-epoch: the checkpoint below records where we are in this epoch
@@ -226,11 +236,11 @@ def main(argv: list[str] | None = None) -> int:
                 train_loss, train_acc, seen = trainer.take_sums()
                 check_finite(train_loss, epoch + 1, steps_before + 1, step)
                 times["samples"] += seen
-                val_loss, val_acc = evaluate(eval_model, loaders["val"], eval_loss_fn,
-                                             device=device, dtype=dtype)
+                val_loss, val_acc = evaluate(eval_model, loaders["val"], device=device,
+                                             dtype=dtype)
                 epoch, batch = epoch + 1, 0
                 if stopper.update(val_acc, epoch, eval_model):  # keep the best weights, never test
-                    ckpt.save(out / runs.BEST_MODEL, stopper.best_state)
+                    ckpt.save_weights(out / runs.BEST_MODEL, stopper.best_state)
                 row = {"epoch": epoch, "step": step, "lr": scheduler.get_last_lr()[0],
                        "train_loss": train_loss, "train_acc": train_acc, "val_loss": val_loss,
                        "val_acc": val_acc, "epoch_time_s": time.perf_counter() - t_epoch,
@@ -261,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
 
             # ---- save: restore the best weights, test once, write metrics last ---------------
             stopper.restore(eval_model)
-            test_loss, test_acc = evaluate(eval_model, loaders["test"], eval_loss_fn,
-                                           device=device, dtype=dtype)
+            test_loss, test_acc = evaluate(eval_model, loaders["test"], device=device,
+                                           dtype=dtype)
             times["wall_time_s"] += time.perf_counter() - started
             reason = ("early_stopping" if stopper.should_stop else "max_steps"
                       if args.max_steps and step >= args.max_steps else "max_epochs")
@@ -291,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         message = f"{type(exc).__name__}: {exc}"
         if isinstance(exc, torch.OutOfMemoryError):
             message = (f"out of memory at --batch-size {args.batch_size}; try --find-batch-size, "
-                       "a smaller --batch-size with --grad-accum, or --amp on")
+                       "or a smaller --batch-size with --grad-accum")
         return error(message.splitlines()[0] if message.strip() else message, EXIT_FAILED)
     finally:
         runs.close_logging(log)
