@@ -16,7 +16,6 @@ No speed figure is claimed here: benchmarks/RESULTS.md measures them (`bench_tra
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import time
@@ -157,8 +156,3 @@ def choose_gpu_resident(flag: str, device: torch.device, splits: dict) -> bool:
         return flag == "on" and device.type == "cuda"
     return fits_on_device(splits, device)
 
-
-def log_choices(log: logging.Logger, **why: str) -> None:
-    """One line per decision, so run.log says what was chosen and why."""
-    for what, reason in why.items():
-        log.info("%s: %s", what, reason)
