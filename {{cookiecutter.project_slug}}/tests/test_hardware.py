@@ -138,3 +138,15 @@ def test_gpucheck_without_cuda_says_so_and_exits_0():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "no CUDA device" in result.stdout and "nothing checked" in result.stdout
+
+
+@pytest.mark.slow
+def test_gpucheck_dry_run_on_cpu_passes_its_checks():
+    """The checks' own code on CPU (no sync check there): exact resume, layout, speed, MFU."""
+    package = "{{ cookiecutter.package_name }}"
+    command = [sys.executable, "-m", f"{package}.gpucheck", "--device", "cpu", "--steps", "3",
+               "--compile", "off", "--width", "8", "--batch-size", "16"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for line in ("layout      PASS  10/10", "resume      PASS", "all checks passed"):
+        assert line in result.stdout, result.stdout
