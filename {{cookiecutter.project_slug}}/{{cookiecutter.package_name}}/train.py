@@ -3,6 +3,7 @@
 The Trainer owns everything that changes on every optimizer step (model, optimizer, scheduler,
 GradScaler, EMA, the epoch's running sums) and saves/restores it with `state_dict()` /
 `load_state_dict()`. Device, precision and compile choices are made in `hardware.py`.
+The stopping rules (check_finite, EarlyStopping, GracefulStop) live here for now.
 
 The step never waits for the device (no host sync, whatever the flags; `gpucheck` proves it on
 CUDA with `torch.cuda.set_sync_debug_mode("error")`):
