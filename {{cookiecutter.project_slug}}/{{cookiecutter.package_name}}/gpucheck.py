@@ -396,10 +396,10 @@ def main(argv=None) -> int:
     peak = matmul_peak(device, dtype)
     rate = job or ceiling
     mfu = rate * flops / peak
-    results.append(("speed", True,
-                    f"job {job or float('nan'):.0f}, plain {plain:.0f}, ceiling {ceiling:.0f} "
-                    f"samples/s; job/plain {(job or float('nan')) / plain:.2f}x, "
-                    f"job/ceiling {100 * (job or float('nan')) / ceiling:.0f} %"))
+    ratios = (f"job {job:.0f}, plain {plain:.0f}, ceiling {ceiling:.0f} samples/s; job/plain "
+              f"{job / plain:.2f}x, job/ceiling {100 * job / ceiling:.0f} %" if job else
+              f"job skipped, plain {plain:.0f}, ceiling {ceiling:.0f} samples/s")
+    results.append(("speed", True, ratios))
     results.append(("MFU", True,
                     f"{rate * flops / 1e12:.2f} TFLOP/s of {'job' if job else 'ceiling'} "
                     f"({flops / 1e9:.2f} GFLOP/sample) vs measured matmul peak "
