@@ -121,6 +121,20 @@ def test_best_model_is_a_plain_state_dict(tmp_path):
         assert torch.equal(value, fresh.state_dict()[key]), key
 
 
+def test_the_run_writes_a_best_model_that_loads_strictly(main_in_process, tmp_path):
+    from conftest import run_dir_of
+
+    assert main_in_process("--epochs", "1", "--max-steps", "2", "--results-dir",
+                           str(tmp_path)) == 0
+    run_dir = run_dir_of(tmp_path)
+    model = build_model(width=8)
+    model.load_state_dict(torch.load(run_dir / "best_model.pt", weights_only=True), strict=True)
+    state = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    assert "cuda" not in state["rng"]  # a CPU run saves no CUDA generator
+    assert "compile: eager" in (run_dir / "run.log").read_text()
+    assert "compiled (" not in (run_dir / "run.log").read_text()
+
+
 def test_batch_size_rule_and_find_batch_size_agree():
     assert hardware.default_batch_size(CPU) == hardware.BASE_BATCH_SIZE
     assert hardware.default_batch_size(CUDA) == hardware.CUDA_BATCH_SIZE
