@@ -408,9 +408,9 @@ def main(argv=None) -> int:
     results.append(("resume", *check_exact_resume(device, split, batch_size=min(batch_size, 64),
                                                   width=args.width)))
 
-    width = max(len(n) for n, _, _ in results)
+    column = max(len(n) for n, _, _ in results)
     for check, ok, detail in results:
-        print(f"{check:<{width}}  {'PASS' if ok else 'FAIL'}  {detail}")
+        print(check.ljust(column), "PASS" if ok else "FAIL", detail, sep="  ")
     failed = [n for n, ok, _ in results if not ok]
     print("all checks passed" if not failed else f"FAILED: {', '.join(failed)}")
     return 1 if failed else 0

@@ -252,10 +252,10 @@ class Trainer:
 
     def state_dict(self) -> dict:
         """Everything the step changes; tensors as they are (torch.save copies them out)."""
+        sums = {"loss_sum": self.loss_sum, "correct": self.correct, "seen": self.seen}
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-                "ema": self.ema.state_dict() if self.ema is not None else None,
-                "sums": {"loss_sum": self.loss_sum, "correct": self.correct, "seen": self.seen}}
+                "ema": self.ema.state_dict() if self.ema is not None else None, "sums": sums}
 
     def load_state_dict(self, state: dict) -> None:
         """Strict: a model whose keys or shapes differ raises CheckpointError."""
