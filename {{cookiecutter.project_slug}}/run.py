@@ -64,23 +64,26 @@ def train(args, parser, out, stop: GracefulStop) -> int:
     import torch
 
     from {{ cookiecutter.package_name }} import checkpoint as ckpt
+    from {{ cookiecutter.package_name }}.hardware import (
+        choose_compile,
+        choose_precision,
+        resolve_device,
+        setup_backends,
+    )
     from {{ cookiecutter.package_name }}.model import build_model
     from {{ cookiecutter.package_name }}.state import TrainingState
     from {{ cookiecutter.package_name }}.stopping import EarlyStopping, check_finite
-    from {{ cookiecutter.package_name }}.train import (
-        amp_dtype,
-        build_trainer,
-        evaluate,
-        resolve_device,
-        seed_everything,
-        setup_backends,
-    )
+    from {{ cookiecutter.package_name }}.train import build_trainer, evaluate, seed_everything
 
     # ---- config + data: every bad input is found here, before a file of the run is written ----
     config = resolved_config(args, parser)
     try:
         device = resolve_device(args.device)
-        dtype = amp_dtype(device, args.amp)
+        dtype, precision_why = choose_precision(device, args.amp)
+        if args.profile:  # the CUDA memory snapshot then covers the whole run, model included
+            from {{ cookiecutter.package_name }}.tuning import start_memory_history
+
+            start_memory_history(device)
         data = build_data(args, device)
         seed_everything(args.seed)  # same seed => same init, split, order, augmentation
         model = build_model(data.num_classes, args.width).to(device,
@@ -101,15 +104,20 @@ def train(args, parser, out, stop: GracefulStop) -> int:
     runs.remove_stale_temps(out)
     log = runs.setup_logging(out, out.name)
     stop.log = log  # from here on, stop requests are in run.log too
-    setup_backends(device, args.deterministic, log)
-    trainer = build_trainer(model, args, device=device, dtype=dtype,
-                            total_steps=total_steps(args, data.steps_per_epoch), log=log)
+    steps = total_steps(args, data.steps_per_epoch)
+    compile_mode, compile_why = choose_compile(device, args.compile, steps, args.deterministic)
+    for what, why in (("precision", precision_why),
+                      ("kernels", setup_backends(device, args.deterministic)),
+                      ("compile", compile_why)):
+        log.info("%s: %s", what, why)
+    trainer = build_trainer(model, args, device=device, dtype=dtype, compile_mode=compile_mode,
+                            total_steps=steps, log=log)
     state = TrainingState(trainer, EarlyStopping(args.patience), device=device,
                           config_hash=config["config_hash"])
     if is_tool(args):
         return run_tools(args, trainer, data, device, dtype, out, log)
     try:
-        if state.resume(out / runs.CHECKPOINT, out / runs.BEST_MODEL):  # (resume)
+        if state.resume(out / runs.CHECKPOINT, out / runs.BEST_MODEL, log):  # (resume)
             log.info("resuming %s at epoch %d, step %d", out, state.progress.epoch + 1,
                      state.progress.step)
     except ckpt.CheckpointError as exc:
@@ -121,8 +129,9 @@ def train(args, parser, out, stop: GracefulStop) -> int:
     p, loaders, steps_per_epoch = state.progress, data.loaders, data.steps_per_epoch
     eval_model = trainer.ema.module if trainer.ema is not None else model  # EMA is what we test
     try:
-        log.info("run %s on %s | amp %s | %d steps/epoch | %s", out.name, device,
-                 dtype or "off", steps_per_epoch, record.tracker_line())
+        log.info("run %s on %s | %d steps/epoch | %s", out.name, device, steps_per_epoch,
+                 record.tracker_line())
+        warm_up(state, data, args, log)  # compiling: its own step, outside the timed loop
         while not finished(p, args, steps_per_epoch, state.stopper):
             train_s = train_epoch(state, loaders["train"], steps_per_epoch, args, stop)
             if not epoch_complete(p, args, steps_per_epoch):
@@ -130,8 +139,7 @@ def train(args, parser, out, stop: GracefulStop) -> int:
             train_loss, train_acc, seen = trainer.take_sums()  # note: one sync per epoch
             check_finite(train_loss, p.epoch + 1, first_step_of_epoch(p, args), p.step)
             trainer.reset_sums()
-            val_loss, val_acc = evaluate(eval_model, loaders["val"], data.eval_loss_fn,
-                                         device=device, dtype=dtype)
+            val_loss, val_acc = evaluate(eval_model, loaders["val"], device=device, dtype=dtype)
             p.epoch, p.batch, p.samples = p.epoch + 1, 0, p.samples + seen
             if state.stopper.update(val_acc, p.epoch, eval_model):  # keep the best, never test
                 state.save_best(out / runs.BEST_MODEL)
@@ -150,8 +158,7 @@ def train(args, parser, out, stop: GracefulStop) -> int:
 
         # ---- test once, with the best weights; save ---------------------------------------------
         state.stopper.restore(eval_model)
-        test_loss, test_acc = evaluate(eval_model, loaders["test"], data.eval_loss_fn,
-                                       device=device, dtype=dtype)
+        test_loss, test_acc = evaluate(eval_model, loaders["test"], device=device, dtype=dtype)
         state.save(out / runs.CHECKPOINT)
         record.finished(state, test_loss, test_acc, stop_reason(p, args, state.stopper))
         return EXIT_OK
@@ -176,15 +183,12 @@ class Data(NamedTuple):
     loaders: dict
     steps_per_epoch: int
     num_classes: int
-    eval_loss_fn: object  # plain cross-entropy: comparable across --label-smoothing values
 
 
 def build_data(args, device) -> Data:
     """Splits, loaders, optimizer steps per epoch; UsageError for sizes that cannot work."""
-    from torch import nn
-
     from {{ cookiecutter.package_name }}.data import NUM_CLASSES, build_loader, load_dataset
-    from {{ cookiecutter.package_name }}.train import choose_gpu_resident
+    from {{ cookiecutter.package_name }}.hardware import choose_gpu_resident
 
     splits = load_dataset(args.dataset, args.data_dir, val_fraction=args.val_fraction,
                           seed=args.seed, synthetic_size=args.synthetic_size)
@@ -202,7 +206,7 @@ def build_data(args, device) -> Data:
                          "full optimizer step per epoch")
     if len(splits["val"]) == 0:
         raise UsageError("--val-fraction: the validation split is empty; raise it")
-    return Data(splits, loaders, steps_per_epoch, NUM_CLASSES, nn.CrossEntropyLoss())
+    return Data(splits, loaders, steps_per_epoch, NUM_CLASSES)
 
 
 def checkpoint_bytes(model, ema: float) -> int:
@@ -237,14 +241,36 @@ def stop_reason(p, args, stopper) -> str:
     return "max_steps" if args.max_steps and p.step >= args.max_steps else "max_epochs"
 
 
+def warm_up(state, data: Data, args, log) -> None:
+    """Compile forward and backward on a batch of zeros before the timed loop (a no-op when
+    eager); the Trainer puts back all it touched, so the run goes on as if it had not happened.
+    Compile time is summed over resumes: every compile of the run was paid for."""
+    import torch
+
+    from {{ cookiecutter.package_name }}.hardware import timed
+
+    trainer = state.trainer
+    if not trainer.compiled:
+        return
+    now = timed(trainer.device)
+    shape = (args.batch_size, *next(iter(data.loaders["val"]))[0].shape[1:])  # reads no RNG
+    x = torch.zeros(shape, device=trainer.device).contiguous(memory_format=torch.channels_last)
+    y = torch.zeros(args.batch_size, dtype=torch.long, device=trainer.device)
+    started = now()
+    trainer.warm_up(x, y)
+    spent = now() - started
+    state.progress.compile_time_s += spent
+    if trainer.compiled:  # else it fell back to eager, and said why
+        log.info("compiled (%s) in %.1f s", trainer.compile_mode, spent)
+
+
 def train_epoch(state, loader, steps_per_epoch: int, args, stop) -> float:
     """Optimizer steps until the epoch ends, the run's last step, or a stop request.
 
     Returns the seconds of training. The loader's order is a function of (seed, epoch), so a
-    resumed epoch skips the micro-batches it already did and continues exactly. The first step
-    of a compiled model in this process compiles: its time is compile time, not training time.
+    resumed epoch skips the micro-batches it already did and continues exactly.
     """
-    from {{ cookiecutter.package_name }}.train import timed
+    from {{ cookiecutter.package_name }}.hardware import timed
 
     p, trainer = state.progress, state.trainer
     now = timed(trainer.device)  # waits for the device: times the work, not the launches
@@ -256,10 +282,6 @@ def train_epoch(state, loader, steps_per_epoch: int, args, stop) -> float:
     while p.batch < steps_per_epoch * args.grad_accum and p.step < last and not stop.requested:
         trainer.step([next(batches) for _ in range(args.grad_accum)], p.step + 1)
         p.step, p.batch = p.step + 1, p.batch + args.grad_accum
-        if trainer.compiled and not state.compiled_here:
-            state.compiled_here, t_compiled = True, now()
-            p.compile_time_s += t_compiled - t0
-            t0 = t_compiled
         if bar is not None:
             bar.update()
     train_s = now() - t0
@@ -280,13 +302,21 @@ def progress_bar(args, steps_per_epoch: int, p):
 
 def run_tools(args, trainer, data: Data, device, dtype, out, log) -> int:
     """--find-lr, --find-batch-size, --profile: measure, report, exit without training."""
+    from torch import nn
+
     from {{ cookiecutter.package_name }}.model import build_model
     from {{ cookiecutter.package_name }}.train import build_optimizer
-    from {{ cookiecutter.package_name }}.tuning import find_batch_size, find_lr, profile_steps
+    from {{ cookiecutter.package_name }}.tuning import (
+        find_batch_size,
+        find_lr,
+        profile_training,
+        recommend_batch_size,
+    )
 
     try:
         if args.find_lr:
-            lr = find_lr(trainer.model, data.loaders["train"], trainer.loss_fn,
+            loss_fn = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+            lr = find_lr(trainer.model, data.loaders["train"], loss_fn,
                          lambda m: build_optimizer(m, args.lr, args.weight_decay, device),
                          device=device, amp_dtype=dtype, out_dir=out)
             print(f"suggested --lr {lr:.3g} (plot in {out})")
@@ -294,11 +324,11 @@ def run_tools(args, trainer, data: Data, device, dtype, out, log) -> int:
             size = find_batch_size(lambda: build_model(data.num_classes, args.width),
                                    device=device, amp_dtype=dtype, start=args.batch_size,
                                    max_batch=len(data.splits["train"]))
-            print(f"largest batch size that fits: {size}")
+            batch, lr = recommend_batch_size(size, device)
+            print(f"largest batch size that fits: {size}; this device's default rule: "
+                  f"--batch-size {batch} --lr {lr:.3g}")
         if args.profile:
-            data.loaders["train"].set_epoch(0)
-            print(profile_steps(lambda x, y: trainer.step([(x, y)], 0), data.loaders["train"],
-                                device=device, out_dir=out))
+            print(profile_training(trainer, data.loaders["train"], out_dir=out))
     finally:
         runs.close_logging(log)
     return EXIT_OK
@@ -355,7 +385,7 @@ class RunRecord:
                          signal_name, state.progress.step)
 
     def finished(self, state, test_loss: float, test_acc: float, reason: str) -> None:
-        from {{ cookiecutter.package_name }}.train import peak_memory_bytes
+        from {{ cookiecutter.package_name }}.hardware import peak_memory_bytes
 
         p, stopper = state.progress, state.stopper
         metrics = {"best_val_acc": stopper.best_score, "test_acc": test_acc,

@@ -1,7 +1,9 @@
 """LR range test, batch-size search and profiler on a tiny model, CPU only."""
 
 import csv
+import json
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -9,10 +11,11 @@ from torch import nn
 
 from {{ cookiecutter.package_name }}.data import Split, build_loader
 from {{ cookiecutter.package_name }}.model import build_model
+from {{ cookiecutter.package_name }}.train import Trainer, build_optimizer, build_scheduler
 from {{ cookiecutter.package_name }}.tuning import (
     find_batch_size,
     find_lr,
-    profile_steps,
+    profile_training,
     scale_lr,
     suggest_lr,
 )
@@ -72,16 +75,16 @@ def test_scale_lr():
         scale_lr(0.1, 128, 512, rule="cubic")
 
 
-def test_profile_writes_trace(loader, tmp_path):
+def test_profile_covers_whole_optimizer_steps_of_a_short_run(loader, tmp_path):
     model = tiny_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-
-    def step(x, y):
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    table = profile_steps(step, loader, device="cpu", out_dir=tmp_path, steps=2, warmup=1)
+    optimizer = build_optimizer(model, 0.01, 0.0, torch.device("cpu"))
+    # A 2-step run: its one-cycle schedule alone would refuse the 5 steps profiled below.
+    trainer = Trainer(model, optimizer, build_scheduler(optimizer, 0.01, 2),
+                      device=torch.device("cpu"), dtype=None, grad_accum=2)
+    table = profile_training(trainer, loader, out_dir=tmp_path, steps=3, warmup=2)
     assert "convolution" in table  # the top-10 table names the expensive ops
-    assert (tmp_path / "trace.json").stat().st_size > 0
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    names = Counter(e.get("name", "") for e in events if e.get("ph") == "X")
+    assert sum(n.startswith("optimizer_step_") for n in names) == 3
+    assert sum(c for n, c in names.items() if n.startswith("Optimizer.step#")) == 3
+    assert names["aten::log_softmax"] == 6  # 2 micro-batches in each of the 3 steps

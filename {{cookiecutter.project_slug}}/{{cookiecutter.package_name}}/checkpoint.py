@@ -1,10 +1,12 @@
 """Full-state checkpoints: written atomically, checked before they are trusted.
 
-A checkpoint holds everything needed to continue as if never stopped: model, optimizer, scheduler,
-GradScaler, EMA, early-stopping state, RNG states (python, numpy, torch, CUDA), epoch / step /
-batch-in-epoch, the partial epoch's running sums, history so far, the MLflow run id and the config
-hash. It is loaded with `weights_only=True` (no pickled code runs), so everything in it is tensors,
-numbers, strings, lists and dicts.
+A checkpoint holds everything needed to continue as if never stopped: the Trainer's state
+(model, optimizer, scheduler, GradScaler, EMA, the partial epoch's running sums), early-stopping
+state, RNG states (python, numpy, torch CPU and the training GPU's, if any), epoch / step /
+batch-in-epoch, history so far, the MLflow run id and the config hash. It is loaded with
+`weights_only=True` (no pickled code runs), so everything in it is tensors, numbers, strings,
+lists and dicts. `best_model.pt` is different: a plain `state_dict` (`save_weights`), so
+`model.load_state_dict(torch.load(path))` works as documented.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 
 from .runs import atomic_path
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the Trainer's state_dict, one CUDA RNG state
 
 
 class CheckpointError(RuntimeError):
@@ -25,11 +27,8 @@ class CheckpointError(RuntimeError):
 
 
 def rng_state(device: torch.device) -> dict:
-    """Python, numpy and torch RNG states, and the training device's (not every GPU's).
-
-    Saving only the device the run trains on keeps a checkpoint valid when it is resumed with
-    another number of visible GPUs, or on CPU after CUDA (and back).
-    """
+    """Python, numpy and torch CPU generators, plus the training GPU's (only that one: a resume
+    may see another number of GPUs)."""
     name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": random.getstate(),
@@ -42,23 +41,26 @@ def rng_state(device: torch.device) -> dict:
     return state
 
 
-def set_rng_state(state: dict, device: torch.device) -> None:
-    """Restore rng_state(); a CUDA state is restored only when resuming on CUDA.
-
-    Older checkpoints hold a list of every visible GPU's state: the first one is the device the
-    job trained on (jobs see one GPU through CUDA_VISIBLE_DEVICES).
-    """
+def set_rng_state(state: dict, device: torch.device) -> str | None:
+    """Restore what `rng_state` saved, on `device`; returns a note when the CUDA generator could
+    not be restored (the checkpoint came from a CPU run; the CUDA stream then starts from the
+    seed). A CPU run ignores saved CUDA states. Older checkpoints held a list with one state per
+    visible GPU: the training device's entry is used, whatever the number of GPUs now."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     n = state["numpy"]
     keys = n["keys"].numpy().astype(np.uint32)
     np.random.set_state((n["name"], keys, n["pos"], n["has_gauss"], n["cached"]))
     torch.set_rng_state(state["torch"])
-    cuda = state.get("cuda")
-    if isinstance(cuda, list | tuple):
-        cuda = cuda[0] if cuda else None
-    if cuda is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(cuda, device)
+    if device.type != "cuda":
+        return None
+    saved = state.get("cuda")
+    if isinstance(saved, list | tuple):
+        saved = saved[min(device.index or 0, len(saved) - 1)] if saved else None
+    if saved is None:
+        return "the checkpoint holds no CUDA RNG state (written on CPU): CUDA RNG from the seed"
+    torch.cuda.set_rng_state(saved, device)
+    return None
 
 
 def save(path: Path, state: dict) -> None:
@@ -66,6 +68,12 @@ def save(path: Path, state: dict) -> None:
     state = {"format_version": FORMAT_VERSION, **state}
     with atomic_path(path) as tmp:
         torch.save(state, tmp)
+
+
+def save_weights(path: Path, state_dict: dict) -> None:
+    """A plain state_dict (no extra keys), atomically: what `load_state_dict(strict=True)` takes."""
+    with atomic_path(path) as tmp:
+        torch.save(state_dict, tmp)
 
 
 def load(path: Path, *, config_hash: str, map_location: torch.device | str = "cpu") -> dict:
@@ -93,13 +101,6 @@ def load_model_state(model: torch.nn.Module, state_dict: dict, what: str) -> Non
     except RuntimeError as exc:
         first = str(exc).strip().splitlines()[:3]
         raise CheckpointError(f"{what} does not fit this model: {' '.join(first)}") from exc
-
-
-def save_weights(path: Path, state_dict: dict | None) -> None:
-    """best_model.pt: a plain state_dict, so `model.load_state_dict(torch.load(path))` works."""
-    if state_dict is not None:
-        with atomic_path(path) as tmp:
-            torch.save(state_dict, tmp)
 
 
 def load_weights(path: Path) -> dict:

@@ -169,15 +169,19 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto = cuda when available")
     x.add_argument("--amp", choices=("auto", "on", "off"), default="auto",
-                   help="mixed precision; auto = bf16 (or fp16 + GradScaler) on CUDA, off on CPU")
+                   help="mixed precision; auto = bf16 on GPUs of compute capability >= 8.0, fp16 + "
+                        "GradScaler below, fp32 on CPU; on: CPU bf16 only where it is native")
     x.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
-                   help="torch.compile the model; auto = on for CUDA, off on CPU")
+                   help="torch.compile the step; auto = on CUDA by run length (eager < 500 steps, "
+                        "max-autotune from 5000), off on CPU and with --deterministic")
     x.add_argument("--workers", type=_non_negative_int, default=None,
                    help="data-loader worker processes (%(default)s: chosen by the loader)")
     x.add_argument("--gpu-resident", choices=("auto", "on", "off"), default="auto",
                    help="keep the dataset on the GPU; auto = when it fits comfortably")
     x.add_argument("--deterministic", action="store_true",
-                   help="bitwise-reproducible kernels (slower; resume then matches exactly)")
+                   help="bitwise-reproducible: deterministic kernels (an op without one raises), "
+                        "TF32 and compile off; resume then matches exactly. Not across GPU "
+                        "models, drivers, torch versions or thread counts")
     x.add_argument("--results-dir", type=_directory, default=PROJECT_ROOT / "results" / "trials",
                    help="parent of the run directories (run.sh uses results/<sweep name>)")
     x.add_argument("--data-dir", type=_directory, default=PROJECT_ROOT / "data",

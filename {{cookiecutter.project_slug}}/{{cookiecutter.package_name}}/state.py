@@ -38,7 +38,6 @@ class TrainingState:
         self.trainer, self.stopper, self.device = trainer, stopper, device
         self.config_hash = config_hash
         self.progress = Progress()
-        self.compiled_here = False  # a compiled model compiles once per process, resumes too
         self._clock = time.perf_counter()  # wall time is accumulated across resumes
 
     def tick(self) -> None:
@@ -61,7 +60,7 @@ class TrainingState:
     def save_best(self, path: Path) -> None:
         ckpt.save_weights(path, self.stopper.best_state)
 
-    def resume(self, path: Path, best_model: Path) -> bool:
+    def resume(self, path: Path, best_model: Path, log) -> bool:
         """Load the checkpoint at `path` if there is one; False if there is none.
 
         Raises CheckpointError (corrupt, another configuration, another model) with the reason.
@@ -79,5 +78,7 @@ class TrainingState:
         except (KeyError, TypeError, ValueError) as exc:
             raise ckpt.CheckpointError(f"{path} does not fit this code ({type(exc).__name__}: "
                                        f"{exc}); re-run with --fresh") from exc
-        ckpt.set_rng_state(state["rng"], self.device)
+        note = ckpt.set_rng_state(state["rng"], self.device)
+        if note:
+            log.warning(note)
         return True

@@ -1,80 +1,51 @@
-"""The pieces of a training loop that a second entry point (a notebook, a sweep helper) reuses.
+"""The training step and its state: optimizer, schedule, EMA, the Trainer; plus evaluation.
 
-Policy (why each default is what it is):
-- AMP: bf16 autocast on CUDA where supported, else fp16 with a GradScaler. Off on CPU by default:
-  without native bf16 (AVX512-BF16/AMX) bf16 autocast is 6-9x *slower* on CPU.
-- torch.compile: on for CUDA (~10-30 % faster steps), off on CPU by default (13-24 s to compile on
-  2 cores for ~15 %). If compilation fails we warn and continue eagerly.
-- cudnn.benchmark + TF32 on CUDA unless --deterministic.
-- The train step never synchronises with the host: losses and correct counts accumulate in device
-  tensors that the loop reads once per epoch.
+The Trainer owns everything that changes on every optimizer step (model, optimizer, scheduler,
+GradScaler, EMA, the epoch's running sums) and saves/restores it with `state_dict()` /
+`load_state_dict()`. Device, precision and compile choices are made in `hardware.py`.
+When to stop (signals, early stopping, a non-finite loss) is stopping.py's.
+
+The step never waits for the device (no host sync, whatever the flags; `gpucheck` proves it on
+CUDA with `torch.cuda.set_sync_debug_mode("error")`):
+- loss, per-batch loss sum and correct count come out of one (compiled, if enabled) function;
+  two tiny in-place adds accumulate them on the device; the loop reads them once per epoch.
+- EMA is a foreach lerp over tensors collected once; its counter is a Python int.
+- fp16's GradScaler: fused AdamW takes the inf check on the device; clipping is foreach.
 """
 
 from __future__ import annotations
 
+import copy
+import itertools
 import logging
 import os
 import random
-import time
-import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 INJECT_NAN_ENV = "LAB_INJECT_NAN_AT_STEP"  # test hook, see inject_nan_step()
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was requested but no CUDA device is available")
-    return torch.device(name)
-
-
-def cpu_has_native_bf16() -> bool:
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def amp_dtype(device: torch.device, amp: str) -> torch.dtype | None:
-    """The autocast dtype, or None for full fp32."""
-    if amp == "off" or (amp == "auto" and device.type != "cuda"):
-        return None
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if not cpu_has_native_bf16():
-        warnings.warn("--amp on: this CPU has no native bf16; expect a 6-9x slowdown", stacklevel=2)
-    return torch.bfloat16
-
-
-def use_compile(device: torch.device, compile_flag: str) -> bool:
-    return compile_flag == "on" or (compile_flag == "auto" and device.type == "cuda")
-
-
-def setup_backends(device: torch.device, deterministic: bool, log: logging.Logger) -> None:
-    """Fast kernels on CUDA, or bitwise-reproducible ones with --deterministic."""
-    if deterministic:
-        # cuBLAS needs a fixed workspace to be deterministic; must be set before the first matmul.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.backends.cudnn.benchmark = False
-        torch.backends.cudnn.deterministic = True
-        torch.use_deterministic_algorithms(True, warn_only=True)  # warn where no such kernel exists
-        log.info("deterministic: cudnn.benchmark off, deterministic kernels, no TF32 "
-                 "(costs speed on CUDA, typically 10-50 %%; nothing on CPU)")
-    elif device.type == "cuda":
-        torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest conv once
-        torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere+
-        torch.backends.cudnn.allow_tf32 = True
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor,
+                  label_smoothing: float = 0.0) -> torch.Tensor:
+    """Mean cross-entropy from log_softmax + gather: equal to F.cross_entropy (tested), and
+    deterministic on CUDA, where NLLLoss has no deterministic kernel (torch raises under
+    --deterministic)."""
+    log_probs = F.log_softmax(logits.float(), dim=1)
+    nll = -log_probs.gather(1, target.unsqueeze(1)).squeeze(1)
+    if label_smoothing:
+        nll = (1 - label_smoothing) * nll - label_smoothing * log_probs.mean(1)
+    return nll.mean()
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float,
                     device: torch.device) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on norms and biases (1-d tensors); fused kernel on CUDA."""
+    """AdamW; no weight decay on norms and biases (1-d tensors); fused kernel on CUDA (it also
+    does GradScaler's inf check on the device, without a host sync)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
     groups = [{"params": decay, "weight_decay": weight_decay},
@@ -89,24 +60,60 @@ def build_scheduler(optimizer: torch.optim.Optimizer, lr: float, total_steps: in
     )
 
 
-def build_ema(model: nn.Module, decay: float) -> torch.optim.swa_utils.AveragedModel | None:
-    """EMA of the weights (and BatchNorm buffers), or None when decay is 0."""
-    if decay <= 0:
-        return None
-    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+class EMA:
+    """Exponential moving average of the weights and float buffers (BatchNorm statistics).
 
-    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+    Same arithmetic as `AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay),
+    use_buffers=True)` for float tensors (tested): the first update copies, later ones
+    `ema = decay * ema + (1 - decay) * weight` as one foreach lerp. Unlike AveragedModel it
+    keeps its update count as a Python int (AveragedModel copies a CPU counter to the device
+    every update: a blocking copy) and copies integer buffers instead of averaging them.
+    """
+
+    def __init__(self, model: nn.Module, decay: float) -> None:
+        self.decay, self.updates = decay, 0
+        self.module = copy.deepcopy(model)
+        self.module.requires_grad_(False)
+        pairs = list(zip(itertools.chain(self.module.parameters(), self.module.buffers()),
+                         itertools.chain(model.parameters(), model.buffers()), strict=True))
+        # Collected once: the same tensor objects live for the whole run (load_state_dict
+        # copies into them in place).
+        self._float = ([e.detach() for e, m in pairs if e.is_floating_point()],
+                       [m.detach() for e, m in pairs if e.is_floating_point()])
+        self._other = [(e, m) for e, m in pairs if not e.is_floating_point()]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        ema, live = self._float
+        if self.updates == 0:
+            torch._foreach_copy_(ema, live)
+        else:
+            torch._foreach_lerp_(ema, live, 1 - self.decay)
+        for e, m in self._other:
+            e.copy_(m)
+        self.updates += 1
+
+    def state_dict(self) -> dict:
+        return {"module": self.module.state_dict(), "updates": self.updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict(state["module"])
+        self.updates = state["updates"]
+
+
+def build_ema(model: nn.Module, decay: float) -> EMA | None:
+    """EMA of the weights (and BatchNorm buffers), or None when decay is 0."""
+    return EMA(model, decay) if decay > 0 else None
 
 
 def build_trainer(model: nn.Module, args, *, device: torch.device, dtype: torch.dtype | None,
-                  total_steps: int, log: logging.Logger) -> Trainer:
-    """The Trainer a run's arguments describe: AdamW, one-cycle, EMA, loss, compile policy."""
+                  compile_mode: str | None, total_steps: int, log: logging.Logger) -> Trainer:
+    """The Trainer a run's arguments describe: AdamW, one-cycle schedule, EMA, loss, compile."""
     optimizer = build_optimizer(model, args.lr, args.weight_decay, device)
     return Trainer(model, optimizer, build_scheduler(optimizer, args.lr, total_steps),
-                   nn.CrossEntropyLoss(label_smoothing=args.label_smoothing), device=device,
-                   dtype=dtype, grad_accum=args.grad_accum, clip_grad=args.clip_grad,
-                   ema=build_ema(model, args.ema), compile_model=use_compile(device, args.compile),
-                   log=log)
+                   device=device, dtype=dtype, grad_accum=args.grad_accum,
+                   clip_grad=args.clip_grad, ema=build_ema(model, args.ema),
+                   label_smoothing=args.label_smoothing, compile_mode=compile_mode, log=log)
 
 
 def inject_nan_step() -> int | None:
@@ -118,89 +125,102 @@ def inject_nan_step() -> int | None:
     return int(value) if value else None
 
 
-class Trainer:
-    """Owns one optimizer step: forward/backward of `grad_accum` micro-batches, clip, step, EMA.
+def forward_and_sums(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                     dtype: torch.dtype | None, label_smoothing: float):
+    """(mean loss, loss summed over the batch, correct count): the region torch.compile sees."""
+    with torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None):
+        logits = model(x)
+    loss = cross_entropy(logits, y, label_smoothing)
+    correct = (logits.detach().argmax(1) == y).sum()
+    return loss, loss.detach() * y.shape[0], correct
 
-    Running sums (loss, correct, seen) stay on the device; `take_sums()` reads them (a sync point).
+
+def compiler_errors() -> tuple[type[BaseException], ...]:
+    """Exception types that mean "torch.compile could not compile", not "the model is wrong"."""
+    import torch._dynamo.exc as dynamo_exc
+    import torch._inductor.exc as inductor_exc
+
+    names = ("InductorError", "OperatorIssue", "CppCompileError", "InvalidCxxCompiler")
+    return (dynamo_exc.TorchDynamoException,
+            *(getattr(inductor_exc, n) for n in names if hasattr(inductor_exc, n)))
+
+
+class Trainer:
+    """One optimizer step: forward/backward of `grad_accum` micro-batches, clip, step, EMA.
+
+    `compile_mode` (from hardware.choose_compile) compiles `forward_and_sums`; a compiler error
+    during the first step (or `warm_up`) falls back to eager for the rest of the run; any later
+    error, and any other error, propagates. Running sums stay on the device; `take_sums()`
+    reads them (the one sync point, once per epoch).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
-                 loss_fn: nn.Module, *, device: torch.device, dtype: torch.dtype | None,
-                 grad_accum: int = 1, clip_grad: float = 0.0, ema=None, compile_model: bool = False,
-                 log: logging.Logger | None = None) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, *,
+                 device: torch.device, dtype: torch.dtype | None, grad_accum: int = 1,
+                 clip_grad: float = 0.0, ema: EMA | None = None, label_smoothing: float = 0.0,
+                 compile_mode: str | None = None, log: logging.Logger | None = None) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.loss_fn = loss_fn
         self.device, self.dtype, self.ema = device, dtype, ema
         self.grad_accum, self.clip_grad = grad_accum, clip_grad
+        self.label_smoothing = label_smoothing
         self.log = log or logging.getLogger(__name__)
         # fp16 needs loss scaling to keep small gradients; bf16 has fp32's range and does not.
         self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-        self.forward = torch.compile(model) if compile_model else model
-        self.compiled = compile_model
+        self.compile_mode = compile_mode
+        self.forward = (torch.compile(forward_and_sums, mode=compile_mode) if compile_mode
+                        else forward_and_sums)
+        self._first_step_done = False
         self.nan_at = inject_nan_step()
         self.reset_sums()
 
-    def state_dict(self) -> dict:
-        """Everything the step owns: model, optimizer, scheduler, GradScaler, EMA, running sums."""
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-                "ema": self.ema.state_dict() if self.ema is not None else None,
-                "sums": self.sums_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        from .checkpoint import load_model_state
-
-        load_model_state(self.model, state["model"], "the checkpoint's model")
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
-        if self.ema is not None:
-            self.ema.load_state_dict(state["ema"])
-        self.load_sums_state(state["sums"])
+    @property
+    def compiled(self) -> bool:
+        return self.compile_mode is not None
 
     def reset_sums(self) -> None:
-        zero = torch.zeros((), device=self.device)
-        self.loss_sum, self.correct, self.seen = zero.clone(), zero.clone(), 0
-
-    def sums_state(self) -> dict:
-        return {"loss_sum": self.loss_sum.cpu(), "correct": self.correct.cpu(), "seen": self.seen}
-
-    def load_sums_state(self, state: dict) -> None:
-        self.loss_sum = state["loss_sum"].to(self.device)
-        self.correct = state["correct"].to(self.device)
-        self.seen = state["seen"]
+        self.loss_sum = torch.zeros((), device=self.device)
+        self.correct = torch.zeros((), device=self.device, dtype=torch.int64)
+        self.seen = 0
 
     def take_sums(self) -> tuple[float, float, int]:
         """Mean loss and accuracy since the last reset.  # note: sync point (one per epoch)"""
-        loss_sum, correct = torch.stack([self.loss_sum, self.correct]).tolist()
+        both = torch.stack([self.loss_sum.double(), self.correct.double()])
+        loss_sum, correct = both.tolist()
         seen = max(self.seen, 1)
         return loss_sum / seen, correct / seen, self.seen
 
+    def _fall_back(self, exc: BaseException) -> None:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        self.log.warning("torch.compile failed on the first step (%s: %s); continuing eagerly",
+                         type(exc).__name__, first_line)
+        self.forward, self.compile_mode = forward_and_sums, None
+
     def _micro_step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> None:
-        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None):
-            logits = self.forward(x)
-            loss = self.loss_fn(logits.float(), y)
+        loss, loss_sum, correct = self.forward(self.model, x, y, self.dtype, self.label_smoothing)
         if step == self.nan_at:
-            loss = loss * float("nan")
-        # Sum (not mean) of the accumulated micro-batch losses, detached: no graph kept, no sync.
-        self.loss_sum += loss.detach() * y.shape[0]
-        self.correct += (logits.detach().argmax(1) == y).sum()
-        self.seen += y.shape[0]
+            loss, loss_sum = loss * float("nan"), loss_sum * float("nan")
         self.scaler.scale(loss / self.grad_accum).backward()
+        # Counted only once backward succeeded: a compile fallback re-runs this micro-batch.
+        self.loss_sum += loss_sum
+        self.correct += correct
+        self.seen += y.shape[0]
+
+    def _checked_micro_step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> None:
+        if self._first_step_done or not self.compiled:
+            self._micro_step(x, y, step)
+            return
+        try:  # forward compiles on the first call, backward lazily on the first backward
+            self._micro_step(x, y, step)
+        except compiler_errors() as exc:
+            # A failed forward or backward wrote no .grad, so earlier micro-batches' gradients
+            # are intact: re-run only this one, eagerly.
+            self._fall_back(exc)
+            self._micro_step(x, y, step)
 
     def step(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]], step: int) -> None:
         """One optimizer step over `grad_accum` micro-batches. `step` counts from 1."""
         for x, y in micro_batches:
-            try:
-                self._micro_step(x, y, step)
-            except Exception as exc:  # compilation errors surface on the first call
-                if not self.compiled or isinstance(exc, torch.OutOfMemoryError):
-                    raise
-                self.log.warning("torch.compile failed (%s: %s); falling back to eager",
-                                 type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-                self.forward, self.compiled = self.model, False
-                self.optimizer.zero_grad(set_to_none=True)
-                self._micro_step(x, y, step)
+            self._checked_micro_step(x, y, step)
+        self._first_step_done = True
         if self.clip_grad > 0:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
             nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad, foreach=True)
@@ -209,11 +229,59 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)  # frees grad memory; no memset kernel
         self.scheduler.step()
         if self.ema is not None:
-            self.ema.update_parameters(self.model)
+            self.ema.update()
+
+    def warm_up(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Compile forward and backward on one batch before the timed loop, then put back
+        everything it touched (BatchNorm statistics, gradients, RNG): the run continues as if
+        it had not happened. A no-op when eager. Time it from outside (compile_time_s)."""
+        if not self.compiled or self._first_step_done:
+            return
+        buffers = [b.detach().clone() for b in self.model.buffers()]
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        try:
+            loss, _, _ = self.forward(self.model, x, y, self.dtype, self.label_smoothing)
+            self.scaler.scale(loss / self.grad_accum).backward()
+        except compiler_errors() as exc:
+            self._fall_back(exc)
+        finally:
+            with torch.no_grad():
+                for live, saved in zip(self.model.buffers(), buffers, strict=True):
+                    live.copy_(saved)
+            self.model.zero_grad(set_to_none=True)
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng, self.device)
+        self._first_step_done = True
+
+    def state_dict(self) -> dict:
+        """Everything the step changes; tensors as they are (torch.save copies them out)."""
+        sums = {"loss_sum": self.loss_sum, "correct": self.correct, "seen": self.seen}
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                "ema": self.ema.state_dict() if self.ema is not None else None, "sums": sums}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Strict: a model whose keys or shapes differ raises CheckpointError."""
+        from .checkpoint import CheckpointError, load_model_state
+
+        load_model_state(self.model, state["model"], "the checkpoint's model")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        if (state["ema"] is None) != (self.ema is None):
+            raise CheckpointError("the checkpoint's EMA setting differs from this run's")
+        if self.ema is not None:
+            self.ema.load_state_dict(state["ema"])
+        sums = state["sums"]
+        self.loss_sum = sums["loss_sum"].to(self.device, torch.float32)
+        self.correct = sums["correct"].to(self.device, torch.int64)
+        self.seen = sums["seen"]
 
 
 @torch.inference_mode()
-def evaluate(model: nn.Module, loader: Iterable, loss_fn: nn.Module, *, device: torch.device,
+def evaluate(model: nn.Module, loader: Iterable, *, device: torch.device,
              dtype: torch.dtype | None) -> tuple[float, float]:
     """Mean loss and accuracy over a loader, in eval mode; one host sync at the end."""
     was_training = model.training
@@ -224,7 +292,7 @@ def evaluate(model: nn.Module, loader: Iterable, loss_fn: nn.Module, *, device: 
     for x, y in loader:
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
             logits = model(x)
-        loss_sum += loss_fn(logits.float(), y) * y.shape[0]
+        loss_sum += cross_entropy(logits, y) * y.shape[0]
         correct += (logits.argmax(1) == y).sum()
         seen += y.shape[0]
     model.train(was_training)
@@ -233,36 +301,7 @@ def evaluate(model: nn.Module, loader: Iterable, loss_fn: nn.Module, *, device: 
     return total_loss / max(seen, 1), total_correct / max(seen, 1)
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak allocated GPU memory, or the process's peak resident memory on CPU."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    import resource
-
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
-
-
-def timed(device: torch.device) -> Callable[[], float]:
-    """A clock that waits for the device first, so timings measure work, not kernel launches."""
-
-    def now() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter()
-
-    return now
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device
-
-
-def choose_gpu_resident(flag: str, device: torch.device, splits: dict) -> bool:
-    """auto: keep the uint8 images on the GPU when they use under a quarter of free memory."""
-    from .data import fits_on_device
-
-    if flag != "auto" or device.type != "cuda":
-        return flag == "on" and device.type == "cuda"
-    return fits_on_device(splits, device)

@@ -63,7 +63,7 @@ def find_lr(
     Suggestion rule (`suggest_lr`): the smaller of (1) the LR where the smoothed loss falls
     fastest (most negative slope against log LR) before its minimum and (2) the LR at the
     minimum / 10. The EMA lags the raw loss, which moves (1) to the right; (2) bounds that.
-    The model, the optimizer's state and the torch RNG are restored afterwards.
+    The model's weights and buffers and the torch RNG are restored afterwards.
     Writes `lr_find.csv` (step, lr, loss, smoothed_loss) and `lr_find.png` into `out_dir`.
     """
     device = torch.device(device)
@@ -73,8 +73,7 @@ def find_lr(
     was_training = model.training
     rng_state = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
-    optimizer = optimizer_factory(model)
-    initial_optimizer = copy.deepcopy(optimizer.state_dict())
+    optimizer = optimizer_factory(model)  # a throw-away optimizer: its state is not restored
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     growth = (end_lr / start_lr) ** (1 / max(steps - 1, 1))
 
@@ -103,7 +102,6 @@ def find_lr(
                 break
     finally:
         model.load_state_dict(initial_model)
-        optimizer.load_state_dict(initial_optimizer)
         model.train(was_training)
         torch.set_rng_state(rng_state)
         if cuda_rng is not None:
@@ -268,45 +266,66 @@ def find_batch_size(
     return largest
 
 
+def recommend_batch_size(largest_fitting: int, device) -> tuple[int, float]:
+    """The device's default rule (hardware.default_batch_size, sqrt LR scaling) capped by what
+    fits: the (batch size, --lr) that run.py's defaults give on this device."""
+    from .hardware import default_batch_size, default_lr
+
+    batch = min(largest_fitting, default_batch_size(torch.device(device)))
+    return batch, default_lr(batch)
+
+
 # --------------------------------------------------------------------------------------------
 # Profiler
 
 
-def profile_steps(
-    step_fn: Callable[[torch.Tensor, torch.Tensor], object],
-    batches: Iterable,
-    *,
-    device,
-    out_dir,
-    steps: int = 5,
-    warmup: int = 3,
-) -> str:
-    """Profile `steps` calls of `step_fn(x, y)` after `warmup` untimed ones (compilation, cuDNN
-    autotuning and allocator growth would otherwise dominate).
+def start_memory_history(device) -> None:
+    """On CUDA, record every allocation from now on (call it before the model is built, so the
+    snapshot shows the whole run's memory); `profile_training` dumps and stops it."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
 
-    Writes `trace.json` (open in https://ui.perfetto.dev or chrome://tracing) and, on CUDA,
-    `memory_snapshot.pickle` (https://pytorch.org/memory_viz) into `out_dir`. Returns the
-    top-10 ops by self time: the loader's own ops show up there too, if it is the bottleneck.
+
+def profile_training(
+    trainer,
+    loader: Iterable,
+    *,
+    out_dir,
+    steps: int = 3,
+    warmup: int = 2,
+) -> str:
+    """Profile `steps` whole optimizer steps (all `trainer.grad_accum` micro-batches, clipping,
+    optimizer, EMA) after `warmup` untimed ones (compilation, cuDNN autotuning and allocator
+    growth would otherwise dominate).
+
+    A tool: it trains the given trainer's model (run.py exits afterwards), at a constant LR so
+    that any run length can be profiled (a one-cycle schedule refuses steps beyond its end).
+    Writes `trace.json` (https://ui.perfetto.dev or chrome://tracing) and, on CUDA,
+    `memory_snapshot.pickle` (https://pytorch.org/memory_viz; allocations since
+    `start_memory_history`) into `out_dir`. Returns the top-10 ops by self time: the loader's
+    own ops show up there too, if it is the bottleneck.
     """
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    device = torch.device(device)
+    device = trainer.device
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     on_cuda = device.type == "cuda"
-    source = iter(_cycle_batches(batches))
-    for _ in range(warmup):
-        step_fn(*next(source))
-    _sync(device)
+    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda _: 1.0)
+    source = iter(_cycle_batches(loader))
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
-    if on_cuda:
-        torch.cuda.memory._record_memory_history(max_entries=100_000)
+    def one_step(number: int) -> None:
+        trainer.step([next(source) for _ in range(trainer.grad_accum)], number)
+
     try:
+        for number in range(1, warmup + 1):
+            one_step(number)
+        _sync(device)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
         with profile(activities=activities, record_shapes=True) as prof:
             for i in range(steps):
-                with record_function(f"train_step_{i}"):
-                    step_fn(*next(source))
+                with record_function(f"optimizer_step_{i}"):
+                    one_step(warmup + 1 + i)
             _sync(device)
         if on_cuda:
             torch.cuda.memory._dump_snapshot(str(out_dir / "memory_snapshot.pickle"))
