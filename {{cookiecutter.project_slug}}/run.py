@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     from torch import nn
 
     from {{ cookiecutter.package_name }} import checkpoint as ckpt
-    from {{ cookiecutter.package_name }}.data import NUM_CLASSES, build_loader, load_dataset
-    from {{ cookiecutter.package_name }}.model import build_model
+    from {{ cookiecutter.package_name }}.data import build_loader, load_dataset
+    from {{ cookiecutter.package_name }}.model import create_model
     from {{ cookiecutter.package_name }}.train import (
         EarlyStopping, GracefulStop, Trainer, amp_dtype, build_ema, build_optimizer,
         build_scheduler, check_finite, choose_gpu_resident, evaluate, peak_memory_bytes,
@@ -73,14 +73,28 @@ def main(argv: list[str] | None = None) -> int:
         device = resolve_device(args.device)
         dtype = amp_dtype(device, args.amp)
         runs.ensure_writable(args.results_dir)
-        splits = load_dataset(args.dataset, args.data_dir, val_fraction=args.val_fraction,
-                              seed=args.seed, synthetic_size=args.synthetic_size)
-        resident = choose_gpu_resident(args.gpu_resident, device, splits)
+        data = load_dataset(args.dataset, args.data_dir, data_path=args.data_path,
+                            image_size=args.image_size, val_fraction=args.val_fraction,
+                            seed=args.seed, synthetic_size=args.synthetic_size,
+                            mode=args.data_mode, workers=args.workers)
+        splits, info = data.splits, data.info
+        config.update(info.as_config())  # num_classes, channels, image_size, class_names
+        for note in data.notes:
+            print(note)
+        resident = data.mode == "memory" and choose_gpu_resident(args.gpu_resident, device,
+                                                                  splits)
         loaders = {
             name: build_loader(split, args.batch_size, train=name == "train", device=device,
                                workers=args.workers, gpu_resident=resident, seed=args.seed)
             for name, split in splits.items()
         }
+
+        def build_model():  # the registered --model, sized for this dataset
+            return create_model(args.model, num_classes=info.num_classes,
+                                channels=info.channels, image_size=info.image_size,
+                                width=args.width)
+
+        build_model()  # a model that cannot take this data is bad input: fail before any file
         # Optimizer steps per epoch; a trailing remainder of < grad_accum micro-batches is skipped.
         steps_per_epoch = len(loaders["train"]) // args.grad_accum
         micro_per_epoch = steps_per_epoch * args.grad_accum
@@ -100,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- model + optimizer --------------------------------------------------------------------
     seed_everything(args.seed)  # same seed => same init, split, order, augmentation
-    model = build_model(NUM_CLASSES, args.width).to(device, memory_format=torch.channels_last)
+    model = build_model().to(device, memory_format=torch.channels_last)
     optimizer = build_optimizer(model, args.lr, args.weight_decay, device)
     total_steps = steps_per_epoch * args.epochs
     if args.max_steps:
@@ -127,9 +141,10 @@ def main(argv: list[str] | None = None) -> int:
                          device=device, amp_dtype=dtype, out_dir=out)
             print(f"suggested --lr {lr:.3g} (plot in {out})")
         if args.find_batch_size:
-            size = find_batch_size(lambda: build_model(NUM_CLASSES, args.width), device=device,
-                                   amp_dtype=dtype, start=args.batch_size,
-                                   max_batch=len(splits["train"]))
+            size = find_batch_size(build_model, device=device, amp_dtype=dtype,
+                                   start=args.batch_size, max_batch=len(splits["train"]),
+                                   input_shape=(info.channels, *info.image_size),
+                                   num_classes=info.num_classes)
             print(f"largest batch size that fits: {size}")
         if args.profile:
             loaders["train"].set_epoch(0)
