@@ -177,6 +177,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
         parser.error(f"--lr must be positive, got {args.lr}")
     args.results_dir = args.results_dir.expanduser().resolve()
     args.data_dir = args.data_dir.expanduser().resolve()
+    if DATASETS[args.dataset].needs_data_path and args.data_path is None:
+        parser.error(f"--data-path: dataset {args.dataset!r} reads your files: give --data-path")
     if args.data_path is not None:  # absolute: the same data named two ways is one experiment
         args.data_path = args.data_path.expanduser().resolve()
     return args, parser
