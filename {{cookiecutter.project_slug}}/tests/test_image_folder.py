@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT, RUN_PY, TINY, read_metrics, run_dir_of
 from image_folders import CLASSES, make_folder
 
 from {{ cookiecutter.package_name }} import data
@@ -209,3 +212,59 @@ def test_resize_of_arrays_keeps_uint8(tmp_path):
     images = loaded.splits["train"].images
     assert images.shape[1:] == (3, 16, 16) and images.dtype == torch.uint8
     assert np.ptp(images.numpy()) > 200  # still the full intensity range, not blurred to grey
+
+
+@pytest.mark.slow
+def test_run_trains_on_a_folder_the_same_on_both_paths(main_in_process, mixed_folder, tmp_path,
+                                                       monkeypatch):
+    monkeypatch.setenv("LAB_TRACKING", "off")
+    common = ["--dataset", "folder", "--data-path", str(mixed_folder), "--image-size", "12",
+              "--epochs", "2", "--batch-size", "8", "--workers", "0"]
+    finished = {}
+    for mode in ("memory", "stream"):
+        results = tmp_path / mode
+        assert main_in_process(*common, "--data-mode", mode, "--results-dir", str(results)) == 0
+        (run_dir,) = results.iterdir()
+        assert run_dir.name.startswith(f"folder_data_path={mixed_folder.name}_image_size=12x12")
+        config = json.loads((run_dir / "config.json").read_text())
+        assert config["class_names"] == list(CLASSES) and config["image_size"] == [12, 12]
+        assert config["data_path"] == str(mixed_folder.resolve())
+        finished[mode] = read_metrics(run_dir)
+    for key in ("best_val_acc", "test_acc", "test_loss", "steps"):
+        assert finished["memory"][key] == finished["stream"][key], key
+
+
+@pytest.mark.slow
+def test_streamed_run_stopped_by_a_group_sigterm_resumes_exactly(env, data_dir, tmp_path):
+    """SIGTERM to the whole process group (as Slurm sends it) mid-epoch, with 2 workers."""
+    folder = make_folder(tmp_path / "imgs", {"train": 40, "test": 4}, size=(12, 12))
+    args = ("--dataset", "folder", "--data-path", str(folder), "--data-mode", "stream",
+            "--workers", "2", "--epochs", "2", "--batch-size", "8", "--patience", "0",
+            "--deterministic")
+    env = {**env, "LAB_TRACKING": "off"}
+
+    def start(results):  # its own process group, as a Slurm job step is
+        return subprocess.Popen([sys.executable, str(RUN_PY), *TINY, "--data-dir", str(data_dir),
+                                 "--results-dir", str(results), *args], env=env, cwd=ROOT,
+                                text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)
+
+    straight = start(tmp_path / "straight")
+    assert straight.wait(timeout=300) == 0, straight.communicate()
+    expected = read_metrics(run_dir_of(tmp_path / "straight"))
+
+    results = tmp_path / "stopped"
+    cmd = start(results)
+    deadline = time.monotonic() + 120
+    while not any("MLflow run" in p.read_text() for p in results.glob("*/run.log")):
+        assert cmd.poll() is None and time.monotonic() < deadline, cmd.communicate()
+        time.sleep(0.02)
+    os.killpg(cmd.pid, signal.SIGTERM)
+    _, err = cmd.communicate(timeout=120)
+    assert cmd.returncode == 75, err
+    assert "killed by signal" not in err
+    resumed = start(results)
+    assert resumed.wait(timeout=300) == 0, resumed.communicate()
+    got = read_metrics(run_dir_of(results))
+    for key in ("best_val_acc", "test_acc", "test_loss", "steps"):
+        assert got[key] == expected[key], key
