@@ -184,6 +184,17 @@ def load_dataset(
     if missing_in_train:
         raise ValueError(f"dataset {name!r}: class(es) {sorted(missing_in_train)} appear in "
                          "val/test but not in train")
+    streamable = any(isinstance(s, FileSplit) for s in splits.values())
+    if not streamable and mode == "stream":
+        raise ValueError(f"--data-mode: dataset {name!r} is held in memory as arrays; "
+                         "streaming needs a dataset of image files (e.g. folder)")
+    if streamable and mode == "auto":
+        mode = "memory" if fits_in_ram(splits.values()) else "stream"
+    if not streamable:
+        mode = "memory"
+    elif mode == "memory":  # decoded before carving: the cache never depends on --seed
+        splits = {k: decode_cached(s, data_dir, workers) if isinstance(s, FileSplit) else s
+                  for k, s in splits.items()}
     if "test" not in splits:  # a fixed carve: the test set never depends on --seed
         splits["train"], splits["test"] = _carve(splits["train"], TEST_FRACTION, TEST_SPLIT_SEED)
     if "val" not in splits:
@@ -191,17 +202,6 @@ def load_dataset(
     if len(splits["train"]) == 0 or len(splits["test"]) == 0:
         raise ValueError(f"dataset {name!r}: too few images to split into train and test")
     info = DatasetInfo(name, num_classes, channels, (height, width), class_names)
-    file_splits = [s for s in splits.values() if isinstance(s, FileSplit)]
-    if not file_splits:
-        if mode == "stream":
-            raise ValueError(f"--data-mode: dataset {name!r} is held in memory as arrays; "
-                             "streaming needs a dataset of image files (e.g. folder)")
-        return LoadedDataset(splits, info, "memory", list(raw.notes))
-    if mode == "auto":
-        mode = "memory" if fits_in_ram(splits.values()) else "stream"
-    if mode == "memory":
-        splits = {k: decode_cached(s, data_dir, workers) if isinstance(s, FileSplit) else s
-                  for k, s in splits.items()}
     return LoadedDataset(splits, info, mode, list(raw.notes))
 
 
@@ -283,7 +283,7 @@ def available_ram_bytes() -> int | None:
 
 
 def decoded_bytes(splits) -> int:
-    """uint8 bytes of the splits once decoded (train padded for the crop, as stored)."""
+    """uint8 bytes of the splits once decoded, labels included."""
     total = 0
     for split in splits:
         c, h, w = split.image_shape
