@@ -114,6 +114,35 @@ CHILD = textwrap.dedent("""
 """)
 
 
+GROWTH = textwrap.dedent("""
+    import json, sys
+    import {package}.data as data
+    if sys.argv[3] == "off":  # what glibc does by default
+        data._fix_malloc_mmap_threshold = lambda: None
+    loaded = data.load_dataset("folder", sys.argv[1], data_path=sys.argv[2], mode="stream")
+    loader = data.build_loader(loaded.splits["train"], 64, train=True, device="cpu", workers=1)
+    rss = []
+    for i, _ in enumerate(loader):
+        if i % 10 == 0:
+            status = open("/proc/self/status").read()
+            rss.append(int(status.split("VmRSS:")[1].split()[0]) // 1024)
+        if i == 40:
+            break
+    print(json.dumps(rss))
+""")
+
+
+def rss_growth(project: Path, package: str, work: Path, folder: Path) -> dict:
+    """Main-process RSS (MB) at batches 0, 10, ..., 40, with and without the mmap threshold."""
+    result = {}
+    for fix in ("on", "off"):
+        out = subprocess.run([sys.executable, "-c", GROWTH.format(package=package),
+                              str(work / "cache"), str(folder), fix], cwd=project, check=True,
+                             capture_output=True, text=True).stdout
+        result[fix] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
 def tree_pss_bytes(pid: int) -> int:
     """PSS of `pid` and its descendants (shared pages counted once, split between sharers)."""
     total, todo = 0, [pid]
@@ -155,7 +184,9 @@ def streamed_memory(project: Path, package: str, args, work: Path) -> dict:
     if child.returncode != 0:
         raise SystemExit(f"child failed:\n{err}")
     result = json.loads(out.strip().splitlines()[-1])
-    return {**result, "decoded_bytes": decoded, "limit_bytes": limit, "peak_tree_pss": peak}
+    growth = rss_growth(project, package, work, folder)
+    return {**result, "decoded_bytes": decoded, "limit_bytes": limit, "peak_tree_pss": peak,
+            "growth": growth}
 
 
 def main(argv=None) -> int:
@@ -201,6 +232,12 @@ def main(argv=None) -> int:
         print("|---|---:|---:|---:|---:|")
         print(f"| {part2['mode']} | {part2['seen']} | {part2['samples_per_s']:.0f} | "
               f"{part2['maxrss_kb'] / 1024:.0f} MB | {part2['peak_tree_pss'] / 2**20:.0f} MB |")
+        print("\nMain-process RSS (MB) at batches 0, 10, 20, 30, 40 of that folder (batch 64, "
+              "1 worker), no RLIMIT_AS:\n")
+        print("| glibc mmap threshold | RSS (MB) |")
+        print("|---|---|")
+        print(f"| fixed at 4 MB (data.py) | {', '.join(map(str, part2['growth']['on']))} |")
+        print(f"| glibc default (dynamic) | {', '.join(map(str, part2['growth']['off']))} |")
     return 0
 
 

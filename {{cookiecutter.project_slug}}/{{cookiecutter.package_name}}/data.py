@@ -569,6 +569,24 @@ def _ignore_stop_signals(_worker_id: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+def _fix_malloc_mmap_threshold(threshold: int = 4 << 20) -> None:
+    """Serve every allocation above `threshold` by mmap, so it goes back to the OS when freed.
+
+    glibc raises its mmap threshold after each large free (up to 32 MB), after which batch-sized
+    buffers come from the heap and fragment it: streaming 256 px images, the main process's RSS
+    grew by ~12 MB per batch (309 -> 778 MB in 40 batches); with a fixed threshold it stayed at
+    315 MB (benchmarks/RESULTS.md, bench_data.py). Equivalent to MALLOC_MMAP_THRESHOLD_=4194304.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        m_mmap_threshold = -3  # from glibc's malloc.h
+        libc.mallopt(m_mmap_threshold, threshold)
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to fix
+        pass
+
+
 @contextlib.contextmanager
 def _one_cpu_thread(device: torch.device) -> Iterator[None]:
     """Run a batch's data ops on one thread when they execute on the CPU.
@@ -761,6 +779,7 @@ class DataLoaderLoader(Loader):
         if streaming:
             dataset = _FileDataset(split.paths, split.labels, split.image_shape)
             self._pad_batches = True
+            _fix_malloc_mmap_threshold()
         else:
             dataset = _ArrayDataset(self._stored_images(split), split.labels)
         self._on_cuda = self.device.type == "cuda"
