@@ -14,6 +14,7 @@ MATRIX = option_matrix()
 PACKAGE_FILES = [
     "__init__.py", "config.py", "runs.py", "data.py", "model.py", "train.py",
     "checkpoint.py", "tracking.py", "tuning.py", "analysis.py",
+    "datasets.py", "imagefolder.py", "registry.py",  # data helper (issue 12)
 ]
 BASE_FILES = [
     ".gitignore", "LICENSE", "README.md", "pyproject.toml",
@@ -21,6 +22,7 @@ BASE_FILES = [
     "tests/conftest.py", "tests/test_run.py", "tests/test_resume.py",
     "tests/test_train_units.py", "tests/test_data.py", "tests/test_model.py",
     "tests/test_tuning.py", "tests/test_sweep.py", "tests/test_plot.py",
+    "tests/image_folders.py", "tests/test_image_folder.py", "tests/test_recipes.py",  # issue 12
 ]
 SLURM_FILES = ["scripts/slurm_task.sh", "tests/test_slurm.py"]
 GITHUB_ACTIONS_FILES = [".github/workflows/ci.yml"]
