@@ -52,7 +52,7 @@ def test_default_model_keeps_its_size_and_uses_no_adaptive_pooling():
 
 
 @pytest.mark.parametrize("name", ["cnn", "resnet18"])
-@pytest.mark.parametrize("channels, image_size", [(1, (20, 28)), (3, (32, 32)), (3, (64, 64))])
+@pytest.mark.parametrize("channels, image_size", [(1, (20, 28)), (3, (64, 64))])
 def test_registered_models_adapt_to_the_data(name, channels, image_size):
     model = create_model(name, num_classes=5, channels=channels, image_size=image_size, width=8)
     x = torch.randn(2, channels, *image_size).contiguous(memory_format=torch.channels_last)

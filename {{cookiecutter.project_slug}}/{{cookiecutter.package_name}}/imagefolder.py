@@ -75,7 +75,7 @@ def scan_image_folder(root: Path | None, image_size: tuple[int, int] | None,
         listing = _write_unreadable_list(root, unreadable, report_dir)
         if len(unreadable) > MAX_UNREADABLE_FRACTION * total:
             raise ValueError(f"--data-path: {len(unreadable)} of {total} images are unreadable "
-                             f"(more than {MAX_UNREADABLE_FRACTION:.0%}; list in {listing})")
+                             f"(more than {100 * MAX_UNREADABLE_FRACTION:g}%; list in {listing})")
         notes.append(f"skipped {len(unreadable)} unreadable image(s) of {total}; list in {listing}")
     if not readable["train"]:
         raise ValueError(f"--data-path: no readable training images under {root / 'train'}")
