@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -268,3 +269,36 @@ def test_streamed_run_stopped_by_a_group_sigterm_resumes_exactly(env, data_dir, 
     got = read_metrics(run_dir_of(results))
     for key in ("best_val_acc", "test_acc", "test_loss", "steps"):
         assert got[key] == expected[key], key
+
+
+def test_data_path_is_part_of_the_run_identity(tmp_path):
+    """Two folders never share a run directory; one folder named two ways is one run."""
+    first, second = tmp_path / "a" / "imgs", tmp_path / "b" / "imgs"
+    first.mkdir(parents=True)
+
+    def run_dir(data_path, cwd=ROOT):
+        done = subprocess.run([sys.executable, str(RUN_PY), "--dataset", "folder", "--data-path",
+                               str(data_path), "--print-run-dir"], cwd=cwd, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return Path(done.stdout.strip()).name
+
+    assert run_dir(first) != run_dir(second)
+    assert run_dir(first) == run_dir("imgs", cwd=tmp_path / "a")  # relative = absolute
+    assert run_dir(first).startswith("folder_data_path=imgs-")
+    missing = subprocess.run([sys.executable, str(RUN_PY), "--dataset", "folder"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2
+    assert "--data-path" in missing.stderr.splitlines()[-1] and "Traceback" not in missing.stderr
+
+
+def test_streaming_workers_follow_the_cores_this_process_may_use():
+    cpus = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(cpus)})  # as under `taskset -c 0` or a 1-core Slurm job
+        assert data.default_workers(torch.device("cpu"), streaming=True) == 1
+        assert data.default_workers(torch.device("cpu")) == 0  # in RAM: no workers on the CPU
+    finally:
+        os.sched_setaffinity(0, cpus)
+    expected = max(1, min(8, len(cpus) - 1))  # one core left to the main process
+    assert data.default_workers(torch.device("cpu"), streaming=True) == expected
