@@ -174,6 +174,8 @@ def load_dataset(
     if len(shapes) > 1:
         raise ValueError(f"dataset {name!r}: splits differ in image shape {sorted(shapes)}")
     (channels, height, width), = shapes
+    if len(splits["train"]) == 0:
+        raise ValueError(f"dataset {name!r}: the training split is empty")
     labels = torch.cat([split.labels for split in splits.values()])
     num_classes = len(raw.class_names) if raw.class_names else int(labels.max()) + 1
     class_names = [str(c) for c in raw.class_names] if raw.class_names else [
