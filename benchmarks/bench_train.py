@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     data_dir, results_dir = work / "data", work / "results"
     results_dir.mkdir()
     # Same cached file for all three: the job reads what this process generated.
-    splits = pkg.data.load_dataset("synthetic", data_dir, synthetic_size=args.synthetic_size)
+    splits = pkg.data.load_dataset("synthetic", data_dir, synthetic_size=args.synthetic_size).splits
     split = splits["train"]
 
     check = pkg.gpucheck

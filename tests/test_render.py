@@ -14,7 +14,8 @@ MATRIX = option_matrix()
 PACKAGE_FILES = [
     "__init__.py", "config.py", "runs.py", "data.py", "model.py", "train.py",
     "checkpoint.py", "tracking.py", "tuning.py", "analysis.py",
-    "hardware.py", "gpucheck.py",  # GPU helper: device policy, the GPU proof command
+    "hardware.py", "gpucheck.py", "datasets.py", "imagefolder.py", "registry.py",
+    "stopping.py", "state.py", "claim.py",
 ]
 BASE_FILES = [
     ".gitignore", "LICENSE", "README.md", "pyproject.toml",
@@ -22,7 +23,8 @@ BASE_FILES = [
     "tests/conftest.py", "tests/test_run.py", "tests/test_resume.py",
     "tests/test_train_units.py", "tests/test_data.py", "tests/test_model.py",
     "tests/test_tuning.py", "tests/test_sweep.py", "tests/test_plot.py",
-    "tests/test_step.py", "tests/test_hardware.py",  # GPU helper
+    "tests/test_step.py", "tests/test_hardware.py", "tests/image_folders.py",
+    "tests/test_image_folder.py", "tests/test_recipes.py", "tests/test_lifecycle.py",
 ]
 SLURM_FILES = ["scripts/slurm_task.sh", "tests/test_slurm.py"]
 GITHUB_ACTIONS_FILES = [".github/workflows/ci.yml"]

@@ -70,7 +70,6 @@ def train(args, parser, out, stop: GracefulStop) -> int:
         resolve_device,
         setup_backends,
     )
-    from {{ cookiecutter.package_name }}.model import build_model
     from {{ cookiecutter.package_name }}.state import TrainingState
     from {{ cookiecutter.package_name }}.stopping import EarlyStopping, check_finite
     from {{ cookiecutter.package_name }}.train import build_trainer, evaluate, seed_everything
@@ -85,9 +84,9 @@ def train(args, parser, out, stop: GracefulStop) -> int:
 
             start_memory_history(device)
         data = build_data(args, device)
+        config.update(data.info.as_config())  # num_classes, channels, image_size, class_names
         seed_everything(args.seed)  # same seed => same init, split, order, augmentation
-        model = build_model(data.num_classes, args.width).to(device,
-                                                             memory_format=torch.channels_last)
+        model = make_model(args, data.info).to(device, memory_format=torch.channels_last)
     except (UsageError, ValueError, OSError) as exc:
         return error(str(exc), EXIT_USAGE)
     try:
@@ -182,17 +181,23 @@ class Data(NamedTuple):
     splits: dict
     loaders: dict
     steps_per_epoch: int
-    num_classes: int
+    info: object  # datasets.DatasetInfo: classes, channels, image size, class names
 
 
 def build_data(args, device) -> Data:
     """Splits, loaders, optimizer steps per epoch; UsageError for sizes that cannot work."""
-    from {{ cookiecutter.package_name }}.data import NUM_CLASSES, build_loader, load_dataset
+    from {{ cookiecutter.package_name }}.data import build_loader, load_dataset
     from {{ cookiecutter.package_name }}.hardware import choose_gpu_resident
 
-    splits = load_dataset(args.dataset, args.data_dir, val_fraction=args.val_fraction,
-                          seed=args.seed, synthetic_size=args.synthetic_size)
-    resident = choose_gpu_resident(args.gpu_resident, device, splits)
+    loaded = load_dataset(args.dataset, args.data_dir, data_path=args.data_path,
+                          image_size=args.image_size, val_fraction=args.val_fraction,
+                          seed=args.seed, synthetic_size=args.synthetic_size,
+                          mode=args.data_mode, workers=args.workers)
+    splits = loaded.splits
+    for note in loaded.notes:
+        print(note)
+    # Only decoded in-memory data can live on the GPU; streamed files come through workers.
+    resident = loaded.mode == "memory" and choose_gpu_resident(args.gpu_resident, device, splits)
     loaders = {
         name: build_loader(split, args.batch_size, train=name == "train", device=device,
                            workers=args.workers, gpu_resident=resident, seed=args.seed)
@@ -206,7 +211,15 @@ def build_data(args, device) -> Data:
                          "full optimizer step per epoch")
     if len(splits["val"]) == 0:
         raise UsageError("--val-fraction: the validation split is empty; raise it")
-    return Data(splits, loaders, steps_per_epoch, NUM_CLASSES)
+    return Data(splits, loaders, steps_per_epoch, loaded.info)
+
+
+def make_model(args, info):
+    """The registered --model, sized for this dataset (a misfit is bad input: ValueError)."""
+    from {{ cookiecutter.package_name }}.model import create_model
+
+    return create_model(args.model, num_classes=info.num_classes, channels=info.channels,
+                        image_size=info.image_size, width=args.width)
 
 
 def checkpoint_bytes(model, ema: float) -> int:
@@ -304,7 +317,6 @@ def run_tools(args, trainer, data: Data, device, dtype, out, log) -> int:
     """--find-lr, --find-batch-size, --profile: measure, report, exit without training."""
     from torch import nn
 
-    from {{ cookiecutter.package_name }}.model import build_model
     from {{ cookiecutter.package_name }}.train import build_optimizer
     from {{ cookiecutter.package_name }}.tuning import (
         find_batch_size,
@@ -321,9 +333,12 @@ def run_tools(args, trainer, data: Data, device, dtype, out, log) -> int:
                          device=device, amp_dtype=dtype, out_dir=out)
             print(f"suggested --lr {lr:.3g} (plot in {out})")
         if args.find_batch_size:
-            size = find_batch_size(lambda: build_model(data.num_classes, args.width),
-                                   device=device, amp_dtype=dtype, start=args.batch_size,
-                                   max_batch=len(data.splits["train"]))
+            info = data.info
+            size = find_batch_size(lambda: make_model(args, info), device=device,
+                                   amp_dtype=dtype, start=args.batch_size,
+                                   max_batch=len(data.splits["train"]),
+                                   input_shape=(info.channels, *info.image_size),
+                                   num_classes=info.num_classes)
             batch, lr = recommend_batch_size(size, device)
             print(f"largest batch size that fits: {size}; this device's default rule: "
                   f"--batch-size {batch} --lr {lr:.3g}")

@@ -19,16 +19,22 @@ import os
 import re
 from pathlib import Path
 
+from .datasets import DATASETS
+from .registry import decorated_names
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_EXPERIMENT = "{{ cookiecutter.project_slug }}"
-# Mirrors data.DATASETS (data.py imports torch, so it cannot be imported here).
-DATASET_CHOICES = ("digits", "cifar10", "synthetic")
+# Both registries are read without torch: datasets.py imports nothing heavy, and model.py's
+# `@register_model` lines are read from its source.
+DATASET_CHOICES = tuple(DATASETS)
+MODEL_CHOICES = decorated_names(Path(__file__).with_name("model.py"), "register_model")
 
 # How a run is executed, not what it computes: left out of the hash, so the same experiment run on
 # another GPU, with more workers or after a Ctrl-C lands in the same directory.
 EXECUTION_KEYS = frozenset(
     {
         "device", "amp", "compile", "workers", "gpu_resident", "results_dir", "data_dir", "fresh",
+        "data_mode",
         "progress", "deterministic", "profile", "find_lr", "find_batch_size", "print_run_dir",
         "experiment", "init_tracking", "tracking", "checkpoint_every",
     }
@@ -105,6 +111,19 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _image_size(text: str) -> tuple[int, int]:
+    """`N` (NxN) or `HxW`."""
+    parts = text.lower().split("x")
+    if len(parts) > 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"must be N or HxW with positive integers, got {text}")
+    height, width = (int(parts[0]),) * 2 if len(parts) == 1 else map(int, parts)
+    return height, width
+
+
+def _choices_help(entries: dict[str, str]) -> str:
+    return "; ".join(f"{name}: {text}" for name, text in entries.items())
+
+
 def _fraction(text: str) -> float:
     value = _finite(text)
     if not 0 <= value < 1:
@@ -137,7 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e = p.add_argument_group("experiment (these define the run directory's hash)")
     e.add_argument("--dataset", choices=DATASET_CHOICES, default="digits",
-                   help="digits works offline; cifar10 downloads into --data-dir")
+                   help=_choices_help({k: v.help for k, v in DATASETS.items()}))
+    e.add_argument("--data-path", type=Path, default=None,
+                   help="your data (e.g. the folder of --dataset folder); part of the run's "
+                        "identity, so two datasets never share a run directory")
+    e.add_argument("--image-size", type=_image_size, default=None,
+                   help="resize images to N x N (or HxW); default: their own size")
+    e.add_argument("--model", choices=tuple(MODEL_CHOICES), default="cnn",
+                   help=_choices_help(MODEL_CHOICES))
     e.add_argument("--synthetic-size", type=_positive_int, default=10_000,
                    help="number of images of the synthetic dataset")
     e.add_argument("--val-fraction", type=_fraction, default=0.1,
@@ -175,7 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch.compile the step; auto = on CUDA by run length (eager < 500 steps, "
                         "max-autotune from 5000), off on CPU and with --deterministic")
     x.add_argument("--workers", type=_non_negative_int, default=None,
-                   help="data-loader worker processes (%(default)s: chosen by the loader)")
+                   help="data-loader worker processes (%(default)s: chosen from the cores this "
+                        "job may use; 0 = load in the main process)")
+    x.add_argument("--data-mode", choices=("auto", "memory", "stream"), default="auto",
+                   help="image files: decode once into RAM, or stream them from disk in "
+                        "workers; auto = memory when they take < 1/4 of the available RAM")
     x.add_argument("--gpu-resident", choices=("auto", "on", "off"), default="auto",
                    help="keep the dataset on the GPU; auto = when it fits comfortably")
     x.add_argument("--deterministic", action="store_true",
@@ -217,6 +247,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     """Parse and check what can be checked without data; argparse exits 2 on errors."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if DATASETS[args.dataset].needs_data_path and args.data_path is None:
+        parser.error(f"--data-path: dataset {args.dataset!r} reads your files: give --data-path")
+    if args.data_path is not None:  # absolute: the same data named two ways is one experiment
+        args.data_path = args.data_path.expanduser().resolve()
     out = run_dir(args, parser)
     for path, flag in ((args.results_dir, "--results-dir"), (out, "--results-dir")):
         if path.exists() and not path.is_dir():
@@ -243,6 +277,10 @@ def run_name(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
             continue
         value = getattr(args, key)
         if value != action.default:
+            if isinstance(value, Path):  # the hash holds the full path; the name its folder
+                value = value.name
+            elif isinstance(value, tuple):
+                value = "x".join(map(str, value))
             parts.append(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}")
     readable = re.sub(r"[^A-Za-z0-9._=+-]", "-", "_".join(parts))[:MAX_READABLE].rstrip("_")
     return f"{readable}-{config_hash(args)}"

@@ -1,12 +1,58 @@
-"""The default network: a small ResNet-style CNN for 32x32 images.
+"""The model registry (`--model`) and its networks. A model is one decorated function:
 
-Shape of `build_model()` (width 64): stem 3->32 at 32x32, then three stages at 16x16 (64 ch),
-8x8 (128 ch) and 4x4 (256 ch), each `maxpool -> conv-BN-ReLU -> residual block`, then a global
-max-pool and a linear classifier. 1.9 M parameters; one SGD step at batch 128 takes ~0.3 s on
-2 CPU cores (AVX2), so the template's tests and CPU smoke runs stay quick.
+    @register_model("mlp", help="a two-layer perceptron")
+    def mlp(num_classes: int, channels: int, image_size: tuple[int, int], width: int):
+        height, w = image_size
+        return nn.Sequential(nn.Flatten(), nn.Linear(channels * height * w, width), nn.ReLU(),
+                             nn.Linear(width, num_classes))
+
+config.py reads the names and help texts of the `@register_model(...)` lines of this file without
+importing it (so `--help` needs no torch): write them as plain string literals.
+
+The default, `cnn` = `build_model()` (width 64, 3x32x32 input): stem 3->32 at 32x32, then three
+stages at 16x16 (64 ch), 8x8 (128 ch) and 4x4 (256 ch), each `maxpool -> conv-BN-ReLU -> residual
+block`, then a global max-pool and a linear classifier. 1.9 M parameters; one SGD step at batch
+128 takes ~0.3 s on 2 CPU cores (AVX2), so the template's tests and CPU smoke runs stay quick.
+Any channel count and image size (>= 8x8) work: the global pool removes the spatial size.
+Every op has a deterministic CUDA kernel (no adaptive pooling), so --deterministic runs.
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from torch import nn
+
+MODELS: dict[str, ModelEntry] = {}
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    build: Callable[..., nn.Module]
+    help: str
+
+
+def register_model(name: str, *, help: str = ""):
+    """Decorator: register `fn(num_classes, channels, image_size, width) -> nn.Module`."""
+
+    def add(fn):
+        if name in MODELS:
+            raise ValueError(f"model {name!r} is registered twice")
+        MODELS[name] = ModelEntry(name, fn, help)
+        return fn
+
+    return add
+
+
+def create_model(name: str, *, num_classes: int, channels: int, image_size: tuple[int, int],
+                 width: int) -> nn.Module:
+    """Build the registered model `name` for a dataset's shape and class count."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+    return MODELS[name].build(num_classes=num_classes, channels=channels,
+                              image_size=tuple(image_size), width=width)
 
 
 def conv_bn_relu(in_channels: int, out_channels: int) -> nn.Sequential:
@@ -52,13 +98,13 @@ def stage(in_channels: int, out_channels: int) -> nn.Sequential:
     )
 
 
-def build_model(num_classes: int = 10, width: int = 64) -> nn.Module:
+def build_model(num_classes: int = 10, width: int = 64, *, channels: int = 3) -> nn.Module:
     """Return the default network; `width` is the channel count of the first stage."""
     if width < 2:
         raise ValueError(f"width must be >= 2, got {width}")
     widths = (width, 2 * width, 4 * width)
     model = nn.Sequential(
-        conv_bn_relu(3, width // 2),
+        conv_bn_relu(channels, width // 2),
         stage(width // 2, widths[0]),
         stage(widths[0], widths[1]),
         stage(widths[1], widths[2]),
@@ -76,3 +122,85 @@ def build_model(num_classes: int = 10, width: int = 64) -> nn.Module:
         if isinstance(module, ResidualBlock):
             nn.init.zeros_(module.body[-1].weight)
     return model
+
+
+@register_model("cnn", help="small ResNet-style CNN for small images (the default)")
+def cnn(num_classes: int, channels: int, image_size: tuple[int, int], width: int) -> nn.Module:
+    if min(image_size) < 8:
+        raise ValueError(f"--model cnn: images must be at least 8x8 (three 2x poolings), "
+                         f"got {image_size[0]}x{image_size[1]}")
+    return build_model(num_classes, width, channels=channels)
+
+
+# --------------------------------------------------------------------------------------------
+# ResNet-18 (He et al. 2016), written out: a starting point for larger images.
+
+
+class BasicBlock(nn.Module):
+    """ResNet's basic block; a strided 1x1 conv shortcut where the shape changes."""
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False),
+            nn.BatchNorm2d(out_channels),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False),
+            nn.BatchNorm2d(out_channels),
+        )
+        self.shortcut = nn.Identity()
+        if stride != 1 or in_channels != out_channels:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False),
+                nn.BatchNorm2d(out_channels),
+            )
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        return self.act(self.body(x) + self.shortcut(x))
+
+
+class ResNet18(nn.Module):
+    """Four stages of two basic blocks (width, 2x, 4x, 8x channels), global average pool.
+
+    Images of 64 px and more get ImageNet's stem (7x7 stride 2 + max-pool: 4x less compute in
+    every stage); smaller ones CIFAR's 3x3 stem, which keeps their little resolution.
+    """
+
+    def __init__(self, num_classes: int, channels: int, image_size: tuple[int, int],
+                 width: int = 64):
+        super().__init__()
+        if min(image_size) >= 64:
+            self.stem = nn.Sequential(
+                nn.Conv2d(channels, width, 7, stride=2, padding=3, bias=False),
+                nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+                nn.MaxPool2d(3, stride=2, padding=1),
+            )
+        else:
+            self.stem = nn.Sequential(
+                nn.Conv2d(channels, width, 3, padding=1, bias=False),
+                nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+            )
+        blocks, in_channels = [], width
+        for i, out_channels in enumerate((width, 2 * width, 4 * width, 8 * width)):
+            stride = 1 if i == 0 else 2
+            blocks += [BasicBlock(in_channels, out_channels, stride),
+                       BasicBlock(out_channels, out_channels, 1)]
+            in_channels = out_channels
+        self.blocks = nn.Sequential(*blocks)
+        self.fc = nn.Linear(in_channels, num_classes)
+        for module in self.modules():
+            if isinstance(module, nn.Conv2d):
+                nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+            if isinstance(module, BasicBlock):  # each block starts as (almost) the identity
+                nn.init.zeros_(module.body[-1].weight)
+
+    def forward(self, x):
+        # mean, not nn.AdaptiveAvgPool2d: the latter's CUDA backward is not deterministic.
+        return self.fc(self.blocks(self.stem(x)).mean(dim=(2, 3)))
+
+
+@register_model("resnet18", help="ResNet-18 (11 M parameters at width 64) for larger images")
+def resnet18(num_classes: int, channels: int, image_size: tuple[int, int],
+             width: int) -> nn.Module:
+    return ResNet18(num_classes, channels, image_size, width)

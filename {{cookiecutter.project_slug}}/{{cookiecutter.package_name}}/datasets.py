@@ -1,0 +1,117 @@
+"""The dataset registry: one decorated function per dataset. Imports neither torch nor numpy.
+
+`run.py --dataset NAME` calls the function registered as NAME; the command line's choices and
+`--help` come from this registry (config.py imports it, so it must stay cheap to import: heavy
+imports go inside the functions). Add a dataset ("Use your own data" in README.md):
+
+    @register_dataset("mydata", help="my lab's images as arrays")
+    def mydata(options: DataOptions) -> DatasetSplits:
+        import numpy as np
+        arrays = np.load(options.data_path)                       # --data-path
+        return DatasetSplits(train=(arrays["x_train"], arrays["y_train"]),
+                             test=(arrays["x_test"], arrays["y_test"]))
+
+A split is `(images, labels)`: uint8 images (N, channels, height, width) and integer labels in
+0..num_classes-1, or `ImageFiles` (paths + labels) that are decoded from disk. A missing test split
+is carved out of train with a fixed seed (it never changes with --seed); a missing val split is
+carved out of train with --seed and --val-fraction (data.load_dataset does both).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class DataOptions:
+    """What the command line says about the data; a dataset function reads what it needs."""
+
+    data_dir: Path  # --data-dir: downloads and caches
+    data_path: Path | None = None  # --data-path: the user's own data
+    image_size: tuple[int, int] | None = None  # --image-size as (height, width); None = native
+    synthetic_size: int = 10_000  # --synthetic-size
+
+
+@dataclass
+class ImageFiles:
+    """A split stored as image files: decoded (and resized) when read, never all at once."""
+
+    paths: Sequence[str]
+    labels: Sequence[int]
+
+
+@dataclass
+class DatasetSplits:
+    """What a dataset function returns. `val` and `test` may be None (carved out of train).
+
+    `channels` and `image_size` are needed only for `ImageFiles` splits (for arrays they are
+    read off the shape); `class_names` defaults to "0", "1", ...
+    """
+
+    train: Any
+    val: Any = None
+    test: Any = None
+    class_names: Sequence[str] | None = None
+    channels: int | None = None
+    image_size: tuple[int, int] | None = None
+    notes: list[str] = field(default_factory=list)  # printed once by run.py (e.g. skipped files)
+
+
+@dataclass(frozen=True)
+class DatasetEntry:
+    name: str
+    load: Callable[[DataOptions], DatasetSplits]
+    help: str
+    needs_data_path: bool
+
+
+DATASETS: dict[str, DatasetEntry] = {}
+
+
+def register_dataset(name: str, *, help: str = "", needs_data_path: bool = False):
+    """Decorator: register `fn(options: DataOptions) -> DatasetSplits` as dataset `name`."""
+
+    def add(fn: Callable[[DataOptions], DatasetSplits]):
+        if name in DATASETS:
+            raise ValueError(f"dataset {name!r} is registered twice")
+        DATASETS[name] = DatasetEntry(name, fn, help, needs_data_path)
+        return fn
+
+    return add
+
+
+# --------------------------------------------------------------------------------------------
+# Built-in datasets: thin entries; the work (download, caching, decoding) lives in data.py and
+# imagefolder.py, imported only when a dataset is loaded.
+
+
+@register_dataset("digits", help="scikit-learn's 1797 8x8 digits upscaled to 32x32 (offline)")
+def digits(options: DataOptions) -> DatasetSplits:
+    from .data import load_digits_arrays
+
+    return load_digits_arrays()
+
+
+@register_dataset("cifar10", help="CIFAR-10, downloaded once into --data-dir")
+def cifar10(options: DataOptions) -> DatasetSplits:
+    from .data import load_cifar10_arrays
+
+    return load_cifar10_arrays(options.data_dir)
+
+
+@register_dataset("synthetic", help="learnable 32x32 patterns, --synthetic-size images")
+def synthetic(options: DataOptions) -> DatasetSplits:
+    from .data import load_synthetic_arrays
+
+    return load_synthetic_arrays(options.data_dir, options.synthetic_size)
+
+
+@register_dataset("folder", needs_data_path=True,
+                  help="--data-path DIR: DIR/train/<class>/*.png|jpg, optional val/, test/")
+def folder(options: DataOptions) -> DatasetSplits:
+    from .imagefolder import scan_image_folder
+
+    return scan_image_folder(options.data_path, options.image_size, options.data_dir)
