@@ -30,9 +30,11 @@ from jinja2.sandbox import SandboxedEnvironment, SecurityError, safe_range
 HERE = Path(__file__).resolve().parent
 SHADOW_LIST = HERE / "hooks" / "shadowed_modules.txt"
 SANDBOX_METHODS = (
-    "is_safe_attribute", "is_safe_callable", "call_binop", "call_unop", "getitem", "getattr",
+    "is_safe_attribute", "is_safe_callable", "call_unop", "getitem", "getattr",
     "wrap_str_format",
 )
+MAX_EXPONENT = 64
+MAX_ANSWER_CHARS = 10_000
 # Characters a string literal must not hold raw: controls, surrogates, line/paragraph separators.
 ESCAPED_CATEGORIES = ("Cc", "Cs", "Zl", "Zp")
 MARKDOWN_INLINE = re.compile(r"([\\`*_{}\[\]<>|~!])")
@@ -119,11 +121,31 @@ def _sandbox(environment) -> None:
     environment.sandboxed = True
     for name in SANDBOX_METHODS:
         setattr(environment, name, types.MethodType(getattr(SandboxedEnvironment, name), environment))
-    environment.intercepted_binops = SandboxedEnvironment.intercepted_binops
+    # Repetition and powers can exhaust memory or time from one short answer ('a' * 10**10):
+    # they pass through call_binop, which refuses results above a size an answer never needs.
+    environment.intercepted_binops = frozenset({"*", "**"})
     environment.intercepted_unops = SandboxedEnvironment.intercepted_unops
     environment.binop_table = SandboxedEnvironment.default_binop_table.copy()
     environment.unop_table = SandboxedEnvironment.default_unop_table.copy()
-    environment.globals["range"] = safe_range
+
+    def call_binop(context, operator, left, right):
+        if operator == "**" and isinstance(right, int) and abs(right) > MAX_EXPONENT:
+            _refuse(f"an answer raises to the power {right}: answers are text, not code")
+        if operator == "*":
+            sizes = [len(x) for x in (left, right) if isinstance(x, (str, list, tuple))]
+            counts = [x for x in (left, right) if isinstance(x, int)]
+            if sizes and counts and sizes[0] * max(counts[0], 0) > MAX_ANSWER_CHARS:
+                _refuse("an answer repeats text past the length any answer may have")
+        return environment.binop_table[operator](left, right)
+
+    def bounded_range(*args):
+        try:
+            return safe_range(*args)
+        except OverflowError:
+            _refuse(f"an answer asks for range{args}: answers are text, not code")
+
+    environment.call_binop = call_binop
+    environment.globals["range"] = bounded_range
 
     def unsafe_undefined(obj, attribute):
         _refuse(f"an answer uses {attribute!r} of a {type(obj).__name__}: answers are text, not code")

@@ -26,7 +26,7 @@ TEXT_FIELDS = ("project_name", "project_slug", "package_name", "author", "email"
 # Longest answer per field: a folder name over 255 bytes cannot be created at all, and a title or
 # description longer than this is a paragraph, not a name.
 MAX_LENGTH = {
-    "project_name": 80, "project_slug": 80, "package_name": 64,
+    "project_name": 80, "project_slug": 80, "package_name": 80,
     "author": 200, "email": 254, "description": 500,
 }
 # Bidirectional overrides reorder what a reader sees ("Trojan source"): refused like controls.

@@ -50,7 +50,7 @@ from {{ cookiecutter.package_name }}.analysis import (  # noqa: E402
 from {{ cookiecutter.package_name }}.runs import atomic_path  # noqa: E402
 
 PROJECT_ROOT = Path(__file__).resolve().parent
-DEFAULT_EXPERIMENT = "{{ cookiecutter.project_slug }}"
+DEFAULT_EXPERIMENT = {{ cookiecutter.project_slug | py_string }}
 
 # Widths on the page, in inches. single/double: column and text width of the common two-column
 # conference layouts (ICML: 3.25 in / 6.75 in; IEEE and CVPR are within 0.1 in of these).

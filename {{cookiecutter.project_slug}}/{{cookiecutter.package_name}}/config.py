@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_EXPERIMENT = "{{ cookiecutter.project_slug }}"
+DEFAULT_EXPERIMENT = {{ cookiecutter.project_slug | py_string }}
 # Mirrors data.DATASETS (data.py imports torch, so it cannot be imported here).
 DATASET_CHOICES = ("digits", "cifar10", "synthetic")
 
