@@ -43,7 +43,8 @@ MARKDOWN_LINE_START = re.compile(r"^(\s*)([#>+=-]|\d+[.)])")
 
 def _load_pre_gen():
     """The checks live in hooks/pre_gen_project.py (one source for both places they run)."""
-    spec = importlib.util.spec_from_file_location("lab_pre_gen", HERE / "hooks" / "pre_gen_project.py")
+    path = HERE / "hooks" / "pre_gen_project.py"
+    spec = importlib.util.spec_from_file_location("lab_pre_gen", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -120,7 +121,8 @@ def _sandbox(environment) -> None:
     methods once `sandboxed` is set; refusals become one-line errors instead of tracebacks."""
     environment.sandboxed = True
     for name in SANDBOX_METHODS:
-        setattr(environment, name, types.MethodType(getattr(SandboxedEnvironment, name), environment))
+        method = getattr(SandboxedEnvironment, name)
+        setattr(environment, name, types.MethodType(method, environment))
     # Repetition and powers can exhaust memory or time from one short answer ('a' * 10**10):
     # they pass through call_binop, which refuses results above a size an answer never needs.
     environment.intercepted_binops = frozenset({"*", "**"})
@@ -148,7 +150,8 @@ def _sandbox(environment) -> None:
     environment.globals["range"] = bounded_range
 
     def unsafe_undefined(obj, attribute):
-        _refuse(f"an answer uses {attribute!r} of a {type(obj).__name__}: answers are text, not code")
+        kind = type(obj).__name__
+        _refuse(f"an answer uses {attribute!r} of a {kind}: answers are text, not code")
 
     def call(context, obj, *args, **kwargs):
         try:

@@ -4,9 +4,9 @@ The checks run twice. First while cookiecutter computes the answers (lab_templat
 this file and calls check_answers), before any folder exists, so a refusal leaves nothing on disk.
 Then here, as the pre-generation hook, on the final answers, in case an answers file skipped the
 first check. Cookiecutter renders this file with Jinja before running it, but the answers reach it
-only as data: Jinja writes them as one JSON document inside a Python string literal (`tojson` twice),
-so no answer can end the literal and become code. Unrendered it is still valid Python, so the
-template's tests import it and call the checks directly.
+only as data: Jinja writes them as one JSON document inside a Python string literal (`tojson`
+twice), so no answer can end the literal and become code. Unrendered it is still valid Python,
+so the template's tests import it and call the checks directly.
 """
 
 import json
