@@ -153,3 +153,13 @@ def test_uv_lock_resolves_each_extra_to_its_own_torch_build(project, tmp_path):
     base = [d for d in ours["dependencies"] if d["name"] == "torch"]
     pypi_torch = [d for d in base if d.get("version") == "9.0.0"]
     assert pypi_torch and "pypi" in pypi_torch[0]["source"]["registry"]
+
+
+def test_rendered_python_is_ruff_formatted(project):
+    """pre-commit's ruff-format hook (and so the generated CI) passes on a fresh project only if
+    the template's Python is formatted; `scripts/format_project_template.py` formats it."""
+    result = subprocess.run([BIN / "ruff", "format", "--check", "--no-cache", "."], cwd=project,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, (
+        "run `.venv/bin/python scripts/format_project_template.py`\n" + result.stdout[-2000:]
+    )
