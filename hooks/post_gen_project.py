@@ -91,8 +91,10 @@ def write_cruft_state(project: Path, context: dict, repo_dir: Path) -> bool:
 def next_steps(slug: str) -> str:
     return "\n".join(
         [
-            f"Created {slug}/. Next:",
-            f"  cd {slug} && python -m pip install -e '.[dev]'",
+            f"Created {slug}/. Next (README.md, 'Install', for the CUDA build and uv):",
+            f"  cd {slug}",
+            "  pip install torch --index-url https://download.pytorch.org/whl/cpu  # CPU build",
+            "  pip install -e '.[dev]'      # or, with uv: uv sync --extra cpu --extra dev",
             "  bash run.sh --dry-run        # list the sweep's jobs",
             "  bash run.sh && python plot.py  # run it, then make the figures",
         ]

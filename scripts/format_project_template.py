@@ -24,7 +24,8 @@ PROJECT_TEMPLATE = TEMPLATE / "{{cookiecutter.project_slug}}"
 PACKAGE, SLUG = "zzpackagezz", "zzslugzzzzz"
 # Rendered text -> template expression, for every place an answer reaches a Python file.
 REVERSE = [
-    (f'DEFAULT_EXPERIMENT = "{SLUG}"', "DEFAULT_EXPERIMENT = {{ cookiecutter.project_slug | py_string }}"),
+    (f'DEFAULT_EXPERIMENT = "{SLUG}"',
+     "DEFAULT_EXPERIMENT = {{ cookiecutter.project_slug | py_string }}"),
     (PACKAGE, "{{ cookiecutter.package_name }}"),
 ]
 SKIP = {"__init__.py"}  # holds the docstring made of answers; three lines, nothing to format

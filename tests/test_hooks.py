@@ -185,9 +185,12 @@ def test_post_gen_removes_what_options_exclude(tmp_path):
     assert (tmp_path / "run.sh").stat().st_mode & 0o111
 
 
-def test_post_gen_prints_the_next_three_commands():
-    lines = post_gen.next_steps("vision_lab").splitlines()
-    assert len(lines) == 4 and lines[1].strip().startswith("cd vision_lab")
+def test_post_gen_prints_the_next_commands_with_the_cpu_build_of_torch():
+    lines = [line.strip() for line in post_gen.next_steps("vision_lab").splitlines()]
+    assert lines[1] == "cd vision_lab"
+    # A plain `pip install` would pull the CUDA build of torch (GBs) on a CPU-only machine.
+    assert "download.pytorch.org/whl/cpu" in lines[2]
+    assert lines[3].startswith("pip install -e '.[dev]'") and "uv sync --extra cpu" in lines[3]
 
 
 def test_pre_gen_hook_runs_the_checks_on_rendered_answers(bake, tmp_path):
