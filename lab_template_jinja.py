@@ -34,6 +34,7 @@ SANDBOX_METHODS = (
     "wrap_str_format",
 )
 MAX_EXPONENT = 64
+MAX_POWER_BITS = 100_000
 MAX_ANSWER_CHARS = 10_000
 # Characters a string literal must not hold raw: controls, surrogates, line/paragraph separators.
 ESCAPED_CATEGORIES = ("Cc", "Cs", "Zl", "Zp")
@@ -114,6 +115,15 @@ class AnswersExtension(Extension):
         environment.globals["render_dir"] = os.getcwd()
 
 
+def _bounded_width(jinja_filter):
+    def bounded(value, width=80, *args, **kwargs):
+        if isinstance(width, int) and width > MAX_ANSWER_CHARS:
+            _refuse(f"an answer asks for a width of {width}: answers are text, not code")
+        return jinja_filter(value, width, *args, **kwargs)
+
+    return bounded
+
+
 def _sandbox(environment) -> None:
     """Give a cookiecutter environment the rules of Jinja's SandboxedEnvironment.
 
@@ -131,7 +141,10 @@ def _sandbox(environment) -> None:
     environment.unop_table = SandboxedEnvironment.default_unop_table.copy()
 
     def call_binop(context, operator, left, right):
-        if operator == "**" and isinstance(right, int) and abs(right) > MAX_EXPONENT:
+        # A power has about bit_length * exponent bits: bound that, not only the exponent.
+        if (operator == "**" and isinstance(left, int) and isinstance(right, int)
+                and (abs(right) > MAX_EXPONENT
+                     or abs(left).bit_length() * abs(right) > MAX_POWER_BITS)):
             _refuse(f"an answer raises to the power {right}: answers are text, not code")
         if operator == "*":
             sizes = [len(x) for x in (left, right) if isinstance(x, (str, list, tuple))]
@@ -148,6 +161,17 @@ def _sandbox(environment) -> None:
 
     environment.call_binop = call_binop
     environment.globals["range"] = bounded_range
+    # Filters and globals whose size argument turns a short answer into gigabytes.
+    lipsum = environment.globals["lipsum"]
+
+    def bounded_lipsum(n=5, *args, **kwargs):
+        if isinstance(n, int) and n > 10:
+            _refuse(f"an answer asks for {n} paragraphs: answers are text, not code")
+        return lipsum(n, *args, **kwargs)
+
+    environment.globals["lipsum"] = bounded_lipsum
+    for name in ("center", "indent"):
+        environment.filters[name] = _bounded_width(environment.filters[name])
 
     def unsafe_undefined(obj, attribute):
         kind = type(obj).__name__
