@@ -1,6 +1,7 @@
 """Finish the generated project: executable scripts, excluded options removed, next steps.
 
-Rendered by Jinja before it runs; the functions take plain arguments so the template's
+Rendered by Jinja before it runs, but the answers reach it only as data (one JSON document inside a
+Python string literal, see rendered_context); the functions take plain arguments so the template's
 tests import and call them on a directory of their own.
 """
 
@@ -90,29 +91,51 @@ def write_cruft_state(project: Path, context: dict, repo_dir: Path) -> bool:
 def next_steps(slug: str) -> str:
     return "\n".join(
         [
-            f"Created {slug}/. Next:",
-            f"  cd {slug} && python -m pip install -e '.[dev]'",
+            f"Created {slug}/. Next (README.md, 'Install', for the CUDA build and uv):",
+            f"  cd {slug}",
+            "  pip install torch --index-url https://download.pytorch.org/whl/cpu  # CPU build",
+            "  pip install -e '.[dev]'      # or, with uv: uv sync --extra cpu --extra dev",
             "  bash run.sh --dry-run        # list the sweep's jobs",
             "  bash run.sh && python plot.py  # run it, then make the figures",
         ]
     )
 
 
+def rendered_context() -> tuple[dict, Path]:
+    """The answers, and the template directory this hook was rendered in (absolute: cookiecutter
+    renders hooks inside the template directory, whatever path named it). Valid only after Jinja
+    rendered this file: `tojson` twice makes a Python string literal of a JSON document."""
+    context = json.loads({{ cookiecutter | tojson | tojson }})  # noqa: F821 (Jinja fills it)
+    render_dir = json.loads({{ render_dir | tojson | tojson }})  # noqa: F821
+    return context, Path(render_dir)
+
+
+def template_dir(repo_dir: str, render_dir: Path) -> Path:
+    """Where the template is: cookiecutter's _repo_dir is relative to the directory it was started
+    in (unknown here, where the working directory is the new project), so a relative one is taken
+    from the directory the hook was rendered in, which is the template itself."""
+    path = Path(repo_dir)
+    if path.is_absolute():
+        return path
+    return render_dir
+
+
 def main() -> int:
     project = Path.cwd()
+    context, render_dir = rendered_context()
     make_executable(project)
     remove_excluded(
         project,
-        use_slurm="{{ cookiecutter.use_slurm }}" == "True",
-        use_github_actions="{{ cookiecutter.use_github_actions }}" == "True",
+        use_slurm=context["use_slurm"] is True,
+        use_github_actions=context["use_github_actions"] is True,
     )
-    context = json.loads(r'''{{ cookiecutter | jsonify }}''')
     # cruft renders without _repo_dir and writes .cruft.json itself; plain cookiecutter has it.
     repo_dir = context.get("_repo_dir")
-    if repo_dir and not write_cruft_state(project, context, Path(repo_dir)):
-        print("note: the template is not a clean git checkout, so no .cruft.json was written;")
-        print("      link the project later with `cruft link <template url>` to get updates.")
-    print(next_steps("{{ cookiecutter.project_slug }}"))
+    if repo_dir and not write_cruft_state(project, context, template_dir(repo_dir, render_dir)):
+        print("note: the template is not a clean git checkout (no commit, or uncommitted changes),")
+        print("      so no .cruft.json was written; link the project later with")
+        print("      `cruft link <template url>` to get updates.")
+    print(next_steps(context["project_slug"]))
     return 0
 
 

@@ -13,9 +13,11 @@ readonly OUT_DIR="${1:-build/demo}"
 readonly VENV_PYTHON="${PWD}/.venv/bin/python"
 
 mkdir -p "${OUT_DIR}"
+echo "[demo] rendering the template with the default answers into ${OUT_DIR}/lab_project"
 # -f: the demo is regenerated on every call; results of earlier sweeps are kept and skipped.
 .venv/bin/cookiecutter --no-input --overwrite-if-exists . -o "${OUT_DIR}"
 cd "${OUT_DIR}/lab_project"
+echo "[demo] running the sweep (run.sh), then the figures (plot.py)"
 
 # Both cores, one job each; tiny model and few epochs so the sweep takes a few minutes on CPU.
 CPU_JOBS=2 PYTHON="${VENV_PYTHON}" bash run.sh -- --epochs 6 --width 16

@@ -61,3 +61,23 @@ def bake(template_copy, tmp_path):
         return Path(project)
 
     return _bake
+
+
+# Skips of the generated project's own suite (CUDA tests without a GPU, the Slurm test without a
+# cluster), collected by test_generated_project.py and listed at the end of the run, so that
+# `scripts/test.sh` says what the nested suite did not test, and why.
+GENERATED_SKIPS: dict[str, list[str]] = {}
+
+
+def record_generated_skips(render: str, lines: list[str]) -> None:
+    GENERATED_SKIPS[render] = lines
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not GENERATED_SKIPS:
+        return
+    terminalreporter.section("skipped in the generated project's suite")
+    for render, lines in GENERATED_SKIPS.items():
+        terminalreporter.write_line(f"{render}: {len(lines)} skipped")
+        for line in lines:
+            terminalreporter.write_line(f"  {line}")

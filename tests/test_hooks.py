@@ -19,11 +19,44 @@ def load_hook(name: str):
 
 pre_gen = load_hook("pre_gen_project")
 post_gen = load_hook("post_gen_project")
+sys.path.insert(0, str(TEMPLATE / "scripts"))
+import shadowed_modules  # noqa: E402  (the script that writes hooks/shadowed_modules.txt)
+
+SHADOWED = frozenset(shadowed_modules.stored_modules())
 
 
 @pytest.mark.parametrize("name", ["lab_project", "vision3d", "my_net_2", "_private"])
 def test_good_package_names_pass(name):
-    assert pre_gen.check_package_name(name) is None
+    assert pre_gen.check_package_name(name, SHADOWED) is None
+
+
+def test_shadow_list_holds_every_module_of_the_installed_dependency_closure():
+    """Fails when a dependency (or one of its dependencies) adds a top-level module: a package
+    of that name would shadow it. Refresh with `python scripts/shadowed_modules.py --update`."""
+    computed = shadowed_modules.closure_modules(shadowed_modules.project_requirements())
+    assert {"torch", "mlflow", "numpy", "scipy", "sqlalchemy", "sklearn"} <= computed
+    missing = computed - SHADOWED
+    assert not missing, f"run scripts/shadowed_modules.py --update; new modules: {sorted(missing)}"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "why"),
+    [
+        ("project_name", "two\nlines", "U+000A"),
+        ("author", "tab\there", "U+0009"),
+        ("description", "bidi \u202e", "U+202E"),
+        ("project_name", "x" * 81, "limit is 80"),
+        ("description", "x" * 501, "limit is 500"),
+    ],
+)
+def test_text_with_controls_or_too_long_is_refused(field, value, why):
+    message = pre_gen.check_text(field, value)
+    assert message is not None and why in message and message.startswith(field)
+
+
+def test_ordinary_text_passes():
+    for value in ['Bob "The Builder"', "O'Brien", "back\\slash", "Résumé 🧪", "x" * 80]:
+        assert pre_gen.check_text("project_name", value) is None
 
 
 @pytest.mark.parametrize(
@@ -38,6 +71,8 @@ def test_good_package_names_pass(name):
         ("match", "keyword"),  # a soft keyword: importable, but a trap in a match statement
         ("torch", "shadow"),
         ("mlflow", "shadow"),
+        ("scipy", "shadow"),  # imported by scikit-learn, a dependency of a dependency
+        ("sqlalchemy", "shadow"),  # imported by mlflow's tracking store
         ("test", "shadow"),
         ("math", "shadow"),
         ("json", "shadow"),
@@ -45,7 +80,7 @@ def test_good_package_names_pass(name):
     ],
 )
 def test_bad_package_names_say_what_to_type(name, why):
-    message = pre_gen.check_package_name(name)
+    message = pre_gen.check_package_name(name, SHADOWED)
     assert message is not None and why in message
     assert "instead" in message  # every refusal suggests a name that works
 
@@ -75,7 +110,7 @@ def test_must_fail_inputs_leave_nothing_behind(bake, tmp_path, answers):
     out = tmp_path / "out"
     with pytest.raises(FailedHookException):
         bake(out, **answers)
-    assert not out.exists() or not any(out.iterdir())
+    assert not out.exists()  # refused while the answers were computed: no folder was made
 
 
 @pytest.mark.parametrize(
@@ -103,12 +138,22 @@ def run_cli(*args, cwd):
 def test_cli_refuses_a_bad_name_with_one_clear_line(template_copy, tmp_path):
     result = run_cli(str(template_copy), "-o", "out", "package_name=torch", cwd=tmp_path)
     assert result.returncode != 0
-    ours = [line for line in result.stderr.splitlines() if line.startswith("ERROR: package_name")]
-    assert ours == [
-        "ERROR: package_name 'torch' would shadow the module 'torch' that the project imports; "
-        "type package_name='torch_lab' instead"
-    ]
-    assert not any((tmp_path / "out").iterdir())
+    # Refused while the answers are computed: cookiecutter prints the one line and exits 1.
+    assert result.stdout + result.stderr == (
+        "error: package_name 'torch' would shadow the module 'torch' that the project imports; "
+        "type package_name='torch_lab' instead\n"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_pre_gen_hook_refuses_what_an_answers_file_let_through(tmp_path):
+    """The hook repeats the checks on the final answers: an answers file can replace the check
+    entry of cookiecutter.json (__answers_checked) with text and skip the first check."""
+    answers = {"project_name": "x", "project_slug": "x", "package_name": "scipy",
+               "author": "a", "email": "a@b.org", "description": "d", "license": "MIT",
+               "use_slurm": True, "use_github_actions": True}
+    assert "scipy" in pre_gen.check_answers(answers, SHADOWED)
+    assert pre_gen.check_answers({**answers, "package_name": "vision"}, SHADOWED) is None
 
 
 def test_cli_refuses_an_unknown_option_value(template_copy, tmp_path):
@@ -140,6 +185,18 @@ def test_post_gen_removes_what_options_exclude(tmp_path):
     assert (tmp_path / "run.sh").stat().st_mode & 0o111
 
 
-def test_post_gen_prints_the_next_three_commands():
-    lines = post_gen.next_steps("vision_lab").splitlines()
-    assert len(lines) == 4 and lines[1].strip().startswith("cd vision_lab")
+def test_post_gen_prints_the_next_commands_with_the_cpu_build_of_torch():
+    lines = [line.strip() for line in post_gen.next_steps("vision_lab").splitlines()]
+    assert lines[1] == "cd vision_lab"
+    # A plain `pip install` would pull the CUDA build of torch (GBs) on a CPU-only machine.
+    assert "download.pytorch.org/whl/cpu" in lines[2]
+    assert lines[3].startswith("pip install -e '.[dev]'") and "uv sync --extra cpu" in lines[3]
+
+
+def test_pre_gen_hook_runs_the_checks_on_rendered_answers(bake, tmp_path):
+    """Through a real render: with the first check overridden by the answers, the hook refuses
+    (so it reads the answers it was rendered with) and cookiecutter removes the project folder."""
+    out = tmp_path / "out"
+    with pytest.raises(FailedHookException):
+        bake(out, __answers_checked="", package_name="scipy")
+    assert not any(out.iterdir())  # the -o folder cookiecutter made stays, empty (README)

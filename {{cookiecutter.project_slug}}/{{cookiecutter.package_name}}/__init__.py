@@ -1,6 +1,6 @@
-"""{{ cookiecutter.project_name }}.
+"""{{ cookiecutter.project_name | docstring_text }}.
 
-{{ cookiecutter.description | wordwrap(96) }}
+{{ cookiecutter.description | wordwrap(96) | docstring_text }}
 """
 
 __version__ = "0.1.0"
