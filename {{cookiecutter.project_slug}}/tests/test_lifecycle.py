@@ -164,6 +164,19 @@ def test_no_room_for_a_checkpoint_is_refused_before_any_work(main_in_process, ti
 
 
 # ---- one claim per run directory ---
+def test_a_claimed_run_directory_is_not_trained_again(main_in_process, tmp_path, capsys):
+    from {{ cookiecutter.package_name }}.claim import claim
+
+    assert main_in_process(*QUICK, "--results-dir", str(tmp_path), "--print-run-dir") == 0
+    out = Path(capsys.readouterr().out.strip())
+    with claim(out):  # another process's claim, as far as flock is concerned
+        assert main_in_process(*QUICK, "--results-dir", str(tmp_path)) == 73
+    assert capsys.readouterr().err.startswith("error: running elsewhere: ")
+    assert not (out / "config.json").exists()
+    assert main_in_process(*QUICK, "--results-dir", str(tmp_path)) == 0  # free again
+
+
+@pytest.mark.slow
 def test_the_same_run_started_twice_trains_once(env, data_dir, tmp_path):
     results = tmp_path / "results"
     first = popen_cli("--epochs", "2", results_dir=results, data_dir=data_dir, env=env)
@@ -173,42 +186,50 @@ def test_the_same_run_started_twice_trains_once(env, data_dir, tmp_path):
                             capture_output=True, text=True, timeout=60)
     assert second.returncode == 73, second.stderr
     assert second.stderr.startswith("error: running elsewhere: ")
-    assert "torch" not in second.stderr  # refused before anything heavy was imported
     _, err = first.communicate(timeout=300)
     assert first.returncode == 0, err
     assert (run_dir_of(results) / "history.csv").read_text().count("\n") == 3
 
 
 # ---- tracking ---
-def test_a_tracker_that_is_down_never_stops_training_and_sync_sends_it_later(run_cli, tmp_path):
-    dead = f"http://127.0.0.1:{_free_port()}"
+def test_a_tracker_that_is_down_never_stops_training_and_sync_sends_it_later(
+        main_in_process, tmp_path, monkeypatch, capsys):
+    from {{ cookiecutter.package_name }} import tracking
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_free_port()}")
     results = tmp_path / "results"
     started = time.monotonic()
-    result = run_cli(*QUICK, results_dir=results, extra_env={"MLFLOW_TRACKING_URI": dead})
+    assert main_in_process(*QUICK, "--results-dir", str(results)) == 0
     took = time.monotonic() - started
-    assert result.returncode == 0, result.stderr
-    assert result.stderr.count("training goes on") == 1  # warned once
+    err = capsys.readouterr().err
+    assert err.count("training goes on") == 1  # warned once
     run_dir = run_dir_of(results)
     assert read_metrics(run_dir)["mlflow_run_id"] is None
     print(f"job with the tracker down: {took:.1f}s")
 
     uri = f"sqlite:///{tmp_path / 'later.db'}"
-    synced = subprocess.run(
-        [sys.executable, "-m", "{{ cookiecutter.package_name }}.tracking", "sync", str(results)],
-        env={**os.environ, "MLFLOW_TRACKING_URI": uri}, cwd=ROOT, capture_output=True,
-        text=True, timeout=120)
-    assert synced.returncode == 0, synced.stderr
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    assert tracking.main(["sync", str(results)]) == 0
     run_id = json.loads((run_dir / "tracking.json").read_text())["run_id"]
     run = mlflow_run(uri, run_id)
     assert run.info.status == "FINISHED"
     assert run.data.metrics["test_acc"] == pytest.approx(read_metrics(run_dir)["test_acc"])
+    assert tracking.main(["sync", str(results)]) == 0  # again: nothing is sent twice
+    assert len(mlflow_run_history(uri, run_id, "val_acc")) == 1
 
 
-def test_tracking_off_needs_no_mlflow(run_cli, tmp_path):
-    result = run_cli(*QUICK, "--tracking", "off", results_dir=tmp_path,
-                     extra_env={"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"})
-    assert result.returncode == 0, result.stderr
-    assert "MLflow off" in result.stderr and "MLflow (" not in result.stderr
+def mlflow_run_history(uri: str, run_id: str, key: str) -> list:
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri).get_metric_history(run_id, key)
+
+
+def test_tracking_off_needs_no_mlflow(main_in_process, tmp_path, monkeypatch, capsys):
+    for name in [m for m in sys.modules if m == "mlflow" or m.startswith("mlflow.")] or ["mlflow"]:
+        monkeypatch.setitem(sys.modules, name, None)  # any import of mlflow now fails
+    monkeypatch.setenv("LAB_TRACKING", "off")
+    assert main_in_process(*QUICK, "--results-dir", str(tmp_path)) == 0
+    assert "MLflow off" in capsys.readouterr().err
     assert not (run_dir_of(tmp_path) / "tracking.json").exists()
 
 
@@ -230,6 +251,32 @@ def test_eight_parallel_jobs_on_a_fresh_project(data_dir, tmp_path):
 
 
 # ---- stop signals ---
+def test_a_burst_of_signals_in_one_step_checkpoints_once_and_exits_75(main_in_process, tmp_path,
+                                                                      monkeypatch):
+    from {{ cookiecutter.package_name }} import train
+
+    original = train.Trainer.step
+
+    def step(self, micro_batches, step):
+        original(self, micro_batches, step)
+        if step == 3:  # Slurm's TERM to the step, the wrapper's TERM, a USR1: ms apart
+            for signum in (signal.SIGTERM, signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+                os.kill(os.getpid(), signum)
+                time.sleep(0.005)
+
+    monkeypatch.setattr(train.Trainer, "step", step)
+    assert main_in_process("--epochs", "2", "--results-dir", str(tmp_path)) == 75
+    run_dir = run_dir_of(tmp_path)
+    assert (run_dir / "status").read_text() == "interrupted\n"
+    log = (run_dir / "run.log").read_text()
+    assert log.count("received: finishing the current step") == 1
+    assert log.count("received again") == 1  # the rest of the burst: one line
+    import torch
+
+    assert torch.load(run_dir / "checkpoint.pt", weights_only=True)["progress"]["step"] == 3
+
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("burst", [("SIGTERM", "SIGTERM"), ("SIGUSR1", "SIGTERM", "SIGTERM"),
                                    ("SIGINT", "SIGTERM")])

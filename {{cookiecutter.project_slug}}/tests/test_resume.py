@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import time
 from pathlib import Path
 
+import pytest
 from conftest import mlflow_run, popen_cli, read_metrics, run_dir_of, temp_files
+
+from {{ cookiecutter.package_name }} import train
 
 # Everything that has state to restore: EMA, accumulation, clipping, the one-cycle schedule.
 RESUME_ARGS = ("--epochs", "3", "--patience", "0", "--deterministic", "--ema", "0.9",
@@ -25,6 +29,7 @@ def _wait_for(predicate, proc, timeout: float = 120.0) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.slow  # three real processes; the in-process test below checks the same in seconds
 def test_sigterm_then_rerun_gives_the_same_final_metrics(run_cli, env, data_dir, tmp_path,
                                                           mlflow_uri):
     reference = run_cli(*RESUME_ARGS, results_dir=tmp_path / "straight")
@@ -56,14 +61,66 @@ def test_sigterm_then_rerun_gives_the_same_final_metrics(run_cli, env, data_dir,
     assert run.info.status == "FINISHED"  # the same MLflow run, continued
 
 
-def test_nan_loss_fails_clearly_and_keeps_the_last_good_checkpoint(run_cli, tmp_path, mlflow_uri):
+def _signal_self_after(monkeypatch, step_to_stop: int, signum=signal.SIGTERM) -> None:
+    """A real SIGTERM to this process right after optimizer step `step_to_stop`."""
+    original = train.Trainer.step
+
+    def step(self, micro_batches, step):
+        original(self, micro_batches, step)
+        if step == step_to_stop:
+            os.kill(os.getpid(), signum)
+
+    monkeypatch.setattr(train.Trainer, "step", step)
+
+
+QUICK_RESUME = ("--epochs", "2", "--patience", "0", "--ema", "0.9", "--grad-accum", "2",
+                "--batch-size", "32", "--clip-grad", "1.0", "--max-steps", "25")
+
+
+def test_stopped_mid_epoch_then_resumed_equals_straight(main_in_process, tmp_path, monkeypatch,
+                                                        mlflow_uri):
+    """EMA, accumulation, clipping and the schedule resume exactly from the middle of an epoch
+    (20 optimizer steps per epoch here: the stop lands at step 7 of epoch 1)."""
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert main_in_process(*QUICK_RESUME, "--results-dir", str(straight)) == 0
+    with monkeypatch.context() as m:
+        _signal_self_after(m, 7)
+        assert main_in_process(*QUICK_RESUME, "--results-dir", str(stopped)) == 75
+    run_dir = run_dir_of(stopped)
+    assert (run_dir / "status").read_text() == "interrupted\n"
+    assert "SIGTERM received" in (run_dir / "run.log").read_text()
+    assert main_in_process(*QUICK_RESUME, "--results-dir", str(stopped)) == 0
+    got, expected = read_metrics(run_dir), read_metrics(run_dir_of(straight))
+    assert {k: v for k, v in got.items() if k not in TIMINGS} == {
+        k: v for k, v in expected.items() if k not in TIMINGS}
+    def learning(run: Path) -> list[list[str]]:  # history without its timing columns
+        return [row.split(",")[:7] for row in (run / "history.csv").read_text().splitlines()]
+
+    assert learning(run_dir) == learning(run_dir_of(straight)) and len(learning(run_dir)) == 3
+    run_id = json.loads((run_dir / "tracking.json").read_text())["run_id"]
+    assert run_id == got["mlflow_run_id"]  # one MLflow run, continued across the resume
+    assert mlflow_run(mlflow_uri, run_id).info.status == "FINISHED"
+
+
+def test_nan_loss_fails_clearly_and_keeps_the_last_good_checkpoint(main_in_process, tmp_path,
+                                                                   monkeypatch, mlflow_uri,
+                                                                   capsys):
     import torch
 
-    result = run_cli("--epochs", "2", "--checkpoint-every", "0", results_dir=tmp_path,
-                     extra_env={"LAB_INJECT_NAN_AT_STEP": "25"})  # in epoch 2 (20 steps each)
-    assert result.returncode == 1
-    assert "error: NonFiniteLoss: non-finite training loss" in result.stderr
-    assert "epoch 2, between optimizer steps 21 and 40" in result.stderr
+    original, calls = train.forward_and_sums, {"n": 0}
+
+    def diverges_at_step_25(model, x, y, dtype, label_smoothing):  # epoch 2 (20 steps each)
+        calls["n"] += 1
+        loss, loss_sum, correct = original(model, x, y, dtype, label_smoothing)
+        nan = float("nan") if calls["n"] == 25 else 1.0
+        return loss * nan, loss_sum * nan, correct
+
+    monkeypatch.setattr(train, "forward_and_sums", diverges_at_step_25)
+    assert main_in_process("--epochs", "2", "--checkpoint-every", "0", "--results-dir",
+                           str(tmp_path)) == 1
+    err = capsys.readouterr().err
+    assert "error: NonFiniteLoss: non-finite training loss" in err
+    assert "epoch 2, between optimizer steps 21 and 40" in err
     run_dir = run_dir_of(tmp_path)
     assert (run_dir / "status").read_text() == "failed\n"
     assert not (run_dir / "metrics.json").exists() and not temp_files(run_dir)
@@ -92,12 +149,13 @@ def test_bad_checkpoints_are_refused_and_fresh_starts_over(main_in_process, tmp_
     assert read_metrics(target)["steps"] == 2
 
 
-def test_tools_report_and_exit_without_training(run_cli, tmp_path):
-    # All three in one invocation (each process start costs seconds of imports and data).
-    result = run_cli("--find-lr", "--find-batch-size", "--profile", results_dir=tmp_path)
-    assert result.returncode == 0, result.stderr
+def test_tools_report_and_exit_without_training(main_in_process, tmp_path, capsys):
+    # All three in one invocation, as a user may.
+    assert main_in_process("--find-lr", "--find-batch-size", "--profile",
+                           "--results-dir", str(tmp_path)) == 0
+    out = capsys.readouterr().out
     for expected in ("suggested --lr", "largest batch size that fits", "Self CPU"):
-        assert expected in result.stdout
+        assert expected in out
     run_dir = run_dir_of(tmp_path)
     assert (run_dir / "lr_find.csv").is_file() and (run_dir / "trace.json").is_file()
     assert not (run_dir / "metrics.json").exists() and not (run_dir / "checkpoint.pt").exists()

@@ -120,6 +120,10 @@ def setup_backends(device: torch.device, deterministic: bool) -> str:
         return ("deterministic: deterministic kernels (ops without one raise), cudnn.benchmark "
                 "off, TF32 off (matmul and cuDNN), compile off. Still not reproducible: runs on "
                 "another GPU model, driver, torch version or thread count")
+    # Undo a --deterministic run earlier in this process (a notebook, the tests): the switches
+    # below are process-wide.
+    torch.use_deterministic_algorithms(False)
+    torch.backends.cudnn.deterministic = False
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest conv once
         torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere+

@@ -38,6 +38,13 @@ DEFAULT_GRACE_S = 120.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
+def _stdin_is_a_terminal() -> bool:
+    try:
+        return sys.stdin is not None and sys.stdin.isatty()
+    except (OSError, ValueError):  # closed or replaced (pytest, daemons)
+        return False
+
+
 class GracefulStop:
     """Context manager: `requested` is None, or the name of the first stop signal received."""
 
@@ -46,7 +53,7 @@ class GracefulStop:
         self.log = log or logging.getLogger(__name__)
         self.grace_s = float(os.environ.get(GRACE_ENV, DEFAULT_GRACE_S)) if grace_s is None \
             else grace_s
-        self.interactive = sys.stdin.isatty() if interactive is None else interactive
+        self.interactive = _stdin_is_a_terminal() if interactive is None else interactive
         self.requested: str | None = None
         self.on_force_exit: Callable[[], None] | None = None  # e.g. mark the status file
         self._first_at = 0.0

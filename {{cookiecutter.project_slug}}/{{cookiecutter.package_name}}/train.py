@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
-import os
 import random
 from collections.abc import Iterable
 
@@ -26,8 +25,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-INJECT_NAN_ENV = "LAB_INJECT_NAN_AT_STEP"  # test hook, see inject_nan_step()
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor,
@@ -116,15 +113,6 @@ def build_trainer(model: nn.Module, args, *, device: torch.device, dtype: torch.
                    label_smoothing=args.label_smoothing, compile_mode=compile_mode, log=log)
 
 
-def inject_nan_step() -> int | None:
-    """Test hook: with LAB_INJECT_NAN_AT_STEP=N the loss of optimizer step N becomes nan.
-
-    Read here and nowhere else; used by the tests to prove that a diverged run fails cleanly.
-    """
-    value = os.environ.get(INJECT_NAN_ENV, "").strip()
-    return int(value) if value else None
-
-
 def forward_and_sums(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
                      dtype: torch.dtype | None, label_smoothing: float):
     """(mean loss, loss summed over the batch, correct count): the region torch.compile sees."""
@@ -169,7 +157,6 @@ class Trainer:
         self.forward = (torch.compile(forward_and_sums, mode=compile_mode) if compile_mode
                         else forward_and_sums)
         self._first_step_done = False
-        self.nan_at = inject_nan_step()
         self.reset_sums()
 
     @property
@@ -196,8 +183,6 @@ class Trainer:
 
     def _micro_step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> None:
         loss, loss_sum, correct = self.forward(self.model, x, y, self.dtype, self.label_smoothing)
-        if step == self.nan_at:
-            loss, loss_sum = loss * float("nan"), loss_sum * float("nan")
         self.scaler.scale(loss / self.grad_accum).backward()
         # Counted only once backward succeeded: a compile fallback re-runs this micro-batch.
         self.loss_sum += loss_sum
