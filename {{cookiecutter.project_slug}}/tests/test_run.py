@@ -92,9 +92,9 @@ def test_finished_run_is_not_retrained(finished_run):
     assert (run_dir / "metrics.json").stat().st_mtime_ns == before
 
 
-def test_max_steps_stops_at_exactly_n_steps(run_cli, tmp_path):
-    result = run_cli("--max-steps", "7", "--epochs", "5", results_dir=tmp_path)
-    assert result.returncode == 0, result.stderr
+def test_max_steps_stops_at_exactly_n_steps(main_in_process, tmp_path):
+    assert main_in_process("--max-steps", "7", "--epochs", "5", "--results-dir",
+                           str(tmp_path)) == 0
     metrics = read_metrics(run_dir_of(tmp_path))
     assert metrics["steps"] == 7 and metrics["stop_reason"] == "max_steps"
     assert metrics["epochs_run"] == 1  # 20 steps per epoch: stopped inside the first one
