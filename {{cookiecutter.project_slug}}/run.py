@@ -122,7 +122,12 @@ def train(args, parser, out, stop: GracefulStop) -> int:
     except ckpt.CheckpointError as exc:
         runs.close_logging(log)
         return error(f"cannot resume: {exc}", EXIT_USAGE)
-    record = RunRecord(out, config, args, device, dtype, log)
+    try:
+        record = RunRecord(out, config, args, device, dtype, log)
+    except OSError as exc:  # e.g. the disk filled since the start-up check
+        runs.try_write_status(out, "failed")
+        runs.close_logging(log)
+        return error(f"{exc.strerror} writing {exc.filename or out}", EXIT_FAILED)
 
     # ---- loop -----------------------------------------------------------------------------------
     p, loaders, steps_per_epoch = state.progress, data.loaders, data.steps_per_epoch
@@ -266,7 +271,7 @@ def warm_up(state, data: Data, args, log) -> None:
     if not trainer.compiled:
         return
     now = timed(trainer.device)
-    shape = (args.batch_size, *next(iter(data.loaders["val"]))[0].shape[1:])  # reads no RNG
+    shape = (args.batch_size, data.info.channels, *data.info.image_size)
     x = torch.zeros(shape, device=trainer.device).contiguous(memory_format=torch.channels_last)
     y = torch.zeros(args.batch_size, dtype=torch.long, device=trainer.device)
     started = now()

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import fcntl
 import json
 import logging
@@ -297,12 +296,16 @@ def _read_state(run_dir: Path) -> dict:
 
 
 def _history_rows(run_dir: Path) -> list[dict]:
+    """history.csv as the rows run.py kept in memory (read by analysis.py, the one reader)."""
+    from .analysis import read_history
+
     try:
-        with open(run_dir / runs.HISTORY, encoding="utf-8", newline="") as f:
-            return [{k: float(v) if v not in ("", None) else None for k, v in row.items()}
-                    for row in csv.DictReader(f)]
-    except OSError:
+        columns = read_history((run_dir / runs.HISTORY).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
         return []
+    names = list(columns)
+    return [dict(zip(names, map(float, values), strict=True))
+            for values in zip(*columns.values(), strict=True)]
 
 
 MLFLOW_STATUS = {"finished": "FINISHED", "interrupted": "KILLED", "failed": "FAILED"}
