@@ -257,7 +257,7 @@ def test_streamed_run_stopped_by_a_group_sigterm_resumes_exactly(env, data_dir, 
     results = tmp_path / "stopped"
     cmd = start(results)
     deadline = time.monotonic() + 120
-    while not any("MLflow run" in p.read_text() for p in results.glob("*/run.log")):
+    while not any("steps/epoch" in p.read_text() for p in results.glob("*/run.log")):
         assert cmd.poll() is None and time.monotonic() < deadline, cmd.communicate()
         time.sleep(0.02)
     os.killpg(cmd.pid, signal.SIGTERM)

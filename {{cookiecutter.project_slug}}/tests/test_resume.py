@@ -40,7 +40,7 @@ def test_sigterm_then_rerun_gives_the_same_final_metrics(run_cli, env, data_dir,
     proc = popen_cli(*RESUME_ARGS, results_dir=results, data_dir=data_dir, env=env)
     # Stop as soon as training starts: the signal lands inside the first epoch (its first steps
     # take seconds while oneDNN warms up), so the resume starts mid-epoch, the hardest case.
-    _wait_for(lambda: any("MLflow run" in p.read_text() for p in results.glob("*/run.log")), proc)
+    _wait_for(lambda: any("steps/epoch" in p.read_text() for p in results.glob("*/run.log")), proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 75, err
