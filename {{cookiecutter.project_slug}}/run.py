@@ -21,6 +21,7 @@ import time
 import traceback
 
 from {{ cookiecutter.package_name }} import runs
+from {{ cookiecutter.package_name }}.claim import Busy, claim
 from {{ cookiecutter.package_name }}.config import (
     PROJECT_ROOT,
     UsageError,
@@ -30,6 +31,7 @@ from {{ cookiecutter.package_name }}.config import (
 )
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 75
+EXIT_BUSY = 73  # another live process holds this run directory (claim.py): "running elsewhere"
 
 
 def error(message: str, code: int) -> int:
@@ -40,6 +42,12 @@ def error(message: str, code: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     # ---- config: cheap answers first, before importing torch (~2 s) -------------------------
     started = time.perf_counter()
+    # -- sweep helper (run.sh): plan many jobs in one call; no torch (plan.py) --
+    if (sys.argv[1:] if argv is None else argv) == ["--plan"]:
+        from {{ cookiecutter.package_name }} import plan
+
+        return plan.main()
+    # -- end sweep helper --
     args, parser = parse_args(argv)
     out = run_dir(args, parser)
     if args.print_run_dir:
@@ -90,6 +98,16 @@ def main(argv: list[str] | None = None) -> int:
                              "images): not one full optimizer step per epoch")
         if len(splits["val"]) == 0:
             raise UsageError("the validation split is empty: raise --val-fraction")
+        # -- sweep helper: one live process per run directory (claim.py), held until main
+        #    returns; checked for done again once claimed: it may have finished meanwhile --
+        try:
+            held = claim(out)  # noqa: F841 (kept alive: the claim lasts as long as this name)
+        except Busy as exc:
+            return error(f"running elsewhere: {exc}", EXIT_BUSY)
+        if runs.is_done(out) and not (args.fresh or tool):
+            print(f"already finished: {out} (metrics.json exists; --fresh re-trains)")
+            return EXIT_OK
+        # -- end sweep helper --
         if args.fresh and out.exists():
             print(f"--fresh: deleting {', '.join(runs.clear_run_dir(out)) or 'nothing'} in {out}")
         resume = None

@@ -113,6 +113,8 @@ def clear_run_dir(run_dir: Path) -> list[str]:
     """Delete the files of a run directory (for --fresh); return their names. Nothing is moved."""
     removed = []
     for path in sorted(Path(run_dir).iterdir()):
+        if path.name == ".lock":  # the live claim (claim.py): deleting it would let a 2nd run in
+            continue
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
         else:
