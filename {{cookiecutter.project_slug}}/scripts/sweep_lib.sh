@@ -204,31 +204,32 @@ describe_slots() {
 #######################################
 on_signal() {
   local pid
+  # No bare `return` here: in a trap it returns the status of the command the signal
+  # interrupted (wait: 128+n), and under `set -e` that non-zero status ends run.sh at once,
+  # with no summary (the "second signal exits 143" bug).
   if [[ -n "${SWEEP_STOP_SIGNAL}" ]]; then
     err "SIG$1 again: killing all jobs"
     for pid in "${!SWEEP_RUNNING[@]}"; do kill -KILL -- "-${pid}" 2>/dev/null || true; done
-    return
+  else
+    SWEEP_STOP_SIGNAL="$1"
+    # No more status lines; and `wait -n` must not sit on the timer once the jobs are gone.
+    if [[ -n "${SWEEP_TICKER}" ]]; then kill "${SWEEP_TICKER}" 2>/dev/null || true; fi
+    err "got SIG$1: stopping ${#SWEEP_RUNNING[@]} running job(s) (they checkpoint; again to kill)"
+    for pid in "${!SWEEP_RUNNING[@]}"; do kill -TERM "${pid}" 2>/dev/null || true; done
   fi
-  SWEEP_STOP_SIGNAL="$1"
-  err "got SIG$1: stopping ${#SWEEP_RUNNING[@]} running job(s) (they checkpoint; again to kill)"
-  for pid in "${!SWEEP_RUNNING[@]}"; do kill -TERM "${pid}" 2>/dev/null || true; done
 }
 
 # launch I SLOT: start job I in the background, in a process group of its own.
 launch() {
   local i="$1" slot="$2" dev="${SLOTS[$2]}" pid
   local log_file="${LOG_DIR}/${SWEEP_RUN_NAME[$1]}.log"
-  local -a guard=()
   job_argv "${i}"
   printf '=== %(%F %T)T  CUDA_VISIBLE_DEVICES=%s  %s run.py %s\n' -1 "${dev}" "${PYTHON}" \
     "${JOB_ARGV[*]}" >>"${log_file}"
-  # PR_SET_PDEATHSIG: the kernel sends the job SIGTERM when run.sh dies, even by SIGKILL, so no
-  # job trains on as an orphan (it checkpoints and exits 75 as for Ctrl-C).
-  if (( SWEEP_HAVE_SETPRIV )); then guard=(setpriv --pdeathsig TERM --); fi
   # setsid: its own process group (pgid = pid), so stopping it reaches its children too, and
   # Ctrl-C in the terminal reaches run.sh only, which then stops every job the same way.
   if (( SWEEP_HAVE_SETSID )); then
-    CUDA_VISIBLE_DEVICES="${dev}" setsid "${guard[@]}" "${PYTHON}" run.py "${JOB_ARGV[@]}" \
+    CUDA_VISIBLE_DEVICES="${dev}" setsid "${SWEEP_GUARD[@]}" "${PYTHON}" run.py "${JOB_ARGV[@]}" \
       </dev/null >>"${log_file}" 2>&1 &
   else   # no setsid (macOS): job control gives the job its own process group
     set -m
@@ -284,6 +285,28 @@ finish() {
     if (( rc == 0 )); then rc="0 but no metrics.json"; fi
     log "FAILED   ${name}  (exit ${rc}, ${took}s)  log: ${LOG_DIR}/${name}.log"
   fi
+}
+
+#######################################
+# Finish every job whose process is gone but that `wait -n` did not report: a child that ends
+# while a trap interrupts `wait -n` can be reaped without ever being returned by it.
+#######################################
+reap_lost() {
+  local pid rc
+  for pid in "${!SWEEP_RUNNING[@]}"; do
+    kill -0 "${pid}" 2>/dev/null && continue
+    rc=0
+    wait "${pid}" 2>/dev/null || rc=$?
+    if (( rc == 127 )); then   # its status is lost too: read what the job wrote
+      local dir="${SWEEP_DIR[${SWEEP_RUNNING[${pid}]}]}" status=""
+      [[ -f "${dir}/status" ]] && read -r status <"${dir}/status"
+      case "${status}" in
+        finished) rc=0 ;;
+        interrupted) rc="${SWEEP_EXIT_INTERRUPTED}" ;;
+      esac
+    fi
+    finish "${pid}" "${rc}"
+  done
 }
 
 # After the queue: give leftover processes of every job's group 10 s, then kill them.
@@ -342,7 +365,8 @@ print_status() {
 start_ticker() {
   SWEEP_TICKER=""
   (( SWEEP_STATUS_SECS > 0 )) || return 0
-  sleep "${SWEEP_STATUS_SECS}" &
+  # Its own output closed: an orphaned timer must not hold run.sh's stdout pipe open.
+  "${SWEEP_GUARD[@]}" sleep "${SWEEP_STATUS_SECS}" </dev/null >/dev/null 2>&1 &
   SWEEP_TICKER=$!
 }
 
@@ -367,9 +391,9 @@ run_queue() {
   for s in "${!SLOTS[@]}"; do SLOT_BUSY[s]=0; done
   mkdir -p "${LOG_DIR}"
   # Installed for the rest of run.sh: however many signals come, the summary is printed.
-  trap 'on_signal INT' INT
-  trap 'on_signal TERM' TERM
-  trap 'on_signal HUP' HUP
+  trap 'on_signal INT || true' INT
+  trap 'on_signal TERM || true' TERM
+  trap 'on_signal HUP || true' HUP
   # Status lines: every STATUS_EVERY s on a terminal, every STATUS_EVERY_LOG s into a log file.
   SWEEP_STATUS_SECS="${STATUS_EVERY_LOG}"
   if [[ -t 1 ]]; then SWEEP_STATUS_SECS="${STATUS_EVERY}"; fi
@@ -392,12 +416,15 @@ run_queue() {
     pid="" rc=0
     wait -n -p pid || rc=$?
     if [[ -n "${pid:-}" && "${pid}" == "${SWEEP_TICKER}" ]]; then
-      if [[ -z "${SWEEP_STOP_SIGNAL}" ]]; then print_status $(( ${#queue[@]} - next )); fi
-      start_ticker
+      if [[ -z "${SWEEP_STOP_SIGNAL}" ]]; then
+        print_status $(( ${#queue[@]} - next ))
+        start_ticker
+      fi
     # No pid: a trapped signal interrupted the wait (or it was not one of ours).
     elif [[ -n "${pid:-}" && -n "${SWEEP_RUNNING[${pid}]+set}" ]]; then
       finish "${pid}" "${rc}"
     fi
+    reap_lost
   done
   if [[ -n "${SWEEP_TICKER}" ]]; then kill "${SWEEP_TICKER}" 2>/dev/null || true; fi
   reap_groups
@@ -557,9 +584,13 @@ sweep_main() {
     die "--slurm is not available: scripts/slurm_task.sh is missing (this project was" \
       "generated with use_slurm=false)"
   fi
-  SWEEP_HAVE_SETSID=0 SWEEP_HAVE_SETPRIV=0
+  SWEEP_HAVE_SETSID=0 SWEEP_GUARD=()
   if command -v setsid >/dev/null 2>&1; then SWEEP_HAVE_SETSID=1; fi
-  if setpriv --pdeathsig TERM -- true 2>/dev/null; then SWEEP_HAVE_SETPRIV=1; fi
+  # PR_SET_PDEATHSIG (Linux, util-linux setpriv): the kernel sends each job SIGTERM when run.sh
+  # dies, even by SIGKILL, so no job trains on as an orphan (it checkpoints and exits 75).
+  if setpriv --pdeathsig TERM -- true 2>/dev/null; then
+    SWEEP_GUARD=(setpriv --pdeathsig TERM --)
+  fi
   if (( ! slurm )); then make_slots; fi   # bad GPUS: refused before any work
 
   "${define_jobs}"

@@ -105,6 +105,5 @@ def test_read_only_lock_file_still_claims(tmp_path):
     (run_dir / LOCK_FILE).chmod(0o444)
     if os.access(run_dir / LOCK_FILE, os.W_OK):
         pytest.skip("running as root: a read-only file is still writable")
-    with claim(run_dir):
-        with pytest.raises(Busy):
-            claim(run_dir)
+    with claim(run_dir), pytest.raises(Busy):
+        claim(run_dir)

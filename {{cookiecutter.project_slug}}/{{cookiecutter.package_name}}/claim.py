@@ -37,7 +37,7 @@ class Busy(RuntimeError):
 
 
 class Claim:
-    """A held claim; released by `release()`, by leaving a `with` block, or when the process ends."""
+    """A held claim; released by `release()`, by leaving a `with` block, or at process end."""
 
     def __init__(self, run_dir: Path, fd: int) -> None:
         self.run_dir = run_dir
