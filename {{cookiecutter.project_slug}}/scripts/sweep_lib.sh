@@ -57,8 +57,12 @@ log() { printf '[%(%H:%M:%S)T] %s\n' -1 "$*"; }
 # job_argv I: set JOB_ARGV to job I's complete run.py argument list. The sweep's results folder
 # comes first, so a job (or `-- --results-dir X`) can still choose another.
 job_argv() {
-  JOB_ARGV=(--results-dir "results/${SWEEP_NAME}"
-    "${SWEEP_ARGV[@]:${SWEEP_START[$1]}:${SWEEP_LEN[$1]}}" "${SWEEP_EXTRA[@]}")
+  local k end=$(( SWEEP_START[$1] + SWEEP_LEN[$1] ))
+  JOB_ARGV=(--results-dir "results/${SWEEP_NAME}")
+  # Element by element: bash finds the next element of an indexed array at once, while a slice
+  # "${a[@]:off:n}" walks from the start: slicing every job would grow with jobs squared.
+  for ((k = SWEEP_START[$1]; k < end; k++)); do JOB_ARGV+=("${SWEEP_ARGV[k]}"); done
+  JOB_ARGV+=("${SWEEP_EXTRA[@]}")
 }
 
 # Print the header comment of run.sh (the usage text). run.sh has cd'ed to its own directory.

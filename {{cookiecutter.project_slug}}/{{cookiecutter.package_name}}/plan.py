@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from {{ cookiecutter.package_name }} import runs
+from {{ cookiecutter.package_name }} import config, runs
 from {{ cookiecutter.package_name }}.claim import holder
 from {{ cookiecutter.package_name }}.config import UsageError, parse_args, run_dir
 
@@ -82,19 +82,33 @@ def read_jobs(stream: BinaryIO) -> Iterator[list[str]]:
         i += 1 + count
 
 
+@contextlib.contextmanager
+def one_parser() -> Iterator[None]:
+    """Let config.parse_args reuse one parser: building it is most of a job's planning time
+    (benchmarks/bench_sweep.py), and an argparse parser keeps no state between parses."""
+    build = config.build_parser
+    parser = build()
+    config.build_parser = lambda: parser
+    try:
+        yield
+    finally:
+        config.build_parser = build
+
+
 def plan(jobs: list[list[str]], where: Callable[[list[str]], Path] = resolve
          ) -> list[tuple[str, str, str]]:
     """(state, run_dir, note) per job; `where` maps a command line to its run directory."""
-    out = []
-    for argv in jobs:
-        try:
-            directory = where(argv)
-        except (UsageError, ValueError) as exc:
-            out.append(("invalid", "", str(exc)))
-            continue
-        state, note = job_state(directory)
-        out.append((state, str(directory), note))
-    return out
+    with one_parser():
+        return [_plan_one(argv, where) for argv in jobs]
+
+
+def _plan_one(argv: list[str], where: Callable[[list[str]], Path]) -> tuple[str, str, str]:
+    try:
+        directory = where(argv)
+    except (UsageError, ValueError) as exc:
+        return "invalid", "", str(exc)
+    state, note = job_state(directory)
+    return state, str(directory), note
 
 
 def main(where: Callable[[list[str]], Path] = resolve, stdin: BinaryIO | None = None,
