@@ -9,14 +9,17 @@
 # and what this task does:
 #   time limit   USR1 to this script only (--signal=B:USR1@SLURM_SIGNAL_SECS), that many seconds
 #                before the limit: passed on to run.py, which checkpoints and exits 75; this task
-#                then requeues itself (Slurm never requeues a timed-out job) and resumes later.
+#                requeues itself (Slurm never requeues a timed-out job) and resumes later.
 #                Should run.py still run at the limit: TERM to every process, KillWait later KILL.
-#   preemption   TERM to every process of the job (run.py included) when it is selected, KILL
-#                when its GraceTime is over: run.py checkpoints and exits 75; Slurm requeues it
-#                (--requeue) when the partition's PreemptMode is REQUEUE.
-#   scancel      TERM to every process, KillWait later KILL: run.py checkpoints, exits 75, and
-#                the task stays cancelled. `scancel --signal=TERM --full` is the same TERM.
+#   preemption   TERM to every process of the job (run.py included) as soon as it is selected,
+#                again TERM then KILL when its GraceTime is over: run.py checkpoints and exits 75;
+#                with PreemptMode=REQUEUE Slurm requeues the task itself (--requeue).
+#   scancel      TERM to every process, KillWait later KILL: run.py checkpoints and exits 75; the
+#                task stays cancelled (its state is COMPLETING: this script does not requeue it).
+#   scancel --signal=TERM [--full]: the same TERM without cancelling: run.py checkpoints, exits
+#                75, and this task requeues itself.
 # TERM is not passed on: Slurm has already sent it to run.py, and a second one would be a burst.
+# After an exit 75 the task requeues itself unless it was cancelled; its log says which and why.
 
 set -euo pipefail
 
@@ -65,15 +68,24 @@ main() {
   done
   echo "run.py exited with ${rc}"
 
-  if (( rc == 75 && SWEEP_GOT_USR1 )); then
-    # Slurm does not requeue a job that reaches its time limit; run.py has just saved a
-    # checkpoint, so put this array task back in the queue to continue later.
-    echo "requeueing ${SLURM_ARRAY_JOB_ID}_${task}: stopped by the time-limit warning" \
-      "(SIGUSR1) with a checkpoint; the next start resumes from it"
-    scontrol requeue "${SLURM_ARRAY_JOB_ID}_${task}" || echo "slurm_task: requeue failed" >&2
-  elif (( rc == 75 )); then
-    echo "not requeueing: stopped by SIGTERM (scancel stays cancelled; a preempted task is" \
-      "requeued by Slurm itself)"
+  if (( rc == 75 )); then
+    # run.py saved a checkpoint and stopped. Slurm never requeues a timed-out task itself, and a
+    # task stopped by a signal alone (scancel --signal=TERM) would otherwise end here: put it
+    # back in the queue, so that its next start resumes. Not a cancelled one: scancel puts the
+    # job in COMPLETING before the TERM arrives, and `scontrol requeue` would revive it.
+    local state
+    state="$(squeue -h -j "${SLURM_JOB_ID:-}" -o %T 2>/dev/null || true)"
+    if (( SWEEP_GOT_USR1 )) || [[ "${state}" == "RUNNING" ]]; then
+      local reason="SIGTERM (scancel --signal=TERM, or a preemption)"
+      if (( SWEEP_GOT_USR1 )); then reason="SIGUSR1 (the time limit is near)"; fi
+      echo "requeueing ${SLURM_ARRAY_JOB_ID}_${task}: run.py checkpointed and exited 75 after" \
+        "${reason}; the next start resumes from the checkpoint"
+      scontrol requeue "${SLURM_ARRAY_JOB_ID}_${task}" \
+        || echo "slurm_task: requeue failed (already requeued by Slurm?)" >&2
+    else
+      echo "not requeueing: the job is ${state:-gone} (cancelled, or past its time limit);" \
+        "run.sh --slurm submits it again and it resumes from the checkpoint"
+    fi
   fi
   exit "${rc}"
 }
