@@ -164,8 +164,10 @@ def real_project(tmp_path: Path) -> tuple[Path, dict]:
                 shutil.copy(path, project / path.name)
     (project / "sweep.sh").write_text(driver_from_run_sh())
     (project / "jobs.txt").write_text(" ".join(REAL) + "\n")
+    # 10-minute limit, warning 60 s before it: no USR1 unless a test shortens the limit.
     env = {**os.environ, "PYTHON": sys.executable, "LAB_TRACKING": "off",
-           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", **SLURM_ENV}
+           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", **SLURM_ENV,
+           "SLURM_TIME": "10", "SLURM_SIGNAL_SECS": "60"}
     return project, env
 
 
