@@ -40,7 +40,8 @@ def set_jobs(project: Path, n_jobs: int) -> list[list[str]]:
     lrs = [f"{1e-4 * (i + 1):.4g}" for i in range(n_jobs // seeds)]
     text = (project / "run.sh").read_text()
     text = text.replace("readonly LRS=(1e-3 3e-3 1e-2)", f"readonly LRS=({' '.join(lrs)})")
-    text = text.replace("readonly SEEDS=(0 1 2)", f"readonly SEEDS=({' '.join(map(str, range(seeds)))})")
+    seed_list = " ".join(map(str, range(seeds)))
+    text = text.replace("readonly SEEDS=(0 1 2)", f"readonly SEEDS=({seed_list})")
     (project / "run.sh").write_text(text)
     return [["--results-dir", "results/sweep", "--lr", lr, "--seed", str(s)]
             for lr in lrs for s in range(seeds)]

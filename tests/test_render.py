@@ -14,6 +14,7 @@ MATRIX = option_matrix()
 PACKAGE_FILES = [
     "__init__.py", "config.py", "runs.py", "data.py", "model.py", "train.py",
     "checkpoint.py", "tracking.py", "tuning.py", "analysis.py",
+    "claim.py", "plan.py",  # sweep helper: run-directory claim, one-call sweep planner
 ]
 BASE_FILES = [
     ".gitignore", "LICENSE", "README.md", "pyproject.toml",
@@ -21,6 +22,7 @@ BASE_FILES = [
     "tests/conftest.py", "tests/test_run.py", "tests/test_resume.py",
     "tests/test_train_units.py", "tests/test_data.py", "tests/test_model.py",
     "tests/test_tuning.py", "tests/test_sweep.py", "tests/test_plot.py",
+    "tests/test_claim.py",  # sweep helper
 ]
 SLURM_FILES = ["scripts/slurm_task.sh", "tests/test_slurm.py"]
 GITHUB_ACTIONS_FILES = [".github/workflows/ci.yml"]
