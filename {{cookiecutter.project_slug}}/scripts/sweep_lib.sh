@@ -263,6 +263,16 @@ mark_interrupted() {
   fi
 }
 
+# finished_elsewhere DIR PID: true if job PID found its run already finished by another process
+# (another run.sh, a Slurm task) instead of training it. A job writes its pid into .lock when it
+# claims the run; if that is still PID's claim and metrics.json is older, PID only found it done.
+finished_elsewhere() {
+  local dir="$1" pid="$2" holder=""
+  [[ -f "${dir}/.lock" ]] || return 1
+  read -r holder <"${dir}/.lock" || true
+  [[ "${holder}" == "pid=${pid} "* && ! "${dir}/metrics.json" -nt "${dir}/.lock" ]]
+}
+
 # finish PID STATUS: record how job PID ended and free its slot.
 finish() {
   local pid="$1" rc="$2" i="${SWEEP_RUNNING[$1]}" took
@@ -273,9 +283,14 @@ finish() {
   # Children the job left behind (data-loader workers, ...) go with it.
   kill -TERM -- "-${pid}" 2>/dev/null || true
   if (( rc == 0 )) && [[ -f "${SWEEP_DIR[i]}/metrics.json" ]]; then
-    SWEEP_RESULT[i]="done"
-    SWEEP_TOOK+=("${took}")
-    log "done     ${name}  (${took}s)"
+    if finished_elsewhere "${SWEEP_DIR[i]}" "${pid}"; then
+      SWEEP_RESULT[i]="skipped"
+      log "skipped  ${name}  (finished meanwhile by another process)"
+    else
+      SWEEP_RESULT[i]="done"
+      SWEEP_TOOK+=("${took}")
+      log "done     ${name}  (${took}s)"
+    fi
   elif (( rc == SWEEP_EXIT_BUSY )); then
     SWEEP_RESULT[i]="elsewhere"
     log "skipped  ${name}  (running elsewhere: another process holds it; see its log)"
@@ -410,6 +425,12 @@ run_queue() {
   while true; do
     if [[ -z "${SWEEP_STOP_SIGNAL}" ]]; then
       for s in "${!SLOTS[@]}"; do
+        # Jobs finished meanwhile by another process (planned long ago) need no interpreter.
+        while (( next < ${#queue[@]} )) && [[ -f "${SWEEP_DIR[${queue[next]}]}/metrics.json" ]]; do
+          SWEEP_RESULT[queue[next]]="skipped"
+          log "skipped  ${SWEEP_RUN_NAME[${queue[next]}]}  (finished meanwhile by another process)"
+          next=$(( next + 1 ))
+        done
         if (( SLOT_BUSY[s] == 0 && next < ${#queue[@]} )); then
           launch "${queue[next]}" "${s}"
           next=$(( next + 1 ))

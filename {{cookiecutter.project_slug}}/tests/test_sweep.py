@@ -514,7 +514,7 @@ def test_two_sweeps_on_one_folder_train_each_job_once(tmp_path):
     assert len(started) == 6   # each job trained exactly once
     assert all((d / "metrics.json").exists() for d in run_dirs(project))
     ran = [int(re.search(r"\((\d+) ran now", out)[1]) for out in outs]
-    assert sum(ran) == 6, outs
+    assert sum(ran) == 6, outs   # a job that found its run finished by the other is "skipped"
     for out in outs:   # the other sweep's jobs: "running elsewhere" or already done, not failed
         assert "0 failed" in out and "FAILED" not in out, out
 
