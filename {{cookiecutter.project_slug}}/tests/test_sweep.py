@@ -653,6 +653,45 @@ def test_real_plan_matches_print_run_dir_and_reads_states(tmp_path):
         assert real_plan(jobs[:1], tmp_path)[0][0] == "running"
 
 
+# ---- scripts/slurm_task.sh without Slurm (the signals Slurm would send, sent by hand) ----------
+
+def start_task(project: Path, args: str) -> subprocess.Popen:
+    """slurm_task.sh as an array task would run it, for one job of the stand-in."""
+    submit = project / "submit"
+    (submit / "args").mkdir(parents=True)
+    (submit / "args" / "0").write_bytes(b"".join(a.encode() + b"\0" for a in args.split()))
+    (submit / "python").write_text(f"{project / 'python-standin'}\n")
+    env = {**sweep_env(project), "SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_JOB_ID": "1",
+           "PATH": "/usr/bin:/bin"}   # no squeue / scontrol here: the requeue is only logged
+    return subprocess.Popen(["bash", "scripts/slurm_task.sh", str(submit)], cwd=project, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.skipif(not (PROJECT / "scripts" / "slurm_task.sh").exists(), reason="no Slurm")
+def test_slurm_task_passes_usr1_on_and_returns_the_exact_exit_code(tmp_path):
+    project = make_project(tmp_path)
+    task = start_task(project, "--results-dir results/sweep --sleep 60 --tag u")
+    wait_for(lambda: attempts(project, finished_only=False), 20, "the job to start")
+    task.send_signal(signal.SIGUSR1)   # what --signal=B:USR1@N sends, to the script only
+    out, _ = task.communicate(timeout=20)
+    assert task.returncode == 75, out   # run.py's own code, not 138 (128 + USR1)
+    assert "run.py exited with 75" in out
+    assert "requeueing 1_0: run.py checkpointed and exited 75 after SIGUSR1" in out
+
+
+@pytest.mark.skipif(not (PROJECT / "scripts" / "slurm_task.sh").exists(), reason="no Slurm")
+def test_slurm_task_does_not_pass_term_on(tmp_path):
+    # Slurm sends TERM to every process of the step: passing it on would double it.
+    project = make_project(tmp_path)
+    task = start_task(project, "--results-dir results/sweep --sleep 1.5 --tag t")
+    wait_for(lambda: attempts(project, finished_only=False), 20, "the job to start")
+    task.send_signal(signal.SIGTERM)   # to the script only: run.py must not get it from there
+    out, _ = task.communicate(timeout=20)
+    assert task.returncode == 0, out
+    assert "run.py exited with 0" in out
+    assert [r["rc"] for r in attempts(project)] == [0]   # the job ran to its end
+
+
 # ---- run.sh itself -----------------------------------------------------------------------------
 
 def test_run_sh_default_sweep_with_standin(tmp_path):
