@@ -571,13 +571,13 @@ def test_every_job_writes_to_the_sweep_results_folder(tmp_path):
 
 
 def test_status_line_shows_progress_of_running_jobs(tmp_path):
-    project = make_project(tmp_path, ["--sleep 3 --tag a", "--sleep 0.2 --tag b"])
+    project = make_project(tmp_path, ["--sleep 2.2 --tag a", "--sleep 0.1 --tag b"])
     result = run_sweep(project, STATUS_EVERY_LOG="1")
     assert result.returncode == 0, result.stdout + result.stderr
     assert re.search(r"sweep: 1 done, 1 running, 0 pending; ETA ~0h0m", result.stdout), \
         result.stdout
-    assert re.search(r"running  sleep_3__tag_a-\w+ epoch 1/3", result.stdout), result.stdout
-    quiet = run_sweep(make_project(tmp_path / "q", ["--sleep 1.5 --tag a"]), GPUS="0")
+    assert re.search(r"running  sleep_2.2__tag_a-\w+ epoch 1/3", result.stdout), result.stdout
+    quiet = run_sweep(make_project(tmp_path / "q", ["--sleep 1.1 --tag a"]), GPUS="0")
     assert "sweep:" not in quiet.stdout   # default: one line per 600 s into a log
 
 
