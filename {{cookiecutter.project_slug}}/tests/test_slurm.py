@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -216,11 +217,17 @@ def test_real_task_stopped_by_term_checkpoints_requeues_and_matches(tmp_path):
 
 def release_requeued_until_gone(job_id: str, timeout: float = 900) -> None:
     """Let every requeued start begin at once (Slurm holds it back a while), until it is done."""
+    last_seen = [time.monotonic()]
+
     def gone() -> bool:
-        if squeue(job_id) == ["0 PD"]:
+        tasks = squeue(job_id)
+        if tasks == ["0 PD"]:
             subprocess.run(["scontrol", "update", f"JobId={job_id}_0", "StartTime=now"],
                            capture_output=True)
-        return not squeue(job_id)
+        if tasks:
+            last_seen[0] = time.monotonic()
+        # Right after a requeue squeue can briefly list nothing: gone means gone for 10 s.
+        return time.monotonic() - last_seen[0] > 10
     wait_for(gone, timeout, f"Slurm job {job_id} to finish")
 
 
