@@ -217,13 +217,19 @@ def test_real_task_stopped_by_term_checkpoints_requeues_and_matches(tmp_path):
 
 def release_requeued_until_gone(job_id: str, timeout: float = 900) -> None:
     """Let every requeued start begin at once (Slurm holds it back a while), until it is done."""
-    last_seen = [time.monotonic()]
+    last_seen, pending_since = [time.monotonic()], [None]
 
     def gone() -> bool:
         tasks = squeue(job_id)
-        if tasks == ["0 PD"]:
+        if tasks != ["0 PD"]:
+            pending_since[0] = None
+        elif pending_since[0] is None:
+            pending_since[0] = time.monotonic()
+        # Started again at once, the node refuses it ("Job credential revoked"): wait 10 s.
+        elif time.monotonic() - pending_since[0] > 10:
             subprocess.run(["scontrol", "update", f"JobId={job_id}_0", "StartTime=now"],
                            capture_output=True)
+            pending_since[0] = None
         if tasks:
             last_seen[0] = time.monotonic()
         # Right after a requeue squeue can briefly list nothing: gone means gone for 10 s.
