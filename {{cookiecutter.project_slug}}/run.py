@@ -33,6 +33,10 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_BUSY, EXIT_INTERRUPTED = 0, 1, 2, 73, 75
 
 def main(argv: list[str] | None = None) -> int:
     with GracefulStop() as stop:  # first: a stop signal at any later moment still ends in 75
+        if (sys.argv[1:] if argv is None else argv) == ["--plan"]:  # run.sh: all jobs, one call
+            from {{ cookiecutter.package_name }} import plan
+
+            return plan.main()
         args, parser = parse_args(argv)  # bad flags: one `error:` line, exit 2
         out = run_dir(args, parser)
         if args.print_run_dir:
@@ -48,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_OK
         try:
             with claim(out) as held:  # one process per run directory, freed by the kernel on death
+                if runs.is_done(out) and not (args.fresh or is_tool(args)):  # done meanwhile
+                    print(f"already finished: {out} (metrics.json exists; --fresh re-trains)")
+                    return EXIT_OK
                 code = train(args, parser, out, stop)
                 if code in (EXIT_USAGE, EXIT_INTERRUPTED):
                     held.discard()  # refused or stopped before any work: leave nothing behind

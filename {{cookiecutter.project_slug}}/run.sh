@@ -2,23 +2,34 @@
 # run.sh: the sweep. Runs run.py once per job listed below, one job per GPU, until all are done.
 #
 # Usage: bash run.sh [--dry-run] [--slurm] [-h|--help] [-- EXTRA_RUN_PY_ARGS...]
-#   --dry-run   list every job and its state (done / pending / failed); run nothing
-#   --slurm     submit the pending jobs as one Slurm job array instead of running them here
+#   --dry-run   list every job and its state (done / pending / interrupted / failed / running
+#               elsewhere; with --slurm also queued); run nothing
+#   --slurm     submit the pending jobs as one Slurm job array instead of running them here;
+#               jobs still queued or running from an earlier submission are not submitted again
 #   -- ARGS     appended to every job, e.g.  bash run.sh -- --dataset digits --epochs 3
 #
-# Jobs already done (metrics.json exists) are skipped; unfinished ones resume from their
-# checkpoint, so after a crash or Ctrl-C just run it again. Each job logs to LOG_DIR/<run>.log.
-# Ctrl-C stops every job (each saves a checkpoint first); a second Ctrl-C kills them.
-# Exit status: 0 when every job is done, 1 if any failed or is unfinished, 130/143 if stopped.
+# Every job writes to results/SWEEP_NAME/<run>/ (trial runs of run.py go to results/trials).
+# Jobs already done (metrics.json) are skipped; unfinished ones resume from their checkpoint, so
+# after a crash or Ctrl-C just run it again. A job another process is running (two run.sh on one
+# folder, a Slurm task) is left to it: "running elsewhere". Each job logs to LOG_DIR/<run>.log.
+# Ctrl-C stops every job (each saves a checkpoint first); a second Ctrl-C kills them; either way
+# the summary is printed. If run.sh itself is killed, the kernel sends its jobs SIGTERM.
+# Exit status: 0 when every job is done, 1 if any failed, is unfinished or runs elsewhere,
+# 2 bad settings, 130/143 if stopped.
 #
 # Environment (defaults in brackets):
 #   PYTHON        interpreter that runs run.py [python]
-#   GPUS          GPU ids to use, e.g. "0 2" [all that nvidia-smi lists; none: run on CPU]
+#   SWEEP_NAME    results go to results/SWEEP_NAME [sweep]
+#   GPUS          GPU ids to use, e.g. "0 2" [all visible: CUDA_VISIBLE_DEVICES, else nvidia-smi;
+#                 none: run on CPU]
 #   JOBS_PER_GPU  jobs sharing one GPU, for small models [1]
 #   CPU_JOBS      jobs at a time when there is no GPU [1]
 #   LOG_DIR       one log file per job [logs/sweep]
+#   STATUS_EVERY  seconds between status lines on a terminal [60]; STATUS_EVERY_LOG: when the
+#                 output goes to a file [600]; 0 = none
 #   SLURM_PARTITION, SLURM_TIME, SLURM_MEM, SLURM_CPUS, SLURM_GRES, SLURM_MAX_PARALLEL,
-#   SLURM_SIGNAL_SECS, SLURM_EXTRA (more sbatch options)   used by --slurm, see below
+#   SLURM_SIGNAL_SECS, SLURM_EXTRA (more sbatch options), SLURM_LOG_DIR, SWEEP_JOB_NAME
+#                 used by --slurm, see below
 
 set -euo pipefail
 
@@ -37,9 +48,12 @@ define_jobs() {
 
 # ---- Where the jobs run -----------------------------------------------------------------------
 PYTHON="${PYTHON:-python}"
+SWEEP_NAME="${SWEEP_NAME:-sweep}"
 JOBS_PER_GPU="${JOBS_PER_GPU:-1}"
 CPU_JOBS="${CPU_JOBS:-1}"
-LOG_DIR="${LOG_DIR:-logs/sweep}"
+LOG_DIR="${LOG_DIR:-logs/${SWEEP_NAME}}"
+STATUS_EVERY="${STATUS_EVERY:-60}"
+STATUS_EVERY_LOG="${STATUS_EVERY_LOG:-600}"
 # run.sh --slurm: one array task per job, one GPU each.
 SLURM_PARTITION="${SLURM_PARTITION:-}"          # empty: the cluster's default partition
 SLURM_TIME="${SLURM_TIME:-24:00:00}"            # per task; a task near its limit checkpoints
@@ -49,6 +63,8 @@ SLURM_GRES="${SLURM_GRES:-gpu:1}"               # e.g. gpu:a100:1
 SLURM_MAX_PARALLEL="${SLURM_MAX_PARALLEL:-16}"  # tasks running at once (be fair to the lab)
 SLURM_SIGNAL_SECS="${SLURM_SIGNAL_SECS:-300}"   # warning before the time limit, to checkpoint
 SLURM_EXTRA="${SLURM_EXTRA:-}"                  # e.g. "--account=mylab --qos=normal"
+SLURM_LOG_DIR="${SLURM_LOG_DIR:-logs/slurm}"    # one folder per submission: args, task logs
+SWEEP_JOB_NAME="${SWEEP_JOB_NAME:-}"           # squeue's name; empty: the project folder's
 
 main() {
   cd "$(dirname "${BASH_SOURCE[0]}")"

@@ -5,28 +5,44 @@
 #   SUBMIT_DIR/args/<SLURM_ARRAY_TASK_ID>  this task's run.py arguments, NUL-separated
 #   SUBMIT_DIR/python                      the interpreter that run.sh --slurm resolved
 #
-# Runs run.py in the background so that this script can catch signals while it runs:
-#   USR1  sent by Slurm SLURM_SIGNAL_SECS before the time limit (--signal=B:USR1@N): forwarded
-#         to run.py, which checkpoints and exits 75; this task then requeues itself, and the
-#         next start resumes from the checkpoint.
-#   TERM  preemption or scancel: forwarded as well. A preempted task is requeued by Slurm
-#         itself (--requeue); a cancelled one must stay cancelled, so no self-requeue here.
+# Which event sends which signal (Slurm's documentation: sbatch --signal, scancel, preempt.html),
+# and what this task does:
+#   time limit   USR1 to this script only (--signal=B:USR1@SLURM_SIGNAL_SECS), that many seconds
+#                before the limit: passed on to run.py, which checkpoints and exits 75; this task
+#                requeues itself (Slurm never requeues a timed-out job) and resumes later.
+#                Should run.py still run at the limit: TERM to every process, KillWait later KILL.
+#   preemption   TERM to every process of the job (run.py included) as soon as it is selected,
+#                again TERM then KILL when its GraceTime is over: run.py checkpoints and exits 75;
+#                with PreemptMode=REQUEUE Slurm requeues the task itself (--requeue).
+#   scancel      TERM to every process, KillWait later KILL: run.py checkpoints and exits 75; the
+#                task stays cancelled (its state is COMPLETING: this script does not requeue it).
+#   scancel --signal=TERM [--full]: the same TERM without cancelling: run.py checkpoints, exits
+#                75, and this task requeues itself.
+# TERM is not passed on: Slurm has already sent it to run.py, and a second one would be a burst.
+# After an exit 75 the task requeues itself unless it was cancelled; its log says which and why.
 
 set -euo pipefail
 
-CHILD_PID=""
-GOT_USR1=0
+SWEEP_CHILD_PID=""
+SWEEP_GOT_USR1=0
+SWEEP_TRAPPED=0   # a trap ran: `wait` may have returned early
 
-# Forward a signal to run.py (it checkpoints and exits 75). Called from the traps in main.
+# Called from the traps in main.
 # shellcheck disable=SC2329
-forward() {
-  if [[ "$1" == "USR1" ]]; then GOT_USR1=1; fi
-  echo "slurm_task: got SIG$1, asking run.py to checkpoint and stop" >&2
-  if [[ -n "${CHILD_PID}" ]]; then kill -"$1" "${CHILD_PID}" 2>/dev/null || true; fi
+on_usr1() {
+  SWEEP_GOT_USR1=1 SWEEP_TRAPPED=1
+  echo "slurm_task: SIGUSR1 (time limit near): asking run.py to checkpoint and stop" >&2
+  if [[ -n "${SWEEP_CHILD_PID}" ]]; then kill -USR1 "${SWEEP_CHILD_PID}" 2>/dev/null || true; fi
+}
+
+# shellcheck disable=SC2329
+on_term() {
+  SWEEP_TRAPPED=1
+  echo "slurm_task: SIGTERM (preemption, scancel or time limit): run.py got it too" >&2
 }
 
 main() {
-  local submit_dir="$1" python rc=0
+  local submit_dir="$1" python rc=0 again
   local task="${SLURM_ARRAY_TASK_ID:?not running as a Slurm array task}"
   local -a args=()
   mapfile -d '' -t args <"${submit_dir}/args/${task}"
@@ -36,23 +52,40 @@ main() {
     "$(( ${SLURM_RESTART_COUNT:-0} + 1 ))"
   printf '    %s run.py %s\n' "${python}" "${args[*]}"
 
-  trap 'forward USR1' USR1
-  trap 'forward TERM' TERM
+  trap on_usr1 USR1
+  trap on_term TERM
   "${python}" run.py "${args[@]}" &
-  CHILD_PID=$!
-  # `wait` returns early when a trapped signal arrives; keep waiting until run.py has exited.
-  while true; do
-    rc=0
-    wait "${CHILD_PID}" || rc=$?
-    kill -0 "${CHILD_PID}" 2>/dev/null || break
+  SWEEP_CHILD_PID=$!
+  # `wait` returns early (128+signal) when a trap runs. bash keeps the status of a child it has
+  # reaped until `wait PID` collects it, so waiting again gives run.py's own exit code exactly;
+  # 127 means that status was already collected by the first wait (the trap ran after it).
+  wait "${SWEEP_CHILD_PID}" || rc=$?
+  while (( SWEEP_TRAPPED )); do
+    SWEEP_TRAPPED=0 again=0
+    wait "${SWEEP_CHILD_PID}" || again=$?
+    if (( again == 127 )); then break; fi
+    rc="${again}"
   done
   echo "run.py exited with ${rc}"
 
-  if (( rc == 75 && GOT_USR1 )); then
-    # Slurm does not requeue a job that reaches its time limit; run.py has just saved a
-    # checkpoint, so put this array task back in the queue to continue later.
-    echo "requeueing ${SLURM_ARRAY_JOB_ID}_${task} to resume from the checkpoint"
-    scontrol requeue "${SLURM_ARRAY_JOB_ID}_${task}" || echo "slurm_task: requeue failed" >&2
+  if (( rc == 75 )); then
+    # run.py saved a checkpoint and stopped. Slurm never requeues a timed-out task itself, and a
+    # task stopped by a signal alone (scancel --signal=TERM) would otherwise end here: put it
+    # back in the queue, so that its next start resumes. Not a cancelled one: scancel puts the
+    # job in COMPLETING before the TERM arrives, and `scontrol requeue` would revive it.
+    local state
+    state="$(squeue -h -j "${SLURM_JOB_ID:-}" -o %T 2>/dev/null || true)"
+    if (( SWEEP_GOT_USR1 )) || [[ "${state}" == "RUNNING" ]]; then
+      local reason="SIGTERM (scancel --signal=TERM, or a preemption)"
+      if (( SWEEP_GOT_USR1 )); then reason="SIGUSR1 (the time limit is near)"; fi
+      echo "requeueing ${SLURM_ARRAY_JOB_ID}_${task}: run.py checkpointed and exited 75 after" \
+        "${reason}; the next start resumes from the checkpoint"
+      scontrol requeue "${SLURM_ARRAY_JOB_ID}_${task}" \
+        || echo "slurm_task: requeue failed (already requeued by Slurm?)" >&2
+    else
+      echo "not requeueing: the job is ${state:-gone} (cancelled, or past its time limit);" \
+        "run.sh --slurm submits it again and it resumes from the checkpoint"
+    fi
   fi
   exit "${rc}"
 }

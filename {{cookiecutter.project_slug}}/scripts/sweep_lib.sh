@@ -1,19 +1,24 @@
-# shellcheck shell=bash
-# The sweep engine behind run.sh. Sourced, never executed: run.sh lists the jobs in a function
-# and calls `sweep_main THAT_FUNCTION "$@"`. Nothing in here needs editing to change a sweep.
+# shellcheck shell=bash disable=SC2153  # settings (PYTHON, SWEEP_NAME, ...) come from run.sh
+# The sweep engine behind run.sh. Sourced, never executed: run.sh sets the settings (all defaults
+# live there), lists the jobs in a function and calls `sweep_main THAT_FUNCTION "$@"`.
 #
 # How it works:
-#   1. plan:  run the job function; each `job ARGS...` call records one run.py invocation. Ask
-#             run.py where each job writes (`run.py ARGS --print-run-dir`) and read the state
-#             from the files run.py writes there: metrics.json => done, status "failed" =>
-#             failed, anything else => pending (resumes from its checkpoint, if any).
+#   1. plan:  run the job function; each `job ARGS...` call records one run.py invocation, to
+#             which `--results-dir results/SWEEP_NAME` is prepended. ONE call of `run.py --plan`
+#             (run.py's own parser, no torch) gives every job's run directory and state:
+#             done (metrics.json parses), running (its claim is held: running elsewhere),
+#             interrupted, failed, pending, invalid.
 #   2. queue: one slot per GPU (JOBS_PER_GPU slots per GPU; CPU_JOBS slots without a GPU). Every
-#             job runs in its own process group with CUDA_VISIBLE_DEVICES set to its slot's GPU.
-#             `wait -n -p` says which job ended; its slot takes the next pending job at once.
-#   3. stop:  SIGINT/SIGTERM/SIGHUP send SIGTERM to every running run.py (it checkpoints and
-#             exits 75), wait for them, clean up their process groups, exit 128+signal. A second
-#             signal sends SIGKILL.
-#   4. --slurm: the same pending jobs as one sbatch array (scripts/slurm_task.sh runs one).
+#             job runs in its own process group with CUDA_VISIBLE_DEVICES set to its slot's GPU,
+#             under `setpriv --pdeathsig TERM`, so it is told to stop if run.sh dies, even by
+#             SIGKILL. `wait -n -p` says which job ended; its slot takes the next pending job.
+#             A job that finds its run claimed by another process exits 73: "running elsewhere".
+#   3. stop:  the first INT/TERM/HUP sends SIGTERM to every running job (it checkpoints and
+#             exits 75); any later one SIGKILLs their process groups. Either way run.sh reaps
+#             every job, marks a killed job's status "interrupted" and prints the summary, then
+#             exits 128+first signal.
+#   4. --slurm: the pending jobs as one sbatch array (scripts/slurm_task.sh runs one task);
+#             tasks still queued or running from an earlier array are not submitted again.
 # Needs bash >= 5.1 (`wait -n -p`).
 
 # All jobs, flattened: job I's run.py arguments are SWEEP_ARGV[SWEEP_START[I]] and the
@@ -21,13 +26,19 @@
 SWEEP_ARGV=()
 SWEEP_START=()
 SWEEP_LEN=()
-SWEEP_EXTRA=()   # arguments after `--` on run.sh's command line, appended to every job
-SWEEP_STATE=()   # per job: done | pending | failed | invalid | duplicate
-SWEEP_DIR=()     # per job: its run directory (from run.py --print-run-dir)
-SWEEP_NAME=()    # per job: basename of its run directory
-SWEEP_NOTE=()    # per job: detail shown by --dry-run and the summary
+SWEEP_EXTRA=()      # arguments after `--` on run.sh's command line, appended to every job
+SWEEP_STATE=()      # per job: done running interrupted failed pending invalid duplicate queued
+SWEEP_DIR=()        # per job: its run directory (from run.py --plan)
+SWEEP_RUN_NAME=()   # per job: basename of its run directory
+SWEEP_NOTE=()       # per job: detail shown by --dry-run and the summary
 SWEEP_STOP_SIGNAL=""   # set by the first INT/TERM/HUP
+SWEEP_TICKER=""        # pid of the timer child that wakes the queue for a status line
 JOB_ARGV=()            # filled by job_argv
+readonly SWEEP_EXIT_BUSY=73 SWEEP_EXIT_INTERRUPTED=75
+# Settings run.sh must define (their defaults are there, not here).
+readonly SWEEP_SETTINGS=(PYTHON SWEEP_NAME JOBS_PER_GPU CPU_JOBS LOG_DIR STATUS_EVERY
+  STATUS_EVERY_LOG SLURM_PARTITION SLURM_TIME SLURM_MEM SLURM_CPUS SLURM_GRES SLURM_MAX_PARALLEL
+  SLURM_SIGNAL_SECS SLURM_EXTRA SLURM_LOG_DIR SWEEP_JOB_NAME)
 
 #######################################
 # Add one run.py invocation to the sweep; called from run.sh's job list.
@@ -43,9 +54,15 @@ err() { echo "run.sh: $*" >&2; }
 die() { err "$@"; exit 2; }
 log() { printf '[%(%H:%M:%S)T] %s\n' -1 "$*"; }
 
-# job_argv I: set JOB_ARGV to job I's complete run.py argument list.
+# job_argv I: set JOB_ARGV to job I's complete run.py argument list. The sweep's results folder
+# comes first, so a job (or `-- --results-dir X`) can still choose another.
 job_argv() {
-  JOB_ARGV=("${SWEEP_ARGV[@]:${SWEEP_START[$1]}:${SWEEP_LEN[$1]}}" "${SWEEP_EXTRA[@]}")
+  local k end=$(( SWEEP_START[$1] + SWEEP_LEN[$1] ))
+  JOB_ARGV=(--results-dir "results/${SWEEP_NAME}")
+  # Element by element: bash finds the next element of an indexed array at once, while a slice
+  # "${a[@]:off:n}" walks from the start: slicing every job would grow with jobs squared.
+  for ((k = SWEEP_START[$1]; k < end; k++)); do JOB_ARGV+=("${SWEEP_ARGV[k]}"); done
+  JOB_ARGV+=("${SWEEP_EXTRA[@]}")
 }
 
 # Print the header comment of run.sh (the usage text). run.sh has cd'ed to its own directory.
@@ -53,65 +70,62 @@ usage() {
   sed -n '2,/^$/{s/^# \{0,1\}//;p}' "${BASH_SOURCE[-1]##*/}"
 }
 
-# Defaults for the settings run.sh lists at its top (for a driver script that leaves some out).
-sweep_defaults() {
-  : "${PYTHON:=python}" "${JOBS_PER_GPU:=1}" "${CPU_JOBS:=1}" "${LOG_DIR:=logs/sweep}"
-  : "${SLURM_PARTITION:=}" "${SLURM_TIME:=24:00:00}" "${SLURM_MEM:=32G}" "${SLURM_CPUS:=8}"
-  : "${SLURM_GRES:=gpu:1}" "${SLURM_MAX_PARALLEL:=16}" "${SLURM_SIGNAL_SECS:=300}"
-  : "${SLURM_LOG_DIR:=logs/slurm}" "${SLURM_EXTRA:=}"
-}
-
 #######################################
-# Find every job's run directory and state; SWEEP_STATE etc. are filled in.
+# Find every job's run directory and state in one `run.py --plan` call.
 #######################################
 plan_jobs() {
-  local i dir out status
+  local i n="${#SWEEP_START[@]}" dir
+  local -a fields=()
   local -A seen=()
-  for ((i = 0; i < ${#SWEEP_START[@]}; i++)); do
-    job_argv "${i}"
-    SWEEP_NOTE[i]=""
-    if ! out="$("${PYTHON}" run.py "${JOB_ARGV[@]}" --print-run-dir 2>&1)"; then
-      SWEEP_STATE[i]="invalid" SWEEP_DIR[i]="" SWEEP_NAME[i]="job-${i}"
-      SWEEP_NOTE[i]="run.py rejected the arguments: ${out##*$'\n'}"
-      continue
-    fi
-    dir="${out##*$'\n'}"   # last line: the directory
-    SWEEP_DIR[i]="${dir}" SWEEP_NAME[i]="${dir##*/}"
-    if [[ -n "${seen[${dir}]:-}" ]]; then
+  mapfile -d '' fields < <(
+    for ((i = 0; i < n; i++)); do
+      job_argv "${i}"
+      printf '%s\0' "${#JOB_ARGV[@]}" "${JOB_ARGV[@]}"
+    done | "${PYTHON}" run.py --plan
+  )
+  (( ${#fields[@]} == 3 * n )) \
+    || die "run.py --plan answered ${#fields[@]} fields for ${n} jobs (is run.py current?)"
+  for ((i = 0; i < n; i++)); do
+    SWEEP_STATE[i]="${fields[3 * i]}" dir="${fields[3 * i + 1]}"
+    SWEEP_NOTE[i]="${fields[3 * i + 2]}"
+    SWEEP_DIR[i]="${dir}" SWEEP_RUN_NAME[i]="${dir##*/}"
+    if [[ "${SWEEP_STATE[i]}" == "invalid" ]]; then
+      SWEEP_RUN_NAME[i]="job-${i}" SWEEP_NOTE[i]="run.py rejected the arguments: ${SWEEP_NOTE[i]}"
+    elif [[ -n "${seen[${dir}]:-}" ]]; then
       SWEEP_STATE[i]="duplicate" SWEEP_NOTE[i]="same run as job ${seen[${dir}]}"
-      continue
-    fi
-    seen[${dir}]="${i}"
-    status=""
-    [[ -f "${dir}/status" ]] && read -r status <"${dir}/status" || true
-    if [[ -f "${dir}/metrics.json" ]]; then
-      SWEEP_STATE[i]="done"
-    elif [[ "${status}" == "failed" ]]; then
-      SWEEP_STATE[i]="failed" SWEEP_NOTE[i]="last attempt failed; will be re-run"
     else
-      SWEEP_STATE[i]="pending"
-      if [[ -f "${dir}/checkpoint.pt" ]]; then
-        SWEEP_NOTE[i]="${status:-started}, resumes from checkpoint"
-      fi
+      seen[${dir}]="${i}"
     fi
   done
+}
+
+# True if job I is to be run (or submitted).
+is_runnable() {
+  case "${SWEEP_STATE[$1]}" in
+    pending | interrupted | failed) return 0 ;;
+    *) return 1 ;;
+  esac
 }
 
 # Print one line per job with its state, then the counts.
 print_plan() {
-  local i
+  local i state
   local -A count=()
   for ((i = 0; i < ${#SWEEP_START[@]}; i++)); do
     job_argv "${i}"
-    printf '%-9s %s' "${SWEEP_STATE[i]}" "${SWEEP_NAME[i]}"
+    state="${SWEEP_STATE[i]}"
+    printf '%-11s %s' "${state}" "${SWEEP_RUN_NAME[i]}"
     if [[ -n "${SWEEP_NOTE[i]}" ]]; then printf '  (%s)' "${SWEEP_NOTE[i]}"; fi
-    printf '\n          run.py %s\n' "${JOB_ARGV[*]}"
-    count[${SWEEP_STATE[i]}]=$(( ${count[${SWEEP_STATE[i]}]:-0} + 1 ))
+    printf '\n            run.py %s\n' "${JOB_ARGV[*]}"
+    count[${state}]=$(( ${count[${state}]:-0} + 1 ))
   done
-  printf '%d jobs: %d done, %d pending, %d failed' "${#SWEEP_START[@]}" \
-    "${count[done]:-0}" "${count[pending]:-0}" "${count[failed]:-0}"
-  if (( ${count[invalid]:-0} )); then printf ', %d invalid' "${count[invalid]}"; fi
-  if (( ${count[duplicate]:-0} )); then printf ', %d duplicate' "${count[duplicate]}"; fi
+  printf '%d jobs: %d done, %d pending, %d interrupted, %d failed' "${#SWEEP_START[@]}" \
+    "${count[done]:-0}" "${count[pending]:-0}" "${count[interrupted]:-0}" "${count[failed]:-0}"
+  for state in running queued invalid duplicate; do
+    if (( ${count[${state}]:-0} )); then
+      printf ', %d %s' "${count[${state}]}" "${state/running/running elsewhere}"
+    fi
+  done
   printf '\n'
 }
 
@@ -124,20 +138,45 @@ init_tracking() {
     || die "could not create the MLflow database (run.py --init-tracking failed)"
 }
 
-# Fill SLOTS with one device per slot: "0 0 1 1" for GPUS="0 1" JOBS_PER_GPU=2; "" per CPU slot.
-make_slots() {
-  local gpus dev k
-  if [[ -n "${GPUS+set}" ]]; then
-    gpus="${GPUS//,/ }"
-  elif [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then   # already restricted: stay inside it
-    gpus="${CUDA_VISIBLE_DEVICES//,/ }"
+# The devices jobs may use: CUDA_VISIBLE_DEVICES's entries when it is set (jobs stay inside it),
+# else what nvidia-smi lists; printed space-separated.
+visible_gpus() {
+  if [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then
+    echo "${CUDA_VISIBLE_DEVICES//,/ }"
   elif command -v nvidia-smi >/dev/null 2>&1; then
-    gpus="$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | tr '\n' ' ')" \
-      || gpus=""
-  else
-    gpus=""
+    nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | tr '\n' ' ' || true
   fi
-  read -ra gpus <<<"${gpus}"
+}
+
+#######################################
+# Fill SLOTS with one device per slot: "0 0 1 1" for GPUS="0 1" JOBS_PER_GPU=2; "" per CPU slot.
+# GPUS is checked against the visible devices: `error: GPUS: ...` and exit 2 otherwise.
+#######################################
+make_slots() {
+  local dev k
+  local -a gpus=() visible=() listed=()
+  read -ra visible <<<"$(visible_gpus)"
+  if [[ -n "${GPUS+set}" ]]; then
+    read -ra gpus <<<"${GPUS//,/ }"
+    for dev in "${gpus[@]}"; do
+      if [[ ! "${dev}" =~ ^([0-9]+|(GPU|MIG)-[A-Za-z0-9/-]+)$ ]]; then
+        echo "error: GPUS: '${GPUS}' is not a list of GPU indices or UUIDs," \
+          "e.g. GPUS=\"0 1\" or GPUS=0,2 (empty: CPU only)" >&2
+        exit 2
+      fi
+      if [[ " ${visible[*]} " != *" ${dev} "* ]]; then
+        echo "error: GPUS: GPU ${dev} does not exist (visible: ${visible[*]:-none})" >&2
+        exit 2
+      fi
+      if [[ " ${listed[*]} " == *" ${dev} "* ]]; then
+        echo "error: GPUS: GPU ${dev} is listed twice (JOBS_PER_GPU shares a GPU)" >&2
+        exit 2
+      fi
+      listed+=("${dev}")
+    done
+  else
+    gpus=("${visible[@]}")
+  fi
   SLOTS=()
   if (( ${#gpus[@]} == 0 )); then
     for ((k = 0; k < CPU_JOBS; k++)); do SLOTS+=(""); done
@@ -153,33 +192,48 @@ make_slots() {
   fi
 }
 
+# "2 CPU slots" or "4 slots on GPUs 0 0 1 1".
+describe_slots() {
+  if [[ -z "${SLOTS[0]}" ]]; then
+    printf '%d CPU slot(s)' "${#SLOTS[@]}"
+  else
+    printf '%d slot(s) on GPU(s) %s' "${#SLOTS[@]}" "${SLOTS[*]}"
+  fi
+}
+
 #######################################
 # Signal handler: the first signal asks every running job to checkpoint and stop (SIGTERM to
-# the job's main process), the second one kills their process groups outright.
+# the job's main process); every later one kills their process groups outright. Either way the
+# queue loop goes on to reap them, mark them and print the summary.
 #######################################
 on_signal() {
   local pid
+  # No bare `return` here: in a trap it returns the status of the command the signal
+  # interrupted (wait: 128+n), and under `set -e` that non-zero status ends run.sh at once,
+  # with no summary (the "second signal exits 143" bug).
   if [[ -n "${SWEEP_STOP_SIGNAL}" ]]; then
-    err "second signal: killing all jobs"
+    err "SIG$1 again: killing all jobs"
     for pid in "${!SWEEP_RUNNING[@]}"; do kill -KILL -- "-${pid}" 2>/dev/null || true; done
-    return
+  else
+    SWEEP_STOP_SIGNAL="$1"
+    # No more status lines; and `wait -n` must not sit on the timer once the jobs are gone.
+    if [[ -n "${SWEEP_TICKER}" ]]; then kill "${SWEEP_TICKER}" 2>/dev/null || true; fi
+    err "got SIG$1: stopping ${#SWEEP_RUNNING[@]} running job(s) (they checkpoint; again to kill)"
+    for pid in "${!SWEEP_RUNNING[@]}"; do kill -TERM "${pid}" 2>/dev/null || true; done
   fi
-  SWEEP_STOP_SIGNAL="$1"
-  err "got SIG$1: stopping ${#SWEEP_RUNNING[@]} running job(s) (they checkpoint; again to kill)"
-  for pid in "${!SWEEP_RUNNING[@]}"; do kill -TERM "${pid}" 2>/dev/null || true; done
 }
 
 # launch I SLOT: start job I in the background, in a process group of its own.
 launch() {
   local i="$1" slot="$2" dev="${SLOTS[$2]}" pid
-  local log_file="${LOG_DIR}/${SWEEP_NAME[$1]}.log"
+  local log_file="${LOG_DIR}/${SWEEP_RUN_NAME[$1]}.log"
   job_argv "${i}"
   printf '=== %(%F %T)T  CUDA_VISIBLE_DEVICES=%s  %s run.py %s\n' -1 "${dev}" "${PYTHON}" \
     "${JOB_ARGV[*]}" >>"${log_file}"
   # setsid: its own process group (pgid = pid), so stopping it reaches its children too, and
   # Ctrl-C in the terminal reaches run.sh only, which then stops every job the same way.
   if (( SWEEP_HAVE_SETSID )); then
-    CUDA_VISIBLE_DEVICES="${dev}" setsid "${PYTHON}" run.py "${JOB_ARGV[@]}" \
+    CUDA_VISIBLE_DEVICES="${dev}" setsid "${SWEEP_GUARD[@]}" "${PYTHON}" run.py "${JOB_ARGV[@]}" \
       </dev/null >>"${log_file}" 2>&1 &
   else   # no setsid (macOS): job control gives the job its own process group
     set -m
@@ -191,31 +245,87 @@ launch() {
   SWEEP_RUNNING[${pid}]="${i}" SWEEP_SLOT_OF[${pid}]="${slot}" SWEEP_T0[${pid}]="${EPOCHSECONDS}"
   SWEEP_GROUPS+=("${pid}")
   SLOT_BUSY[slot]=1
-  log "start    ${SWEEP_NAME[i]}  (${dev:+GPU }${dev:-CPU}, slot ${slot})"
+  log "start    ${SWEEP_RUN_NAME[i]}  (${dev:+GPU }${dev:-CPU}, slot ${slot})"
   # A signal that arrived while this job was being started missed it.
   if [[ -n "${SWEEP_STOP_SIGNAL}" ]]; then kill -TERM "${pid}" 2>/dev/null || true; fi
+}
+
+# A job killed before it could write its own status leaves "running": say what happened.
+mark_interrupted() {
+  local dir="$1" status=""
+  [[ -n "${dir}" && -f "${dir}/status" ]] || return 0
+  read -r status <"${dir}/status" || true
+  if [[ "${status}" == "running" ]]; then
+    if ! { printf 'interrupted\n' >"${dir}/.status.sweep.tmp" \
+      && mv -f "${dir}/.status.sweep.tmp" "${dir}/status"; }; then
+      err "could not mark ${dir} interrupted"
+    fi
+  fi
+}
+
+# finished_elsewhere DIR PID: true if job PID found its run already finished by another process
+# (another run.sh, a Slurm task) instead of training it. A job writes its pid into .lock when it
+# claims the run; if that is still PID's claim and metrics.json is older, PID only found it done.
+finished_elsewhere() {
+  local dir="$1" pid="$2" holder=""
+  [[ -f "${dir}/.lock" ]] || return 1
+  read -r holder <"${dir}/.lock" || true
+  [[ "${holder}" == "pid=${pid} "* && ! "${dir}/metrics.json" -nt "${dir}/.lock" ]]
 }
 
 # finish PID STATUS: record how job PID ended and free its slot.
 finish() {
   local pid="$1" rc="$2" i="${SWEEP_RUNNING[$1]}" took
   took=$(( EPOCHSECONDS - SWEEP_T0[$1] ))
-  local slot="${SWEEP_SLOT_OF[${pid}]}"
+  local slot="${SWEEP_SLOT_OF[${pid}]}" name="${SWEEP_RUN_NAME[${SWEEP_RUNNING[$1]}]}"
   unset "SWEEP_RUNNING[${pid}]"
   SLOT_BUSY[slot]=0
   # Children the job left behind (data-loader workers, ...) go with it.
   kill -TERM -- "-${pid}" 2>/dev/null || true
   if (( rc == 0 )) && [[ -f "${SWEEP_DIR[i]}/metrics.json" ]]; then
-    SWEEP_RESULT[i]="done"
-    log "done     ${SWEEP_NAME[i]}  (${took}s)"
-  elif (( rc == 75 )); then
+    if finished_elsewhere "${SWEEP_DIR[i]}" "${pid}"; then
+      SWEEP_RESULT[i]="skipped"
+      log "skipped  ${name}  (finished meanwhile by another process)"
+    else
+      SWEEP_RESULT[i]="done"
+      SWEEP_TOOK+=("${took}")
+      log "done     ${name}  (${took}s)"
+    fi
+  elif (( rc == SWEEP_EXIT_BUSY )); then
+    SWEEP_RESULT[i]="elsewhere"
+    log "skipped  ${name}  (running elsewhere: another process holds it; see its log)"
+  elif (( rc == SWEEP_EXIT_INTERRUPTED )) || [[ -n "${SWEEP_STOP_SIGNAL}" ]]; then
+    # Stopped by us: exit 75, or killed by the signal before its handlers were up.
     SWEEP_RESULT[i]="interrupted"
-    log "stopped  ${SWEEP_NAME[i]}  (checkpointed; re-run run.sh to resume)"
+    mark_interrupted "${SWEEP_DIR[i]}"
+    log "stopped  ${name}  (exit ${rc}; re-run run.sh to resume)"
   else
     SWEEP_RESULT[i]="failed"
     if (( rc == 0 )); then rc="0 but no metrics.json"; fi
-    log "FAILED   ${SWEEP_NAME[i]}  (exit ${rc}, ${took}s)  log: ${LOG_DIR}/${SWEEP_NAME[i]}.log"
+    log "FAILED   ${name}  (exit ${rc}, ${took}s)  log: ${LOG_DIR}/${name}.log"
   fi
+}
+
+#######################################
+# Finish every job whose process is gone but that `wait -n` did not report: a child that ends
+# while a trap interrupts `wait -n` can be reaped without ever being returned by it.
+#######################################
+reap_lost() {
+  local pid rc
+  for pid in "${!SWEEP_RUNNING[@]}"; do
+    kill -0 "${pid}" 2>/dev/null && continue
+    rc=0
+    wait "${pid}" 2>/dev/null || rc=$?
+    if (( rc == 127 )); then   # its status is lost too: read what the job wrote
+      local dir="${SWEEP_DIR[${SWEEP_RUNNING[${pid}]}]}" status=""
+      [[ -f "${dir}/status" ]] && read -r status <"${dir}/status"
+      case "${status}" in
+        finished) rc=0 ;;
+        interrupted) rc="${SWEEP_EXIT_INTERRUPTED}" ;;
+      esac
+    fi
+    finish "${pid}" "${rc}"
+  done
 }
 
 # After the queue: give leftover processes of every job's group 10 s, then kill them.
@@ -232,6 +342,53 @@ reap_groups() {
   for pg in "${SWEEP_GROUPS[@]}"; do kill -KILL -- "-${pg}" 2>/dev/null || true; done
 }
 
+# "e3/20" from a job's history.csv (epochs written) and config.json (epochs planned).
+job_progress() {
+  local dir="$1" rows=0 total="?" line
+  if [[ -f "${dir}/history.csv" ]]; then
+    rows=$(( $(wc -l <"${dir}/history.csv") - 1 ))
+    (( rows >= 0 )) || rows=0
+  fi
+  if [[ -f "${dir}/config.json" ]]; then
+    line="$(grep -m1 -o '"epochs": *[0-9]*' "${dir}/config.json" || true)"
+    total="${line##*[ :]}"
+  fi
+  printf 'epoch %s/%s' "${rows}" "${total:-?}"
+}
+
+#######################################
+# One line: jobs done / running / pending, each running job's epoch, an ETA from the jobs that
+# finished so far in this sweep (mean duration x jobs left / slots).
+# Arguments: number of jobs still queued.
+#######################################
+print_status() {
+  local left="$1" pid i n_done=0 total=0 t eta="after the first job finishes"
+  local -a running=()
+  for i in "${SWEEP_RESULT[@]}"; do
+    if [[ "${i}" == "done" || "${i}" == "skipped" ]]; then n_done=$(( n_done + 1 )); fi
+  done
+  for pid in "${!SWEEP_RUNNING[@]}"; do
+    i="${SWEEP_RUNNING[${pid}]}"
+    running+=("${SWEEP_RUN_NAME[i]} $(job_progress "${SWEEP_DIR[i]}")")
+  done
+  if (( ${#SWEEP_TOOK[@]} > 0 )); then
+    for t in "${SWEEP_TOOK[@]}"; do total=$(( total + t )); done
+    t=$(( total * (left + ${#SWEEP_RUNNING[@]}) / ${#SWEEP_TOOK[@]} / ${#SLOTS[@]} ))
+    eta="~$(( t / 3600 ))h$(( t % 3600 / 60 ))m"
+  fi
+  log "sweep: ${n_done} done, ${#SWEEP_RUNNING[@]} running, ${left} pending; ETA ${eta}"
+  for i in "${running[@]}"; do log "  running  ${i}"; done
+}
+
+# Start the timer child whose end wakes `wait -n` for the next status line.
+start_ticker() {
+  SWEEP_TICKER=""
+  (( SWEEP_STATUS_SECS > 0 )) || return 0
+  # Its own output closed: an orphaned timer must not hold run.sh's stdout pipe open.
+  "${SWEEP_GUARD[@]}" sleep "${SWEEP_STATUS_SECS}" </dev/null >/dev/null 2>&1 &
+  SWEEP_TICKER=$!
+}
+
 #######################################
 # Run every pending job through the dynamic queue; print the summary.
 # Returns: 0 if every job is done, 1 otherwise.
@@ -240,28 +397,40 @@ run_queue() {
   local i s pid rc next=0
   local -a queue=()
   declare -gA SWEEP_RUNNING=() SWEEP_SLOT_OF=() SWEEP_T0=()
-  declare -ga SWEEP_GROUPS=() SLOT_BUSY=() SWEEP_RESULT=()
+  declare -ga SWEEP_GROUPS=() SLOT_BUSY=() SWEEP_RESULT=() SWEEP_TOOK=()
   for ((i = 0; i < ${#SWEEP_START[@]}; i++)); do
+    if is_runnable "${i}"; then queue+=("${i}"); continue; fi
     case "${SWEEP_STATE[i]}" in
-      pending | failed) queue+=("${i}") ;;
       done) SWEEP_RESULT[i]="skipped" ;;
       duplicate) SWEEP_RESULT[i]="duplicate" ;;
+      running) SWEEP_RESULT[i]="elsewhere" ;;
       *) SWEEP_RESULT[i]="failed" ;;
     esac
   done
   for s in "${!SLOTS[@]}"; do SLOT_BUSY[s]=0; done
   mkdir -p "${LOG_DIR}"
-  trap 'on_signal INT' INT
-  trap 'on_signal TERM' TERM
-  trap 'on_signal HUP' HUP
+  # Installed for the rest of run.sh: however many signals come, the summary is printed.
+  trap 'on_signal INT || true' INT
+  trap 'on_signal TERM || true' TERM
+  trap 'on_signal HUP || true' HUP
+  # Status lines: every STATUS_EVERY s on a terminal, every STATUS_EVERY_LOG s into a log file.
+  SWEEP_STATUS_SECS="${STATUS_EVERY_LOG}"
+  if [[ -t 1 ]]; then SWEEP_STATUS_SECS="${STATUS_EVERY}"; fi
   if (( ${#queue[@]} > 0 )); then
     log "${#queue[@]} job(s) to run, $(( ${#SWEEP_START[@]} - ${#queue[@]} )) done or skipped;" \
-      "${#SLOTS[@]} slot(s): ${SLOTS[*]:-CPU}; logs in ${LOG_DIR}/"
+      "$(describe_slots); logs in ${LOG_DIR}/"
     init_tracking "${queue[0]}"
+    start_ticker
   fi
   while true; do
     if [[ -z "${SWEEP_STOP_SIGNAL}" ]]; then
       for s in "${!SLOTS[@]}"; do
+        # Jobs finished meanwhile by another process (planned long ago) need no interpreter.
+        while (( next < ${#queue[@]} )) && [[ -f "${SWEEP_DIR[${queue[next]}]}/metrics.json" ]]; do
+          SWEEP_RESULT[queue[next]]="skipped"
+          log "skipped  ${SWEEP_RUN_NAME[${queue[next]}]}  (finished meanwhile by another process)"
+          next=$(( next + 1 ))
+        done
         if (( SLOT_BUSY[s] == 0 && next < ${#queue[@]} )); then
           launch "${queue[next]}" "${s}"
           next=$(( next + 1 ))
@@ -271,17 +440,25 @@ run_queue() {
     (( ${#SWEEP_RUNNING[@]} > 0 )) || break
     pid="" rc=0
     wait -n -p pid || rc=$?
+    if [[ -n "${pid:-}" && "${pid}" == "${SWEEP_TICKER}" ]]; then
+      if [[ -z "${SWEEP_STOP_SIGNAL}" ]]; then
+        print_status $(( ${#queue[@]} - next ))
+        start_ticker
+      fi
     # No pid: a trapped signal interrupted the wait (or it was not one of ours).
-    if [[ -n "${pid:-}" && -n "${SWEEP_RUNNING[${pid}]+set}" ]]; then finish "${pid}" "${rc}"; fi
+    elif [[ -n "${pid:-}" && -n "${SWEEP_RUNNING[${pid}]+set}" ]]; then
+      finish "${pid}" "${rc}"
+    fi
+    reap_lost
   done
+  if [[ -n "${SWEEP_TICKER}" ]]; then kill "${SWEEP_TICKER}" 2>/dev/null || true; fi
   reap_groups
-  trap - INT TERM HUP
   summarize
 }
 
 # Print the counts and the failures; returns 0 iff every job is done.
 summarize() {
-  local i n_done=0 n_skip=0 n_fail=0 n_int=0 n_left=0 n_dup=0
+  local i n_done=0 n_skip=0 n_fail=0 n_int=0 n_left=0 n_dup=0 n_else=0
   local -a failures=()
   for ((i = 0; i < ${#SWEEP_START[@]}; i++)); do
     case "${SWEEP_RESULT[i]:-}" in
@@ -289,13 +466,14 @@ summarize() {
       skipped) n_skip=$(( n_skip + 1 )) ;;
       duplicate) n_dup=$(( n_dup + 1 )) ;;
       interrupted) n_int=$(( n_int + 1 )) ;;
+      elsewhere) n_else=$(( n_else + 1 )) ;;
       failed)
         n_fail=$(( n_fail + 1 ))
         if [[ "${SWEEP_STATE[i]}" == "invalid" ]]; then
           job_argv "${i}"
           failures+=("job ${i} (run.py ${JOB_ARGV[*]}): ${SWEEP_NOTE[i]}")
         else
-          failures+=("${SWEEP_NAME[i]}  log: ${LOG_DIR}/${SWEEP_NAME[i]}.log")
+          failures+=("${SWEEP_RUN_NAME[i]}  log: ${LOG_DIR}/${SWEEP_RUN_NAME[i]}.log")
         fi
         ;;
       *) n_left=$(( n_left + 1 )) ;;
@@ -305,13 +483,44 @@ summarize() {
   printf 'sweep summary: %d done (%d ran now, %d skipped: already done), %d failed, ' \
     "$(( n_done + n_skip ))" "${n_done}" "${n_skip}" "${n_fail}"
   printf '%d interrupted, %d not started' "${n_int}" "${n_left}"
+  if (( n_else )); then printf ', %d running elsewhere' "${n_else}"; fi
   if (( n_dup )); then printf ' (%d duplicate job(s) ignored)' "${n_dup}"; fi
   printf '\n'
   for i in "${failures[@]}"; do echo "  failed: ${i}"; done
-  if (( n_int + n_left )); then
+  if (( n_int + n_left + n_else )); then
     echo "re-run run.sh to finish the rest (interrupted jobs resume from their checkpoints)."
   fi
-  (( n_fail + n_int + n_left == 0 ))
+  (( n_fail + n_int + n_left + n_else == 0 ))
+}
+
+#######################################
+# Mark jobs still queued or running in an earlier array of this project as "queued", so that
+# submitting again does not run them twice. Earlier submissions are SLURM_LOG_DIR/*/, each with
+# job_id (the array) and tasks.tsv (task id TAB run directory).
+#######################################
+mark_queued_in_slurm() {
+  local f array task state dir i
+  local -A submit_dir_of=() queued=()
+  command -v squeue >/dev/null 2>&1 || return 0
+  for f in "${SLURM_LOG_DIR}"/*/job_id; do
+    [[ -f "${f}" ]] || continue
+    read -r array <"${f}" || continue
+    submit_dir_of[${array}]="${f%/job_id}"
+  done
+  (( ${#submit_dir_of[@]} > 0 )) || return 0
+  # One line per array task still in the queue (-r: pending tasks one by one): ARRAY TASK STATE.
+  while read -r array task state; do
+    f="${submit_dir_of[${array}]:-}/tasks.tsv"
+    [[ -n "${submit_dir_of[${array}]:-}" && -f "${f}" && "${task}" =~ ^[0-9]+$ ]] || continue
+    dir="$(awk -F'\t' -v t="${task}" '$1 == t { print $2; exit }' "${f}")"
+    [[ -n "${dir}" ]] && queued[${dir}]="${array}_${task} ${state}"
+  done < <(squeue -h -r -u "$(id -un)" -o '%F %K %T' 2>/dev/null || true)
+  for ((i = 0; i < ${#SWEEP_START[@]}; i++)); do
+    if is_runnable "${i}" && [[ -n "${queued[${SWEEP_DIR[i]}]:-}" ]]; then
+      SWEEP_STATE[i]="queued"
+      SWEEP_NOTE[i]="Slurm task ${queued[${SWEEP_DIR[i]}]}, from an earlier run.sh --slurm"
+    fi
+  done
 }
 
 #######################################
@@ -320,24 +529,20 @@ summarize() {
 submit_slurm() {
   local dry_run="$1" i n=0 dir python jobid
   local -a pending=() cmd=() extra=()
-  [[ -f scripts/slurm_task.sh ]] || die "--slurm is not available: scripts/slurm_task.sh is" \
-    "missing (this project was generated with use_slurm=false)"
   for ((i = 0; i < ${#SWEEP_START[@]}; i++)); do
-    case "${SWEEP_STATE[i]}" in
-      pending | failed) pending+=("${i}") ;;
-      invalid) err "not submitted, ${SWEEP_NOTE[i]}" ;;
-    esac
+    if is_runnable "${i}"; then pending+=("${i}"); fi
+    if [[ "${SWEEP_STATE[i]}" == "invalid" ]]; then err "not submitted, ${SWEEP_NOTE[i]}"; fi
   done
   if (( ${#pending[@]} == 0 )); then
-    echo "nothing to submit: all ${#SWEEP_START[@]} jobs are done."
+    echo "nothing to submit: all ${#SWEEP_START[@]} jobs are done, queued or running."
     return 0
   fi
   dir="${PWD}/${SLURM_LOG_DIR}/$(date +%Y%m%d-%H%M%S)-$$"
-  cmd=(sbatch --parsable --job-name="${SLURM_JOB_NAME:-${PWD##*/}}"
+  cmd=(sbatch --parsable --job-name="${SWEEP_JOB_NAME:-${PWD##*/}}"
     --array="0-$(( ${#pending[@]} - 1 ))%${SLURM_MAX_PARALLEL}"
     --gres="${SLURM_GRES}" --cpus-per-task="${SLURM_CPUS}" --mem="${SLURM_MEM}" --time="${SLURM_TIME}"
     # --requeue: preempted tasks go back to the queue. B:USR1@N: N s before the time limit,
-    # the task script gets USR1; run.py checkpoints and the task requeues itself.
+    # the task script (only it: B:) gets USR1; it tells run.py, which checkpoints, and requeues.
     --requeue --signal="B:USR1@${SLURM_SIGNAL_SECS}" --open-mode=append
     --output="${dir}/%A_%a.out" --chdir="${PWD}")
   if [[ -n "${SLURM_PARTITION}" ]]; then cmd+=(--partition="${SLURM_PARTITION}"); fi
@@ -357,7 +562,7 @@ submit_slurm() {
     job_argv "${i}"
     # One file per array task: its run.py arguments, NUL-separated (any character is safe).
     printf '%s\0' "${JOB_ARGV[@]}" >"${dir}/args/${n}"
-    printf '%d\t%s\n' "${n}" "${SWEEP_NAME[i]}" >>"${dir}/tasks.tsv"
+    printf '%d\t%s\n' "${n}" "${SWEEP_DIR[i]}" >>"${dir}/tasks.tsv"
     n=$(( n + 1 ))
   done
   jobid="$("${cmd[@]}")" || die "sbatch failed"
@@ -373,12 +578,14 @@ submit_slurm() {
 # Arguments: the name of the function that lists the jobs, then run.sh's arguments.
 #######################################
 sweep_main() {
-  local define_jobs="$1" dry_run=0 slurm=0
+  local define_jobs="$1" dry_run=0 slurm=0 setting
   shift
-  sweep_defaults
   if (( BASH_VERSINFO[0] < 5 || (BASH_VERSINFO[0] == 5 && BASH_VERSINFO[1] < 1) )); then
     die "needs bash >= 5.1 (this is ${BASH_VERSION}); on macOS: brew install bash"
   fi
+  for setting in "${SWEEP_SETTINGS[@]}"; do
+    [[ -n "${!setting+set}" ]] || die "run.sh must set ${setting} before sweep_main"
+  done
   while (( $# > 0 )); do
     case "$1" in
       --dry-run) dry_run=1 ;;
@@ -391,27 +598,41 @@ sweep_main() {
   done
   [[ "${JOBS_PER_GPU}" =~ ^[1-9][0-9]*$ ]] || die "JOBS_PER_GPU must be a positive integer"
   [[ "${CPU_JOBS}" =~ ^[1-9][0-9]*$ ]] || die "CPU_JOBS must be a positive integer"
+  [[ "${STATUS_EVERY}" =~ ^[0-9]+$ && "${STATUS_EVERY_LOG}" =~ ^[0-9]+$ ]] \
+    || die "STATUS_EVERY and STATUS_EVERY_LOG must be whole seconds (0 = off)"
+  [[ "${SWEEP_NAME}" =~ ^[A-Za-z0-9._-]+$ && "${SWEEP_NAME}" != "." && "${SWEEP_NAME}" != ".." ]] \
+    || die "SWEEP_NAME must be a folder name (letters, digits, . _ -), got '${SWEEP_NAME}'"
   command -v "${PYTHON}" >/dev/null 2>&1 \
     || die "PYTHON=${PYTHON} not found (activate the project's venv, or set PYTHON)"
   [[ -f run.py ]] || die "run.py not found in ${PWD}"
-  SWEEP_HAVE_SETSID=0
+  if (( slurm )) && [[ ! -f scripts/slurm_task.sh ]]; then
+    die "--slurm is not available: scripts/slurm_task.sh is missing (this project was" \
+      "generated with use_slurm=false)"
+  fi
+  SWEEP_HAVE_SETSID=0 SWEEP_GUARD=()
   if command -v setsid >/dev/null 2>&1; then SWEEP_HAVE_SETSID=1; fi
+  # PR_SET_PDEATHSIG (Linux, util-linux setpriv): the kernel sends each job SIGTERM when run.sh
+  # dies, even by SIGKILL, so no job trains on as an orphan (it checkpoints and exits 75).
+  if setpriv --pdeathsig TERM -- true 2>/dev/null; then
+    SWEEP_GUARD=(setpriv --pdeathsig TERM --)
+  fi
+  if (( ! slurm )); then make_slots; fi   # bad GPUS: refused before any work
 
   "${define_jobs}"
   (( ${#SWEEP_START[@]} > 0 )) || die "the sweep has no jobs"
   plan_jobs
   if (( slurm )); then
+    mark_queued_in_slurm
     if (( dry_run )); then print_plan; fi
     submit_slurm "${dry_run}"
   elif (( dry_run )); then
     print_plan
-    make_slots
-    echo "would run on ${#SLOTS[@]} slot(s): ${SLOTS[*]:-CPU}"
+    echo "would run on $(describe_slots)"
   else
-    make_slots
     local rc=0
     run_queue || rc=$?
     if [[ -n "${SWEEP_STOP_SIGNAL}" ]]; then
+      trap - INT TERM HUP
       exit $(( 128 + $(kill -l "${SWEEP_STOP_SIGNAL}") ))
     fi
     return "${rc}"

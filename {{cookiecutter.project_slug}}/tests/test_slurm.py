@@ -8,13 +8,25 @@ under it, so every test checks the results the tasks wrote, not only what Slurm 
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
-from test_sweep import attempts, make_project, run_dirs, run_sweep, wait_for
+from test_sweep import (
+    PROJECT,
+    attempts,
+    driver_from_run_sh,
+    make_project,
+    run_dirs,
+    run_sweep,
+    wait_for,
+)
 
 
 def slurm_missing() -> str | None:
@@ -41,8 +53,8 @@ SLURM_ENV = {"SLURM_CPUS": "1", "SLURM_MEM": "100M", "SLURM_TIME": "5",
              "SLURM_MAX_PARALLEL": "2"}
 
 
-def submit(project: Path) -> str:
-    result = run_sweep(project, "--slurm", **SLURM_ENV)
+def submit(project: Path, **env: str) -> str:
+    result = run_sweep(project, "--slurm", **{**SLURM_ENV, **env})
     assert result.returncode == 0, result.stdout + result.stderr
     return re.search(r"as Slurm array (\d+)", result.stdout)[1]
 
@@ -95,4 +107,147 @@ def test_slurm_warning_signal_checkpoints_and_requeues(tmp_path):
     assert (run_dir / "metrics.json").exists()
     assert len(attempts(project)) == 2   # interrupted once, then resumed and finished
     out = next(project.glob(f"logs/slurm/*/{job_id}_0.out")).read_text()
-    assert "requeueing" in out
+    assert "requeueing" in out and "SIGUSR1 (the time limit is near)" in out
+
+
+def test_cancelled_task_checkpoints_and_stays_cancelled(tmp_path):
+    project = make_project(tmp_path, ["--sleep 0.2 --first-sleep 120 --tag c"])
+    job_id = submit(project)
+    wait_for(lambda: attempts(project, finished_only=False), 30, "the task to start")
+    subprocess.run(["scancel", job_id], check=True)   # TERM to every process, then KILL
+    wait_gone(job_id)   # not requeued
+    (run_dir,) = run_dirs(project)
+    assert (run_dir / "status").read_text().strip() == "interrupted"
+    out = next(project.glob(f"logs/slurm/*/{job_id}_0.out")).read_text()
+    assert "run.py exited with 75" in out and "not requeueing: the job is COMPLETING" in out, out
+    assert len(attempts(project)) == 1
+
+
+def test_resubmitting_skips_tasks_queued_or_running_from_an_earlier_array(tmp_path):
+    jobs = [f"--sleep 0.2 --first-sleep 120 --tag {i}" for i in range(3)]
+    project = make_project(tmp_path, jobs)
+    job_id = submit(project, SLURM_MAX_PARALLEL="1")   # task 0 runs, tasks 1 and 2 wait
+    try:
+        wait_for(lambda: attempts(project, finished_only=False), 30, "task 0 to start")
+        dry = run_sweep(project, "--slurm", "--dry-run", **SLURM_ENV)
+        assert dry.returncode == 0, dry.stdout + dry.stderr
+        assert "0 pending, 0 interrupted, 0 failed, 1 running elsewhere, 2 queued" in dry.stdout
+        assert re.search(rf"queued .*\(Slurm task {job_id}_1 PENDING", dry.stdout), dry.stdout
+        again = run_sweep(project, "--slurm", **SLURM_ENV)
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert "nothing to submit" in again.stdout
+        # A job added to the sweep is the only one submitted now.
+        (project / "jobs.txt").write_text("".join(j + "\n" for j in [*jobs, "--tag new"]))
+        third = run_sweep(project, "--slurm", "--dry-run", **SLURM_ENV)
+        assert "would submit 1 job(s)" in third.stdout, third.stdout
+    finally:
+        subprocess.run(["scancel", job_id], check=False)
+        wait_gone(job_id)
+
+
+# ---- real training under Slurm (needs run.py's signal handling: see issue 10) ------------------
+
+REAL = ["--dataset", "digits", "--epochs", "3", "--width", "8", "--batch-size", "16",
+        "--workers", "2", "--compile", "off", "--progress", "off", "--deterministic",
+        "--device", "cpu"]
+
+
+def real_project(tmp_path: Path, args: list[str] = REAL) -> tuple[Path, dict]:
+    """A copy of the real project (run.py, package, run.sh, scripts) with one real job."""
+    project = tmp_path / "project"
+    project.mkdir()
+    for path in PROJECT.iterdir():
+        if path.name in ("run.py", "run.sh", "scripts") or (path / "__init__.py").exists():
+            if path.is_dir():
+                shutil.copytree(path, project / path.name,
+                                ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy(path, project / path.name)
+    (project / "sweep.sh").write_text(driver_from_run_sh())
+    (project / "jobs.txt").write_text(" ".join(args) + "\n")
+    # 10-minute limit, warning 60 s before it: no USR1 unless a test shortens the limit.
+    env = {**os.environ, "PYTHON": sys.executable, "LAB_TRACKING": "off",
+           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", **SLURM_ENV,
+           "SLURM_TIME": "10", "SLURM_SIGNAL_SECS": "60"}
+    return project, env
+
+
+def reference_metrics(tmp_path: Path, project: Path, env: dict, args: list[str] = REAL) -> dict:
+    out = tmp_path / "reference"
+    subprocess.run([sys.executable, "run.py", *args, "--results-dir", str(out)], cwd=project,
+                   env=env, check=True, capture_output=True, timeout=600)
+    (metrics,) = out.glob("*/metrics.json")
+    return json.loads(metrics.read_text())
+
+
+def same_result(a: dict, b: dict) -> bool:
+    keys = ("test_acc", "test_loss", "best_val_acc", "best_epoch", "epochs_run", "steps")
+    return all(a[k] == b[k] for k in keys)
+
+
+def submit_real(project: Path, env: dict, **extra: str) -> str:
+    result = subprocess.run(["bash", "sweep.sh", "--slurm"], cwd=project, env={**env, **extra},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return re.search(r"as Slurm array (\d+)", result.stdout)[1]
+
+
+def finish_after_requeue(project: Path, job_id: str) -> tuple[Path, str]:
+    wait_for(lambda: squeue(job_id) == ["0 PD"], 120, "the task to be requeued")
+    (run_dir,) = (project / "results" / "sweep").iterdir()
+    assert (run_dir / "status").read_text().strip() == "interrupted"
+    assert (run_dir / "checkpoint.pt").exists()
+    subprocess.run(["scontrol", "update", f"JobId={job_id}_0", "StartTime=now"], check=True)
+    wait_gone(job_id, timeout=600)
+    out = next(project.glob(f"logs/slurm/*/{job_id}_0.out")).read_text()
+    return run_dir, out
+
+
+def test_real_task_stopped_by_term_checkpoints_requeues_and_matches(tmp_path):
+    project, env = real_project(tmp_path)
+    expected = reference_metrics(tmp_path, project, env)
+    job_id = submit_real(project, env)
+    history = lambda: list((project / "results" / "sweep").glob("*/history.csv"))  # noqa: E731
+    wait_for(history, 300, "the first epoch")   # then stop it in the middle of the second
+    subprocess.run(["scancel", "--signal=TERM", "--full", f"{job_id}_0"], check=True)
+    run_dir, out = finish_after_requeue(project, job_id)
+    assert "run.py exited with 75" in out and "SIGTERM" in out, out
+    assert same_result(json.loads((run_dir / "metrics.json").read_text()), expected), out
+
+
+def release_requeued_until_gone(job_id: str, timeout: float = 900) -> None:
+    """Let every requeued start begin at once (Slurm holds it back a while), until it is done."""
+    last_seen, pending_since = [time.monotonic()], [None]
+
+    def gone() -> bool:
+        tasks = squeue(job_id)
+        if tasks != ["0 PD"]:
+            pending_since[0] = None
+        elif pending_since[0] is None:
+            pending_since[0] = time.monotonic()
+        # Started again at once, the node refuses it ("Job credential revoked"): wait 10 s.
+        elif time.monotonic() - pending_since[0] > 10:
+            subprocess.run(["scontrol", "update", f"JobId={job_id}_0", "StartTime=now"],
+                           capture_output=True)
+            pending_since[0] = None
+        if tasks:
+            last_seen[0] = time.monotonic()
+        # Right after a requeue squeue can briefly list nothing: gone means gone for 10 s.
+        return time.monotonic() - last_seen[0] > 10
+    wait_for(gone, timeout, f"Slurm job {job_id} to finish")
+
+
+def test_real_task_at_its_time_limit_checkpoints_requeues_and_matches(tmp_path):
+    args = [*REAL, "--epochs", "15"]   # long enough to meet the warning on a fast machine
+    project, env = real_project(tmp_path, args)
+    expected = reference_metrics(tmp_path, project, env, args)
+    # 2-minute limit, warning 110 s before it: USR1 early in every start (Slurm checks the
+    # signal times periodically, so some seconds later); each start trains until its warning.
+    job_id = submit_real(project, env, SLURM_TIME="2", SLURM_SIGNAL_SECS="110")
+    release_requeued_until_gone(job_id)
+    out = next(project.glob(f"logs/slurm/*/{job_id}_0.out")).read_text()
+    if "SIGUSR1" not in out:
+        pytest.skip("the job finished before Slurm sent the time-limit warning")
+    assert "run.py exited with 75" in out and "SIGUSR1 (the time limit is near)" in out, out
+    (run_dir,) = (project / "results" / "sweep").iterdir()
+    assert same_result(json.loads((run_dir / "metrics.json").read_text()), expected), out

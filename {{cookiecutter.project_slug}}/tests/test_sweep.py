@@ -1,9 +1,12 @@
 """run.sh and its engine (scripts/sweep_lib.sh), driven with a stand-in for run.py.
 
-The stand-in keeps run.py's command-line contract (--print-run-dir, --init-tracking, metrics.json
-when finished, status, exit 75 on SIGTERM) without torch, and records for every attempt its
-CUDA_VISIBLE_DEVICES, pid, and start and end times. Each test copies run.sh and scripts/ into a
-temporary project next to the stand-in, so nothing here touches results/ or logs/.
+The stand-in keeps run.py's command-line contract (--plan through the real planner, the real
+claim with exit 73, --init-tracking, metrics.json when finished, status, exit 75 on SIGTERM)
+without torch, and records for every attempt its CUDA_VISIBLE_DEVICES, pid, and start and end
+times. Each test copies run.sh, scripts/ and the (torch-free) package into a temporary project
+next to the stand-in, so nothing here touches results/ or logs/. The sweep script the tests run
+is run.sh itself, with its job list read from jobs.txt. CUDA_VISIBLE_DEVICES=0,1,2,3 stands for
+four visible GPUs.
 """
 
 from __future__ import annotations
@@ -21,10 +24,13 @@ from pathlib import Path
 
 import pytest
 
+from {{ cookiecutter.package_name }}.claim import claim
+
 PROJECT = Path(__file__).resolve().parent.parent
+PACKAGE = "{{ cookiecutter.package_name }}"
 
 STANDIN = r'''
-"""Stand-in for run.py: the same command-line contract, no torch."""
+"""Stand-in for run.py: the same command-line contract, no torch; the real planner and claim."""
 
 import argparse
 import hashlib
@@ -37,14 +43,21 @@ import sys
 import time
 from pathlib import Path
 
+from PACKAGE import plan
+from PACKAGE.claim import Busy, claim
+from PACKAGE.config import UsageError
+
 ROOT = Path(__file__).resolve().parent
+OWN = ("--print-run-dir", "--init-tracking")
 
 
-def main() -> int:
+def parser():
     p = argparse.ArgumentParser()
     p.add_argument("--sleep", type=float, default=0.05, help="how long the job takes")
     p.add_argument("--first-sleep", type=float, default=None,
                    help="sleep this long instead on the first attempt (later ones resume fast)")
+    p.add_argument("--startup-sleep", type=float, default=0,
+                   help="sleep before the signal handlers are installed (like importing torch)")
     p.add_argument("--fail", action="store_true", help="exit 1 after sleeping")
     p.add_argument("--child", action="store_true", help="start a child process that sleeps")
     p.add_argument("--ignore-term", action="store_true")
@@ -53,11 +66,34 @@ def main() -> int:
     p.add_argument("--results-dir", default=str(ROOT / "results"))
     p.add_argument("--print-run-dir", action="store_true")
     p.add_argument("--init-tracking", action="store_true")
-    args, _ = p.parse_known_args()
-    ident = [a for a in sys.argv[1:] if a not in ("--print-run-dir", "--init-tracking")]
+    return p
+
+
+def where(argv):
+    """The run directory of `argv`: results dir / readable args + hash (like run.py's)."""
+    try:
+        args, _ = parser().parse_known_args(argv)
+    except SystemExit:
+        raise UsageError(f"bad arguments: {' '.join(argv)}") from None
+    ident, skip = [], False
+    for a in argv:
+        if skip or a in OWN:
+            skip = False
+            continue
+        if a == "--results-dir":
+            skip = True
+            continue
+        ident.append(a)
     digest = hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:8]
     readable = re.sub(r"[^A-Za-z0-9=._]+", "_", "_".join(ident).lstrip("-"))[:60]
-    run_dir = Path(args.results_dir).resolve() / f"{readable or 'default'}-{digest}"
+    return Path(args.results_dir).resolve() / f"{readable or 'default'}-{digest}"
+
+
+def main() -> int:
+    if sys.argv[1:] == ["--plan"]:
+        return plan.main(where)
+    args, _ = parser().parse_known_args()
+    run_dir = where(sys.argv[1:])
     if args.print_run_dir:
         print(run_dir)
         return 0
@@ -65,8 +101,13 @@ def main() -> int:
         with open(ROOT / "init_tracking.log", "a") as f:
             f.write(f"{time.time()}\n")
         return 0
+    time.sleep(args.startup_sleep)   # SIGTERM here kills the process: no handler yet
+    try:
+        held = claim(run_dir)   # noqa: F841 (held until exit)
+    except Busy as exc:
+        print(f"error: running elsewhere: {exc}", file=sys.stderr)
+        return 73
     start = time.time()
-    run_dir.mkdir(parents=True, exist_ok=True)
     if (run_dir / "metrics.json").exists():
         return 0
     record = {
@@ -80,6 +121,8 @@ def main() -> int:
         "start": start,
     }
     (run_dir / "status").write_text("running\n")
+    (run_dir / "config.json").write_text(json.dumps({"epochs": 3}, indent=2))
+    (run_dir / "history.csv").write_text("epoch,val_acc\n1,0.5\n")
     if args.child:
         record["child_pid"] = subprocess.Popen(["sleep", "300"]).pid
 
@@ -119,19 +162,23 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-'''
+'''.replace("PACKAGE", PACKAGE)
 
-# PYTHON for the sweep: notes when it started (bash builtin, no fork) and marks the environment,
-# so the tests see that run.sh launched run.py through $PYTHON.
+# PYTHON for the sweep: notes when it started (bash builtin, no fork) and each call, and marks
+# the environment, so the tests see that run.sh launched run.py through $PYTHON.
 WRAPPER = """#!/usr/bin/env bash
 export STANDIN_T0="${EPOCHREALTIME}" STANDIN_WRAPPER=1
+echo "$*" >>"${0%%/*}/python-calls.log"
 exec "%s" "$@"
 """
 
-# A sweep script of the same shape as run.sh whose jobs are the lines of jobs.txt.
-DRIVER = """#!/usr/bin/env bash
-set -euo pipefail
-define_jobs() {
+
+def driver_from_run_sh() -> str:
+    """run.sh itself (its settings and their defaults), with the job list read from jobs.txt."""
+    text = (PROJECT / "run.sh").read_text()
+    start = text.index("define_jobs() {")
+    end = text.index("\n}\n", start) + 3
+    jobs = """define_jobs() {
   local line
   local -a args
   while read -r line; do
@@ -139,30 +186,31 @@ define_jobs() {
     job "${args[@]}"
   done <jobs.txt
 }
-cd "$(dirname "${BASH_SOURCE[0]}")"
-source scripts/sweep_lib.sh
-sweep_main define_jobs "$@"
 """
+    return text[:start] + jobs + text[end:]
 
 
 def make_project(root: Path, jobs: list[str] | None = None) -> Path:
-    """A project with run.sh, scripts/ and the stand-in as run.py; jobs go to sweep.sh."""
+    """A project with run.sh, scripts/, the package and the stand-in as run.py; jobs: sweep.sh."""
     root.mkdir(parents=True, exist_ok=True)
     shutil.copy(PROJECT / "run.sh", root / "run.sh")
     shutil.copytree(PROJECT / "scripts", root / "scripts", dirs_exist_ok=True)
+    shutil.copytree(PROJECT / PACKAGE, root / PACKAGE, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("__pycache__"))
     (root / "run.py").write_text(STANDIN)
     wrapper = root / "python-standin"
     wrapper.write_text(WRAPPER % sys.executable)
     wrapper.chmod(0o755)
     if jobs is not None:
-        (root / "sweep.sh").write_text(DRIVER)
+        (root / "sweep.sh").write_text(driver_from_run_sh())
         (root / "jobs.txt").write_text("".join(line + "\n" for line in jobs))
     return root
 
 
 def sweep_env(project: Path, **overrides: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    env.update(PYTHON=str(project / "python-standin"), LC_ALL="C", GPUS="0 1")
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUS", "SWEEP_NAME")}
+    env.update(PYTHON=str(project / "python-standin"), LC_ALL="C", GPUS="0 1",
+               CUDA_VISIBLE_DEVICES="0,1,2,3")
     env.update(overrides)
     return env
 
@@ -176,7 +224,7 @@ def run_sweep(project: Path, *args: str, script: str = "sweep.sh", timeout: floa
 def attempts(project: Path, finished_only: bool = True) -> list[dict]:
     """Every attempt recorded by the stand-in (by default only those that ended)."""
     out = []
-    for path in sorted(project.glob("results/*/attempts.jsonl")):
+    for path in sorted(project.glob("results/*/*/attempts.jsonl")):
         for line in path.read_text().splitlines():
             record = json.loads(line)
             if "end" in record or not finished_only:
@@ -184,8 +232,8 @@ def attempts(project: Path, finished_only: bool = True) -> list[dict]:
     return out
 
 
-def run_dirs(project: Path) -> list[Path]:
-    return sorted(p for p in (project / "results").iterdir() if p.is_dir())
+def run_dirs(project: Path, sweep: str = "sweep") -> list[Path]:
+    return sorted(p for p in (project / "results" / sweep).iterdir() if p.is_dir())
 
 
 def max_overlap(intervals: list[tuple[float, float]]) -> int:
@@ -348,7 +396,7 @@ def test_dry_run_lists_states_and_runs_nothing(tmp_path):
     states = {re.search(r"tag_(\w+?)-", line)[1]: line.split()[0]
               for line in result.stdout.splitlines() if "tag_" in line and line[0] != " "}
     assert states == {"done": "done", "failed": "failed", "new": "pending"}, result.stdout
-    assert "3 jobs: 1 done, 1 pending, 1 failed" in result.stdout
+    assert "3 jobs: 1 done, 1 pending, 0 interrupted, 1 failed" in result.stdout
     assert len(attempts(project, finished_only=False)) == before
     assert len((project / "init_tracking.log").read_text().split()) == 1   # from the real run
 
@@ -367,7 +415,8 @@ def test_duplicate_and_invalid_jobs(tmp_path):
     result = run_sweep(project)
     assert result.returncode == 1
     assert "duplicate" in result.stdout
-    assert "rejected the arguments" in result.stdout
+    assert "rejected the arguments: bad arguments: --results-dir results/sweep --sleep notanumber" \
+        in result.stdout
     assert len(attempts(project)) == 1
 
 
@@ -398,7 +447,7 @@ def test_sigterm_stops_every_job_and_leaves_no_process(tmp_path):
     wait_for(lambda: all(is_gone(p) for p in pids), 5, "every job and its child to end")
     statuses = [(d / "status").read_text().strip() for d in run_dirs(project)]
     assert statuses == ["interrupted"] * 4   # each job got the signal and checkpointed
-    assert not list(project.glob("results/*/metrics.json"))   # nothing marked done
+    assert not list(project.glob("results/*/*/metrics.json"))   # nothing marked done
 
 
 def test_second_signal_kills_jobs_that_ignore_the_first(tmp_path):
@@ -414,7 +463,233 @@ def test_second_signal_kills_jobs_that_ignore_the_first(tmp_path):
     assert proc.returncode == 128 + signal.SIGINT, out
     pids = started_pids(project)
     wait_for(lambda: all(is_gone(p) for p in pids), 5, "every job and its child to end")
-    assert not list(project.glob("results/*/metrics.json"))
+    assert not list(project.glob("results/*/*/metrics.json"))
+    # Killed jobs could not write their status: run.sh marked them, then summarised.
+    assert "sweep summary: 0 done (0 ran now, 0 skipped: already done), 0 failed, " \
+        "2 interrupted" in out
+    assert [(d / "status").read_text().strip() for d in run_dirs(project)] == ["interrupted"] * 2
+
+
+# ---- many processes, one results folder; planning; GPUs; status -----------------------
+
+def job_calls(project: Path) -> list[str]:
+    """The run.py command lines the sweep started as jobs (not --plan, not --init-tracking)."""
+    log = project / "python-calls.log"
+    lines = log.read_text().splitlines() if log.exists() else []
+    return [x for x in lines if x != "run.py --plan" and not x.endswith("--init-tracking")]
+
+
+def test_start_up_kill_is_interrupted_not_failed(tmp_path):
+    # SIGTERM while the job is still starting (no handler yet, like importing torch): it dies
+    # of the signal (143). run.sh stopped it, so that is "interrupted", not "FAILED".
+    project = make_project(tmp_path, ["--startup-sleep 30 --tag a"])
+    proc = start_sweep(project)
+    wait_for(lambda: job_calls(project), 20, "the job to start")
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert "FAILED" not in out
+    assert "0 failed, 1 interrupted" in out
+
+
+def test_sigkill_of_run_sh_stops_its_jobs(tmp_path):
+    project = make_project(tmp_path, [f"--sleep 60 --tag {i}" for i in range(2)])
+    proc = start_sweep(project)
+    wait_for(lambda: len(started_pids(project)) == 2, 20, "2 jobs")
+    proc.kill()   # SIGKILL: run.sh runs no code at all
+    proc.communicate(timeout=10)
+    pids = started_pids(project)
+    # The kernel sent each job SIGTERM (parent-death signal): it checkpointed and ended.
+    wait_for(lambda: all(is_gone(p) for p in pids), 10, "the orphaned jobs to end")
+    assert [(d / "status").read_text().strip() for d in run_dirs(project)] == ["interrupted"] * 2
+
+
+def test_two_sweeps_on_one_folder_train_each_job_once(tmp_path):
+    project = make_project(tmp_path, [f"--sleep 0.4 --tag {i}" for i in range(6)])
+    first, second = (start_sweep(project) for _ in range(2))
+    outs = [p.communicate(timeout=60)[0] for p in (first, second)]
+    started = [r["name"] for r in attempts(project, finished_only=False)
+               if r.get("phase") == "started"]
+    assert sorted(started) == sorted(d.name for d in run_dirs(project)), outs
+    assert len(started) == 6   # each job trained exactly once
+    assert all((d / "metrics.json").exists() for d in run_dirs(project))
+    ran = [int(re.search(r"\((\d+) ran now", out)[1]) for out in outs]
+    assert sum(ran) == 6, outs   # a job that found its run finished by the other is "skipped"
+    for out in outs:   # the other sweep's jobs: "running elsewhere" or already done, not failed
+        assert "0 failed" in out and "FAILED" not in out, out
+
+
+def test_claimed_job_is_running_elsewhere_and_not_started(tmp_path):
+    project = make_project(tmp_path, ["--tag a", "--tag b"])
+    dry = run_sweep(project, "--dry-run")
+    line = next(x for x in dry.stdout.splitlines() if "tag_a" in x and x[0] != " ")
+    run_dir = project / "results" / "sweep" / line.split()[1]
+    with claim(run_dir):   # this test process "runs" job a
+        dry = run_sweep(project, "--dry-run")
+        assert f"running     {run_dir.name}  (running elsewhere: pid {os.getpid()} " \
+            in dry.stdout
+        assert "2 jobs: 0 done, 1 pending, 0 interrupted, 0 failed, 1 running elsewhere" \
+            in dry.stdout
+        result = run_sweep(project)
+    assert result.returncode == 1   # not all done; nothing failed
+    assert "1 done (1 ran now, 0 skipped: already done), 0 failed, 0 interrupted, " \
+        "0 not started, 1 running elsewhere" in result.stdout
+    assert not (run_dir / "attempts.jsonl").exists()
+
+
+def test_exit_73_is_running_elsewhere_not_failed(tmp_path):
+    # Claimed between planning and start (here: while the job sleeps before claiming).
+    project = make_project(tmp_path, ["--startup-sleep 1 --tag a"])
+    dry = run_sweep(project, "--dry-run")
+    run_dir = project / "results" / "sweep" / dry.stdout.split()[1]
+    proc = start_sweep(project)
+    wait_for(lambda: job_calls(project), 20, "the job to start")
+    with claim(run_dir):
+        out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 1, out
+    assert "running elsewhere" in out and "FAILED" not in out
+    assert "0 failed, 0 interrupted, 0 not started, 1 running elsewhere" in out
+
+
+def test_planning_is_one_interpreter_call(tmp_path):
+    project = make_project(tmp_path, [f"--tag {i}" for i in range(30)])
+    result = run_sweep(project, "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert "30 jobs: 0 done, 30 pending" in result.stdout
+    assert (project / "python-calls.log").read_text().splitlines() == ["run.py --plan"]
+
+
+def test_every_job_writes_to_the_sweep_results_folder(tmp_path):
+    project = make_project(tmp_path, ["--tag a"])
+    result = run_sweep(project, SWEEP_NAME="lr_scan")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert len(run_dirs(project, "lr_scan")) == 1
+    assert "run.py --results-dir results/lr_scan --tag a" in \
+        (project / "python-calls.log").read_text()
+    bad = run_sweep(project, SWEEP_NAME="../elsewhere")
+    assert bad.returncode == 2 and "SWEEP_NAME" in bad.stderr
+
+
+def test_status_line_shows_progress_of_running_jobs(tmp_path):
+    project = make_project(tmp_path, ["--sleep 2.2 --tag a", "--sleep 0.1 --tag b"])
+    result = run_sweep(project, STATUS_EVERY_LOG="1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"sweep: 1 done, 1 running, 0 pending; ETA ~0h0m", result.stdout), \
+        result.stdout
+    assert re.search(r"running  sleep_2.2__tag_a-\w+ epoch 1/3", result.stdout), result.stdout
+    quiet = run_sweep(make_project(tmp_path / "q", ["--sleep 1.1 --tag a"]), GPUS="0")
+    assert "sweep:" not in quiet.stdout   # default: one line per 600 s into a log
+
+
+@pytest.mark.parametrize(("gpus", "message"), [
+    ("garbage", "error: GPUS: 'garbage' is not a list of GPU indices"),
+    ("0 7", "error: GPUS: GPU 7 does not exist (visible: 0 1 2 3)"),
+    ("1,1", "error: GPUS: GPU 1 is listed twice"),
+])
+def test_gpus_are_checked_against_the_visible_devices(tmp_path, gpus, message):
+    project = make_project(tmp_path, ["--tag a"])
+    result = run_sweep(project, GPUS=gpus)
+    assert result.returncode == 2
+    assert result.stderr.strip() == message or result.stderr.startswith(message), result.stderr
+    assert not (project / "python-calls.log").exists()   # refused before any work
+
+
+def test_gpus_from_nvidia_smi_when_nothing_is_set(tmp_path):
+    project = make_project(tmp_path, ["--tag a", "--tag b"])
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nprintf '0\\n1\\n'\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = sweep_env(project, PATH=f"{bin_dir}:{os.environ['PATH']}")
+    del env["GPUS"], env["CUDA_VISIBLE_DEVICES"]
+    ok = subprocess.run(["bash", "sweep.sh"], cwd=project, env=env, capture_output=True,
+                        text=True, timeout=60)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "2 slot(s) on GPU(s) 0 1" in ok.stdout
+    assert {r["cvd"] for r in attempts(project)} <= {"0", "1"}
+    env["GPUS"] = "2"
+    bad = subprocess.run(["bash", "sweep.sh"], cwd=project, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "GPU 2 does not exist (visible: 0 1)" in bad.stderr
+
+
+def test_cpu_slots_are_described_plainly(tmp_path):
+    project = make_project(tmp_path, ["--tag a"])
+    result = run_sweep(project, GPUS="", CPU_JOBS="2")
+    assert "2 CPU slot(s); logs in" in result.stdout, result.stdout
+
+
+# ---- the real planner (run.py's parser; no torch) ----------------------------------------------
+
+def real_plan(jobs: list[list[str]], cwd: Path) -> list[tuple[str, str, str]]:
+    data = b"".join(f"{len(a)}\0".encode() + b"".join(x.encode() + b"\0" for x in a)
+                    for a in jobs)
+    out = subprocess.run([sys.executable, str(PROJECT / "run.py"), "--plan"], input=data,
+                         capture_output=True, cwd=cwd, timeout=60, check=True).stdout
+    fields = out.decode().split("\0")[:-1]
+    return [tuple(fields[i:i + 3]) for i in range(0, len(fields), 3)]
+
+
+def test_real_plan_matches_print_run_dir_and_reads_states(tmp_path):
+    jobs = [["--results-dir", str(tmp_path), "--lr", "0.01"],
+            ["--results-dir", str(tmp_path), "--seed", "3", "--epochs", "2"],
+            ["--results-dir", str(tmp_path), "--lr", "notanumber"]]
+    planned = real_plan(jobs, tmp_path)
+    for argv, (state, directory, _) in zip(jobs[:2], planned, strict=False):
+        expected = subprocess.run([sys.executable, str(PROJECT / "run.py"), *argv,
+                                   "--print-run-dir"], capture_output=True, text=True,
+                                  cwd=tmp_path, check=True).stdout.strip()
+        assert (state, directory) == ("pending", expected)
+    assert planned[2][0] == "invalid" and "--lr" in planned[2][2]
+    first, second = Path(planned[0][1]), Path(planned[1][1])
+    first.mkdir(parents=True)
+    (first / "metrics.json").write_text("{\"test_acc\": 0.9")   # truncated: not a result
+    (first / "status").write_text("running\n")   # its process died without a word
+    second.mkdir(parents=True)
+    (second / "metrics.json").write_text("{\"test_acc\": 0.9}")
+    states = [p[0] for p in real_plan(jobs[:2], tmp_path)]
+    assert states == ["interrupted", "done"]
+    with claim(first):
+        assert real_plan(jobs[:1], tmp_path)[0][0] == "running"
+
+
+# ---- scripts/slurm_task.sh without Slurm (the signals Slurm would send, sent by hand) ----------
+
+def start_task(project: Path, args: str) -> subprocess.Popen:
+    """slurm_task.sh as an array task would run it, for one job of the stand-in."""
+    submit = project / "submit"
+    (submit / "args").mkdir(parents=True)
+    (submit / "args" / "0").write_bytes(b"".join(a.encode() + b"\0" for a in args.split()))
+    (submit / "python").write_text(f"{project / 'python-standin'}\n")
+    env = {**sweep_env(project), "SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_JOB_ID": "1",
+           "PATH": "/usr/bin:/bin"}   # no squeue / scontrol here: the requeue is only logged
+    return subprocess.Popen(["bash", "scripts/slurm_task.sh", str(submit)], cwd=project, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.skipif(not (PROJECT / "scripts" / "slurm_task.sh").exists(), reason="no Slurm")
+def test_slurm_task_passes_usr1_on_and_returns_the_exact_exit_code(tmp_path):
+    project = make_project(tmp_path)
+    task = start_task(project, "--results-dir results/sweep --sleep 60 --tag u")
+    wait_for(lambda: attempts(project, finished_only=False), 20, "the job to start")
+    task.send_signal(signal.SIGUSR1)   # what --signal=B:USR1@N sends, to the script only
+    out, _ = task.communicate(timeout=20)
+    assert task.returncode == 75, out   # run.py's own code, not 138 (128 + USR1)
+    assert "run.py exited with 75" in out
+    assert "requeueing 1_0: run.py checkpointed and exited 75 after SIGUSR1" in out
+
+
+@pytest.mark.skipif(not (PROJECT / "scripts" / "slurm_task.sh").exists(), reason="no Slurm")
+def test_slurm_task_does_not_pass_term_on(tmp_path):
+    # Slurm sends TERM to every process of the step: passing it on would double it.
+    project = make_project(tmp_path)
+    task = start_task(project, "--results-dir results/sweep --sleep 1.5 --tag t")
+    wait_for(lambda: attempts(project, finished_only=False), 20, "the job to start")
+    task.send_signal(signal.SIGTERM)   # to the script only: run.py must not get it from there
+    out, _ = task.communicate(timeout=20)
+    assert task.returncode == 0, out
+    assert "run.py exited with 0" in out
+    assert [r["rc"] for r in attempts(project)] == [0]   # the job ran to its end
 
 
 # ---- run.sh itself -----------------------------------------------------------------------------
@@ -494,7 +769,7 @@ def test_real_two_job_sweep_then_plot(tmp_path):
                                 ignore=shutil.ignore_patterns("__pycache__"))
             else:
                 shutil.copy(path, tmp_path / path.name)
-    (tmp_path / "sweep.sh").write_text(DRIVER)
+    (tmp_path / "sweep.sh").write_text(driver_from_run_sh())
     tiny = "--dataset digits --epochs 1 --width 8 --workers 0 --compile off --progress off"
     (tmp_path / "jobs.txt").write_text(f"{tiny} --seed 0\n{tiny} --seed 1\n")
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
@@ -503,7 +778,7 @@ def test_real_two_job_sweep_then_plot(tmp_path):
                             text=True, timeout=600)
     logs = "".join(p.read_text() for p in tmp_path.glob("logs/sweep/*.log"))
     assert result.returncode == 0, result.stdout + result.stderr + logs
-    assert len(list(tmp_path.glob("results/*/metrics.json"))) == 2
+    assert len(list(tmp_path.glob("results/sweep/*/metrics.json"))) == 2
     plot = subprocess.run([sys.executable, "plot.py", "--formats", "png"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     assert plot.returncode == 0, plot.stdout + plot.stderr

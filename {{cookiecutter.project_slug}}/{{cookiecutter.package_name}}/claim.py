@@ -1,41 +1,157 @@
-"""Placeholder until the sweep helper's claim.py lands (exclusive flock on <run_dir>/.lock)."""
+"""One claim per run directory: at most one process trains a run at a time.
+
+A process that trains holds an exclusive, non-blocking `fcntl.flock` on `<run_dir>/.lock` for its
+whole life. The kernel drops the lock when the process ends, however it ends (crash, SIGKILL,
+power loss of the node), so there is never a stale claim to clean up. A second process for the
+same run directory gets `Busy`, whose message names the holder; run.py exits 73 and the sweep
+shows the job as "running elsewhere".
+
+    with claim(run_dir):          # raises Busy if another live process holds it
+        train()
+    held = claim(run_dir)         # or keep it until `held.release()` / the process ends
+
+Imports no torch and no mlflow: the sweep's planner asks `holder()` for every job.
+On NFS, Linux emulates flock with POSIX byte-range locks, so the claim holds across nodes there
+too; on file systems without working locks it fails with OSError instead of silently passing.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
+import socket
+import time
 from pathlib import Path
 
-from .runs import LOCK
+from .runs import LOCK as LOCK_FILE
+
+# holder() takes the lock for an instant to see whether it is free; a claim that collides with
+# such a probe tries again for this long before reporting Busy, so a look never blocks a start.
+_RETRY_S = 0.2
+_RETRY_EVERY_S = 0.01
 
 
 class Busy(RuntimeError):
-    pass
+    """The run directory is claimed by another live process; str() names that process."""
 
 
 class Claim:
-    def __init__(self, run_dir: Path, created: bool) -> None:
+    """A held claim; released by `release()`, by leaving a `with` block, or at process end."""
+
+    def __init__(self, run_dir: Path, fd: int, created: bool) -> None:
         self.run_dir, self.created = run_dir, created
+        self._fd: int | None = fd
 
     def discard(self) -> None:
-        """Remove the run directory again if this claim created it and nothing else is in it."""
-        if self.created and [p.name for p in self.run_dir.iterdir()] == [LOCK]:
-            (self.run_dir / LOCK).unlink()
-            self.run_dir.rmdir()
+        """Release, and remove the run directory if this claim created it and it holds nothing
+        else (a run refused before any work leaves nothing behind). The lock file goes first,
+        while still held: a process waiting on it sees another inode at the path and retries."""
+        if self._fd is None or not self.created:
+            self.release()
+            return
+        with contextlib.suppress(OSError):
+            if [p.name for p in self.run_dir.iterdir()] == [LOCK_FILE]:
+                (self.run_dir / LOCK_FILE).unlink()
+                self.run_dir.rmdir()
+        self.release()
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the last descriptor drops the flock
+            self._fd = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def __enter__(self) -> Claim:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:  # a forgotten Claim releases when collected, not at exit only
+        self.release()
 
 
-@contextlib.contextmanager
-def claim(run_dir: Path):
-    run_dir = Path(run_dir)
-    created = not run_dir.exists()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+def _open_lock(path: Path) -> int:
+    # 0o666 minus the umask: colleagues sharing the results folder can read who holds a run.
+    flags = os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
     try:
+        return os.open(path, flags | os.O_RDWR, 0o666)
+    except PermissionError:  # someone else's lock file: flock works on a read-only descriptor
+        return os.open(path, flags | os.O_RDONLY, 0o666)
+
+
+def _describe(text: str) -> str:
+    fields = dict(part.split("=", 1) for part in text.split() if "=" in part)
+    if "pid" not in fields:
+        return "a process that is just starting (no holder recorded yet)"
+    return (f"pid {fields['pid']} on {fields.get('host', '?')} since "
+            f"{fields.get('start', '?').replace('T', ' ')}")
+
+
+def _read(fd: int) -> str:
+    return os.pread(fd, 4096, 0).decode("utf-8", "replace")
+
+
+def claim(run_dir: str | os.PathLike) -> Claim:
+    """Claim `run_dir` (created if missing) for this process, or raise Busy naming the holder."""
+    directory = Path(run_dir)
+    created = not directory.exists()
+    path = directory / LOCK_FILE
+    deadline = time.monotonic() + _RETRY_S
+    while True:
+        directory.mkdir(parents=True, exist_ok=True)  # again: a discarded claim removes it
+        fd = _open_lock(path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise Busy(f"{run_dir} is held by another process") from None
-        yield Claim(run_dir, created)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                os.close(fd)
+                raise
+            if time.monotonic() < deadline:
+                os.close(fd)
+                time.sleep(_RETRY_EVERY_S)
+                continue
+            who = _describe(_read(fd))
+            os.close(fd)
+            raise Busy(f"{directory} is claimed by {who}") from None
+        # The file we locked must still be the one at `path` (someone may have deleted it):
+        # otherwise a later process would lock a new file and both would train.
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    start = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    info = f"pid={os.getpid()} host={socket.gethostname()} start={start}\n".encode()
+    with contextlib.suppress(OSError):  # read-only lock file: the claim holds, unnamed
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, info, 0)
+    return Claim(directory, fd, created)
+
+
+def holder(run_dir: str | os.PathLike) -> str | None:
+    """Who holds the claim on `run_dir` ("pid N on HOST since TIME"), or None when it is free."""
+    path = Path(run_dir) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            # flock has no "test" operation: take a shared lock for an instant. claim() retries
+            # for _RETRY_S, so this probe never makes a starting job give up.
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+            return _describe(_read(fd))
+        return None
     finally:
         os.close(fd)

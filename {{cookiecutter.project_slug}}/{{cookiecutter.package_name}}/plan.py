@@ -1,0 +1,130 @@
+"""Plan a sweep in one interpreter: the run directory and state of many run.py command lines.
+
+run.sh asks this once for all its jobs (`python run.py --plan`) instead of starting one Python per
+job (`run.py ARGS --print-run-dir`), which cost a second or more per job. It parses each command
+line with run.py's own parser (config.parse_args, config.run_dir), so the directories are exactly
+the ones run.py will use, and imports no torch and no mlflow.
+
+Input on stdin, for each job: the number of arguments, then the arguments, each ending in NUL:
+    printf '%s\\0' 2 --lr 0.01  3 --seed 1 --epochs 3 | python run.py --plan
+Output on stdout, for each job three NUL-terminated fields: STATE, RUN_DIR, NOTE, where STATE is
+    done         metrics.json exists and parses
+    running      another live process holds the run's claim (claim.py): "running elsewhere"
+    interrupted  stopped before the end (status interrupted, or running with no live holder)
+    failed       the last attempt failed
+    pending      never started
+    invalid      run.py would refuse the command line (RUN_DIR empty, NOTE = run.py's error)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from {{ cookiecutter.package_name }} import config, runs
+from {{ cookiecutter.package_name }}.claim import holder
+from {{ cookiecutter.package_name }}.config import UsageError, parse_args, run_dir
+
+
+def resolve(argv: list[str]) -> Path:
+    """run.py's run directory for `argv`; raises UsageError with run.py's own message."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
+            args, parser = parse_args(argv)
+            return run_dir(args, parser)
+    except SystemExit:  # argparse reports the error on stderr, then exits
+        lines = captured.getvalue().strip().splitlines() or ["rejected"]
+        raise UsageError(lines[-1].removeprefix("run.py: ")) from None
+
+
+def finished(directory: Path) -> bool:
+    """Done iff metrics.json parses: a truncated or empty one (disk full) is not a result."""
+    try:
+        return isinstance(json.loads((directory / runs.METRICS).read_bytes()), dict)
+    except (OSError, ValueError):
+        return False
+
+
+def job_state(directory: Path) -> tuple[str, str]:
+    """(state, note) of one run directory, from the files run.py writes and the claim."""
+    if finished(directory):
+        return "done", ""
+    who = holder(directory)
+    if who is not None:
+        return "running", f"running elsewhere: {who}"
+    status = runs.read_status(directory)
+    resumes = (directory / runs.CHECKPOINT).is_file()
+    then = "resumes from its checkpoint" if resumes else "starts over: no checkpoint yet"
+    if status == "failed":
+        return "failed", f"last attempt failed; will be re-run, {then}"
+    if status == "interrupted":
+        return "interrupted", then
+    if status == "running":  # says running, but nobody holds the claim: its process died
+        return "interrupted", f"its process died; {then}"
+    return "pending", ""
+
+
+def read_jobs(stream: BinaryIO) -> Iterator[list[str]]:
+    fields = stream.read().split(b"\0")
+    if fields and fields[-1] == b"":
+        fields.pop()
+    words = [f.decode("utf-8", "surrogateescape") for f in fields]
+    i = 0
+    while i < len(words):
+        count = int(words[i])
+        yield words[i + 1 : i + 1 + count]
+        i += 1 + count
+
+
+@contextlib.contextmanager
+def one_parser() -> Iterator[None]:
+    """Let config.parse_args reuse one parser: building it is most of a job's planning time
+    (benchmarks/bench_sweep.py), and an argparse parser keeps no state between parses."""
+    build = config.build_parser
+    parser = build()
+    config.build_parser = lambda: parser
+    try:
+        yield
+    finally:
+        config.build_parser = build
+
+
+def plan(jobs: list[list[str]], where: Callable[[list[str]], Path] = resolve
+         ) -> list[tuple[str, str, str]]:
+    """(state, run_dir, note) per job; `where` maps a command line to its run directory."""
+    with one_parser():
+        return [_plan_one(argv, where) for argv in jobs]
+
+
+def _plan_one(argv: list[str], where: Callable[[list[str]], Path]) -> tuple[str, str, str]:
+    try:
+        directory = where(argv)
+    except (UsageError, ValueError) as exc:
+        return "invalid", "", str(exc)
+    state, note = job_state(directory)
+    return state, str(directory), note
+
+
+def main(where: Callable[[list[str]], Path] = resolve, stdin: BinaryIO | None = None,
+         stdout: BinaryIO | None = None) -> int:
+    stdin = stdin or sys.stdin.buffer
+    stdout = stdout or sys.stdout.buffer
+    try:
+        jobs = list(read_jobs(stdin))
+    except ValueError:
+        print("error: --plan: stdin is not 'COUNT\\0ARG\\0...' per job", file=sys.stderr)
+        return 2
+    for fields in plan(jobs, where):
+        stdout.write(b"".join(f.encode("utf-8", "surrogateescape") + b"\0" for f in fields))
+    stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
