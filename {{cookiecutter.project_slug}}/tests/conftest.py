@@ -30,10 +30,12 @@ TINY = ["--device", "cpu", "--width", "8", "--batch-size", "64", "--lr", "0.01",
 @pytest.fixture(scope="session")
 def mlflow_uri(tmp_path_factory) -> str:
     """A private sqlite DB, created once (as run.sh does before fanning out)."""
+    from {{ cookiecutter.package_name }} import tracking
+
     uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
-    env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
-    subprocess.run([sys.executable, str(RUN_PY), "--init-tracking"], env=env, check=True,
-                   capture_output=True, cwd=ROOT)
+    with pytest.MonkeyPatch.context() as patch:  # in-process: mlflow is imported once anyway
+        patch.setenv("MLFLOW_TRACKING_URI", uri)
+        tracking.init()
     return uri
 
 

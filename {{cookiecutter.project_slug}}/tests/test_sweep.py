@@ -667,6 +667,7 @@ def start_task(project: Path, args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.slow  # waits for the stand-in job's checkpoint-and-exit after USR1
 @pytest.mark.skipif(not (PROJECT / "scripts" / "slurm_task.sh").exists(), reason="no Slurm")
 def test_slurm_task_passes_usr1_on_and_returns_the_exact_exit_code(tmp_path):
     project = make_project(tmp_path)
