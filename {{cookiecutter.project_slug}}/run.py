@@ -62,8 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         except Busy as exc:
             return error(f"running elsewhere: {exc}", EXIT_BUSY)
         except OSError as exc:  # the run directory cannot be created
-            return error(f"--results-dir: cannot write to {out.parent}: {exc.strerror}",
-                         EXIT_USAGE)
+            return error(f"--results-dir: cannot write to {out.parent}: {exc.strerror}", EXIT_USAGE)
 
 
 def train(args, parser, out, stop: GracefulStop) -> int:
@@ -112,20 +111,34 @@ def train(args, parser, out, stop: GracefulStop) -> int:
     stop.log = log  # from here on, stop requests are in run.log too
     steps = total_steps(args, data.steps_per_epoch)
     compile_mode, compile_why = choose_compile(device, args.compile, steps, args.deterministic)
-    for what, why in (("precision", precision_why),
-                      ("kernels", setup_backends(device, args.deterministic)),
-                      ("compile", compile_why)):
+    for what, why in (
+        ("precision", precision_why),
+        ("kernels", setup_backends(device, args.deterministic)),
+        ("compile", compile_why),
+    ):
         log.info("%s: %s", what, why)
-    trainer = build_trainer(model, args, device=device, dtype=dtype, compile_mode=compile_mode,
-                            total_steps=steps, log=log)
-    state = TrainingState(trainer, EarlyStopping(args.patience), device=device,
-                          config_hash=config["config_hash"])
+    trainer = build_trainer(
+        model,
+        args,
+        device=device,
+        dtype=dtype,
+        compile_mode=compile_mode,
+        total_steps=steps,
+        log=log,
+    )
+    state = TrainingState(
+        trainer, EarlyStopping(args.patience), device=device, config_hash=config["config_hash"]
+    )
     if is_tool(args):
         return run_tools(args, trainer, data, device, dtype, out, log)
     try:
         if state.resume(out / runs.CHECKPOINT, out / runs.BEST_MODEL, log):  # (resume)
-            log.info("resuming %s at epoch %d, step %d", out, state.progress.epoch + 1,
-                     state.progress.step)
+            log.info(
+                "resuming %s at epoch %d, step %d",
+                out,
+                state.progress.epoch + 1,
+                state.progress.step,
+            )
     except ckpt.CheckpointError as exc:
         runs.close_logging(log)
         return error(f"cannot resume: {exc}", EXIT_USAGE)
@@ -140,8 +153,13 @@ def train(args, parser, out, stop: GracefulStop) -> int:
     p, loaders, steps_per_epoch = state.progress, data.loaders, data.steps_per_epoch
     eval_model = trainer.ema.module if trainer.ema is not None else model  # EMA is what we test
     try:
-        log.info("run %s on %s | %d steps/epoch | %s", out.name, device, steps_per_epoch,
-                 record.tracker_line())
+        log.info(
+            "run %s on %s | %d steps/epoch | %s",
+            out.name,
+            device,
+            steps_per_epoch,
+            record.tracker_line(),
+        )
         warm_up(state, data, args, log)  # compiling: its own step, outside the timed loop
         while not finished(p, args, steps_per_epoch, state.stopper):
             train_s = train_epoch(state, loaders["train"], steps_per_epoch, args, stop)
@@ -154,11 +172,19 @@ def train(args, parser, out, stop: GracefulStop) -> int:
             p.epoch, p.batch, p.samples = p.epoch + 1, 0, p.samples + seen
             if state.stopper.update(val_acc, p.epoch, eval_model):  # keep the best, never test
                 state.save_best(out / runs.BEST_MODEL)
-            p.history.append({"epoch": p.epoch, "step": p.step,
-                              "lr": trainer.scheduler.get_last_lr()[0],
-                              "train_loss": train_loss, "train_acc": train_acc,
-                              "val_loss": val_loss, "val_acc": val_acc, "epoch_time_s": train_s,
-                              "samples_per_sec": seen / max(train_s, 1e-9)})
+            p.history.append(
+                {
+                    "epoch": p.epoch,
+                    "step": p.step,
+                    "lr": trainer.scheduler.get_last_lr()[0],
+                    "train_loss": train_loss,
+                    "train_acc": train_acc,
+                    "val_loss": val_loss,
+                    "val_acc": val_acc,
+                    "epoch_time_s": train_s,
+                    "samples_per_sec": seen / max(train_s, 1e-9),
+                }
+            )
             record.epoch_done(state, checkpoint_due=record.checkpoint_due(args))
             if stop.requested:
                 break
@@ -201,26 +227,42 @@ def build_data(args, device) -> Data:
     from {{ cookiecutter.package_name }}.data import build_loader, load_dataset
     from {{ cookiecutter.package_name }}.hardware import choose_gpu_resident
 
-    loaded = load_dataset(args.dataset, args.data_dir, data_path=args.data_path,
-                          image_size=args.image_size, val_fraction=args.val_fraction,
-                          seed=args.seed, synthetic_size=args.synthetic_size,
-                          mode=args.data_mode, workers=args.workers)
+    loaded = load_dataset(
+        args.dataset,
+        args.data_dir,
+        data_path=args.data_path,
+        image_size=args.image_size,
+        val_fraction=args.val_fraction,
+        seed=args.seed,
+        synthetic_size=args.synthetic_size,
+        mode=args.data_mode,
+        workers=args.workers,
+    )
     splits = loaded.splits
     for note in loaded.notes:
         print(note)
     # Only decoded in-memory data can live on the GPU; streamed files come through workers.
     resident = loaded.mode == "memory" and choose_gpu_resident(args.gpu_resident, device, splits)
     loaders = {
-        name: build_loader(split, args.batch_size, train=name == "train", device=device,
-                           workers=args.workers, gpu_resident=resident, seed=args.seed)
+        name: build_loader(
+            split,
+            args.batch_size,
+            train=name == "train",
+            device=device,
+            workers=args.workers,
+            gpu_resident=resident,
+            seed=args.seed,
+        )
         for name, split in splits.items()
     }
     # Optimizer steps per epoch; a trailing remainder of < grad_accum micro-batches is skipped.
     steps_per_epoch = len(loaders["train"]) // args.grad_accum
     if steps_per_epoch == 0:
-        raise UsageError(f"--batch-size: {args.batch_size} x --grad-accum {args.grad_accum} is "
-                         f"larger than the training set ({len(splits['train'])} images): not one "
-                         "full optimizer step per epoch")
+        raise UsageError(
+            f"--batch-size: {args.batch_size} x --grad-accum {args.grad_accum} is "
+            f"larger than the training set ({len(splits['train'])} images): not one "
+            "full optimizer step per epoch"
+        )
     if len(splits["val"]) == 0:
         raise UsageError("--val-fraction: the validation split is empty; raise it")
     return Data(splits, loaders, steps_per_epoch, loaded.info)
@@ -230,8 +272,13 @@ def make_model(args, info):
     """The registered --model, sized for this dataset (a misfit is bad input: ValueError)."""
     from {{ cookiecutter.package_name }}.model import create_model
 
-    return create_model(args.model, num_classes=info.num_classes, channels=info.channels,
-                        image_size=info.image_size, width=args.width)
+    return create_model(
+        args.model,
+        num_classes=info.num_classes,
+        channels=info.channels,
+        image_size=info.image_size,
+        width=args.width,
+    )
 
 
 def checkpoint_bytes(model, ema: float) -> int:
@@ -247,13 +294,17 @@ def total_steps(args, steps_per_epoch: int) -> int:
 
 
 def finished(p, args, steps_per_epoch: int, stopper) -> bool:
-    return (p.epoch >= args.epochs or p.step >= total_steps(args, steps_per_epoch)
-            or stopper.should_stop)
+    return (
+        p.epoch >= args.epochs
+        or p.step >= total_steps(args, steps_per_epoch)
+        or stopper.should_stop
+    )
 
 
 def epoch_complete(p, args, steps_per_epoch: int) -> bool:
-    return (p.batch >= steps_per_epoch * args.grad_accum
-            or p.step >= total_steps(args, steps_per_epoch))
+    return p.batch >= steps_per_epoch * args.grad_accum or p.step >= total_steps(
+        args, steps_per_epoch
+    )
 
 
 def first_step_of_epoch(p, args) -> int:
@@ -321,8 +372,12 @@ def progress_bar(args, steps_per_epoch: int, p):
         return None
     from tqdm import tqdm
 
-    return tqdm(total=steps_per_epoch, initial=p.batch // args.grad_accum, leave=False,
-                desc=f"epoch {p.epoch + 1}/{args.epochs}")
+    return tqdm(
+        total=steps_per_epoch,
+        initial=p.batch // args.grad_accum,
+        leave=False,
+        desc=f"epoch {p.epoch + 1}/{args.epochs}",
+    )
 
 
 def run_tools(args, trainer, data: Data, device, dtype, out, log) -> int:
@@ -340,20 +395,32 @@ def run_tools(args, trainer, data: Data, device, dtype, out, log) -> int:
     try:
         if args.find_lr:
             loss_fn = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
-            lr = find_lr(trainer.model, data.loaders["train"], loss_fn,
-                         lambda m: build_optimizer(m, args.lr, args.weight_decay, device),
-                         device=device, amp_dtype=dtype, out_dir=out)
+            lr = find_lr(
+                trainer.model,
+                data.loaders["train"],
+                loss_fn,
+                lambda m: build_optimizer(m, args.lr, args.weight_decay, device),
+                device=device,
+                amp_dtype=dtype,
+                out_dir=out,
+            )
             print(f"suggested --lr {lr:.3g} (plot in {out})")
         if args.find_batch_size:
             info = data.info
-            size = find_batch_size(lambda: make_model(args, info), device=device,
-                                   amp_dtype=dtype, start=args.batch_size,
-                                   max_batch=len(data.splits["train"]),
-                                   input_shape=(info.channels, *info.image_size),
-                                   num_classes=info.num_classes)
+            size = find_batch_size(
+                lambda: make_model(args, info),
+                device=device,
+                amp_dtype=dtype,
+                start=args.batch_size,
+                max_batch=len(data.splits["train"]),
+                input_shape=(info.channels, *info.image_size),
+                num_classes=info.num_classes,
+            )
             batch, lr = recommend_batch_size(size, device)
-            print(f"largest batch size that fits: {size}; this device's default rule: "
-                  f"--batch-size {batch} --lr {lr:.3g}")
+            print(
+                f"largest batch size that fits: {size}; this device's default rule: "
+                f"--batch-size {batch} --lr {lr:.3g}"
+            )
         if args.profile:
             print(profile_training(trainer, data.loaders["train"], out_dir=out))
     finally:
@@ -378,10 +445,21 @@ class RunRecord:
         runs.write_json(out / runs.CONFIG, config)
         runs.write_status(out, "running")
         self.tracker = Tracker(
-            out, enabled=args.tracking == "on", experiment=args.experiment, run_name=out.name,
-            log=log, params=experiment_args(args),
-            tags={**provenance(), "run_dir": str(out), "device": str(device),
-                  "amp_dtype": str(dtype), "compile": args.compile, "workers": str(args.workers)})
+            out,
+            enabled=args.tracking == "on",
+            experiment=args.experiment,
+            run_name=out.name,
+            log=log,
+            params=experiment_args(args),
+            tags={
+                **provenance(),
+                "run_dir": str(out),
+                "device": str(device),
+                "amp_dtype": str(dtype),
+                "compile": args.compile,
+                "workers": str(args.workers),
+            },
+        )
 
     def tracker_line(self) -> str:
         if not self.tracker.enabled:
@@ -398,38 +476,69 @@ class RunRecord:
             self.last_checkpoint = self._time.monotonic()
         runs.write_history(self.out, p.history)
         self.tracker.log_history(p.history)
-        self.log.info("epoch %d/%d step %d | lr %.2e | train %.4f %.2f%% | val %.4f %.2f%%%s | "
-                      "%.1fs %.0f img/s", p.epoch, self.epochs, p.step, row["lr"],
-                      row["train_loss"], 100 * row["train_acc"], row["val_loss"],
-                      100 * row["val_acc"],
-                      " *" if state.stopper.best_epoch == p.epoch else "", row["epoch_time_s"],
-                      row["samples_per_sec"])
+        self.log.info(
+            "epoch %d/%d step %d | lr %.2e | train %.4f %.2f%% | val %.4f %.2f%%%s | "
+            "%.1fs %.0f img/s",
+            p.epoch,
+            self.epochs,
+            p.step,
+            row["lr"],
+            row["train_loss"],
+            100 * row["train_acc"],
+            row["val_loss"],
+            100 * row["val_acc"],
+            " *" if state.stopper.best_epoch == p.epoch else "",
+            row["epoch_time_s"],
+            row["samples_per_sec"],
+        )
 
     def interrupted(self, state, signal_name: str) -> None:
         runs.write_status(self.out, "interrupted")
         self.tracker.end("KILLED", state.progress.history)
-        self.log.warning("interrupted by %s at step %d; re-run the same command to resume",
-                         signal_name, state.progress.step)
+        self.log.warning(
+            "interrupted by %s at step %d; re-run the same command to resume",
+            signal_name,
+            state.progress.step,
+        )
 
     def finished(self, state, test_loss: float, test_acc: float, reason: str) -> None:
         from {{ cookiecutter.package_name }}.hardware import peak_memory_bytes
 
         p, stopper = state.progress, state.stopper
-        metrics = {"best_val_acc": stopper.best_score, "test_acc": test_acc,
-                   "test_loss": test_loss, "best_epoch": stopper.best_epoch,
-                   "epochs_run": p.epoch, "steps": p.step, "wall_time_s": p.wall_time_s,
-                   "train_time_s": p.train_time_s, "compile_time_s": p.compile_time_s,
-                   "samples_per_sec": p.samples / max(p.train_time_s, 1e-9),
-                   "peak_mem_bytes": peak_memory_bytes(self.device), "device": str(self.device),
-                   "stop_reason": reason, "mlflow_run_id": self.tracker.run_id}
+        metrics = {
+            "best_val_acc": stopper.best_score,
+            "test_acc": test_acc,
+            "test_loss": test_loss,
+            "best_epoch": stopper.best_epoch,
+            "epochs_run": p.epoch,
+            "steps": p.step,
+            "wall_time_s": p.wall_time_s,
+            "train_time_s": p.train_time_s,
+            "compile_time_s": p.compile_time_s,
+            "samples_per_sec": p.samples / max(p.train_time_s, 1e-9),
+            "peak_mem_bytes": peak_memory_bytes(self.device),
+            "device": str(self.device),
+            "stop_reason": reason,
+            "mlflow_run_id": self.tracker.run_id,
+        }
         runs.write_history(self.out, p.history)
-        self.tracker.end("FINISHED", p.history, metrics=metrics, tags={"stop_reason": reason},
-                         artifacts=[self.out / name for name in
-                                    (runs.CONFIG, runs.HISTORY, runs.BEST_MODEL)])
+        self.tracker.end(
+            "FINISHED",
+            p.history,
+            metrics=metrics,
+            tags={"stop_reason": reason},
+            artifacts=[self.out / name for name in (runs.CONFIG, runs.HISTORY, runs.BEST_MODEL)],
+        )
         runs.write_status(self.out, "finished")
         runs.write_json(self.out / runs.METRICS, metrics)  # last: its existence means "done"
-        self.log.info("finished (%s): best val %.2f%% at epoch %d, test %.2f%% | %s", reason,
-                      100 * stopper.best_score, stopper.best_epoch, 100 * test_acc, self.out)
+        self.log.info(
+            "finished (%s): best val %.2f%% at epoch %d, test %.2f%% | %s",
+            reason,
+            100 * stopper.best_score,
+            stopper.best_epoch,
+            100 * test_acc,
+            self.out,
+        )
 
     def failed(self, state, exc: BaseException, args) -> int:
         import torch
@@ -440,11 +549,15 @@ class RunRecord:
         self.tracker.end("FAILED", state.progress.history, error=text)
         message = f"{type(exc).__name__}: {exc}".splitlines()[0]
         if isinstance(exc, torch.OutOfMemoryError):
-            message = (f"out of memory at --batch-size {args.batch_size}; try --find-batch-size, "
-                       "or a smaller --batch-size with --grad-accum")
+            message = (
+                f"out of memory at --batch-size {args.batch_size}; try --find-batch-size, "
+                "or a smaller --batch-size with --grad-accum"
+            )
         elif runs.is_disk_error(exc):
-            message = (f"{exc.strerror} writing {exc.filename or self.out}: the run stopped; its "
-                       "last complete checkpoint is kept (free space, then re-run to resume)")
+            message = (
+                f"{exc.strerror} writing {exc.filename or self.out}: the run stopped; its "
+                "last complete checkpoint is kept (free space, then re-run to resume)"
+            )
         return error(message, EXIT_FAILED)
 
     def close(self) -> None:

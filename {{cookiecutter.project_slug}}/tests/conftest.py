@@ -23,8 +23,18 @@ os.environ["OMP_NUM_THREADS"] = "1"
 ROOT = Path(__file__).resolve().parent.parent
 RUN_PY = ROOT / "run.py"
 # Small and fast on 2 CPU cores, yet well above chance on digits after a few epochs.
-TINY = ["--device", "cpu", "--width", "8", "--batch-size", "64", "--lr", "0.01",
-        "--progress", "off"]
+TINY = [
+    "--device",
+    "cpu",
+    "--width",
+    "8",
+    "--batch-size",
+    "64",
+    "--lr",
+    "0.01",
+    "--progress",
+    "off",
+]
 
 
 @pytest.fixture(scope="session")
@@ -56,10 +66,24 @@ def run_cli(env, data_dir):
     """run_cli(*args, results_dir=..., extra_env=None) -> CompletedProcess (text, captured)."""
 
     def run(*args: str, results_dir: Path, extra_env: dict | None = None, timeout: float = 300):
-        cmd = [sys.executable, str(RUN_PY), *TINY, "--data-dir", str(data_dir),
-               "--results-dir", str(results_dir), *args]
-        return subprocess.run(cmd, env={**env, **(extra_env or {})}, cwd=ROOT, text=True,
-                              capture_output=True, timeout=timeout)
+        cmd = [
+            sys.executable,
+            str(RUN_PY),
+            *TINY,
+            "--data-dir",
+            str(data_dir),
+            "--results-dir",
+            str(results_dir),
+            *args,
+        ]
+        return subprocess.run(
+            cmd,
+            env={**env, **(extra_env or {})},
+            cwd=ROOT,
+            text=True,
+            capture_output=True,
+            timeout=timeout,
+        )
 
     return run
 
@@ -76,10 +100,19 @@ def main_in_process(env, data_dir):
 
 
 def popen_cli(*args: str, results_dir: Path, data_dir: Path, env: dict) -> subprocess.Popen:
-    cmd = [sys.executable, str(RUN_PY), *TINY, "--data-dir", str(data_dir),
-           "--results-dir", str(results_dir), *args]
-    return subprocess.Popen(cmd, env=env, cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+    cmd = [
+        sys.executable,
+        str(RUN_PY),
+        *TINY,
+        "--data-dir",
+        str(data_dir),
+        "--results-dir",
+        str(results_dir),
+        *args,
+    ]
+    return subprocess.Popen(
+        cmd, env=env, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
 
 
 def run_dir_of(results_dir: Path) -> Path:
@@ -113,8 +146,11 @@ def temp_files(directory: Path) -> list[Path]:
 
 
 def pytest_addoption(parser):
-    parser.addoption("--runslow", action="store_true",
-                     help="also run the slow end-to-end tests (real signals, sweeps, Slurm)")
+    parser.addoption(
+        "--runslow",
+        action="store_true",
+        help="also run the slow end-to-end tests (real signals, sweeps, Slurm)",
+    )
 
 
 def pytest_collection_modifyitems(config, items):

@@ -24,8 +24,15 @@ def make_image(path: Path, size: tuple[int, int], mode: str, seed: int, label: i
     image.save(path)
 
 
-def make_folder(root: Path, per_class: dict[str, int], *, size=(16, 16), mixed=False,
-                modes=("RGB",), extensions=(".png",)) -> Path:
+def make_folder(
+    root: Path,
+    per_class: dict[str, int],
+    *,
+    size=(16, 16),
+    mixed=False,
+    modes=("RGB",),
+    extensions=(".png",),
+) -> Path:
     """root/<split>/<class>/<i>.<ext>: `per_class` images per class and split.
 
     mixed=True alternates the size between `size` and a larger one; modes and extensions cycle.

@@ -27,8 +27,9 @@ time.sleep(300)
 
 
 def start_holder(run_dir: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir)], cwd=ROOT,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline().strip() == "held"
     return proc
 
@@ -53,7 +54,7 @@ def test_second_process_is_refused_and_told_who_holds_it(tmp_path):
 def test_kernel_frees_the_claim_when_the_holder_is_killed(tmp_path):
     run_dir = tmp_path / "run"
     proc = start_holder(run_dir)
-    stop(proc, signal.SIGKILL)   # no clean-up code runs: the kernel drops the lock
+    stop(proc, signal.SIGKILL)  # no clean-up code runs: the kernel drops the lock
     assert holder(run_dir) is None
     with claim(run_dir) as held:
         assert held.held
@@ -62,14 +63,18 @@ def test_kernel_frees_the_claim_when_the_holder_is_killed(tmp_path):
 
 def test_release_lets_another_process_claim(tmp_path):
     run_dir = tmp_path / "run"
-    assert holder(run_dir) is None   # never claimed: no lock file, no directory needed
+    assert holder(run_dir) is None  # never claimed: no lock file, no directory needed
     with claim(run_dir):
         assert holder(run_dir).startswith(f"pid {os.getpid()} ")
-        probe = subprocess.run([sys.executable, "-c", HOLDER.replace("time.sleep(300)", ""),
-                                str(run_dir)], cwd=ROOT, capture_output=True, text=True)
+        probe = subprocess.run(
+            [sys.executable, "-c", HOLDER.replace("time.sleep(300)", ""), str(run_dir)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
         assert probe.returncode == 1
         assert "Busy" in probe.stderr
-    proc = start_holder(run_dir)   # released: a new process gets it
+    proc = start_holder(run_dir)  # released: a new process gets it
     stop(proc)
 
 
@@ -77,9 +82,14 @@ def test_a_look_at_the_holder_never_makes_a_claim_fail(tmp_path):
     # holder() takes the lock for an instant; claim() must not mistake that probe for a holder.
     run_dir = tmp_path / "run"
     looker = subprocess.Popen(
-        [sys.executable, "-c",
-         "import sys\nfrom {{ cookiecutter.package_name }}.claim import holder\n"
-         "while True: holder(sys.argv[1])", str(run_dir)], cwd=ROOT)
+        [
+            sys.executable,
+            "-c",
+            "import sys\nfrom {{ cookiecutter.package_name }}.claim import holder\nwhile True: holder(sys.argv[1])",
+            str(run_dir),
+        ],
+        cwd=ROOT,
+    )
     try:
         for _ in range(50):
             claim(run_dir).release()

@@ -34,8 +34,12 @@ def check_splits(splits, sizes):
 def test_digits_loads_offline_with_fixed_splits(tmp_path):
     loaded = load_dataset("digits", tmp_path)
     splits = loaded.splits
-    assert loaded.info.as_config() == {"num_classes": 10, "channels": 3, "image_size": [32, 32],
-                                       "class_names": [str(d) for d in range(10)]}
+    assert loaded.info.as_config() == {
+        "num_classes": 10,
+        "channels": 3,
+        "image_size": [32, 32],
+        "class_names": [str(d) for d in range(10)],
+    }
     # 1797 images: stratified 80/20 -> 1437 train pool / 360 test; 10 % of the pool is val.
     check_splits(splits, {"train": 1293, "val": 144, "test": 360})
     again = load_dataset("digits", tmp_path).splits
@@ -225,12 +229,8 @@ def test_random_crop_flip():
     for original, augmented in zip(images, out, strict=True):
         # Every output is a shifted (and maybe mirrored) window of the zero-padded input.
         padded = torch.nn.functional.pad(original, (0, 0, 4, 4, 4, 4))
-        windows = [
-            padded[dy : dy + 32, dx : dx + 32] for dy in range(9) for dx in range(9)
-        ]
-        assert any(
-            torch.equal(augmented, w) or torch.equal(augmented, w.flip(1)) for w in windows
-        )
+        windows = [padded[dy : dy + 32, dx : dx + 32] for dy in range(9) for dx in range(9)]
+        assert any(torch.equal(augmented, w) or torch.equal(augmented, w.flip(1)) for w in windows)
         flipped += not any(torch.equal(augmented, w) for w in windows)
     assert 10 < flipped < 54  # about half
 

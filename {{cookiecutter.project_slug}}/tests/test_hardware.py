@@ -18,12 +18,15 @@ from {{ cookiecutter.package_name }}.tuning import recommend_batch_size
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
 
-@pytest.mark.parametrize(("capability", "expected"), [
-    ((7, 0), torch.float16),   # V100: bf16 only emulated
-    ((7, 5), torch.float16),   # T4
-    ((8, 0), torch.bfloat16),  # A100
-    ((9, 0), torch.bfloat16),  # H100
-])
+@pytest.mark.parametrize(
+    ("capability", "expected"),
+    [
+        ((7, 0), torch.float16),  # V100: bf16 only emulated
+        ((7, 5), torch.float16),  # T4
+        ((8, 0), torch.bfloat16),  # A100
+        ((9, 0), torch.bfloat16),  # H100
+    ],
+)
 def test_cuda_precision_follows_compute_capability(monkeypatch, capability, expected):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     # is_bf16_supported() says True on V100/T4 too (emulation): it must not decide.
@@ -55,13 +58,22 @@ def test_compile_mode_follows_the_run_length():
 
 @pytest.fixture
 def restore_backends():
-    saved = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
-             torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
-             torch.get_float32_matmul_precision(), torch.are_deterministic_algorithms_enabled(),
-             torch.is_deterministic_algorithms_warn_only_enabled())
+    saved = (
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.allow_tf32,
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.get_float32_matmul_precision(),
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
     yield
-    (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
-     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) = saved[:4]
+    (
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.allow_tf32,
+        torch.backends.cuda.matmul.allow_tf32,
+    ) = saved[:4]
     torch.set_float32_matmul_precision(saved[4])
     torch.use_deterministic_algorithms(saved[5], warn_only=saved[6])
 
@@ -93,12 +105,15 @@ def test_rng_restore_with_more_saved_cuda_states_than_devices(tmp_path):
     torch.testing.assert_close(torch.rand(3), expected)
 
 
-@pytest.mark.parametrize(("saved", "index", "restored"), [
-    ([b"gpu0", b"gpu1", b"gpu2", b"gpu3"], 0, b"gpu0"),  # 4 saved, 1 device now
-    ([b"gpu0", b"gpu1"], 5, b"gpu1"),                    # fewer saved than the device's index
-    (b"single", 0, b"single"),                            # this format: the training GPU's only
-    (None, 0, None),                                      # written on CPU, resumed on CUDA
-])
+@pytest.mark.parametrize(
+    ("saved", "index", "restored"),
+    [
+        ([b"gpu0", b"gpu1", b"gpu2", b"gpu3"], 0, b"gpu0"),  # 4 saved, 1 device now
+        ([b"gpu0", b"gpu1"], 5, b"gpu1"),  # fewer saved than the device's index
+        (b"single", 0, b"single"),  # this format: the training GPU's only
+        (None, 0, None),  # written on CPU, resumed on CUDA
+    ],
+)
 def test_cuda_rng_restore_picks_the_training_device(monkeypatch, saved, index, restored):
     calls = []
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device: calls.append((s, device)))
@@ -124,8 +139,7 @@ def test_best_model_is_a_plain_state_dict(tmp_path):
 def test_the_run_writes_a_best_model_that_loads_strictly(main_in_process, tmp_path):
     from conftest import run_dir_of
 
-    assert main_in_process("--epochs", "1", "--max-steps", "2", "--results-dir",
-                           str(tmp_path)) == 0
+    assert main_in_process("--epochs", "1", "--max-steps", "2", "--results-dir", str(tmp_path)) == 0
     run_dir = run_dir_of(tmp_path)
     model = build_model(width=8)
     model.load_state_dict(torch.load(run_dir / "best_model.pt", weights_only=True), strict=True)
@@ -148,8 +162,13 @@ def test_batch_size_rule_and_find_batch_size_agree():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA answer")
 def test_gpucheck_without_cuda_says_so_and_exits_0():
     package = "{{ cookiecutter.package_name }}"
-    result = subprocess.run([sys.executable, "-m", f"{package}.gpucheck"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", f"{package}.gpucheck"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert "no CUDA device" in result.stdout and "nothing checked" in result.stdout
 
@@ -158,8 +177,21 @@ def test_gpucheck_without_cuda_says_so_and_exits_0():
 def test_gpucheck_dry_run_on_cpu_passes_its_checks():
     """The checks' own code on CPU (no sync check there): exact resume, layout, speed, MFU."""
     package = "{{ cookiecutter.package_name }}"
-    command = [sys.executable, "-m", f"{package}.gpucheck", "--device", "cpu", "--steps", "3",
-               "--compile", "off", "--width", "8", "--batch-size", "16"]
+    command = [
+        sys.executable,
+        "-m",
+        f"{package}.gpucheck",
+        "--device",
+        "cpu",
+        "--steps",
+        "3",
+        "--compile",
+        "off",
+        "--width",
+        "8",
+        "--batch-size",
+        "16",
+    ]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     for line in ("layout      PASS  10/10", "resume      PASS", "all checks passed"):

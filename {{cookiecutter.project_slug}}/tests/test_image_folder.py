@@ -24,8 +24,13 @@ from {{ cookiecutter.package_name }}.data import FileSplit, Split, build_loader,
 @pytest.fixture(scope="module")
 def mixed_folder(tmp_path_factory):
     """PNG and JPEG, grey, RGB and RGBA, two image sizes; train and test, no val."""
-    return make_folder(tmp_path_factory.mktemp("mixed"), {"train": 8, "test": 2}, mixed=True,
-                       modes=("RGB", "L", "RGBA"), extensions=(".png", ".jpg"))
+    return make_folder(
+        tmp_path_factory.mktemp("mixed"),
+        {"train": 8, "test": 2},
+        mixed=True,
+        modes=("RGB", "L", "RGBA"),
+        extensions=(".png", ".jpg"),
+    )
 
 
 def load(folder, data_dir, **kwargs):
@@ -35,8 +40,12 @@ def load(folder, data_dir, **kwargs):
 def test_mixed_folder_loads_in_memory_resized_and_converted(mixed_folder, tmp_path):
     loaded = load(mixed_folder, tmp_path, image_size=(12, 12), mode="memory", workers=0)
     assert loaded.mode == "memory"
-    assert loaded.info.as_config() == {"num_classes": 3, "channels": 3, "image_size": [12, 12],
-                                       "class_names": list(CLASSES)}
+    assert loaded.info.as_config() == {
+        "num_classes": 3,
+        "channels": 3,
+        "image_size": [12, 12],
+        "class_names": list(CLASSES),
+    }
     splits = loaded.splits
     assert {k: len(v) for k, v in splits.items()} == {"train": 22, "val": 2, "test": 6}
     for split in splits.values():
@@ -51,13 +60,13 @@ def test_mixed_sizes_need_image_size(mixed_folder, tmp_path):
 
 
 def test_grey_folder_has_one_channel_and_its_native_size(tmp_path):
-    folder = make_folder(tmp_path / "grey", {"train": 4, "val": 1, "test": 1}, size=(10, 6),
-                         modes=("L",))
+    folder = make_folder(
+        tmp_path / "grey", {"train": 4, "val": 1, "test": 1}, size=(10, 6), modes=("L",)
+    )
     loaded = load(folder, tmp_path / "cache", mode="stream")
     assert (loaded.info.channels, loaded.info.image_size) == (1, (6, 10))  # (height, width)
     assert {k: len(v) for k, v in loaded.splits.items()} == {"train": 12, "val": 3, "test": 3}
-    x, _ = next(iter(build_loader(loaded.splits["train"], 4, train=True, device="cpu",
-                                  workers=0)))
+    x, _ = next(iter(build_loader(loaded.splits["train"], 4, train=True, device="cpu", workers=0)))
     assert x.shape == (4, 1, 6, 10)
 
 
@@ -68,8 +77,9 @@ def test_memory_and_stream_give_the_same_batches(mixed_folder, tmp_path):
     for name in ("train", "val", "test"):
         batches = []
         for loaded in (memory, stream):
-            loader = build_loader(loaded.splits[name], 5, train=name == "train", device="cpu",
-                                  workers=0, seed=3)
+            loader = build_loader(
+                loaded.splits[name], 5, train=name == "train", device="cpu", workers=0, seed=3
+            )
             torch.manual_seed(0)  # the augmentation's RNG, as a run would have it
             batches.append(list(loader))
         for (x_mem, y_mem), (x_str, y_str) in zip(*batches, strict=True):
@@ -137,13 +147,16 @@ def test_unreadable_images_are_skipped_and_listed_up_to_one_percent(tmp_path):
         load(folder, tmp_path / "cache", mode="stream")
 
 
-@pytest.mark.parametrize("layout, message", [
-    ("no_train", "train is not a folder"),
-    ("no_classes", "has no class folders"),
-    ("empty_class", "has no images"),
-    ("test_only_class", "class 'owl' is in test/ but not in train/"),
-    ("not_images", "has no images"),
-])
+@pytest.mark.parametrize(
+    "layout, message",
+    [
+        ("no_train", "train is not a folder"),
+        ("no_classes", "has no class folders"),
+        ("empty_class", "has no images"),
+        ("test_only_class", "class 'owl' is in test/ but not in train/"),
+        ("not_images", "has no images"),
+    ],
+)
 def test_folder_errors_are_one_line(tmp_path, layout, message):
     root = tmp_path / "f"
     if layout != "no_train":
@@ -192,9 +205,14 @@ WORKER_SCRIPT = textwrap.dedent("""
 
 def test_workers_survive_a_process_group_signal(tmp_path):
     """Slurm signals every process of the job: the workers must leave the stop to the main."""
-    proc = subprocess.Popen([sys.executable, "-c", WORKER_SCRIPT], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            cwd=os.path.dirname(os.path.dirname(data.__file__)))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WORKER_SCRIPT],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        cwd=os.path.dirname(os.path.dirname(data.__file__)),
+    )
     try:
         assert proc.stdout.readline() == "workers running\n", proc.stderr.read()
         os.killpg(proc.pid, signal.SIGTERM)  # the whole group: main process and both workers
@@ -216,11 +234,24 @@ def test_resize_of_arrays_keeps_uint8(tmp_path):
 
 
 @pytest.mark.slow
-def test_run_trains_on_a_folder_the_same_on_both_paths(main_in_process, mixed_folder, tmp_path,
-                                                       monkeypatch):
+def test_run_trains_on_a_folder_the_same_on_both_paths(
+    main_in_process, mixed_folder, tmp_path, monkeypatch
+):
     monkeypatch.setenv("LAB_TRACKING", "off")
-    common = ["--dataset", "folder", "--data-path", str(mixed_folder), "--image-size", "12",
-              "--epochs", "2", "--batch-size", "8", "--workers", "0"]
+    common = [
+        "--dataset",
+        "folder",
+        "--data-path",
+        str(mixed_folder),
+        "--image-size",
+        "12",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "8",
+        "--workers",
+        "0",
+    ]
     finished = {}
     for mode in ("memory", "stream"):
         results = tmp_path / mode
@@ -239,16 +270,44 @@ def test_run_trains_on_a_folder_the_same_on_both_paths(main_in_process, mixed_fo
 def test_streamed_run_stopped_by_a_group_sigterm_resumes_exactly(env, data_dir, tmp_path):
     """SIGTERM to the whole process group (as Slurm sends it) mid-epoch, with 2 workers."""
     folder = make_folder(tmp_path / "imgs", {"train": 40, "test": 4}, size=(12, 12))
-    args = ("--dataset", "folder", "--data-path", str(folder), "--data-mode", "stream",
-            "--workers", "2", "--epochs", "2", "--batch-size", "8", "--patience", "0",
-            "--deterministic")
+    args = (
+        "--dataset",
+        "folder",
+        "--data-path",
+        str(folder),
+        "--data-mode",
+        "stream",
+        "--workers",
+        "2",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "8",
+        "--patience",
+        "0",
+        "--deterministic",
+    )
     env = {**env, "LAB_TRACKING": "off"}
 
     def start(results):  # its own process group, as a Slurm job step is
-        return subprocess.Popen([sys.executable, str(RUN_PY), *TINY, "--data-dir", str(data_dir),
-                                 "--results-dir", str(results), *args], env=env, cwd=ROOT,
-                                text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True)
+        return subprocess.Popen(
+            [
+                sys.executable,
+                str(RUN_PY),
+                *TINY,
+                "--data-dir",
+                str(data_dir),
+                "--results-dir",
+                str(results),
+                *args,
+            ],
+            env=env,
+            cwd=ROOT,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
 
     straight = start(tmp_path / "straight")
     assert straight.wait(timeout=300) == 0, straight.communicate()
@@ -277,17 +336,34 @@ def test_data_path_is_part_of_the_run_identity(tmp_path):
     first.mkdir(parents=True)
 
     def run_dir(data_path, cwd=ROOT):
-        done = subprocess.run([sys.executable, str(RUN_PY), "--dataset", "folder", "--data-path",
-                               str(data_path), "--print-run-dir"], cwd=cwd, capture_output=True,
-                              text=True, timeout=60)
+        done = subprocess.run(
+            [
+                sys.executable,
+                str(RUN_PY),
+                "--dataset",
+                "folder",
+                "--data-path",
+                str(data_path),
+                "--print-run-dir",
+            ],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert done.returncode == 0, done.stderr
         return Path(done.stdout.strip()).name
 
     assert run_dir(first) != run_dir(second)
     assert run_dir(first) == run_dir("imgs", cwd=tmp_path / "a")  # relative = absolute
     assert run_dir(first).startswith("folder_data_path=imgs-")
-    missing = subprocess.run([sys.executable, str(RUN_PY), "--dataset", "folder"], cwd=ROOT,
-                             capture_output=True, text=True, timeout=60)
+    missing = subprocess.run(
+        [sys.executable, str(RUN_PY), "--dataset", "folder"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert missing.returncode == 2
     assert "--data-path" in missing.stderr.splitlines()[-1] and "Traceback" not in missing.stderr
 

@@ -117,9 +117,9 @@ def test_status_is_written_even_when_the_disk_has_no_room_for_a_temp_file(tmp_pa
 
 
 # ---- faults during a run ---
-def test_disk_full_mid_run_is_one_error_line_and_a_failed_status(main_in_process, tmp_path,
-                                                                  monkeypatch, capsys,
-                                                                  mlflow_uri):
+def test_disk_full_mid_run_is_one_error_line_and_a_failed_status(
+    main_in_process, tmp_path, monkeypatch, capsys, mlflow_uri
+):
     write_history = runs.write_history
 
     def fills_up(run_dir, rows):
@@ -129,8 +129,9 @@ def test_disk_full_mid_run_is_one_error_line_and_a_failed_status(main_in_process
 
     monkeypatch.setattr(runs, "write_history", fills_up)
     results = tmp_path / "results"
-    code = main_in_process("--epochs", "2", "--checkpoint-every", "0",
-                           "--results-dir", str(results))
+    code = main_in_process(
+        "--epochs", "2", "--checkpoint-every", "0", "--results-dir", str(results)
+    )
     err = capsys.readouterr().err
     assert code == 1
     assert err.count("error:") == 1 and "No space left on device" in err
@@ -147,8 +148,9 @@ def tiny_disk(tmp_path):
     """A 2 MiB tmpfs (needs root, as in CI); skipped where mounting is not allowed."""
     mount = tmp_path / "tiny"
     mount.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
-                            capture_output=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True
+    )
     if result.returncode != 0:
         pytest.skip("cannot mount a tmpfs here (not root)")
     yield mount
@@ -181,9 +183,24 @@ def test_the_same_run_started_twice_trains_once(env, data_dir, tmp_path):
     results = tmp_path / "results"
     first = popen_cli("--epochs", "2", results_dir=results, data_dir=data_dir, env=env)
     _wait_for(lambda: any(results.glob("*/run.log")), first)
-    second = subprocess.run([sys.executable, str(RUN_PY), *TINY, "--epochs", "2", "--data-dir",
-                             str(data_dir), "--results-dir", str(results)], env=env, cwd=ROOT,
-                            capture_output=True, text=True, timeout=60)
+    second = subprocess.run(
+        [
+            sys.executable,
+            str(RUN_PY),
+            *TINY,
+            "--epochs",
+            "2",
+            "--data-dir",
+            str(data_dir),
+            "--results-dir",
+            str(results),
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert second.returncode == 73, second.stderr
     assert second.stderr.startswith("error: running elsewhere: ")
     _, err = first.communicate(timeout=300)
@@ -193,7 +210,8 @@ def test_the_same_run_started_twice_trains_once(env, data_dir, tmp_path):
 
 # ---- tracking ---
 def test_a_tracker_that_is_down_never_stops_training_and_sync_sends_it_later(
-        main_in_process, tmp_path, monkeypatch, capsys):
+    main_in_process, tmp_path, monkeypatch, capsys
+):
     from {{ cookiecutter.package_name }} import tracking
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_free_port()}")
@@ -238,8 +256,17 @@ def test_eight_parallel_jobs_on_a_fresh_project(data_dir, tmp_path):
     """No run.sh, no --init-tracking: 8 jobs at once create the DB safely and all finish."""
     db = tmp_path / "mlflow.db"
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{db}", "OMP_NUM_THREADS": "1"}
-    procs = [popen_cli(*QUICK, "--seed", str(seed), results_dir=tmp_path / "results",
-                       data_dir=data_dir, env=env) for seed in range(8)]
+    procs = [
+        popen_cli(
+            *QUICK,
+            "--seed",
+            str(seed),
+            results_dir=tmp_path / "results",
+            data_dir=data_dir,
+            env=env,
+        )
+        for seed in range(8)
+    ]
     outputs = [proc.communicate(timeout=600) for proc in procs]
     assert [p.returncode for p in procs] == [0] * 8, [err[-500:] for _, err in outputs]
     with contextlib.closing(sqlite3.connect(db)) as con:
@@ -251,8 +278,9 @@ def test_eight_parallel_jobs_on_a_fresh_project(data_dir, tmp_path):
 
 
 # ---- stop signals ---
-def test_a_burst_of_signals_in_one_step_checkpoints_once_and_exits_75(main_in_process, tmp_path,
-                                                                      monkeypatch):
+def test_a_burst_of_signals_in_one_step_checkpoints_once_and_exits_75(
+    main_in_process, tmp_path, monkeypatch
+):
     from {{ cookiecutter.package_name }} import train
 
     original = train.Trainer.step
@@ -276,16 +304,22 @@ def test_a_burst_of_signals_in_one_step_checkpoints_once_and_exits_75(main_in_pr
     assert torch.load(run_dir / "checkpoint.pt", weights_only=True)["progress"]["step"] == 3
 
 
-
 @pytest.mark.slow
-@pytest.mark.parametrize("burst", [("SIGTERM", "SIGTERM"), ("SIGUSR1", "SIGTERM", "SIGTERM"),
-                                   ("SIGINT", "SIGTERM")])
+@pytest.mark.parametrize(
+    "burst", [("SIGTERM", "SIGTERM"), ("SIGUSR1", "SIGTERM", "SIGTERM"), ("SIGINT", "SIGTERM")]
+)
 def test_a_burst_of_signals_checkpoints_once_and_exits_75(env, data_dir, tmp_path, burst):
     results = tmp_path / "results"
-    proc = popen_cli("--epochs", "3", "--checkpoint-every", "1000", results_dir=results,
-                     data_dir=data_dir, env=env)
-    _wait_for(lambda: any("steps/epoch" in p.read_text() for p in results.glob("*/run.log")),
-              proc)
+    proc = popen_cli(
+        "--epochs",
+        "3",
+        "--checkpoint-every",
+        "1000",
+        results_dir=results,
+        data_dir=data_dir,
+        env=env,
+    )
+    _wait_for(lambda: any("steps/epoch" in p.read_text() for p in results.glob("*/run.log")), proc)
     for name in burst:
         proc.send_signal(getattr(signal, name))
         time.sleep(0.005)

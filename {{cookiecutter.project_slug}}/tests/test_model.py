@@ -85,8 +85,9 @@ def test_backward_is_deterministic_on_cuda(name):
         grads = []
         for _ in range(2):
             torch.manual_seed(0)
-            model = create_model(name, num_classes=3, channels=3, image_size=(32, 32),
-                                 width=8).cuda()
+            model = create_model(
+                name, num_classes=3, channels=3, image_size=(32, 32), width=8
+            ).cuda()
             model(torch.randn(4, 3, 32, 32, device="cuda")).sum().backward()
             grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
         assert torch.equal(*grads)

@@ -17,8 +17,11 @@ import numpy as np
 import pytest
 from conftest import ROOT, TINY
 
-RECIPE = re.compile(r"append one function to `(?P<file>[^`]+)`.*?```python\n(?P<code>.*?)```\n"
-                    r"```bash\n(?P<command>.*?)\n```", re.DOTALL | re.IGNORECASE)
+RECIPE = re.compile(
+    r"append one function to `(?P<file>[^`]+)`.*?```python\n(?P<code>.*?)```\n"
+    r"```bash\n(?P<command>.*?)\n```",
+    re.DOTALL | re.IGNORECASE,
+)
 
 
 def recipes() -> list[dict]:
@@ -31,25 +34,38 @@ def recipes() -> list[dict]:
 def project(tmp_path) -> Path:
     """A copy of this project with both recipes applied, and the .npz the data recipe reads."""
     copy = tmp_path / "project"
-    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(
-        "results", "data", "figures", "mlflow.db", ".git", "__pycache__", ".pytest_cache"))
+    shutil.copytree(
+        ROOT,
+        copy,
+        ignore=shutil.ignore_patterns(
+            "results", "data", "figures", "mlflow.db", ".git", "__pycache__", ".pytest_cache"
+        ),
+    )
     for recipe in recipes():
         with open(copy / recipe["file"], "a") as f:
             f.write("\n\n" + recipe["code"])
     rng = np.random.default_rng(0)
-    np.savez(copy / "mydata.npz",
-             x_train=rng.integers(0, 256, (60, 1, 12, 12), dtype=np.uint8),
-             y_train=np.arange(60) % 2,
-             x_test=rng.integers(0, 256, (10, 1, 12, 12), dtype=np.uint8),
-             y_test=np.arange(10) % 2)
+    np.savez(
+        copy / "mydata.npz",
+        x_train=rng.integers(0, 256, (60, 1, 12, 12), dtype=np.uint8),
+        y_train=np.arange(60) % 2,
+        x_test=rng.integers(0, 256, (10, 1, 12, 12), dtype=np.uint8),
+        y_test=np.arange(10) % 2,
+    )
     return copy
 
 
 def run_command(project: Path, command: str, *extra: str, env=None):
     argv = shlex.split(command)
     assert argv[:2] == ["python", "run.py"]
-    return subprocess.run([sys.executable, "run.py", *argv[2:], *extra], cwd=project, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "run.py", *argv[2:], *extra],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_recipes_appear_in_help_and_in_the_run_name(project):
@@ -67,8 +83,18 @@ def test_recipes_appear_in_help_and_in_the_run_name(project):
 def test_recipes_train(project, env):
     env = {**env, "LAB_TRACKING": "off"}
     for recipe in recipes():
-        done = run_command(project, recipe["command"], *TINY, "--epochs", "1", "--max-steps",
-                           "2", "--batch-size", "8", env=env)
+        done = run_command(
+            project,
+            recipe["command"],
+            *TINY,
+            "--epochs",
+            "1",
+            "--max-steps",
+            "2",
+            "--batch-size",
+            "8",
+            env=env,
+        )
         assert done.returncode == 0, done.stderr
         (metrics,) = (project / "results").rglob("metrics.json")
         config = (metrics.parent / "config.json").read_text()

@@ -15,10 +15,29 @@ from conftest import mlflow_run, popen_cli, read_metrics, run_dir_of, temp_files
 from {{ cookiecutter.package_name }} import train
 
 # Everything that has state to restore: EMA, accumulation, clipping, the one-cycle schedule.
-RESUME_ARGS = ("--epochs", "3", "--patience", "0", "--deterministic", "--ema", "0.9",
-               "--grad-accum", "2", "--batch-size", "32", "--clip-grad", "1.0")
-TIMINGS = {"wall_time_s", "train_time_s", "compile_time_s", "samples_per_sec", "peak_mem_bytes",
-           "mlflow_run_id"}
+RESUME_ARGS = (
+    "--epochs",
+    "3",
+    "--patience",
+    "0",
+    "--deterministic",
+    "--ema",
+    "0.9",
+    "--grad-accum",
+    "2",
+    "--batch-size",
+    "32",
+    "--clip-grad",
+    "1.0",
+)
+TIMINGS = {
+    "wall_time_s",
+    "train_time_s",
+    "compile_time_s",
+    "samples_per_sec",
+    "peak_mem_bytes",
+    "mlflow_run_id",
+}
 
 
 def _wait_for(predicate, proc, timeout: float = 120.0) -> None:
@@ -30,8 +49,9 @@ def _wait_for(predicate, proc, timeout: float = 120.0) -> None:
 
 
 @pytest.mark.slow  # three real processes; the in-process test below checks the same in seconds
-def test_sigterm_then_rerun_gives_the_same_final_metrics(run_cli, env, data_dir, tmp_path,
-                                                          mlflow_uri):
+def test_sigterm_then_rerun_gives_the_same_final_metrics(
+    run_cli, env, data_dir, tmp_path, mlflow_uri
+):
     reference = run_cli(*RESUME_ARGS, results_dir=tmp_path / "straight")
     assert reference.returncode == 0, reference.stderr
     expected = read_metrics(run_dir_of(tmp_path / "straight"))
@@ -73,12 +93,27 @@ def _signal_self_after(monkeypatch, step_to_stop: int, signum=signal.SIGTERM) ->
     monkeypatch.setattr(train.Trainer, "step", step)
 
 
-QUICK_RESUME = ("--epochs", "2", "--patience", "0", "--ema", "0.9", "--grad-accum", "2",
-                "--batch-size", "32", "--clip-grad", "1.0", "--max-steps", "25")
+QUICK_RESUME = (
+    "--epochs",
+    "2",
+    "--patience",
+    "0",
+    "--ema",
+    "0.9",
+    "--grad-accum",
+    "2",
+    "--batch-size",
+    "32",
+    "--clip-grad",
+    "1.0",
+    "--max-steps",
+    "25",
+)
 
 
-def test_stopped_mid_epoch_then_resumed_equals_straight(main_in_process, tmp_path, monkeypatch,
-                                                        mlflow_uri):
+def test_stopped_mid_epoch_then_resumed_equals_straight(
+    main_in_process, tmp_path, monkeypatch, mlflow_uri
+):
     """EMA, accumulation, clipping and the schedule resume exactly from the middle of an epoch
     (20 optimizer steps per epoch here: the stop lands at step 7 of epoch 1)."""
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
@@ -92,7 +127,9 @@ def test_stopped_mid_epoch_then_resumed_equals_straight(main_in_process, tmp_pat
     assert main_in_process(*QUICK_RESUME, "--results-dir", str(stopped)) == 0
     got, expected = read_metrics(run_dir), read_metrics(run_dir_of(straight))
     assert {k: v for k, v in got.items() if k not in TIMINGS} == {
-        k: v for k, v in expected.items() if k not in TIMINGS}
+        k: v for k, v in expected.items() if k not in TIMINGS
+    }
+
     def learning(run: Path) -> list[list[str]]:  # history without its timing columns
         return [row.split(",")[:7] for row in (run / "history.csv").read_text().splitlines()]
 
@@ -102,9 +139,9 @@ def test_stopped_mid_epoch_then_resumed_equals_straight(main_in_process, tmp_pat
     assert mlflow_run(mlflow_uri, run_id).info.status == "FINISHED"
 
 
-def test_nan_loss_fails_clearly_and_keeps_the_last_good_checkpoint(main_in_process, tmp_path,
-                                                                   monkeypatch, mlflow_uri,
-                                                                   capsys):
+def test_nan_loss_fails_clearly_and_keeps_the_last_good_checkpoint(
+    main_in_process, tmp_path, monkeypatch, mlflow_uri, capsys
+):
     import torch
 
     original, calls = train.forward_and_sums, {"n": 0}
@@ -116,8 +153,10 @@ def test_nan_loss_fails_clearly_and_keeps_the_last_good_checkpoint(main_in_proce
         return loss * nan, loss_sum * nan, correct
 
     monkeypatch.setattr(train, "forward_and_sums", diverges_at_step_25)
-    assert main_in_process("--epochs", "2", "--checkpoint-every", "0", "--results-dir",
-                           str(tmp_path)) == 1
+    assert (
+        main_in_process("--epochs", "2", "--checkpoint-every", "0", "--results-dir", str(tmp_path))
+        == 1
+    )
     err = capsys.readouterr().err
     assert "error: NonFiniteLoss: non-finite training loss" in err
     assert "epoch 2, between optimizer steps 21 and 40" in err
@@ -133,8 +172,12 @@ def test_nan_loss_fails_clearly_and_keeps_the_last_good_checkpoint(main_in_proce
 def test_bad_checkpoints_are_refused_and_fresh_starts_over(main_in_process, tmp_path, capsys):
     a, b = tmp_path / "a", tmp_path / "b"
     assert main_in_process("--epochs", "1", "--max-steps", "2", "--results-dir", str(a)) == 0
-    assert main_in_process("--epochs", "2", "--max-steps", "2", "--print-run-dir",
-                           "--results-dir", str(b)) == 0
+    assert (
+        main_in_process(
+            "--epochs", "2", "--max-steps", "2", "--print-run-dir", "--results-dir", str(b)
+        )
+        == 0
+    )
     target = Path(capsys.readouterr().out.strip().splitlines()[-1])
     target.mkdir(parents=True)
     shutil.copy(run_dir_of(a) / "checkpoint.pt", target / "checkpoint.pt")
@@ -151,8 +194,12 @@ def test_bad_checkpoints_are_refused_and_fresh_starts_over(main_in_process, tmp_
 
 def test_tools_report_and_exit_without_training(main_in_process, tmp_path, capsys):
     # All three in one invocation, as a user may.
-    assert main_in_process("--find-lr", "--find-batch-size", "--profile",
-                           "--results-dir", str(tmp_path)) == 0
+    assert (
+        main_in_process(
+            "--find-lr", "--find-batch-size", "--profile", "--results-dir", str(tmp_path)
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     for expected in ("suggested --lr", "largest batch size that fits", "Self CPU"):
         assert expected in out

@@ -11,21 +11,43 @@ import pytest
 import torch
 from conftest import ROOT, RUN_PY, mlflow_run, read_metrics, run_dir_of, temp_files
 
-RUN_FILES = ("config.json", "status", "history.csv", "checkpoint.pt", "best_model.pt",
-             "metrics.json", "run.log")
-METRIC_KEYS = ("best_val_acc", "test_acc", "test_loss", "best_epoch", "epochs_run", "steps",
-               "wall_time_s", "train_time_s", "compile_time_s", "samples_per_sec",
-               "peak_mem_bytes", "device", "stop_reason", "mlflow_run_id")
+RUN_FILES = (
+    "config.json",
+    "status",
+    "history.csv",
+    "checkpoint.pt",
+    "best_model.pt",
+    "metrics.json",
+    "run.log",
+)
+METRIC_KEYS = (
+    "best_val_acc",
+    "test_acc",
+    "test_loss",
+    "best_epoch",
+    "epochs_run",
+    "steps",
+    "wall_time_s",
+    "train_time_s",
+    "compile_time_s",
+    "samples_per_sec",
+    "peak_mem_bytes",
+    "device",
+    "stop_reason",
+    "mlflow_run_id",
+)
 
 
 @pytest.mark.parametrize("flag", ["--help", "--print-run-dir"])
 def test_cheap_flags_import_neither_torch_nor_mlflow(flag):
-    code = ("import runpy, sys\n"
-            f"sys.argv = ['run.py', '{flag}']\n"
-            "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
-            "except SystemExit as e:\n    assert not e.code, e.code\n"
-            "heavy = [m for m in ('torch', 'mlflow') if m in sys.modules]\n"
-            "assert not heavy, heavy\n")
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = ['run.py', '{flag}']\n"
+        "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+        "except SystemExit as e:\n    assert not e.code, e.code\n"
+        "heavy = [m for m in ('torch', 'mlflow') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     if flag == "--print-run-dir":
@@ -34,8 +56,14 @@ def test_cheap_flags_import_neither_torch_nor_mlflow(flag):
 
 def test_print_run_dir_is_stable_and_ignores_execution_flags(tmp_path):
     def run_dir(*args):
-        cmd = [sys.executable, str(RUN_PY), "--results-dir", str(tmp_path), "--print-run-dir",
-               *args]
+        cmd = [
+            sys.executable,
+            str(RUN_PY),
+            "--results-dir",
+            str(tmp_path),
+            "--print-run-dir",
+            *args,
+        ]
         return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
 
     base = run_dir("--lr", "0.01")
@@ -50,9 +78,26 @@ def finished_run(tmp_path_factory, mlflow_uri, data_dir):
     import os
 
     results = tmp_path_factory.mktemp("results")
-    cmd = [sys.executable, str(RUN_PY), "--device", "cpu", "--width", "8", "--batch-size", "64",
-           "--lr", "0.01", "--epochs", "3", "--progress", "off", "--data-dir", str(data_dir),
-           "--results-dir", str(results)]
+    cmd = [
+        sys.executable,
+        str(RUN_PY),
+        "--device",
+        "cpu",
+        "--width",
+        "8",
+        "--batch-size",
+        "64",
+        "--lr",
+        "0.01",
+        "--epochs",
+        "3",
+        "--progress",
+        "off",
+        "--data-dir",
+        str(data_dir),
+        "--results-dir",
+        str(results),
+    ]
     env = {**os.environ, "MLFLOW_TRACKING_URI": mlflow_uri}
     result = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
@@ -71,8 +116,9 @@ def test_digits_run_learns_and_writes_every_file(finished_run, mlflow_uri):
     assert math.isfinite(metrics["test_loss"]) and metrics["epochs_run"] == 3
     assert 1 <= metrics["best_epoch"] <= 3 and metrics["device"] == "cpu"
     history = (run_dir / "history.csv").read_text().splitlines()
-    assert history[0] == ("epoch,step,lr,train_loss,train_acc,val_loss,val_acc,epoch_time_s,"
-                          "samples_per_sec")
+    assert history[0] == (
+        "epoch,step,lr,train_loss,train_acc,val_loss,val_acc,epoch_time_s,samples_per_sec"
+    )
     assert len(history) == 4 and all(math.isfinite(float(v)) for v in history[-1].split(","))
     config = json.loads((run_dir / "config.json").read_text())
     assert config["run_name"] == run_dir.name and "lr" in config["experiment_keys"]
@@ -93,8 +139,7 @@ def test_finished_run_is_not_retrained(finished_run):
 
 
 def test_max_steps_stops_at_exactly_n_steps(main_in_process, tmp_path):
-    assert main_in_process("--max-steps", "7", "--epochs", "5", "--results-dir",
-                           str(tmp_path)) == 0
+    assert main_in_process("--max-steps", "7", "--epochs", "5", "--results-dir", str(tmp_path)) == 0
     metrics = read_metrics(run_dir_of(tmp_path))
     assert metrics["steps"] == 7 and metrics["stop_reason"] == "max_steps"
     assert metrics["epochs_run"] == 1  # 20 steps per epoch: stopped inside the first one
@@ -108,8 +153,9 @@ def test_max_steps_stops_at_exactly_n_steps(main_in_process, tmp_path):
         (["--dataset", "synthetic", "--synthetic-size", "100"], "unreadable"),
     ],
 )
-def test_bad_input_is_one_clear_error_and_writes_nothing(main_in_process, tmp_path, data_dir,
-                                                         capsys, args, message):
+def test_bad_input_is_one_clear_error_and_writes_nothing(
+    main_in_process, tmp_path, data_dir, capsys, args, message
+):
     if "synthetic" in args:  # a corrupt cached download
         (data_dir / "synthetic_100.npz").write_bytes(b"not a zip file")
     results = tmp_path / "results"
@@ -145,8 +191,9 @@ def test_bad_command_line_exits_2(args, tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-def test_exception_marks_run_failed_without_partial_files(main_in_process, tmp_path, monkeypatch,
-                                                          mlflow_uri, capsys):
+def test_exception_marks_run_failed_without_partial_files(
+    main_in_process, tmp_path, monkeypatch, mlflow_uri, capsys
+):
     from mlflow.tracking import MlflowClient
 
     from {{ cookiecutter.package_name }} import train

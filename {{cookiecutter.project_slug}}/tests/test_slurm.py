@@ -33,8 +33,9 @@ def slurm_missing() -> str | None:
     if shutil.which("sbatch") is None:
         return "sbatch not found (no Slurm client here)"
     try:
-        states = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True,
-                                timeout=10).stdout.split()
+        states = subprocess.run(
+            ["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=10
+        ).stdout.split()
     except (OSError, subprocess.TimeoutExpired):
         return "sinfo does not answer"
     if not any(s.rstrip("*") in ("idle", "mix", "alloc") for s in states):
@@ -42,15 +43,19 @@ def slurm_missing() -> str | None:
     return None
 
 
-SKIP_REASON = slurm_missing()
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON)),
-]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def slurm_cluster() -> None:
+    """Asked only when these (slow) tests run: sinfo takes seconds to give up on no controller."""
+    reason = slurm_missing()
+    if reason is not None:
+        pytest.skip(reason)
+
 
 # Small enough for a CI node; the defaults (8 CPUs, 32G) are for real clusters.
-SLURM_ENV = {"SLURM_CPUS": "1", "SLURM_MEM": "100M", "SLURM_TIME": "5",
-             "SLURM_MAX_PARALLEL": "2"}
+SLURM_ENV = {"SLURM_CPUS": "1", "SLURM_MEM": "100M", "SLURM_TIME": "5", "SLURM_MAX_PARALLEL": "2"}
 
 
 def submit(project: Path, **env: str) -> str:
@@ -61,8 +66,9 @@ def submit(project: Path, **env: str) -> str:
 
 def squeue(job_id: str) -> list[str]:
     """One line per task still queued or running: 'TASK_ID STATE'."""
-    out = subprocess.run(["squeue", "-h", "-r", "-j", job_id, "-o", "%K %t"],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        ["squeue", "-h", "-r", "-j", job_id, "-o", "%K %t"], capture_output=True, text=True
+    )
     return out.stdout.split("\n")[:-1] if out.returncode == 0 else []
 
 
@@ -73,7 +79,7 @@ def wait_gone(job_id: str, timeout: float = 90) -> None:
 
 def test_slurm_array_runs_the_pending_jobs_one_gpu_each(tmp_path):
     project = make_project(tmp_path, ["--sleep 0.5 --tag 0"])
-    assert run_sweep(project).returncode == 0   # job 0 is done before submitting
+    assert run_sweep(project).returncode == 0  # job 0 is done before submitting
     (project / "jobs.txt").write_text("".join(f"--sleep 0.5 --tag {i}\n" for i in range(4)))
     job_id = submit(project)
     wait_gone(job_id)
@@ -83,9 +89,9 @@ def test_slurm_array_runs_the_pending_jobs_one_gpu_each(tmp_path):
     outs = "".join(p.read_text() for p in project.glob("logs/slurm/*/*.out"))
     assert not missing, outs
     from_slurm = [r for r in attempts(project) if r["task"] is not None]
-    assert sorted(r["task"] for r in from_slurm) == ["0", "1", "2"]   # job 0 not submitted
+    assert sorted(r["task"] for r in from_slurm) == ["0", "1", "2"]  # job 0 not submitted
     assert {r["cvd"] for r in from_slurm} <= {"0", "1"}
-    assert all(r["wrapper"] == "1" for r in from_slurm)   # PYTHON reached the tasks
+    assert all(r["wrapper"] == "1" for r in from_slurm)  # PYTHON reached the tasks
     assert len(list(project.glob(f"logs/slurm/*/{job_id}_*.out"))) == 3
     again = run_sweep(project, "--slurm", **SLURM_ENV)
     assert again.returncode == 0
@@ -105,7 +111,7 @@ def test_slurm_warning_signal_checkpoints_and_requeues(tmp_path):
     subprocess.run(["scontrol", "update", f"JobId={job_id}_0", "StartTime=now"], check=True)
     wait_gone(job_id)
     assert (run_dir / "metrics.json").exists()
-    assert len(attempts(project)) == 2   # interrupted once, then resumed and finished
+    assert len(attempts(project)) == 2  # interrupted once, then resumed and finished
     out = next(project.glob(f"logs/slurm/*/{job_id}_0.out")).read_text()
     assert "requeueing" in out and "SIGUSR1 (the time limit is near)" in out
 
@@ -114,8 +120,8 @@ def test_cancelled_task_checkpoints_and_stays_cancelled(tmp_path):
     project = make_project(tmp_path, ["--sleep 0.2 --first-sleep 120 --tag c"])
     job_id = submit(project)
     wait_for(lambda: attempts(project, finished_only=False), 30, "the task to start")
-    subprocess.run(["scancel", job_id], check=True)   # TERM to every process, then KILL
-    wait_gone(job_id)   # not requeued
+    subprocess.run(["scancel", job_id], check=True)  # TERM to every process, then KILL
+    wait_gone(job_id)  # not requeued
     (run_dir,) = run_dirs(project)
     assert (run_dir / "status").read_text().strip() == "interrupted"
     out = next(project.glob(f"logs/slurm/*/{job_id}_0.out")).read_text()
@@ -126,7 +132,7 @@ def test_cancelled_task_checkpoints_and_stays_cancelled(tmp_path):
 def test_resubmitting_skips_tasks_queued_or_running_from_an_earlier_array(tmp_path):
     jobs = [f"--sleep 0.2 --first-sleep 120 --tag {i}" for i in range(3)]
     project = make_project(tmp_path, jobs)
-    job_id = submit(project, SLURM_MAX_PARALLEL="1")   # task 0 runs, tasks 1 and 2 wait
+    job_id = submit(project, SLURM_MAX_PARALLEL="1")  # task 0 runs, tasks 1 and 2 wait
     try:
         wait_for(lambda: attempts(project, finished_only=False), 30, "task 0 to start")
         dry = run_sweep(project, "--slurm", "--dry-run", **SLURM_ENV)
@@ -147,9 +153,25 @@ def test_resubmitting_skips_tasks_queued_or_running_from_an_earlier_array(tmp_pa
 
 # ---- real training under Slurm (needs run.py's signal handling: see issue 10) ------------------
 
-REAL = ["--dataset", "digits", "--epochs", "3", "--width", "8", "--batch-size", "16",
-        "--workers", "2", "--compile", "off", "--progress", "off", "--deterministic",
-        "--device", "cpu"]
+REAL = [
+    "--dataset",
+    "digits",
+    "--epochs",
+    "3",
+    "--width",
+    "8",
+    "--batch-size",
+    "16",
+    "--workers",
+    "2",
+    "--compile",
+    "off",
+    "--progress",
+    "off",
+    "--deterministic",
+    "--device",
+    "cpu",
+]
 
 
 def real_project(tmp_path: Path, args: list[str] = REAL) -> tuple[Path, dict]:
@@ -159,23 +181,36 @@ def real_project(tmp_path: Path, args: list[str] = REAL) -> tuple[Path, dict]:
     for path in PROJECT.iterdir():
         if path.name in ("run.py", "run.sh", "scripts") or (path / "__init__.py").exists():
             if path.is_dir():
-                shutil.copytree(path, project / path.name,
-                                ignore=shutil.ignore_patterns("__pycache__"))
+                shutil.copytree(
+                    path, project / path.name, ignore=shutil.ignore_patterns("__pycache__")
+                )
             else:
                 shutil.copy(path, project / path.name)
     (project / "sweep.sh").write_text(driver_from_run_sh())
     (project / "jobs.txt").write_text(" ".join(args) + "\n")
     # 10-minute limit, warning 60 s before it: no USR1 unless a test shortens the limit.
-    env = {**os.environ, "PYTHON": sys.executable, "LAB_TRACKING": "off",
-           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", **SLURM_ENV,
-           "SLURM_TIME": "10", "SLURM_SIGNAL_SECS": "60"}
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "LAB_TRACKING": "off",
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+        **SLURM_ENV,
+        "SLURM_TIME": "10",
+        "SLURM_SIGNAL_SECS": "60",
+    }
     return project, env
 
 
 def reference_metrics(tmp_path: Path, project: Path, env: dict, args: list[str] = REAL) -> dict:
     out = tmp_path / "reference"
-    subprocess.run([sys.executable, "run.py", *args, "--results-dir", str(out)], cwd=project,
-                   env=env, check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [sys.executable, "run.py", *args, "--results-dir", str(out)],
+        cwd=project,
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     (metrics,) = out.glob("*/metrics.json")
     return json.loads(metrics.read_text())
 
@@ -186,8 +221,14 @@ def same_result(a: dict, b: dict) -> bool:
 
 
 def submit_real(project: Path, env: dict, **extra: str) -> str:
-    result = subprocess.run(["bash", "sweep.sh", "--slurm"], cwd=project, env={**env, **extra},
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        ["bash", "sweep.sh", "--slurm"],
+        cwd=project,
+        env={**env, **extra},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return re.search(r"as Slurm array (\d+)", result.stdout)[1]
 
@@ -208,7 +249,7 @@ def test_real_task_stopped_by_term_checkpoints_requeues_and_matches(tmp_path):
     expected = reference_metrics(tmp_path, project, env)
     job_id = submit_real(project, env)
     history = lambda: list((project / "results" / "sweep").glob("*/history.csv"))  # noqa: E731
-    wait_for(history, 300, "the first epoch")   # then stop it in the middle of the second
+    wait_for(history, 300, "the first epoch")  # then stop it in the middle of the second
     subprocess.run(["scancel", "--signal=TERM", "--full", f"{job_id}_0"], check=True)
     run_dir, out = finish_after_requeue(project, job_id)
     assert "run.py exited with 75" in out and "SIGTERM" in out, out
@@ -227,18 +268,20 @@ def release_requeued_until_gone(job_id: str, timeout: float = 900) -> None:
             pending_since[0] = time.monotonic()
         # Started again at once, the node refuses it ("Job credential revoked"): wait 10 s.
         elif time.monotonic() - pending_since[0] > 10:
-            subprocess.run(["scontrol", "update", f"JobId={job_id}_0", "StartTime=now"],
-                           capture_output=True)
+            subprocess.run(
+                ["scontrol", "update", f"JobId={job_id}_0", "StartTime=now"], capture_output=True
+            )
             pending_since[0] = None
         if tasks:
             last_seen[0] = time.monotonic()
         # Right after a requeue squeue can briefly list nothing: gone means gone for 10 s.
         return time.monotonic() - last_seen[0] > 10
+
     wait_for(gone, timeout, f"Slurm job {job_id} to finish")
 
 
 def test_real_task_at_its_time_limit_checkpoints_requeues_and_matches(tmp_path):
-    args = [*REAL, "--epochs", "15"]   # long enough to meet the warning on a fast machine
+    args = [*REAL, "--epochs", "15"]  # long enough to meet the warning on a fast machine
     project, env = real_project(tmp_path, args)
     expected = reference_metrics(tmp_path, project, env, args)
     # 2-minute limit, warning 110 s before it: USR1 early in every start (Slurm checks the

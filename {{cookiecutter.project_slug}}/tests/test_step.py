@@ -20,21 +20,34 @@ CPU = torch.device("cpu")
 
 def small_net(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(),
-                         nn.Flatten(), nn.Linear(4 * 4 * 4, 3))
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1, bias=False),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 3),
+    )
 
 
 def batches(n: int, size: int = 4, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(size, 3, 4, 4, generator=gen), torch.randint(0, 3, (size,), generator=gen))
-            for _ in range(n)]
+    return [
+        (torch.randn(size, 3, 4, 4, generator=gen), torch.randint(0, 3, (size,), generator=gen))
+        for _ in range(n)
+    ]
 
 
 def make_trainer(model: nn.Module, **kwargs) -> Trainer:
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     kwargs.setdefault("dtype", None)
-    return Trainer(model, optimizer, build_scheduler(optimizer, 0.01, 20), device=CPU,
-                   log=logging.getLogger("test"), **kwargs)
+    return Trainer(
+        model,
+        optimizer,
+        build_scheduler(optimizer, 0.01, 20),
+        device=CPU,
+        log=logging.getLogger("test"),
+        **kwargs,
+    )
 
 
 def test_ema_matches_averaged_model():
@@ -77,8 +90,15 @@ def linear_trainer(dtype, clip_grad: float, grad_accum: int) -> Trainer:
     model = nn.Linear(8, 3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    return Trainer(model, optimizer, scheduler, device=CPU, dtype=dtype, clip_grad=clip_grad,
-                   grad_accum=grad_accum)
+    return Trainer(
+        model,
+        optimizer,
+        scheduler,
+        device=CPU,
+        dtype=dtype,
+        clip_grad=clip_grad,
+        grad_accum=grad_accum,
+    )
 
 
 def test_grad_scaler_on_cpu_unscales_before_clipping_and_accumulates():
@@ -149,8 +169,9 @@ def patch_compile(monkeypatch, *, fail_in: str, on_call: int, error=InternalTorc
 
 @pytest.mark.parametrize("fail_in", ["forward", "backward"])
 @pytest.mark.parametrize("on_call", [1, 2])  # first micro-batch, or the second (after one's grads)
-def test_compile_fallback_counts_once_and_keeps_accumulated_gradients(monkeypatch, fail_in,
-                                                                      on_call):
+def test_compile_fallback_counts_once_and_keeps_accumulated_gradients(
+    monkeypatch, fail_in, on_call
+):
     data = batches(4)
     eager = make_trainer(small_net(), grad_accum=2)
     patch_compile(monkeypatch, fail_in=fail_in, on_call=on_call)

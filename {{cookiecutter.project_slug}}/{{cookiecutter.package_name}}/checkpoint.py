@@ -32,8 +32,13 @@ def rng_state(device: torch.device) -> dict:
     name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached": float(cached)},
+        "numpy": {
+            "name": name,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        },
         "torch": torch.get_rng_state(),
     }
     if device.type == "cuda":
@@ -81,16 +86,22 @@ def load(path: Path, *, config_hash: str, map_location: torch.device | str = "cp
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # truncated zip, pickle error, not a checkpoint at all
-        raise CheckpointError(f"{path} is corrupt or unreadable ({type(exc).__name__}: {exc}); "
-                              "re-run with --fresh to start over") from exc
+        raise CheckpointError(
+            f"{path} is corrupt or unreadable ({type(exc).__name__}: {exc}); "
+            "re-run with --fresh to start over"
+        ) from exc
     if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path} is not a checkpoint of this code (format version "
-                              f"{state.get('format_version') if isinstance(state, dict) else '?'}, "
-                              f"expected {FORMAT_VERSION}); re-run with --fresh")
+        raise CheckpointError(
+            f"{path} is not a checkpoint of this code (format version "
+            f"{state.get('format_version') if isinstance(state, dict) else '?'}, "
+            f"expected {FORMAT_VERSION}); re-run with --fresh"
+        )
     if state.get("config_hash") != config_hash:
-        raise CheckpointError(f"{path} belongs to another configuration (its hash "
-                              f"{state.get('config_hash')}, this run's {config_hash}); "
-                              "refusing to load it")
+        raise CheckpointError(
+            f"{path} belongs to another configuration (its hash "
+            f"{state.get('config_hash')}, this run's {config_hash}); "
+            "refusing to load it"
+        )
     return state
 
 
@@ -107,5 +118,6 @@ def load_weights(path: Path) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise CheckpointError(f"{path} is missing or unreadable ({type(exc).__name__}: {exc}); "
-                              "re-run with --fresh") from exc
+        raise CheckpointError(
+            f"{path} is missing or unreadable ({type(exc).__name__}: {exc}); re-run with --fresh"
+        ) from exc

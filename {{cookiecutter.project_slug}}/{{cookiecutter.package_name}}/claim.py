@@ -89,8 +89,10 @@ def _describe(text: str) -> str:
     fields = dict(part.split("=", 1) for part in text.split() if "=" in part)
     if "pid" not in fields:
         return "a process that is just starting (no holder recorded yet)"
-    return (f"pid {fields['pid']} on {fields.get('host', '?')} since "
-            f"{fields.get('start', '?').replace('T', ' ')}")
+    return (
+        f"pid {fields['pid']} on {fields.get('host', '?')} since "
+        f"{fields.get('start', '?').replace('T', ' ')}"
+    )
 
 
 def _read(fd: int) -> str:

@@ -33,10 +33,25 @@ MODEL_CHOICES = decorated_names(Path(__file__).with_name("model.py"), "register_
 # another GPU, with more workers or after a Ctrl-C lands in the same directory.
 EXECUTION_KEYS = frozenset(
     {
-        "device", "amp", "compile", "workers", "gpu_resident", "results_dir", "data_dir", "fresh",
+        "device",
+        "amp",
+        "compile",
+        "workers",
+        "gpu_resident",
+        "results_dir",
+        "data_dir",
+        "fresh",
         "data_mode",
-        "progress", "deterministic", "profile", "find_lr", "find_batch_size", "print_run_dir",
-        "experiment", "init_tracking", "tracking", "checkpoint_every",
+        "progress",
+        "deterministic",
+        "profile",
+        "find_lr",
+        "find_batch_size",
+        "print_run_dir",
+        "experiment",
+        "init_tracking",
+        "tracking",
+        "checkpoint_every",
     }
 )
 MAX_READABLE = 80
@@ -54,8 +69,9 @@ class Parser(argparse.ArgumentParser):
     """argparse, but a refusal is one line, `error: --flag: why`, and exit 2 (no usage dump)."""
 
     def error(self, message: str):
-        message = re.sub(r"^argument ([^:]+): ", lambda m: m.group(1).split("/")[-1] + ": ",
-                         message)
+        message = re.sub(
+            r"^argument ([^:]+): ", lambda m: m.group(1).split("/")[-1] + ": ", message
+        )
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
@@ -134,7 +150,8 @@ def _fraction(text: str) -> float:
 def _experiment(text: str) -> str:
     if not text.strip() or len(text) > MAX_EXPERIMENT_NAME:
         raise argparse.ArgumentTypeError(
-            f"must be 1 to {MAX_EXPERIMENT_NAME} characters, got {len(text)}")
+            f"must be 1 to {MAX_EXPERIMENT_NAME} characters, got {len(text)}"
+        )
     return text
 
 
@@ -144,7 +161,8 @@ def _directory(text: str) -> Path:
         if len(part.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES:
             raise argparse.ArgumentTypeError(
                 f"path component '{part[:20]}...' is {len(part)} characters; file systems "
-                f"allow {MAX_NAME_BYTES} bytes")
+                f"allow {MAX_NAME_BYTES} bytes"
+            )
     return path.resolve()
 
 
@@ -155,91 +173,203 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     e = p.add_argument_group("experiment (these define the run directory's hash)")
-    e.add_argument("--dataset", choices=DATASET_CHOICES, default="digits",
-                   help=_choices_help({k: v.help for k, v in DATASETS.items()}))
-    e.add_argument("--data-path", type=Path, default=None,
-                   help="your data (e.g. the folder of --dataset folder); part of the run's "
-                        "identity, so two datasets never share a run directory")
-    e.add_argument("--image-size", type=_image_size, default=None,
-                   help="resize images to N x N (or HxW); default: their own size")
-    e.add_argument("--model", choices=tuple(MODEL_CHOICES), default="cnn",
-                   help=_choices_help(MODEL_CHOICES))
-    e.add_argument("--synthetic-size", type=_positive_int, default=10_000,
-                   help="number of images of the synthetic dataset")
-    e.add_argument("--val-fraction", type=_fraction, default=0.1,
-                   help="fraction of the training set held out for validation / early stopping")
+    e.add_argument(
+        "--dataset",
+        choices=DATASET_CHOICES,
+        default="digits",
+        help=_choices_help({k: v.help for k, v in DATASETS.items()}),
+    )
+    e.add_argument(
+        "--data-path",
+        type=Path,
+        default=None,
+        help="your data (e.g. the folder of --dataset folder); part of the run's "
+        "identity, so two datasets never share a run directory",
+    )
+    e.add_argument(
+        "--image-size",
+        type=_image_size,
+        default=None,
+        help="resize images to N x N (or HxW); default: their own size",
+    )
+    e.add_argument(
+        "--model", choices=tuple(MODEL_CHOICES), default="cnn", help=_choices_help(MODEL_CHOICES)
+    )
+    e.add_argument(
+        "--synthetic-size",
+        type=_positive_int,
+        default=10_000,
+        help="number of images of the synthetic dataset",
+    )
+    e.add_argument(
+        "--val-fraction",
+        type=_fraction,
+        default=0.1,
+        help="fraction of the training set held out for validation / early stopping",
+    )
     e.add_argument("--width", type=_positive_int, default=64, help="channels of the first stage")
     e.add_argument("--epochs", type=_positive_int, default=20, help="maximum number of epochs")
-    e.add_argument("--max-steps", type=_non_negative_int, default=0,
-                   help="stop after exactly this many optimizer steps (0 = no limit)")
-    e.add_argument("--batch-size", type=_positive_int, default=128,
-                   help="micro-batch size; effective batch = batch size x --grad-accum")
-    e.add_argument("--lr", type=_positive_float, default=3e-3,
-                   help="peak learning rate (one-cycle schedule)")
-    e.add_argument("--weight-decay", type=_non_negative_float, default=5e-4,
-                   help="AdamW weight decay")
-    e.add_argument("--patience", type=_non_negative_int, default=5,
-                   help="early stopping: epochs without a better val accuracy (0 = off)")
-    e.add_argument("--seed", type=_seed, default=0,
-                   help="seed of the initialisation, validation split, shuffling, augmentation")
-    e.add_argument("--grad-accum", type=_positive_int, default=1,
-                   help="micro-batches per optimizer step")
-    e.add_argument("--clip-grad", type=_non_negative_float, default=0.0,
-                   help="clip the global gradient norm to this value (0 = off)")
-    e.add_argument("--ema", type=_fraction, default=0.0,
-                   help="EMA decay of the weights, e.g. 0.999; evaluated instead of them (0 = off)")
-    e.add_argument("--label-smoothing", type=_fraction, default=0.0,
-                   help="label smoothing of the cross-entropy loss")
+    e.add_argument(
+        "--max-steps",
+        type=_non_negative_int,
+        default=0,
+        help="stop after exactly this many optimizer steps (0 = no limit)",
+    )
+    e.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=128,
+        help="micro-batch size; effective batch = batch size x --grad-accum",
+    )
+    e.add_argument(
+        "--lr", type=_positive_float, default=3e-3, help="peak learning rate (one-cycle schedule)"
+    )
+    e.add_argument(
+        "--weight-decay", type=_non_negative_float, default=5e-4, help="AdamW weight decay"
+    )
+    e.add_argument(
+        "--patience",
+        type=_non_negative_int,
+        default=5,
+        help="early stopping: epochs without a better val accuracy (0 = off)",
+    )
+    e.add_argument(
+        "--seed",
+        type=_seed,
+        default=0,
+        help="seed of the initialisation, validation split, shuffling, augmentation",
+    )
+    e.add_argument(
+        "--grad-accum", type=_positive_int, default=1, help="micro-batches per optimizer step"
+    )
+    e.add_argument(
+        "--clip-grad",
+        type=_non_negative_float,
+        default=0.0,
+        help="clip the global gradient norm to this value (0 = off)",
+    )
+    e.add_argument(
+        "--ema",
+        type=_fraction,
+        default=0.0,
+        help="EMA decay of the weights, e.g. 0.999; evaluated instead of them (0 = off)",
+    )
+    e.add_argument(
+        "--label-smoothing",
+        type=_fraction,
+        default=0.0,
+        help="label smoothing of the cross-entropy loss",
+    )
 
     x = p.add_argument_group("execution (not part of the hash)")
-    x.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto = cuda when available")
-    x.add_argument("--amp", choices=("auto", "on", "off"), default="auto",
-                   help="mixed precision; auto = bf16 on GPUs of compute capability >= 8.0, fp16 + "
-                        "GradScaler below, fp32 on CPU; on: CPU bf16 only where it is native")
-    x.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
-                   help="torch.compile the step; auto = on CUDA by run length (eager < 500 steps, "
-                        "max-autotune from 5000), off on CPU and with --deterministic")
-    x.add_argument("--workers", type=_non_negative_int, default=None,
-                   help="data-loader worker processes (%(default)s: chosen from the cores this "
-                        "job may use; 0 = load in the main process)")
-    x.add_argument("--data-mode", choices=("auto", "memory", "stream"), default="auto",
-                   help="image files: decode once into RAM, or stream them from disk in "
-                        "workers; auto = memory when they take < 1/4 of the available RAM")
-    x.add_argument("--gpu-resident", choices=("auto", "on", "off"), default="auto",
-                   help="keep the dataset on the GPU; auto = when it fits comfortably")
-    x.add_argument("--deterministic", action="store_true",
-                   help="bitwise-reproducible: deterministic kernels (an op without one raises), "
-                        "TF32 and compile off; resume then matches exactly. Not across GPU "
-                        "models, drivers, torch versions or thread counts")
-    x.add_argument("--results-dir", type=_directory, default=PROJECT_ROOT / "results" / "trials",
-                   help="parent of the run directories (run.sh uses results/<sweep name>)")
-    x.add_argument("--data-dir", type=_directory, default=PROJECT_ROOT / "data",
-                   help="where datasets are downloaded / cached")
-    x.add_argument("--experiment", type=_experiment, default=DEFAULT_EXPERIMENT,
-                   help="MLflow experiment name")
-    x.add_argument("--tracking", choices=("on", "off"),
-                   default="off" if os.environ.get(TRACKING_ENV) == "off" else "on",
-                   help=f"log to MLflow (off: only the run directory; also {TRACKING_ENV}=off). "
-                   "An unreachable tracker never stops training: see README, Tracking")
-    x.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
-                   help="tqdm progress bar; auto = when stderr is a terminal")
-    x.add_argument("--checkpoint-every", type=_non_negative_float, default=300.0,
-                   help="seconds between end-of-epoch checkpoints (0 = every epoch); a stop "
-                   "signal and the end of the run always checkpoint")
-    x.add_argument("--fresh", action="store_true",
-                   help="delete this run's directory contents and start over")
+    x.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto = cuda when available",
+    )
+    x.add_argument(
+        "--amp",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="mixed precision; auto = bf16 on GPUs of compute capability >= 8.0, fp16 + "
+        "GradScaler below, fp32 on CPU; on: CPU bf16 only where it is native",
+    )
+    x.add_argument(
+        "--compile",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="torch.compile the step; auto = on CUDA by run length (eager < 500 steps, "
+        "max-autotune from 5000), off on CPU and with --deterministic",
+    )
+    x.add_argument(
+        "--workers",
+        type=_non_negative_int,
+        default=None,
+        help="data-loader worker processes (%(default)s: chosen from the cores this "
+        "job may use; 0 = load in the main process)",
+    )
+    x.add_argument(
+        "--data-mode",
+        choices=("auto", "memory", "stream"),
+        default="auto",
+        help="image files: decode once into RAM, or stream them from disk in "
+        "workers; auto = memory when they take < 1/4 of the available RAM",
+    )
+    x.add_argument(
+        "--gpu-resident",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="keep the dataset on the GPU; auto = when it fits comfortably",
+    )
+    x.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="bitwise-reproducible: deterministic kernels (an op without one raises), "
+        "TF32 and compile off; resume then matches exactly. Not across GPU "
+        "models, drivers, torch versions or thread counts",
+    )
+    x.add_argument(
+        "--results-dir",
+        type=_directory,
+        default=PROJECT_ROOT / "results" / "trials",
+        help="parent of the run directories (run.sh uses results/<sweep name>)",
+    )
+    x.add_argument(
+        "--data-dir",
+        type=_directory,
+        default=PROJECT_ROOT / "data",
+        help="where datasets are downloaded / cached",
+    )
+    x.add_argument(
+        "--experiment", type=_experiment, default=DEFAULT_EXPERIMENT, help="MLflow experiment name"
+    )
+    x.add_argument(
+        "--tracking",
+        choices=("on", "off"),
+        default="off" if os.environ.get(TRACKING_ENV) == "off" else "on",
+        help=f"log to MLflow (off: only the run directory; also {TRACKING_ENV}=off). "
+        "An unreachable tracker never stops training: see README, Tracking",
+    )
+    x.add_argument(
+        "--progress",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="tqdm progress bar; auto = when stderr is a terminal",
+    )
+    x.add_argument(
+        "--checkpoint-every",
+        type=_non_negative_float,
+        default=300.0,
+        help="seconds between end-of-epoch checkpoints (0 = every epoch); a stop "
+        "signal and the end of the run always checkpoint",
+    )
+    x.add_argument(
+        "--fresh", action="store_true", help="delete this run's directory contents and start over"
+    )
 
     t = p.add_argument_group("tools (do one thing and exit)")
     t.add_argument("--find-lr", action="store_true", help="LR range test: plot + suggestion")
-    t.add_argument("--find-batch-size", action="store_true",
-                   help="largest batch size that fits in memory, then exit")
-    t.add_argument("--profile", action="store_true",
-                   help="profile a few training steps after warm-up; trace into the run dir")
-    t.add_argument("--print-run-dir", action="store_true",
-                   help="print the absolute run directory and exit (imports no torch)")
-    t.add_argument("--init-tracking", action="store_true",
-                   help="create the MLflow DB and experiment, then exit (sweeps call it once)")
+    t.add_argument(
+        "--find-batch-size",
+        action="store_true",
+        help="largest batch size that fits in memory, then exit",
+    )
+    t.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile a few training steps after warm-up; trace into the run dir",
+    )
+    t.add_argument(
+        "--print-run-dir",
+        action="store_true",
+        help="print the absolute run directory and exit (imports no torch)",
+    )
+    t.add_argument(
+        "--init-tracking",
+        action="store_true",
+        help="create the MLflow DB and experiment, then exit (sweeps call it once)",
+    )
     return p
 
 

@@ -47,8 +47,18 @@ CIFAR10_MD5 = "c58f30108f718f92721af3b95e74349a"
 CIFAR10_TARBALL = "cifar-10-python.tar.gz"
 CIFAR10_CACHE = "cifar10.npz"
 CIFAR10_SHAPE = (3, 32, 32)
-CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse",
-                   "ship", "truck")
+CIFAR10_CLASSES = (
+    "airplane",
+    "automobile",
+    "bird",
+    "cat",
+    "deer",
+    "dog",
+    "frog",
+    "horse",
+    "ship",
+    "truck",
+)
 
 TEST_FRACTION = 0.2  # of train, for datasets that come without a test split
 TEST_SPLIT_SEED = 0  # fixed: the test set must not change with the run's seed
@@ -115,8 +125,12 @@ class DatasetInfo:
     class_names: list[str]
 
     def as_config(self) -> dict:
-        return {"num_classes": self.num_classes, "channels": self.channels,
-                "image_size": list(self.image_size), "class_names": list(self.class_names)}
+        return {
+            "num_classes": self.num_classes,
+            "channels": self.channels,
+            "image_size": list(self.image_size),
+            "class_names": list(self.class_names),
+        }
 
 
 @dataclass
@@ -163,40 +177,56 @@ def load_dataset(
     if data_path is not None and not Path(data_path).exists():
         raise ValueError(f"--data-path: {data_path} does not exist")
     data_dir = Path(data_dir)
-    options = DataOptions(data_dir=data_dir, data_path=Path(data_path) if data_path else None,
-                          image_size=image_size, synthetic_size=synthetic_size)
+    options = DataOptions(
+        data_dir=data_dir,
+        data_path=Path(data_path) if data_path else None,
+        image_size=image_size,
+        synthetic_size=synthetic_size,
+    )
     raw = entry.load(options)
     if not isinstance(raw, DatasetSplits) or raw.train is None:
         raise ValueError(f"dataset {name!r}: its function must return DatasetSplits(train=...)")
-    splits = {s: _as_split(getattr(raw, s), raw, image_size, f"{name}/{s}")
-              for s in ("train", "val", "test") if getattr(raw, s) is not None}
+    splits = {
+        s: _as_split(getattr(raw, s), raw, image_size, f"{name}/{s}")
+        for s in ("train", "val", "test")
+        if getattr(raw, s) is not None
+    }
     shapes = {split.image_shape for split in splits.values()}
     if len(shapes) > 1:
         raise ValueError(f"dataset {name!r}: splits differ in image shape {sorted(shapes)}")
-    (channels, height, width), = shapes
+    ((channels, height, width),) = shapes
     if len(splits["train"]) == 0:
         raise ValueError(f"dataset {name!r}: the training split is empty")
     labels = torch.cat([split.labels for split in splits.values()])
     num_classes = len(raw.class_names) if raw.class_names else int(labels.max()) + 1
-    class_names = [str(c) for c in raw.class_names] if raw.class_names else [
-        str(i) for i in range(num_classes)]
+    class_names = (
+        [str(c) for c in raw.class_names]
+        if raw.class_names
+        else [str(i) for i in range(num_classes)]
+    )
     for where, split in splits.items():
         _check_labels(split, f"{name}/{where}", num_classes)
     missing_in_train = set(labels.unique().tolist()) - set(splits["train"].labels.unique().tolist())
     if missing_in_train:
-        raise ValueError(f"dataset {name!r}: class(es) {sorted(missing_in_train)} appear in "
-                         "val/test but not in train")
+        raise ValueError(
+            f"dataset {name!r}: class(es) {sorted(missing_in_train)} appear in "
+            "val/test but not in train"
+        )
     streamable = any(isinstance(s, FileSplit) for s in splits.values())
     if not streamable and mode == "stream":
-        raise ValueError(f"--data-mode: dataset {name!r} is held in memory as arrays; "
-                         "streaming needs a dataset of image files (e.g. folder)")
+        raise ValueError(
+            f"--data-mode: dataset {name!r} is held in memory as arrays; "
+            "streaming needs a dataset of image files (e.g. folder)"
+        )
     if streamable and mode == "auto":
         mode = "memory" if fits_in_ram(splits.values()) else "stream"
     if not streamable:
         mode = "memory"
     elif mode == "memory":  # decoded before carving: the cache never depends on --seed
-        splits = {k: decode_cached(s, data_dir, workers) if isinstance(s, FileSplit) else s
-                  for k, s in splits.items()}
+        splits = {
+            k: decode_cached(s, data_dir, workers) if isinstance(s, FileSplit) else s
+            for k, s in splits.items()
+        }
     if "test" not in splits:  # a fixed carve: the test set never depends on --seed
         splits["train"], splits["test"] = _carve(splits["train"], TEST_FRACTION, TEST_SPLIT_SEED)
     if "val" not in splits:
@@ -224,8 +254,10 @@ def _as_split(raw, described: DatasetSplits, image_size, where: str) -> Split | 
     images = torch.as_tensor(np.asarray(images))
     labels = torch.as_tensor(np.asarray(labels)).long()
     if images.dtype != torch.uint8 or images.ndim != 4:
-        raise ValueError(f"{where}: expected uint8 images of shape (N, C, H, W), "
-                         f"got {images.dtype} {tuple(images.shape)}")
+        raise ValueError(
+            f"{where}: expected uint8 images of shape (N, C, H, W), "
+            f"got {images.dtype} {tuple(images.shape)}"
+        )
     if labels.shape != (len(images),):
         raise ValueError(f"{where}: expected {len(images)} labels, got {tuple(labels.shape)}")
     if image_size is not None and tuple(images.shape[2:]) != tuple(image_size):
@@ -258,8 +290,9 @@ def _carve(split: Split | FileSplit, fraction: float, seed: int):
 
 def _subset(split: Split | FileSplit, index: torch.Tensor) -> Split | FileSplit:
     if isinstance(split, FileSplit):
-        return FileSplit([split.paths[i] for i in index.tolist()], split.labels[index],
-                         split.image_shape)
+        return FileSplit(
+            [split.paths[i] for i in index.tolist()], split.labels[index], split.image_shape
+        )
     return Split(split.images[index], split.labels[index])
 
 
@@ -316,9 +349,11 @@ def load_digits_arrays() -> DatasetSplits:
         random_state=TEST_SPLIT_SEED,
     )
     train_idx, test_idx = torch.from_numpy(np.sort(train_idx)), torch.from_numpy(np.sort(test_idx))
-    return DatasetSplits(train=(images[train_idx], labels[train_idx]),
-                         test=(images[test_idx], labels[test_idx]),
-                         class_names=[str(d) for d in range(10)])
+    return DatasetSplits(
+        train=(images[train_idx], labels[train_idx]),
+        test=(images[test_idx], labels[test_idx]),
+        class_names=[str(d) for d in range(10)],
+    )
 
 
 def load_synthetic_arrays(data_dir: Path, size: int) -> DatasetSplits:
@@ -514,8 +549,12 @@ def decode_cached(split: FileSplit, data_dir: Path, workers: int | None = None) 
             if workers is None:
                 workers = default_workers(torch.device("cpu"), streaming=True)
             loader = torch.utils.data.DataLoader(
-                _FileDataset(split.paths, split.labels, split.image_shape), batch_size=64,
-                num_workers=workers, collate_fn=_whole_batch, worker_init_fn=_ignore_stop_signals)
+                _FileDataset(split.paths, split.labels, split.image_shape),
+                batch_size=64,
+                num_workers=workers,
+                collate_fn=_whole_batch,
+                worker_init_fn=_ignore_stop_signals,
+            )
             start = 0
             for batch, _ in loader:  # in order: no sampler shuffles here
                 images[start : start + len(batch)] = batch.permute(0, 3, 1, 2).numpy()
@@ -615,8 +654,9 @@ class Loader:
     shape); evaluation keeps it, so every sample is scored.
     """
 
-    def __init__(self, split: Split | FileSplit, batch_size: int, *, train: bool, device,
-                 seed: int):
+    def __init__(
+        self, split: Split | FileSplit, batch_size: int, *, train: bool, device, seed: int
+    ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.device = torch.device(device)
@@ -660,8 +700,9 @@ class Loader:
     def batch_indices(self) -> list[torch.Tensor]:
         """This epoch's batches as index tensors: a pure function of (seed, epoch, skip)."""
         if self.train:
-            order = torch.from_numpy(np.random.default_rng([self.seed, self.epoch]).permutation(
-                self.num_samples))
+            order = torch.from_numpy(
+                np.random.default_rng([self.seed, self.epoch]).permutation(self.num_samples)
+            )
         else:
             order = torch.arange(self.num_samples)
         batches = list(order.split(self.batch_size))[: len(self)]
@@ -772,12 +813,12 @@ class DataLoaderLoader(Loader):
     """torch DataLoader over the in-RAM array or the image files; the uint8 batch is moved to
     the device, then converted there."""
 
-    def __init__(self, split: Split | FileSplit, batch_size: int, *, workers: int | None,
-                 **kwargs):
+    def __init__(self, split: Split | FileSplit, batch_size: int, *, workers: int | None, **kwargs):
         super().__init__(split, batch_size, **kwargs)
         streaming = isinstance(split, FileSplit)
-        self.workers = (default_workers(self.device, streaming=streaming) if workers is None
-                        else workers)
+        self.workers = (
+            default_workers(self.device, streaming=streaming) if workers is None else workers
+        )
         if streaming:
             dataset = _FileDataset(split.paths, split.labels, split.image_shape)
             self._pad_batches = True
@@ -872,8 +913,9 @@ def fits_on_device(splits, device, *, max_fraction: float = 0.25) -> bool:
         splits = splits.values()
     needed = 0
     for split in splits:
-        count, (c, h, w) = (split, CIFAR10_SHAPE) if isinstance(split, int) else (
-            len(split), split.image_shape)
+        count, (c, h, w) = (
+            (split, CIFAR10_SHAPE) if isinstance(split, int) else (len(split), split.image_shape)
+        )
         p = crop_padding(h, w)
         needed += count * (c * (h + 2 * p) * (w + 2 * p) + 8)  # padded pixels + int64 label
     if device.type == "cuda":

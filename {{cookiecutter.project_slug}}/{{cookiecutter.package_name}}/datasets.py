@@ -109,8 +109,11 @@ def synthetic(options: DataOptions) -> DatasetSplits:
     return load_synthetic_arrays(options.data_dir, options.synthetic_size)
 
 
-@register_dataset("folder", needs_data_path=True,
-                  help="--data-path DIR: DIR/train/<class>/*.png|jpg, optional val/, test/")
+@register_dataset(
+    "folder",
+    needs_data_path=True,
+    help="--data-path DIR: DIR/train/<class>/*.png|jpg, optional val/, test/",
+)
 def folder(options: DataOptions) -> DatasetSplits:
     from .imagefolder import scan_image_folder
 

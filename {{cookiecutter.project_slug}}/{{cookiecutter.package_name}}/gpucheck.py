@@ -36,16 +36,29 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m {{ cookiecutter.package_name }}.gpucheck",
-                                description=__doc__.splitlines()[0])
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                   help="cuda: the checks this script exists for; cpu: a dry run of the code")
+    p = argparse.ArgumentParser(
+        prog="python -m {{ cookiecutter.package_name }}.gpucheck", description=__doc__.splitlines()[0]
+    )
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cuda: the checks this script exists for; cpu: a dry run of the code",
+    )
     p.add_argument("--steps", type=int, default=300, help="timed steps of each speed measurement")
-    p.add_argument("--batch-size", type=int, default=None,
-                   help="default: the device's rule (hardware.default_batch_size)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="default: the device's rule (hardware.default_batch_size)",
+    )
     p.add_argument("--width", type=int, default=64, help="model width (run.py's --width)")
-    p.add_argument("--compile", choices=("auto", "on", "off"), default="on",
-                   help="compile policy checked (on: the mode a long run gets)")
+    p.add_argument(
+        "--compile",
+        choices=("auto", "on", "off"),
+        default="on",
+        help="compile policy checked (on: the mode a long run gets)",
+    )
     p.add_argument("--skip-job", action="store_true", help="do not run run.py (speed of the job)")
     return p.parse_args(argv)
 
@@ -72,8 +85,16 @@ def synthetic_split(n: int, seed: int = 0):
     return Split(images, torch.randint(0, 10, (n,), generator=gen))
 
 
-def build_trainer(device, *, batch_size: int, total_steps: int, width: int = 64,
-                  compile_flag: str = "auto", deterministic: bool = False, grad_accum: int = 1):
+def build_trainer(
+    device,
+    *,
+    batch_size: int,
+    total_steps: int,
+    width: int = 64,
+    compile_flag: str = "auto",
+    deterministic: bool = False,
+    grad_accum: int = 1,
+):
     """The job's model and Trainer with the job's own policy choices (hardware.py)."""
     import torch
 
@@ -86,8 +107,15 @@ def build_trainer(device, *, batch_size: int, total_steps: int, width: int = 64,
     scheduler = train.build_scheduler(optimizer, lr, total_steps)
     dtype, _ = hardware.choose_precision(device, "auto")
     mode, _ = hardware.choose_compile(device, compile_flag, total_steps, deterministic)
-    return train.Trainer(model, optimizer, scheduler, device=device, dtype=dtype,
-                         grad_accum=grad_accum, compile_mode=mode)
+    return train.Trainer(
+        model,
+        optimizer,
+        scheduler,
+        device=device,
+        dtype=dtype,
+        grad_accum=grad_accum,
+        compile_mode=mode,
+    )
 
 
 def warm_up(trainer, batch) -> float:
@@ -112,8 +140,9 @@ def ceiling_rate(trainer, batches: list, steps: int, warmup: int) -> float:
     return steps * batches[0][1].shape[0] / (time.perf_counter() - start)
 
 
-def plain_loop_rate(split, device, *, batch_size: int, steps: int, warmup: int,
-                    tracking_dir: Path, width: int = 64) -> float:
+def plain_loop_rate(
+    split, device, *, batch_size: int, steps: int, warmup: int, tracking_dir: Path, width: int = 64
+) -> float:
     """The textbook loop: fp32, NCHW, a per-sample Dataset that converts and augments on the CPU
     (num_workers=0), `loss.item()` and a synchronous `mlflow.log_metric` every step, no
     compile."""
@@ -143,9 +172,13 @@ def plain_loop_rate(split, device, *, batch_size: int, steps: int, warmup: int,
             return (image - self.mean) / self.std, self.labels[i]  # "Normalize"
 
     torch.manual_seed(0)
-    loader = torch.utils.data.DataLoader(PerSampleDataset(split.images, split.labels),
-                                         batch_size=batch_size, shuffle=True, num_workers=0,
-                                         drop_last=True)
+    loader = torch.utils.data.DataLoader(
+        PerSampleDataset(split.images, split.labels),
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=0,
+        drop_last=True,
+    )
     model = build_model(10, width).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=5e-4)
     mlflow.set_tracking_uri(f"sqlite:///{tracking_dir / 'plain.db'}")
@@ -173,21 +206,56 @@ def plain_loop_rate(split, device, *, batch_size: int, steps: int, warmup: int,
     return steps * batch_size / (time.perf_counter() - start)
 
 
-def job_rate(device, *, batch_size: int, steps: int, synthetic_size: int, data_dir: Path,
-             results_dir: Path, extra_args: tuple[str, ...] = (), threads: int = 0,
-             width: int = 64) -> dict:
+def job_rate(
+    device,
+    *,
+    batch_size: int,
+    steps: int,
+    synthetic_size: int,
+    data_dir: Path,
+    results_dir: Path,
+    extra_args: tuple[str, ...] = (),
+    threads: int = 0,
+    width: int = 64,
+) -> dict:
     """run.py itself in a subprocess; its metrics.json (samples_per_sec: the step loop only)."""
     command = [
-        sys.executable, "run.py", "--dataset", "synthetic", "--synthetic-size", str(synthetic_size),
-        "--max-steps", str(steps), "--epochs", "1000", "--batch-size", str(batch_size),
-        "--width", str(width), "--device", device.type, "--data-dir", str(data_dir),
-        "--results-dir", str(results_dir), "--progress", "off", "--fresh", *extra_args,
+        sys.executable,
+        "run.py",
+        "--dataset",
+        "synthetic",
+        "--synthetic-size",
+        str(synthetic_size),
+        "--max-steps",
+        str(steps),
+        "--epochs",
+        "1000",
+        "--batch-size",
+        str(batch_size),
+        "--width",
+        str(width),
+        "--device",
+        device.type,
+        "--data-dir",
+        str(data_dir),
+        "--results-dir",
+        str(results_dir),
+        "--progress",
+        "off",
+        "--fresh",
+        *extra_args,
     ]
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{results_dir / 'mlflow.db'}"}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)  # torch's intra-op pool size at start-up
-    run_dir = subprocess.run([*command, "--print-run-dir"], cwd=PROJECT_ROOT, env=env,
-                             check=True, capture_output=True, text=True).stdout.strip()
+    run_dir = subprocess.run(
+        [*command, "--print-run-dir"],
+        cwd=PROJECT_ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     done = subprocess.run(command, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"run.py failed ({done.returncode}):\n{done.stderr[-2000:]}")
@@ -287,11 +355,18 @@ def check_channels_last(trainer, batch) -> tuple[bool, str]:
     from torch import nn
 
     outputs = []
-    hooks = [m.register_forward_hook(lambda _m, _i, out: outputs.append(out))
-             for m in trainer.model.modules() if isinstance(m, nn.Conv2d)]
+    hooks = [
+        m.register_forward_hook(lambda _m, _i, out: outputs.append(out))
+        for m in trainer.model.modules()
+        if isinstance(m, nn.Conv2d)
+    ]
     try:
-        with torch.no_grad(), torch.autocast(trainer.device.type, dtype=trainer.dtype,
-                                             enabled=trainer.dtype is not None):
+        with (
+            torch.no_grad(),
+            torch.autocast(
+                trainer.device.type, dtype=trainer.dtype, enabled=trainer.dtype is not None
+            ),
+        ):
             trainer.model(batch[0])
     finally:
         for hook in hooks:
@@ -300,8 +375,9 @@ def check_channels_last(trainer, batch) -> tuple[bool, str]:
     return good == len(outputs), f"{good}/{len(outputs)} conv outputs channels_last"
 
 
-def check_exact_resume(device, split, *, batch_size: int, width: int,
-                       steps: int = 6) -> tuple[bool, str]:
+def check_exact_resume(
+    device, split, *, batch_size: int, width: int, steps: int = 6
+) -> tuple[bool, str]:
     """run.py's resume path in miniature: Trainer.state_dict + checkpoint.rng_state + the
     loader's skip_batches, under --deterministic's backends."""
     import torch
@@ -315,8 +391,14 @@ def check_exact_resume(device, split, *, batch_size: int, width: int,
 
     def fresh():
         seed_everything(0)
-        trainer = build_trainer(device, batch_size=batch_size, total_steps=steps, width=width,
-                                compile_flag="off", deterministic=True)
+        trainer = build_trainer(
+            device,
+            batch_size=batch_size,
+            total_steps=steps,
+            width=width,
+            compile_flag="off",
+            deterministic=True,
+        )
         loader = build_loader(split, batch_size, train=True, device=device, seed=0)
         return trainer, loader
 
@@ -340,7 +422,8 @@ def check_exact_resume(device, split, *, batch_size: int, width: int,
     a, b = straight.model.state_dict(), resumed.model.state_dict()
     same = all(torch.equal(a[k], b[k]) for k in a)
     return same, f"{steps} straight vs {half}+checkpoint+{steps - half}: " + (
-        "bitwise equal" if same else "weights differ") + f" ({statement.split(':')[0]})"
+        "bitwise equal" if same else "weights differ"
+    ) + f" ({statement.split(':')[0]})"
 
 
 def main(argv=None) -> int:
@@ -348,8 +431,10 @@ def main(argv=None) -> int:
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        print(f"gpucheck: no CUDA device visible (torch {torch.__version__}, CUDA build "
-              f"{torch.version.cuda or 'none'}): nothing checked")
+        print(
+            f"gpucheck: no CUDA device visible (torch {torch.__version__}, CUDA build "
+            f"{torch.version.cuda or 'none'}): nothing checked"
+        )
         return 0
     from . import hardware
     from .data import build_loader
@@ -359,23 +444,37 @@ def main(argv=None) -> int:
     batch_size = args.batch_size or hardware.default_batch_size(device)
     dtype, precision_why = hardware.choose_precision(device, "auto")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"gpucheck on {name}, torch {torch.__version__}, batch {batch_size}, "
-          f"width {args.width}, {args.steps} timed steps")
+    print(
+        f"gpucheck on {name}, torch {torch.__version__}, batch {batch_size}, "
+        f"width {args.width}, {args.steps} timed steps"
+    )
     results: list[tuple[str, bool, str]] = [("precision", True, precision_why)]
 
     split = synthetic_split(max(20 * batch_size, 4096))
     loader = build_loader(split, batch_size, train=True, device=device, seed=0)
-    eval_loader = build_loader(synthetic_split(2 * batch_size, seed=1), batch_size, train=False,
-                               device=device, seed=0)
+    eval_loader = build_loader(
+        synthetic_split(2 * batch_size, seed=1), batch_size, train=False, device=device, seed=0
+    )
     batches = [b for _, b in zip(range(8), loader, strict=False)]
     total = 10 * args.steps
-    trainer = build_trainer(device, batch_size=batch_size, total_steps=total, width=args.width,
-                            compile_flag=args.compile)
+    trainer = build_trainer(
+        device,
+        batch_size=batch_size,
+        total_steps=total,
+        width=args.width,
+        compile_flag=args.compile,
+    )
     compile_s = warm_up(trainer, batches[0])
     mode, compile_why = hardware.choose_compile(device, args.compile, total)
     fell_back = mode is not None and not trainer.compiled
-    results.append(("compile", not fell_back, f"{compile_why}; warm-up {compile_s:.1f} s"
-                    + (" (compiling FAILED: eager)" if fell_back else "")))
+    results.append(
+        (
+            "compile",
+            not fell_back,
+            f"{compile_why}; warm-up {compile_s:.1f} s"
+            + (" (compiling FAILED: eager)" if fell_back else ""),
+        )
+    )
     ceiling = ceiling_rate(trainer, batches, args.steps, warmup=5)
     results.append(("sync", *check_no_sync(trainer, batches, min(args.steps, 50))))
     results.append(("recompiles", *check_no_recompiles(trainer, batches, eval_loader)))
@@ -383,30 +482,55 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="gpucheck_") as work:
         work = Path(work)
-        plain = plain_loop_rate(split, device, batch_size=batch_size, steps=min(args.steps, 100),
-                                warmup=5, tracking_dir=work, width=args.width)
+        plain = plain_loop_rate(
+            split,
+            device,
+            batch_size=batch_size,
+            steps=min(args.steps, 100),
+            warmup=5,
+            tracking_dir=work,
+            width=args.width,
+        )
         job = None
         if not args.skip_job:
-            metrics = job_rate(device, batch_size=batch_size, steps=args.steps,
-                               synthetic_size=len(split), data_dir=work / "data",
-                               results_dir=work / "results", width=args.width,
-                               extra_args=("--compile", args.compile))
+            metrics = job_rate(
+                device,
+                batch_size=batch_size,
+                steps=args.steps,
+                synthetic_size=len(split),
+                data_dir=work / "data",
+                results_dir=work / "results",
+                width=args.width,
+                extra_args=("--compile", args.compile),
+            )
             job = metrics["samples_per_sec"]
     flops = train_flops_per_sample(args.width, device)
     peak = matmul_peak(device, dtype)
     rate = job or ceiling
     mfu = rate * flops / peak
-    ratios = (f"job {job:.0f}, plain {plain:.0f}, ceiling {ceiling:.0f} samples/s; job/plain "
-              f"{job / plain:.2f}x, job/ceiling {100 * job / ceiling:.0f} %" if job else
-              f"job skipped, plain {plain:.0f}, ceiling {ceiling:.0f} samples/s")
+    ratios = (
+        f"job {job:.0f}, plain {plain:.0f}, ceiling {ceiling:.0f} samples/s; job/plain "
+        f"{job / plain:.2f}x, job/ceiling {100 * job / ceiling:.0f} %"
+        if job
+        else f"job skipped, plain {plain:.0f}, ceiling {ceiling:.0f} samples/s"
+    )
     results.append(("speed", True, ratios))
-    results.append(("MFU", True,
-                    f"{rate * flops / 1e12:.2f} TFLOP/s of {'job' if job else 'ceiling'} "
-                    f"({flops / 1e9:.2f} GFLOP/sample) vs measured matmul peak "
-                    f"{peak / 1e12:.1f} TFLOP/s ({dtype or torch.float32}): MFU {100 * mfu:.1f} %"))
+    results.append(
+        (
+            "MFU",
+            True,
+            f"{rate * flops / 1e12:.2f} TFLOP/s of {'job' if job else 'ceiling'} "
+            f"({flops / 1e9:.2f} GFLOP/sample) vs measured matmul peak "
+            f"{peak / 1e12:.1f} TFLOP/s ({dtype or torch.float32}): MFU {100 * mfu:.1f} %",
+        )
+    )
     # Last: it switches the process to deterministic kernels.
-    results.append(("resume", *check_exact_resume(device, split, batch_size=min(batch_size, 64),
-                                                  width=args.width)))
+    results.append(
+        (
+            "resume",
+            *check_exact_resume(device, split, batch_size=min(batch_size, 64), width=args.width),
+        )
+    )
 
     column = max(len(n) for n, _, _ in results)
     for check, ok, detail in results:

@@ -62,8 +62,10 @@ def choose_precision(device: torch.device, amp: str) -> tuple[torch.dtype | None
         cc = f"compute capability {capability[0]}.{capability[1]}"
         if capability >= BF16_MIN_CAPABILITY:
             return torch.bfloat16, f"bf16 autocast ({cc} >= 8.0: bf16 tensor cores)"
-        return torch.float16, (f"fp16 autocast + GradScaler ({cc} < 8.0: no bf16 tensor cores; "
-                               "fp16 needs loss scaling)")
+        return torch.float16, (
+            f"fp16 autocast + GradScaler ({cc} < 8.0: no bf16 tensor cores; "
+            "fp16 needs loss scaling)"
+        )
     if amp == "auto":
         return None, "fp32 (--amp auto keeps the CPU in fp32; --amp on for native bf16)"
     if cpu_has_native_bf16():
@@ -71,8 +73,9 @@ def choose_precision(device: torch.device, amp: str) -> tuple[torch.dtype | None
     return None, "fp32 (--amp on ignored: this CPU has no native bf16, only a slow emulation)"
 
 
-def choose_compile(device: torch.device, flag: str, total_steps: int,
-                   deterministic: bool = False) -> tuple[str | None, str]:
+def choose_compile(
+    device: torch.device, flag: str, total_steps: int, deterministic: bool = False
+) -> tuple[str | None, str]:
     """(torch.compile mode or None for eager, why), from --compile and the run's length.
 
     auto: eager on CPU, under --deterministic and for runs shorter than COMPILE_MIN_STEPS;
@@ -117,9 +120,11 @@ def setup_backends(device: torch.device, deterministic: bool) -> str:
         # breaking reproducibility. The default model and loss use only covered ops (amax
         # pooling, a gather-based cross-entropy, see train.cross_entropy).
         torch.use_deterministic_algorithms(True, warn_only=False)
-        return ("deterministic: deterministic kernels (ops without one raise), cudnn.benchmark "
-                "off, TF32 off (matmul and cuDNN), compile off. Still not reproducible: runs on "
-                "another GPU model, driver, torch version or thread count")
+        return (
+            "deterministic: deterministic kernels (ops without one raise), cudnn.benchmark "
+            "off, TF32 off (matmul and cuDNN), compile off. Still not reproducible: runs on "
+            "another GPU model, driver, torch version or thread count"
+        )
     # Undo a --deterministic run earlier in this process (a notebook, the tests): the switches
     # below are process-wide.
     torch.use_deterministic_algorithms(False)
@@ -159,4 +164,3 @@ def choose_gpu_resident(flag: str, device: torch.device, splits: dict) -> bool:
     if flag != "auto" or device.type != "cuda":
         return flag == "on" and device.type == "cuda"
     return fits_on_device(splits, device)
-

@@ -23,20 +23,25 @@ MAX_UNREADABLE_FRACTION = 0.01
 GREY_MODES = frozenset({"1", "L", "LA", "I", "I;16", "F"})
 
 
-def scan_image_folder(root: Path | None, image_size: tuple[int, int] | None,
-                      report_dir: Path | None = None) -> DatasetSplits:
+def scan_image_folder(
+    root: Path | None, image_size: tuple[int, int] | None, report_dir: Path | None = None
+) -> DatasetSplits:
     """Find the images of `root`, check them, and describe the dataset (one-line errors)."""
     if root is None:
-        raise ValueError("--data-path: the folder dataset needs --data-path DIR "
-                         "(DIR/train/<class>/*.png)")
+        raise ValueError(
+            "--data-path: the folder dataset needs --data-path DIR (DIR/train/<class>/*.png)"
+        )
     root = Path(root)
     if not (root / "train").is_dir():
-        raise ValueError(f"--data-path: {root / 'train'} is not a folder; expected "
-                         "DIR/train/<class>/*.png|jpg (and optionally DIR/val, DIR/test)")
+        raise ValueError(
+            f"--data-path: {root / 'train'} is not a folder; expected "
+            "DIR/train/<class>/*.png|jpg (and optionally DIR/val, DIR/test)"
+        )
     class_names = sorted(p.name for p in (root / "train").iterdir() if p.is_dir())
     if not class_names:
-        raise ValueError(f"--data-path: {root / 'train'} has no class folders "
-                         "(expected train/<class>/*.png)")
+        raise ValueError(
+            f"--data-path: {root / 'train'} has no class folders (expected train/<class>/*.png)"
+        )
     files: dict[str, list[tuple[Path, int]]] = {}
     for split in SPLIT_DIRS:
         split_dir = root / split
@@ -45,13 +50,20 @@ def scan_image_folder(root: Path | None, image_size: tuple[int, int] | None,
         found = []
         for class_dir in sorted(p for p in split_dir.iterdir() if p.is_dir()):
             if class_dir.name not in class_names:
-                raise ValueError(f"--data-path: class {class_dir.name!r} is in {split}/ but not "
-                                 f"in train/ (train has: {', '.join(class_names)})")
-            images = sorted(p for p in class_dir.iterdir()
-                            if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+                raise ValueError(
+                    f"--data-path: class {class_dir.name!r} is in {split}/ but not "
+                    f"in train/ (train has: {', '.join(class_names)})"
+                )
+            images = sorted(
+                p
+                for p in class_dir.iterdir()
+                if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()
+            )
             if not images and split == "train":
-                raise ValueError(f"--data-path: class folder {class_dir} has no images "
-                                 f"({', '.join(IMAGE_EXTENSIONS)})")
+                raise ValueError(
+                    f"--data-path: class folder {class_dir} has no images "
+                    f"({', '.join(IMAGE_EXTENSIONS)})"
+                )
             found += [(p, class_names.index(class_dir.name)) for p in images]
         files[split] = found
     total = sum(map(len, files.values()))
@@ -74,17 +86,21 @@ def scan_image_folder(root: Path | None, image_size: tuple[int, int] | None,
     if unreadable:
         listing = _write_unreadable_list(root, unreadable, report_dir)
         if len(unreadable) > MAX_UNREADABLE_FRACTION * total:
-            raise ValueError(f"--data-path: {len(unreadable)} of {total} images are unreadable "
-                             f"(more than {100 * MAX_UNREADABLE_FRACTION:g}%; list in {listing})")
+            raise ValueError(
+                f"--data-path: {len(unreadable)} of {total} images are unreadable "
+                f"(more than {100 * MAX_UNREADABLE_FRACTION:g}%; list in {listing})"
+            )
         notes.append(f"skipped {len(unreadable)} unreadable image(s) of {total}; list in {listing}")
     if not readable["train"]:
         raise ValueError(f"--data-path: no readable training images under {root / 'train'}")
     if image_size is None:
         if len(sizes) > 1:
             examples = ", ".join(f"{w}x{h}" for w, h in sorted(sizes)[:3])
-            raise ValueError(f"--image-size: the images have {len(sizes)} different sizes "
-                             f"(e.g. {examples}); pass --image-size N to resize them all to NxN")
-        (width, height), = sizes
+            raise ValueError(
+                f"--image-size: the images have {len(sizes)} different sizes "
+                f"(e.g. {examples}); pass --image-size N to resize them all to NxN"
+            )
+        ((width, height),) = sizes
         image_size = (height, width)
     channels = 1 if modes <= GREY_MODES else 3  # RGBA, palette, CMYK... become RGB
 
@@ -93,9 +109,15 @@ def scan_image_folder(root: Path | None, image_size: tuple[int, int] | None,
             return None
         return ImageFiles([str(p) for p, _ in readable[split]], [y for _, y in readable[split]])
 
-    return DatasetSplits(train=split_files("train"), val=split_files("val"),
-                         test=split_files("test"), class_names=class_names, channels=channels,
-                         image_size=image_size, notes=notes)
+    return DatasetSplits(
+        train=split_files("train"),
+        val=split_files("val"),
+        test=split_files("test"),
+        class_names=class_names,
+        channels=channels,
+        image_size=image_size,
+        notes=notes,
+    )
 
 
 def _write_unreadable_list(root: Path, lines: list[str], report_dir: Path | None) -> Path:

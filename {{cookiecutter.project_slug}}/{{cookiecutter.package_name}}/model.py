@@ -46,13 +46,15 @@ def register_model(name: str, *, help: str = ""):
     return add
 
 
-def create_model(name: str, *, num_classes: int, channels: int, image_size: tuple[int, int],
-                 width: int) -> nn.Module:
+def create_model(
+    name: str, *, num_classes: int, channels: int, image_size: tuple[int, int], width: int
+) -> nn.Module:
     """Build the registered model `name` for a dataset's shape and class count."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
-    return MODELS[name].build(num_classes=num_classes, channels=channels,
-                              image_size=tuple(image_size), width=width)
+    return MODELS[name].build(
+        num_classes=num_classes, channels=channels, image_size=tuple(image_size), width=width
+    )
 
 
 def conv_bn_relu(in_channels: int, out_channels: int) -> nn.Sequential:
@@ -127,8 +129,10 @@ def build_model(num_classes: int = 10, width: int = 64, *, channels: int = 3) ->
 @register_model("cnn", help="small ResNet-style CNN for small images (the default)")
 def cnn(num_classes: int, channels: int, image_size: tuple[int, int], width: int) -> nn.Module:
     if min(image_size) < 8:
-        raise ValueError(f"--model cnn: images must be at least 8x8 (three 2x poolings), "
-                         f"got {image_size[0]}x{image_size[1]}")
+        raise ValueError(
+            f"--model cnn: images must be at least 8x8 (three 2x poolings), "
+            f"got {image_size[0]}x{image_size[1]}"
+        )
     return build_model(num_classes, width, channels=channels)
 
 
@@ -167,25 +171,30 @@ class ResNet18(nn.Module):
     every stage); smaller ones CIFAR's 3x3 stem, which keeps their little resolution.
     """
 
-    def __init__(self, num_classes: int, channels: int, image_size: tuple[int, int],
-                 width: int = 64):
+    def __init__(
+        self, num_classes: int, channels: int, image_size: tuple[int, int], width: int = 64
+    ):
         super().__init__()
         if min(image_size) >= 64:
             self.stem = nn.Sequential(
                 nn.Conv2d(channels, width, 7, stride=2, padding=3, bias=False),
-                nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+                nn.BatchNorm2d(width),
+                nn.ReLU(inplace=True),
                 nn.MaxPool2d(3, stride=2, padding=1),
             )
         else:
             self.stem = nn.Sequential(
                 nn.Conv2d(channels, width, 3, padding=1, bias=False),
-                nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+                nn.BatchNorm2d(width),
+                nn.ReLU(inplace=True),
             )
         blocks, in_channels = [], width
         for i, out_channels in enumerate((width, 2 * width, 4 * width, 8 * width)):
             stride = 1 if i == 0 else 2
-            blocks += [BasicBlock(in_channels, out_channels, stride),
-                       BasicBlock(out_channels, out_channels, 1)]
+            blocks += [
+                BasicBlock(in_channels, out_channels, stride),
+                BasicBlock(out_channels, out_channels, 1),
+            ]
             in_channels = out_channels
         self.blocks = nn.Sequential(*blocks)
         self.fc = nn.Linear(in_channels, num_classes)
@@ -201,6 +210,5 @@ class ResNet18(nn.Module):
 
 
 @register_model("resnet18", help="ResNet-18 (11 M parameters at width 64) for larger images")
-def resnet18(num_classes: int, channels: int, image_size: tuple[int, int],
-             width: int) -> nn.Module:
+def resnet18(num_classes: int, channels: int, image_size: tuple[int, int], width: int) -> nn.Module:
     return ResNet18(num_classes, channels, image_size, width)

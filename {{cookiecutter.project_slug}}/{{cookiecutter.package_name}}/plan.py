@@ -95,8 +95,9 @@ def one_parser() -> Iterator[None]:
         config.build_parser = build
 
 
-def plan(jobs: list[list[str]], where: Callable[[list[str]], Path] = resolve
-         ) -> list[tuple[str, str, str]]:
+def plan(
+    jobs: list[list[str]], where: Callable[[list[str]], Path] = resolve
+) -> list[tuple[str, str, str]]:
     """(state, run_dir, note) per job; `where` maps a command line to its run directory."""
     with one_parser():
         return [_plan_one(argv, where) for argv in jobs]
@@ -111,8 +112,11 @@ def _plan_one(argv: list[str], where: Callable[[list[str]], Path]) -> tuple[str,
     return state, str(directory), note
 
 
-def main(where: Callable[[list[str]], Path] = resolve, stdin: BinaryIO | None = None,
-         stdout: BinaryIO | None = None) -> int:
+def main(
+    where: Callable[[list[str]], Path] = resolve,
+    stdin: BinaryIO | None = None,
+    stdout: BinaryIO | None = None,
+) -> int:
     stdin = stdin or sys.stdin.buffer
     stdout = stdout or sys.stdout.buffer
     try:

@@ -17,15 +17,22 @@ def decorated_names(source: Path, decorator: str) -> dict[str, str]:
         if not isinstance(node, ast.FunctionDef):
             continue
         for deco in node.decorator_list:
-            if not (isinstance(deco, ast.Call) and isinstance(deco.func, ast.Name)
-                    and deco.func.id == decorator and deco.args):
+            if not (
+                isinstance(deco, ast.Call)
+                and isinstance(deco.func, ast.Name)
+                and deco.func.id == decorator
+                and deco.args
+            ):
                 continue
             try:
                 name = ast.literal_eval(deco.args[0])
-                help_text = next((ast.literal_eval(k.value) for k in deco.keywords
-                                  if k.arg == "help"), "")
+                help_text = next(
+                    (ast.literal_eval(k.value) for k in deco.keywords if k.arg == "help"), ""
+                )
             except ValueError as e:
-                raise ValueError(f"{source}:{deco.lineno}: @{decorator} needs string literals "
-                                 "(config.py reads them without importing the module)") from e
+                raise ValueError(
+                    f"{source}:{deco.lineno}: @{decorator} needs string literals "
+                    "(config.py reads them without importing the module)"
+                ) from e
             names[name] = help_text
     return names

@@ -33,7 +33,14 @@ LOG = "run.log"
 LOCK = ".lock"  # held (flock) by the process training this directory: see claim.py
 STATUSES = ("running", "interrupted", "failed", "finished")
 HISTORY_FIELDS = (
-    "epoch", "step", "lr", "train_loss", "train_acc", "val_loss", "val_acc", "epoch_time_s",
+    "epoch",
+    "step",
+    "lr",
+    "train_loss",
+    "train_acc",
+    "val_loss",
+    "val_acc",
+    "epoch_time_s",
     "samples_per_sec",
 )
 
@@ -187,9 +194,12 @@ def ensure_writable(directory: Path, need_bytes: int = 0) -> None:
             os.fsync(f.fileno())
     except OSError as exc:
         if is_disk_error(exc):
-            raise OSError(exc.errno, f"{directory} has no room for this run: it needs about "
-                          f"{need_bytes / 2**20:.0f} MiB for its checkpoints "
-                          f"({exc.strerror})") from exc
+            raise OSError(
+                exc.errno,
+                f"{directory} has no room for this run: it needs about "
+                f"{need_bytes / 2**20:.0f} MiB for its checkpoints "
+                f"({exc.strerror})",
+            ) from exc
         raise OSError(exc.errno, f"cannot write to {directory}: {exc.strerror or exc}") from exc
 
 
@@ -216,11 +226,17 @@ def git_state(root: Path) -> tuple[str | None, bool | None]:
     try:
         commit = subprocess.run(
             ["git", "-C", str(root), "rev-parse", "HEAD"],
-            capture_output=True, text=True, timeout=10, check=True,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
         ).stdout.strip()
         porcelain = subprocess.run(
             ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, timeout=10, check=True,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
         ).stdout
         return commit, bool(porcelain.strip())
     except (OSError, subprocess.SubprocessError):

@@ -33,8 +33,9 @@ class Progress:
 class TrainingState:
     """Progress + Trainer + early stopping, checkpointed together and restored together."""
 
-    def __init__(self, trainer, stopper: EarlyStopping, *, device: torch.device,
-                 config_hash: str) -> None:
+    def __init__(
+        self, trainer, stopper: EarlyStopping, *, device: torch.device, config_hash: str
+    ) -> None:
         self.trainer, self.stopper, self.device = trainer, stopper, device
         self.config_hash = config_hash
         self.progress = Progress()
@@ -49,9 +50,13 @@ class TrainingState:
     def state_dict(self) -> dict:
         early = self.stopper.state_dict()
         early.pop("best_state", None)  # the best weights are in best_model.pt, not twice on disk
-        return {"trainer": self.trainer.state_dict(), "early_stopping": early,
-                "progress": dataclasses.asdict(self.progress), "rng": ckpt.rng_state(self.device),
-                "config_hash": self.config_hash}
+        return {
+            "trainer": self.trainer.state_dict(),
+            "early_stopping": early,
+            "progress": dataclasses.asdict(self.progress),
+            "rng": ckpt.rng_state(self.device),
+            "config_hash": self.config_hash,
+        }
 
     def save(self, path: Path) -> None:
         self.tick()
@@ -76,8 +81,9 @@ class TrainingState:
             self.stopper.load_state_dict(early)
             self.progress = Progress(**state["progress"])
         except (KeyError, TypeError, ValueError) as exc:
-            raise ckpt.CheckpointError(f"{path} does not fit this code ({type(exc).__name__}: "
-                                       f"{exc}); re-run with --fresh") from exc
+            raise ckpt.CheckpointError(
+                f"{path} does not fit this code ({type(exc).__name__}: {exc}); re-run with --fresh"
+            ) from exc
         note = ckpt.set_rng_state(state["rng"], self.device)
         if note:
             log.warning(note)

@@ -48,11 +48,16 @@ def _stdin_is_a_terminal() -> bool:
 class GracefulStop:
     """Context manager: `requested` is None, or the name of the first stop signal received."""
 
-    def __init__(self, log: logging.Logger | None = None, grace_s: float | None = None,
-                 interactive: bool | None = None) -> None:
+    def __init__(
+        self,
+        log: logging.Logger | None = None,
+        grace_s: float | None = None,
+        interactive: bool | None = None,
+    ) -> None:
         self.log = log or logging.getLogger(__name__)
-        self.grace_s = float(os.environ.get(GRACE_ENV, DEFAULT_GRACE_S)) if grace_s is None \
-            else grace_s
+        self.grace_s = (
+            float(os.environ.get(GRACE_ENV, DEFAULT_GRACE_S)) if grace_s is None else grace_s
+        )
         self.interactive = _stdin_is_a_terminal() if interactive is None else interactive
         self.requested: str | None = None
         self.on_force_exit: Callable[[], None] | None = None  # e.g. mark the status file
@@ -64,8 +69,9 @@ class GracefulStop:
         name = signal.Signals(signum).name
         if self.requested is None:
             self.requested, self._first_at = name, time.monotonic()
-            self.log.warning("%s received: finishing the current step, then checkpoint and exit",
-                             name)
+            self.log.warning(
+                "%s received: finishing the current step, then checkpoint and exit", name
+            )
             return
         late = time.monotonic() - self._first_at > self.grace_s
         if (signum == signal.SIGINT and self.interactive) or late:
@@ -77,8 +83,11 @@ class GracefulStop:
             os._exit(EXIT_FORCED)
         self._ignored += 1
         if self._ignored == 1:  # one line, however long the burst
-            self.log.info("%s received again: already stopping (signals within %.0fs are one "
-                          "request)", name, self.grace_s)
+            self.log.info(
+                "%s received again: already stopping (signals within %.0fs are one request)",
+                name,
+                self.grace_s,
+            )
 
     def __enter__(self) -> GracefulStop:
         for sig in STOP_SIGNALS:
@@ -89,6 +98,7 @@ class GracefulStop:
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
 
+
 class NonFiniteLoss(RuntimeError):
     """The training loss became nan/inf: the run fails, its last good checkpoint is kept."""
 
@@ -96,9 +106,11 @@ class NonFiniteLoss(RuntimeError):
 def check_finite(mean_loss: float, epoch: int, first_step: int, last_step: int) -> None:
     """Fail clearly when the accumulated loss of an interval is nan/inf (checked once per epoch)."""
     if mean_loss != mean_loss or mean_loss in (float("inf"), float("-inf")):
-        raise NonFiniteLoss(f"non-finite training loss ({mean_loss}) in epoch {epoch}, between "
-                            f"optimizer steps {first_step} and {last_step}; the last good "
-                            "checkpoint is kept (try a lower --lr or --clip-grad)")
+        raise NonFiniteLoss(
+            f"non-finite training loss ({mean_loss}) in epoch {epoch}, between "
+            f"optimizer steps {first_step} and {last_step}; the last good "
+            "checkpoint is kept (try a lower --lr or --clip-grad)"
+        )
 
 
 class EarlyStopping:
@@ -133,9 +145,13 @@ class EarlyStopping:
             model.load_state_dict(self.best_state)
 
     def state_dict(self) -> dict:
-        return {"patience": self.patience, "best_score": self.best_score,
-                "best_epoch": self.best_epoch, "bad_epochs": self.bad_epochs,
-                "best_state": self.best_state}
+        return {
+            "patience": self.patience,
+            "best_score": self.best_score,
+            "best_epoch": self.best_epoch,
+            "bad_epochs": self.bad_epochs,
+            "best_state": self.best_state,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.patience = state["patience"]

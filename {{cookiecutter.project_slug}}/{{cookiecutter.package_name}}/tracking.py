@@ -42,8 +42,11 @@ STATE_FILE = "tracking.json"
 RETRY_AFTER_S = 60.0  # after a failure, try the tracker again at the next epoch this much later
 ARTIFACT_MAX_BYTES = 200 * 2**20  # larger best_model.pt files stay in the run directory only
 SYSTEM_METRICS_INTERVAL_S = 10.0  # CPU/RAM (psutil) and GPU (nvidia-ml-py) sampling period
-HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "5", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
-                 "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
+HTTP_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+}
 
 
 def tracking_uri() -> str:
@@ -102,8 +105,9 @@ def init(experiment: str = DEFAULT_EXPERIMENT, client=None) -> str:
     if found is not None:
         return found.experiment_id
     try:
-        return client.create_experiment(experiment,
-                                        artifact_location=_artifact_location(tracking_uri()))
+        return client.create_experiment(
+            experiment, artifact_location=_artifact_location(tracking_uri())
+        )
     except Exception:  # another job created it between our two calls
         found = client.get_experiment_by_name(experiment)
         if found is None:
@@ -140,9 +144,18 @@ class Tracker:
     MLflow run and sends each row once.
     """
 
-    def __init__(self, run_dir: Path, *, enabled: bool, experiment: str, run_name: str,
-                 log: logging.Logger, params: dict | None = None, tags: dict | None = None,
-                 system_metrics: bool = True) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        enabled: bool,
+        experiment: str,
+        run_name: str,
+        log: logging.Logger,
+        params: dict | None = None,
+        tags: dict | None = None,
+        system_metrics: bool = True,
+    ) -> None:
         self.run_dir, self.log, self.enabled = Path(run_dir), log, enabled
         self.experiment, self.run_name = experiment, run_name
         self.params, self.tags = params or {}, tags or {}
@@ -180,8 +193,14 @@ class Tracker:
                 self.log.warning(
                     "MLflow (%s) failed to %s: %s: %s -- training goes on; the run directory "
                     "keeps everything and unsent metrics follow later (or run `python -m "
-                    "%s.tracking sync %s`)", tracking_uri(), what, type(exc).__name__,
-                    first_line, __package__, self.run_dir)
+                    "%s.tracking sync %s`)",
+                    tracking_uri(),
+                    what,
+                    type(exc).__name__,
+                    first_line,
+                    __package__,
+                    self.run_dir,
+                )
             return None
         if self._failed_at is not None:
             self.log.info("MLflow reachable again")
@@ -198,8 +217,11 @@ class Tracker:
                 self.client.update_run(self.run_id, status="RUNNING")
                 return
             except Exception as exc:  # e.g. another MLFLOW_TRACKING_URI than the first attempt
-                self.log.warning("MLflow run %s not found (%s); starting a new one", self.run_id,
-                                 str(exc).splitlines()[0][:200])
+                self.log.warning(
+                    "MLflow run %s not found (%s); starting a new one",
+                    self.run_id,
+                    str(exc).splitlines()[0][:200],
+                )
                 self.state = {}
         experiment_id = init(self.experiment, self.client)
         run_id = self.client.create_run(experiment_id, run_name=self.run_name).info.run_id
@@ -219,8 +241,11 @@ class Tracker:
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
         self.monitor = SystemMetricsMonitor(
-            self.run_id, sampling_interval=SYSTEM_METRICS_INTERVAL_S, resume_logging=True,
-            tracking_uri=tracking_uri())
+            self.run_id,
+            sampling_interval=SYSTEM_METRICS_INTERVAL_S,
+            resume_logging=True,
+            tracking_uri=tracking_uri(),
+        )
         self.monitor.start()
 
     def _save_state(self) -> None:
@@ -242,35 +267,59 @@ class Tracker:
         if start >= len(history):
             return
         now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, int(row["epoch"])) for row in history[start:]
-                 for k, v in row.items() if k not in ("epoch", "step") and v is not None]
+        batch = [
+            Metric(k, float(v), now, int(row["epoch"]))
+            for row in history[start:]
+            for k, v in row.items()
+            if k not in ("epoch", "step") and v is not None
+        ]
         self.client.log_batch(self.run_id, metrics=batch)
         self.state["sent_rows"] = len(history)
         self._save_state()
 
-    def end(self, status: str, history: list[dict], *, metrics: dict | None = None,
-            tags: dict | None = None, artifacts: list[Path] = (), error: str | None = None) -> None:
+    def end(
+        self,
+        status: str,
+        history: list[dict],
+        *,
+        metrics: dict | None = None,
+        tags: dict | None = None,
+        artifacts: list[Path] = (),
+        error: str | None = None,
+    ) -> None:
         """Send what is missing, attach files, end the MLflow run: FINISHED, KILLED or FAILED."""
         self.log_history(history)
         if self.ready:
-            self._guard("end the MLflow run", self._end, status, metrics or {}, tags or {},
-                        list(artifacts), error)
+            self._guard(
+                "end the MLflow run",
+                self._end,
+                status,
+                metrics or {},
+                tags or {},
+                list(artifacts),
+                error,
+            )
         self.close()
 
-    def _end(self, status: str, metrics: dict, tags: dict, artifacts: list[Path],
-             error: str | None) -> None:
+    def _end(
+        self, status: str, metrics: dict, tags: dict, artifacts: list[Path], error: str | None
+    ) -> None:
         from mlflow.entities import Metric, RunTag
 
         if self.state.get("ended") == status:
             return
         step = int(metrics.get("steps", 0))
         now = int(time.time() * 1000)
-        numbers = [Metric(k, float(v), now, step) for k, v in metrics.items()
-                   if isinstance(v, int | float) and not isinstance(v, bool)]
+        numbers = [
+            Metric(k, float(v), now, step)
+            for k, v in metrics.items()
+            if isinstance(v, int | float) and not isinstance(v, bool)
+        ]
         if error:
             tags = {**tags, "error": error.strip().splitlines()[-1][:4000]}
-        self.client.log_batch(self.run_id, metrics=numbers,
-                              tags=[RunTag(k, str(v)[:8000]) for k, v in tags.items()])
+        self.client.log_batch(
+            self.run_id, metrics=numbers, tags=[RunTag(k, str(v)[:8000]) for k, v in tags.items()]
+        )
         for path in artifacts:
             if path.is_file() and path.stat().st_size <= ARTIFACT_MAX_BYTES:
                 self.client.log_artifact(self.run_id, str(path))
@@ -304,8 +353,10 @@ def _history_rows(run_dir: Path) -> list[dict]:
     except (OSError, ValueError):
         return []
     names = list(columns)
-    return [dict(zip(names, map(float, values), strict=True))
-            for values in zip(*columns.values(), strict=True)]
+    return [
+        dict(zip(names, map(float, values), strict=True))
+        for values in zip(*columns.values(), strict=True)
+    ]
 
 
 MLFLOW_STATUS = {"finished": "FINISHED", "interrupted": "KILLED", "failed": "FAILED"}
@@ -315,31 +366,52 @@ def sync(run_dir: Path, log: logging.Logger) -> bool:
     """Send to MLflow what a run directory holds and its tracker missed; True if all arrived."""
     config = json.loads((run_dir / runs.CONFIG).read_text(encoding="utf-8"))
     status = (run_dir / runs.STATUS).read_text(encoding="utf-8").strip()
-    tracker = Tracker(run_dir, enabled=True, experiment=config.get("experiment",
-                      DEFAULT_EXPERIMENT), run_name=run_dir.name, log=log,
-                      params={k: config[k] for k in config.get("experiment_keys", [])
-                              if k in config},
-                      tags={"run_dir": str(run_dir), "synced_later": "true"},
-                      system_metrics=False)
+    tracker = Tracker(
+        run_dir,
+        enabled=True,
+        experiment=config.get("experiment", DEFAULT_EXPERIMENT),
+        run_name=run_dir.name,
+        log=log,
+        params={k: config[k] for k in config.get("experiment_keys", []) if k in config},
+        tags={"run_dir": str(run_dir), "synced_later": "true"},
+        system_metrics=False,
+    )
     history = _history_rows(run_dir)
     if status in MLFLOW_STATUS:
-        tracker.end(MLFLOW_STATUS[status], history, metrics=runs.read_metrics(run_dir),
-                    artifacts=[run_dir / runs.CONFIG, run_dir / runs.HISTORY])
+        tracker.end(
+            MLFLOW_STATUS[status],
+            history,
+            metrics=runs.read_metrics(run_dir),
+            artifacts=[run_dir / runs.CONFIG, run_dir / runs.HISTORY],
+        )
     else:
         tracker.log_history(history)
     state = tracker.state
-    return bool(state.get("run_id")) and state.get("sent_rows", 0) >= len(history) and (
-        status not in MLFLOW_STATUS or state.get("ended") == MLFLOW_STATUS[status])
+    return (
+        bool(state.get("run_id"))
+        and state.get("sent_rows", 0) >= len(history)
+        and (status not in MLFLOW_STATUS or state.get("ended") == MLFLOW_STATUS[status])
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=f"python -m {__package__}.tracking", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=("init", "uri", "sync"),
-                   help="init: create the DB and the experiment; uri: print the tracking URI; "
-                   "sync: send what run directories hold and MLflow missed")
-    p.add_argument("paths", nargs="*", type=Path,
-                   help="sync: run directories, or folders holding them (e.g. results/sweep)")
+    p = argparse.ArgumentParser(
+        prog=f"python -m {__package__}.tracking",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "command",
+        choices=("init", "uri", "sync"),
+        help="init: create the DB and the experiment; uri: print the tracking URI; "
+        "sync: send what run directories hold and MLflow missed",
+    )
+    p.add_argument(
+        "paths",
+        nargs="*",
+        type=Path,
+        help="sync: run directories, or folders holding them (e.g. results/sweep)",
+    )
     p.add_argument("--experiment", default=DEFAULT_EXPERIMENT, help="MLflow experiment name")
     args = p.parse_args(argv)
     if args.command == "uri":
@@ -347,8 +419,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "init":
         experiment_id = init(args.experiment)
-        print(f"MLflow ready: {tracking_uri()} (experiment {args.experiment!r}, "
-              f"id {experiment_id})")
+        print(
+            f"MLflow ready: {tracking_uri()} (experiment {args.experiment!r}, id {experiment_id})"
+        )
         return 0
     log = logging.getLogger("tracking.sync")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -356,9 +429,10 @@ def main(argv: list[str] | None = None) -> int:
     if not run_dirs:
         p.error("sync: no run directory (a folder with config.json) under the given paths")
     missing = [d for d in run_dirs if not sync(d, log)]
-    print(f"synced {len(run_dirs) - len(missing)} of {len(run_dirs)} run directories to "
-          f"{tracking_uri()}" + (f"; not reached: {', '.join(map(str, missing))}" if missing
-                                  else ""))
+    print(
+        f"synced {len(run_dirs) - len(missing)} of {len(run_dirs)} run directories to "
+        f"{tracking_uri()}" + (f"; not reached: {', '.join(map(str, missing))}" if missing else "")
+    )
     return 1 if missing else 0
 
 

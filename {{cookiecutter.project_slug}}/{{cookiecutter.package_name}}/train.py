@@ -27,8 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor,
-                  label_smoothing: float = 0.0) -> torch.Tensor:
+def cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0
+) -> torch.Tensor:
     """Mean cross-entropy from log_softmax + gather: equal to F.cross_entropy (tested), and
     deterministic on CUDA, where NLLLoss has no deterministic kernel (torch raises under
     --deterministic)."""
@@ -39,14 +40,17 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor,
     return nll.mean()
 
 
-def build_optimizer(model: nn.Module, lr: float, weight_decay: float,
-                    device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, lr: float, weight_decay: float, device: torch.device
+) -> torch.optim.Optimizer:
     """AdamW; no weight decay on norms and biases (1-d tensors); fused kernel on CUDA (it also
     does GradScaler's inf check on the device, without a host sync)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
-    groups = [{"params": decay, "weight_decay": weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW(groups, lr=lr, fused=device.type == "cuda")
 
 
@@ -71,12 +75,19 @@ class EMA:
         self.decay, self.updates = decay, 0
         self.module = copy.deepcopy(model)
         self.module.requires_grad_(False)
-        pairs = list(zip(itertools.chain(self.module.parameters(), self.module.buffers()),
-                         itertools.chain(model.parameters(), model.buffers()), strict=True))
+        pairs = list(
+            zip(
+                itertools.chain(self.module.parameters(), self.module.buffers()),
+                itertools.chain(model.parameters(), model.buffers()),
+                strict=True,
+            )
+        )
         # Collected once: the same tensor objects live for the whole run (load_state_dict
         # copies into them in place).
-        self._float = ([e.detach() for e, m in pairs if e.is_floating_point()],
-                       [m.detach() for e, m in pairs if e.is_floating_point()])
+        self._float = (
+            [e.detach() for e, m in pairs if e.is_floating_point()],
+            [m.detach() for e, m in pairs if e.is_floating_point()],
+        )
         self._other = [(e, m) for e, m in pairs if not e.is_floating_point()]
 
     @torch.no_grad()
@@ -103,18 +114,40 @@ def build_ema(model: nn.Module, decay: float) -> EMA | None:
     return EMA(model, decay) if decay > 0 else None
 
 
-def build_trainer(model: nn.Module, args, *, device: torch.device, dtype: torch.dtype | None,
-                  compile_mode: str | None, total_steps: int, log: logging.Logger) -> Trainer:
+def build_trainer(
+    model: nn.Module,
+    args,
+    *,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    compile_mode: str | None,
+    total_steps: int,
+    log: logging.Logger,
+) -> Trainer:
     """The Trainer a run's arguments describe: AdamW, one-cycle schedule, EMA, loss, compile."""
     optimizer = build_optimizer(model, args.lr, args.weight_decay, device)
-    return Trainer(model, optimizer, build_scheduler(optimizer, args.lr, total_steps),
-                   device=device, dtype=dtype, grad_accum=args.grad_accum,
-                   clip_grad=args.clip_grad, ema=build_ema(model, args.ema),
-                   label_smoothing=args.label_smoothing, compile_mode=compile_mode, log=log)
+    return Trainer(
+        model,
+        optimizer,
+        build_scheduler(optimizer, args.lr, total_steps),
+        device=device,
+        dtype=dtype,
+        grad_accum=args.grad_accum,
+        clip_grad=args.clip_grad,
+        ema=build_ema(model, args.ema),
+        label_smoothing=args.label_smoothing,
+        compile_mode=compile_mode,
+        log=log,
+    )
 
 
-def forward_and_sums(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                     dtype: torch.dtype | None, label_smoothing: float):
+def forward_and_sums(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    dtype: torch.dtype | None,
+    label_smoothing: float,
+):
     """(mean loss, loss summed over the batch, correct count): the region torch.compile sees."""
     with torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None):
         logits = model(x)
@@ -129,8 +162,10 @@ def compiler_errors() -> tuple[type[BaseException], ...]:
     import torch._inductor.exc as inductor_exc
 
     names = ("InductorError", "OperatorIssue", "CppCompileError", "InvalidCxxCompiler")
-    return (dynamo_exc.TorchDynamoException,
-            *(getattr(inductor_exc, n) for n in names if hasattr(inductor_exc, n)))
+    return (
+        dynamo_exc.TorchDynamoException,
+        *(getattr(inductor_exc, n) for n in names if hasattr(inductor_exc, n)),
+    )
 
 
 class Trainer:
@@ -142,10 +177,21 @@ class Trainer:
     reads them (the one sync point, once per epoch).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, *,
-                 device: torch.device, dtype: torch.dtype | None, grad_accum: int = 1,
-                 clip_grad: float = 0.0, ema: EMA | None = None, label_smoothing: float = 0.0,
-                 compile_mode: str | None = None, log: logging.Logger | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler,
+        *,
+        device: torch.device,
+        dtype: torch.dtype | None,
+        grad_accum: int = 1,
+        clip_grad: float = 0.0,
+        ema: EMA | None = None,
+        label_smoothing: float = 0.0,
+        compile_mode: str | None = None,
+        log: logging.Logger | None = None,
+    ) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.device, self.dtype, self.ema = device, dtype, ema
         self.grad_accum, self.clip_grad = grad_accum, clip_grad
@@ -154,8 +200,9 @@ class Trainer:
         # fp16 needs loss scaling to keep small gradients; bf16 has fp32's range and does not.
         self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         self.compile_mode = compile_mode
-        self.forward = (torch.compile(forward_and_sums, mode=compile_mode) if compile_mode
-                        else forward_and_sums)
+        self.forward = (
+            torch.compile(forward_and_sums, mode=compile_mode) if compile_mode else forward_and_sums
+        )
         self._first_step_done = False
         self.reset_sums()
 
@@ -177,8 +224,11 @@ class Trainer:
 
     def _fall_back(self, exc: BaseException) -> None:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        self.log.warning("torch.compile failed on the first step (%s: %s); continuing eagerly",
-                         type(exc).__name__, first_line)
+        self.log.warning(
+            "torch.compile failed on the first step (%s: %s); continuing eagerly",
+            type(exc).__name__,
+            first_line,
+        )
         self.forward, self.compile_mode = forward_and_sums, None
 
     def _micro_step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> None:
@@ -243,9 +293,14 @@ class Trainer:
     def state_dict(self) -> dict:
         """Everything the step changes; tensors as they are (torch.save copies them out)."""
         sums = {"loss_sum": self.loss_sum, "correct": self.correct, "seen": self.seen}
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-                "ema": self.ema.state_dict() if self.ema is not None else None, "sums": sums}
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "ema": self.ema.state_dict() if self.ema is not None else None,
+            "sums": sums,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Strict: a model whose keys or shapes differ raises CheckpointError."""
@@ -266,8 +321,9 @@ class Trainer:
 
 
 @torch.inference_mode()
-def evaluate(model: nn.Module, loader: Iterable, *, device: torch.device,
-             dtype: torch.dtype | None) -> tuple[float, float]:
+def evaluate(
+    model: nn.Module, loader: Iterable, *, device: torch.device, dtype: torch.dtype | None
+) -> tuple[float, float]:
     """Mean loss and accuracy over a loader, in eval mode; one host sync at the end."""
     was_training = model.training
     model.eval()

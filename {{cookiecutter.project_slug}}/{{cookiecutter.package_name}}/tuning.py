@@ -246,9 +246,11 @@ def find_batch_size(
         available = _available_ram_bytes()
         if available is not None:
             ram_cap = _power_of_two_at_most(available // 2 // max(per_sample, 1))
-            print(f"find_batch_size on {device.type}: capped at {min(cap, ram_cap)} by max_batch="
-                  f"{max_batch} and RAM (~{per_sample / 2**20:.1f} MiB/sample estimated, "
-                  f"{available / 2**30:.1f} GiB available); no out-of-memory test on the CPU")
+            print(
+                f"find_batch_size on {device.type}: capped at {min(cap, ram_cap)} by max_batch="
+                f"{max_batch} and RAM (~{per_sample / 2**20:.1f} MiB/sample estimated, "
+                f"{available / 2**30:.1f} GiB available); no out-of-memory test on the CPU"
+            )
             cap = min(cap, ram_cap)
     batch = min(batch, cap)
     largest = 0
