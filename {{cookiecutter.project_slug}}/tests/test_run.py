@@ -174,13 +174,17 @@ def test_unwritable_results_dir(main_in_process, tmp_path, capsys):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_run_uses_amp_and_compile(run_cli, tmp_path):
-    result = run_cli("--device", "cuda", "--epochs", "2", results_dir=tmp_path)
+def test_cuda_run_uses_its_gpus_precision_and_compiles(run_cli, tmp_path):
+    result = run_cli("--device", "cuda", "--epochs", "2", "--compile", "on", results_dir=tmp_path)
     assert result.returncode == 0, result.stderr
-    metrics = read_metrics(run_dir_of(tmp_path))
+    run_dir = run_dir_of(tmp_path)
+    metrics = read_metrics(run_dir)
     assert metrics["device"].startswith("cuda") and metrics["test_acc"] > 0.3
     assert metrics["compile_time_s"] > 0 and metrics["peak_mem_bytes"] > 0
-    assert "compile True" in result.stderr and "float16" in result.stderr  # bf16 or fp16
+    log = (run_dir / "run.log").read_text()
+    bf16 = torch.cuda.get_device_capability()[0] >= 8
+    assert ("precision: bf16 autocast" if bf16 else "precision: fp16 autocast + GradScaler") in log
+    assert "compiled (" in log  # logged only after compiling succeeded (no eager fallback)
 
 
 @pytest.mark.parametrize("args", [["--dataset", "mnist"], ["--batch-size", "0"]])

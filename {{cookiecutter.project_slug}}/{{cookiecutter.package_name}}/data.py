@@ -616,7 +616,8 @@ def _fix_malloc_mmap_threshold(threshold: int = 4 << 20) -> None:
     glibc raises its mmap threshold after each large free (up to 32 MB), after which batch-sized
     buffers come from the heap and fragment it: streaming 256 px images in batches of 64, the
     main process's RSS grew from 301 to 871 MB in 40 batches; with a fixed threshold, from 302
-    to 319 MB (benchmarks/RESULTS.md, bench_data.py). Same as MALLOC_MMAP_THRESHOLD_=4194304.
+    to 319 MB (the lab template's benchmarks/RESULTS.md, bench_data.py). Same as
+    MALLOC_MMAP_THRESHOLD_=4194304.
     """
     try:
         import ctypes

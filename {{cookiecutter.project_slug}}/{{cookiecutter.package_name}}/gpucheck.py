@@ -16,8 +16,8 @@ Trains the default model for a few hundred steps on synthetic data and reports, 
               matmul peak in the same precision (MFU)
 Without CUDA it says so and exits 0 without claiming anything. `--device cpu` runs the same
 checks on the CPU (no sync check there): a way to test this script without a GPU.
-benchmarks/bench_train.py imports the measuring functions below (`plain_loop_rate`,
-`ceiling_rate`, `job_rate`, `train_flops_per_sample`, `matmul_peak`).
+The lab template's benchmarks/bench_train.py imports the measuring functions below
+(`plain_loop_rate`, `ceiling_rate`, `job_rate`, `train_flops_per_sample`, `matmul_peak`).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # --------------------------------------------------------------------------------------------
-# Measuring functions (shared with benchmarks/bench_train.py)
+# Measuring functions (shared with the template's benchmarks/bench_train.py)
 
 
 def synchronize(device) -> None:

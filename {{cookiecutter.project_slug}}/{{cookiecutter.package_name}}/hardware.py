@@ -10,8 +10,8 @@ with the reason that run.py logs:
 - compile:    `choose_compile` picks a torch.compile mode from the run's length (rule below).
 - kernels:    `setup_backends`: cuDNN autotuning + TF32 for speed, or `--deterministic`.
 - batch size: `default_batch_size` / `default_lr`: the device-aware defaults (rule below).
-No speed figure is claimed here: benchmarks/RESULTS.md measures them (`bench_train.py`,
-`python -m <package>.gpucheck`).
+No speed figure is claimed here: the lab template's benchmarks/RESULTS.md measures them
+(`bench_train.py`, `python -m <package>.gpucheck`).
 """
 
 from __future__ import annotations

@@ -85,7 +85,8 @@ def read_jobs(stream: BinaryIO) -> Iterator[list[str]]:
 @contextlib.contextmanager
 def one_parser() -> Iterator[None]:
     """Let config.parse_args reuse one parser: building it is most of a job's planning time
-    (benchmarks/bench_sweep.py), and an argparse parser keeps no state between parses."""
+    (the lab template's benchmarks/bench_sweep.py), and an argparse parser keeps no state
+    between parses."""
     build = config.build_parser
     parser = build()
     config.build_parser = lambda: parser
