@@ -138,7 +138,7 @@ def test_uv_lock_resolves_each_extra_to_its_own_torch_build(project, tmp_path):
                   lambda m: f'url = "{tmp_path / m.group(1)}"\nformat = "flat"', text)
     text = re.sub(r"^dependencies = \[.*?\]", 'dependencies = ["torch>=2.4"]', text,
                   flags=re.S | re.M)
-    text = re.sub(r"^dev = \[.*?\]\n", "", text, flags=re.M)
+    text = re.sub(r"^dev = \[.*?\]\n", "", text, flags=re.M | re.S)
     text += f'\n[[tool.uv.index]]\nname = "pypi-here"\nurl = "{tmp_path / "pypi"}"\n' \
             'format = "flat"\ndefault = true\n'
     work = tmp_path / "project"
