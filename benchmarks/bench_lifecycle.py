@@ -9,6 +9,8 @@
 2. One job with `MLFLOW_TRACKING_URI` pointing at a local port where nothing listens: the wall
    time of the job against the same job with `--tracking off`, so the difference is the cost of the
    unreachable tracker (it must be seconds, not the minutes of MLflow's default retries).
+3. Two `bash run.sh` started at once on one project (the default 9-job sweep, tiny jobs): every
+   job must be trained once -- one MLflow run and one history row per run directory.
 
 Every job is tiny (digits, width 8, 3 optimizer steps): what is measured is start-up and the
 shared-DB path, not training.
@@ -81,6 +83,29 @@ def tracker_down(project: Path) -> dict:
     return times
 
 
+def two_sweeps(project: Path) -> dict:
+    env = {**os.environ, "PYTHON": sys.executable, "CPU_JOBS": "1", "OMP_NUM_THREADS": "1",
+           "SWEEP_NAME": "twice", "MLFLOW_TRACKING_URI": f"sqlite:///{project / 'twice.db'}"}
+    extra = ["--", "--device", "cpu", "--width", "8", "--epochs", "1", "--max-steps", "3"]
+    started = time.perf_counter()
+    procs = [subprocess.Popen(["bash", "run.sh", *extra], cwd=project, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    outputs = [proc.communicate()[0] for proc in procs]
+    wall = time.perf_counter() - started
+    run_dirs = sorted(p.parent for p in (project / "results" / "twice").glob("*/config.json"))
+    rows = {d.name: (d / "history.csv").read_text().count("\n") - 1 for d in run_dirs}
+    with sqlite3.connect(project / "twice.db") as con:
+        per_dir = con.execute("select value, count(*) from tags where key = 'run_dir' "
+                              "group by value").fetchall()
+    summaries = [next((line for line in out.splitlines() if " jobs: " in line), "?")
+                 for out in outputs]
+    return {"dirs": len(run_dirs), "max_rows": max(rows.values(), default=0),
+            "mlflow_runs": sum(n for _, n in per_dir), "max_runs_per_dir": max(
+                (n for _, n in per_dir), default=0), "codes": [p.returncode for p in procs],
+            "summaries": summaries, "wall_s": wall}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=8, help="parallel jobs on the fresh project")
@@ -90,6 +115,7 @@ def main() -> int:
         load_before = os.getloadavg()[0]
         par = parallel_jobs(project, args.jobs)
         down = tracker_down(project)
+        twice = two_sweeps(project)
         load_after = os.getloadavg()[0]
     print(f"- machine: {platform.machine()}, {os.cpu_count()} cores; Python "
           f"{platform.python_version()}; load average (1 min) before / after: {load_before:.2f} "
@@ -104,9 +130,16 @@ def main() -> int:
     print(f"| one job, `--tracking off` | exit {off[1]}, {off[0]:.1f} s |")
     print(f"| one job, tracker down (closed local port) | exit {down_[1]}, {down_[0]:.1f} s, "
           f"{down_[2]} warning line(s); cost of the dead tracker {down_[0] - off[0]:+.1f} s |")
+    print(f"| two `run.sh` at once, 9 jobs | {twice['dirs']} run directories, at most "
+          f"{twice['max_rows']} history row and {twice['max_runs_per_dir']} MLflow run per "
+          f"directory ({twice['mlflow_runs']} runs in all), exit codes {twice['codes']}, "
+          f"{twice['wall_s']:.1f} s wall |")
+    for summary in twice["summaries"]:
+        print(f"\n    {summary.strip()}")
     if par["failed"]:
         print("\nfailed jobs:", *par["failed"], sep="\n  ")
-    return 0 if par["finished"] == par["jobs"] and off[1] == down_[1] == 0 else 1
+    once = twice["dirs"] == 9 and twice["max_rows"] == 1 and twice["max_runs_per_dir"] == 1
+    return 0 if par["finished"] == par["jobs"] and off[1] == down_[1] == 0 and once else 1
 
 
 if __name__ == "__main__":
