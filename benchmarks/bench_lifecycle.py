@@ -98,7 +98,7 @@ def two_sweeps(project: Path) -> dict:
     with sqlite3.connect(project / "twice.db") as con:
         per_dir = con.execute("select value, count(*) from tags where key = 'run_dir' "
                               "group by value").fetchall()
-    summaries = [next((line for line in out.splitlines() if " jobs: " in line), "?")
+    summaries = [next((line for line in out.splitlines() if "sweep summary" in line), "?")
                  for out in outputs]
     return {"dirs": len(run_dirs), "max_rows": max(rows.values(), default=0),
             "mlflow_runs": sum(n for _, n in per_dir), "max_runs_per_dir": max(

@@ -460,6 +460,15 @@ run_queue() {
 summarize() {
   local i n_done=0 n_skip=0 n_fail=0 n_int=0 n_left=0 n_dup=0 n_else=0
   local -a failures=()
+  # Jobs another process was running may have finished meanwhile: ask once more (one call).
+  if [[ " ${SWEEP_RESULT[*]} " == *" elsewhere "* ]]; then
+    plan_jobs
+    for ((i = 0; i < ${#SWEEP_START[@]}; i++)); do
+      if [[ "${SWEEP_RESULT[i]:-}" == "elsewhere" && "${SWEEP_STATE[i]}" == "done" ]]; then
+        SWEEP_RESULT[i]="skipped"
+      fi
+    done
+  fi
   for ((i = 0; i < ${#SWEEP_START[@]}; i++)); do
     case "${SWEEP_RESULT[i]:-}" in
       done) n_done=$(( n_done + 1 )) ;;
