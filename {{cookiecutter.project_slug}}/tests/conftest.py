@@ -161,3 +161,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+def wait_while_running(predicate, proc, timeout: float = 120.0) -> None:
+    """Poll `predicate` until true; fail if `proc` ends first or nothing happens in time."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no progress in time"
+        time.sleep(0.02)

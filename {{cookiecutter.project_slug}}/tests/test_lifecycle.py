@@ -16,19 +16,20 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, RUN_PY, TINY, mlflow_run, popen_cli, read_metrics, run_dir_of
+from conftest import (
+    ROOT,
+    RUN_PY,
+    TINY,
+    mlflow_run,
+    popen_cli,
+    read_metrics,
+    run_dir_of,
+    wait_while_running,
+)
 
 from {{ cookiecutter.package_name }} import runs
 
 QUICK = ("--epochs", "1", "--max-steps", "3")
-
-
-def _wait_for(predicate, proc, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "no progress in time"
-        time.sleep(0.02)
 
 
 def _free_port() -> int:
@@ -182,7 +183,7 @@ def test_a_claimed_run_directory_is_not_trained_again(main_in_process, tmp_path,
 def test_the_same_run_started_twice_trains_once(env, data_dir, tmp_path):
     results = tmp_path / "results"
     first = popen_cli("--epochs", "2", results_dir=results, data_dir=data_dir, env=env)
-    _wait_for(lambda: any(results.glob("*/run.log")), first)
+    wait_while_running(lambda: any(results.glob("*/run.log")), first)
     second = subprocess.run(
         [
             sys.executable,
@@ -319,7 +320,9 @@ def test_a_burst_of_signals_checkpoints_once_and_exits_75(env, data_dir, tmp_pat
         data_dir=data_dir,
         env=env,
     )
-    _wait_for(lambda: any("steps/epoch" in p.read_text() for p in results.glob("*/run.log")), proc)
+    wait_while_running(
+        lambda: any("steps/epoch" in p.read_text() for p in results.glob("*/run.log")), proc
+    )
     for name in burst:
         proc.send_signal(getattr(signal, name))
         time.sleep(0.005)

@@ -6,11 +6,17 @@ import json
 import os
 import shutil
 import signal
-import time
 from pathlib import Path
 
 import pytest
-from conftest import mlflow_run, popen_cli, read_metrics, run_dir_of, temp_files
+from conftest import (
+    mlflow_run,
+    popen_cli,
+    read_metrics,
+    run_dir_of,
+    temp_files,
+    wait_while_running,
+)
 
 from {{ cookiecutter.package_name }} import train
 
@@ -40,14 +46,6 @@ TIMINGS = {
 }
 
 
-def _wait_for(predicate, proc, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "no progress in time"
-        time.sleep(0.02)
-
-
 @pytest.mark.slow  # three real processes; the in-process test below checks the same in seconds
 def test_sigterm_then_rerun_gives_the_same_final_metrics(
     run_cli, env, data_dir, tmp_path, mlflow_uri
@@ -60,7 +58,9 @@ def test_sigterm_then_rerun_gives_the_same_final_metrics(
     proc = popen_cli(*RESUME_ARGS, results_dir=results, data_dir=data_dir, env=env)
     # Stop as soon as training starts: the signal lands inside the first epoch (its first steps
     # take seconds while oneDNN warms up), so the resume starts mid-epoch, the hardest case.
-    _wait_for(lambda: any("steps/epoch" in p.read_text() for p in results.glob("*/run.log")), proc)
+    wait_while_running(
+        lambda: any("steps/epoch" in p.read_text() for p in results.glob("*/run.log")), proc
+    )
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 75, err
