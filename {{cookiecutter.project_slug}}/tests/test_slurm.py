@@ -107,9 +107,8 @@ def test_slurm_warning_signal_checkpoints_and_requeues(tmp_path):
     wait_for(lambda: squeue(job_id) == ["0 PD"], 30, "the task to be requeued")
     (run_dir,) = run_dirs(project)
     assert (run_dir / "status").read_text().strip() == "interrupted"
-    # Slurm holds a requeued job back for a couple of minutes (BeginTime); let it start now.
-    subprocess.run(["scontrol", "update", f"JobId={job_id}_0", "StartTime=now"], check=True)
-    wait_gone(job_id)
+    # Slurm holds a requeued job back for a couple of minutes (BeginTime); let it start soon.
+    release_requeued_until_gone(job_id, timeout=300)
     assert (run_dir / "metrics.json").exists()
     assert len(attempts(project)) == 2  # interrupted once, then resumed and finished
     out = next(project.glob(f"logs/slurm/*/{job_id}_0.out")).read_text()
@@ -238,8 +237,7 @@ def finish_after_requeue(project: Path, job_id: str) -> tuple[Path, str]:
     (run_dir,) = (project / "results" / "sweep").iterdir()
     assert (run_dir / "status").read_text().strip() == "interrupted"
     assert (run_dir / "checkpoint.pt").exists()
-    subprocess.run(["scontrol", "update", f"JobId={job_id}_0", "StartTime=now"], check=True)
-    wait_gone(job_id, timeout=600)
+    release_requeued_until_gone(job_id, timeout=600)
     out = next(project.glob(f"logs/slurm/*/{job_id}_0.out")).read_text()
     return run_dir, out
 
