@@ -556,7 +556,9 @@ def decode_cached(split: FileSplit, data_dir: Path, workers: int | None = None) 
                 worker_init_fn=_ignore_stop_signals,
             )
             start = 0
-            for batch, _ in loader:  # in order: no sampler shuffles here
+            with _workers_started_safely():
+                batches = iter(loader)
+            for batch, _ in batches:  # in order: no sampler shuffles here
                 images[start : start + len(batch)] = batch.permute(0, 3, 1, 2).numpy()
                 start += len(batch)
             cache.parent.mkdir(parents=True, exist_ok=True)
@@ -608,6 +610,25 @@ def _ignore_stop_signals(_worker_id: int) -> None:
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Forked with the stop signals blocked (_workers_started_safely): one that arrived
+    # meanwhile is pending, and is discarded now that it is ignored.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+
+
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+@contextlib.contextmanager
+def _workers_started_safely() -> Iterator[None]:
+    """Block SIGINT/SIGTERM while DataLoader workers are forked: a group signal landing between
+    a worker's fork and its worker_init_fn would otherwise kill it (Slurm's TERM at an epoch's
+    start, when CPU workers are started anew). Blocked in the main process only for the fork;
+    a signal that came meanwhile reaches the stop handler when they are unblocked."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _fix_malloc_mmap_threshold(threshold: int = 4 << 20) -> None:
@@ -847,7 +868,9 @@ class DataLoaderLoader(Loader):
 
     def __iter__(self):
         self._next_epoch()
-        for images, labels in self._loader:
+        with _workers_started_safely():
+            batches = iter(self._loader)  # forks the workers (CPU: every epoch)
+        for images, labels in batches:
             # uint8 crosses the bus (4x fewer bytes than float32); non_blocking lets the copy
             # overlap with the GPU still computing the previous step.
             images = images.to(self.device, non_blocking=self._on_cuda)
