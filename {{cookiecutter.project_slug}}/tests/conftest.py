@@ -66,16 +66,7 @@ def run_cli(env, data_dir):
     """run_cli(*args, results_dir=..., extra_env=None) -> CompletedProcess (text, captured)."""
 
     def run(*args: str, results_dir: Path, extra_env: dict | None = None, timeout: float = 300):
-        cmd = [
-            sys.executable,
-            str(RUN_PY),
-            *TINY,
-            "--data-dir",
-            str(data_dir),
-            "--results-dir",
-            str(results_dir),
-            *args,
-        ]
+        cmd = cli_command(*args, results_dir=results_dir, data_dir=data_dir)
         return subprocess.run(
             cmd,
             env={**env, **(extra_env or {})},
@@ -99,8 +90,9 @@ def main_in_process(env, data_dir):
     return call
 
 
-def popen_cli(*args: str, results_dir: Path, data_dir: Path, env: dict) -> subprocess.Popen:
-    cmd = [
+def cli_command(*args: str, results_dir: Path, data_dir: Path) -> list[str]:
+    """`python run.py` with the tiny settings, a private data and results folder, then `args`."""
+    return [
         sys.executable,
         str(RUN_PY),
         *TINY,
@@ -110,6 +102,10 @@ def popen_cli(*args: str, results_dir: Path, data_dir: Path, env: dict) -> subpr
         str(results_dir),
         *args,
     ]
+
+
+def popen_cli(*args: str, results_dir: Path, data_dir: Path, env: dict) -> subprocess.Popen:
+    cmd = cli_command(*args, results_dir=results_dir, data_dir=data_dir)
     return subprocess.Popen(
         cmd, env=env, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )

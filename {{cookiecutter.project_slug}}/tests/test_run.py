@@ -9,7 +9,15 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, RUN_PY, mlflow_run, read_metrics, run_dir_of, temp_files
+from conftest import (
+    ROOT,
+    RUN_PY,
+    cli_command,
+    mlflow_run,
+    read_metrics,
+    run_dir_of,
+    temp_files,
+)
 
 RUN_FILES = (
     "config.json",
@@ -78,26 +86,7 @@ def finished_run(tmp_path_factory, mlflow_uri, data_dir):
     import os
 
     results = tmp_path_factory.mktemp("results")
-    cmd = [
-        sys.executable,
-        str(RUN_PY),
-        "--device",
-        "cpu",
-        "--width",
-        "8",
-        "--batch-size",
-        "64",
-        "--lr",
-        "0.01",
-        "--epochs",
-        "3",
-        "--progress",
-        "off",
-        "--data-dir",
-        str(data_dir),
-        "--results-dir",
-        str(results),
-    ]
+    cmd = cli_command("--epochs", "3", results_dir=results, data_dir=data_dir)
     env = {**os.environ, "MLFLOW_TRACKING_URI": mlflow_uri}
     result = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
