@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, RUN_PY, TINY, read_metrics, run_dir_of
+from conftest import ROOT, RUN_PY, cli_command, read_metrics, run_dir_of
 from image_folders import CLASSES, make_folder
 
 from {{ cookiecutter.package_name }} import data
@@ -291,16 +291,7 @@ def test_streamed_run_stopped_by_a_group_sigterm_resumes_exactly(env, data_dir, 
 
     def start(results):  # its own process group, as a Slurm job step is
         return subprocess.Popen(
-            [
-                sys.executable,
-                str(RUN_PY),
-                *TINY,
-                "--data-dir",
-                str(data_dir),
-                "--results-dir",
-                str(results),
-                *args,
-            ],
+            cli_command(*args, results_dir=results, data_dir=data_dir),
             env=env,
             cwd=ROOT,
             text=True,

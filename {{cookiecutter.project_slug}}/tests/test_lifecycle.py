@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import (
     ROOT,
-    RUN_PY,
-    TINY,
+    cli_command,
     mlflow_run,
     popen_cli,
     read_metrics,
@@ -185,17 +184,7 @@ def test_the_same_run_started_twice_trains_once(env, data_dir, tmp_path):
     first = popen_cli("--epochs", "2", results_dir=results, data_dir=data_dir, env=env)
     wait_while_running(lambda: any(results.glob("*/run.log")), first)
     second = subprocess.run(
-        [
-            sys.executable,
-            str(RUN_PY),
-            *TINY,
-            "--epochs",
-            "2",
-            "--data-dir",
-            str(data_dir),
-            "--results-dir",
-            str(results),
-        ],
+        cli_command("--epochs", "2", results_dir=results, data_dir=data_dir),
         env=env,
         cwd=ROOT,
         capture_output=True,

@@ -21,12 +21,9 @@ from conftest import (
 from {{ cookiecutter.package_name }} import train
 
 # Everything that has state to restore: EMA, accumulation, clipping, the one-cycle schedule.
-RESUME_ARGS = (
-    "--epochs",
-    "3",
+STATEFUL = (
     "--patience",
     "0",
-    "--deterministic",
     "--ema",
     "0.9",
     "--grad-accum",
@@ -36,6 +33,7 @@ RESUME_ARGS = (
     "--clip-grad",
     "1.0",
 )
+RESUME_ARGS = ("--epochs", "3", "--deterministic", *STATEFUL)
 TIMINGS = {
     "wall_time_s",
     "train_time_s",
@@ -93,22 +91,7 @@ def _signal_self_after(monkeypatch, step_to_stop: int, signum=signal.SIGTERM) ->
     monkeypatch.setattr(train.Trainer, "step", step)
 
 
-QUICK_RESUME = (
-    "--epochs",
-    "2",
-    "--patience",
-    "0",
-    "--ema",
-    "0.9",
-    "--grad-accum",
-    "2",
-    "--batch-size",
-    "32",
-    "--clip-grad",
-    "1.0",
-    "--max-steps",
-    "25",
-)
+QUICK_RESUME = ("--epochs", "2", "--max-steps", "25", *STATEFUL)
 
 
 def test_stopped_mid_epoch_then_resumed_equals_straight(
