@@ -3,11 +3,14 @@
 import hashlib
 import io
 import pickle
+import subprocess
+import sys
 import tarfile
 
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT
 
 from {{ cookiecutter.package_name }} import data
 from {{ cookiecutter.package_name }}.data import (
@@ -47,7 +50,29 @@ def test_digits_loads_offline_with_fixed_splits(tmp_path):
     other_seed = load_dataset("digits", tmp_path, seed=1).splits
     assert not torch.equal(splits["val"].images, other_seed["val"].images)
     assert torch.equal(splits["test"].images, other_seed["test"].images)
-    assert list(tmp_path.iterdir()) == []  # digits ships with scikit-learn: nothing cached
+    # Decoded once into the data dir (no lock file left); a file where the data dir should be
+    # (or a read-only one) decodes in memory instead, to the same arrays.
+    assert [p.name for p in tmp_path.iterdir()] == [data.DIGITS_CACHE]
+    uncached = load_dataset("digits", tmp_path / "digits_32px.npz" / "not_a_dir").splits
+    for name, split in splits.items():
+        assert torch.equal(split.images, uncached[name].images)
+        assert torch.equal(split.labels, uncached[name].labels)
+
+
+def test_a_job_with_digits_cached_does_not_import_sklearn(tmp_path):
+    """Importing scikit-learn was a third of a job's start-up (the lab template's
+    benchmarks/RESULTS.md, "Start-up")."""
+    load_dataset("digits", tmp_path)
+    code = (
+        "import sys\n"
+        "from {{ cookiecutter.package_name }}.data import load_dataset\n"
+        f"load_dataset('digits', {str(tmp_path)!r})\n"
+        "print('sklearn' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip() == "False"
 
 
 def test_unknown_dataset_is_a_clear_error(tmp_path):

@@ -90,6 +90,9 @@ def test_deterministic_turns_off_tf32_everywhere_and_raises_instead_of_warning(r
 
     model = build_model(width=8)
     cross_entropy(model(torch.randn(2, 3, 32, 32)), torch.tensor([0, 1])).backward()
+    # The next run in this process (a notebook, the tests) gets the fast kernels back.
+    hardware.setup_backends(CPU, deterministic=False)
+    assert not torch.are_deterministic_algorithms_enabled()
 
 
 def test_rng_restore_with_more_saved_cuda_states_than_devices(tmp_path):

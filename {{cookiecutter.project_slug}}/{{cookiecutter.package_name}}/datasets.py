@@ -92,7 +92,7 @@ def register_dataset(name: str, *, help: str = "", needs_data_path: bool = False
 def digits(options: DataOptions) -> DatasetSplits:
     from .data import load_digits_arrays
 
-    return load_digits_arrays()
+    return load_digits_arrays(options.data_dir)
 
 
 @register_dataset("cifar10", help="CIFAR-10, downloaded once into --data-dir")
