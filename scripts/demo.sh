@@ -19,8 +19,9 @@ echo "[demo] rendering the template with the default answers into ${OUT_DIR}/lab
 cd "${OUT_DIR}/lab_project"
 echo "[demo] running the sweep (run.sh), then the figures (plot.py)"
 
-# Both cores, one job each; tiny model and few epochs so the sweep takes a few minutes on CPU.
-CPU_JOBS=2 PYTHON="${VENV_PYTHON}" bash run.sh -- --epochs 6 --width 16
+# A job per core (run.sh's default without a GPU); a small model and few epochs, the README's
+# quick path.
+PYTHON="${VENV_PYTHON}" bash run.sh -- --epochs 6 --width 16
 "${VENV_PYTHON}" plot.py
 
 echo

@@ -40,7 +40,9 @@ def test_first_hour_walkthrough(template_copy, tmp_path):
 
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
            "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
-           "OMP_NUM_THREADS": "1", "PYTHON": sys.executable, "CPU_JOBS": "2"}
+           "PYTHON": sys.executable}
+    for name in ("CPU_JOBS", "OMP_NUM_THREADS", "GPUS"):  # run.sh's defaults, as a user has
+        env.pop(name, None)
 
     # The README's "Run one job": a trial run, written to results/trials.
     trial = subprocess.run([sys.executable, "run.py", "--dataset", "digits", *TINY],
@@ -54,6 +56,7 @@ def test_first_hour_walkthrough(template_copy, tmp_path):
                            capture_output=True, text=True, timeout=900)
     assert sweep.returncode == 0, sweep.stdout[-3000:] + sweep.stderr[-3000:]
     assert "sweep summary: 9 done (9 ran now" in sweep.stdout
+    assert "thread(s) each (CPU_JOBS=auto: " in sweep.stdout  # the cores shared out, said so
     plot = subprocess.run([sys.executable, "plot.py"], cwd=project, env=env,
                           capture_output=True, text=True, timeout=300)
     assert plot.returncode == 0, plot.stderr

@@ -23,7 +23,10 @@
 #   GPUS          GPU ids to use, e.g. "0 2" [all visible: CUDA_VISIBLE_DEVICES, else nvidia-smi;
 #                 none: run on CPU]
 #   JOBS_PER_GPU  jobs sharing one GPU, for small models [1]
-#   CPU_JOBS      jobs at a time when there is no GPU [1]
+#   CPU_JOBS      jobs at a time when there is no GPU [auto: one per core, at most one per
+#                 job left and per CPU_JOB_MEM_GB of free memory]; the cores are shared
+#                 out as OMP_NUM_THREADS (cores / jobs) unless that is set
+#   CPU_JOB_MEM_GB  memory one CPU job needs, in GiB, for CPU_JOBS=auto [2]
 #   LOG_DIR       one log file per job [logs/sweep]
 #   STATUS_EVERY  seconds between status lines on a terminal [60]; STATUS_EVERY_LOG: when the
 #                 output goes to a file [600]; 0 = none
@@ -50,7 +53,8 @@ define_jobs() {
 PYTHON="${PYTHON:-python}"
 SWEEP_NAME="${SWEEP_NAME:-sweep}"
 JOBS_PER_GPU="${JOBS_PER_GPU:-1}"
-CPU_JOBS="${CPU_JOBS:-1}"
+CPU_JOBS="${CPU_JOBS:-auto}"
+CPU_JOB_MEM_GB="${CPU_JOB_MEM_GB:-2}"
 LOG_DIR="${LOG_DIR:-logs/${SWEEP_NAME}}"
 STATUS_EVERY="${STATUS_EVERY:-60}"
 STATUS_EVERY_LOG="${STATUS_EVERY_LOG:-600}"

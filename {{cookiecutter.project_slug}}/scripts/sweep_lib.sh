@@ -8,10 +8,11 @@
 #             (run.py's own parser, no torch) gives every job's run directory and state:
 #             done (metrics.json parses), running (its claim is held: running elsewhere),
 #             interrupted, failed, pending, invalid.
-#   2. queue: one slot per GPU (JOBS_PER_GPU slots per GPU; CPU_JOBS slots without a GPU). Every
-#             job runs in its own process group with CUDA_VISIBLE_DEVICES set to its slot's GPU,
-#             under `setpriv --pdeathsig TERM`, so it is told to stop if run.sh dies, even by
-#             SIGKILL. `wait -n -p` says which job ended; its slot takes the next pending job.
+#   2. queue: one slot per GPU (JOBS_PER_GPU slots per GPU; without a GPU CPU_JOBS slots, by
+#             default one per core: see cpu_slots). Every job runs in its own process group
+#             with CUDA_VISIBLE_DEVICES set to its slot's GPU, under `setpriv --pdeathsig TERM`,
+#             so it is told to stop if run.sh dies, even by SIGKILL. `wait -n -p` says which
+#             job ended; its slot takes the next pending job.
 #             A job that finds its run claimed by another process exits 73: "running elsewhere".
 #   3. stop:  the first INT/TERM/HUP sends SIGTERM to every running job (it checkpoints and
 #             exits 75); any later one SIGKILLs their process groups. Either way run.sh reaps
@@ -33,11 +34,12 @@ SWEEP_RUN_NAME=()   # per job: basename of its run directory
 SWEEP_NOTE=()       # per job: detail shown by --dry-run and the summary
 SWEEP_STOP_SIGNAL=""   # set by the first INT/TERM/HUP
 SWEEP_TICKER=""        # pid of the timer child that wakes the queue for a status line
+SWEEP_CPU_REASON=""    # why the CPU slots are as many as they are (cpu_slots)
 JOB_ARGV=()            # filled by job_argv
 readonly SWEEP_EXIT_BUSY=73 SWEEP_EXIT_INTERRUPTED=75
 # Settings run.sh must define (their defaults are there, not here).
-readonly SWEEP_SETTINGS=(PYTHON SWEEP_NAME JOBS_PER_GPU CPU_JOBS LOG_DIR STATUS_EVERY
-  STATUS_EVERY_LOG SLURM_PARTITION SLURM_TIME SLURM_MEM SLURM_CPUS SLURM_GRES SLURM_MAX_PARALLEL
+readonly SWEEP_SETTINGS=(PYTHON SWEEP_NAME JOBS_PER_GPU CPU_JOBS CPU_JOB_MEM_GB LOG_DIR
+  STATUS_EVERY STATUS_EVERY_LOG SLURM_PARTITION SLURM_TIME SLURM_MEM SLURM_CPUS SLURM_GRES SLURM_MAX_PARALLEL
   SLURM_SIGNAL_SECS SLURM_EXTRA SLURM_LOG_DIR SWEEP_JOB_NAME)
 
 #######################################
@@ -178,24 +180,80 @@ make_slots() {
     gpus=("${visible[@]}")
   fi
   SLOTS=()
-  if (( ${#gpus[@]} == 0 )); then
-    for ((k = 0; k < CPU_JOBS; k++)); do SLOTS+=(""); done
-    # CPU jobs share the cores rather than each starting one thread per core.
-    if [[ -z "${OMP_NUM_THREADS:-}" ]] && (( CPU_JOBS > 1 )); then
-      export OMP_NUM_THREADS=$(( $(nproc 2>/dev/null || echo "${CPU_JOBS}") / CPU_JOBS ))
-      (( OMP_NUM_THREADS >= 1 )) || OMP_NUM_THREADS=1
-    fi
-  else
-    for dev in "${gpus[@]}"; do
-      for ((k = 0; k < JOBS_PER_GPU; k++)); do SLOTS+=("${dev}"); done
-    done
-  fi
+  for dev in "${gpus[@]}"; do
+    for ((k = 0; k < JOBS_PER_GPU; k++)); do SLOTS+=("${dev}"); done
+  done
+  # No GPU: the CPU slots are sized by cpu_slots once the plan says how many jobs are left.
 }
 
-# "2 CPU slots" or "4 slots on GPUs 0 0 1 1".
+# The cores this process may use: its CPU affinity (taskset, a Slurm allocation), capped by a
+# cgroup v2 CPU quota (a container's --cpus), which nproc does not see.
+cpu_cores() {
+  local cores quota period
+  cores=$(nproc 2>/dev/null) || cores=1
+  if read -r quota period 2>/dev/null </sys/fs/cgroup/cpu.max \
+    && [[ "${quota}" =~ ^[0-9]+$ && "${period}" =~ ^[1-9][0-9]*$ ]]; then
+    quota=$(( (quota + period - 1) / period ))
+    if (( quota < cores )); then cores="${quota}"; fi
+  fi
+  echo "$(( cores > 0 ? cores : 1 ))"
+}
+
+# MiB new processes can still use: MemAvailable, capped by a cgroup v2 memory limit; empty when
+# /proc/meminfo is missing (not Linux).
+available_mib() {
+  local kib limit used
+  kib=$(awk '/^MemAvailable:/ { print $2 }' /proc/meminfo 2>/dev/null) || true
+  [[ "${kib}" =~ ^[0-9]+$ ]] || return 0
+  if read -r limit 2>/dev/null </sys/fs/cgroup/memory.max && [[ "${limit}" =~ ^[0-9]+$ ]] \
+    && read -r used 2>/dev/null </sys/fs/cgroup/memory.current && [[ "${used}" =~ ^[0-9]+$ ]] \
+    && (( (limit - used) / 1024 < kib )); then
+    kib=$(( (limit - used) / 1024 ))
+  fi
+  echo "$(( kib / 1024 ))"
+}
+
+#######################################
+# Without a GPU: fill SLOTS with one "" per CPU job and give each job an equal share of the
+# cores (OMP_NUM_THREADS, unless set). CPU_JOBS=auto runs one job per core (the demo's sweep on
+# 2 cores: 78 s, against 94 s for one job at a time with both cores' threads; the lab
+# template's benchmarks/RESULTS.md, "Jobs at a time"), but no more jobs than are left to run (a
+# short sweep on a big machine gets more threads per job instead) nor than the free memory
+# holds at CPU_JOB_MEM_GB each.
+#######################################
+cpu_slots() {
+  local cores slots i left=0 mib reason
+  cores=$(cpu_cores)
+  if [[ "${CPU_JOBS}" == auto ]]; then
+    for ((i = 0; i < ${#SWEEP_START[@]}; i++)); do
+      if is_runnable "${i}"; then left=$(( left + 1 )); fi
+    done
+    slots="${cores}" reason="${cores} core(s)"
+    if (( left < slots )); then slots="${left}" reason="${left} job(s) left"; fi
+    mib=$(available_mib)
+    if [[ -n "${mib}" ]] && (( mib / (CPU_JOB_MEM_GB * 1024) < slots )); then
+      slots=$(( mib / (CPU_JOB_MEM_GB * 1024) ))
+      reason="$(( mib / 1024 )) GiB free / CPU_JOB_MEM_GB=${CPU_JOB_MEM_GB}"
+    fi
+    if (( slots < 1 )); then slots=1; fi
+    reason="CPU_JOBS=auto: ${reason}"
+  else
+    slots="${CPU_JOBS}" reason="CPU_JOBS=${CPU_JOBS}"
+  fi
+  # Never more threads than cores: oversubscribed, the same sweep took 3.8x as long.
+  if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
+    export OMP_NUM_THREADS=$(( cores / slots > 0 ? cores / slots : 1 ))
+  fi
+  SLOTS=()
+  for ((i = 0; i < slots; i++)); do SLOTS+=(""); done
+  SWEEP_CPU_REASON="${reason}"
+}
+
+# "2 CPU slots, 1 thread each (CPU_JOBS=auto: 2 core(s))" or "4 slot(s) on GPU(s) 0 0 1 1".
 describe_slots() {
   if [[ -z "${SLOTS[0]}" ]]; then
-    printf '%d CPU slot(s)' "${#SLOTS[@]}"
+    printf '%d CPU slot(s), %s thread(s) each (%s)' "${#SLOTS[@]}" "${OMP_NUM_THREADS}" \
+      "${SWEEP_CPU_REASON}"
   else
     printf '%d slot(s) on GPU(s) %s' "${#SLOTS[@]}" "${SLOTS[*]}"
   fi
@@ -606,7 +664,9 @@ sweep_main() {
     shift
   done
   [[ "${JOBS_PER_GPU}" =~ ^[1-9][0-9]*$ ]] || die "JOBS_PER_GPU must be a positive integer"
-  [[ "${CPU_JOBS}" =~ ^[1-9][0-9]*$ ]] || die "CPU_JOBS must be a positive integer"
+  [[ "${CPU_JOBS}" =~ ^([1-9][0-9]*|auto)$ ]] || die "CPU_JOBS must be a positive integer or auto"
+  [[ "${CPU_JOB_MEM_GB}" =~ ^[1-9][0-9]*$ ]] \
+    || die "CPU_JOB_MEM_GB must be a positive integer (GiB one CPU job needs)"
   [[ "${STATUS_EVERY}" =~ ^[0-9]+$ && "${STATUS_EVERY_LOG}" =~ ^[0-9]+$ ]] \
     || die "STATUS_EVERY and STATUS_EVERY_LOG must be whole seconds (0 = off)"
   [[ "${SWEEP_NAME}" =~ ^[A-Za-z0-9._-]+$ && "${SWEEP_NAME}" != "." && "${SWEEP_NAME}" != ".." ]] \
@@ -630,6 +690,7 @@ sweep_main() {
   "${define_jobs}"
   (( ${#SWEEP_START[@]} > 0 )) || die "the sweep has no jobs"
   plan_jobs
+  if (( ! slurm && ${#SLOTS[@]} == 0 )); then cpu_slots; fi
   if (( slurm )); then
     mark_queued_in_slurm
     if (( dry_run )); then print_plan; fi

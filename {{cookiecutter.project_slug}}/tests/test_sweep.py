@@ -114,6 +114,7 @@ def main() -> int:
         "name": run_dir.name,
         "pid": os.getpid(),
         "cvd": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "threads": os.environ.get("OMP_NUM_THREADS"),
         "task": os.environ.get("SLURM_ARRAY_TASK_ID"),
         "wrapper": os.environ.get("STANDIN_WRAPPER"),
         # When the wrapper started: a job's duration includes its interpreter's start-up.
@@ -368,6 +369,59 @@ def test_no_gpu_runs_cpu_jobs_at_a_time(tmp_path):
     runs = attempts(project)
     assert {r["cvd"] for r in runs} == {""}  # CUDA_VISIBLE_DEVICES set, empty: no GPU
     assert max_overlap([(r["start"], r["end"]) for r in runs]) == 2
+
+
+def cpu_sweep(project: Path, cores: int, **env: str) -> subprocess.CompletedProcess:
+    """run the sweep on `cores` CPUs (taskset: what a Slurm allocation does), no GPU, CPU_JOBS
+    and OMP_NUM_THREADS at their defaults unless given."""
+    full_env = sweep_env(project, GPUS="")
+    for name in ("CPU_JOBS", "CPU_JOB_MEM_GB", "OMP_NUM_THREADS"):
+        full_env.pop(name, None)
+    full_env.update(env)
+    cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))[:cores]))
+    return subprocess.run(
+        ["taskset", "-c", cpus, "bash", "sweep.sh"],
+        cwd=project,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.skipif(
+    not shutil.which("taskset") or len(os.sched_getaffinity(0)) < 2, reason="needs taskset, 2 CPUs"
+)
+def test_cpu_jobs_auto_runs_a_job_per_core_with_the_cores_shared_out(tmp_path):
+    jobs = [f"--sleep 0.5 --tag {i}" for i in range(2)]
+    result = cpu_sweep(make_project(tmp_path / "two", jobs), cores=2)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 CPU slot(s), 1 thread(s) each (CPU_JOBS=auto: 2 core(s))" in result.stdout
+    runs = attempts(tmp_path / "two")
+    assert max_overlap([(r["start"], r["end"]) for r in runs]) == 2
+    assert {r["threads"] for r in runs} == {"1"}
+    # Fewer jobs left than cores: the left-over cores become threads.
+    one = make_project(tmp_path / "one", ["--tag a", "--tag b"])
+    run_sweep(one, GPUS="", CPU_JOBS="1")  # both done; then one of them is to run again
+    shutil.rmtree(run_dirs(one)[0])
+    result = cpu_sweep(one, cores=2)
+    assert "1 CPU slot(s), 2 thread(s) each (CPU_JOBS=auto: 1 job(s) left)" in result.stdout
+    assert max(attempts(one), key=lambda r: r["start"])["threads"] == "2"
+    # Memory for fewer jobs than cores; a thread count the user set is kept.
+    project = make_project(tmp_path / "memory", ["--sleep 0.2 --tag a", "--sleep 0.2 --tag b"])
+    result = cpu_sweep(project, cores=2, CPU_JOB_MEM_GB="100000", OMP_NUM_THREADS="3")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 CPU slot(s), 3 thread(s) each (CPU_JOBS=auto: " in result.stdout
+    assert "GiB free / CPU_JOB_MEM_GB=100000)" in result.stdout
+    assert max_overlap([(r["start"], r["end"]) for r in attempts(project)]) == 1
+    assert {r["threads"] for r in attempts(project)} == {"3"}
+    # An explicit CPU_JOBS shares the cores out too; bad values are refused before any work.
+    project = make_project(tmp_path / "explicit", ["--tag a"])
+    result = cpu_sweep(project, cores=2, CPU_JOBS="2")
+    assert "2 CPU slot(s), 1 thread(s) each (CPU_JOBS=2)" in result.stdout
+    for name, bad in (("CPU_JOBS", "0"), ("CPU_JOBS", "all"), ("CPU_JOB_MEM_GB", "1.5")):
+        result = cpu_sweep(project, cores=2, **{name: bad})
+        assert result.returncode == 2 and f"{name} must be a positive integer" in result.stderr
 
 
 # ---- failures, resume, dry run -----------------------------------------------------------------
@@ -658,7 +712,7 @@ def test_gpus_from_nvidia_smi_when_nothing_is_set(tmp_path):
 def test_cpu_slots_are_described_plainly(tmp_path):
     project = make_project(tmp_path, ["--tag a"])
     result = run_sweep(project, GPUS="", CPU_JOBS="2")
-    assert "2 CPU slot(s); logs in" in result.stdout, result.stdout
+    assert "2 CPU slot(s), 1 thread(s) each (CPU_JOBS=2); logs in" in result.stdout, result.stdout
 
 
 # ---- the real planner (run.py's parser; no torch) ----------------------------------------------
