@@ -35,6 +35,7 @@ SWEEP_NOTE=()       # per job: detail shown by --dry-run and the summary
 SWEEP_STOP_SIGNAL=""   # set by the first INT/TERM/HUP
 SWEEP_TICKER=""        # pid of the timer child that wakes the queue for a status line
 SWEEP_CPU_REASON=""    # why the CPU slots are as many as they are (cpu_slots)
+readonly SWEEP_CGROUP="${SWEEP_CGROUP:-/sys/fs/cgroup}"   # cgroup v2 mount (tests point it away)
 JOB_ARGV=()            # filled by job_argv
 readonly SWEEP_EXIT_BUSY=73 SWEEP_EXIT_INTERRUPTED=75
 # Settings run.sh must define (their defaults are there, not here).
@@ -191,7 +192,7 @@ make_slots() {
 cpu_cores() {
   local cores quota period
   cores=$(nproc 2>/dev/null) || cores=1
-  if read -r quota period 2>/dev/null </sys/fs/cgroup/cpu.max \
+  if read -r quota period 2>/dev/null <"${SWEEP_CGROUP}/cpu.max" \
     && [[ "${quota}" =~ ^[0-9]+$ && "${period}" =~ ^[1-9][0-9]*$ ]]; then
     quota=$(( (quota + period - 1) / period ))
     if (( quota < cores )); then cores="${quota}"; fi
@@ -205,8 +206,8 @@ available_mib() {
   local kib limit used
   kib=$(awk '/^MemAvailable:/ { print $2 }' /proc/meminfo 2>/dev/null) || true
   [[ "${kib}" =~ ^[0-9]+$ ]] || return 0
-  if read -r limit 2>/dev/null </sys/fs/cgroup/memory.max && [[ "${limit}" =~ ^[0-9]+$ ]] \
-    && read -r used 2>/dev/null </sys/fs/cgroup/memory.current && [[ "${used}" =~ ^[0-9]+$ ]] \
+  if read -r limit 2>/dev/null <"${SWEEP_CGROUP}/memory.max" && [[ "${limit}" =~ ^[0-9]+$ ]] \
+    && read -r used 2>/dev/null <"${SWEEP_CGROUP}/memory.current" && [[ "${used}" =~ ^[0-9]+$ ]] \
     && (( (limit - used) / 1024 < kib )); then
     kib=$(( (limit - used) / 1024 ))
   fi

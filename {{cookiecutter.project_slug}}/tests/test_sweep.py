@@ -415,6 +415,17 @@ def test_cpu_jobs_auto_runs_a_job_per_core_with_the_cores_shared_out(tmp_path):
     assert "GiB free / CPU_JOB_MEM_GB=100000)" in result.stdout
     assert max_overlap([(r["start"], r["end"]) for r in attempts(project)]) == 1
     assert {r["threads"] for r in attempts(project)} == {"3"}
+    # A container's cgroup limits count: a CPU quota of half a core, 3 GiB of memory left.
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    (cgroup / "cpu.max").write_text("50000 100000\n")
+    result = cpu_sweep(project, cores=2, SWEEP_CGROUP=str(cgroup), SWEEP_NAME="quota")
+    assert "1 CPU slot(s), 1 thread(s) each (CPU_JOBS=auto: 1 core(s))" in result.stdout
+    (cgroup / "cpu.max").write_text("max 100000\n")
+    (cgroup / "memory.max").write_text(f"{4 * 2**30}\n")
+    (cgroup / "memory.current").write_text(f"{2**30}\n")
+    result = cpu_sweep(project, cores=2, SWEEP_CGROUP=str(cgroup), SWEEP_NAME="limit")
+    assert "(CPU_JOBS=auto: 3 GiB free / CPU_JOB_MEM_GB=2)" in result.stdout, result.stdout
     # An explicit CPU_JOBS shares the cores out too; bad values are refused before any work.
     project = make_project(tmp_path / "explicit", ["--tag a"])
     result = cpu_sweep(project, cores=2, CPU_JOBS="2")
