@@ -112,7 +112,9 @@ def find_lr(
 
 
 def suggest_lr(lrs: list[float], smoothed: list[float]) -> float:
-    """min(LR of steepest descent before the minimum, LR at the minimum / 10)."""
+    """min(LR of steepest descent before the minimum, LR at the minimum / 10), never below the
+    first LR tried: the test says nothing about LRs it did not try (a minimum that early means
+    the range should start lower)."""
     finite = [i for i, v in enumerate(smoothed) if math.isfinite(v)]
     if not finite:
         return lrs[0]
@@ -120,10 +122,10 @@ def suggest_lr(lrs: list[float], smoothed: list[float]) -> float:
     # The first points carry the EMA's start-up noise, which can look like a steep descent.
     skip = max(3, len(lrs) // 10)
     if lowest - skip < 3:  # too few points before the minimum for a meaningful slope
-        return lrs[lowest] / 10
+        return max(lrs[0], lrs[lowest] / 10)
     curve = np.asarray(smoothed[skip : lowest + 1])
     slope = np.gradient(curve, np.log(lrs[skip : lowest + 1]))
-    return min(float(lrs[skip + int(np.argmin(slope))]), lrs[lowest] / 10)
+    return max(lrs[0], min(float(lrs[skip + int(np.argmin(slope))]), lrs[lowest] / 10))
 
 
 def _write_lr_find(out_dir: Path, lrs, losses, smoothed, suggestion: float) -> None:
