@@ -34,6 +34,7 @@ SWEEP_RUN_NAME=()   # per job: basename of its run directory
 SWEEP_NOTE=()       # per job: detail shown by --dry-run and the summary
 SWEEP_STOP_SIGNAL=""   # set by the first INT/TERM/HUP
 SWEEP_TICKER=""        # pid of the timer child that wakes the queue for a status line
+SLOTS=()               # per slot: its GPU, or "" for a CPU slot (make_slots, cpu_slots)
 SWEEP_CPU_REASON=""    # why the CPU slots are as many as they are (cpu_slots)
 readonly SWEEP_CGROUP="${SWEEP_CGROUP:-/sys/fs/cgroup}"   # cgroup v2 mount (tests point it away)
 JOB_ARGV=()            # filled by job_argv
@@ -691,7 +692,7 @@ sweep_main() {
   "${define_jobs}"
   (( ${#SWEEP_START[@]} > 0 )) || die "the sweep has no jobs"
   plan_jobs
-  if (( ! slurm && ${#SLOTS[@]} == 0 )); then cpu_slots; fi
+  if (( ! slurm )) && (( ${#SLOTS[@]} == 0 )); then cpu_slots; fi
   if (( slurm )); then
     mark_queued_in_slurm
     if (( dry_run )); then print_plan; fi

@@ -848,6 +848,15 @@ def test_run_sh_help_and_bad_option(tmp_path):
     assert "unknown option: --bogus" in bad.stderr
 
 
+def test_slurm_dry_run_lists_the_array_without_slurm_installed(tmp_path):
+    """--slurm skips the local slots (no GPU check, no CPU sizing): it must not need them."""
+    project = make_project(tmp_path, ["--tag a", "--tag b"])
+    result = run_sweep(project, "--slurm", "--dry-run", GPUS="")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "sbatch --parsable" in result.stdout and "--array=0-1" in result.stdout
+    assert not attempts(project, finished_only=False)
+
+
 def test_slurm_option_without_the_task_script_says_why(tmp_path):
     project = make_project(tmp_path, ["--tag a"])
     (project / "scripts" / "slurm_task.sh").unlink(missing_ok=True)
