@@ -279,7 +279,9 @@ def release_requeued_until_gone(job_id: str, timeout: float = 900) -> None:
 
 
 def test_real_task_at_its_time_limit_checkpoints_requeues_and_matches(tmp_path):
-    args = [*REAL, "--epochs", "15"]  # long enough to meet the warning on a fast machine
+    # ~70 s of training on an idle 2-core machine, no early stop: long enough to meet the
+    # warning (15 epochs, early-stopped at 12, once finished first: 21 s).
+    args = [*REAL, "--epochs", "60", "--patience", "0"]
     project, env = real_project(tmp_path, args)
     expected = reference_metrics(tmp_path, project, env, args)
     # 2-minute limit, warning 110 s before it: USR1 early in every start (Slurm checks the
