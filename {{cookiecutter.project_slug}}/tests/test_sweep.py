@@ -28,6 +28,11 @@ from {{ cookiecutter.package_name }}.claim import claim
 
 PROJECT = Path(__file__).resolve().parent.parent
 PACKAGE = "{{ cookiecutter.package_name }}"
+needs_slurm_option = pytest.mark.skipif(
+    not (PROJECT / "scripts" / "slurm_task.sh").exists(),
+    reason="generated with use_slurm=false: no run.sh --slurm",
+)
+
 
 STANDIN = r'''
 """Stand-in for run.py: the same command-line contract, no torch; the real planner and claim."""
@@ -798,7 +803,7 @@ def start_task(project: Path, args: str) -> subprocess.Popen:
 
 
 @pytest.mark.slow  # waits for the stand-in job's checkpoint-and-exit after USR1
-@pytest.mark.skipif(not (PROJECT / "scripts" / "slurm_task.sh").exists(), reason="no Slurm")
+@needs_slurm_option
 def test_slurm_task_passes_usr1_on_and_returns_the_exact_exit_code(tmp_path):
     project = make_project(tmp_path)
     task = start_task(project, "--results-dir results/sweep --sleep 60 --tag u")
@@ -810,7 +815,7 @@ def test_slurm_task_passes_usr1_on_and_returns_the_exact_exit_code(tmp_path):
     assert "requeueing 1_0: run.py checkpointed and exited 75 after SIGUSR1" in out
 
 
-@pytest.mark.skipif(not (PROJECT / "scripts" / "slurm_task.sh").exists(), reason="no Slurm")
+@needs_slurm_option
 def test_slurm_task_does_not_pass_term_on(tmp_path):
     # Slurm sends TERM to every process of the step: passing it on would double it.
     project = make_project(tmp_path)
@@ -848,6 +853,7 @@ def test_run_sh_help_and_bad_option(tmp_path):
     assert "unknown option: --bogus" in bad.stderr
 
 
+@needs_slurm_option
 def test_slurm_dry_run_lists_the_array_without_slurm_installed(tmp_path):
     """--slurm skips the local slots (no GPU check, no CPU sizing): it must not need them."""
     project = make_project(tmp_path, ["--tag a", "--tag b"])
