@@ -19,9 +19,8 @@ from pathlib import Path
 
 import pytest
 from test_sweep import (
-    PROJECT,
     attempts,
-    driver_from_run_sh,
+    copy_real_project,
     make_project,
     run_dirs,
     run_sweep,
@@ -175,18 +174,7 @@ REAL = [
 
 def real_project(tmp_path: Path, args: list[str] = REAL) -> tuple[Path, dict]:
     """A copy of the real project (run.py, package, run.sh, scripts) with one real job."""
-    project = tmp_path / "project"
-    project.mkdir()
-    for path in PROJECT.iterdir():
-        if path.name in ("run.py", "run.sh", "scripts") or (path / "__init__.py").exists():
-            if path.is_dir():
-                shutil.copytree(
-                    path, project / path.name, ignore=shutil.ignore_patterns("__pycache__")
-                )
-            else:
-                shutil.copy(path, project / path.name)
-    (project / "sweep.sh").write_text(driver_from_run_sh())
-    (project / "jobs.txt").write_text(" ".join(args) + "\n")
+    project = copy_real_project(tmp_path / "project", [" ".join(args)])
     # 10-minute limit, warning 60 s before it: no USR1 unless a test shortens the limit.
     env = {
         **os.environ,

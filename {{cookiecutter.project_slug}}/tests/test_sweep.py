@@ -196,6 +196,23 @@ def driver_from_run_sh() -> str:
     return text[:start] + jobs + text[end:]
 
 
+def copy_real_project(dest: Path, jobs: list[str], files: tuple[str, ...] = ()) -> Path:
+    """A copy of the real project (run.py, run.sh, scripts/, the package and `files`), with
+    sweep.sh running `jobs` (one run.py argument line each): its results stay in `dest`."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for path in PROJECT.iterdir():
+        if path.name in ("run.py", "run.sh", "scripts", *files) or (path / "__init__.py").exists():
+            if path.is_dir():
+                shutil.copytree(
+                    path, dest / path.name, ignore=shutil.ignore_patterns("__pycache__")
+                )
+            else:
+                shutil.copy(path, dest / path.name)
+    (dest / "sweep.sh").write_text(driver_from_run_sh())
+    (dest / "jobs.txt").write_text("".join(line + "\n" for line in jobs))
+    return dest
+
+
 def make_project(root: Path, jobs: list[str] | None = None) -> Path:
     """A project with run.sh, scripts/, the package and the stand-in as run.py; jobs: sweep.sh."""
     root.mkdir(parents=True, exist_ok=True)
@@ -911,18 +928,8 @@ def test_real_two_job_sweep_then_plot(tmp_path):
     if reason:
         pytest.skip(reason)
     # A copy of the project, so the sweep's results/, logs/ and mlflow.db stay in tmp_path.
-    needed = ("run.py", "plot.py", "run.sh", "scripts")
-    for path in PROJECT.iterdir():
-        if path.name in needed or (path / "__init__.py").exists():  # and the package
-            if path.is_dir():
-                shutil.copytree(
-                    path, tmp_path / path.name, ignore=shutil.ignore_patterns("__pycache__")
-                )
-            else:
-                shutil.copy(path, tmp_path / path.name)
-    (tmp_path / "sweep.sh").write_text(driver_from_run_sh())
     tiny = "--dataset digits --epochs 1 --width 8 --workers 0 --compile off --progress off"
-    (tmp_path / "jobs.txt").write_text(f"{tiny} --seed 0\n{tiny} --seed 1\n")
+    copy_real_project(tmp_path, [f"{tiny} --seed 0", f"{tiny} --seed 1"], files=("plot.py",))
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     env.update(PYTHON=sys.executable, GPUS="", CPU_JOBS="2")
     result = subprocess.run(
