@@ -6,7 +6,9 @@ and the sweep calls the latter for every job.
 Identity (README, "What a run writes"): the run directory is `<results-dir>/<readable>-<hash8>`,
 where the hash is sha256 over the sorted-key JSON of every *experiment-defining* argument, i.e.
 every argument except those in EXECUTION_KEYS. Add a flag to the parser and it joins the hash
-unless you also add it to EXECUTION_KEYS.
+unless you also add it to EXECUTION_KEYS. A flag added after run directories exist goes into
+ADDED_DEFAULTS too: at that default it stays out of the hash, so every existing run keeps its
+directory (and is skipped when done) after the update; set to anything else, it is hashed.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ EXECUTION_KEYS = frozenset(
         "checkpoint_every",
     }
 )
+# Experiment-defining flags added after the first release, with their defaults: left out of the
+# hash while at that default, so an update does not move every finished run to a new directory.
+ADDED_DEFAULTS: dict[str, object] = {}
 MAX_READABLE = 80
 MAX_SEED = 2**32 - 1  # numpy's seed range; torch takes 64 bits, but one seed feeds both
 MAX_EXPERIMENT_NAME = 500  # MLflow's limit (mlflow.utils.validation.MAX_EXPERIMENT_NAME_LENGTH)
@@ -393,8 +398,17 @@ def experiment_args(args: argparse.Namespace) -> dict:
     return {k: v for k, v in vars(args).items() if k not in EXECUTION_KEYS}
 
 
+def identity_args(args: argparse.Namespace) -> dict:
+    """What the hash covers: the experiment arguments, less added flags at their default."""
+    return {
+        k: v
+        for k, v in experiment_args(args).items()
+        if not (k in ADDED_DEFAULTS and v == ADDED_DEFAULTS[k])
+    }
+
+
 def config_hash(args: argparse.Namespace) -> str:
-    blob = json.dumps(experiment_args(args), sort_keys=True, default=str)
+    blob = json.dumps(identity_args(args), sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:8]
 
 
