@@ -158,7 +158,8 @@ def test_plan_answers_for_every_job_of_a_script_in_one_call(count_py, tmp_path):
     assert count(count_py, "--n", "1", results=results).returncode == 0
     jobs = [["--n", "1"], ["--n", "2"], ["--n", "x"], ["--after", str(tmp_path / "later")]]
     stdin = b"".join(
-        f"{len(a) + 2}\0--results-dir\0{results}\0".encode() + b"".join(w.encode() + b"\0" for w in a)
+        f"{len(a) + 2}\0--results-dir\0{results}\0".encode()
+        + b"".join(w.encode() + b"\0" for w in a)
         for a in jobs
     )
     answer = subprocess.run(
