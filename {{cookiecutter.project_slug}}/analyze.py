@@ -104,8 +104,6 @@ def readable(args) -> list[str]:
 def prepare(args) -> SimpleNamespace:
     """Both models with their best weights, the layer names, the test images: every bad input
     is found here, before a file of the job is written."""
-    import torch
-
     from {{ cookiecutter.package_name }}.checkpoint import CheckpointError, load_model_state, load_weights
     from {{ cookiecutter.package_name }}.hardware import resolve_device
     from {{ cookiecutter.package_name }}.model import create_model
@@ -142,7 +140,6 @@ def prepare(args) -> SimpleNamespace:
                 f"{describe(layers(model))}"
             )
     images = test_images(configs[0], args, device)
-    torch.set_grad_enabled(False)
     return SimpleNamespace(models=models, names=names, layer=layer, images=images)
 
 

@@ -50,7 +50,7 @@ define_jobs() {
     done
   done
   # E.g. the CKA of two of these runs (listed as waiting until both have finished):
-  # job analyze.py "results/${SWEEP_NAME}/RUN_A" "results/${SWEEP_NAME}/RUN_B"
+  # job analyze.py results/sweep/digits_lr=0.001-95f69369 results/sweep/digits_lr=0.01-57e9003b
 }
 
 # ---- Where the jobs run -----------------------------------------------------------------------
