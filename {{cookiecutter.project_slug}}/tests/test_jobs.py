@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -226,3 +227,21 @@ def test_a_job_is_tracked_in_mlflow(count_py, tmp_path, env):
     assert run.info.status == "FINISHED" and run.info.run_name == out.name
     assert run.data.metrics["count"] == 7 and run.data.params["n"] == "7"
     assert {a.path for a in client.list_artifacts(run_id)} >= {"config.json", "count.txt"}
+
+
+@pytest.mark.slow
+def test_the_readme_example_job_runs_as_written(tmp_path):
+    """README, "A job that does not train": the code block, saved as count.py beside run.py."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## A job that does not train") :]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert code.count('PROJECT_ROOT / "data"') == 1  # the one change: a private data folder
+    script = tmp_path / "count.py"
+    script.write_text(code.replace('PROJECT_ROOT / "data"', repr(str(tmp_path / "data"))))
+    first = count(script, results=tmp_path / "results")
+    again = count(script, results=tmp_path / "results")
+    assert first.returncode == 0, first.stderr
+    (out,) = (tmp_path / "results").iterdir()
+    assert out.name.startswith("count-") and runs.read_metrics(out)["images"] == 360
+    assert runs.read_metrics(out)["classes"] == 10 and (out / "counts.csv").is_file()
+    assert again.returncode == 0 and again.stdout.startswith("already finished")
