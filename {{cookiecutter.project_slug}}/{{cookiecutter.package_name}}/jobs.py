@@ -47,6 +47,7 @@ from . import runs
 from .claim import Busy, claim
 from .config import (
     DEFAULT_EXPERIMENT,
+    PROJECT_ROOT,
     TRACKING_ENV,
     Parser,
     UsageError,
@@ -81,8 +82,6 @@ def error(message: str, code: int) -> int:
 def parser(prog: str, description: str, results_dir: str | Path) -> argparse.ArgumentParser:
     """An argparse parser with the job flags (bad input: one `error:` line, exit 2).
     `results_dir` is relative to the project folder."""
-    from .config import PROJECT_ROOT
-
     p = Parser(
         prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
@@ -151,13 +150,14 @@ def lifecycle(
             print(f"MLflow ready: {tracking_uri()} (experiment id {init(args.experiment)})")
             return EXIT_OK
         skip = not (args.fresh or redo(args))
+        done = f"already finished: {out} (metrics.json exists; --fresh starts over)"
         if skip and runs.is_done(out):
-            print(f"already finished: {out} (metrics.json exists; --fresh starts over)")
+            print(done)
             return EXIT_OK
         try:
             with claim(out) as held:  # one process per run directory, freed by the kernel on death
                 if skip and runs.is_done(out):  # done meanwhile, by the process we waited for
-                    print(f"already finished: {out} (metrics.json exists; --fresh starts over)")
+                    print(done)
                     return EXIT_OK
                 code = body(args, parser_, out, stop)
                 if code in (EXIT_USAGE, EXIT_INTERRUPTED):
