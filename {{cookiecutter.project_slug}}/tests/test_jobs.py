@@ -213,6 +213,31 @@ def test_run_sh_sweeps_a_job_line_that_names_a_script(tmp_path, env):
     assert "3 jobs: 3 done" in dry.stdout
 
 
+@pytest.mark.skipif(
+    not (ROOT / "scripts" / "slurm_task.sh").exists(), reason="generated with use_slurm=false"
+)
+def test_a_slurm_task_runs_the_script_its_job_line_named(count_py, tmp_path):
+    """run.sh --slurm records a task's script beside its arguments; the task runs that script."""
+    submit = tmp_path / "submit"
+    (submit / "args").mkdir(parents=True)
+    (submit / "script").mkdir()
+    results = tmp_path / "results"
+    (submit / "args" / "0").write_bytes(f"--results-dir\0{results}\0--n\0{2}\0".encode())
+    (submit / "script" / "0").write_text(f"{count_py}\n")
+    (submit / "python").write_text(f"{sys.executable}\n")
+    task = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "slurm_task.sh"), str(submit)],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "LAB_TRACKING": "off",
+             "SLURM_ARRAY_TASK_ID": "0"},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert task.returncode == 0, task.stdout + task.stderr
+    assert f"{count_py} --results-dir" in task.stdout
+    (out,) = results.iterdir()
+    assert runs.read_metrics(out)["count"] == 2
+
+
 @pytest.mark.slow
 def test_a_job_is_tracked_in_mlflow(count_py, tmp_path, env):
     from mlflow.tracking import MlflowClient
