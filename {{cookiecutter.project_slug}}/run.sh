@@ -49,7 +49,7 @@ define_jobs() {
       job --lr "${lr}" --seed "${seed}"
     done
   done
-  # E.g. the CKA of two of these runs (listed as waiting until both have finished):
+  # E.g. the CKA of two of these runs (it waits until both have finished):
   # job analyze.py results/sweep/digits_lr=0.001-95f69369 results/sweep/digits_lr=0.01-57e9003b
 }
 

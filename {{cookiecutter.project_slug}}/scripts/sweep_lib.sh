@@ -9,7 +9,8 @@
 #             ONE call of `SCRIPT --plan` per script (its own parser, no torch) gives every
 #             job's run directory and state: done (metrics.json parses), running (its claim is
 #             held: running elsewhere), interrupted, failed, pending, waiting (an input, such
-#             as a run it analyses, is not finished: run the sweep again later), invalid.
+#             as a run it analyses, is not finished: planned again whenever a job of the
+#             sweep ends, and queued once its inputs are done), invalid.
 #   2. queue: one slot per GPU (JOBS_PER_GPU slots per GPU; without a GPU CPU_JOBS slots, by
 #             default one per core: see cpu_slots). Every job runs in its own process group
 #             with CUDA_VISIBLE_DEVICES set to its slot's GPU, under `setpriv --pdeathsig TERM`,
@@ -475,7 +476,23 @@ start_ticker() {
 }
 
 #######################################
-# Run every pending job through the dynamic queue; print the summary.
+# After a job ended: plan again, and queue the jobs that were waiting for inputs (runs of this
+# sweep) that have finished meanwhile. Appends to run_queue's local `queue`.
+#######################################
+wake_waiting() {
+  local i
+  plan_jobs
+  for ((i = 0; i < ${#SWEEP_START[@]}; i++)); do
+    if [[ "${SWEEP_RESULT[i]:-}" == "waiting" ]] && is_runnable "${i}"; then
+      SWEEP_RESULT[i]="" queue+=("${i}")
+      log "ready    ${SWEEP_RUN_NAME[i]}  (its inputs have finished)"
+    fi
+  done
+}
+
+#######################################
+# Run every pending job through the dynamic queue (and each waiting job once its inputs are
+# done); print the summary.
 # Returns: 0 if every job is done, 1 otherwise.
 #######################################
 run_queue() {
@@ -534,6 +551,9 @@ run_queue() {
     # No pid: a trapped signal interrupted the wait (or it was not one of ours).
     elif [[ -n "${pid:-}" && -n "${SWEEP_RUNNING[${pid}]+set}" ]]; then
       finish "${pid}" "${rc}"
+      if [[ -z "${SWEEP_STOP_SIGNAL}" && " ${SWEEP_RESULT[*]} " == *" waiting "* ]]; then
+        wake_waiting
+      fi
     fi
     reap_lost
   done

@@ -185,32 +185,47 @@ def test_not_ready_is_planned_as_waiting():
 
 @pytest.mark.slow
 def test_run_sh_sweeps_a_job_line_that_names_a_script(tmp_path, env):
-    """`job count.py ...` runs count.py, planned by its own parser; a job whose input is not
-    finished waits, and runs when the sweep runs again."""
+    """`job count.py ...` runs count.py, planned by its own parser; a job whose input is a run of
+    the sweep waits for it and runs once it is done; one whose input never comes stays waiting."""
     project = make_project(tmp_path / "p", jobs=[])
     (project / "count.py").write_text(COUNT)
     train_dir = subprocess.run(
-        [sys.executable, "run.py", "--sleep", "0.05", "--results-dir", "results/sweep",
+        [sys.executable, "run.py", "--sleep", "0.5", "--results-dir", "results/sweep",
          "--print-run-dir"],
         cwd=project, capture_output=True, text=True, check=True,
     ).stdout.strip()  # fmt: skip
-    jobs = ["--sleep 0.05", "count.py --n 2", f"count.py --n 4 --after {train_dir}"]
+    jobs = [
+        f"count.py --n 4 --after {train_dir}",  # first in the list, yet it must wait
+        "--sleep 0.5",
+        "count.py --n 2",
+        f"count.py --n 8 --after {project / 'results' / 'never'}",
+    ]
     (project / "jobs.txt").write_text("".join(f"{line}\n" for line in jobs))
+    dry = run_sweep(project, "--dry-run")
+    assert (
+        dry.returncode == 0
+        and "4 jobs: 0 done, 2 pending" in dry.stdout
+        and "2 waiting" in dry.stdout
+    )
+    assert f"count.py --n 4 --after {train_dir}" in dry.stdout
     uri = env["MLFLOW_TRACKING_URI"]  # made once: the sweep's --init-tracking only opens it
     first = run_sweep(project, LAB_TRACKING="off", MLFLOW_TRACKING_URI=uri)
     assert first.returncode == 1, first.stdout + first.stderr
-    assert "1 waiting for unfinished inputs" in first.stdout
-    assert f"waiting: job 2: --after: {train_dir} is not finished" in first.stdout
+    assert "3 done (3 ran now, 0 skipped: already done)" in first.stdout
+    assert (
+        "1 waiting for unfinished inputs" in first.stdout and "ready    count_n=4" in first.stdout
+    )
     calls = (project / "python-calls.log").read_text().splitlines()
-    assert sorted(c for c in calls if c.endswith("--plan")) == ["count.py --plan", "run.py --plan"]
+    assert "count.py --plan" in calls and "run.py --plan" in calls
     counts = sorted((project / "results" / "count").iterdir())
-    assert [json.loads((d / "metrics.json").read_text())["count"] for d in counts] == [2]
-    second = run_sweep(project, LAB_TRACKING="off", MLFLOW_TRACKING_URI=uri)
-    assert second.returncode == 0, second.stdout + second.stderr
-    assert "3 done (1 ran now, 2 skipped: already done)" in second.stdout
-    dry = run_sweep(project, "--dry-run")
-    assert f"count.py --n 4 --after {train_dir}" in dry.stdout
-    assert "3 jobs: 3 done" in dry.stdout
+    assert sorted(json.loads((d / "metrics.json").read_text())["count"] for d in counts) == [2, 4]
+    # The analysis started only after its input had finished.
+    (after,) = [d for d in counts if d.name.startswith("count_n=4")]
+    assert (after / "config.json").stat().st_mtime >= (
+        Path(train_dir) / "metrics.json"
+    ).stat().st_mtime
+    again = run_sweep(project, LAB_TRACKING="off", MLFLOW_TRACKING_URI=uri)
+    assert again.returncode == 1 and "3 done (0 ran now, 3 skipped: already done)" in again.stdout
 
 
 @pytest.mark.skipif(
