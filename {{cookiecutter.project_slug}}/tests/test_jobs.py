@@ -145,6 +145,29 @@ def test_a_stop_signal_ends_the_job_interrupted_with_75(count_py, tmp_path):
     assert "SIGTERM" in (out / "run.log").read_text()
 
 
+def test_a_forced_exit_leaves_the_job_interrupted(count_py, tmp_path):
+    """A second signal after LAB_STOP_GRACE_S ends a job that does not check for stops: 130."""
+    results = tmp_path / "results"
+    args = ["--n", "1", "--sleep", "60"]
+    out = Path(count(count_py, *args, "--print-run-dir", results=results).stdout.strip())
+    proc = subprocess.Popen(
+        [sys.executable, str(count_py), "--results-dir", str(results), *args],
+        env={**os.environ, "PYTHONPATH": str(ROOT), "LAB_TRACKING": "off",
+             "LAB_STOP_GRACE_S": "0"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while runs.read_status(out) != "running":
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 130, stderr
+    assert runs.read_status(out) == "interrupted" and not runs.is_done(out)
+
+
 def test_a_job_claimed_by_another_process_exits_73(count_py, tmp_path):
     results = tmp_path / "results"
     out = Path(count(count_py, "--print-run-dir", results=results).stdout.strip())

@@ -230,6 +230,7 @@ def _run(job: Job, work: Callable[[Job], dict], identity: dict) -> int:
     runs.remove_stale_temps(out)
     job.log = runs.setup_logging(out, out.name)
     job.stop.log = job.log  # from here on, stop requests are in run.log too
+    job.stop.on_force_exit = lambda: runs.try_write_status(out, "interrupted")  # exit 130
     started = time.monotonic()
     record = _Record(job, identity)
     try:
