@@ -10,7 +10,7 @@ RUN_A and RUN_B are finished run directories of run.py (metrics.json and best_mo
 on the same dataset. Each model is rebuilt from its config.json through the model registry, loads
 its best_model.pt and runs on the same test images; forward hooks record every layer
 (similarity.layers). Results go to results/analysis/<readable name>-<hash>/: metrics.json (`cka`
-of the chosen layer pair, written last), cka_layers.csv (every layer of A against every layer of
+of the chosen layers, written last), cka_layers.csv (every layer of A against every layer of
 B), config.json, status, run.log. The identity is the two runs' config hashes, the layer, the
 number of images and the seed; run again, it says "already finished". A job of jobs.py: exit
 codes, the claim, --fresh, MLflow tracking and `run.sh` sweeps work as for run.py.
@@ -43,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument(
         "--layer",
         default=None,
-        help="layer compared for `cka`, by name in both models; default: the last hidden "
-        "layer (the one before the classifier)",
+        help="layer compared for `cka`, by name in both models; default: each model's last "
+        "hidden layer (the one before the classifier)",
     )
     a.add_argument(
         "--images", type=_positive_int, default=500, help="test images used (at most all)"
@@ -132,15 +132,15 @@ def prepare(args) -> SimpleNamespace:
             raise UsageError(str(exc)) from None
         models.append(model.to(device).eval())
     names = [list(layers(m)) for m in models]
-    layer = args.layer or default_layer(names[0])
-    for which, found, model in zip(("RUN_A", "RUN_B"), names, models, strict=True):
+    chosen = [args.layer or default_layer(found) for found in names]  # each its last hidden
+    for which, layer, found, model in zip(("RUN_A", "RUN_B"), chosen, names, models, strict=True):
         if layer not in found:
             raise UsageError(
                 f"--layer: {layer!r} is not a layer of {which}'s model; choose one of "
                 f"{describe(layers(model))}"
             )
     images = test_images(configs[0], args, device)
-    return SimpleNamespace(models=models, names=names, layer=layer, images=images)
+    return SimpleNamespace(models=models, names=names, layers=chosen, images=images)
 
 
 def test_images(config: dict, args, device):
@@ -188,9 +188,11 @@ def work(job: jobs.Job) -> dict:
         writer.writerow([name, *(f"{v:.6f}" for v in row)])
     runs.atomic_write_text(job.out / TABLE, buf.getvalue())
     job.artifacts.append(job.out / TABLE)
-    cka = matrix[p.names[0].index(p.layer)][p.names[1].index(p.layer)]
-    job.log.info("linear CKA at layer %s: %.4f (every pair: %s)", p.layer, cka, TABLE)
-    return {"cka": cka, "layer": p.layer, "images": n}
+    (layer_a, layer_b), (names_a, names_b) = p.layers, p.names
+    cka = matrix[names_a.index(layer_a)][names_b.index(layer_b)]
+    job.log.info("linear CKA of %s (A) and %s (B): %.4f (every pair: %s)", layer_a, layer_b, cka,
+                 TABLE)  # fmt: skip
+    return {"cka": cka, "layer_a": layer_a, "layer_b": layer_b, "images": n}
 
 
 def main(argv: list[str] | None = None) -> int:

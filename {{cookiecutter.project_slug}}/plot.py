@@ -454,7 +454,7 @@ class CkaTable:
     rows: list[str]
     columns: list[str]
     values: np.ndarray
-    layer: str
+    layers: tuple[str, str]  # the pair `cka` is of: a layer of A, a layer of B
     cka: float
     run_a: str
     run_b: str
@@ -471,7 +471,7 @@ def read_cka(run_dir: Path) -> CkaTable:
         rows=[line[0] for line in lines[1:]],
         columns=lines[0][1:],
         values=np.array([[float(v) for v in line[1:]] for line in lines[1:]]),
-        layer=str(metrics["layer"]),
+        layers=(str(metrics["layer_a"]), str(metrics["layer_b"])),
         cka=float(metrics["cka"]),
         run_a=Path(config["run_a"]).name,
         run_b=Path(config["run_b"]).name,
@@ -480,7 +480,7 @@ def read_cka(run_dir: Path) -> CkaTable:
 
 def plot_cka(table: CkaTable, style: Style) -> Figure:
     """Layer-by-layer linear CKA of two runs as a heat map on a fixed 0-1 scale (one colour means
-    one value in every such figure); the pair of `--layer` is outlined, its value in the title."""
+    one value in every such figure); the pair `cka` is of is outlined, its value in the title."""
     caption = "\n".join(wrap(f"{side}: {name}", style.width - 0.1, STYLE["legend.fontsize"])
                          for side, name in (("A", table.run_a), ("B", table.run_b)))  # fmt: skip
     height = max(style.panel_height, 0.22 * len(table.rows) + 0.9) + 0.15 * caption.count("\n")
@@ -494,11 +494,13 @@ def plot_cka(table: CkaTable, style: Style) -> Figure:
     ax.set_xlabel("layer of B")
     ax.set_ylabel("layer of A")
     ax.spines[:].set_visible(False)
-    if table.layer in table.rows and table.layer in table.columns:
-        i, j = table.rows.index(table.layer), table.columns.index(table.layer)
+    layer_a, layer_b = table.layers
+    if layer_a in table.rows and layer_b in table.columns:
+        i, j = table.rows.index(layer_a), table.columns.index(layer_b)
         ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False,
                                                   edgecolor="white", lw=1.2))  # fmt: skip
-    ax.set_title(f"linear CKA, layer {table.layer}: {table.cka:.3f}")
+    pair = layer_a if layer_a == layer_b else f"{layer_a} / {layer_b}"
+    ax.set_title(f"linear CKA, layer {pair}: {table.cka:.3f}")
     fig.colorbar(image, ax=ax, label="linear CKA", shrink=0.9)
     fig.suptitle(caption, fontsize=STYLE["legend.fontsize"])
     return fig

@@ -154,7 +154,8 @@ def test_analyze_two_runs_end_to_end(two_runs, tmp_path):
     assert out.name.startswith(f"cka_{a.name}") and runs.read_status(out) == "finished"
     metrics = runs.read_metrics(out)
     rows, cols, table = read_table(out / "cka_layers.csv")
-    assert rows == cols == [str(i) for i in range(7)] and metrics["layer"] == "5"
+    assert rows == cols == [str(i) for i in range(7)]
+    assert metrics["layer_a"] == metrics["layer_b"] == "5"  # the last hidden layer of each
     assert metrics["images"] == 360  # digits' whole test split: fewer than --images 500
     assert metrics["cka"] == pytest.approx(table[5, 5], abs=1e-6)
     assert ((table >= 0) & (table <= 1)).all() and 0 < metrics["cka"] < 0.999
