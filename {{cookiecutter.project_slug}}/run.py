@@ -139,7 +139,9 @@ def train(args, parser, out, stop: GracefulStop) -> int:
                 state.progress.epoch + 1,
                 state.progress.step,
             )
-    except ckpt.CheckpointError as exc:
+    except ckpt.CheckpointError as exc:  # refused for good: the planner must not say "resumes"
+        log.error("cannot resume: %s", exc)
+        runs.try_write_status(out, "refused")
         runs.close_logging(log)
         return error(f"cannot resume: {exc}", EXIT_USAGE)
     try:

@@ -101,10 +101,14 @@ def test_files_follow_the_umask_and_temps_are_cleaned(tmp_path):
 
 @pytest.mark.parametrize("content", ["", "{", "[]", "{}", "null"])
 def test_metrics_json_counts_only_if_it_parses(tmp_path, content):
+    """One definition of "done": run.py's (runs.is_done) and the sweep planner's agree."""
+    from {{ cookiecutter.package_name }} import plan
+
     (tmp_path / "metrics.json").write_text(content)
     assert not runs.is_done(tmp_path)
+    assert plan.job_state(tmp_path)[0] != "done"
     (tmp_path / "metrics.json").write_text('{"test_acc": 0.5}')
-    assert runs.is_done(tmp_path)
+    assert runs.is_done(tmp_path) and plan.job_state(tmp_path) == ("done", "")
 
 
 def test_status_is_written_even_when_the_disk_has_no_room_for_a_temp_file(tmp_path, monkeypatch):

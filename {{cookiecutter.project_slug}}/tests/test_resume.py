@@ -175,6 +175,72 @@ def test_bad_checkpoints_are_refused_and_fresh_starts_over(main_in_process, tmp_
     assert read_metrics(target)["steps"] == 2
 
 
+PRECISION_RESUME = ("--epochs", "1", "--max-steps", "12", "--checkpoint-every", "0")
+
+
+@pytest.mark.parametrize(("before", "after"), [("fp32", "fp16"), ("fp16", "fp32")])
+def test_a_resume_under_another_precision_continues_and_says_so(
+    main_in_process, tmp_path, monkeypatch, before, after
+):
+    """A requeue onto another GPU generation: bf16/fp32 <-> fp16 + GradScaler. Before, a
+    GradScaler that had to load the empty state of a disabled one raised (a traceback on every
+    retry), and the other way round the scaler's state vanished without a word."""
+    import torch
+
+    from {{ cookiecutter.package_name }} import hardware
+
+    dtypes = {"fp32": None, "fp16": torch.float16}  # CPU autocast runs fp16 too
+    args = (*PRECISION_RESUME, "--results-dir", str(tmp_path))
+    with monkeypatch.context() as m:  # as tests/test_hardware.py decides CUDA precision
+        m.setattr(hardware, "choose_precision", lambda device, amp: (dtypes[before], before))
+        _signal_self_after(m, 5)
+        assert main_in_process(*args) == 75
+    run_dir = run_dir_of(tmp_path)
+    saved = torch.load(run_dir / "checkpoint.pt", weights_only=True)["trainer"]
+    assert saved["precision"] == {"autocast": before, "grad_scaler": before == "fp16"}
+    assert bool(saved["scaler"]) == (before == "fp16")
+    monkeypatch.setattr(hardware, "choose_precision", lambda device, amp: (dtypes[after], after))
+    assert main_in_process(*args) == 0
+    log = (run_dir / "run.log").read_text()
+    assert f"checkpoint was written under {before}, this run continues under {after}" in log
+    expected = "a new GradScaler starts" if after == "fp16" else "GradScaler state is dropped"
+    assert expected in log
+    metrics = read_metrics(run_dir)
+    assert metrics["steps"] == 12 and metrics["test_acc"] > 0.1
+    saved = torch.load(run_dir / "checkpoint.pt", weights_only=True)["trainer"]
+    assert saved["precision"] == {"autocast": after, "grad_scaler": after == "fp16"}
+
+
+def test_a_checkpoint_that_fails_to_load_is_refused_once_and_for_good(
+    main_in_process, tmp_path, capsys
+):
+    """Any exception while loading is one `error: cannot resume:` line and exit 2; the status
+    says "refused", so the sweep's planner stops promising a resume; --fresh starts over."""
+    import torch
+
+    from {{ cookiecutter.package_name }} import plan
+
+    args = ("--epochs", "1", "--max-steps", "2", "--results-dir", str(tmp_path))
+    assert main_in_process(*args) == 0
+    run_dir = run_dir_of(tmp_path)
+    # What a checkpoint from another machine's torch may hold: an RNG state of another size.
+    state = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    state["rng"]["torch"] = state["rng"]["torch"][:100]
+    torch.save(state, run_dir / "checkpoint.pt")
+    (run_dir / "metrics.json").unlink()
+    (run_dir / "status").write_text("interrupted\n")
+    capsys.readouterr()
+    assert main_in_process(*args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: cannot resume: ") and "--fresh" in err[-1], err
+    assert "Traceback" not in "\n".join(err)
+    assert (run_dir / "status").read_text() == "refused\n"
+    state, note = plan.job_state(run_dir)
+    assert state == "refused" and "--fresh" in note and "resumes" not in note
+    assert main_in_process(*args, "--fresh") == 0
+    assert plan.job_state(run_dir)[0] == "done"
+
+
 def test_tools_report_and_exit_without_training(main_in_process, tmp_path, capsys):
     # All three in one invocation, as a user may.
     assert (

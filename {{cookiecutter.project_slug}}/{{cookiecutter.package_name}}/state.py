@@ -68,8 +68,10 @@ class TrainingState:
     def resume(self, path: Path, best_model: Path, log) -> bool:
         """Load the checkpoint at `path` if there is one; False if there is none.
 
-        Raises CheckpointError (corrupt, another configuration, another model) with the reason.
-        The RNG state is restored last, so nothing after it consumes random numbers.
+        Raises CheckpointError (corrupt, another configuration, another model, anything that
+        fails while loading it) with the reason: a checkpoint that cannot be loaded is refused
+        in one line, never a traceback. The RNG state is restored last, so nothing after it
+        consumes random numbers.
         """
         if not path.exists():
             return False
@@ -80,11 +82,15 @@ class TrainingState:
             early["best_state"] = ckpt.load_weights(best_model) if early["best_epoch"] else None
             self.stopper.load_state_dict(early)
             self.progress = Progress(**state["progress"])
-        except (KeyError, TypeError, ValueError) as exc:
+            note = ckpt.set_rng_state(state["rng"], self.device)
+        except ckpt.CheckpointError:
+            raise
+        except Exception as exc:  # whatever torch or this code raises: refused, with the reason
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise ckpt.CheckpointError(
-                f"{path} does not fit this code ({type(exc).__name__}: {exc}); re-run with --fresh"
+                f"{path} does not fit this code or this machine ({type(exc).__name__}: "
+                f"{first}); re-run with --fresh to start over"
             ) from exc
-        note = ckpt.set_rng_state(state["rng"], self.device)
         if note:
             log.warning(note)
         return True

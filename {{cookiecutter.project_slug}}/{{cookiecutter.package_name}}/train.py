@@ -308,9 +308,40 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
+            "precision": self.precision(),
             "ema": self.ema.state_dict() if self.ema is not None else None,
             "sums": sums,
         }
+
+    def precision(self) -> dict:
+        """What the checkpoint records of the arithmetic: the autocast dtype and the scaler."""
+        names = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}
+        autocast = names.get(self.dtype, str(self.dtype))
+        return {"autocast": autocast, "grad_scaler": self.scaler.is_enabled()}
+
+    def _load_scaler(self, state: dict) -> None:
+        """Continue under this run's precision, whatever the checkpoint's (a requeue may land
+        on a GPU without bf16, or with it): the GradScaler's state is taken over when both use
+        one, dropped when this run needs none, and started afresh when only this run needs one
+        (its first steps then find the scale again). run.log says which."""
+        # Checkpoints from before "precision" was recorded: a GradScaler saves {} when disabled.
+        then = state.get("precision") or {"autocast": None, "grad_scaler": bool(state["scaler"])}
+        now = self.precision()
+        if then["autocast"] not in (None, now["autocast"]):
+            self.log.warning(
+                "precision: the checkpoint was written under %s, this run continues under %s",
+                then["autocast"],
+                now["autocast"],
+            )
+        if then["grad_scaler"] and now["grad_scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+        elif then["grad_scaler"]:
+            self.log.warning("precision: the checkpoint's GradScaler state is dropped (not needed)")
+        elif now["grad_scaler"]:
+            self.log.warning(
+                "precision: a new GradScaler starts at scale %g (the checkpoint had none)",
+                self.scaler.get_scale(),
+            )
 
     def load_state_dict(self, state: dict) -> None:
         """Strict: a model whose keys or shapes differ raises CheckpointError."""
@@ -319,7 +350,7 @@ class Trainer:
         load_model_state(self.model, state["model"], "the checkpoint's model")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
+        self._load_scaler(state)
         if (state["ema"] is None) != (self.ema is None):
             raise CheckpointError("the checkpoint's EMA setting differs from this run's")
         if self.ema is not None:
