@@ -327,6 +327,30 @@ def test_a_burst_of_signals_checkpoints_once_and_exits_75(env, data_dir, tmp_pat
 
 
 @pytest.mark.slow
+def test_a_forced_exit_130_leaves_status_interrupted(env, data_dir, tmp_path):
+    """A signal after the grace period (0 s here) exits at once with 130; the run is resumable,
+    so its status says "interrupted" (it said "running", a process that no longer exists)."""
+    results = tmp_path / "results"
+    env = {**env, "LAB_STOP_GRACE_S": "0"}
+    # Wide and big batches: a step takes long enough for the second signal to land within it.
+    args = ("--epochs", "3", "--width", "64", "--batch-size", "512")
+    proc = popen_cli(*args, results_dir=results, data_dir=data_dir, env=env)
+
+    def logged(text: str) -> bool:
+        return any(text in p.read_text() for p in results.glob("*/run.log"))
+
+    wait_while_running(lambda: logged("steps/epoch"), proc)
+    proc.send_signal(signal.SIGTERM)
+    wait_while_running(lambda: logged("SIGTERM received"), proc)  # two pending ones are one
+    proc.send_signal(signal.SIGTERM)  # later than 0 s after the first: exit now
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    run_dir = run_dir_of(results)
+    assert "exiting now" in (run_dir / "run.log").read_text()
+    assert (run_dir / "status").read_text() == "interrupted\n"
+
+
+@pytest.mark.slow
 def test_a_stop_signal_during_start_up_exits_75(env, data_dir, tmp_path):
     proc = popen_cli(*QUICK, results_dir=tmp_path, data_dir=data_dir, env=env)
     time.sleep(0.5)  # importing torch: long before the training loop
