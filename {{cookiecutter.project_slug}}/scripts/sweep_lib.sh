@@ -602,6 +602,9 @@ submit_slurm() {
   for ((i = 0; i < ${#SWEEP_START[@]}; i++)); do
     if is_runnable "${i}"; then pending+=("${i}"); fi
     if [[ "${SWEEP_STATE[i]}" == "invalid" ]]; then err "not submitted, ${SWEEP_NOTE[i]}"; fi
+    if [[ "${SWEEP_STATE[i]}" == "refused" ]]; then
+      err "not submitted, ${SWEEP_RUN_NAME[i]}: ${SWEEP_NOTE[i]}"
+    fi
   done
   if (( ${#pending[@]} == 0 )); then
     echo "nothing to submit: all ${#SWEEP_START[@]} jobs are done, queued or running."
