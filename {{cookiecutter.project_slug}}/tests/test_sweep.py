@@ -513,7 +513,8 @@ def test_a_refused_run_is_listed_and_not_rerun(tmp_path):
     project = make_project(tmp_path, ["--fail --tag refused", "--tag ok"])
     run_sweep(project)
     refused = next(d for d in run_dirs(project) if "tag_refused" in d.name)
-    (refused / "status").write_text("refused\n")
+    (refused / "status").write_text("refused\n")  # what run.py leaves: this status and
+    (refused / "checkpoint.pt").write_bytes(b"a checkpoint run.py cannot load")  # its checkpoint
     before = len(attempts(project, finished_only=False))
     dry = run_sweep(project, "--dry-run")
     assert re.search(
@@ -523,6 +524,8 @@ def test_a_refused_run_is_listed_and_not_rerun(tmp_path):
     result = run_sweep(project)
     assert len(attempts(project, finished_only=False)) == before  # nothing started
     assert result.returncode == 1 and "--fresh" in result.stdout, result.stdout
+    (refused / "checkpoint.pt").unlink()  # deleted by hand: run.py would start it over
+    assert "1 pending" in run_sweep(project, "--dry-run").stdout
 
 
 def test_extra_arguments_after_double_dash_reach_every_job(tmp_path):

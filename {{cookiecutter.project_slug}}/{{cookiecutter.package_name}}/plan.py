@@ -56,7 +56,7 @@ def job_state(directory: Path) -> tuple[str, str]:
     then = "resumes from its checkpoint" if resumes else "starts over: no checkpoint yet"
     if status == "failed":
         return "failed", f"last attempt failed; will be re-run, {then}"
-    if status == "refused":
+    if status == "refused" and resumes:  # without its checkpoint (deleted), it starts over
         return "refused", (
             f"run.py refused its checkpoint (why: the last lines of {runs.LOG}); not re-run: "
             "fix the cause, or re-run the job with --fresh to start it over"
