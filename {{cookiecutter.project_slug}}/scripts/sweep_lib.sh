@@ -8,9 +8,10 @@
 #             one of another script built on the package's jobs.py (e.g. analyze.py), as is.
 #             ONE call of `SCRIPT --plan` per script (its own parser, no torch) gives every
 #             job's run directory and state: done (metrics.json parses), running (its claim is
-#             held: running elsewhere), interrupted, failed, pending, waiting (an input, such
-#             as a run it analyses, is not finished: planned again whenever a job of the
-#             sweep ends, and queued once its inputs are done), invalid.
+#             held: running elsewhere), interrupted, failed, refused (run.py refused its
+#             checkpoint: not re-run until --fresh), pending, waiting (an input, such as a run
+#             it analyses, is not finished: planned again whenever a job of the sweep ends,
+#             and queued once its inputs are done), invalid.
 #   2. queue: one slot per GPU (JOBS_PER_GPU slots per GPU; without a GPU CPU_JOBS slots, by
 #             default one per core: see cpu_slots). Every job runs in its own process group
 #             with CUDA_VISIBLE_DEVICES set to its slot's GPU, under `setpriv --pdeathsig TERM`,
@@ -32,8 +33,7 @@ SWEEP_START=()
 SWEEP_LEN=()
 SWEEP_SCRIPT=()     # per job: the script it runs (run.py unless its job line names one)
 SWEEP_EXTRA=()      # arguments after `--` on run.sh's command line, appended to every job
-SWEEP_STATE=()      # per job: done running interrupted failed pending waiting invalid duplicate
-                    #   queued
+SWEEP_STATE=()      # per job: a state of SCRIPT --plan (plan.py), or duplicate, queued
 SWEEP_DIR=()        # per job: its run directory (from run.py --plan)
 SWEEP_RUN_NAME=()   # per job: basename of its run directory
 SWEEP_NOTE=()       # per job: detail shown by --dry-run and the summary
@@ -151,7 +151,7 @@ print_plan() {
   done
   printf '%d jobs: %d done, %d pending, %d interrupted, %d failed' "${#SWEEP_START[@]}" \
     "${count[done]:-0}" "${count[pending]:-0}" "${count[interrupted]:-0}" "${count[failed]:-0}"
-  for state in running queued waiting invalid duplicate; do
+  for state in running queued waiting invalid refused duplicate; do
     if (( ${count[${state}]:-0} )); then
       printf ', %d %s' "${count[${state}]}" "${state/running/running elsewhere}"
     fi
@@ -585,7 +585,7 @@ summarize() {
       waiting) n_wait=$(( n_wait + 1 )) ;;
       failed)
         n_fail=$(( n_fail + 1 ))
-        if [[ "${SWEEP_STATE[i]}" == "invalid" ]]; then
+        if [[ "${SWEEP_STATE[i]}" == "invalid" || "${SWEEP_STATE[i]}" == "refused" ]]; then
           job_argv "${i}"
           failures+=("job ${i} (${SWEEP_SCRIPT[i]} ${JOB_ARGV[*]}): ${SWEEP_NOTE[i]}")
         else
@@ -654,6 +654,9 @@ submit_slurm() {
   for ((i = 0; i < ${#SWEEP_START[@]}; i++)); do
     if is_runnable "${i}"; then pending+=("${i}"); fi
     if [[ "${SWEEP_STATE[i]}" == "invalid" ]]; then err "not submitted, ${SWEEP_NOTE[i]}"; fi
+    if [[ "${SWEEP_STATE[i]}" == "refused" ]]; then
+      err "not submitted, ${SWEEP_RUN_NAME[i]}: ${SWEEP_NOTE[i]}"
+    fi
   done
   if (( ${#pending[@]} == 0 )); then
     echo "nothing to submit: all ${#SWEEP_START[@]} jobs are done, queued or running."
