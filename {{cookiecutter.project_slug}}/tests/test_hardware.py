@@ -1,5 +1,5 @@
-"""Device policy on CPU with patched device queries: precision per compute capability, compile
-mode per run length, --deterministic's backend flags, RNG restore across device counts, the
+"""Device policy on CPU with patched device queries: precision per compute capability,
+--deterministic's backend flags, RNG restore across device counts, the
 plain best_model.pt, the batch-size rule, and gpucheck on a machine without CUDA."""
 
 from __future__ import annotations
@@ -42,18 +42,6 @@ def test_cpu_bf16_only_with_native_support(monkeypatch, native):
     monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: native)
     assert hardware.choose_precision(CPU, "on")[0] == (torch.bfloat16 if native else None)
     assert hardware.choose_precision(CPU, "auto")[0] is None
-
-
-def test_compile_mode_follows_the_run_length():
-    short, medium, long = 200, hardware.COMPILE_MIN_STEPS, hardware.AUTOTUNE_MIN_STEPS
-    assert hardware.choose_compile(CUDA, "auto", short)[0] is None  # digits: 20 x 10 steps
-    assert hardware.choose_compile(CUDA, "auto", medium)[0] == "default"
-    assert hardware.choose_compile(CUDA, "auto", long)[0] == "max-autotune"
-    assert hardware.choose_compile(CUDA, "on", short)[0] == "default"
-    assert hardware.choose_compile(CUDA, "auto", long, deterministic=True)[0] is None
-    assert hardware.choose_compile(CPU, "auto", long)[0] is None
-    assert hardware.choose_compile(CPU, "on", long)[0] == "default"  # no autotune on CPU
-    assert hardware.choose_compile(CUDA, "off", long) == (None, "eager (--compile off)")
 
 
 @pytest.fixture
@@ -153,8 +141,8 @@ def test_the_run_writes_a_best_model_that_loads_strictly(main_in_process, tmp_pa
 
 
 def test_batch_size_rule_and_find_batch_size_agree():
-    assert hardware.default_batch_size(CPU) == hardware.BASE_BATCH_SIZE
-    assert hardware.default_batch_size(CUDA) == hardware.CUDA_BATCH_SIZE
+    assert hardware.recommended_batch_size(CPU) == hardware.BASE_BATCH_SIZE
+    assert hardware.recommended_batch_size(CUDA) == hardware.CUDA_BATCH_SIZE
     assert hardware.default_lr(hardware.BASE_BATCH_SIZE) == hardware.BASE_LR
     assert hardware.default_lr(4 * hardware.BASE_BATCH_SIZE) == pytest.approx(2 * hardware.BASE_LR)
     assert recommend_batch_size(4096, CUDA) == (512, pytest.approx(2 * hardware.BASE_LR))
