@@ -474,6 +474,8 @@ def check_torch_build(ctx: Context) -> list[Result]:
             )
         ]
     if ctx.device.type != "cuda":
+        return [Result("torch build", NOT_CHECKED, f"--device cpu ({build})")]
+    if not torch.cuda.is_available():
         return [Result("torch build", NOT_CHECKED, f"no CUDA ({build}, no GPU in nvidia-smi)")]
     return [Result("torch build", PASS, f"{build}: {torch.cuda.get_device_name(ctx.device)}")]
 
