@@ -115,6 +115,20 @@ def test_inductor_cache_is_the_projects_unless_set(tmp_path, monkeypatch):
     assert cache_dir() == str(tmp_path / "mine")
 
 
+def test_inductor_cache_survives_torchs_own_default(tmp_path, monkeypatch):
+    """`import torch._dynamo` writes /tmp/torchinductor_<user> into the environment: that is
+    torch's default, not the user's choice, and must not keep the project off its cache."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv(hardware.INDUCTOR_CACHE_ENV, raising=False)
+    code = "import os, torch._dynamo; print(os.environ.get('TORCHINDUCTOR_CACHE_DIR'))"
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    written = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+    ).stdout.strip()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", written)
+    assert hardware.use_inductor_cache(tmp_path)[0] == tmp_path / ".cache" / "inductor"
+
+
 def test_generated_gitignore_ignores_the_cache():
     assert ".cache/" in (ROOT / ".gitignore").read_text().splitlines()
 

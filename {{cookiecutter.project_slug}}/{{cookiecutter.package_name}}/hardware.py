@@ -161,17 +161,24 @@ def use_inductor_cache(project_root: Path) -> tuple[Path, str]:
     """One inductor cache for every job of the project: TORCHINDUCTOR_CACHE_DIR as the user set
     it, else $LAB_INDUCTOR_CACHE_DIR (a lab-wide folder), else <project>/.cache/inductor.
 
-    torch reads the variable when it first compiles (torch/_inductor/runtime/cache_dir_utils.py,
-    `cache_dir()`, called lazily, some paths then memoised), not at import: call this before
-    the first torch.compile of the process. Without it the cache is /tmp/torchinductor_<user> of
-    whichever node runs the job, and every job and resume on another node compiles from scratch.
+    When torch reads it (torch 2.13): inductor's caches (FX graphs, autotuning, Triton kernels)
+    call `cache_dir()` (torch/_inductor/runtime/cache_dir_utils.py) lazily, at the first
+    compile, some then memoised: so this runs before the first torch.compile of the process.
+    But `import torch._dynamo` already calls it (for DynamoCache, used only under
+    TORCH_CACHING_PRECOMPILE=1) and writes torch's default, /tmp/torchinductor_<user>, into the
+    environment: a value equal to that default therefore counts as not set by the user. Without
+    this, the cache is /tmp of whichever node runs the job, and every job and resume on another
+    node compiles from scratch.
     """
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
-        return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]), "TORCHINDUCTOR_CACHE_DIR"
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current and Path(current).resolve() != Path(default_cache_dir()).resolve():
+        return Path(current), "TORCHINDUCTOR_CACHE_DIR"
     lab = os.environ.get(INDUCTOR_CACHE_ENV)
-    path = Path(lab).expanduser() if lab else project_root / ".cache" / "inductor"
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path.resolve())
-    return path.resolve(), INDUCTOR_CACHE_ENV if lab else "the project's folder"
+    path = (Path(lab).expanduser() if lab else project_root / ".cache" / "inductor").resolve()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    return path, INDUCTOR_CACHE_ENV if lab else "the project's folder"
 
 
 def device_name(device: torch.device) -> str:
