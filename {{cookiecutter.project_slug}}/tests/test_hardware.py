@@ -4,12 +4,8 @@ plain best_model.pt, and the batch-size rule (gpucheck: test_gpucheck.py)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
-from conftest import ROOT
 
 from {{ cookiecutter.package_name }} import checkpoint, hardware
 from {{ cookiecutter.package_name }}.model import build_model

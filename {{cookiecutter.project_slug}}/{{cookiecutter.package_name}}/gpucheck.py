@@ -667,8 +667,8 @@ def check_streamed_folder(ctx: Context) -> list[Result]:
 
 
 def write_jpegs(root: Path, per_class: int, size=(500, 375), classes: int = 3) -> Path:
-    """root/train/<class>/<i>.jpg and root/test/<class>/0.jpg: random-noise JPEGs (speed does
-    not depend on what they show)."""
+    """root/train/<class>/<i>.jpg and root/test/<class>/0.jpg: smooth random photos-like JPEGs
+    (8x8 noise upscaled: sizes on disk like a photo's, not like incompressible noise)."""
     import numpy as np
     from PIL import Image
 
@@ -678,8 +678,9 @@ def write_jpegs(root: Path, per_class: int, size=(500, 375), classes: int = 3) -
             folder = root / split / f"class{label}"
             folder.mkdir(parents=True, exist_ok=True)
             for i in range(count):
-                pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-                Image.fromarray(pixels, "RGB").save(folder / f"{i}.jpg", quality=90)
+                small = rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)
+                image = Image.fromarray(small, "RGB").resize(size, Image.Resampling.BICUBIC)
+                image.save(folder / f"{i}.jpg", quality=90)
     return root
 
 
@@ -817,8 +818,12 @@ def main(argv=None) -> int:
     options = parse_args(argv)
     import torch
 
+    from .hardware import setup_backends
+
     device = torch.device(options.device)
     cuda_missing = device.type == "cuda" and not torch.cuda.is_available()
+    if not cuda_missing:
+        setup_backends(device, deterministic=False)  # run.py's fast kernels (TF32 on CUDA)
     log = logging.getLogger(f"{__package__}.gpucheck")
     log.setLevel(logging.INFO)
     log.propagate = False
