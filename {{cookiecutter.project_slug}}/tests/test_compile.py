@@ -261,3 +261,27 @@ def test_default_batch_size_is_one_on_every_device():
     assert len(set(dirs.values())) == 1, dirs
     assert hardware.recommended_batch_size(CUDA) == hardware.CUDA_BATCH_SIZE
     assert hardware.recommended_batch_size(CPU) == hardware.BASE_BATCH_SIZE == 128
+
+
+@pytest.mark.slow
+def test_real_compile_uses_the_lab_cache_and_the_next_job_its_record(run_cli, tmp_path):
+    """Two real jobs with inductor (a C++ compiler on CPU): both use $LAB_INDUCTOR_CACHE_DIR
+    (although `import torch._dynamo` writes torch's default into the environment first), and
+    the second decides from the first one's measured compile, not from the priors."""
+    cache = tmp_path / "lab-cache"
+    extra = {"LAB_INDUCTOR_CACHE_DIR": str(cache), "LAB_TRACKING": "off"}
+    logs = []
+    for _ in range(2):
+        result = run_cli(
+            *("--compile", "on", "--max-steps", "2", "--epochs", "1", "--fresh"),
+            results_dir=tmp_path / "r",
+            extra_env=extra,  # TORCHINDUCTOR_CACHE_DIR: unset, or torch's default from here
+            timeout=900,
+        )
+        assert result.returncode == 0, result.stderr
+        logs.append((run_dir_of(tmp_path / "r") / "run.log").read_text())
+    assert all(f"inductor cache: {cache} ({hardware.INDUCTOR_CACHE_ENV})" in log for log in logs)
+    assert "(prior)" in logs[0] and "compiled (default) in " in logs[0]
+    assert "(prior)" not in logs[1].split("compile: ")[1].split("\n")[0]
+    assert "measured " in logs[1] and list((cache / hardware.RECORDS).glob("*.json"))
+    assert (cache / "fxgraph").is_dir()
