@@ -54,15 +54,22 @@ def test_feed_threshold():
 
 
 @pytest.mark.slow
-def test_a_slowed_loader_fails_the_feed_check(tmp_path):
-    ctx = context(tmp_path)
-    job = gpucheck.build_job(ctx, "--dataset", "synthetic", "--synthetic-size", "400")
-    step_s = job.eager_s
-    job.data.loaders["train"] = SlowLoader(job.data.loaders["train"], delay=4 * step_s)
-    rate, ceiling = gpucheck.job_and_ceiling(job, steps=4, warmup=1)
-    result = gpucheck.feed_result("feed", rate, ceiling)
-    assert result.status == FAIL, result  # the loop gets at most ~1/5 of the step's rate
-    assert rate < 0.5 * ceiling
+def test_a_slowed_loader_fails_the_feed_check_and_the_exit_status(tmp_path, monkeypatch, capsys):
+    measured = []
+
+    def slowed_feed(ctx):
+        """The feed check on run.py's job, its loader slowed (the planted fault)."""
+        job = gpucheck.build_job(ctx, "--dataset", "synthetic", "--synthetic-size", "400")
+        job.data.loaders["train"] = SlowLoader(job.data.loaders["train"], 4 * job.eager_s)
+        measured.append(gpucheck.job_and_ceiling(job, steps=4, warmup=1))
+        return [gpucheck.feed_result("feed", *measured[-1])]
+
+    monkeypatch.setattr(gpucheck, "CHECKS", [slowed_feed])
+    argv = ["--device", "cpu", "--width", "8", "--batch-size", "16"]
+    assert gpucheck.main(argv) == 1
+    (rate, ceiling), out = measured[0], capsys.readouterr().out
+    assert rate < 0.5 * ceiling  # the loop gets at most ~1/5 of the step's rate
+    assert f"feed  {FAIL}" in out and "FAILED: feed" in out
 
 
 @pytest.fixture
