@@ -473,18 +473,21 @@ def test_from_mlflow(tmp_path, capsys):
     from mlflow.tracking import MlflowClient
 
     from {{ cookiecutter.package_name }}.analysis import load_runs_from_mlflow
+    from {{ cookiecutter.package_name }}.config import resolved_config
+    from {{ cookiecutter.package_name }}.tracking import run_params
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri)
     exp = client.create_experiment("sweep")
-    keys = str(["dataset", "lr", "seed", "width"])  # a list param arrives as its str()
+    parser = build_parser()
     for (lr, seed), acc in TEST_ACC.items():
         if lr not in (0.01, 0.1):
             continue
         for _ in range(2 if (lr, seed) == (0.01, 0) else 1):  # (0.01, 0) re-run with --fresh
             run = client.create_run(exp, run_name=f"digits_lr={lr}_seed={seed}")
-            params = {"dataset": "digits", "lr": lr, "width": 64, "seed": seed, "device": "cpu",
-                      "experiment_keys": keys, "total_steps": EPOCHS * 10}  # fmt: skip
+            # The params the producer logs (PKG/tracking.run_params of run.py's config.json).
+            args = parser.parse_args(["--lr", str(lr), "--seed", str(seed)])
+            params = run_params(resolved_config(args, parser))
             for k, v in params.items():
                 client.log_param(run.info.run_id, k, str(v))
             for e in range(1, EPOCHS + 1):
@@ -546,3 +549,34 @@ def test_from_mlflow(tmp_path, capsys):
     capsys.readouterr()  # drop mlflow's own log lines from creating the DB above
     assert plot.main(["--from-mlflow", "--tracking-uri", uri, "--experiment", "nope"]) == 1
     assert capsys.readouterr().err.startswith("error: no MLflow experiment named 'nope'")
+
+
+@pytest.mark.slow  # three real (tiny) training runs, then plot.py, in subprocesses
+def test_from_mlflow_plots_what_run_py_tracked(run_cli, env, tmp_path):
+    """The round trip a user makes: run.py tracks into MLflow (the private sqlite DB of
+    conftest), `plot.py --from-mlflow` reads those runs back and draws the figures."""
+    experiment = f"roundtrip-{tmp_path.name}"
+    jobs = [("0.01", "0"), ("0.01", "1"), ("0.05", "0")]
+    for lr, seed in jobs:
+        done = run_cli("--lr", lr, "--seed", seed, "--epochs", "2", "--experiment", experiment,
+                       results_dir=tmp_path / "results")  # fmt: skip
+        assert done.returncode == 0, done.stderr
+    out = tmp_path / "figures"
+    proc = subprocess.run(
+        [sys.executable, str(PROJECT / "plot.py"), "--from-mlflow", "--experiment", experiment,
+         "--tracking-uri", env["MLFLOW_TRACKING_URI"], "--out", str(out)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "skipped" not in proc.stderr, proc.stderr
+    for name in FIGURES:
+        assert (out / f"{name}.pdf").is_file()
+    lines = (out / "aggregate.csv").read_text().splitlines()
+    rows = [dict(zip(lines[0].split(","), ln.split(","), strict=True)) for ln in lines[1:]]
+    assert sorted((float(r["lr"]), int(r["n"])) for r in rows) == [(0.01, 2), (0.05, 1)]
+    tested: dict[float, list[float]] = {}  # what each run directory says, by lr
+    for path in (tmp_path / "results").glob("*/metrics.json"):
+        lr = json.loads((path.parent / "config.json").read_text())["lr"]
+        tested.setdefault(lr, []).append(json.loads(path.read_text())["test_acc"])
+    for r in rows:
+        assert float(r["test_acc_mean"]) == pytest.approx(np.mean(tested[float(r["lr"])]))

@@ -136,6 +136,13 @@ def provenance() -> dict[str, str]:
     return tags
 
 
+def run_params(config: dict) -> dict:
+    """The MLflow params of a run: its experiment-defining config values and the list of their
+    names, `experiment_keys` (analysis.load_runs_from_mlflow needs it to tell them apart)."""
+    keys = list(config.get("experiment_keys", []))
+    return {**{k: config[k] for k in keys if k in config}, "experiment_keys": keys}
+
+
 class Tracker:
     """The MLflow side of one run directory; every call is guarded and none raises.
 
@@ -372,7 +379,7 @@ def sync(run_dir: Path, log: logging.Logger) -> bool:
         experiment=config.get("experiment", DEFAULT_EXPERIMENT),
         run_name=run_dir.name,
         log=log,
-        params={k: config[k] for k in config.get("experiment_keys", []) if k in config},
+        params=run_params(config),
         tags={"run_dir": str(run_dir), "synced_later": "true"},
         system_metrics=False,
     )
