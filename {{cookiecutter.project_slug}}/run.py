@@ -451,7 +451,7 @@ class RunRecord:
             log=log,
             params=run_params(config),  # with `experiment_keys`: what plot.py --from-mlflow reads
             tags={
-                **provenance(),
+                **provenance(log),
                 "run_dir": str(out),
                 "device": str(device),
                 "amp_dtype": str(dtype),

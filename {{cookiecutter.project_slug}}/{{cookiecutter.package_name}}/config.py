@@ -25,7 +25,7 @@ from .datasets import DATASETS
 from .registry import decorated_names
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_EXPERIMENT = {{ cookiecutter.project_slug | py_string }}
+DEFAULT_EXPERIMENT = {{ cookiecutter.project_slug | py_string }}  # noqa: E501 (a long slug)  # fmt: skip
 # Both registries are read without torch: datasets.py imports nothing heavy, and model.py's
 # `@register_model` lines are read from its source.
 DATASET_CHOICES = tuple(DATASETS)

@@ -115,11 +115,20 @@ def init(experiment: str = DEFAULT_EXPERIMENT, client=None) -> str:
         return found.experiment_id
 
 
-def provenance() -> dict[str, str]:
-    """Tags that let someone reproduce the run: code, command, versions, hardware."""
+def provenance(log: logging.Logger | None = None) -> dict[str, str]:
+    """Tags that let someone reproduce the run: code, command, versions, hardware.
+
+    Outside a git repository the commit is `unknown`; `log` then says so (once per run), since a
+    run whose code cannot be found again is a result nobody can reproduce."""
     import torch
 
     commit, dirty = runs.git_state(PROJECT_ROOT)
+    if commit is None and log is not None:
+        log.warning(
+            "%s is not in a git repository (or git is missing): provenance records "
+            "git_commit=unknown; make it one: git init && git add -A && git commit",
+            PROJECT_ROOT,
+        )
     tags = {
         "git_commit": commit or "unknown",
         "git_dirty": str(dirty).lower() if dirty is not None else "unknown",
