@@ -529,7 +529,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--experiment",
         default=DEFAULT_EXPERIMENT,
-        help="MLflow experiment to read (with --from-mlflow)",
+        help="MLflow experiment to read (with --from-mlflow); trial runs are in "
+        f"{DEFAULT_EXPERIMENT}-trials",
     )
     p.add_argument(
         "--tracking-uri",
