@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # run.sh: the sweep. Runs run.py once per job listed below, one job per GPU, until all are done.
 #
-# Usage: bash run.sh [--dry-run] [--slurm] [-h|--help] [-- EXTRA_RUN_PY_ARGS...]
+# Usage: bash run.sh [--quick] [--dry-run] [--slurm] [-h|--help] [-- EXTRA_RUN_PY_ARGS...]
+#   --quick     the quick preset (also PRESET=quick): the same jobs with QUICK_ARGS (a small
+#               model, few epochs), into results/quick and logs/quick, never the sweep's folder
 #   --dry-run   list every job and its state (done / pending / interrupted / failed / running
 #               elsewhere; with --slurm also queued); run nothing
 #   --slurm     submit the pending jobs as one Slurm job array instead of running them here;
@@ -19,7 +21,8 @@
 #
 # Environment (defaults in brackets):
 #   PYTHON        interpreter that runs run.py [python]
-#   SWEEP_NAME    results go to results/SWEEP_NAME [sweep]
+#   PRESET        quick: as --quick [empty: the sweep as listed]
+#   SWEEP_NAME    results go to results/SWEEP_NAME [sweep; quick with the quick preset]
 #   GPUS          GPU ids to use, e.g. "0 2" [all visible: CUDA_VISIBLE_DEVICES, else nvidia-smi;
 #                 none: run on CPU]
 #   JOBS_PER_GPU  jobs sharing one GPU, for small models [1]
@@ -49,9 +52,19 @@ define_jobs() {
   done
 }
 
+# The quick preset (`bash run.sh --quick`): these arguments come first on every job's command
+# line (extras after `--` still override them), in their own folder, so a plain `bash run.sh`
+# later runs the real sweep instead of finding the quick results done.
+readonly QUICK_ARGS=(--epochs 6 --width 16)
+
 # ---- Where the jobs run -----------------------------------------------------------------------
+PRESET="${PRESET:-}"
+for arg in "$@"; do
+  if [[ "${arg}" == -- ]]; then break; fi
+  if [[ "${arg}" == --quick ]]; then PRESET=quick; fi
+done
 PYTHON="${PYTHON:-python}"
-SWEEP_NAME="${SWEEP_NAME:-sweep}"
+SWEEP_NAME="${SWEEP_NAME:-${PRESET:-sweep}}"
 JOBS_PER_GPU="${JOBS_PER_GPU:-1}"
 CPU_JOBS="${CPU_JOBS:-auto}"
 CPU_JOB_MEM_GB="${CPU_JOB_MEM_GB:-2}"
@@ -71,10 +84,24 @@ SLURM_LOG_DIR="${SLURM_LOG_DIR:-logs/slurm}"    # one folder per submission: arg
 SWEEP_JOB_NAME="${SWEEP_JOB_NAME:-}"           # squeue's name; empty: the project folder's
 
 main() {
+  local -a options=() extra=()
+  while (( $# > 0 )) && [[ "$1" != -- ]]; do
+    if [[ "$1" != --quick ]]; then options+=("$1"); fi
+    shift
+  done
+  if (( $# > 0 )); then shift; extra=("$@"); fi
+  case "${PRESET}" in
+    "") ;;
+    quick)
+      extra=("${QUICK_ARGS[@]}" "${extra[@]}")
+      echo "run.sh: quick preset: ${QUICK_ARGS[*]} on every job, results in results/${SWEEP_NAME}/"
+      ;;
+    *) echo "run.sh: PRESET must be quick or empty, got '${PRESET}'" >&2; exit 2 ;;
+  esac
   cd "$(dirname "${BASH_SOURCE[0]}")"
   # shellcheck source-path=SCRIPTDIR disable=SC1091  # (followed with -x)
   source scripts/sweep_lib.sh
-  sweep_main define_jobs "$@"
+  sweep_main define_jobs "${options[@]}" -- "${extra[@]}"
 }
 
 main "$@"

@@ -163,3 +163,47 @@ def test_gitignore_ignores_what_tracking_writes(tmp_path, monkeypatch):
         env={k: v for k, v in os.environ.items() if not k.startswith("GIT_")},
     ).stdout.split("\n")
     assert [line for line in status if line and not line.endswith(".gitignore")] == []
+
+
+def sweep_copy(dest: Path) -> Path:
+    """run.sh, scripts/, run.py and the package: enough for `run.sh --dry-run` (no training)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("run.sh", "run.py", "scripts", PACKAGE):
+        source = ROOT / name
+        if source.is_dir():
+            shutil.copytree(source, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(source, dest / name)
+    return dest
+
+
+def dry_run(project: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", "run.sh", *args],
+        cwd=project,
+        env={**os.environ, "PYTHON": sys.executable, **env},
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_quick_preset_has_its_own_folder_shown_by_dry_run(tmp_path):
+    """After the quick path, a plain `run.sh` must still see the real sweep as pending: the
+    preset writes elsewhere (results/quick), and --dry-run says so on every job line."""
+    project = sweep_copy(tmp_path)
+    plain = dry_run(project, "--dry-run")
+    quick = dry_run(project, "--quick", "--dry-run", "--", "--epochs", "2")
+    preset = dry_run(project, "--dry-run", PRESET="quick")
+    assert plain.returncode == quick.returncode == preset.returncode == 0, quick.stderr
+    assert "quick preset" in quick.stdout and "quick preset" in preset.stdout
+    plain_jobs = [ln for ln in plain.stdout.splitlines() if ln.strip().startswith("run.py")]
+    quick_jobs = [ln for ln in quick.stdout.splitlines() if ln.strip().startswith("run.py")]
+    assert plain_jobs and len(quick_jobs) == len(plain_jobs)
+    assert all("--results-dir results/sweep" in ln and "--width" not in ln for ln in plain_jobs)
+    # The preset's arguments first, so extras after `--` still win (argparse: the last one).
+    ends = "--epochs 6 --width 16 --epochs 2"
+    assert all("--results-dir results/quick" in ln and ln.endswith(ends) for ln in quick_jobs)
+    bad = dry_run(project, "--dry-run", PRESET="huge")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "run.sh: PRESET must be quick or empty, got 'huge'"
+    ]
