@@ -201,6 +201,7 @@ def test_quick_preset_has_its_own_folder_shown_by_dry_run(tmp_path):
     assert plain_jobs and len(quick_jobs) == len(plain_jobs)
     assert all("--results-dir results/sweep" in ln and "--width" not in ln for ln in plain_jobs)
     # The preset's arguments first, so extras after `--` still win (argparse: the last one).
+    assert {ln.split("--lr ")[1].split()[0] for ln in quick_jobs} == {"1e-3", "1e-2", "1e-1"}
     ends = "--epochs 6 --width 16 --epochs 2"
     assert all("--results-dir results/quick" in ln and ln.endswith(ends) for ln in quick_jobs)
     bad = dry_run(project, "--dry-run", PRESET="huge")
