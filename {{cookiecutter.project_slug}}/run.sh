@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # run.sh: the sweep. Runs run.py once per job listed below, one job per GPU, until all are done.
 #
-# Usage: bash run.sh [--quick] [--dry-run] [--slurm] [-h|--help] [-- EXTRA_RUN_PY_ARGS...]
-#   --quick     the quick preset (also PRESET=quick): the jobs with QUICK_ARGS (a small model,
-#               few epochs) and QUICK_LRS, into results/quick and logs/quick, never the sweep's
+# Usage: bash run.sh [--dry-run] [--slurm] [--quick] [-h|--help] [-- EXTRA_RUN_PY_ARGS...]
 #   --dry-run   list every job and its state (done / pending / interrupted / failed / running
 #               elsewhere; with --slurm also queued); run nothing
 #   --slurm     submit the pending jobs as one Slurm job array instead of running them here;
 #               jobs still queued or running from an earlier submission are not submitted again
+#   --quick     the quick preset (also PRESET=quick): the jobs with QUICK_ARGS (a small model,
+#               few epochs) and QUICK_LRS, into results/quick and logs/quick, never the sweep's
 #   -- ARGS     appended to every job, e.g.  bash run.sh -- --dataset digits --epochs 3
 #
 # Every job writes to results/SWEEP_NAME/<run>/ (trial runs of run.py go to results/trials).
