@@ -436,8 +436,7 @@ class RunRecord:
     def __init__(self, out, config: dict, args, device, dtype, log) -> None:
         import time
 
-        from {{ cookiecutter.package_name }}.config import experiment_args
-        from {{ cookiecutter.package_name }}.tracking import Tracker, provenance
+        from {{ cookiecutter.package_name }}.tracking import Tracker, provenance, run_params
 
         self.out, self.log, self.device, self._time = out, log, device, time
         self.epochs = args.epochs
@@ -450,9 +449,9 @@ class RunRecord:
             experiment=args.experiment,
             run_name=out.name,
             log=log,
-            params=experiment_args(args),
+            params=run_params(config),  # with `experiment_keys`: what plot.py --from-mlflow reads
             tags={
-                **provenance(),
+                **provenance(log),
                 "run_dir": str(out),
                 "device": str(device),
                 "amp_dtype": str(dtype),
