@@ -22,6 +22,7 @@ import re
 from pathlib import Path
 
 from .datasets import DATASETS
+from .dataversion import data_version
 from .registry import decorated_names
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +59,12 @@ EXECUTION_KEYS = frozenset(
 )
 # Experiment-defining flags added after the first release, with their defaults: left out of the
 # hash while at that default, so an update does not move every finished run to a new directory.
-ADDED_DEFAULTS: dict[str, object] = {}
+ADDED_DEFAULTS: dict[str, object] = {
+    # The version of --data-path's files (dataversion.py), set by parse_args, not a flag: runs
+    # on two versions of a folder never share a directory. None for the built-in array datasets,
+    # whose released run names must not move (their content hash goes to config.json instead).
+    "data_version": None,
+}
 MAX_READABLE = 80
 MAX_SEED = 2**32 - 1  # numpy's seed range; torch takes 64 bits, but one seed feeds both
 MAX_EXPERIMENT_NAME = 500  # MLflow's limit (mlflow.utils.validation.MAX_EXPERIMENT_NAME_LENGTH)
@@ -384,8 +390,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     args = parser.parse_args(argv)
     if DATASETS[args.dataset].needs_data_path and args.data_path is None:
         parser.error(f"--data-path: dataset {args.dataset!r} reads your files: give --data-path")
+    args.data_version = None
     if args.data_path is not None:  # absolute: the same data named two ways is one experiment
         args.data_path = args.data_path.expanduser().resolve()
+        try:  # cheap: a stat per directory while none changed (dataversion.py)
+            args.data_version = data_version(args.data_path, args.data_dir)
+        except ValueError as exc:
+            parser.error(str(exc))
     out = run_dir(args, parser)
     for path, flag in ((args.results_dir, "--results-dir"), (out, "--results-dir")):
         if path.exists() and not path.is_dir():
