@@ -97,6 +97,8 @@ def train(args, parser, out, stop: GracefulStop) -> int:
         # num_classes, channels, image_size, class_names, split sizes, the arrays' content hash
         config.update(data.info.as_config())
         config["data_version"] = config.get("data_version") or config.get("data_content")
+        if not args.fresh and (changed := changed_data(out, config)):
+            raise UsageError(changed)  # arrays: their content hash is recorded in config.json
         seed_everything(args.seed)  # same seed => same init, split, order, augmentation
         model = make_model(args, data.info).to(device, memory_format=torch.channels_last)
     except (UsageError, ValueError, OSError) as exc:
@@ -140,10 +142,6 @@ def train(args, parser, out, stop: GracefulStop) -> int:
     )
     if is_tool(args):
         return run_tools(args, trainer, data, device, dtype, out, log)
-    changed = changed_data(out, config)  # arrays: their content hash is recorded in config.json
-    if changed:
-        runs.close_logging(log)
-        return error(changed, EXIT_USAGE)
     try:
         if state.resume(out / runs.CHECKPOINT, out / runs.BEST_MODEL, log):  # (resume)
             log.info(

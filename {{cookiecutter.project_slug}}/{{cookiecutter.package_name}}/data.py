@@ -1029,9 +1029,9 @@ class DataLoaderLoader(Loader):
         self.workers = (
             default_workers(self.device, streaming=streaming) if workers is None else workers
         )
+        _fix_malloc_mmap_threshold()  # batch-sized buffers, freed, must not fragment the heap
         if streaming:
             dataset = _FileDataset(split)
-            _fix_malloc_mmap_threshold()
         else:
             dataset = _ArrayDataset(self._stored_images(split), split.labels, split.rows)
         self._on_cuda = self.device.type == "cuda"
