@@ -15,8 +15,8 @@ Datasets come from the registry in datasets.py. Two data paths, chosen by `load_
 - memory: the decoded uint8 split in RAM (`Split`), read by a DataLoader over the array or, when
   it fits, kept whole on the device (`DeviceResidentLoader`, the fastest: nothing crosses the bus);
 - stream: image files decoded batch by batch in DataLoader worker processes (`FileSplit`), for
-  folders that do not fit in RAM. Image folders that fit are decoded once and cached as a uint8
-  .npy in --data-dir, so the jobs of a sweep decode them once.
+  folders that do not fit in RAM. Image folders that fit are decoded once into a uint8 .npy in
+  --data-dir, memory-mapped: the jobs of a sweep decode them once and share one copy in RAM.
 """
 
 from __future__ import annotations
@@ -251,11 +251,18 @@ def load_dataset(
     if not streamable:
         mode = "memory"
     elif mode == "memory":  # decoded before carving: the cache never depends on --seed
-        with _data_dir_errors(data_dir):
-            splits = {
-                k: decode_cached(s, data_dir, workers) if isinstance(s, FileSplit) else s
-                for k, s in splits.items()
-            }
+        try:
+            with _data_dir_errors(data_dir):
+                splits = {
+                    k: decode_cached(s, data_dir, workers) if isinstance(s, FileSplit) else s
+                    for k, s in splits.items()
+                }
+        except UnreadableImage as e:  # checked by the scan, so it changed since: rewritten
+            forget(data_path, data_dir)  # in place; the next start fingerprints every file
+            raise ValueError(
+                f"{e}; it changed after its folder was checked (rewritten in place); re-run: "
+                "the folder is fingerprinted again, the file skipped and listed"
+            ) from e
     if "test" not in splits:  # a fixed carve: the test set never depends on --seed
         splits["train"], splits["test"] = _carve(splits["train"], TEST_FRACTION, TEST_SPLIT_SEED)
     if "val" not in splits:
@@ -1137,7 +1144,8 @@ def fits_on_device(splits, device, *, max_fraction: float = 0.25) -> bool:
     """Whether the splits can be held whole on `device` (for `--gpu-resident auto`).
 
     `splits`: a mapping or iterable of splits, or of sample counts (counted as 32x32 RGB). The
-    uint8 images, as stored (unpadded: crops pad per batch), must take at most `max_fraction` of the free
+    uint8 images, as stored (unpadded: crops pad per batch), must take at most `max_fraction` of
+    the free
     memory: the GPU's on CUDA, the available RAM on the CPU (the rest is for the model).
     """
     device = torch.device(device)

@@ -8,7 +8,7 @@ and cached in --data-dir together with the modification times of every directory
 later check only stats those directories (no listing, no file) and reuses the cached fingerprint
 while none changed. Adding, removing or renaming a file changes its directory's mtime.
 
-Not seen by the cheap check (README, "Your own images"): a file rewritten in place, keeping
+Not seen by the cheap check (README, "Use your own data"): a file rewritten in place, keeping
 its name (its directory's mtime stays). After such an edit, `touch DIR/train` (any folder
 above the edited file) or delete --data-dir/data-version-*.json: the next start recomputes.
 """

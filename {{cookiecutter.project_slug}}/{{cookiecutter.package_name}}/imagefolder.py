@@ -8,7 +8,7 @@ skipped and listed here, not found later inside a DataLoader worker. The result 
 Images are decoded later, by data.py, either once into a cache or batch by batch in workers.
 Torch-free: Pillow and numpy only.
 
-How an image becomes pixels (README, "Your own images"): EXIF orientation applied; 16-bit and
+How an image becomes pixels (README, "Use your own data"): EXIF orientation applied; 16-bit and
 32-bit integer images scaled by the bit depth of the dataset (the smallest of 8, 10, 12, 14, 16,
 24, 32 bits that holds its largest value: a 12-bit ramp stored in 16 bits spans 0..255), float
 images by their range (0..1, or wider when the data is); alpha composited on white; palette,
