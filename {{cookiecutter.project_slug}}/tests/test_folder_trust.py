@@ -142,8 +142,11 @@ def test_array_data_changed_under_a_run_is_refused_at_resume(main_in_process, tm
         np.savez(f, **arrays)
     capsys.readouterr()
     assert main_in_process(*args, "--epochs", "1") == 2
-    (err,) = capsys.readouterr().err.strip().splitlines()  # refused before any file is written
+    err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: --dataset synthetic: its data changed") and "--fresh" in err
+    assert (run_dir / "status").read_text() == "refused\n"  # the planner: refused, not re-run
+    assert "its data changed" in (run_dir / "run.log").read_text()
+    assert main_in_process(*args, "--epochs", "1", "--fresh") == 0
 
 
 # ---- 2. images decoded as they are ------------------------------------------------------------
