@@ -101,7 +101,6 @@ def train(args, parser, out, stop: GracefulStop) -> int:
         data = build_data(args, device)
         # num_classes, channels, image_size, class_names, split sizes, the arrays' content hash
         config.update(data.info.as_config())
-        config["data_version"] = config.get("data_version") or config.get("data_content")
         seed_everything(args.seed)  # same seed => same init, split, order, augmentation
         model = make_model(args, data.info).to(device, memory_format=torch.channels_last)
     except (UsageError, ValueError, OSError) as exc:
@@ -122,7 +121,8 @@ def train(args, parser, out, stop: GracefulStop) -> int:
     stop.log = log  # from here on, stop requests are in run.log too
     for note in data.notes:  # e.g. skipped unreadable images: in run.log, not only on screen
         log.warning("data: %s", note)
-    log.info("data: %s images (train/val/test) | %s", config["split_sizes"], config["data_version"])
+    version = config["data_version"] or config.get("data_content")  # files | arrays
+    log.info("data: %s images (train/val/test) | %s", config["split_sizes"], version)
     steps = total_steps(args, data.steps_per_epoch)
     compile_mode, compile_why = choose_compile(device, args.compile, steps, args.deterministic)
     for what, why in (
