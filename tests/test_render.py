@@ -16,6 +16,7 @@ PACKAGE_FILES = [
     "checkpoint.py", "tracking.py", "tuning.py", "analysis.py",
     "hardware.py", "gpucheck.py", "datasets.py", "imagefolder.py", "registry.py",
     "stopping.py", "state.py", "claim.py", "plan.py", "jobs.py", "similarity.py",
+    "dataversion.py",
 ]
 BASE_FILES = [
     ".gitignore", ".pre-commit-config.yaml", "LICENSE", "README.md", "pyproject.toml",
@@ -27,6 +28,7 @@ BASE_FILES = [
     "tests/test_image_folder.py", "tests/test_recipes.py", "tests/test_lifecycle.py",
     "tests/test_claim.py", "tests/test_compile.py", "tests/test_gpucheck.py",
     "tests/test_jobs.py", "tests/test_analyze.py", "tests/test_first_week.py",
+    "tests/test_folder_trust.py",
 ]
 SLURM_FILES = ["scripts/slurm_task.sh", "tests/test_slurm.py"]
 GITHUB_ACTIONS_FILES = [".github/workflows/ci.yml", ".github/workflows/cruft-update.yml"]

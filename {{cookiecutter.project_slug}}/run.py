@@ -34,6 +34,11 @@ from {{ cookiecutter.package_name }}.jobs import (
 )
 from {{ cookiecutter.package_name }}.stopping import GracefulStop
 
+UNREADABLE_HINT = (
+    "it changed after its folder was checked (rewritten in place); re-run: the folder is "
+    "fingerprinted again (a new data version, a new run directory), the file skipped and listed"
+)
+
 
 def main(argv: list[str] | None = None) -> int:
     # The contract every job shares (jobs.py): --plan, --print-run-dir, skip when done, the
@@ -70,7 +75,8 @@ def train(args, parser, out, stop: GracefulStop) -> int:
 
             start_memory_history(device)
         data = build_data(args, device)
-        config.update(data.info.as_config())  # num_classes, channels, image_size, class_names
+        # num_classes, channels, image_size, class_names, split sizes, the arrays' content hash
+        config.update(data.info.as_config())
         seed_everything(args.seed)  # same seed => same init, split, order, augmentation
         model = make_model(args, data.info).to(device, memory_format=torch.channels_last)
     except (UsageError, ValueError, OSError) as exc:
@@ -89,6 +95,10 @@ def train(args, parser, out, stop: GracefulStop) -> int:
     runs.remove_stale_temps(out)
     log = runs.setup_logging(out, out.name)
     stop.log = log  # from here on, stop requests are in run.log too
+    for note in data.notes:  # e.g. skipped unreadable images: in run.log, not only on screen
+        log.warning("data: %s", note)
+    version = config["data_version"] or config.get("data_content")  # files | arrays
+    log.info("data: %s images (train/val/test) | %s", config["split_sizes"], version)
     steps = total_steps(args, data.steps_per_epoch)
     for what, why in (
         ("precision", precision_why),
@@ -112,6 +122,11 @@ def train(args, parser, out, stop: GracefulStop) -> int:
         if args.profile:  # profile the step the run would take, compiled where it would be
             warm_up(state, data, args, log)
         return run_tools(args, trainer, data, device, dtype, out, log)
+    if changed := changed_data(out, config):  # arrays: a resume on other data is refused
+        log.error("cannot resume: %s", changed)
+        runs.try_write_status(out, "refused")
+        runs.close_logging(log)
+        return error(changed, EXIT_USAGE)
     try:
         if state.resume(out / runs.CHECKPOINT, out / runs.BEST_MODEL, log):  # (resume)
             log.info(
@@ -198,12 +213,13 @@ class Data(NamedTuple):
     splits: dict
     loaders: dict
     steps_per_epoch: int
-    info: object  # datasets.DatasetInfo: classes, channels, image size, class names
+    info: object  # data.DatasetInfo: classes, channels, image size, class names, split sizes
+    notes: list  # what the dataset has to say (skipped files): logged into run.log
 
 
 def build_data(args, device) -> Data:
     """Splits, loaders, optimizer steps per epoch; UsageError for sizes that cannot work."""
-    from {{ cookiecutter.package_name }}.data import build_loader, load_dataset
+    from {{ cookiecutter.package_name }}.data import build_loader, check_batch_size, load_dataset
     from {{ cookiecutter.package_name }}.hardware import choose_gpu_resident
 
     loaded = load_dataset(
@@ -216,10 +232,9 @@ def build_data(args, device) -> Data:
         synthetic_size=args.synthetic_size,
         mode=args.data_mode,
         workers=args.workers,
+        data_version=args.data_version,  # the version in the run's identity (dataversion.py)
     )
     splits = loaded.splits
-    for note in loaded.notes:
-        print(note)
     # Only decoded in-memory data can live on the GPU; streamed files come through workers.
     resident = loaded.mode == "memory" and choose_gpu_resident(args.gpu_resident, device, splits)
     loaders = {
@@ -236,15 +251,24 @@ def build_data(args, device) -> Data:
     }
     # Optimizer steps per epoch; a trailing remainder of < grad_accum micro-batches is skipped.
     steps_per_epoch = len(loaders["train"]) // args.grad_accum
-    if steps_per_epoch == 0:
-        raise UsageError(
-            f"--batch-size: {args.batch_size} x --grad-accum {args.grad_accum} is "
-            f"larger than the training set ({len(splits['train'])} images): not one "
-            "full optimizer step per epoch"
-        )
+    check_batch_size(len(splits["train"]), args.batch_size, args.grad_accum)  # small data
     if len(splits["val"]) == 0:
         raise UsageError("--val-fraction: the validation split is empty; raise it")
-    return Data(splits, loaders, steps_per_epoch, loaded.info)
+    return Data(splits, loaders, steps_per_epoch, loaded.info, loaded.notes)
+
+
+def changed_data(out, config: dict) -> str | None:
+    """Why this run directory must not resume: it began on other data (arrays keep their run
+    name across data versions; their content hash is compared here)."""
+    from {{ cookiecutter.package_name }}.dataversion import changed_since
+
+    if not (out / runs.CHECKPOINT).is_file():  # nothing to resume: it starts on today's data
+        return None
+    try:
+        before = runs.read_json(out / runs.CONFIG)
+    except (OSError, ValueError):
+        return None
+    return changed_since(before, config, out)
 
 
 def make_model(args, info):
@@ -551,7 +575,14 @@ class RunRecord:
         self.log.error("run failed:\n%s", text)
         runs.try_write_status(self.out, "failed")
         self.tracker.end("FAILED", state.progress.history, error=text)
+        from {{ cookiecutter.package_name }}.imagefolder import UnreadableImage
+
         message = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        if isinstance(exc, UnreadableImage):  # changed since the scan: bad input, not a retry
+            from {{ cookiecutter.package_name }}.dataversion import forget
+
+            forget(args.data_path, args.data_dir)  # the next start fingerprints every file
+            return error(f"{exc}; {UNREADABLE_HINT}", EXIT_USAGE)
         if isinstance(exc, torch.OutOfMemoryError):
             message = (
                 f"out of memory at --batch-size {args.batch_size}; try --find-batch-size, "

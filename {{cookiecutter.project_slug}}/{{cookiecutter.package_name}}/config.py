@@ -21,6 +21,7 @@ import os
 import re
 from pathlib import Path
 
+from .dataversion import data_version
 from .registry import declarations
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -62,7 +63,13 @@ EXECUTION_KEYS = frozenset(
 )
 # Experiment-defining flags added after the first release, with their defaults: left out of the
 # hash while at that default, so an update does not move every finished run to a new directory.
-ADDED_DEFAULTS: dict[str, object] = {"min_epochs": 0}
+ADDED_DEFAULTS: dict[str, object] = {
+    "min_epochs": 0,
+    # The version of --data-path's files (dataversion.py), set by parse_args, not a flag: runs
+    # on two versions of a folder never share a directory. None for the built-in array datasets,
+    # whose released run names must not move (their content hash goes to config.json instead).
+    "data_version": None,
+}
 MAX_READABLE = 80
 MAX_SEED = 2**32 - 1  # numpy's seed range; torch takes 64 bits, but one seed feeds both
 MAX_EXPERIMENT_NAME = 500  # MLflow's limit (mlflow.utils.validation.MAX_EXPERIMENT_NAME_LENGTH)
@@ -407,8 +414,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     args = parser.parse_args(argv)
     if DATASET_DECLARED[args.dataset].keywords.get("needs_data_path") and args.data_path is None:
         parser.error(f"--data-path: dataset {args.dataset!r} reads your files: give --data-path")
+    args.data_version = None
     if args.data_path is not None:  # absolute: the same data named two ways is one experiment
         args.data_path = args.data_path.expanduser().resolve()
+        try:  # cheap: a stat per directory while none changed (dataversion.py)
+            args.data_version = data_version(args.data_path, args.data_dir)
+        except ValueError as exc:
+            parser.error(str(exc))
     if args.experiment is None:
         trial = args.results_dir.resolve() == TRIALS_DIR.resolve()
         args.experiment = TRIALS_EXPERIMENT if trial else DEFAULT_EXPERIMENT

@@ -36,6 +36,7 @@ class DataOptions:
     data_path: Path | None = None  # --data-path: the user's own data
     image_size: tuple[int, int] | None = None  # --image-size as (height, width); None = native
     synthetic_size: int = 10_000  # --synthetic-size
+    data_version: str | None = None  # dataversion.data_version(data_path): keys the scan's cache
 
 
 @dataclass
@@ -60,7 +61,10 @@ class DatasetSplits:
     class_names: Sequence[str] | None = None
     channels: int | None = None
     image_size: tuple[int, int] | None = None
-    notes: list[str] = field(default_factory=list)  # printed once by run.py (e.g. skipped files)
+    notes: list[str] = field(default_factory=list)  # logged once by run.py (e.g. skipped files)
+    # ImageFiles of more than 8 bits: {"int": (low, high), "float": (low, high)} mapped onto
+    # 0..255 (imagefolder.decode_image); None: each mode's own range.
+    value_ranges: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -113,9 +117,11 @@ def synthetic(options: DataOptions) -> DatasetSplits:
 @register_dataset(
     "folder",
     needs_data_path=True,
-    help="--data-path DIR: DIR/train/<class>/*.png|jpg, optional val/, test/",
+    help="--data-path DIR: DIR/train/<class>/*.png|jpg|tif|webp|..., optional val/, test/",
 )
 def folder(options: DataOptions) -> DatasetSplits:
     from .imagefolder import scan_image_folder
 
-    return scan_image_folder(options.data_path, options.image_size, options.data_dir)
+    return scan_image_folder(
+        options.data_path, options.image_size, options.data_dir, options.data_version
+    )
