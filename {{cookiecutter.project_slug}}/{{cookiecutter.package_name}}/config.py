@@ -26,10 +26,11 @@ from .registry import decorated_names
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_EXPERIMENT = {{ cookiecutter.project_slug | py_string }}
-# Both registries are read without torch: datasets.py imports nothing heavy, and model.py's
-# `@register_model` lines are read from its source.
+# The registries are read without torch: datasets.py imports nothing heavy, and model.py's
+# `@register_model` and tasks.py's `@register_task` lines are read from their source.
 DATASET_CHOICES = tuple(DATASETS)
 MODEL_CHOICES = decorated_names(Path(__file__).with_name("model.py"), "register_model")
+TASK_CHOICES = decorated_names(Path(__file__).with_name("tasks.py"), "register_task")
 
 # How a run is executed, not what it computes: left out of the hash, so the same experiment run on
 # another GPU, with more workers or after a Ctrl-C lands in the same directory.
@@ -58,7 +59,7 @@ EXECUTION_KEYS = frozenset(
 )
 # Experiment-defining flags added after the first release, with their defaults: left out of the
 # hash while at that default, so an update does not move every finished run to a new directory.
-ADDED_DEFAULTS: dict[str, object] = {}
+ADDED_DEFAULTS: dict[str, object] = {"task": "classification", "monitor": None}
 MAX_READABLE = 80
 MAX_SEED = 2**32 - 1  # numpy's seed range; torch takes 64 bits, but one seed feeds both
 MAX_EXPERIMENT_NAME = 500  # MLflow's limit (mlflow.utils.validation.MAX_EXPERIMENT_NAME_LENGTH)
@@ -201,6 +202,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", choices=tuple(MODEL_CHOICES), default="cnn", help=_choices_help(MODEL_CHOICES)
     )
     e.add_argument(
+        "--task",
+        choices=tuple(TASK_CHOICES),
+        default="classification",
+        help=_choices_help(TASK_CHOICES),
+    )
+    e.add_argument(
+        "--monitor",
+        default=None,
+        metavar="METRIC",
+        help="the validation metric early stopping and best_model.pt follow, e.g. val_loss, "
+        "val_r2 (lower or higher is better as the task says); default: the task's own "
+        "(classification: val_acc, regression: val_mse, multilabel: val_map)",
+    )
+    e.add_argument(
         "--synthetic-size",
         type=_positive_int,
         default=10_000,
@@ -236,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--patience",
         type=_non_negative_int,
         default=5,
-        help="early stopping: epochs without a better val accuracy (0 = off)",
+        help="early stopping: epochs without a better --monitor value (0 = off)",
     )
     e.add_argument(
         "--seed",
