@@ -12,14 +12,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import mlflow_run, read_metrics, run_dir_of, temp_files
+from conftest import ROOT, mlflow_run, read_metrics, run_dir_of, temp_files
 
 import plot
 from {{ cookiecutter.package_name }}.analysis import aggregate, load_runs
@@ -255,3 +258,40 @@ def test_runs_written_before_tasks_load_and_plot_as_classification(tmp_path, cap
     assert "best\\_val\\_acc" in (out / "aggregate.tex").read_text()
     assert plot.main(["--results", str(results), "--out", str(out), "--curve", "val_r2"]) == 2
     assert "error: --curve: val_r2 is not a history column" in capsys.readouterr().err
+
+
+def test_readme_segmentation_task_works_as_written(tmp_path):
+    """README, "Your own task": its code appended to tasks.py of a copy of the project is in
+    --help, and its mean IoU (from sums over two batches) is the directly computed one."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Your own task") :]
+    code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
+    copy = tmp_path / "project"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns("results", "data", "figures", "*.db",
+                                                              ".git", "__pycache__"))  # fmt: skip
+    package = copy / "{{ cookiecutter.package_name }}"
+    with open(package / "tasks.py", "a") as f:
+        f.write("\n\n" + code)
+    check = """
+import argparse, numpy as np, torch, torch.nn.functional as F
+from {{ cookiecutter.package_name }}.tasks import create_task
+task = create_task("segmentation", argparse.Namespace())
+gen = torch.Generator().manual_seed(0)
+logits = torch.randn(6, 3, 8, 8, generator=gen)
+masks = torch.randint(0, 3, (6, 8, 8), generator=gen)
+masks[masks == 2] = 1  # class 2 in no mask: counted only where predicted
+total = task.sums(logits[:4], masks[:4]) + task.sums(logits[4:], masks[4:])
+got = task.finish(total.numpy(), 6)["miou"]
+pred, true = logits.argmax(1).numpy(), masks.numpy()
+ious = [((pred == k) & (true == k)).sum() / ((pred == k) | (true == k)).sum() for k in range(3)
+        if ((pred == k) | (true == k)).any()]
+assert abs(got - np.mean(ious)) < 1e-12, (got, ious)
+assert torch.equal(task.loss(logits, masks), F.cross_entropy(logits, masks))
+assert task.spatial_targets and task.monitor == "val_miou"
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", check], cwd=copy, capture_output=True, text=True)
+    assert result.stdout.strip() == "ok", result.stderr
+    helped = subprocess.run([sys.executable, "run.py", "--help"], cwd=copy, capture_output=True,
+                            text=True)  # fmt: skip
+    assert "--task {classification,regression,multilabel,segmentation}" in helped.stdout

@@ -478,7 +478,7 @@ def aggregate(runs: Iterable[Run]) -> Table:
 
 
 def _task_metric_order(name: str) -> tuple:
-    """best_* first, then test_<metric> by name, test_loss last: best_val_acc, test_acc, test_loss."""
+    """best_* first, test_<metric> by name, test_loss last: best_val_acc, test_acc, test_loss."""
     return (not name.startswith("best_"), name == "test_loss", name)
 
 

@@ -16,9 +16,10 @@ A split is `(images, labels)`: uint8 images (N, channels, height, width) and tar
 as they are (README, "Your own task"): integer class ids (N,) in 0..num_classes-1 for
 classification, float (N, k) for regression, float multi-hot (N, L) for multilabel, integer masks
 (N, H, W) for segmentation. The model's output width (DatasetInfo.num_classes) is the number of
-classes for integer targets (len(class_names), else the largest id + 1), else k or L. A missing test split
-is carved out of train with a fixed seed (it never changes with --seed); a missing val split is
-carved out of train with --seed and --val-fraction (data.load_dataset does both).
+classes for integer targets (len(class_names), else the largest id + 1), else k or L.
+A missing test split is carved out of train with a fixed seed (it never changes with --seed);
+a missing val split is carved out of train with --seed and --val-fraction (data.load_dataset
+does both).
 """
 
 from __future__ import annotations
