@@ -339,7 +339,8 @@ def finish(task: Task, loss_sum: torch.Tensor, sums: torch.Tensor | None, seen: 
         return {"loss": float("nan"), **dict.fromkeys(task.metrics, float("nan"))}
     total = torch.cat([loss_sum.double().reshape(1), sums.double()]).cpu().numpy()
     metrics = task.finish(total[1:], seen)
-    return {"loss": float(total[0] / max(seen, 1)), **{k: float(metrics[k]) for k in task.metrics}}
+    values = {k: float(metrics[k]) for k in task.metrics}
+    return {"loss": float(total[0] / max(seen, 1)), **values}
 
 
 def default_task() -> Task:
