@@ -278,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--label-smoothing",
         type=_fraction,
         default=0.0,
-        help="label smoothing of the cross-entropy loss",
+        help="label smoothing of the cross-entropy loss (--task classification)",
     )
 
     x = p.add_argument_group("execution (not part of the hash)")

@@ -113,9 +113,9 @@ def summed(*parts: torch.Tensor) -> torch.Tensor:
 def cross_entropy(
     logits: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0
 ) -> torch.Tensor:
-    """Mean cross-entropy from log_softmax + gather: equal to F.cross_entropy (tested), and
-    deterministic on CUDA, where NLLLoss has no deterministic kernel (torch raises under
-    --deterministic)."""
+    """Mean cross-entropy from log_softmax + gather: equal to F.cross_entropy (tested), also per
+    pixel (logits (N, C, H, W), target (N, H, W)), and deterministic on CUDA, where NLLLoss has
+    no deterministic kernel (torch raises under --deterministic)."""
     log_probs = F.log_softmax(logits.float(), dim=1)
     nll = -log_probs.gather(1, target.unsqueeze(1)).squeeze(1)
     if label_smoothing:
