@@ -10,6 +10,7 @@ history.csv, status), from the command of `test_classification_numbers_are_the_r
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import re
@@ -29,6 +30,7 @@ from {{ cookiecutter.package_name }}.analysis import aggregate, load_runs
 from {{ cookiecutter.package_name }}.data import Split, build_loader, synthetic_targets
 from {{ cookiecutter.package_name }}.stopping import EarlyStopping
 from {{ cookiecutter.package_name }}.tasks import AP_BINS, create_task
+from {{ cookiecutter.package_name }}.train import Trainer
 
 RELEASED = Path(__file__).with_name("released_run")
 REFERENCE = (  # with the tiny settings of conftest.TINY
@@ -36,6 +38,7 @@ REFERENCE = (  # with the tiny settings of conftest.TINY
     *("--label-smoothing", "0.1", "--ema", "0.5", "--grad-accum", "2", "--tracking", "off"),
 )
 TIMING = ("epoch_time_s", "samples_per_sec")
+CPU = torch.device("cpu")
 
 
 def task(name: str, **args):
@@ -295,3 +298,40 @@ print("ok")
     helped = subprocess.run([sys.executable, "run.py", "--help"], cwd=copy, capture_output=True,
                             text=True)  # fmt: skip
     assert "--task {classification,regression,multilabel,segmentation}" in helped.stdout
+
+
+def small_trainer(task_, outputs: int):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, outputs))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    return Trainer(model, optimizer, scheduler, device=CPU, dtype=None, task=task_)
+
+
+def test_task_sums_resume_exactly_mid_epoch():
+    logits, y = multilabel_data(n=32, labels=4)
+    x = torch.randn(32, 3, 2, 2, generator=torch.Generator().manual_seed(1))
+    batches = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 32, 8)]
+    straight = small_trainer(task("multilabel"), 4)
+    for step, batch in enumerate(batches, 1):
+        straight.step([batch], step)
+    first = small_trainer(task("multilabel"), 4)
+    for step, batch in enumerate(batches[:2], 1):
+        first.step([batch], step)
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)  # mid-epoch: the sums are in the checkpoint
+    buffer.seek(0)
+    resumed = small_trainer(task("multilabel"), 4)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    for step, batch in enumerate(batches[2:], 3):
+        resumed.step([batch], step)
+    assert straight.take_sums() == resumed.take_sums()
+
+
+def test_a_checkpoint_from_before_tasks_resumes_its_running_sums():
+    """The released Trainer saved {loss_sum, correct, seen}; its count becomes the sums."""
+    trainer = small_trainer(task("classification"), 3)
+    state = trainer.state_dict()
+    state["sums"] = {"loss_sum": torch.tensor(6.5), "correct": torch.tensor(3), "seen": 4}
+    trainer.load_state_dict(state)
+    assert trainer.take_sums() == ({"loss": 6.5 / 4, "acc": 3 / 4}, 4)
