@@ -157,6 +157,8 @@ def compiler_errors() -> tuple[type[BaseException], ...]:
 class Trainer:
     """One optimizer step: forward/backward of `grad_accum` micro-batches, clip, step, EMA.
 
+    `task` (tasks.py; default: classification) gives the loss and the metric sums.
+
     `compile_mode` (from hardware.choose_compile) compiles `forward_and_sums`; a compiler error
     during the first step (or `warm_up`) falls back to eager for the rest of the run; any later
     error, and any other error, propagates. Running sums stay on the device; `take_sums()`
@@ -202,9 +204,8 @@ class Trainer:
         self.seen = 0
 
     def take_sums(self) -> tuple[dict[str, float], int]:
-        """{loss, metric...} since the last reset, and the sample count.
-        # note: sync point (one per epoch)"""
-        return finish(self.task, self.loss_sum, self.sums, self.seen), self.seen
+        """{loss, metric...} since the last reset, and the sample count."""
+        return finish(self.task, self.loss_sum, self.sums, self.seen), self.seen  # note: sync
 
     def _fall_back(self, exc: BaseException) -> None:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -334,7 +335,7 @@ def evaluate(
 
 
 def finish(task: Task, loss_sum: torch.Tensor, sums: torch.Tensor | None, seen: int) -> dict:
-    """The task's metrics from device sums: one host read of loss and sums together."""
+    """{loss, metric...} from the device sums: one host read of loss and sums together."""
     if sums is None:  # nothing was seen
         return {"loss": float("nan"), **dict.fromkeys(task.metrics, float("nan"))}
     total = torch.cat([loss_sum.double().reshape(1), sums.double()]).cpu().numpy()
