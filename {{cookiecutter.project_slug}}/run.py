@@ -118,6 +118,7 @@ def train(args, parser, out, stop: GracefulStop) -> int:
         ("precision", precision_why),
         ("kernels", setup_backends(device, args.deterministic)),
         ("compile", compile_why),
+        ("augmentation", "off: per-pixel targets" if task.spatial_targets else "crop + flip"),
     ):
         log.info("%s: %s", what, why)
     trainer = build_trainer(

@@ -124,7 +124,8 @@ def test_regression_runs_offline_and_learns(main_in_process, tmp_path, mlflow_ur
     run = mlflow_run(mlflow_uri, metrics["mlflow_run_id"])  # MLflow: the same names
     assert run.data.metrics["test_r2"] == pytest.approx(metrics["test_r2"])
     assert "val_r2" in run.data.metrics and "val_acc" not in run.data.metrics
-    assert "r2 " in (run_dir / "run.log").read_text()
+    log = (run_dir / "run.log").read_text()
+    assert "r2 " in log and "augmentation: crop + flip" in log  # image-level targets: augmented
 
 
 def test_multilabel_runs_offline_and_learns(main_in_process, tmp_path):
