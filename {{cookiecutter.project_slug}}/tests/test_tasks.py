@@ -124,6 +124,10 @@ def test_regression_runs_offline_and_learns(main_in_process, tmp_path, mlflow_ur
     run = mlflow_run(mlflow_uri, metrics["mlflow_run_id"])  # MLflow: the same names
     assert run.data.metrics["test_r2"] == pytest.approx(metrics["test_r2"])
     assert "val_r2" in run.data.metrics and "val_acc" not in run.data.metrics
+    (loaded,), _ = load_runs(tmp_path)
+    assert aggregate([loaded]).monitor == "val_mse"
+    del loaded.config["monitored"]  # as from MLflow, whose params are the experiment's only
+    assert aggregate([loaded]).monitor == "val_mse"  # from the metric best_val_mse
     log = (run_dir / "run.log").read_text()
     assert "r2 " in log and "augmentation: crop + flip" in log  # image-level targets: augmented
 

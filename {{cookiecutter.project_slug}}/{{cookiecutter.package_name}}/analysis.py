@@ -80,11 +80,13 @@ def is_task_metric(name: str) -> bool:
 
 
 def monitored(runs: Iterable[Run]) -> str:
-    """The history column the runs were early-stopped on (config.json `monitored`; val_acc for
-    runs written before tasks); the most common one when they differ."""
+    """The history column the runs were early-stopped on (config.json `monitored`, else the
+    metric named best_<monitor>, as MLflow has it; val_acc for runs written before tasks); the
+    most common one when they differ."""
     counts: dict[str, int] = {}
     for run in runs:
-        name = run.config.get("monitored") or DEFAULT_MONITOR
+        best = [m.removeprefix("best_") for m in run.metrics if m.startswith("best_val_")]
+        name = run.config.get("monitored") or (best[0] if best else DEFAULT_MONITOR)
         counts[name] = counts.get(name, 0) + 1
     return max(counts, key=counts.get, default=DEFAULT_MONITOR)
 
