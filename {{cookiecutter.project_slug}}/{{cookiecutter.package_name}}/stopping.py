@@ -118,13 +118,15 @@ class EarlyStopping:
 
     mode "max": higher is better (accuracy, r2); "min": lower is better (a loss, mse). A NaN
     score is never a new best. patience=0 never stops early but still keeps (and lets you
-    restore) the best weights.
+    restore) the best weights. Epochs up to `start_epoch` never count against patience (their
+    bests are still kept): a run must not stop in its warm-up, while the learning rate climbs
+    and validation scores jump.
     """
 
-    def __init__(self, patience: int, mode: str = "max") -> None:
+    def __init__(self, patience: int, start_epoch: int = 0, mode: str = "max") -> None:
         if mode not in ("max", "min"):
             raise ValueError(f"mode must be 'max' or 'min', got {mode!r}")
-        self.patience, self.mode = patience, mode
+        self.patience, self.start_epoch, self.mode = patience, start_epoch, mode
         self.best_score = float("-inf") if mode == "max" else float("inf")
         self.best_epoch = 0
         self.bad_epochs = 0
@@ -137,7 +139,8 @@ class EarlyStopping:
             weights = model.state_dict().items()
             self.best_state = {k: v.detach().to("cpu", copy=True) for k, v in weights}
             return True
-        self.bad_epochs += 1
+        if epoch > self.start_epoch:
+            self.bad_epochs += 1
         return False
 
     @property
