@@ -3,8 +3,10 @@ multilabel run offline end to end with their own names everywhere; the metric su
 computation; --monitor picks the metric and its direction; runs written before tasks still load
 and plot as classification.
 
-`released_run/` is a run directory as the code before tasks wrote it (config.json, metrics.json,
-history.csv, status), from the command of `test_classification_numbers_are_the_released_codes`.
+`released_run/` is a run directory as the code before tasks wrote it (the lab template's main
+at aafe20f: config.json, metrics.json, history.csv, status), from the command of
+`test_classification_numbers_are_the_released_codes`. A change that moves classification's
+numbers on purpose (a new EMA rule, say) writes it anew with that command.
 """
 
 from __future__ import annotations
