@@ -438,26 +438,44 @@ def identity_args(args: argparse.Namespace) -> dict:
 
 
 def config_hash(args: argparse.Namespace) -> str:
-    blob = json.dumps(identity_args(args), sort_keys=True, default=str)
+    return short_hash(identity_args(args))
+
+
+def short_hash(identity: dict) -> str:
+    """8 hex digits of sha256 over the sorted-key JSON of `identity` (any job's identity)."""
+    blob = json.dumps(identity, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:8]
 
 
-def run_name(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
-    """`<dataset>_key=value_...-<hash8>`: readable part lists the non-default experiment args."""
-    parts = [str(args.dataset)]
-    for action in parser._actions:  # parser order, so names are stable and predictable
+def changed_args(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, skip: frozenset | set = frozenset()
+) -> list[str]:
+    """`key=value` for every argument not at its default, in parser order (stable names)."""
+    parts = []
+    for action in parser._actions:
         key = action.dest
-        if key in EXECUTION_KEYS or key in ("help", "dataset"):
+        if key in skip or key == "help" or not hasattr(args, key):
             continue
         value = getattr(args, key)
         if value != action.default:
             if isinstance(value, Path):  # the hash holds the full path; the name its folder
                 value = value.name
-            elif isinstance(value, tuple):
+            elif isinstance(value, tuple | list):
                 value = "x".join(map(str, value))
             parts.append(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}")
+    return parts
+
+
+def readable_name(parts: list[str], identity: dict) -> str:
+    """`<parts joined by _>-<hash8 of identity>`, file-name safe, the readable part capped."""
     readable = re.sub(r"[^A-Za-z0-9._=+-]", "-", "_".join(parts))[:MAX_READABLE].rstrip("_")
-    return f"{readable}-{config_hash(args)}"
+    return f"{readable}-{short_hash(identity)}"
+
+
+def run_name(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    """`<dataset>_key=value_...-<hash8>`: readable part lists the non-default experiment args."""
+    parts = changed_args(args, parser, skip=EXECUTION_KEYS | {"dataset"})
+    return readable_name([str(args.dataset), *parts], identity_args(args))
 
 
 def run_dir(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Path:
