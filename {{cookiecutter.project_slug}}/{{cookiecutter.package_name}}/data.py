@@ -178,6 +178,7 @@ def load_dataset(
     mode: str = "auto",
     workers: int | None = None,
     data_version: str | None = None,
+    task: str = "classification",
 ) -> LoadedDataset:
     """Load the registered dataset `name` as {"train", "val", "test"} splits and describe it.
 
@@ -208,6 +209,7 @@ def load_dataset(
         image_size=image_size,
         synthetic_size=synthetic_size,
         data_version=data_version,
+        task=task,
     )
     with _data_dir_errors(data_dir):
         raw = entry.load(options)
@@ -226,15 +228,21 @@ def load_dataset(
     if len(splits["train"]) == 0:
         raise ValueError(f"dataset {name!r}: the training split is empty")
     labels = torch.cat([split.labels for split in splits.values()])
-    num_classes = len(raw.class_names) if raw.class_names else int(labels.max()) + 1
+    class_ids = not labels.is_floating_point()  # else float targets: regression, multi-hot
+    if class_ids:
+        num_classes = len(raw.class_names) if raw.class_names else int(labels.max()) + 1
+    else:  # the model's output width: one per target column
+        num_classes = labels[0].numel() if labels.ndim > 1 else 1
     class_names = (
         [str(c) for c in raw.class_names]
         if raw.class_names
         else [str(i) for i in range(num_classes)]
     )
     for where, split in splits.items():
-        _check_labels(split, f"{name}/{where}", num_classes)
-    missing_in_train = set(labels.unique().tolist()) - set(splits["train"].labels.unique().tolist())
+        if class_ids:
+            _check_labels(split, f"{name}/{where}", num_classes)
+    present = set(labels.unique().tolist()) if class_ids and labels.ndim == 1 else set()
+    missing_in_train = present - set(splits["train"].labels.unique().tolist())
     if missing_in_train:
         raise ValueError(
             f"dataset {name!r}: class(es) {sorted(missing_in_train)} appear in "
@@ -317,13 +325,14 @@ def _as_split(raw, described: DatasetSplits, image_size, where: str) -> Split | 
     except (TypeError, ValueError):
         raise ValueError(f"{where}: a split must be (images, labels) or ImageFiles") from None
     images = torch.as_tensor(np.asarray(images))
-    labels = torch.as_tensor(np.asarray(labels)).long()
+    labels = torch.as_tensor(np.asarray(labels))  # class ids -> int64, targets -> float32
+    labels = labels.float() if labels.is_floating_point() else labels.long()
     if images.dtype != torch.uint8 or images.ndim != 4:
         raise ValueError(
             f"{where}: expected uint8 images of shape (N, C, H, W), "
             f"got {images.dtype} {tuple(images.shape)}"
         )
-    if labels.shape != (len(images),):
+    if labels.ndim == 0 or len(labels) != len(images):
         raise ValueError(f"{where}: expected {len(images)} labels, got {tuple(labels.shape)}")
     if image_size is not None and tuple(images.shape[2:]) != tuple(image_size):
         need = len(images) * images.shape[1] * image_size[0] * image_size[1]
@@ -554,11 +563,12 @@ def _decode_digits() -> dict[str, np.ndarray]:
     }
 
 
-def load_synthetic_arrays(data_dir: Path, size: int) -> DatasetSplits:
+def load_synthetic_arrays(data_dir: Path, size: int, task: str = "classification") -> DatasetSplits:
     """Learnable CIFAR-shaped data: one smooth random pattern per class, shifted, plus noise.
 
     `size` training images and size // 5 test images (CIFAR's 5:1), generated from a fixed seed
-    and cached, so every job of a benchmark or sweep reads identical bytes.
+    and cached, so every job of a benchmark or sweep reads identical bytes. The targets follow
+    `task` (`synthetic_targets`); any other task gets the class ids.
     """
     if size < SYNTHETIC_CLASSES:
         raise ValueError(f"--synthetic-size must be >= {SYNTHETIC_CLASSES}, got {size}")
@@ -566,8 +576,25 @@ def load_synthetic_arrays(data_dir: Path, size: int) -> DatasetSplits:
     with _lock(cache):
         if not cache.exists():
             _save_npz(cache, **_generate_synthetic(size, size // 5))
-    train, test = _read_npz(cache)
-    return DatasetSplits(train=train, test=test)
+    (x_train, y_train), (x_test, y_test) = _read_npz(cache)
+    return DatasetSplits(
+        train=(x_train, synthetic_targets(y_train, task)),
+        test=(x_test, synthetic_targets(y_test, task)),
+    )
+
+
+def synthetic_targets(labels: np.ndarray, task: str) -> np.ndarray:
+    """The class ids as `task`'s targets, each a fixed function of the class (so learnable):
+    regression: 4 standard-normal numbers per class, float32 (N, 4); multilabel: 5 labels,
+    each on for a class with probability 0.4, float32 multi-hot (N, 5); else the ids."""
+    rng = np.random.default_rng([SYNTHETIC_SEED, 21])
+    if task == "regression":
+        table = rng.standard_normal((SYNTHETIC_CLASSES, 4))
+    elif task == "multilabel":
+        table = rng.random((SYNTHETIC_CLASSES, 5)) < 0.4
+    else:
+        return labels
+    return table.astype(np.float32)[labels]
 
 
 def _generate_synthetic(n_train: int, n_test: int) -> dict[str, np.ndarray]:
@@ -865,7 +892,14 @@ class Loader:
     """
 
     def __init__(
-        self, split: Split | FileSplit, batch_size: int, *, train: bool, device, seed: int
+        self,
+        split: Split | FileSplit,
+        batch_size: int,
+        *,
+        train: bool,
+        device,
+        seed: int,
+        augment: bool = True,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -879,8 +913,9 @@ class Loader:
         self._epoch_set = True
         channels, height, width = split.image_shape
         # Train batches are cropped out of zero-padded images, padded per batch on the device:
-        # a padded copy of the stored split would double the memory it takes.
-        self.padding = crop_padding(height, width) if train else 0
+        # a padded copy of the stored split would double the memory it takes. augment=False (a
+        # task with per-pixel targets, which crop and flip would not move): no crop, no flip.
+        self.padding = crop_padding(height, width) if train and augment else 0
         # (x - mean) / std = x * scale + shift, as full (1, C, H, W) channels_last tensors:
         # broadcasting (1, 3, 1, 1) over an innermost dim of 3 takes a ~20x slower path on CPU.
         mean, std = channel_stats(channels)
@@ -1126,15 +1161,17 @@ def build_loader(
     workers: int | None = None,
     gpu_resident: bool = False,
     seed: int = 0,
+    augment: bool = True,
 ) -> Loader:
-    """Return a loader of `(x, y)` on `device`: x float32 normalised channels_last, y int64.
+    """Return a loader of `(x, y)` on `device`: x float32 normalised channels_last, y the labels.
 
-    Train loaders shuffle (order = f(seed, epoch)), augment and drop the last partial batch.
+    Train loaders shuffle (order = f(seed, epoch)), augment (random crop + flip, unless
+    `augment=False`) and drop the last partial batch. `y` is the split's labels as they are.
     `gpu_resident=True` keeps an in-memory split whole on `device` (see `fits_on_device`);
     otherwise a DataLoader with `workers` processes (None: `default_workers`). A `FileSplit`
     is always streamed.
     """
-    common = dict(train=train, device=device, seed=seed)
+    common = dict(train=train, device=device, seed=seed, augment=augment)
     if gpu_resident and isinstance(split, Split):
         return DeviceResidentLoader(split, batch_size, **common)
     return DataLoaderLoader(split, batch_size, workers=workers, **common)
