@@ -23,7 +23,7 @@ import sys
 import traceback
 from typing import NamedTuple
 
-from {{ cookiecutter.package_name }} import runs
+from {{ cookiecutter.package_name }} import distributed, runs
 from {{ cookiecutter.package_name }}.claim import Busy, claim
 from {{ cookiecutter.package_name }}.config import UsageError, parse_args, resolved_config, run_dir
 from {{ cookiecutter.package_name }}.stopping import GracefulStop
@@ -47,25 +47,35 @@ def main(argv: list[str] | None = None) -> int:
 
             print(f"MLflow ready: {tracking_uri()} (experiment id {init(args.experiment)})")
             return EXIT_OK
-        if runs.is_done(out) and not (args.fresh or is_tool(args)):
-            print(f"already finished: {out} (metrics.json exists; --fresh re-trains)")
-            return EXIT_OK
-        try:
-            with claim(out) as held:  # one process per run directory, freed by the kernel on death
-                if runs.is_done(out) and not (args.fresh or is_tool(args)):  # done meanwhile
-                    print(f"already finished: {out} (metrics.json exists; --fresh re-trains)")
-                    return EXIT_OK
-                code = train(args, parser, out, stop)
-                if code in (EXIT_USAGE, EXIT_INTERRUPTED):
-                    held.discard()  # refused or stopped before any work: leave nothing behind
-                return code
-        except Busy as exc:
-            return error(f"running elsewhere: {exc}", EXIT_BUSY)
-        except OSError as exc:  # the run directory cannot be created
-            return error(f"--results-dir: cannot write to {out.parent}: {exc.strerror}", EXIT_USAGE)
+        # torchrun (distributed.py): one job in N processes; rank 0 alone claims and writes.
+        with distributed.session(args.device) as dist:
+            if not dist.is_main:  # the others train when rank 0 does, else leave with its code
+                code = dist.verdict(None)
+                return dist.finish(train(args, parser, out, stop, dist) if code is None else code)
+            return dist.finish(claim_and_train(args, parser, out, stop, dist))
 
 
-def train(args, parser, out, stop: GracefulStop) -> int:
+def claim_and_train(args, parser, out, stop: GracefulStop, dist) -> int:
+    if runs.is_done(out) and not (args.fresh or is_tool(args)):
+        print(f"already finished: {out} (metrics.json exists; --fresh re-trains)")
+        return EXIT_OK
+    try:
+        with claim(out) as held:  # one process per run directory, freed by the kernel on death
+            if runs.is_done(out) and not (args.fresh or is_tool(args)):  # done meanwhile
+                print(f"already finished: {out} (metrics.json exists; --fresh re-trains)")
+                return EXIT_OK
+            dist.verdict(None)  # torchrun: the other ranks train too
+            code = train(args, parser, out, stop, dist)
+            if code in (EXIT_USAGE, EXIT_INTERRUPTED):
+                held.discard()  # refused or stopped before any work: leave nothing behind
+            return code
+    except Busy as exc:
+        return error(f"running elsewhere: {exc}", EXIT_BUSY)
+    except OSError as exc:  # the run directory cannot be created
+        return error(f"--results-dir: cannot write to {out.parent}: {exc.strerror}", EXIT_USAGE)
+
+
+def train(args, parser, out, stop: GracefulStop, dist) -> int:
     """The method: config -> data -> model -> (resume) -> loop -> test -> save."""
     import torch
 
@@ -82,32 +92,41 @@ def train(args, parser, out, stop: GracefulStop) -> int:
 
     # ---- config + data: every bad input is found here, before a file of the run is written ----
     config = resolved_config(args, parser)
+    config["world_size"] = dist.world  # processes of this job (torchrun), not of its identity
     try:
-        device = resolve_device(args.device)
+        dist.check(args)  # a --batch-size that does not divide among the processes: exit 2
+        device = dist.place(resolve_device(args.device))
         dtype, precision_why = choose_precision(device, args.amp)
         if args.profile:  # the CUDA memory snapshot then covers the whole run, model included
             from {{ cookiecutter.package_name }}.tuning import start_memory_history
 
             start_memory_history(device)
-        data = build_data(args, device)
+        data = build_data(args, device, dist.shard)
         config.update(data.info.as_config())  # num_classes, channels, image_size, class_names
         seed_everything(args.seed)  # same seed => same init, split, order, augmentation
-        model = make_model(args, data.info).to(device, memory_format=torch.channels_last)
+        model = make_model(args, data.info)
+        model = dist.prepare(model, args.seed).to(device, memory_format=torch.channels_last)
     except (UsageError, ValueError, OSError) as exc:
         return error(str(exc), EXIT_USAGE)
+    code = None
     try:
-        runs.ensure_writable(out, need_bytes=checkpoint_bytes(model, args.ema))
+        if dist.is_main:
+            runs.ensure_writable(out, need_bytes=checkpoint_bytes(model, args.ema))
     except OSError as exc:  # not writable, or no room for a checkpoint: found before any work
-        return error(f"--results-dir: {exc.strerror or exc}", EXIT_USAGE)
-    if stop.requested:
-        return EXIT_INTERRUPTED  # stopped while starting: nothing of this run exists yet
+        code = error(f"--results-dir: {exc.strerror or exc}", EXIT_USAGE)
+    if code is None and dist.stopped(stop):
+        code = EXIT_INTERRUPTED  # stopped while starting: nothing of this run exists yet
+    if (code := dist.agree(code)) is not None:  # torchrun: a refusal on any rank ends all
+        return code
 
     # ---- model, its training step and the resumable state ------------------------------------
-    out.mkdir(parents=True, exist_ok=True)
-    if args.fresh:
-        print(f"--fresh: deleting {', '.join(runs.clear_run_dir(out)) or 'nothing'} in {out}")
-    runs.remove_stale_temps(out)
-    log = runs.setup_logging(out, out.name)
+    if dist.is_main:  # one writer
+        out.mkdir(parents=True, exist_ok=True)
+        if args.fresh:
+            print(f"--fresh: deleting {', '.join(runs.clear_run_dir(out)) or 'nothing'} in {out}")
+        runs.remove_stale_temps(out)
+    log = runs.setup_logging(out, out.name) if dist.is_main else dist.follower_log(out.name)
+    dist.agree(None)  # the others read the checkpoint once --fresh has deleted it
     stop.log = log  # from here on, stop requests are in run.log too
     steps = total_steps(args, data.steps_per_epoch)
     compile_mode, compile_why = choose_compile(device, args.compile, steps, args.deterministic)
@@ -117,6 +136,8 @@ def train(args, parser, out, stop: GracefulStop) -> int:
         ("compile", compile_why),
     ):
         log.info("%s: %s", what, why)
+    if dist.active:
+        log.info("distributed: %s", dist.describe())
     trainer = build_trainer(
         model,
         args,
@@ -126,8 +147,13 @@ def train(args, parser, out, stop: GracefulStop) -> int:
         total_steps=steps,
         log=log,
     )
+    trainer.ddp = dist.ddp(model)  # torchrun: gradients all-reduced over the processes
     state = TrainingState(
-        trainer, EarlyStopping(args.patience), device=device, config_hash=config["config_hash"]
+        trainer,
+        EarlyStopping(args.patience),
+        device=device,
+        config_hash=config["config_hash"],
+        dist=dist,
     )
     if is_tool(args):
         return run_tools(args, trainer, data, device, dtype, out, log)
@@ -143,7 +169,11 @@ def train(args, parser, out, stop: GracefulStop) -> int:
         runs.close_logging(log)
         return error(f"cannot resume: {exc}", EXIT_USAGE)
     try:
-        record = RunRecord(out, config, args, device, dtype, log)
+        record = (
+            RunRecord(out, config, args, device, dtype, log)
+            if dist.is_main
+            else distributed.Follower(out, log)
+        )
     except OSError as exc:  # e.g. the disk filled since the start-up check
         runs.try_write_status(out, "failed")
         runs.close_logging(log)
@@ -162,13 +192,17 @@ def train(args, parser, out, stop: GracefulStop) -> int:
         )
         warm_up(state, data, args, log)  # compiling: its own step, outside the timed loop
         while not finished(p, args, steps_per_epoch, state.stopper):
-            train_s = train_epoch(state, loaders["train"], steps_per_epoch, args, stop)
+            train_s = train_epoch(state, loaders["train"], steps_per_epoch, args, stop, dist)
             if not epoch_complete(p, args, steps_per_epoch):
                 break  # stopped mid-epoch: the checkpoint below records where in the epoch
-            train_loss, train_acc, seen = trainer.take_sums()  # note: one sync per epoch
+            # note: one sync per epoch (and one all-reduce of the sums over ranks)
+            train_loss, train_acc, seen = trainer.take_sums(dist.sum)
             check_finite(train_loss, p.epoch + 1, first_step_of_epoch(p, args), p.step)
             trainer.reset_sums()
-            val_loss, val_acc = evaluate(eval_model, loaders["val"], device=device, dtype=dtype)
+            dist.sync_buffers(eval_model)  # CPU torchrun: rank 0's BatchNorm statistics
+            val_loss, val_acc = evaluate(
+                eval_model, loaders["val"], device=device, dtype=dtype, reduce=dist.sum
+            )
             p.epoch, p.batch, p.samples = p.epoch + 1, 0, p.samples + seen
             if state.stopper.update(val_acc, p.epoch, eval_model):  # keep the best, never test
                 state.save_best(out / runs.BEST_MODEL)
@@ -185,17 +219,19 @@ def train(args, parser, out, stop: GracefulStop) -> int:
                     "samples_per_sec": seen / max(train_s, 1e-9),
                 }
             )
-            record.epoch_done(state, checkpoint_due=record.checkpoint_due(args))
-            if stop.requested:
+            record.epoch_done(state, checkpoint_due=dist.decide(record.checkpoint_due(args)))
+            if dist.stopped(stop):
                 break
         if not finished(p, args, steps_per_epoch, state.stopper):  # stopped: checkpoint, exit 75
             state.save(out / runs.CHECKPOINT)
-            record.interrupted(state, stop.requested)
+            record.interrupted(state, stop.requested or "a stop signal to another process")
             return EXIT_INTERRUPTED
 
         # ---- test once, with the best weights; save ---------------------------------------------
         state.stopper.restore(eval_model)
-        test_loss, test_acc = evaluate(eval_model, loaders["test"], device=device, dtype=dtype)
+        test_loss, test_acc = evaluate(
+            eval_model, loaders["test"], device=device, dtype=dtype, reduce=dist.sum
+        )
         state.save(out / runs.CHECKPOINT)
         record.finished(state, test_loss, test_acc, stop_reason(p, args, state.stopper))
         return EXIT_OK
@@ -207,7 +243,8 @@ def train(args, parser, out, stop: GracefulStop) -> int:
 
 # ---- the pieces main() and train() name --------------------------------------------------------
 def error(message: str, code: int) -> int:
-    print(f"error: {message}", file=sys.stderr)
+    if not distributed.follower():  # torchrun: one line, from rank 0
+        print(f"error: {message}", file=sys.stderr)
     return code
 
 
@@ -222,7 +259,7 @@ class Data(NamedTuple):
     info: object  # datasets.DatasetInfo: classes, channels, image size, class names
 
 
-def build_data(args, device) -> Data:
+def build_data(args, device, shard: tuple[int, int] = (0, 1)) -> Data:
     """Splits, loaders, optimizer steps per epoch; UsageError for sizes that cannot work."""
     from {{ cookiecutter.package_name }}.data import build_loader, load_dataset
     from {{ cookiecutter.package_name }}.hardware import choose_gpu_resident
@@ -252,6 +289,7 @@ def build_data(args, device) -> Data:
             workers=args.workers,
             gpu_resident=resident,
             seed=args.seed,
+            shard=shard,
         )
         for name, split in splits.items()
     }
@@ -340,7 +378,7 @@ def warm_up(state, data: Data, args, log) -> None:
         log.info("compiled (%s) in %.1f s", trainer.compile_mode, spent)
 
 
-def train_epoch(state, loader, steps_per_epoch: int, args, stop) -> float:
+def train_epoch(state, loader, steps_per_epoch: int, args, stop, dist) -> float:
     """Optimizer steps until the epoch ends, the run's last step, or a stop request.
 
     Returns the seconds of training. The loader's order is a function of (seed, epoch), so a
@@ -355,7 +393,9 @@ def train_epoch(state, loader, steps_per_epoch: int, args, stop) -> float:
     bar = progress_bar(args, steps_per_epoch, p)
     trainer.model.train()
     t0 = now()
-    while p.batch < steps_per_epoch * args.grad_accum and p.step < last and not stop.requested:
+    while p.batch < steps_per_epoch * args.grad_accum and p.step < last:
+        if dist.stopped(stop, p.step):  # stop.requested; torchrun: on any rank, every 10 steps
+            break
         trainer.step([next(batches) for _ in range(args.grad_accum)], p.step + 1)
         p.step, p.batch = p.step + 1, p.batch + args.grad_accum
         if bar is not None:
@@ -458,6 +498,7 @@ class RunRecord:
                 "amp_dtype": str(dtype),
                 "compile": args.compile,
                 "workers": str(args.workers),
+                "world_size": str(config["world_size"]),
             },
         )
 

@@ -707,7 +707,14 @@ class Loader:
     """
 
     def __init__(
-        self, split: Split | FileSplit, batch_size: int, *, train: bool, device, seed: int
+        self,
+        split: Split | FileSplit,
+        batch_size: int,
+        *,
+        train: bool,
+        device,
+        seed: int,
+        shard: tuple[int, int] = (0, 1),
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -716,6 +723,7 @@ class Loader:
         self.train = train
         self.seed = seed
         self.drop_last = train
+        self.shard = shard  # (rank, world): this process takes the rank-th 1/world of each batch
         self.num_samples = len(split)
         self.epoch, self.skip_batches = 0, 0
         self._epoch_set = True
@@ -757,8 +765,12 @@ class Loader:
             )
         else:
             order = torch.arange(self.num_samples)
-        batches = list(order.split(self.batch_size))[: len(self)]
-        return batches[self.skip_batches :]
+        batches = list(order.split(self.batch_size))[: len(self)][self.skip_batches :]
+        rank, world = self.shard
+        if world > 1:  # torchrun: contiguous, disjoint shards of the same global batches
+            batches = [b.tensor_split(world)[rank] for b in batches]
+            batches = [b for b in batches if len(b)]  # an evaluation's short last batch
+        return batches
 
     def _stored_images(self, split: Split) -> torch.Tensor:
         """The split as uint8 NHWC (padded once here for train loaders, not once per batch)."""
@@ -925,7 +937,7 @@ class DeviceResidentLoader(Loader):
             return
         # One copy of the epoch's order to the device, then every gather happens there.
         order = torch.cat(batches).to(self.device, non_blocking=True)
-        for index in order.split(self.batch_size):
+        for index in order.split([len(b) for b in batches]):
             with _one_cpu_thread(self.device):
                 images = self.images.index_select(0, index)
                 labels = self.labels.index_select(0, index)
@@ -941,15 +953,16 @@ def build_loader(
     workers: int | None = None,
     gpu_resident: bool = False,
     seed: int = 0,
+    shard: tuple[int, int] = (0, 1),
 ) -> Loader:
     """Return a loader of `(x, y)` on `device`: x float32 normalised channels_last, y int64.
 
     Train loaders shuffle (order = f(seed, epoch)), augment and drop the last partial batch.
     `gpu_resident=True` keeps an in-memory split whole on `device` (see `fits_on_device`);
     otherwise a DataLoader with `workers` processes (None: `default_workers`). A `FileSplit`
-    is always streamed.
+    is always streamed. `shard=(rank, world)`: this rank's contiguous 1/world of every batch.
     """
-    common = dict(train=train, device=device, seed=seed)
+    common = dict(train=train, device=device, seed=seed, shard=shard)
     if gpu_resident and isinstance(split, Split):
         return DeviceResidentLoader(split, batch_size, **common)
     return DataLoaderLoader(split, batch_size, workers=workers, **common)

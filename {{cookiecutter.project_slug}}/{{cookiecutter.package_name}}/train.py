@@ -15,6 +15,7 @@ CUDA with `torch.cuda.set_sync_debug_mode("error")`):
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import logging
@@ -204,6 +205,7 @@ class Trainer:
             torch.compile(forward_and_sums, mode=compile_mode) if compile_mode else forward_and_sums
         )
         self._first_step_done = False
+        self.ddp: nn.Module | None = None  # torchrun: the model in DistributedDataParallel
         self.reset_sums()
 
     @property
@@ -215,12 +217,13 @@ class Trainer:
         self.correct = torch.zeros((), device=self.device, dtype=torch.int64)
         self.seen = 0
 
-    def take_sums(self) -> tuple[float, float, int]:
-        """Mean loss and accuracy since the last reset.  # note: sync point (one per epoch)"""
-        both = torch.stack([self.loss_sum.double(), self.correct.double()])
-        loss_sum, correct = both.tolist()
-        seen = max(self.seen, 1)
-        return loss_sum / seen, correct / seen, self.seen
+    def take_sums(self, reduce=None) -> tuple[float, float, int]:
+        """Mean loss and accuracy since the last reset; `reduce` sums the vector over ranks.
+        # note: sync point (one per epoch)"""
+        seen = torch.tensor(float(self.seen), dtype=torch.float64, device=self.device)
+        sums = torch.stack([self.loss_sum.double(), self.correct.double(), seen])
+        loss_sum, correct, seen = (reduce(sums) if reduce is not None else sums).tolist()
+        return loss_sum / max(seen, 1), correct / max(seen, 1), int(seen)
 
     def _fall_back(self, exc: BaseException) -> None:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -232,7 +235,8 @@ class Trainer:
         self.forward, self.compile_mode = forward_and_sums, None
 
     def _micro_step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> None:
-        loss, loss_sum, correct = self.forward(self.model, x, y, self.dtype, self.label_smoothing)
+        net = self.model if self.ddp is None else self.ddp
+        loss, loss_sum, correct = self.forward(net, x, y, self.dtype, self.label_smoothing)
         self.scaler.scale(loss / self.grad_accum).backward()
         # Counted only once backward succeeded: a compile fallback re-runs this micro-batch.
         self.loss_sum += loss_sum
@@ -253,8 +257,11 @@ class Trainer:
 
     def step(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]], step: int) -> None:
         """One optimizer step over `grad_accum` micro-batches. `step` counts from 1."""
-        for x, y in micro_batches:
-            self._checked_micro_step(x, y, step)
+        for i, (x, y) in enumerate(micro_batches):
+            # DDP all-reduces the gradients once, on the last micro-batch (nanoGPT's habit).
+            quiet = self.ddp is not None and i < self.grad_accum - 1
+            with self.ddp.no_sync() if quiet else contextlib.nullcontext():
+                self._checked_micro_step(x, y, step)
         self._first_step_done = True
         if self.clip_grad > 0:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
@@ -322,9 +329,15 @@ class Trainer:
 
 @torch.inference_mode()
 def evaluate(
-    model: nn.Module, loader: Iterable, *, device: torch.device, dtype: torch.dtype | None
+    model: nn.Module,
+    loader: Iterable,
+    *,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    reduce=None,
 ) -> tuple[float, float]:
-    """Mean loss and accuracy over a loader, in eval mode; one host sync at the end."""
+    """Mean loss and accuracy over a loader, in eval mode; one host sync at the end.
+    `reduce` sums the vector of sums over ranks (each evaluated its shard)."""
     was_training = model.training
     model.eval()
     loss_sum = torch.zeros((), device=device)
@@ -337,8 +350,10 @@ def evaluate(
         correct += (logits.argmax(1) == y).sum()
         seen += y.shape[0]
     model.train(was_training)
+    count = torch.tensor(float(seen), dtype=torch.float64, device=device)
+    sums = torch.stack([loss_sum.double(), correct.double(), count])
     # note: sync point (one per evaluation)
-    total_loss, total_correct = torch.stack([loss_sum, correct.float()]).tolist()
+    total_loss, total_correct, seen = (reduce(sums) if reduce is not None else sums).tolist()
     return total_loss / max(seen, 1), total_correct / max(seen, 1)
 
 

@@ -1,0 +1,306 @@
+"""One job on several processes (torchrun + DistributedDataParallel): the rank logic in one place.
+
+`torchrun --nproc-per-node N run.py ARGS` starts N copies of run.py with RANK, WORLD_SIZE and
+LOCAL_RANK in their environment. Each copy is a rank; together they train ONE run:
+- the same run, whatever the world size: --batch-size stays the global batch, each rank takes a
+  contiguous 1/N of every global batch (`Loader(shard=...)`), so steps per epoch, the LR schedule
+  and the epoch's order (a function of seed and epoch) are those of one process;
+- gradients are all-reduced by DDP (not on non-final --grad-accum micro-steps: `no_sync`);
+  BatchNorm statistics are synchronised with SyncBatchNorm on CUDA. torch refuses SyncBatchNorm
+  on CPU modules, so on CPU each rank normalises with its own share of the batch (said in the
+  log); evaluation then uses rank 0's running statistics on every rank (`sync_buffers`);
+- one writer: rank 0 alone claims the run directory, writes its files and talks to MLflow; the
+  others follow its decisions (`decide`, `agree`) and exit with the same code;
+- stops that agree: a stop signal on any rank is seen by all at the same step through one
+  all_reduce MAX of a CPU flag on a gloo group every `STOP_EVERY` steps and at every epoch end
+  (no GPU sync), then rank 0 checkpoints and every rank exits 75;
+- a checkpoint holds the full state once (rank 0's) plus each rank's own RNG state and partial
+  epoch sums, so a resume on the same world size is exact; on another one it is refused.
+
+Without torchrun (or with one process) `session()` yields `Dist()`: no process group, no torch
+import, every method hands its input back; run.py then behaves exactly as one process always did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Iterator
+
+from .runs import CHECKPOINT
+
+EXIT_FAILED = 1
+STOP_EVERY = 10  # steps between stop polls: a stop waits at most this many steps
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def follower() -> bool:
+    """True in a rank other than 0 of a torchrun job (read from the environment, no torch)."""
+    return _env_int("WORLD_SIZE", 1) > 1 and _env_int("RANK", 0) != 0
+
+
+class Dist:
+    """This process's place in the job: rank, world size, and the collectives run.py needs."""
+
+    def __init__(self, rank: int = 0, world: int = 1, local_rank: int = 0) -> None:
+        self.rank, self.world, self.local_rank = rank, world, local_rank
+        self.cuda = False
+        self.cpu_group = None  # gloo: decisions and stop polls never wait for the GPU
+        self._stop = False
+        self._told = False
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # ---- start and end ---------------------------------------------------------------------
+    def start(self, device: str) -> None:
+        """Join the job's process group: NCCL on CUDA (this rank's GPU), gloo on CPU."""
+        import torch
+        import torch.distributed as td
+
+        self.cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+        if self.cuda:
+            torch.cuda.set_device(self.local_rank)
+            td.init_process_group("nccl", device_id=torch.device("cuda", self.local_rank))
+            self.cpu_group = td.new_group(backend="gloo")
+        else:
+            td.init_process_group("gloo")
+            self.cpu_group = td.group.WORLD
+        if not self.is_main:  # one voice: rank 0 prints; the others' warnings go to stderr
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
+
+    def finish(self, code: int) -> int:
+        """Every rank leaves with rank 0's code; wait for rank 0's last writes (a rank that
+        exits first with a non-zero code would have torchrun kill the writer)."""
+        if not self.active:
+            return code
+        code = self.verdict(code)  # rank 0 ended before training: tell the others why
+        if code != EXIT_FAILED:  # a failure is one rank's: the others may be mid-collective
+            import torch.distributed as td
+
+            td.barrier(group=self.cpu_group)
+        return code
+
+    # ---- decisions -------------------------------------------------------------------------
+    def verdict(self, code: int | None) -> int | None:
+        """Rank 0's one decision before training (None: train; else the exit code: done, busy,
+        refused). Collective once; later calls return `code` unchanged."""
+        if not self.active or self._told:
+            return code
+        self._told = True
+        return self.decide(code)
+
+    def decide(self, value):
+        """Rank 0's `value` on every rank (a broadcast over the CPU group)."""
+        if not self.active:
+            return value
+        import torch.distributed as td
+
+        box = [value]
+        td.broadcast_object_list(box, src=0, group=self.cpu_group)
+        return box[0]
+
+    def agree(self, code: int | None) -> int | None:
+        """The first non-None code in rank order, on every rank (a refusal anywhere ends all)."""
+        if not self.active:
+            return code
+        import torch.distributed as td
+
+        codes: list = [None] * self.world
+        td.all_gather_object(codes, code, group=self.cpu_group)
+        return next((c for c in codes if c is not None), None)
+
+    def stopped(self, stop, step: int | None = None) -> bool:
+        """Whether the job stops here: `stop.requested` (GracefulStop) on any rank. Polled every
+        STOP_EVERY steps and whenever `step` is None (epoch ends); once true, it stays true."""
+        if not self.active:
+            return stop.requested is not None
+        if not self._stop and (step is None or step % STOP_EVERY == 0):
+            import torch
+            import torch.distributed as td
+
+            flag = torch.tensor([int(stop.requested is not None)])
+            td.all_reduce(flag, op=td.ReduceOp.MAX, group=self.cpu_group)
+            self._stop = bool(flag.item())
+        return self._stop
+
+    # ---- model, data, metrics --------------------------------------------------------------
+    def check(self, args) -> None:
+        """Refuse what cannot run on several processes (UsageError: exit 2 on every rank)."""
+        if not self.active:
+            return
+        from .config import UsageError
+
+        if args.batch_size % self.world:
+            raise UsageError(
+                f"--batch-size: {args.batch_size} is the global batch and does not divide among "
+                f"{self.world} processes; use a multiple of {self.world}"
+            )
+        if args.find_lr or args.find_batch_size or args.profile:
+            raise UsageError("--find-lr, --find-batch-size and --profile run in one process")
+
+    def place(self, device):
+        """This rank's device: cuda:LOCAL_RANK on CUDA."""
+        import torch
+
+        if self.active and device.type == "cuda":
+            return torch.device("cuda", self.local_rank)
+        return device
+
+    @property
+    def shard(self) -> tuple[int, int]:
+        return self.rank, self.world
+
+    def prepare(self, model, seed: int):
+        """SyncBatchNorm on CUDA; then each rank its own augmentation stream (the init above
+        came from the common seed, and DDP starts every rank from rank 0's weights anyway)."""
+        if not self.active:
+            return model
+        import numpy as np
+        import torch
+
+        from .train import seed_everything
+
+        if self.cuda:
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        seed_everything(int(np.random.SeedSequence([seed, self.rank]).generate_state(1)[0]))
+        return model
+
+    def describe(self) -> str:
+        bn = (
+            "SyncBatchNorm"
+            if self.cuda
+            else "BatchNorm per rank (torch refuses SyncBatchNorm on CPU: each rank normalises "
+            "with its share of the batch; evaluation uses rank 0's statistics)"
+        )
+        backend = "NCCL + a gloo group for decisions" if self.cuda else "gloo"
+        return f"{self.world} processes (torchrun, {backend}); {bn}"
+
+    def ddp(self, model):
+        """`model` in DistributedDataParallel (None in one process)."""
+        if not self.active:
+            return None
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [self.local_rank] if self.cuda else None
+        return DistributedDataParallel(model, device_ids=ids)
+
+    def sum(self, totals):
+        """The element-wise sum over ranks of a vector of sums (one all_reduce)."""
+        if self.active:
+            import torch.distributed as td
+
+            td.all_reduce(totals)
+        return totals
+
+    def sync_buffers(self, model) -> None:
+        """Rank 0's buffers (BatchNorm statistics) on every rank: what its checkpoint holds."""
+        if self.active and not self.cuda:
+            import torch.distributed as td
+
+            for buffer in model.buffers():
+                td.broadcast(buffer, src=0)
+
+    # ---- checkpoint: the full state once, each rank's own part ---------------------------------
+    def gather_state(self, state: dict) -> dict | None:
+        """Rank 0's state with every rank's RNG state and partial-epoch sums (collective).
+        Returns what rank 0 writes; None on the other ranks."""
+        state["world_size"] = self.world
+        if not self.active:
+            return state
+        import torch.distributed as td
+
+        own = {"rng": state["rng"], "sums": state["trainer"]["sums"]}
+        parts: list | None = [None] * self.world if self.is_main else None
+        td.gather_object(own, parts, dst=0, group=self.cpu_group)
+        if not self.is_main:
+            return None
+        return {**state, "ranks": parts}
+
+    def own_state(self, state: dict, path) -> dict:
+        """The checkpoint as this rank resumes it; refused when written by another world size."""
+        from .checkpoint import CheckpointError
+
+        saved = state.get("world_size", 1)
+        if saved != self.world:
+            raise CheckpointError(
+                f"{path} was written by {saved} process(es), this run has {self.world}: "
+                "each rank's data shard and random stream depend on it, so the continuation "
+                f"would not be exact; resume with {saved} process(es) or re-run with --fresh"
+            )
+        if self.active:
+            own = state["ranks"][self.rank]
+            state["rng"], state["trainer"]["sums"] = own["rng"], own["sums"]
+        return state
+
+    # ---- the ranks other than 0 ---------------------------------------------------------------
+    def follower_log(self, name: str) -> logging.Logger:
+        log = logging.getLogger(f"run.{name}.rank{self.rank}")
+        log.setLevel(logging.WARNING)
+        log.propagate = False
+        if not log.handlers:
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter(f"[rank {self.rank}] %(message)s"))
+            log.addHandler(handler)
+        return log
+
+
+class Follower:
+    """What a rank other than 0 does where rank 0 keeps the run's record: nothing but its part
+    of the collective checkpoint."""
+
+    def __init__(self, out, log: logging.Logger) -> None:
+        self.out, self.log = out, log
+
+    def tracker_line(self) -> str:
+        return ""
+
+    def checkpoint_due(self, args) -> bool:
+        return False  # rank 0 decides
+
+    def epoch_done(self, state, *, checkpoint_due: bool) -> None:
+        if checkpoint_due:
+            state.save(self.out / CHECKPOINT)  # writes nothing here: sends its part
+
+    def interrupted(self, state, signal_name) -> None:
+        pass
+
+    def finished(self, state, *args) -> None:
+        pass
+
+    def failed(self, state, exc: BaseException, args) -> int:
+        self.log.error("failed", exc_info=exc)
+        return EXIT_FAILED
+
+    def close(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def session(device: str) -> Iterator[Dist]:
+    """This process's Dist: under torchrun with WORLD_SIZE > 1 inside the job's process group
+    (destroyed on every way out); else one process, no torch import."""
+    dist = Dist(_env_int("RANK", 0), _env_int("WORLD_SIZE", 1), _env_int("LOCAL_RANK", 0))
+    if not dist.active:
+        yield dist
+        return
+    dist.start(device)
+    try:
+        yield dist
+    finally:
+        import torch.distributed as td
+
+        td.destroy_process_group()
