@@ -6,6 +6,7 @@ tests read what the workers decided from the run directory and from torchrun's f
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import signal
@@ -25,8 +26,7 @@ from conftest import (
     temp_files,
     wait_while_running,
 )
-
-pytestmark = pytest.mark.slow  # every test here starts torchrun and two training processes
+from test_sweep import make_project, needs_slurm_option, run_sweep
 
 TIMINGS = {"wall_time_s", "train_time_s", "samples_per_sec", "peak_mem_bytes", "mlflow_run_id"}
 
@@ -82,6 +82,7 @@ def runs_tagged(uri: str, run_dir) -> list:
     return client.search_runs(ids, filter_string=f"tags.run_dir = '{run_dir}'")
 
 
+@pytest.mark.slow  # torchrun: two training processes
 def test_ddp_steps_equal_one_process_on_the_global_batch(tmp_path, env):
     """The mechanism, exactly: shards of each global batch + DDP's gradient mean + no_sync on
     the non-final micro-step give the one-process step. Without BatchNorm and augmentation the
@@ -104,6 +105,7 @@ def test_ddp_steps_equal_one_process_on_the_global_batch(tmp_path, env):
     assert b["reduces"] == 4  # one gradient all-reduce per optimizer step, not per micro-batch
 
 
+@pytest.mark.slow  # torchrun: two training processes
 def test_two_processes_train_one_run_like_one_process(tmp_path, env, data_dir, mlflow_uri):
     args = ("--epochs", "3")
     one = run(
@@ -117,7 +119,7 @@ def test_two_processes_train_one_run_like_one_process(tmp_path, env, data_dir, m
     # computes), one metrics.json, one MLflow run.
     single, double = run_dir_of(tmp_path / "one"), run_dir_of(tmp_path / "two")
     assert single.name == double.name
-    assert two.stdout.count("finished") == 1 and "error" not in two.stderr
+    assert two.stderr.count("INFO finished (") == 1 and "error:" not in two.stderr
     assert not temp_files(double) and (double / "status").read_text() == "finished\n"
     config = json.loads((double / "config.json").read_text())
     assert config["world_size"] == 2 and "world_size" not in config["experiment_keys"]
@@ -148,13 +150,12 @@ def signal_job(proc: subprocess.Popen, who: str) -> None:
     pids = [proc.pid, *ranks.values()] if who == "everyone" else [ranks[1]]
     for _ in range(2):
         for pid in pids:
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 psutil.Process(pid).send_signal(signal.SIGTERM)
-            except psutil.NoSuchProcess:
-                pass
         time.sleep(0.01)
 
 
+@pytest.mark.slow  # torchrun: two training processes
 @pytest.mark.parametrize("who", ["everyone", "rank 1"])
 def test_sigterm_burst_stops_all_ranks_at_one_step_and_resumes_exactly(
     who, tmp_path, env, data_dir
@@ -195,6 +196,7 @@ def test_sigterm_burst_stops_all_ranks_at_one_step_and_resumes_exactly(
     }
 
 
+@pytest.mark.slow  # torchrun: two training processes
 def test_two_torchrun_jobs_on_the_same_arguments_train_once(tmp_path, env, data_dir, mlflow_uri):
     args = ("--epochs", "2")
     jobs = [
@@ -216,6 +218,7 @@ def test_two_torchrun_jobs_on_the_same_arguments_train_once(tmp_path, env, data_
         assert any("already finished" in out for out, _ in outputs), outputs
 
 
+@pytest.mark.slow  # torchrun: two training processes
 def test_a_batch_that_does_not_divide_is_refused_on_every_rank(tmp_path, env, data_dir):
     cmd = torchrun(*run_py("--batch-size", "63", results_dir=tmp_path, data_dir=data_dir))
     result = run(cmd, env)
@@ -226,3 +229,57 @@ def test_a_batch_that_does_not_divide_is_refused_on_every_rank(tmp_path, env, da
     ], result.stderr
     assert result.stderr.count("exitcode  : 2") == 2  # both ranks
     assert not any(tmp_path.iterdir())  # nothing left behind
+
+
+# ---- run.sh --slurm: one job on several GPUs ----------------------------------------------------
+
+
+@needs_slurm_option
+def test_slurm_dry_run_gives_each_job_its_gpus_and_nodes(tmp_path):
+    project = make_project(tmp_path, ["--tag a"])
+    result = run_sweep(project, "--slurm", "--dry-run", GPUS_PER_JOB="4", NODES_PER_JOB="2")
+    assert result.returncode == 0, result.stderr
+    assert "--gres=gpu:4 " in result.stdout and "--nodes=2 --ntasks-per-node=1" in result.stdout
+    launch = result.stdout.split("each job: ")[1]
+    assert launch.startswith("srun --ntasks-per-node=1 --kill-on-bad-exit=1 PYTHON -m ")
+    for part in ("--nnodes=2", "--nproc-per-node=4", "--rdzv-backend=c10d", "--rdzv-endpoint="):
+        assert part in launch
+    typed = run_sweep(project, "--slurm", "--dry-run", GPUS_PER_JOB="2", SLURM_GRES="gpu:a100:1")
+    assert "--gres=gpu:a100:2 " in typed.stdout and "--standalone" in typed.stdout
+    alone = run_sweep(project, "--slurm", "--dry-run")  # the default: one GPU, no torchrun
+    assert "--gres=gpu:1 " in alone.stdout and "--nodes" not in alone.stdout
+    assert "each job" not in alone.stdout
+    bad = run_sweep(project, "--slurm", "--dry-run", GPUS_PER_JOB="0")
+    assert bad.returncode == 2 and "GPUS_PER_JOB=0" in bad.stderr
+
+
+@pytest.mark.slow  # torchrun: two training processes
+@needs_slurm_option
+def test_slurm_task_under_torchrun_reads_75_from_the_run_directory(tmp_path, env, data_dir):
+    """torchrun exits 1 when its workers exit 75: the task must still see 75 and requeue."""
+    args = run_py("--epochs", "4", results_dir=tmp_path / "results", data_dir=data_dir)[1:]
+    plan = run([sys.executable, str(RUN_PY), *args, "--print-run-dir"], env)
+    run_dir = plan.stdout.strip()
+    submit = tmp_path / "submit"
+    (submit / "args").mkdir(parents=True)
+    (submit / "args" / "0").write_bytes(b"".join(a.encode() + b"\0" for a in args))
+    (submit / "python").write_text(f"{sys.executable}\n")
+    (submit / "tasks.tsv").write_text(f"0\t{run_dir}\n")
+    (submit / "torchrun").write_text("2 1\n")  # what run.sh --slurm writes for GPUS_PER_JOB=2
+    task_env = {**env, "SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_JOB_ID": "1"}
+    task_env["PATH"] = "/usr/bin:/bin"  # no squeue / scontrol here: the requeue is only logged
+    task = subprocess.Popen(
+        ["bash", "scripts/slurm_task.sh", str(submit)],
+        cwd=ROOT,
+        env=task_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    history = tmp_path / "results" / run_dir.rsplit("/", 1)[1] / "history.csv"
+    wait_while_running(history.exists, task, timeout=240)
+    task.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@N sends, to the script only
+    out, _ = task.communicate(timeout=120)
+    assert task.returncode == 75, out
+    assert "rank 0 wrote status interrupted" in out and "run.py exited with 75" in out
+    assert "requeueing 1_0" in out
