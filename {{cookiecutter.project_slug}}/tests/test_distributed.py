@@ -283,3 +283,47 @@ def test_slurm_task_under_torchrun_reads_75_from_the_run_directory(tmp_path, env
     assert task.returncode == 75, out
     assert "rank 0 wrote status interrupted" in out and "run.py exited with 75" in out
     assert "requeueing 1_0" in out
+
+
+# ---- without torchrun: the parts that decide what each rank does ------------------------------
+
+
+def test_shards_of_every_global_batch_are_disjoint_and_exact_on_resume():
+    import torch
+
+    from {{ cookiecutter.package_name }}.data import Split, build_loader
+
+    images = torch.zeros(100, 1, 8, 8, dtype=torch.uint8)
+    split = Split(images, torch.arange(100))
+
+    def labels(rank: int, world: int, train: bool, skip: int = 0) -> list[list[int]]:
+        loader = build_loader(
+            split, 16, train=train, device="cpu", workers=0, seed=3, shard=(rank, world)
+        )
+        loader.set_epoch(2, skip_batches=skip)
+        return [y.tolist() for _, y in loader]
+
+    for train in (True, False):
+        whole = labels(0, 1, train)
+        shards = [labels(rank, 2, train) for rank in range(2)]
+        assert len(shards[0]) == len(whole)  # as many steps as one process
+        for i, batch in enumerate(whole):  # rank 0 the first half, rank 1 the second
+            assert shards[0][i] + (shards[1][i] if i < len(shards[1]) else []) == batch
+        assert [labels(r, 2, train, skip=3) for r in range(2)] == [s[3:] for s in shards]
+    # The short last evaluation batch (100 = 6 x 16 + 4): 2 + 2, every sample scored once.
+    assert [len(s[-1]) for s in (labels(0, 2, False), labels(1, 2, False))] == [2, 2]
+
+
+def test_one_process_needs_no_process_group_and_no_torch(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    code = (
+        "import sys\n"
+        "from {{ cookiecutter.package_name }} import distributed\n"
+        "with distributed.session('cpu') as dist:\n"
+        "    assert not dist.active and dist.is_main and dist.verdict(None) is None\n"
+        "    assert dist.agree(7) == 7 and dist.decide(True) is True and dist.ddp(None) is None\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

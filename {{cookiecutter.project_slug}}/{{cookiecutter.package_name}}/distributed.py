@@ -304,3 +304,89 @@ def session(device: str) -> Iterator[Dist]:
         import torch.distributed as td
 
         td.destroy_process_group()
+
+
+# ---- the cost of DDP: step time on 1 and N processes (gpucheck, benchmarks/) ---------------------
+def measure_step(device_name: str, batch: int, steps: int, width: int) -> dict:
+    """Seconds per optimizer step of the default model on `batch` random images per process,
+    in this process's job (run it under torchrun for N processes); the slowest rank's time."""
+    import torch
+    import torch.distributed as td
+
+    from .hardware import timed
+    from .model import create_model
+    from .train import Trainer, build_optimizer, build_scheduler
+
+    with session(device_name) as dist:
+        device = dist.place(torch.device(device_name))
+        model = create_model("cnn", num_classes=10, channels=3, image_size=(32, 32), width=width)
+        model = dist.prepare(model, 0).to(device, memory_format=torch.channels_last)
+        optimizer = build_optimizer(model, 1e-3, 0.0, device)
+        trainer = Trainer(
+            model, optimizer, build_scheduler(optimizer, 1e-3, steps + 5), device=device, dtype=None
+        )
+        trainer.ddp = dist.ddp(model)
+        x = torch.randn(batch, 3, 32, 32, device=device).contiguous(
+            memory_format=torch.channels_last
+        )
+        y = torch.randint(0, 10, (batch,), device=device)
+        now = timed(device)
+        for step in range(1, 6):  # warm-up: allocator, cuDNN autotune, DDP buckets
+            trainer.step([(x, y)], step)
+        now()
+        dist.agree(None)  # start together
+        started = now()
+        for step in range(6, 6 + steps):
+            trainer.step([(x, y)], step)
+        seconds = torch.tensor([now() - started])
+        if dist.active:
+            td.all_reduce(seconds, op=td.ReduceOp.MAX, group=dist.cpu_group)
+        return {"world": dist.world, "batch": batch, "step_s": seconds.item() / steps}
+
+
+def check_scaling(
+    device: str, nproc: int, *, batch: int, steps: int, width: int, threshold: float = 0.8
+) -> tuple[bool, str]:
+    """DDP's weak scaling: step time on 1 process and on `nproc` (torchrun), `batch` samples
+    per process each; efficiency = t1 / tN (1.0: the gradient all-reduce costs nothing).
+    Below `threshold` is a FAIL: the interconnect or the bucketing eats the extra GPUs."""
+    import json
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    package = __package__ or "lab_project"
+    bench = ["-m", f"{package}.distributed", device, str(batch), str(steps), str(width)]
+    root = Path(__file__).resolve().parent.parent
+    times = {}
+    with tempfile.TemporaryDirectory(prefix="ddpcheck_") as work:
+        for n in (1, nproc):
+            out = Path(work) / f"{n}.json"
+            launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
+            cmd = [sys.executable, *(launcher if n > 1 else []), *bench, str(out)]
+            done = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
+            if done.returncode != 0 or not out.exists():
+                return False, f"{n} process(es) failed: {done.stderr.strip()[-300:]}"
+            times[n] = json.loads(out.read_text())["step_s"]
+    efficiency = times[1] / times[nproc]
+    return efficiency >= threshold, (
+        f"step {1000 * times[1]:.1f} ms on 1 process, {1000 * times[nproc]:.1f} ms on {nproc} "
+        f"({batch} samples each): scaling efficiency {100 * efficiency:.0f} % "
+        f"(FAIL below {100 * threshold:.0f} %)"
+    )
+
+
+def _measure_main(argv: list[str]) -> int:
+    """check_scaling's worker: DEVICE BATCH STEPS WIDTH OUT.json (rank 0 writes it)."""
+    import json
+    from pathlib import Path
+
+    device, batch, steps, width, out = argv
+    result = measure_step(device, int(batch), int(steps), int(width))
+    if _env_int("RANK", 0) == 0:
+        Path(out).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_measure_main(sys.argv[1:]))
