@@ -390,7 +390,7 @@ def train_epoch(state, loader, steps_per_epoch: int, args, stop, dist) -> float:
     now = timed(trainer.device)  # waits for the device: times the work, not the launches
     loader.set_epoch(p.epoch, skip_batches=p.batch)
     batches, last = iter(loader), total_steps(args, steps_per_epoch)
-    bar = progress_bar(args, steps_per_epoch, p)
+    bar = progress_bar(args, steps_per_epoch, p) if dist.is_main else None
     trainer.model.train()
     t0 = now()
     while p.batch < steps_per_epoch * args.grad_accum and p.step < last:

@@ -223,7 +223,8 @@ class Dist:
             return state
         import torch.distributed as td
 
-        own = {"rng": state["rng"], "sums": state["trainer"]["sums"]}
+        sums = {k: v.cpu() if hasattr(v, "cpu") else v for k, v in state["trainer"]["sums"].items()}
+        own = {"rng": state["rng"], "sums": sums}
         parts: list | None = [None] * self.world if self.is_main else None
         td.gather_object(own, parts, dst=0, group=self.cpu_group)
         if not self.is_main:
