@@ -15,7 +15,7 @@ PACKAGE_FILES = [
     "__init__.py", "config.py", "runs.py", "data.py", "model.py", "train.py",
     "checkpoint.py", "tracking.py", "tuning.py", "analysis.py",
     "hardware.py", "gpucheck.py", "datasets.py", "imagefolder.py", "registry.py",
-    "stopping.py", "state.py", "claim.py", "plan.py",
+    "stopping.py", "state.py", "claim.py", "plan.py", "distributed.py",
 ]
 BASE_FILES = [
     ".gitignore", ".pre-commit-config.yaml", "LICENSE", "README.md", "pyproject.toml",
@@ -25,7 +25,7 @@ BASE_FILES = [
     "tests/test_tuning.py", "tests/test_sweep.py", "tests/test_plot.py",
     "tests/test_step.py", "tests/test_hardware.py", "tests/image_folders.py",
     "tests/test_image_folder.py", "tests/test_recipes.py", "tests/test_lifecycle.py",
-    "tests/test_claim.py",
+    "tests/test_claim.py", "tests/test_distributed.py", "tests/ddp_worker.py",
 ]
 SLURM_FILES = ["scripts/slurm_task.sh", "tests/test_slurm.py"]
 GITHUB_ACTIONS_FILES = [".github/workflows/ci.yml", ".github/workflows/cruft-update.yml"]
