@@ -279,6 +279,9 @@ class Follower:
     def interrupted(self, state, signal_name) -> None:
         pass
 
+    def force_exited(self) -> None:
+        pass
+
     def finished(self, state, *args) -> None:
         pass
 
