@@ -84,7 +84,9 @@ class Dist:
 
     def finish(self, code: int) -> int:
         """Every rank leaves with rank 0's code; wait for rank 0's last writes (a rank that
-        exits first with a non-zero code would have torchrun kill the writer)."""
+        exits first with a non-zero code would have torchrun kill the writer). torchrun then
+        sends SIGTERM to the ranks still exiting: GracefulStop's handlers, kept until the
+        process ends, keep their exit code (75, 73, 2) from becoming death by that signal."""
         if not self.active:
             return code
         code = self.verdict(code)  # rank 0 ended before training: tell the others why
