@@ -25,7 +25,8 @@ BASE_FILES = [
     "tests/test_tuning.py", "tests/test_sweep.py", "tests/test_plot.py",
     "tests/test_step.py", "tests/test_hardware.py", "tests/image_folders.py",
     "tests/test_image_folder.py", "tests/test_recipes.py", "tests/test_lifecycle.py",
-    "tests/test_claim.py", "tests/test_distributed.py", "tests/ddp_worker.py",
+    "tests/test_claim.py", "tests/test_compile.py", "tests/test_gpucheck.py",
+    "tests/test_distributed.py", "tests/ddp_worker.py",
 ]
 SLURM_FILES = ["scripts/slurm_task.sh", "tests/test_slurm.py"]
 GITHUB_ACTIONS_FILES = [".github/workflows/ci.yml", ".github/workflows/cruft-update.yml"]

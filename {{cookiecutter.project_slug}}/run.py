@@ -81,7 +81,6 @@ def train(args, parser, out, stop: GracefulStop, dist) -> int:
 
     from {{ cookiecutter.package_name }} import checkpoint as ckpt
     from {{ cookiecutter.package_name }}.hardware import (
-        choose_compile,
         choose_precision,
         resolve_device,
         setup_backends,
@@ -134,11 +133,9 @@ def train(args, parser, out, stop: GracefulStop, dist) -> int:
     dist.agree(None)  # the others read the checkpoint once --fresh has deleted it
     stop.log = log  # from here on, stop requests are in run.log too
     steps = total_steps(args, data.steps_per_epoch)
-    compile_mode, compile_why = choose_compile(device, args.compile, steps, args.deterministic)
     for what, why in (
         ("precision", precision_why),
         ("kernels", setup_backends(device, args.deterministic)),
-        ("compile", compile_why),
     ):
         log.info("%s: %s", what, why)
     if dist.active:
@@ -148,7 +145,7 @@ def train(args, parser, out, stop: GracefulStop, dist) -> int:
         args,
         device=device,
         dtype=dtype,
-        compile_mode=compile_mode,
+        compile_mode=None,  # warm_up compiles where it pays, once it has timed a real batch
         total_steps=steps,
         log=log,
     )
@@ -160,6 +157,8 @@ def train(args, parser, out, stop: GracefulStop, dist) -> int:
         trainer, stopper, device=device, config_hash=config["config_hash"], dist=dist
     )
     if is_tool(args):
+        if args.profile:  # profile the step the run would take, compiled where it would be
+            warm_up(state, data, args, log)
         return run_tools(args, trainer, data, device, dtype, out, log)
     try:
         if state.resume(out / runs.CHECKPOINT, out / runs.BEST_MODEL, log):  # (resume)
@@ -367,26 +366,41 @@ def stop_reason(p, args, stopper) -> str:
 
 
 def warm_up(state, data: Data, args, log) -> None:
-    """Compile forward and backward on a batch of zeros before the timed loop (a no-op when
-    eager); the Trainer puts back all it touched, so the run goes on as if it had not happened.
+    """Compile the step where it pays, before the timed loop: eager passes on a real batch of
+    the loader time the steps left, against the compile time recorded for this model and machine
+    (hardware.compile_if_it_pays; auto on CPU stays eager and measures nothing). The Trainer and
+    peek_batch put back all they touch, so the run goes on as if this had not happened.
     Compile time is summed over resumes: every compile of the run was paid for."""
-    import torch
+    from {{ cookiecutter.package_name }}.config import PROJECT_ROOT
+    from {{ cookiecutter.package_name }}.hardware import compile_if_it_pays
 
-    from {{ cookiecutter.package_name }}.hardware import timed
+    p, trainer = state.progress, state.trainer
+    p.compile_time_s += compile_if_it_pays(
+        trainer,
+        lambda: peek_batch(data.loaders["train"], p.epoch, trainer.device),
+        steps=total_steps(args, data.steps_per_epoch) - p.step,
+        flag=args.compile,
+        deterministic=args.deterministic,
+        project_root=PROJECT_ROOT,
+        log=log,
+    )
 
-    trainer = state.trainer
-    if not trainer.compiled:
-        return
-    now = timed(trainer.device)
-    shape = (args.batch_size, data.info.channels, *data.info.image_size)
-    x = torch.zeros(shape, device=trainer.device).contiguous(memory_format=torch.channels_last)
-    y = torch.zeros(args.batch_size, dtype=torch.long, device=trainer.device)
-    started = now()
-    trainer.warm_up(x, y)
-    spent = now() - started
-    state.progress.compile_time_s += spent
-    if trainer.compiled:  # else it fell back to eager, and said why
-        log.info("compiled (%s) in %.1f s", trainer.compile_mode, spent)
+
+def peek_batch(loader, epoch: int, device):
+    """A batch exactly as the loop gets it (shape, dtype, strides: a batch of zeros differs in
+    strides for 1-channel data, and the compiled graph would recompile on the first real batch),
+    without shifting the run: the loader's order is a function of (seed, epoch) and train_epoch
+    sets the epoch again; the RNG draws of the augmentation are put back."""
+    from {{ cookiecutter.package_name }}.checkpoint import rng_state, set_rng_state
+
+    saved = rng_state(device)
+    loader.set_epoch(epoch)
+    batches = iter(loader)
+    try:
+        return next(batches)
+    finally:
+        getattr(batches, "close", lambda: None)()  # a generator: stop its workers now
+        set_rng_state(saved, device)
 
 
 def train_epoch(state, loader, steps_per_epoch: int, args, stop, dist) -> float:
@@ -472,8 +486,8 @@ def run_tools(args, trainer, data: Data, device, dtype, out, log) -> int:
             )
             batch, lr = recommend_batch_size(size, device)
             print(
-                f"largest batch size that fits: {size}; this device's default rule: "
-                f"--batch-size {batch} --lr {lr:.3g}"
+                f"largest batch size that fits: {size}; recommended on this device (pass "
+                f"it: the default stays 128): --batch-size {batch} --lr {lr:.3g}"
             )
         if args.profile:
             print(profile_training(trainer, data.loaders["train"], out_dir=out))

@@ -298,8 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile",
         choices=("auto", "on", "off"),
         default="auto",
-        help="torch.compile the step; auto = on CUDA by run length (eager < 500 steps, "
-        "max-autotune from 5000), off on CPU and with --deterministic",
+        help="torch.compile the step; auto = on CUDA where the measured eager time of the "
+        "steps left saves >= 2x the recorded compile time (mode default or max-autotune), "
+        "off on CPU; on = always; --deterministic stays eager",
     )
     x.add_argument(
         "--workers",

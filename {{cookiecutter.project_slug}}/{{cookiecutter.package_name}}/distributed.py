@@ -33,6 +33,7 @@ from .runs import CHECKPOINT
 
 EXIT_FAILED = 1
 STOP_EVERY = 10  # steps between stop polls: a stop waits at most this many steps
+SCALING_MIN = 0.8  # gpucheck's ddp check: weak-scaling efficiency below this is a FAIL
 
 
 def _env_int(name: str, default: int) -> int:
@@ -351,7 +352,7 @@ def measure_step(device_name: str, batch: int, steps: int, width: int) -> dict:
 
 
 def check_scaling(
-    device: str, nproc: int, *, batch: int, steps: int, width: int, threshold: float = 0.8
+    device: str, nproc: int, *, batch: int, steps: int, width: int, threshold: float = SCALING_MIN
 ) -> tuple[bool, str]:
     """DDP's weak scaling: step time on 1 process and on `nproc` (torchrun), `batch` samples
     per process each; efficiency = t1 / tN (1.0: the gradient all-reduce costs nothing).
