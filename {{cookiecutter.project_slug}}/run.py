@@ -23,56 +23,23 @@ import sys
 import traceback
 from typing import NamedTuple
 
-from {{ cookiecutter.package_name }} import distributed, runs
-from {{ cookiecutter.package_name }}.claim import Busy, claim
+from {{ cookiecutter.package_name }} import distributed, jobs, runs
 from {{ cookiecutter.package_name }}.config import UsageError, parse_args, resolved_config, run_dir
+from {{ cookiecutter.package_name }}.jobs import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    error,
+)
 from {{ cookiecutter.package_name }}.stopping import GracefulStop
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_BUSY, EXIT_INTERRUPTED = 0, 1, 2, 73, 75
 
 
 def main(argv: list[str] | None = None) -> int:
-    with GracefulStop() as stop:  # first: a stop signal at any later moment still ends in 75
-        if (sys.argv[1:] if argv is None else argv) == ["--plan"]:  # run.sh: all jobs, one call
-            from {{ cookiecutter.package_name }} import plan
-
-            return plan.main()
-        args, parser = parse_args(argv)  # bad flags: one `error:` line, exit 2
-        out = run_dir(args, parser)
-        if args.print_run_dir:
-            print(out)
-            return EXIT_OK
-        if args.init_tracking:
-            from {{ cookiecutter.package_name }}.tracking import init, tracking_uri
-
-            print(f"MLflow ready: {tracking_uri()} (experiment id {init(args.experiment)})")
-            return EXIT_OK
-        # torchrun (distributed.py): one job in N processes; rank 0 alone claims and writes.
-        with distributed.session(args.device) as dist:
-            if not dist.is_main:  # the others train when rank 0 does, else leave with its code
-                code = dist.verdict(None)
-                return dist.finish(train(args, parser, out, stop, dist) if code is None else code)
-            return dist.finish(claim_and_train(args, parser, out, stop, dist))
-
-
-def claim_and_train(args, parser, out, stop: GracefulStop, dist) -> int:
-    if runs.is_done(out) and not (args.fresh or is_tool(args)):
-        print(f"already finished: {out} (metrics.json exists; --fresh re-trains)")
-        return EXIT_OK
-    try:
-        with claim(out) as held:  # one process per run directory, freed by the kernel on death
-            if runs.is_done(out) and not (args.fresh or is_tool(args)):  # done meanwhile
-                print(f"already finished: {out} (metrics.json exists; --fresh re-trains)")
-                return EXIT_OK
-            dist.verdict(None)  # torchrun: the other ranks train too
-            code = train(args, parser, out, stop, dist)
-            if code in (EXIT_USAGE, EXIT_INTERRUPTED):
-                held.discard()  # refused or stopped before any work: leave nothing behind
-            return code
-    except Busy as exc:
-        return error(f"running elsewhere: {exc}", EXIT_BUSY)
-    except OSError as exc:  # the run directory cannot be created
-        return error(f"--results-dir: cannot write to {out.parent}: {exc.strerror}", EXIT_USAGE)
+    # The contract every job shares (jobs.py): --plan, --print-run-dir, skip when done, the
+    # claim (exit 73); then train() holds the run directory. Tools run even when it is done.
+    # torchrun (distributed.py): one job in N processes; rank 0 alone claims and writes.
+    return jobs.lifecycle(argv, parse_args, run_dir, train, redo=is_tool, ranks=True)
 
 
 def train(args, parser, out, stop: GracefulStop, dist) -> int:
@@ -249,12 +216,6 @@ def train(args, parser, out, stop: GracefulStop, dist) -> int:
 
 
 # ---- the pieces main() and train() name --------------------------------------------------------
-def error(message: str, code: int) -> int:
-    if not distributed.follower():  # torchrun: one line, from rank 0
-        print(f"error: {message}", file=sys.stderr)
-    return code
-
-
 def is_tool(args) -> bool:
     return bool(args.find_lr or args.find_batch_size or args.profile)
 
@@ -504,8 +465,7 @@ class RunRecord:
     def __init__(self, out, config: dict, args, device, dtype, log) -> None:
         import time
 
-        from {{ cookiecutter.package_name }}.config import experiment_args
-        from {{ cookiecutter.package_name }}.tracking import Tracker, provenance
+        from {{ cookiecutter.package_name }}.tracking import Tracker, provenance, run_params
 
         self.out, self.log, self.device, self._time = out, log, device, time
         self.epochs = args.epochs
@@ -518,9 +478,9 @@ class RunRecord:
             experiment=args.experiment,
             run_name=out.name,
             log=log,
-            params=experiment_args(args),
+            params=run_params(config),  # with `experiment_keys`: what plot.py --from-mlflow reads
             tags={
-                **provenance(),
+                **provenance(log),
                 "run_dir": str(out),
                 "device": str(device),
                 "amp_dtype": str(dtype),
