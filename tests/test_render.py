@@ -16,7 +16,7 @@ PACKAGE_FILES = [
     "checkpoint.py", "tracking.py", "tuning.py", "analysis.py",
     "hardware.py", "gpucheck.py", "datasets.py", "imagefolder.py", "registry.py",
     "stopping.py", "state.py", "claim.py", "plan.py", "jobs.py", "similarity.py", "tasks.py",
-    "dataversion.py",
+    "dataversion.py", "distributed.py",
 ]
 BASE_FILES = [
     ".gitignore", ".pre-commit-config.yaml", "LICENSE", "README.md", "pyproject.toml",
@@ -31,6 +31,7 @@ BASE_FILES = [
     "tests/test_folder_trust.py", "tests/test_tasks.py",
     "tests/released_run/config.json", "tests/released_run/metrics.json",
     "tests/released_run/history.csv", "tests/released_run/status",
+    "tests/test_distributed.py", "tests/ddp_worker.py",
 ]
 SLURM_FILES = ["scripts/slurm_task.sh", "tests/test_slurm.py"]
 GITHUB_ACTIONS_FILES = [".github/workflows/ci.yml", ".github/workflows/cruft-update.yml"]

@@ -23,7 +23,7 @@ import sys
 import traceback
 from typing import NamedTuple
 
-from {{ cookiecutter.package_name }} import jobs, runs
+from {{ cookiecutter.package_name }} import distributed, jobs, runs
 from {{ cookiecutter.package_name }}.config import UsageError, parse_args, resolved_config, run_dir
 from {{ cookiecutter.package_name }}.jobs import (
     EXIT_FAILED,
@@ -43,10 +43,11 @@ UNREADABLE_HINT = (
 def main(argv: list[str] | None = None) -> int:
     # The contract every job shares (jobs.py): --plan, --print-run-dir, skip when done, the
     # claim (exit 73); then train() holds the run directory. Tools run even when it is done.
-    return jobs.lifecycle(argv, parse_args, run_dir, train, redo=is_tool)
+    # torchrun (distributed.py): one job in N processes; rank 0 alone claims and writes.
+    return jobs.lifecycle(argv, parse_args, run_dir, train, redo=is_tool, ranks=True)
 
 
-def train(args, parser, out, stop: GracefulStop) -> int:
+def train(args, parser, out, stop: GracefulStop, dist) -> int:
     """The method: config -> data -> model -> (resume) -> loop -> test -> save."""
     import torch
 
@@ -68,35 +69,44 @@ def train(args, parser, out, stop: GracefulStop) -> int:
 
     # ---- config + data: every bad input is found here, before a file of the run is written ----
     config = resolved_config(args, parser)
+    config["world_size"] = dist.world  # processes of this job (torchrun), not of its identity
     try:
         task = create_task(args.task, args, args.monitor)  # loss, metrics, the monitored one
         config.update(monitored=task.monitor, metric_directions=task.directions)
-        device = resolve_device(args.device)
+        dist.check(args)  # a --batch-size that does not divide among the processes: exit 2
+        device = dist.place(resolve_device(args.device))
         dtype, precision_why = choose_precision(device, args.amp)
         if args.profile:  # the CUDA memory snapshot then covers the whole run, model included
             from {{ cookiecutter.package_name }}.tuning import start_memory_history
 
             start_memory_history(device)
-        data = build_data(args, device, task)
+        data = build_data(args, device, task, dist.shard)
         # num_classes, channels, image_size, class_names, split sizes, the arrays' content hash
         config.update(data.info.as_config())
         seed_everything(args.seed)  # same seed => same init, split, order, augmentation
-        model = make_model(args, data.info).to(device, memory_format=torch.channels_last)
+        model = make_model(args, data.info)
+        model = dist.prepare(model, args.seed).to(device, memory_format=torch.channels_last)
     except (UsageError, ValueError, OSError) as exc:
         return error(str(exc), EXIT_USAGE)
+    code = None
     try:
-        runs.ensure_writable(out, need_bytes=checkpoint_bytes(model, args.ema))
+        if dist.is_main:
+            runs.ensure_writable(out, need_bytes=checkpoint_bytes(model, args.ema))
     except OSError as exc:  # not writable, or no room for a checkpoint: found before any work
-        return error(f"--results-dir: {exc.strerror or exc}", EXIT_USAGE)
-    if stop.requested:
-        return EXIT_INTERRUPTED  # stopped while starting: nothing of this run exists yet
+        code = error(f"--results-dir: {exc.strerror or exc}", EXIT_USAGE)
+    if code is None and dist.stopped(stop):
+        code = EXIT_INTERRUPTED  # stopped while starting: nothing of this run exists yet
+    if (code := dist.agree(code)) is not None:  # torchrun: a refusal on any rank ends all
+        return code
 
     # ---- model, its training step and the resumable state ------------------------------------
-    out.mkdir(parents=True, exist_ok=True)
-    if args.fresh:
-        print(f"--fresh: deleting {', '.join(runs.clear_run_dir(out)) or 'nothing'} in {out}")
-    runs.remove_stale_temps(out)
-    log = runs.setup_logging(out, out.name)
+    if dist.is_main:  # one writer
+        out.mkdir(parents=True, exist_ok=True)
+        if args.fresh:
+            print(f"--fresh: deleting {', '.join(runs.clear_run_dir(out)) or 'nothing'} in {out}")
+        runs.remove_stale_temps(out)
+    log = runs.setup_logging(out, out.name) if dist.is_main else dist.follower_log(out.name)
+    dist.agree(None)  # the others read the checkpoint once --fresh has deleted it
     stop.log = log  # from here on, stop requests are in run.log too
     for note in data.notes:  # e.g. skipped unreadable images: in run.log, not only on screen
         log.warning("data: %s", note)
@@ -109,6 +119,8 @@ def train(args, parser, out, stop: GracefulStop) -> int:
         ("augmentation", "off: per-pixel targets" if task.spatial_targets else "crop + flip"),
     ):
         log.info("%s: %s", what, why)
+    if dist.active:
+        log.info("distributed: %s", dist.describe())
     trainer = build_trainer(
         model,
         args,
@@ -119,12 +131,15 @@ def train(args, parser, out, stop: GracefulStop) -> int:
         log=log,
         task=task,
     )
+    trainer.ddp = dist.ddp(model)  # torchrun: gradients all-reduced over the processes
     # Patience counts only after the LR peak and --min-epochs: no stop during the warm-up.
     patience_from = max(args.min_epochs, peak_epoch(steps, data.steps_per_epoch))
     stopper = EarlyStopping(
         args.patience, start_epoch=patience_from, mode=task.direction(task.monitor)
     )
-    state = TrainingState(trainer, stopper, device=device, config_hash=config["config_hash"])
+    state = TrainingState(
+        trainer, stopper, device=device, config_hash=config["config_hash"], dist=dist
+    )
     if is_tool(args):
         if args.profile:  # profile the step the run would take, compiled where it would be
             warm_up(state, data, args, log)
@@ -144,11 +159,16 @@ def train(args, parser, out, stop: GracefulStop) -> int:
             )
     except ckpt.CheckpointError as exc:  # refused for good: the planner must not say "resumes"
         log.error("cannot resume: %s", exc)
-        runs.try_write_status(out, "refused")
+        if dist.is_main:
+            runs.try_write_status(out, "refused")
         runs.close_logging(log)
         return error(f"cannot resume: {exc}", EXIT_USAGE)
     try:
-        record = RunRecord(out, config, args, device, dtype, log)
+        record = (
+            RunRecord(out, config, args, device, dtype, log)
+            if dist.is_main
+            else distributed.Follower(out, log)
+        )
     except OSError as exc:  # e.g. the disk filled since the start-up check
         runs.try_write_status(out, "failed")
         runs.close_logging(log)
@@ -168,13 +188,17 @@ def train(args, parser, out, stop: GracefulStop) -> int:
         )
         warm_up(state, data, args, log)  # compiling: its own step, outside the timed loop
         while not finished(p, args, steps_per_epoch, state.stopper):
-            train_s = train_epoch(state, loaders["train"], steps_per_epoch, args, stop)
+            train_s = train_epoch(state, loaders["train"], steps_per_epoch, args, stop, dist)
             if not epoch_complete(p, args, steps_per_epoch):
                 break  # stopped mid-epoch: the checkpoint below records where in the epoch
-            train, seen = trainer.take_sums()  # {loss, metric...}; note: one sync per epoch
+            # {loss, metric...} summed over ranks; note: one sync (and all-reduce) per epoch
+            train, seen = trainer.take_sums(dist.sum)
             check_finite(train["loss"], p.epoch + 1, first_step_of_epoch(p, args), p.step)
             trainer.reset_sums()
-            val = evaluate(eval_model, loaders["val"], device=device, dtype=dtype, task=task)
+            dist.sync_buffers(eval_model)  # CPU torchrun: rank 0's BatchNorm statistics
+            val = evaluate(
+                eval_model, loaders["val"], device=device, dtype=dtype, task=task, reduce=dist.sum
+            )
             p.epoch, p.batch, p.samples = p.epoch + 1, 0, p.samples + seen
             p.history.append(
                 {
@@ -189,17 +213,19 @@ def train(args, parser, out, stop: GracefulStop) -> int:
             )
             if state.stopper.update(p.history[-1][task.monitor], p.epoch, eval_model):
                 state.save_best(out / runs.BEST_MODEL)  # keep the best, never test
-            record.epoch_done(state, checkpoint_due=record.checkpoint_due(args))
-            if stop.requested:
+            record.epoch_done(state, checkpoint_due=dist.decide(record.checkpoint_due(args)))
+            if dist.stopped(stop):
                 break
         if not finished(p, args, steps_per_epoch, state.stopper):  # stopped: checkpoint, exit 75
             state.save(out / runs.CHECKPOINT)
-            record.interrupted(state, stop.requested)
+            record.interrupted(state, stop.requested or "a stop signal to another process")
             return EXIT_INTERRUPTED
 
         # ---- test once, with the best weights; save ---------------------------------------------
         state.stopper.restore(eval_model)
-        test = evaluate(eval_model, loaders["test"], device=device, dtype=dtype, task=task)
+        test = evaluate(
+            eval_model, loaders["test"], device=device, dtype=dtype, task=task, reduce=dist.sum
+        )
         state.save(out / runs.CHECKPOINT)
         record.finished(state, task, test, stop_reason(p, args, state.stopper))
         return EXIT_OK
@@ -222,7 +248,7 @@ class Data(NamedTuple):
     notes: list  # what the dataset has to say (skipped files): logged into run.log
 
 
-def build_data(args, device, task) -> Data:
+def build_data(args, device, task, shard: tuple[int, int] = (0, 1)) -> Data:
     """Splits, loaders, optimizer steps per epoch; UsageError for sizes that cannot work."""
     from {{ cookiecutter.package_name }}.data import build_loader, check_batch_size, load_dataset
     from {{ cookiecutter.package_name }}.hardware import choose_gpu_resident
@@ -253,6 +279,7 @@ def build_data(args, device, task) -> Data:
             gpu_resident=resident,
             seed=args.seed,
             augment=not task.spatial_targets,  # crop/flip would not move per-pixel targets
+            shard=shard,
         )
         for name, split in splits.items()
     }
@@ -368,7 +395,7 @@ def peek_batch(loader, epoch: int, device):
         set_rng_state(saved, device)
 
 
-def train_epoch(state, loader, steps_per_epoch: int, args, stop) -> float:
+def train_epoch(state, loader, steps_per_epoch: int, args, stop, dist) -> float:
     """Optimizer steps until the epoch ends, the run's last step, or a stop request.
 
     Returns the seconds of training of the whole epoch, those before a resume in it included,
@@ -382,10 +409,12 @@ def train_epoch(state, loader, steps_per_epoch: int, args, stop) -> float:
     now = timed(trainer.device)  # waits for the device: times the work, not the launches
     loader.set_epoch(p.epoch, skip_batches=p.batch)
     batches, last = iter(loader), total_steps(args, steps_per_epoch)
-    bar = progress_bar(args, steps_per_epoch, p)
+    bar = progress_bar(args, steps_per_epoch, p) if dist.is_main else None
     trainer.model.train()
     t0 = now()
-    while p.batch < steps_per_epoch * args.grad_accum and p.step < last and not stop.requested:
+    while p.batch < steps_per_epoch * args.grad_accum and p.step < last:
+        if dist.stopped(stop, p.step):  # stop.requested; torchrun: on any rank, every 10 steps
+            break
         trainer.step([next(batches) for _ in range(args.grad_accum)], p.step + 1)
         p.step, p.batch = p.step + 1, p.batch + args.grad_accum
         if bar is not None:
@@ -492,6 +521,7 @@ class RunRecord:
                 "amp_dtype": str(dtype),
                 "compile": args.compile,
                 "workers": str(args.workers),
+                "world_size": str(config["world_size"]),
             },
         )
 

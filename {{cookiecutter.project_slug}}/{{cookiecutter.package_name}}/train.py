@@ -224,6 +224,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         self.compile(compile_mode)
         self._first_step_done = False
+        self.ddp: nn.Module | None = None  # torchrun: the model in DistributedDataParallel
         self.reset_sums()
 
     @property
@@ -241,9 +242,10 @@ class Trainer:
         self.sums: torch.Tensor | None = None  # the task's sums; their length comes with a batch
         self.seen = 0
 
-    def take_sums(self) -> tuple[dict[str, float], int]:
-        """{loss, metric...} since the last reset, and the sample count."""
-        return finish(self.task, self.loss_sum, self.sums, self.seen), self.seen  # note: sync
+    def take_sums(self, reduce=None) -> tuple[dict[str, float], int]:
+        """{loss, metric...} since the last reset, and the sample count; `reduce` sums them
+        over ranks (torchrun). # note: sync point (one per epoch)"""
+        return finish(self.task, self.loss_sum, self.sums, self.seen, reduce)
 
     def _fall_back(self, exc: BaseException) -> None:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -255,7 +257,8 @@ class Trainer:
         self.forward, self.compile_mode = forward_and_sums, None
 
     def _micro_step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> None:
-        loss, loss_sum, sums = self.forward(self.model, x, y, self.dtype, self.task)
+        net = self.model if self.ddp is None else self.ddp
+        loss, loss_sum, sums = self.forward(net, x, y, self.dtype, self.task)
         self.scaler.scale(loss / self.grad_accum).backward()
         # Counted only once backward succeeded: a compile fallback re-runs this micro-batch.
         self.loss_sum += loss_sum
@@ -277,8 +280,11 @@ class Trainer:
 
     def step(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]], step: int) -> None:
         """One optimizer step over `grad_accum` micro-batches. `step` counts from 1."""
-        for x, y in micro_batches:
-            self._checked_micro_step(x, y, step)
+        for i, (x, y) in enumerate(micro_batches):
+            # DDP all-reduces the gradients once, on the last micro-batch (nanoGPT's habit).
+            quiet = self.ddp is not None and i < self.grad_accum - 1
+            with self.ddp.no_sync() if quiet else contextlib.nullcontext():
+                self._checked_micro_step(x, y, step)
         self._first_step_done = True
         if self.clip_grad > 0:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
@@ -409,8 +415,10 @@ def evaluate(
     device: torch.device,
     dtype: torch.dtype | None,
     task: Task | None = None,
+    reduce=None,
 ) -> dict[str, float]:
-    """{loss, metric...} of `task` over a loader, in eval mode; one host sync at the end."""
+    """{loss, metric...} of `task` over a loader, in eval mode; one host sync at the end.
+    `reduce` sums the sums over ranks (torchrun: each rank evaluated its shard)."""
     task = task or default_task()
     was_training = model.training
     model.eval()
@@ -423,17 +431,23 @@ def evaluate(
         sums = batch_sums if sums is None else sums.add_(batch_sums)
         seen += y.shape[0]
     model.train(was_training)
-    return finish(task, loss_sum, sums, seen)  # note: sync point (one per evaluation)
+    return finish(task, loss_sum, sums, seen, reduce)[0]  # note: sync point (one per evaluation)
 
 
-def finish(task: Task, loss_sum: torch.Tensor, sums: torch.Tensor | None, seen: int) -> dict:
-    """{loss, metric...} from the device sums: one host read of loss and sums together."""
+def finish(
+    task: Task, loss_sum: torch.Tensor, sums: torch.Tensor | None, seen: int, reduce=None
+) -> tuple[dict[str, float], int]:
+    """({loss, metric...}, samples) from the device sums: one host read of loss, sums and count
+    together, after `reduce` (torchrun: their sum over ranks, one all_reduce)."""
     if sums is None:  # nothing was seen
-        return {"loss": float("nan"), **dict.fromkeys(task.metrics, float("nan"))}
-    total = torch.cat([loss_sum.double().reshape(1), sums.double()]).cpu().numpy()
-    metrics = task.finish(total[1:], seen)
+        return {"loss": float("nan"), **dict.fromkeys(task.metrics, float("nan"))}, 0
+    count = torch.full((1,), float(seen), dtype=torch.float64, device=sums.device)
+    total = torch.cat([loss_sum.double().reshape(1), sums.double(), count])
+    total = (reduce(total) if reduce is not None else total).cpu().numpy()
+    seen = int(total[-1])
+    metrics = task.finish(total[1:-1], seen)
     values = {k: float(metrics[k]) for k in task.metrics}
-    return {"loss": float(total[0] / max(seen, 1)), **values}
+    return {"loss": float(total[0] / max(seen, 1)), **values}, seen
 
 
 def default_task() -> Task:
