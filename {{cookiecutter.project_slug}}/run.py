@@ -16,7 +16,9 @@ finished), run.log, tracking.json. One process at a time trains a run directory 
 `.lock`); any number of jobs may share one results folder and one MLflow database.
 Exit codes: 0 finished (or already), 1 failed, 2 bad input, 73 running elsewhere (another process
 holds this run directory), 75 interrupted (re-run the same command to resume).
-Stop signals (SIGTERM, SIGINT, SIGUSR1, in any number): finish the step, checkpoint, exit 75.
+Stop signals (SIGTERM, SIGINT, SIGUSR1, SIGHUP, in any number): finish the step, checkpoint, exit
+75. A run whose directory is deleted (or its .lock replaced) while it trains stops at its next
+epoch end with one `error:` line, writes nothing more and exits 73: the path may be another's now.
 """
 
 import sys
@@ -24,15 +26,19 @@ import traceback
 from typing import NamedTuple
 
 from {{ cookiecutter.package_name }} import runs
-from {{ cookiecutter.package_name }}.claim import Busy, claim
+from {{ cookiecutter.package_name }}.claim import Busy, LostClaim, claim
 from {{ cookiecutter.package_name }}.config import UsageError, parse_args, resolved_config, run_dir
-from {{ cookiecutter.package_name }}.stopping import GracefulStop
+from {{ cookiecutter.package_name }}.stopping import BadGrace, GracefulStop
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_BUSY, EXIT_INTERRUPTED = 0, 1, 2, 73, 75
 
 
 def main(argv: list[str] | None = None) -> int:
-    with GracefulStop() as stop:  # first: a stop signal at any later moment still ends in 75
+    try:
+        stop = GracefulStop()
+    except BadGrace as exc:
+        return error(str(exc), EXIT_USAGE)
+    with stop:  # first: a stop signal at any later moment still ends in 75
         if (sys.argv[1:] if argv is None else argv) == ["--plan"]:  # run.sh: all jobs, one call
             from {{ cookiecutter.package_name }} import plan
 
@@ -55,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                 if runs.is_done(out) and not (args.fresh or is_tool(args)):  # done meanwhile
                     print(f"already finished: {out} (metrics.json exists; --fresh re-trains)")
                     return EXIT_OK
-                code = train(args, parser, out, stop)
+                code = train(args, parser, out, stop, held)
                 if code in (EXIT_USAGE, EXIT_INTERRUPTED):
                     held.discard()  # refused or stopped before any work: leave nothing behind
                 return code
@@ -65,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             return error(f"--results-dir: cannot write to {out.parent}: {exc.strerror}", EXIT_USAGE)
 
 
-def train(args, parser, out, stop: GracefulStop) -> int:
+def train(args, parser, out, stop: GracefulStop, held) -> int:
     """The method: config -> data -> model -> (resume) -> loop -> test -> save."""
     import torch
 
@@ -83,6 +89,7 @@ def train(args, parser, out, stop: GracefulStop) -> int:
     # ---- config + data: every bad input is found here, before a file of the run is written ----
     config = resolved_config(args, parser)
     try:
+        runs.check_ownership(out)  # a colleague's run directory, or files planted in ours
         device = resolve_device(args.device)
         dtype, precision_why = choose_precision(device, args.amp)
         if args.profile:  # the CUDA memory snapshot then covers the whole run, model included
@@ -143,7 +150,10 @@ def train(args, parser, out, stop: GracefulStop) -> int:
         runs.close_logging(log)
         return error(f"cannot resume: {exc}", EXIT_USAGE)
     try:
-        record = RunRecord(out, config, args, device, dtype, log)
+        record = RunRecord(out, config, args, device, dtype, log, held)
+    except LostClaim as exc:  # the directory was deleted while the data loaded
+        runs.close_logging(log)
+        return error(str(exc), EXIT_BUSY)
     except OSError as exc:  # e.g. the disk filled since the start-up check
         runs.try_write_status(out, "failed")
         runs.close_logging(log)
@@ -171,7 +181,7 @@ def train(args, parser, out, stop: GracefulStop) -> int:
             val_loss, val_acc = evaluate(eval_model, loaders["val"], device=device, dtype=dtype)
             p.epoch, p.batch, p.samples = p.epoch + 1, 0, p.samples + seen
             if state.stopper.update(val_acc, p.epoch, eval_model):  # keep the best, never test
-                state.save_best(out / runs.BEST_MODEL)
+                record.save_best(state)
             p.history.append(
                 {
                     "epoch": p.epoch,
@@ -189,14 +199,14 @@ def train(args, parser, out, stop: GracefulStop) -> int:
             if stop.requested:
                 break
         if not finished(p, args, steps_per_epoch, state.stopper):  # stopped: checkpoint, exit 75
-            state.save(out / runs.CHECKPOINT)
+            record.checkpoint(state)
             record.interrupted(state, stop.requested)
             return EXIT_INTERRUPTED
 
         # ---- test once, with the best weights; save ---------------------------------------------
         state.stopper.restore(eval_model)
         test_loss, test_acc = evaluate(eval_model, loaders["test"], device=device, dtype=dtype)
-        state.save(out / runs.CHECKPOINT)
+        record.checkpoint(state)
         record.finished(state, test_loss, test_acc, stop_reason(p, args, state.stopper))
         return EXIT_OK
     except Exception as exc:  # failed: one line here, the traceback in run.log and MLflow
@@ -431,15 +441,19 @@ def run_tools(args, trainer, data: Data, device, dtype, out, log) -> int:
 class RunRecord:
     """What the run leaves behind: its files (config, status, history, checkpoint, metrics) and
     its MLflow run. Every fault path here is best-effort: a full disk or a dead tracker never
-    turns an ending run into a traceback."""
+    turns an ending run into a traceback. Before each write it checks that the run directory is
+    still this process's (`claim.check()`): if it was deleted meanwhile, LostClaim, and nothing
+    more is written there."""
 
-    def __init__(self, out, config: dict, args, device, dtype, log) -> None:
+    def __init__(self, out, config: dict, args, device, dtype, log, claim) -> None:
         import time
 
         from {{ cookiecutter.package_name }}.config import experiment_args
         from {{ cookiecutter.package_name }}.tracking import Tracker, provenance
 
         self.out, self.log, self.device, self._time = out, log, device, time
+        self.claim = claim
+        claim.check()
         self.epochs = args.epochs
         self.last_checkpoint = time.monotonic()
         runs.write_json(out / runs.CONFIG, config)
@@ -469,11 +483,20 @@ class RunRecord:
     def checkpoint_due(self, args) -> bool:
         return self._time.monotonic() - self.last_checkpoint >= args.checkpoint_every
 
+    def save_best(self, state) -> None:
+        self.claim.check()
+        state.save_best(self.out / runs.BEST_MODEL)
+
+    def checkpoint(self, state) -> None:
+        self.claim.check()
+        state.save(self.out / runs.CHECKPOINT)
+        self.last_checkpoint = self._time.monotonic()
+
     def epoch_done(self, state, *, checkpoint_due: bool) -> None:
         p, row = state.progress, state.progress.history[-1]
+        self.claim.check()
         if checkpoint_due:
-            state.save(self.out / runs.CHECKPOINT)
-            self.last_checkpoint = self._time.monotonic()
+            self.checkpoint(state)
         runs.write_history(self.out, p.history)
         self.tracker.log_history(p.history)
         self.log.info(
@@ -493,6 +516,7 @@ class RunRecord:
         )
 
     def interrupted(self, state, signal_name: str) -> None:
+        self.claim.check()
         runs.write_status(self.out, "interrupted")
         self.tracker.end("KILLED", state.progress.history)
         self.log.warning(
@@ -521,6 +545,7 @@ class RunRecord:
             "stop_reason": reason,
             "mlflow_run_id": self.tracker.run_id,
         }
+        self.claim.check()
         runs.write_history(self.out, p.history)
         self.tracker.end(
             "FINISHED",
@@ -529,6 +554,7 @@ class RunRecord:
             tags={"stop_reason": reason},
             artifacts=[self.out / name for name in (runs.CONFIG, runs.HISTORY, runs.BEST_MODEL)],
         )
+        self.claim.check()  # again: the tracker's end may have taken a while
         runs.write_status(self.out, "finished")
         runs.write_json(self.out / runs.METRICS, metrics)  # last: its existence means "done"
         self.log.info(
@@ -543,6 +569,13 @@ class RunRecord:
     def failed(self, state, exc: BaseException, args) -> int:
         import torch
 
+        if not self.claim.still_ours():  # LostClaim, or any failure once the path is another's
+            message = str(exc)
+            if not isinstance(exc, LostClaim):
+                message = f"{self.claim.lost_message()} (then {type(exc).__name__})"
+            self.log.error("%s", message)
+            self.tracker.abandon(message)
+            return error(message, EXIT_BUSY)
         text = traceback.format_exc()
         self.log.error("run failed:\n%s", text)
         runs.try_write_status(self.out, "failed")

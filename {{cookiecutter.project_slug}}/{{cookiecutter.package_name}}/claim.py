@@ -37,6 +37,11 @@ class Busy(RuntimeError):
     """The run directory is claimed by another live process; str() names that process."""
 
 
+class LostClaim(RuntimeError):
+    """The run directory's lock is no longer the one this process holds (the directory was
+    deleted, or its .lock replaced): another process may own the path now. str() says so."""
+
+
 class Claim:
     """A held claim; released by `release()`, by leaving a `with` block, or at process end."""
 
@@ -48,8 +53,8 @@ class Claim:
         """Release, and remove the run directory if this claim created it and it holds nothing
         else (a run refused before any work leaves nothing behind). The lock file goes first,
         while still held: a process waiting on it sees another inode at the path and retries."""
-        if self._fd is None or not self.created:
-            self.release()
+        if self._fd is None or not self.created or not self.still_ours():
+            self.release()  # not ours to remove: a deleted directory's path may be another's
             return
         with contextlib.suppress(OSError):
             if [p.name for p in self.run_dir.iterdir()] == [LOCK_FILE]:
@@ -65,6 +70,33 @@ class Claim:
     @property
     def held(self) -> bool:
         return self._fd is not None
+
+    def still_ours(self) -> bool:
+        """True while the file at <run_dir>/.lock is the one this claim locked (same device and
+        inode). `rm -rf` of the run directory, or a replaced .lock, makes it False for good: a
+        new process can then claim the path, and this one must write nothing more there."""
+        if self._fd is None:
+            return False
+        try:
+            on_disk = os.stat(self.run_dir / LOCK_FILE, follow_symlinks=False)
+        except OSError:
+            return False
+        held = os.fstat(self._fd)
+        return (on_disk.st_dev, on_disk.st_ino) == (held.st_dev, held.st_ino)
+
+    def check(self) -> None:
+        """Raise LostClaim unless still_ours(): call before every write to the run directory
+        that matters (checkpoint, history, status, metrics.json)."""
+        if not self.still_ours():
+            raise LostClaim(self.lost_message())
+
+    def lost_message(self) -> str:
+        now = holder(self.run_dir)
+        return (
+            f"lost the claim on {self.run_dir}: the directory was deleted or its .lock replaced "
+            "while this process trained" + (f" (now held by {now})" if now else "") + "; "
+            "stopping without writing anything more there"
+        )
 
     def __enter__(self) -> Claim:
         return self

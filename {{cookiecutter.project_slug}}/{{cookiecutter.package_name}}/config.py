@@ -332,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument(
         "--tracking",
         choices=("on", "off"),
-        default="off" if os.environ.get(TRACKING_ENV) == "off" else "on",
+        default=os.environ.get(TRACKING_ENV, "").strip().lower() or "on",  # checked in parse_args
         help=f"log to MLflow (off: only the run directory; also {TRACKING_ENV}=off). "
         "An unreachable tracker never stops training: see README, Tracking",
     )
@@ -382,6 +382,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     """Parse and check what can be checked without data; argparse exits 2 on errors."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.tracking not in ("on", "off"):  # argparse checks `choices` on the command line only
+        parser.error(f"{TRACKING_ENV}={os.environ.get(TRACKING_ENV)!r}: expected on or off")
     if DATASETS[args.dataset].needs_data_path and args.data_path is None:
         parser.error(f"--data-path: dataset {args.dataset!r} reads your files: give --data-path")
     if args.data_path is not None:  # absolute: the same data named two ways is one experiment
