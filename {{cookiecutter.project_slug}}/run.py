@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_OK
         try:
             with claim(out) as held:  # one process per run directory, freed by the kernel on death
+                stop.on_request = held.mark_stopping  # run.sh waits for a stopping holder
                 if runs.is_done(out) and not (args.fresh or is_tool(args)):  # done meanwhile
                     print(f"already finished: {out} (metrics.json exists; --fresh re-trains)")
                     return EXIT_OK

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import re
 import signal
 import sqlite3
 import stat
@@ -172,11 +173,12 @@ def test_a_run_directory_deleted_while_training_gets_one_owner(env, data_dir, tm
     assert err1.strip().splitlines()[-1].startswith("error: lost the claim on "), err1
     assert "Traceback" not in err1
     assert second.returncode == 0, err2
+    n = read_metrics(run_dir)["epochs_run"]  # early stopping may end it before 40
     epochs = [line.split(",")[0] for line in (run_dir / "history.csv").read_text().splitlines()]
-    assert epochs == ["epoch", *map(str, range(1, 41))]
+    assert epochs == ["epoch", *map(str, range(1, n + 1))]
     assert (run_dir / "run.log").read_text().count("finished (") == 1
     mine = read_metrics(run_dir)["mlflow_run_id"]
-    assert _history_epochs(uri, mine) == list(range(1, 41))  # one set of epochs, each once
+    assert _history_epochs(uri, mine) == list(range(1, n + 1))  # one set of epochs, each once
     others = [r for r in _runs_named(uri, run_dir.name) if r.info.run_id != mine]
     assert [r.info.status for r in others] == ["FAILED"]  # the first job's run, closed
     assert "lost the claim" in others[0].data.tags["error"]
@@ -252,7 +254,9 @@ def test_a_deleted_mlflow_db_is_one_warning_not_a_flood(env, data_dir, tmp_path,
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert "Traceback" not in err, err
-    assert len([line for line in err.splitlines() if "MLflow" in line or "mlflow" in line]) <= 2
+    ours = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (INFO|WARNING) ")
+    assert [line for line in err.splitlines() if not ours.match(line)] == [], err
+    assert err.count(" WARNING ") <= 1, err
 
 
 # ---- the end is always reported ---
@@ -348,7 +352,8 @@ def test_sync_beside_a_live_job_sends_every_row_once_to_one_run(env, data_dir, t
     run_dir = run_dir_of(results)
     found = _runs_named(uri, run_dir.name)
     assert len(found) == 1, [r.info.run_id for r in found]
-    assert _history_epochs(uri, found[0].info.run_id) == list(range(1, 13)), syncs
+    n = read_metrics(run_dir)["epochs_run"]
+    assert _history_epochs(uri, found[0].info.run_id) == list(range(1, n + 1)), syncs
     assert found[0].info.status == "FINISHED"
 
 

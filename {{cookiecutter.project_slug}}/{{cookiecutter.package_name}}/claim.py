@@ -31,6 +31,7 @@ from .runs import LOCK as LOCK_FILE
 # such a probe tries again for this long before reporting Busy, so a look never blocks a start.
 _RETRY_S = 0.2
 _RETRY_EVERY_S = 0.01
+STOPPING = "stopping"  # field in the lock file: the holder got a stop signal and is exiting
 
 
 class Busy(RuntimeError):
@@ -45,9 +46,21 @@ class LostClaim(RuntimeError):
 class Claim:
     """A held claim; released by `release()`, by leaving a `with` block, or at process end."""
 
-    def __init__(self, run_dir: Path, fd: int, created: bool) -> None:
+    def __init__(self, run_dir: Path, fd: int, created: bool, info: str = "") -> None:
         self.run_dir, self.created = run_dir, created
         self._fd: int | None = fd
+        self._info = info
+
+    def mark_stopping(self) -> None:
+        """Note in the lock file that this holder is stopping (checkpointing, then exiting): the
+        sweep's planner then waits a few seconds for it instead of calling the run "running
+        elsewhere" (run.sh re-run right after its own jobs were told to stop)."""
+        if self._fd is None or STOPPING in self._info:
+            return
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self._info = f"{self._info.rstrip()} {STOPPING}={now}\n"
+        with contextlib.suppress(OSError):
+            os.pwrite(self._fd, self._info.encode(), 0)
 
     def discard(self) -> None:
         """Release, and remove the run directory if this claim created it and it holds nothing
@@ -121,10 +134,16 @@ def _describe(text: str) -> str:
     fields = dict(part.split("=", 1) for part in text.split() if "=" in part)
     if "pid" not in fields:
         return "a process that is just starting (no holder recorded yet)"
+    stopping = f", {STOPPING} since {fields[STOPPING]}" if STOPPING in fields else ""
     return (
         f"pid {fields['pid']} on {fields.get('host', '?')} since "
-        f"{fields.get('start', '?').replace('T', ' ')}"
+        f"{fields.get('start', '?').replace('T', ' ')}{stopping.replace('T', ' ')}"
     )
+
+
+def is_stopping(description: str | None) -> bool:
+    """True if holder()'s description says the holder is checkpointing and about to exit."""
+    return description is not None and f", {STOPPING} since " in description
 
 
 def _read(fd: int) -> str:
@@ -167,7 +186,7 @@ def claim(run_dir: str | os.PathLike) -> Claim:
     with contextlib.suppress(OSError):  # read-only lock file: the claim holds, unnamed
         os.ftruncate(fd, 0)
         os.pwrite(fd, info, 0)
-    return Claim(directory, fd, created)
+    return Claim(directory, fd, created, info.decode())
 
 
 def holder(run_dir: str | os.PathLike) -> str | None:

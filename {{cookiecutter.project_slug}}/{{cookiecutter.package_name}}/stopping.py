@@ -24,6 +24,7 @@ written) cannot turn exit 75 (or 0) into death by that signal.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
@@ -81,6 +82,7 @@ class GracefulStop:
         self.interactive = _stdin_is_a_terminal() if interactive is None else interactive
         self.requested: str | None = None
         self.on_force_exit: Callable[[], None] | None = None  # e.g. mark the status file
+        self.on_request: Callable[[], None] | None = None  # at the first request (claim note)
         self._first_at = 0.0
         self._ignored = 0
         self._old: dict = {}
@@ -92,6 +94,8 @@ class GracefulStop:
             self.log.warning(
                 "%s received: finishing the current step, then checkpoint and exit", name
             )
+            if self.on_request is not None:
+                self.on_request()
             return
         late = time.monotonic() - self._first_at > self.grace_s
         if (signum == signal.SIGINT and self.interactive) or late:
@@ -118,14 +122,23 @@ class GracefulStop:
 
     def __exit__(self, *exc) -> None:
         """Leaves the handlers installed: between main()'s return and the interpreter's exit
-        (atexit, flushing, MLflow's threads) a stop signal must not kill the process with its
-        default action and replace the exit code main() returned (75 after a checkpoint)."""
+        (joining MLflow's threads, flushing) a stop signal must not kill the process with its
+        default action and replace the exit code main() returned (75 after a checkpoint).
+        Python's finalization resets Python handlers to the default action, so at exit (atexit)
+        the stop signals are ignored instead: nothing is left to stop by then."""
+        atexit.unregister(_ignore_stop_signals)
+        atexit.register(_ignore_stop_signals)
 
     def restore(self) -> None:
         """Put back the handlers found at __enter__ (for callers that live on, e.g. tests)."""
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
         self._old.clear()
+
+
+def _ignore_stop_signals() -> None:
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class NonFiniteLoss(RuntimeError):

@@ -79,7 +79,7 @@ def _quiet_mlflow() -> None:
     # A failing DB call logs its whole traceback at ERROR here (and the system-metrics thread
     # warns on its own): the Tracker already says it once, in one line.
     logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
-    logging.getLogger("mlflow.system_metrics").setLevel(logging.ERROR)
+    logging.getLogger("mlflow.system_metrics").setLevel(logging.CRITICAL)
 
 
 @contextlib.contextmanager
@@ -172,8 +172,10 @@ class Tracker:
         params: dict | None = None,
         tags: dict | None = None,
         system_metrics: bool = True,
+        training: bool = True,
     ) -> None:
         self.run_dir, self.log, self.enabled = Path(run_dir), log, enabled
+        self.training = training  # False for sync: an ended MLflow run stays as it ended
         self.experiment, self.run_name = experiment, run_name
         self.params, self.tags = params or {}, tags or {}
         self.state = _read_state(self.run_dir, log)
@@ -234,7 +236,10 @@ class Tracker:
             self.client = _client()
         if self.run_id is not None:
             try:  # resume: the same run, back to RUNNING
-                self.client.update_run(self.run_id, status="RUNNING")
+                if self.training:
+                    self.client.update_run(self.run_id, status="RUNNING")
+                else:
+                    self.client.get_run(self.run_id)  # it exists
                 return
             except Exception as exc:  # e.g. another MLFLOW_TRACKING_URI than the first attempt
                 self.log.warning(
@@ -482,6 +487,7 @@ def _sync_held(run_dir: Path, log: logging.Logger) -> bool:
         params={k: config[k] for k in config.get("experiment_keys", []) if k in config},
         tags={"run_dir": str(run_dir), "synced_later": "true"},
         system_metrics=False,
+        training=False,
     )
     history = _history_rows(run_dir)
     if status in MLFLOW_STATUS:
