@@ -219,6 +219,20 @@ def test_a_stop_signal_after_the_checkpoint_still_ends_in_75(env, data_dir, tmp_
     assert proc.returncode == 75, err
 
 
+def test_a_job_started_under_nohup_keeps_ignoring_sighup():
+    from {{ cookiecutter.package_name }}.stopping import GracefulStop
+
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what nohup does
+    stop = GracefulStop()
+    try:
+        with stop:
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) == stop._handle
+    finally:
+        stop.restore()
+        signal.signal(signal.SIGHUP, old)
+
+
 # ---- the shared MLflow DB ---
 def test_the_mlflow_db_and_its_journal_follow_the_umask(tmp_path, monkeypatch):
     from {{ cookiecutter.package_name }} import tracking

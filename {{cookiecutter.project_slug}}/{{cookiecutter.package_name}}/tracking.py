@@ -467,6 +467,9 @@ def sync(run_dir: Path, log: logging.Logger) -> bool | None:
     except Busy as exc:
         log.info("skipped %s: %s (that job sends its own metrics)", run_dir, exc)
         return None
+    except OSError as exc:  # e.g. a colleague's directory without a .lock: cannot claim it
+        log.warning("skipped %s: cannot claim it (%s)", run_dir, exc.strerror or exc)
+        return False
     with held:
         return _sync_held(run_dir, log)
 
