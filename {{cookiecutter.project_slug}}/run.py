@@ -85,7 +85,12 @@ def train(args, parser, out, stop: GracefulStop, held) -> int:
     )
     from {{ cookiecutter.package_name }}.state import TrainingState
     from {{ cookiecutter.package_name }}.stopping import EarlyStopping, check_finite
-    from {{ cookiecutter.package_name }}.train import build_trainer, evaluate, seed_everything
+    from {{ cookiecutter.package_name }}.train import (
+        build_trainer,
+        evaluate,
+        peak_epoch,
+        seed_everything,
+    )
 
     # ---- config + data: every bad input is found here, before a file of the run is written ----
     config = resolved_config(args, parser)
@@ -134,9 +139,10 @@ def train(args, parser, out, stop: GracefulStop, held) -> int:
         total_steps=steps,
         log=log,
     )
-    state = TrainingState(
-        trainer, EarlyStopping(args.patience), device=device, config_hash=config["config_hash"]
-    )
+    # Patience counts only after the LR peak and --min-epochs: no stop during the warm-up.
+    patience_from = max(args.min_epochs, peak_epoch(steps, data.steps_per_epoch))
+    stopper = EarlyStopping(args.patience, start_epoch=patience_from)
+    state = TrainingState(trainer, stopper, device=device, config_hash=config["config_hash"])
     if is_tool(args):
         return run_tools(args, trainer, data, device, dtype, out, log)
     try:
@@ -147,7 +153,9 @@ def train(args, parser, out, stop: GracefulStop, held) -> int:
                 state.progress.epoch + 1,
                 state.progress.step,
             )
-    except ckpt.CheckpointError as exc:
+    except ckpt.CheckpointError as exc:  # refused for good: the planner must not say "resumes"
+        log.error("cannot resume: %s", exc)
+        runs.try_write_status(out, "refused")
         runs.close_logging(log)
         return error(f"cannot resume: {exc}", EXIT_USAGE)
     try:
@@ -159,6 +167,7 @@ def train(args, parser, out, stop: GracefulStop, held) -> int:
         runs.try_write_status(out, "failed")
         runs.close_logging(log)
         return error(f"{exc.strerror} writing {exc.filename or out}", EXIT_FAILED)
+    stop.on_force_exit = record.force_exited  # exit 130 leaves "interrupted", not "running"
 
     # ---- loop -----------------------------------------------------------------------------------
     p, loaders, steps_per_epoch = state.progress, data.loaders, data.steps_per_epoch
@@ -293,10 +302,10 @@ def make_model(args, info):
 
 
 def checkpoint_bytes(model, ema: float) -> int:
-    """Disk a run needs: checkpoint (weights, two AdamW moments, EMA) twice during its atomic
-    replace, plus best_model.pt."""
+    """Disk a run needs: checkpoint (weights, two AdamW moments, EMA, best weights) twice during
+    its atomic replace, plus best_model.pt."""
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    return weights * (2 * (3 + (ema > 0)) + 1)
+    return weights * (2 * (4 + (ema > 0)) + 1)
 
 
 def total_steps(args, steps_per_epoch: int) -> int:
@@ -323,9 +332,12 @@ def first_step_of_epoch(p, args) -> int:
 
 
 def stop_reason(p, args, stopper) -> str:
-    if stopper.should_stop:
+    """Why the run ended: "early_stopping" only when patience ended it before its last step
+    (patience that runs out on the last epoch changed nothing)."""
+    at_max_steps = bool(args.max_steps) and p.step >= args.max_steps
+    if stopper.should_stop and p.epoch < args.epochs and not at_max_steps:
         return "early_stopping"
-    return "max_steps" if args.max_steps and p.step >= args.max_steps else "max_epochs"
+    return "max_steps" if at_max_steps else "max_epochs"
 
 
 def warm_up(state, data: Data, args, log) -> None:
@@ -354,12 +366,14 @@ def warm_up(state, data: Data, args, log) -> None:
 def train_epoch(state, loader, steps_per_epoch: int, args, stop) -> float:
     """Optimizer steps until the epoch ends, the run's last step, or a stop request.
 
-    Returns the seconds of training. The loader's order is a function of (seed, epoch), so a
-    resumed epoch skips the micro-batches it already did and continues exactly.
+    Returns the seconds of training of the whole epoch, those before a resume in it included,
+    so that its rate counts the samples of the steps timed. The loader's order is a function
+    of (seed, epoch), so a resumed epoch skips the micro-batches it already did and continues.
     """
     from {{ cookiecutter.package_name }}.hardware import timed
 
     p, trainer = state.progress, state.trainer
+    resumed_in_epoch = p.batch > 0
     now = timed(trainer.device)  # waits for the device: times the work, not the launches
     loader.set_epoch(p.epoch, skip_batches=p.batch)
     batches, last = iter(loader), total_steps(args, steps_per_epoch)
@@ -375,7 +389,8 @@ def train_epoch(state, loader, steps_per_epoch: int, args, stop) -> float:
     if bar is not None:
         bar.close()
     p.train_time_s += train_s
-    return train_s
+    p.epoch_time_s = train_s + (p.epoch_time_s if resumed_in_epoch else 0.0)
+    return p.epoch_time_s
 
 
 def progress_bar(args, steps_per_epoch: int, p):
@@ -525,6 +540,11 @@ class RunRecord:
             signal_name,
             state.progress.step,
         )
+
+    def force_exited(self) -> None:
+        """Exit 130 (a second Ctrl-C, a late signal): the last checkpoint resumes the run."""
+        if self.claim.still_ours() and not runs.is_done(self.out):
+            runs.try_write_status(self.out, "interrupted")
 
     def finished(self, state, test_loss: float, test_acc: float, reason: str) -> None:
         from {{ cookiecutter.package_name }}.hardware import peak_memory_bytes
