@@ -99,6 +99,7 @@ def test_the_log_is_never_appended_through_a_link(tmp_path):
     assert victim.read_text() == "x\n"
 
 
+@pytest.mark.slow  # trains and tracks for real
 def test_a_crafted_tracking_json_is_ignored_not_logged(main_in_process, tmp_path, capsys, env):
     # The attack: run.log a link into ~/.ssh, and a run id that carries a key.
     out = _run_dir(main_in_process, tmp_path / "results", capsys, *QUICK)

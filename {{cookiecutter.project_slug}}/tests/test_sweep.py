@@ -648,6 +648,7 @@ def test_sigkill_of_run_sh_stops_its_jobs(tmp_path):
     assert [(d / "status").read_text().strip() for d in run_dirs(project)] == ["interrupted"] * 2
 
 
+@pytest.mark.slow  # the orphans take 3 s to checkpoint
 def test_a_re_run_right_after_kill_9_waits_for_the_stopping_orphans(tmp_path):
     jobs = [f"--first-sleep 60 --stop-sleep 3 --tag {i}" for i in range(2)]
     project = make_project(tmp_path, jobs)
