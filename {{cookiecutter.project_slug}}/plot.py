@@ -6,6 +6,7 @@
     python plot.py --from-mlflow       # read the runs from the MLflow tracking server instead
     python plot.py --system RUN        # GPU/CPU utilisation over time of one run (from MLflow)
     python plot.py --formats pdf       # only PDFs (for LaTeX), faster
+    python plot.py --analysis          # analyze.py's results: a layer-by-layer CKA heat map each
 
 Figures are made and re-made dozens of times before publication, so their styling lives here, in
 code: `figsize` is the size on the page in inches (PAGE_WIDTHS x a height each figure declares),
@@ -40,6 +41,7 @@ import numpy as np  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.font_manager import FontProperties  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.patches import Rectangle  # noqa: E402
 from matplotlib.textpath import TextToPath  # noqa: E402
 from matplotlib.ticker import EngFormatter, MaxNLocator, NullLocator  # noqa: E402
 
@@ -62,6 +64,8 @@ from {{ cookiecutter.package_name }}.tracking import tracking_uri  # noqa: E402 
 # its own writes to results/trials, so trial runs never mix into the sweep's figures.
 SWEEP_RESULTS = PROJECT_ROOT / "results" / "sweep"
 TRIAL_RESULTS = PROJECT_ROOT / "results" / "trials"
+ANALYSIS_RESULTS = PROJECT_ROOT / "results" / "analysis"  # analyze.py's run directories
+CKA_TABLE = "cka_layers.csv"  # analyze.TABLE (analyze.py imports torch when it runs; not here)
 # Widths on the page, in inches. single/double: column and text width of the common two-column
 # conference layouts (ICML: 3.25 in / 6.75 in; IEEE and CVPR are within 0.1 in of these).
 # slide: the content area of a 16:9 slide (13.33 in x 7.5 in) less margins.
@@ -442,6 +446,92 @@ def plot_system(series: dict[str, tuple[np.ndarray, np.ndarray]], style: Style,
     return fig
 
 
+@dataclass(frozen=True)
+class CkaTable:
+    """One analyze.py run directory: CKA of every layer of run A (rows) with every layer of run B
+    (columns), the layer pair its `cka` is of, and the two runs' names."""
+
+    rows: list[str]
+    columns: list[str]
+    values: np.ndarray
+    layers: tuple[str, str]  # the pair `cka` is of: a layer of A, a layer of B
+    cka: float
+    run_a: str
+    run_b: str
+
+
+def read_cka(run_dir: Path) -> CkaTable:
+    """An analyze.py run directory's cka_layers.csv, metrics.json and config.json (ValueError or
+    OSError when one is missing or malformed)."""
+    lines = [line.split(",") for line in (run_dir / CKA_TABLE).read_text().splitlines()]
+    if len(lines) < 2 or any(len(line) != len(lines[0]) for line in lines):
+        raise ValueError(f"{run_dir / CKA_TABLE} is not a table")
+    metrics, config = read_json(run_dir / METRICS), read_json(run_dir / "config.json")
+    return CkaTable(
+        rows=[line[0] for line in lines[1:]],
+        columns=lines[0][1:],
+        values=np.array([[float(v) for v in line[1:]] for line in lines[1:]]),
+        layers=(str(metrics["layer_a"]), str(metrics["layer_b"])),
+        cka=float(metrics["cka"]),
+        run_a=Path(config["run_a"]).name,
+        run_b=Path(config["run_b"]).name,
+    )
+
+
+def plot_cka(table: CkaTable, style: Style) -> Figure:
+    """Layer-by-layer linear CKA of two runs as a heat map on a fixed 0-1 scale (one colour means
+    one value in every such figure); the pair `cka` is of is outlined, its value in the title."""
+    caption = "\n".join(wrap(f"{side}: {name}", style.width - 0.1, STYLE["legend.fontsize"])
+                         for side, name in (("A", table.run_a), ("B", table.run_b)))  # fmt: skip
+    height = max(style.panel_height, 0.22 * len(table.rows) + 0.9) + 0.15 * caption.count("\n")
+    fig = Figure(figsize=(style.width, height), layout="constrained")
+    ax = fig.add_subplot()
+    image = ax.imshow(table.values, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+    ax.set_xticks(
+        range(len(table.columns)), table.columns, rotation=90 if len(table.columns) > 8 else 0
+    )
+    ax.set_yticks(range(len(table.rows)), table.rows)
+    ax.set_xlabel("layer of B")
+    ax.set_ylabel("layer of A")
+    ax.spines[:].set_visible(False)
+    layer_a, layer_b = table.layers
+    if layer_a in table.rows and layer_b in table.columns:
+        i, j = table.rows.index(layer_a), table.columns.index(layer_b)
+        ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False,
+                                                  edgecolor="white", lw=1.2))  # fmt: skip
+    pair = layer_a if layer_a == layer_b else f"{layer_a} / {layer_b}"
+    ax.set_title(f"linear CKA, layer {pair}: {table.cka:.3f}")
+    fig.colorbar(image, ax=ax, label="linear CKA", shrink=0.9)
+    fig.suptitle(caption, fontsize=STYLE["legend.fontsize"])
+    return fig
+
+
+def analysis_main(args: argparse.Namespace) -> int:
+    """--analysis [DIR]: one heat map per finished analyze.py run directory in DIR."""
+    found = sorted(
+        p for p in args.analysis.glob(f"*/{CKA_TABLE}") if (p.parent / METRICS).is_file()
+    )
+    if not found:
+        print(f"error: --analysis: no finished analyze.py results in {shown(args.analysis)} "
+              "(python analyze.py RUN_A RUN_B writes them)", file=sys.stderr)  # fmt: skip
+        return 1
+    set_style()
+    style = Style(PAGE_WIDTHS[args.width], PANEL_HEIGHTS[args.width], {})
+    skipped = []
+    for path in found:
+        try:
+            table = read_cka(path.parent)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            skipped.append((path.parent, f"unreadable ({type(exc).__name__})"))
+            continue
+        save(plot_cka(table, style), path.parent.name, args.out, args.formats)
+    if skipped:
+        print(skipped_line(skipped), file=sys.stderr)
+    print(f"{args.out}/: {len(found) - len(skipped)} CKA heat map(s) (<analysis run>.*) "
+          f"from {shown(args.analysis)}")  # fmt: skip
+    return 0 if len(skipped) < len(found) else 1
+
+
 # ----------------------------------------------------------------------------------------------
 # Output and command line
 # ----------------------------------------------------------------------------------------------
@@ -527,6 +617,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "one run, from MLflow's system metrics; RUN is a run directory or an MLflow run id",
     )
     p.add_argument(
+        "--analysis",
+        metavar="DIR",
+        type=Path,
+        nargs="?",
+        const=ANALYSIS_RESULTS,
+        default=None,
+        help="instead of the sweep's figures: a layer-by-layer CKA heat map of every analyze.py "
+        "result in DIR (default: results/analysis)",
+    )
+    p.add_argument(
         "--experiment",
         default=DEFAULT_EXPERIMENT,
         help="MLflow experiment to read (with --from-mlflow)",
@@ -595,6 +695,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.system is not None:
         return system_main(args)
+    if args.analysis is not None:
+        return analysis_main(args)
     if args.from_mlflow:
         uri = args.tracking_uri or tracking_uri()
         try:

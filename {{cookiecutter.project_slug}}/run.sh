@@ -6,7 +6,7 @@
 #               elsewhere; with --slurm also queued); run nothing
 #   --slurm     submit the pending jobs as one Slurm job array instead of running them here;
 #               jobs still queued or running from an earlier submission are not submitted again
-#   -- ARGS     appended to every job, e.g.  bash run.sh -- --dataset digits --epochs 3
+#   -- ARGS     appended to every run.py job, e.g.  bash run.sh -- --dataset digits --epochs 3
 #
 # Every job writes to results/SWEEP_NAME/<run>/ (trial runs of run.py go to results/trials).
 # Jobs already done (metrics.json) are skipped; unfinished ones resume from their checkpoint, so
@@ -37,6 +37,8 @@
 set -euo pipefail
 
 # ---- The sweep: edit here. Call `job` once per run.py command line. -------------------------
+# A job of another script names it first: `job analyze.py RUN_A RUN_B` (README, "A job that does
+# not train"); it keeps its own --results-dir, and `-- ARGS` are not added to it.
 readonly LRS=(1e-3 3e-3 1e-2)
 readonly SEEDS=(0 1 2)
 
@@ -47,6 +49,8 @@ define_jobs() {
       job --lr "${lr}" --seed "${seed}"
     done
   done
+  # E.g. the CKA of two of these runs (it waits until both have finished):
+  # job analyze.py results/sweep/digits_lr=0.001-95f69369 results/sweep/digits_lr=0.01-57e9003b
 }
 
 # ---- Where the jobs run -----------------------------------------------------------------------

@@ -66,6 +66,12 @@ MAX_NAME_BYTES = 255  # NAME_MAX of Linux file systems: longest single path comp
 TRACKING_ENV = "LAB_TRACKING"  # LAB_TRACKING=off runs without MLflow, like --tracking off
 
 
+def tracking_default() -> str:
+    """LAB_TRACKING as on/off in any case (default on); anything else is refused by parse_args
+    (argparse checks `choices` on the command line only, not on a default)."""
+    return os.environ.get(TRACKING_ENV, "").strip().lower() or "on"
+
+
 class UsageError(ValueError):
     """Bad command line or bad input: run.py prints `error: <message>` and exits 2."""
 
@@ -298,8 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile",
         choices=("auto", "on", "off"),
         default="auto",
-        help="torch.compile the step; auto = on CUDA by run length (eager < 500 steps, "
-        "max-autotune from 5000), off on CPU and with --deterministic",
+        help="torch.compile the step; auto = on CUDA where the measured eager time of the "
+        "steps left saves >= 2x the recorded compile time (mode default or max-autotune), "
+        "off on CPU; on = always; --deterministic stays eager",
     )
     x.add_argument(
         "--workers",
@@ -346,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument(
         "--tracking",
         choices=("on", "off"),
-        default=os.environ.get(TRACKING_ENV, "").strip().lower() or "on",  # checked in parse_args
+        default=tracking_default(),
         help=f"log to MLflow (off: only the run directory; also {TRACKING_ENV}=off). "
         "An unreachable tracker never stops training: see README, Tracking",
     )
@@ -424,26 +431,44 @@ def identity_args(args: argparse.Namespace) -> dict:
 
 
 def config_hash(args: argparse.Namespace) -> str:
-    blob = json.dumps(identity_args(args), sort_keys=True, default=str)
+    return short_hash(identity_args(args))
+
+
+def short_hash(identity: dict) -> str:
+    """8 hex digits of sha256 over the sorted-key JSON of `identity` (any job's identity)."""
+    blob = json.dumps(identity, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:8]
 
 
-def run_name(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
-    """`<dataset>_key=value_...-<hash8>`: readable part lists the non-default experiment args."""
-    parts = [str(args.dataset)]
-    for action in parser._actions:  # parser order, so names are stable and predictable
+def changed_args(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, skip: frozenset | set = frozenset()
+) -> list[str]:
+    """`key=value` for every argument not at its default, in parser order (stable names)."""
+    parts = []
+    for action in parser._actions:
         key = action.dest
-        if key in EXECUTION_KEYS or key in ("help", "dataset"):
+        if key in skip or key == "help" or not hasattr(args, key):
             continue
         value = getattr(args, key)
         if value != action.default:
             if isinstance(value, Path):  # the hash holds the full path; the name its folder
                 value = value.name
-            elif isinstance(value, tuple):
+            elif isinstance(value, tuple | list):
                 value = "x".join(map(str, value))
             parts.append(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}")
+    return parts
+
+
+def readable_name(parts: list[str], identity: dict) -> str:
+    """`<parts joined by _>-<hash8 of identity>`, file-name safe, the readable part capped."""
     readable = re.sub(r"[^A-Za-z0-9._=+-]", "-", "_".join(parts))[:MAX_READABLE].rstrip("_")
-    return f"{readable}-{config_hash(args)}"
+    return f"{readable}-{short_hash(identity)}"
+
+
+def run_name(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    """`<dataset>_key=value_...-<hash8>`: readable part lists the non-default experiment args."""
+    parts = changed_args(args, parser, skip=EXECUTION_KEYS | {"dataset"})
+    return readable_name([str(args.dataset), *parts], identity_args(args))
 
 
 def run_dir(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Path:
