@@ -44,11 +44,11 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 
 
 class BadGrace(ValueError):
-    """LAB_STOP_GRACE_S is not a positive number of seconds."""
+    """LAB_STOP_GRACE_S is not a number of seconds >= 0."""
 
 
 def grace_from_env() -> float:
-    """LAB_STOP_GRACE_S as seconds (default 120); BadGrace with one line if it is not one."""
+    """LAB_STOP_GRACE_S as seconds >= 0 (default 120); BadGrace with one line otherwise."""
     text = os.environ.get(GRACE_ENV, "").strip()
     if not text:
         return DEFAULT_GRACE_S
@@ -56,8 +56,8 @@ def grace_from_env() -> float:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not 0 < value < float("inf"):
-        raise BadGrace(f"{GRACE_ENV}={text!r}: expected a positive number of seconds")
+    if not 0 <= value < float("inf"):  # 0: any second signal forces the exit
+        raise BadGrace(f"{GRACE_ENV}={text!r}: expected a number of seconds >= 0")
     return value
 
 
