@@ -15,7 +15,8 @@ PACKAGE_FILES = [
     "__init__.py", "config.py", "runs.py", "data.py", "model.py", "train.py",
     "checkpoint.py", "tracking.py", "tuning.py", "analysis.py",
     "hardware.py", "gpucheck.py", "datasets.py", "imagefolder.py", "registry.py",
-    "stopping.py", "state.py", "claim.py", "plan.py", "jobs.py", "similarity.py",
+    "stopping.py", "state.py", "claim.py", "plan.py", "jobs.py", "similarity.py", "tasks.py",
+    "dataversion.py",
 ]
 BASE_FILES = [
     ".gitignore", ".pre-commit-config.yaml", "LICENSE", "README.md", "pyproject.toml",
@@ -26,7 +27,10 @@ BASE_FILES = [
     "tests/test_step.py", "tests/test_hardware.py", "tests/image_folders.py",
     "tests/test_image_folder.py", "tests/test_recipes.py", "tests/test_lifecycle.py",
     "tests/test_claim.py", "tests/test_compile.py", "tests/test_gpucheck.py",
-    "tests/test_jobs.py", "tests/test_analyze.py",
+    "tests/test_jobs.py", "tests/test_analyze.py", "tests/test_first_week.py",
+    "tests/test_folder_trust.py", "tests/test_tasks.py",
+    "tests/released_run/config.json", "tests/released_run/metrics.json",
+    "tests/released_run/history.csv", "tests/released_run/status",
 ]
 SLURM_FILES = ["scripts/slurm_task.sh", "tests/test_slurm.py"]
 GITHUB_ACTIONS_FILES = [".github/workflows/ci.yml", ".github/workflows/cruft-update.yml"]

@@ -6,6 +6,7 @@
     python plot.py --from-mlflow       # read the runs from the MLflow tracking server instead
     python plot.py --system RUN        # GPU/CPU utilisation over time of one run (from MLflow)
     python plot.py --formats pdf       # only PDFs (for LaTeX), faster
+    python plot.py --curve val_loss --metric test_loss   # other columns than the monitored one
     python plot.py --analysis          # analyze.py's results: a layer-by-layer CKA heat map each
 
 Figures are made and re-made dozens of times before publication, so their styling lives here, in
@@ -30,7 +31,7 @@ import math
 import re
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import matplotlib
@@ -50,6 +51,7 @@ from {{ cookiecutter.package_name }}.analysis import (  # noqa: E402
     Table,
     aggregate,
     curve,
+    final_metric,
     format_value,
     load_runs,
     load_runs_from_mlflow,
@@ -113,11 +115,20 @@ LABELS = {  # axis labels of metrics (anything missing falls back to the metric'
     "test_acc": "test accuracy",
     "test_loss": "test loss",
     "val_acc": "val. accuracy",  # short: it must fit beside a short panel
+    "val_loss": "val. loss",
+    "test_r2": "test R²",
+    "val_r2": "val. R²",
+    "test_map": "test mAP",
+    "val_map": "val. mAP",
     "samples_per_sec": "throughput (samples/s)",
     "wall_time_s": "wall time",
 }
 # Identifies the artists that stand for a configuration (its colour and marker); tests read it.
 GID = "config:"
+# Figures show at most this many configurations (the first, in the table's sorted order) and
+# say how many they leave out; aggregate.csv has every one. Beyond this, colours blur and a
+# legend or a row of labels no longer fits a page.
+MAX_SHOWN = 24
 
 
 def set_style() -> None:
@@ -194,12 +205,40 @@ def wrap(text: str, width: float, size: float) -> str:
     return "\n".join(lines)
 
 
+def shorten(text: str, width: float, size: float) -> str:
+    """`text`, cut with an ellipsis where it would be wider than `width` inches at `size` pt."""
+    if text_width(text, size) <= width:
+        return text
+    lo, hi = 0, len(text)  # the longest prefix that fits with its ellipsis: binary search
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if text_width(text[:mid] + "…", size) <= width else (lo, mid - 1)
+    return text[:lo].rstrip(", ") + "…"
+
+
+MAX_LEGEND_ROWS = 8  # more entries go into more (narrower) columns, their labels cut to fit
+
+
+def legend_fit(labels: Sequence[str], width: float, title: str | None) -> tuple[list, str | None]:
+    """Labels and title as a legend `width` inches wide shows them: each cut to the width of
+    its column, with enough columns (each >= 0.9 in) for at most MAX_LEGEND_ROWS rows."""
+    size = STYLE["legend.fontsize"]
+    em = size / 72
+    ncols = max(1, min(math.ceil(len(labels) / MAX_LEGEND_ROWS), int((width - 0.1) // 0.9)))
+    extra = STYLE["legend.handlelength"] + STYLE["legend.handletextpad"]
+    room = (width - 0.1) / ncols - (extra + STYLE["legend.columnspacing"] + 0.5) * em
+    title = shorten(title, width - 0.1, STYLE["legend.title_fontsize"]) if title else title
+    return [shorten(s, room, size) for s in labels], title
+
+
 def legend_layout(labels: Sequence[str], width: float, title: str | None) -> tuple[int, float]:
     """(ncols, height in inches) of a legend of `labels` spanning `width` inches below the axes.
 
     As many columns as fit, so that 20 configurations take a few rows rather than the
-    height of the panel; the column width is measured with the font's metrics.
+    height of the panel; the column width is measured with the font's metrics. Labels wider
+    than the page are cut (legend_fit), so the legend never runs off the page.
     """
+    labels, title = legend_fit(labels, width, title)
     size = STYLE["legend.fontsize"]
     em = size / 72
     handle = (STYLE["legend.handlelength"] + STYLE["legend.handletextpad"]) * em
@@ -207,6 +246,20 @@ def legend_layout(labels: Sequence[str], width: float, title: str | None) -> tup
     ncols = max(1, min(len(labels), int((width - 0.1) // col)))
     rows = math.ceil(len(labels) / ncols) + (1 if title else 0)
     return ncols, 0.15 + rows * STYLE["legend.labelspacing"] * em + rows * 1.2 * em
+
+
+def first_rows(table: Table) -> tuple[Table, str]:
+    """The table a figure draws (its first MAX_SHOWN configurations) and, if some are left out,
+    the note that says so (in the legend's title or the axis label)."""
+    if len(table.rows) <= MAX_SHOWN:
+        return table, ""
+    note = f"first {MAX_SHOWN} of {len(table.rows)}; all in aggregate.csv"
+    return replace(table, rows=table.rows[:MAX_SHOWN]), note
+
+
+def with_note(title: str | None, note: str) -> str | None:
+    """The note first, so that a title cut to the page width keeps it."""
+    return f"{note}: {title}" if title and note else (note or title)
 
 
 def config_legend(fig: Figure, table: Table, style: Style, labels: Sequence[str],
@@ -217,6 +270,7 @@ def config_legend(fig: Figure, table: Table, style: Style, labels: Sequence[str]
                gid=GID + row.label, **line)
         for row in table.rows
     ]  # fmt: skip
+    labels, title = legend_fit(labels, style.width, title)
     ncols, _ = legend_layout(labels, style.width, title)
     fig.legend(handles, labels, loc="outside lower center", ncols=ncols, title=title)
 
@@ -231,14 +285,17 @@ def legend_room(table: Table, style: Style, labels: Sequence[str], title: str | 
 # ----------------------------------------------------------------------------------------------
 
 
-def plot_learning_curves(table: Table, style: Style, column: str = "val_acc") -> Figure:
-    """Validation accuracy per epoch: mean over seeds, band = +-1 standard error.
+def plot_learning_curves(table: Table, style: Style, column: str | None = None) -> Figure:
+    """A history column per epoch (default: the monitored one, e.g. val_acc): mean over seeds,
+    band = +-1 standard error.
 
     Where some seeds have stopped (early stopping), the mean is over fewer seeds: that part of
     the curve is dashed and the legend says `n=3→1`. The y-axis spans what the curves reach after
-    the first quarter of the epochs (the region where configurations differ); the steep first
-    epochs may leave it at the bottom.
+    the first quarter of the epochs (the region where configurations differ); points of the steep
+    first epochs that fall outside it are named in a note on the axes ("epochs 1-2 below").
     """
+    table, note = first_rows(table)
+    column = column or table.monitor
     curves = {row.label: curve(row, column) for row in table.rows}
     labels = [legend_label(row, n_last=int(curves[row.label][3].min(initial=row.n)))
               for row in table.rows]  # fmt: skip
@@ -246,6 +303,7 @@ def plot_learning_curves(table: Table, style: Style, column: str = "val_acc") ->
     title = key_title(table)
     if title and any_dashed:
         title += " (dashed: fewer seeds)"
+    title = with_note(title, note)
     height = style.panel_height + legend_room(table, style, labels, title)
     fig = Figure(figsize=(style.width, height), layout="constrained")
     ax = fig.add_subplot()
@@ -273,6 +331,7 @@ def plot_learning_curves(table: Table, style: Style, column: str = "val_acc") ->
         lo, hi = values.min(), values.max()
         pad = 0.08 * (hi - lo) or 0.01
         ax.set_ylim(lo - pad, hi + pad)
+        _note_points_outside(ax, [curves[row.label][:2] for row in table.rows])
     ax.set_xlabel("epoch")
     ax.set_ylabel(LABELS.get(column, column))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -281,26 +340,53 @@ def plot_learning_curves(table: Table, style: Style, column: str = "val_acc") ->
     return fig
 
 
-def plot_final_vs_hparam(table: Table, style: Style, metric: str = "test_acc") -> Figure | None:
+def _note_points_outside(ax, lines: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+    """Name the epochs whose points lie outside the y-limits, in a note on the axes: a focused
+    y-range must not hide points without saying so."""
+    lo, hi = ax.get_ylim()
+    for side, outside in (("below", lambda y: y < lo), ("above", lambda y: y > hi)):
+        epochs = sorted({int(e) for x, y in lines for e, v in zip(x, y, strict=True)
+                         if np.isfinite(v) and outside(v)})  # fmt: skip
+        if not epochs:
+            continue
+        span = f"{epochs[0]}" if len(epochs) == 1 else f"{epochs[0]}-{epochs[-1]}"
+        if len(epochs) > 1 and epochs != list(range(epochs[0], epochs[-1] + 1)):
+            span = ", ".join(map(str, epochs))
+        word = "epoch" if len(epochs) == 1 else "epochs"
+        ax.text(0.98, 0.03 if side == "below" else 0.97, f"{word} {span} {side}",
+                transform=ax.transAxes, ha="right", va="bottom" if side == "below" else "top",
+                fontsize=STYLE["legend.fontsize"], color="0.35", gid=f"outside:{side}")  # fmt: skip
+
+
+def plot_final_vs_hparam(table: Table, style: Style, metric: str | None = None) -> Figure | None:
     """`metric` against each swept hyperparameter (one panel each), mean +- SE over seeds.
 
     A point is one configuration, in its colour and marker (legend below); points that share the
     other hyperparameters are joined by a grey line. None if nothing was swept.
     """
+    metric = metric or final_metric(table.monitor)
     if not table.keys or metric not in table.metrics:
         return None
+    table, note = first_rows(table)
     most = max(row.count[metric] for row in table.rows)
     labels = [legend_label(row, n=row.count[metric]) if row.count[metric] < most
               else legend_label(row) for row in table.rows]  # fmt: skip
-    title = key_title(table)
+    title = with_note(key_title(table), note)
     ncols = min(len(table.keys), max(1, int(style.width // 2.2)))  # panels at least ~2.2 in wide
-    nrows = math.ceil(len(table.keys) / ncols)
-    height = nrows * style.panel_height + legend_room(table, style, labels, title)
+    # Panels share a height of at most twice the page width (many swept keys: trial runs), each
+    # at least 1.3 in tall; keys beyond that many rows are left out, and the title says so.
+    max_rows = max(1, int(2 * style.width // 1.3))
+    keys = table.keys[: max_rows * ncols]
+    if len(keys) < len(table.keys):
+        title = with_note(title, f"first {len(keys)} of {len(table.keys)} hyperparameters")
+    nrows = math.ceil(len(keys) / ncols)
+    row_height = max(1.3, min(style.panel_height, 2 * style.width / nrows))
+    height = nrows * row_height + legend_room(table, style, labels, title)
     fig = Figure(figsize=(style.width, height), layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
-    for ax in axes[len(table.keys) :]:
+    for ax in axes[len(keys) :]:
         ax.set_visible(False)
-    for ax, key in zip(axes, table.keys, strict=False):
+    for ax, key in zip(axes, keys, strict=False):
         _final_vs_one(ax, table, style, key, metric)
         ax.set_ylabel(LABELS.get(metric, metric))  # every panel: each may be read alone
     config_legend(fig, table, style, labels, title, ls="none")
@@ -347,20 +433,16 @@ def _final_vs_one(ax, table: Table, style: Style, key: str, metric: str) -> None
 def plot_throughput(table: Table, style: Style) -> Figure:
     """Training throughput and wall time of every run, one row per configuration.
 
-    Each dot is one run and the bar | their median: the spread between the seeds of one
+    Each dot is one run and the vertical bar their median: the spread between the seeds of one
     configuration is the machine (other jobs sharing the GPU or CPU, data loading), not an effect
-    of the hyperparameters, and the caption says so; compare rows only where their dots separate.
-    Both axes start at 0, so a few percent of contention look like a few percent.
+    of the hyperparameters (say so in the paper's caption: the figure carries no caption text);
+    compare rows only where their dots separate. Both axes start at 0, so a few percent of
+    contention look like a few percent. At most MAX_SHOWN rows; the y-label says if more exist.
     """
+    table, note = first_rows(table)
     n = len(table.rows)
-    caption = wrap(
-        "One dot per run, | median. Spread within a row is machine load, not the hyperparameter.",
-        style.width - 0.1,
-        STYLE["legend.fontsize"],
-    )
-    lines = caption.count("\n") + 1
-    # Rows need ~0.17 in each to keep their 9 pt labels apart; plus the axis labels and caption.
-    height = max(style.panel_height, 0.6 + 0.17 * n) + lines * 0.2
+    # Rows need ~0.17 in each to keep their 9 pt labels apart; plus the axis labels.
+    height = max(style.panel_height, 0.6 + 0.17 * n)
     fig = Figure(figsize=(style.width, height), layout="constrained")
     fig.get_layout_engine().set(wspace=0.08)  # room between the panels' tick labels
     ax_speed, ax_time = fig.subplots(1, 2, sharey=True)
@@ -386,11 +468,13 @@ def plot_throughput(table: Table, style: Style) -> Figure:
     ax_speed.set_xlabel("samples/s")  # short: two labels share one width
     ax_time.set_xlabel(f"wall time ({unit})")
     ax_speed.xaxis.set_major_formatter(EngFormatter(sep=""))  # 30k, not 30000
-    ax_speed.set_yticks(range(n), [legend_label(row) for row in table.rows])
+    # Row labels take at most 30 % of the width (the panels keep the rest); longer ones are cut.
+    size, room = STYLE["ytick.labelsize"], 0.3 * style.width
+    ax_speed.set_yticks(range(n), [shorten(legend_label(row), room, size) for row in table.rows])
     ax_speed.set_ylim(n - 0.5, -0.5)  # first configuration on top, as in the table
-    ax_speed.set_ylabel(key_title(table) or "")
+    ylabel = with_note(key_title(table), note) or ""
+    ax_speed.set_ylabel(shorten(ylabel, height - 0.5, STYLE["axes.labelsize"]))
     ax_time.tick_params(axis="y", left=False)
-    fig.suptitle(caption, fontsize=STYLE["legend.fontsize"])
     return fig
 
 
@@ -629,7 +713,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--experiment",
         default=DEFAULT_EXPERIMENT,
-        help="MLflow experiment to read (with --from-mlflow)",
+        help="MLflow experiment to read (with --from-mlflow); trial runs are in "
+        f"{DEFAULT_EXPERIMENT}-trials",
     )
     p.add_argument(
         "--tracking-uri",
@@ -651,8 +736,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--metric",
-        default="test_acc",
-        help="final metric (a metrics.json name) plotted against each hyperparameter",
+        default=None,
+        help="final metric (a metrics.json name) plotted against each hyperparameter; "
+        "default: the test value of the monitored metric (test_acc for classification)",
+    )
+    p.add_argument(
+        "--curve",
+        default=None,
+        metavar="COLUMN",
+        help="history.csv column of the learning curves; default: the monitored one "
+        "(config.json `monitored`; val_acc for runs written before tasks)",
     )
     return p.parse_args(argv)
 
@@ -720,6 +813,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
     table = aggregate(runs)
+    args.metric = args.metric or final_metric(table.monitor)
+    args.curve = args.curve or table.monitor
+    columns = sorted({c for r in runs for c in r.history} - {"epoch", "step"})
+    if args.curve not in columns:
+        print(f"error: --curve: {args.curve} is not a history column of the runs: "
+              f"{', '.join(columns)}", file=sys.stderr)  # fmt: skip
+        return 2
     if args.metric not in table.metrics:
         print(f"error: --metric: {args.metric} is not among the runs' metrics: "
               f"{', '.join(table.metrics)}", file=sys.stderr)  # fmt: skip
@@ -738,7 +838,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     set_style()
     style = make_style(table, args.width)
     figures = {  # name -> Figure; add yours here
-        "learning_curves": plot_learning_curves(table, style),
+        "learning_curves": plot_learning_curves(table, style, column=args.curve),
         "final_vs_hparam": plot_final_vs_hparam(table, style, metric=args.metric),
         "throughput": plot_throughput(table, style),
     }

@@ -38,6 +38,11 @@ from {{ cookiecutter.package_name }}.jobs import (
 )
 from {{ cookiecutter.package_name }}.stopping import GracefulStop
 
+UNREADABLE_HINT = (
+    "it changed after its folder was checked (rewritten in place); re-run: the folder is "
+    "fingerprinted again (a new data version, a new run directory), the file skipped and listed"
+)
+
 
 def main(argv: list[str] | None = None) -> int:
     # The contract every job shares (jobs.py): --plan, --print-run-dir, skip when done, the
@@ -57,6 +62,7 @@ def train(args, parser, out, stop: GracefulStop, held) -> int:
     )
     from {{ cookiecutter.package_name }}.state import TrainingState
     from {{ cookiecutter.package_name }}.stopping import EarlyStopping, check_finite
+    from {{ cookiecutter.package_name }}.tasks import create_task
     from {{ cookiecutter.package_name }}.train import (
         build_trainer,
         evaluate,
@@ -68,14 +74,17 @@ def train(args, parser, out, stop: GracefulStop, held) -> int:
     config = resolved_config(args, parser)
     try:
         runs.check_ownership(out)  # a colleague's run directory, or files planted in ours
+        task = create_task(args.task, args, args.monitor)  # loss, metrics, the monitored one
+        config.update(monitored=task.monitor, metric_directions=task.directions)
         device = resolve_device(args.device)
         dtype, precision_why = choose_precision(device, args.amp)
         if args.profile:  # the CUDA memory snapshot then covers the whole run, model included
             from {{ cookiecutter.package_name }}.tuning import start_memory_history
 
             start_memory_history(device)
-        data = build_data(args, device)
-        config.update(data.info.as_config())  # num_classes, channels, image_size, class_names
+        data = build_data(args, device, task)
+        # num_classes, channels, image_size, class_names, split sizes, the arrays' content hash
+        config.update(data.info.as_config())
         seed_everything(args.seed)  # same seed => same init, split, order, augmentation
         model = make_model(args, data.info).to(device, memory_format=torch.channels_last)
     except (UsageError, ValueError, OSError) as exc:
@@ -94,10 +103,15 @@ def train(args, parser, out, stop: GracefulStop, held) -> int:
     runs.remove_stale_temps(out)
     log = runs.setup_logging(out, out.name)
     stop.log = log  # from here on, stop requests are in run.log too
+    for note in data.notes:  # e.g. skipped unreadable images: in run.log, not only on screen
+        log.warning("data: %s", note)
+    version = config["data_version"] or config.get("data_content")  # files | arrays
+    log.info("data: %s images (train/val/test) | %s", config["split_sizes"], version)
     steps = total_steps(args, data.steps_per_epoch)
     for what, why in (
         ("precision", precision_why),
         ("kernels", setup_backends(device, args.deterministic)),
+        ("augmentation", "off: per-pixel targets" if task.spatial_targets else "crop + flip"),
     ):
         log.info("%s: %s", what, why)
     trainer = build_trainer(
@@ -108,15 +122,23 @@ def train(args, parser, out, stop: GracefulStop, held) -> int:
         compile_mode=None,  # warm_up compiles where it pays, once it has timed a real batch
         total_steps=steps,
         log=log,
+        task=task,
     )
     # Patience counts only after the LR peak and --min-epochs: no stop during the warm-up.
     patience_from = max(args.min_epochs, peak_epoch(steps, data.steps_per_epoch))
-    stopper = EarlyStopping(args.patience, start_epoch=patience_from)
+    stopper = EarlyStopping(
+        args.patience, start_epoch=patience_from, mode=task.direction(task.monitor)
+    )
     state = TrainingState(trainer, stopper, device=device, config_hash=config["config_hash"])
     if is_tool(args):
         if args.profile:  # profile the step the run would take, compiled where it would be
             warm_up(state, data, args, log)
         return run_tools(args, trainer, data, device, dtype, out, log)
+    if changed := changed_data(out, config):  # arrays: a resume on other data is refused
+        log.error("cannot resume: %s", changed)
+        runs.try_write_status(out, "refused")
+        runs.close_logging(log)
+        return error(changed, EXIT_USAGE)
     try:
         if state.resume(out / runs.CHECKPOINT, out / runs.BEST_MODEL, log):  # (resume)
             log.info(
@@ -157,26 +179,24 @@ def train(args, parser, out, stop: GracefulStop, held) -> int:
             train_s = train_epoch(state, loaders["train"], steps_per_epoch, args, stop)
             if not epoch_complete(p, args, steps_per_epoch):
                 break  # stopped mid-epoch: the checkpoint below records where in the epoch
-            train_loss, train_acc, seen = trainer.take_sums()  # note: one sync per epoch
-            check_finite(train_loss, p.epoch + 1, first_step_of_epoch(p, args), p.step)
+            train, seen = trainer.take_sums()  # {loss, metric...}; note: one sync per epoch
+            check_finite(train["loss"], p.epoch + 1, first_step_of_epoch(p, args), p.step)
             trainer.reset_sums()
-            val_loss, val_acc = evaluate(eval_model, loaders["val"], device=device, dtype=dtype)
+            val = evaluate(eval_model, loaders["val"], device=device, dtype=dtype, task=task)
             p.epoch, p.batch, p.samples = p.epoch + 1, 0, p.samples + seen
-            if state.stopper.update(val_acc, p.epoch, eval_model):  # keep the best, never test
-                record.save_best(state)
             p.history.append(
                 {
                     "epoch": p.epoch,
                     "step": p.step,
                     "lr": trainer.scheduler.get_last_lr()[0],
-                    "train_loss": train_loss,
-                    "train_acc": train_acc,
-                    "val_loss": val_loss,
-                    "val_acc": val_acc,
+                    **{f"train_{name}": value for name, value in train.items()},
+                    **{f"val_{name}": value for name, value in val.items()},
                     "epoch_time_s": train_s,
                     "samples_per_sec": seen / max(train_s, 1e-9),
                 }
             )
+            if state.stopper.update(p.history[-1][task.monitor], p.epoch, eval_model):
+                record.save_best(state)  # keep the best, never test
             record.epoch_done(state, checkpoint_due=record.checkpoint_due(args))
             if stop.requested:
                 break
@@ -187,9 +207,9 @@ def train(args, parser, out, stop: GracefulStop, held) -> int:
 
         # ---- test once, with the best weights; save ---------------------------------------------
         state.stopper.restore(eval_model)
-        test_loss, test_acc = evaluate(eval_model, loaders["test"], device=device, dtype=dtype)
+        test = evaluate(eval_model, loaders["test"], device=device, dtype=dtype, task=task)
         record.checkpoint(state)
-        record.finished(state, test_loss, test_acc, stop_reason(p, args, state.stopper))
+        record.finished(state, task, test, stop_reason(p, args, state.stopper))
         return EXIT_OK
     except Exception as exc:  # failed: one line here, the traceback in run.log and MLflow
         return record.failed(state, exc, args)
@@ -206,12 +226,13 @@ class Data(NamedTuple):
     splits: dict
     loaders: dict
     steps_per_epoch: int
-    info: object  # datasets.DatasetInfo: classes, channels, image size, class names
+    info: object  # data.DatasetInfo: classes, channels, image size, class names, split sizes
+    notes: list  # what the dataset has to say (skipped files): logged into run.log
 
 
-def build_data(args, device) -> Data:
+def build_data(args, device, task) -> Data:
     """Splits, loaders, optimizer steps per epoch; UsageError for sizes that cannot work."""
-    from {{ cookiecutter.package_name }}.data import build_loader, load_dataset
+    from {{ cookiecutter.package_name }}.data import build_loader, check_batch_size, load_dataset
     from {{ cookiecutter.package_name }}.hardware import choose_gpu_resident
 
     loaded = load_dataset(
@@ -224,10 +245,10 @@ def build_data(args, device) -> Data:
         synthetic_size=args.synthetic_size,
         mode=args.data_mode,
         workers=args.workers,
+        data_version=args.data_version,  # the version in the run's identity (dataversion.py)
+        task=args.task,  # datasets that offer several kinds of targets (synthetic) pick by it
     )
     splits = loaded.splits
-    for note in loaded.notes:
-        print(note)
     # Only decoded in-memory data can live on the GPU; streamed files come through workers.
     resident = loaded.mode == "memory" and choose_gpu_resident(args.gpu_resident, device, splits)
     loaders = {
@@ -239,20 +260,30 @@ def build_data(args, device) -> Data:
             workers=args.workers,
             gpu_resident=resident,
             seed=args.seed,
+            augment=not task.spatial_targets,  # crop/flip would not move per-pixel targets
         )
         for name, split in splits.items()
     }
     # Optimizer steps per epoch; a trailing remainder of < grad_accum micro-batches is skipped.
     steps_per_epoch = len(loaders["train"]) // args.grad_accum
-    if steps_per_epoch == 0:
-        raise UsageError(
-            f"--batch-size: {args.batch_size} x --grad-accum {args.grad_accum} is "
-            f"larger than the training set ({len(splits['train'])} images): not one "
-            "full optimizer step per epoch"
-        )
+    check_batch_size(len(splits["train"]), args.batch_size, args.grad_accum)  # small data
     if len(splits["val"]) == 0:
         raise UsageError("--val-fraction: the validation split is empty; raise it")
-    return Data(splits, loaders, steps_per_epoch, loaded.info)
+    return Data(splits, loaders, steps_per_epoch, loaded.info, loaded.notes)
+
+
+def changed_data(out, config: dict) -> str | None:
+    """Why this run directory must not resume: it began on other data (arrays keep their run
+    name across data versions; their content hash is compared here)."""
+    from {{ cookiecutter.package_name }}.dataversion import changed_since
+
+    if not (out / runs.CHECKPOINT).is_file():  # nothing to resume: it starts on today's data
+        return None
+    try:
+        before = runs.read_json(out / runs.CONFIG)
+    except (OSError, ValueError):
+        return None
+    return changed_since(before, config, out)
 
 
 def make_model(args, info):
@@ -390,8 +421,6 @@ def progress_bar(args, steps_per_epoch: int, p):
 
 def run_tools(args, trainer, data: Data, device, dtype, out, log) -> int:
     """--find-lr, --find-batch-size, --profile: measure, report, exit without training."""
-    from torch import nn
-
     from {{ cookiecutter.package_name }}.train import build_optimizer
     from {{ cookiecutter.package_name }}.tuning import (
         find_batch_size,
@@ -402,11 +431,10 @@ def run_tools(args, trainer, data: Data, device, dtype, out, log) -> int:
 
     try:
         if args.find_lr:
-            loss_fn = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
             lr = find_lr(
                 trainer.model,
                 data.loaders["train"],
-                loss_fn,
+                trainer.task.loss,
                 lambda m: build_optimizer(m, args.lr, args.weight_decay, device),
                 device=device,
                 amp_dtype=dtype,
@@ -422,7 +450,8 @@ def run_tools(args, trainer, data: Data, device, dtype, out, log) -> int:
                 start=args.batch_size,
                 max_batch=len(data.splits["train"]),
                 input_shape=(info.channels, *info.image_size),
-                num_classes=info.num_classes,
+                loss_fn=trainer.task.loss,
+                targets=data.splits["train"].labels,
             )
             batch, lr = recommend_batch_size(size, device)
             print(
@@ -436,6 +465,12 @@ def run_tools(args, trainer, data: Data, device, dtype, out, log) -> int:
     return EXIT_OK
 
 
+def metrics_line(row: dict, prefix: str) -> str:
+    """`loss 0.3124 acc 0.9012`: a row's numbers of one split, for run.log."""
+    names = [k for k in row if k.startswith(prefix) and not isinstance(row[k], str)]
+    return " ".join(f"{k.removeprefix(prefix)} {row[k]:.4g}" for k in names)
+
+
 class RunRecord:
     """What the run leaves behind: its files (config, status, history, checkpoint, metrics) and
     its MLflow run. Every fault path here is best-effort: a full disk or a dead tracker never
@@ -446,8 +481,7 @@ class RunRecord:
     def __init__(self, out, config: dict, args, device, dtype, log, claim) -> None:
         import time
 
-        from {{ cookiecutter.package_name }}.config import experiment_args
-        from {{ cookiecutter.package_name }}.tracking import Tracker, provenance
+        from {{ cookiecutter.package_name }}.tracking import Tracker, provenance, run_params
 
         self.out, self.log, self.device, self._time = out, log, device, time
         self.claim = claim
@@ -462,9 +496,9 @@ class RunRecord:
             experiment=args.experiment,
             run_name=out.name,
             log=log,
-            params=experiment_args(args),
+            params=run_params(config),  # with `experiment_keys`: what plot.py --from-mlflow reads
             tags={
-                **provenance(),
+                **provenance(log),
                 "run_dir": str(out),
                 "device": str(device),
                 "amp_dtype": str(dtype),
@@ -498,16 +532,13 @@ class RunRecord:
         runs.write_history(self.out, p.history)
         self.tracker.log_history(p.history)
         self.log.info(
-            "epoch %d/%d step %d | lr %.2e | train %.4f %.2f%% | val %.4f %.2f%%%s | "
-            "%.1fs %.0f img/s",
+            "epoch %d/%d step %d | lr %.2e | train %s | val %s%s | %.1fs %.0f img/s",
             p.epoch,
             self.epochs,
             p.step,
             row["lr"],
-            row["train_loss"],
-            100 * row["train_acc"],
-            row["val_loss"],
-            100 * row["val_acc"],
+            metrics_line(row, "train_"),
+            metrics_line(row, "val_"),
             " *" if state.stopper.best_epoch == p.epoch else "",
             row["epoch_time_s"],
             row["samples_per_sec"],
@@ -528,14 +559,15 @@ class RunRecord:
         if self.claim.still_ours() and not runs.is_done(self.out):
             runs.try_write_status(self.out, "interrupted")
 
-    def finished(self, state, test_loss: float, test_acc: float, reason: str) -> None:
+    def finished(self, state, task, test: dict[str, float], reason: str) -> None:
         from {{ cookiecutter.package_name }}.hardware import peak_memory_bytes
 
         p, stopper = state.progress, state.stopper
         metrics = {
-            "best_val_acc": stopper.best_score,
-            "test_acc": test_acc,
-            "test_loss": test_loss,
+            f"best_{task.monitor}": stopper.best_score,
+            **{f"test_{name}": test[name] for name in (*task.metrics, "loss")},
+            "task": task.name,
+            "monitor": task.monitor,
             "best_epoch": stopper.best_epoch,
             "epochs_run": p.epoch,
             "steps": p.step,
@@ -561,11 +593,12 @@ class RunRecord:
         runs.write_status(self.out, "finished")
         runs.write_json(self.out / runs.METRICS, metrics)  # last: its existence means "done"
         self.log.info(
-            "finished (%s): best val %.2f%% at epoch %d, test %.2f%% | %s",
+            "finished (%s): best %s %.4g at epoch %d | test %s | %s",
             reason,
-            100 * stopper.best_score,
+            task.monitor,
+            stopper.best_score,
             stopper.best_epoch,
-            100 * test_acc,
+            metrics_line(metrics, "test_"),
             self.out,
         )
 
@@ -583,7 +616,14 @@ class RunRecord:
         self.log.error("run failed:\n%s", text)
         runs.try_write_status(self.out, "failed")
         self.tracker.end("FAILED", state.progress.history, error=text)
+        from {{ cookiecutter.package_name }}.imagefolder import UnreadableImage
+
         message = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        if isinstance(exc, UnreadableImage):  # changed since the scan: bad input, not a retry
+            from {{ cookiecutter.package_name }}.dataversion import forget
+
+            forget(args.data_path, args.data_dir)  # the next start fingerprints every file
+            return error(f"{exc}; {UNREADABLE_HINT}", EXIT_USAGE)
         if isinstance(exc, torch.OutOfMemoryError):
             message = (
                 f"out of memory at --batch-size {args.batch_size}; try --find-batch-size, "

@@ -539,6 +539,8 @@ run_queue() {
     esac
   done
   for s in "${!SLOTS[@]}"; do SLOT_BUSY[s]=0; done
+  # The jobs that share this node's memory: run.py's --data-mode auto divides its budget by it.
+  export LAB_JOBS_PER_NODE="${LAB_JOBS_PER_NODE:-${#SLOTS[@]}}"
   mkdir -p "${LOG_DIR}"
   # Installed for the rest of run.sh: however many signals come, the summary is printed.
   trap 'on_signal INT || true' INT

@@ -37,11 +37,15 @@ def check_splits(splits, sizes):
 def test_digits_loads_offline_with_fixed_splits(tmp_path):
     loaded = load_dataset("digits", tmp_path)
     splits = loaded.splits
-    assert loaded.info.as_config() == {
+    described = loaded.info.as_config()
+    # The arrays' content hash: config.json records it, a resume on other data is refused.
+    assert described.pop("data_content") == load_dataset("digits", tmp_path).info.content
+    assert described == {
         "num_classes": 10,
         "channels": 3,
         "image_size": [32, 32],
         "class_names": [str(d) for d in range(10)],
+        "split_sizes": {"train": 1293, "val": 144, "test": 360},
     }
     # 1797 images: stratified 80/20 -> 1437 train pool / 360 test; 10 % of the pool is val.
     check_splits(splits, {"train": 1293, "val": 144, "test": 360})

@@ -45,6 +45,7 @@ def test_mixed_folder_loads_in_memory_resized_and_converted(mixed_folder, tmp_pa
         "channels": 3,
         "image_size": [12, 12],
         "class_names": list(CLASSES),
+        "split_sizes": {"train": 22, "val": 2, "test": 6},  # recorded in config.json
     }
     splits = loaded.splits
     assert {k: len(v) for k, v in splits.items()} == {"train": 22, "val": 2, "test": 6}
@@ -248,7 +249,7 @@ def test_run_trains_on_a_folder_the_same_on_both_paths(
         "--epochs",
         "2",
         "--batch-size",
-        "8",
+        "4",  # 22 training images: at least 4 steps per epoch (data.check_batch_size)
         "--workers",
         "0",
     ]
@@ -325,6 +326,7 @@ def test_data_path_is_part_of_the_run_identity(tmp_path):
     """Two folders never share a run directory; one folder named two ways is one run."""
     first, second = tmp_path / "a" / "imgs", tmp_path / "b" / "imgs"
     first.mkdir(parents=True)
+    second.mkdir(parents=True)
 
     def run_dir(data_path, cwd=ROOT):
         done = subprocess.run(
@@ -335,6 +337,8 @@ def test_data_path_is_part_of_the_run_identity(tmp_path):
                 "folder",
                 "--data-path",
                 str(data_path),
+                "--data-dir",
+                str(tmp_path / "cache"),
                 "--print-run-dir",
             ],
             cwd=cwd,

@@ -21,15 +21,21 @@ import os
 import re
 from pathlib import Path
 
-from .datasets import DATASETS
-from .registry import decorated_names
+from .dataversion import data_version
+from .registry import declarations, decorated_names
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_EXPERIMENT = {{ cookiecutter.project_slug | py_string }}
-# Both registries are read without torch: datasets.py imports nothing heavy, and model.py's
-# `@register_model` lines are read from its source.
-DATASET_CHOICES = tuple(DATASETS)
-MODEL_CHOICES = decorated_names(Path(__file__).with_name("model.py"), "register_model")
+DEFAULT_EXPERIMENT = {{ cookiecutter.project_slug | py_string }}  # noqa: E501 (a long slug)  # fmt: skip
+# Trial runs (results/trials, the default --results-dir) go to their own MLflow experiment, as
+# plot.py keeps them out of the sweep's figures.
+TRIALS_DIR = PROJECT_ROOT / "results" / "trials"
+TRIALS_EXPERIMENT = f"{DEFAULT_EXPERIMENT}-trials"
+# Both registries are read without importing a module (no torch): the `@register_dataset` and
+# `@register_model` lines of every module of the package, from their source (registry.py).
+DATASET_DECLARED = declarations("register_dataset")  # from any module of the package
+DATASET_CHOICES = tuple(DATASET_DECLARED)
+MODEL_CHOICES = {name: d.help for name, d in declarations("register_model").items()}
+TASK_CHOICES = decorated_names(Path(__file__).with_name("tasks.py"), "register_task")
 
 # How a run is executed, not what it computes: left out of the hash, so the same experiment run on
 # another GPU, with more workers or after a Ctrl-C lands in the same directory.
@@ -58,7 +64,15 @@ EXECUTION_KEYS = frozenset(
 )
 # Experiment-defining flags added after the first release, with their defaults: left out of the
 # hash while at that default, so an update does not move every finished run to a new directory.
-ADDED_DEFAULTS: dict[str, object] = {"min_epochs": 0}
+ADDED_DEFAULTS: dict[str, object] = {
+    "min_epochs": 0,
+    "task": "classification",
+    "monitor": None,
+    # The version of --data-path's files (dataversion.py), set by parse_args, not a flag: runs
+    # on two versions of a folder never share a directory. None for the built-in array datasets,
+    # whose released run names must not move (their content hash goes to config.json instead).
+    "data_version": None,
+}
 MAX_READABLE = 80
 MAX_SEED = 2**32 - 1  # numpy's seed range; torch takes 64 bits, but one seed feeds both
 MAX_EXPERIMENT_NAME = 500  # MLflow's limit (mlflow.utils.validation.MAX_EXPERIMENT_NAME_LENGTH)
@@ -188,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dataset",
         choices=DATASET_CHOICES,
         default="digits",
-        help=_choices_help({k: v.help for k, v in DATASETS.items()}),
+        help=_choices_help({k: v.help for k, v in DATASET_DECLARED.items()}),
     )
     e.add_argument(
         "--data-path",
@@ -205,6 +219,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument(
         "--model", choices=tuple(MODEL_CHOICES), default="cnn", help=_choices_help(MODEL_CHOICES)
+    )
+    e.add_argument(
+        "--task",
+        choices=tuple(TASK_CHOICES),
+        default="classification",
+        help=_choices_help(TASK_CHOICES),
+    )
+    e.add_argument(
+        "--monitor",
+        default=None,
+        metavar="METRIC",
+        help="the validation metric early stopping and best_model.pt follow, e.g. val_loss, "
+        "val_r2 (lower or higher is better as the task says); default: the task's own "
+        "(classification: val_acc, regression: val_mse, multilabel: val_map)",
     )
     e.add_argument(
         "--synthetic-size",
@@ -246,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--patience",
         type=_non_negative_int,
         default=5,
-        help="early stopping: epochs without a better val accuracy (0 = off); counted "
+        help="early stopping: epochs without a better --monitor value (0 = off); counted "
         "only after the LR peak and after --min-epochs",
     )
     e.add_argument(
@@ -283,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--label-smoothing",
         type=_fraction,
         default=0.0,
-        help="label smoothing of the cross-entropy loss",
+        help="label smoothing of the cross-entropy loss (--task classification)",
     )
 
     x = p.add_argument_group("execution (not part of the hash)")
@@ -338,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument(
         "--results-dir",
         type=_directory,
-        default=PROJECT_ROOT / "results" / "trials",
+        default=TRIALS_DIR,
         help="parent of the run directories (run.sh uses results/<sweep name>)",
     )
     x.add_argument(
@@ -348,7 +376,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="where datasets are downloaded / cached",
     )
     x.add_argument(
-        "--experiment", type=_experiment, default=DEFAULT_EXPERIMENT, help="MLflow experiment name"
+        "--experiment",
+        type=_experiment,
+        default=None,
+        help=f"MLflow experiment name (default: {DEFAULT_EXPERIMENT!r}; "
+        f"{TRIALS_EXPERIMENT!r} for runs into results/trials)",
     )
     x.add_argument(
         "--tracking",
@@ -405,10 +437,18 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     args = parser.parse_args(argv)
     if args.tracking not in ("on", "off"):  # argparse checks `choices` on the command line only
         parser.error(f"{TRACKING_ENV}={os.environ.get(TRACKING_ENV)!r}: expected on or off")
-    if DATASETS[args.dataset].needs_data_path and args.data_path is None:
+    if DATASET_DECLARED[args.dataset].keywords.get("needs_data_path") and args.data_path is None:
         parser.error(f"--data-path: dataset {args.dataset!r} reads your files: give --data-path")
+    args.data_version = None
     if args.data_path is not None:  # absolute: the same data named two ways is one experiment
         args.data_path = args.data_path.expanduser().resolve()
+        try:  # cheap: a stat per directory while none changed (dataversion.py)
+            args.data_version = data_version(args.data_path, args.data_dir)
+        except ValueError as exc:
+            parser.error(str(exc))
+    if args.experiment is None:
+        trial = args.results_dir.resolve() == TRIALS_DIR.resolve()
+        args.experiment = TRIALS_EXPERIMENT if trial else DEFAULT_EXPERIMENT
     out = run_dir(args, parser)
     for path, flag in ((args.results_dir, "--results-dir"), (out, "--results-dir")):
         if path.exists() and not path.is_dir():

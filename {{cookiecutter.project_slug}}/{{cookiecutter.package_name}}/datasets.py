@@ -1,8 +1,9 @@
 """The dataset registry: one decorated function per dataset. Imports neither torch nor numpy.
 
-`run.py --dataset NAME` calls the function registered as NAME; the command line's choices and
-`--help` come from this registry (config.py imports it, so it must stay cheap to import: heavy
-imports go inside the functions). Add a dataset ("Use your own data" in README.md):
+`run.py --dataset NAME` calls the function registered as NAME, here or in any other module of
+the package (registry.py: the command line's choices and `--help` are read from the
+`@register_dataset` lines of every module, without importing them). Add a dataset ("Use your own
+data" in README.md); keep heavy imports inside the function:
 
     @register_dataset("mydata", help="my lab's images as arrays")
     def mydata(options: DataOptions) -> DatasetSplits:
@@ -11,10 +12,15 @@ imports go inside the functions). Add a dataset ("Use your own data" in README.m
         return DatasetSplits(train=(arrays["x_train"], arrays["y_train"]),
                              test=(arrays["x_test"], arrays["y_test"]))
 
-A split is `(images, labels)`: uint8 images (N, channels, height, width) and integer labels in
-0..num_classes-1, or `ImageFiles` (paths + labels) that are decoded from disk. A missing test split
-is carved out of train with a fixed seed (it never changes with --seed); a missing val split is
-carved out of train with --seed and --val-fraction (data.load_dataset does both).
+A split is `(images, labels)`: uint8 images (N, channels, height, width) and targets, or
+`ImageFiles` (paths + integer labels) that are decoded from disk. Targets pass through the loaders
+as they are (README, "Your own task"): integer class ids (N,) in 0..num_classes-1 for
+classification, float (N, k) for regression, float multi-hot (N, L) for multilabel, integer masks
+(N, H, W) for segmentation. The model's output width (DatasetInfo.num_classes) is the number of
+classes for integer targets (len(class_names), else the largest id + 1), else k or L.
+A missing test split is carved out of train with a fixed seed (it never changes with --seed);
+a missing val split is carved out of train with --seed and --val-fraction (data.load_dataset
+does both).
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .registry import Registry
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,8 @@ class DataOptions:
     data_path: Path | None = None  # --data-path: the user's own data
     image_size: tuple[int, int] | None = None  # --image-size as (height, width); None = native
     synthetic_size: int = 10_000  # --synthetic-size
+    data_version: str | None = None  # dataversion.data_version(data_path): keys the scan's cache
+    task: str = "classification"  # --task: the kind of targets a dataset may offer
 
 
 @dataclass
@@ -57,7 +67,10 @@ class DatasetSplits:
     class_names: Sequence[str] | None = None
     channels: int | None = None
     image_size: tuple[int, int] | None = None
-    notes: list[str] = field(default_factory=list)  # printed once by run.py (e.g. skipped files)
+    notes: list[str] = field(default_factory=list)  # logged once by run.py (e.g. skipped files)
+    # ImageFiles of more than 8 bits: {"int": (low, high), "float": (low, high)} mapped onto
+    # 0..255 (imagefolder.decode_image); None: each mode's own range.
+    value_ranges: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -68,16 +81,14 @@ class DatasetEntry:
     needs_data_path: bool
 
 
-DATASETS: dict[str, DatasetEntry] = {}
+DATASETS: dict[str, DatasetEntry] = Registry("register_dataset")  # any module (registry.py)
 
 
 def register_dataset(name: str, *, help: str = "", needs_data_path: bool = False):
     """Decorator: register `fn(options: DataOptions) -> DatasetSplits` as dataset `name`."""
 
     def add(fn: Callable[[DataOptions], DatasetSplits]):
-        if name in DATASETS:
-            raise ValueError(f"dataset {name!r} is registered twice")
-        DATASETS[name] = DatasetEntry(name, fn, help, needs_data_path)
+        DATASETS.add(name, DatasetEntry(name, fn, help, needs_data_path))
         return fn
 
     return add
@@ -102,19 +113,24 @@ def cifar10(options: DataOptions) -> DatasetSplits:
     return load_cifar10_arrays(options.data_dir)
 
 
-@register_dataset("synthetic", help="learnable 32x32 patterns, --synthetic-size images")
+@register_dataset(
+    "synthetic",
+    help="learnable 32x32 patterns, --synthetic-size images; targets for every built-in --task",
+)
 def synthetic(options: DataOptions) -> DatasetSplits:
     from .data import load_synthetic_arrays
 
-    return load_synthetic_arrays(options.data_dir, options.synthetic_size)
+    return load_synthetic_arrays(options.data_dir, options.synthetic_size, options.task)
 
 
 @register_dataset(
     "folder",
     needs_data_path=True,
-    help="--data-path DIR: DIR/train/<class>/*.png|jpg, optional val/, test/",
+    help="--data-path DIR: DIR/train/<class>/*.png|jpg|tif|webp|..., optional val/, test/",
 )
 def folder(options: DataOptions) -> DatasetSplits:
     from .imagefolder import scan_image_folder
 
-    return scan_image_folder(options.data_path, options.image_size, options.data_dir)
+    return scan_image_folder(
+        options.data_path, options.image_size, options.data_dir, options.data_version
+    )

@@ -60,7 +60,7 @@ PASS, FAIL, NOT_CHECKED, INFO = "PASS", "FAIL", "not checked", "info"
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m {{ cookiecutter.package_name }}.gpucheck", description=__doc__.splitlines()[0]
+        prog=f"python -m {__package__}.gpucheck", description=__doc__.splitlines()[0]
     )
     p.add_argument(
         "--device",

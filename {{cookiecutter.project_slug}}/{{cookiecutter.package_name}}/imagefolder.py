@@ -1,32 +1,67 @@
-"""The `folder` dataset: DIR/train/<class>/*.{png,jpg,jpeg}, optional DIR/val/..., DIR/test/...
+"""The `folder` dataset: DIR/train/<class>/<images>, optional DIR/val/..., DIR/test/...
 
-Scanning reads only each file's header (size and mode), so it is cheap next to decoding; images
-are decoded later, by data.py, either once into RAM or batch by batch in DataLoader workers.
+The scan lists the images, refuses layouts that would train wrong (a class folder that is a link
+to another class, one image under two labels or in two splits), and decodes every image once to
+check it: a file that fails only when fully decoded (a truncated JPEG whose header reads) is
+skipped and listed here, not found later inside a DataLoader worker. The result is cached in
+--data-dir per version of the folder (dataversion.py), so a later start only lists the folders.
+Images are decoded later, by data.py, either once into a cache or batch by batch in workers.
 Torch-free: Pillow and numpy only.
+
+How an image becomes pixels (README, "Use your own data"): EXIF orientation applied; 16-bit and
+32-bit integer images scaled by the bit depth of the dataset (the smallest of 8, 10, 12, 14, 16,
+24, 32 bits that holds its largest value: a 12-bit ramp stored in 16 bits spans 0..255), float
+images by their range (0..1, or wider when the data is); alpha composited on white; palette,
+CMYK and the rest converted by Pillow; the short side resized to the target and the long side
+center-cropped (the aspect ratio is kept).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
+import os
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps
 
 from .datasets import DatasetSplits, ImageFiles
+from .dataversion import file_lock, is_hidden
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".webp", ".gif", ".bmp")
 SPLIT_DIRS = ("train", "val", "test")
 # Unreadable files are skipped (and listed) up to this fraction of the images; above it the
 # folder is more likely wrong than a few files damaged, and the run refuses to start.
 MAX_UNREADABLE_FRACTION = 0.01
-GREY_MODES = frozenset({"1", "L", "LA", "I", "I;16", "F"})
+GREY_MODES = frozenset({"1", "L", "LA", "La", "I", "I;16", "I;16B", "I;16L", "I;16N", "F"})
+INT_MODES = frozenset({"I", "I;16", "I;16B", "I;16L", "I;16N"})  # more than 8 bits
+BIT_DEPTHS = (8, 10, 12, 14, 16, 24, 32)
+BACKGROUND = (255, 255, 255)  # what a transparent pixel shows: white, as image viewers do
+EXIF_ORIENTATION = 0x0112
+TRANSPOSED = frozenset({5, 6, 7, 8})  # orientations that swap width and height
+
+
+class UnreadableImage(ValueError):
+    """An image that cannot be decoded: names the file (run.py: one `error:` line, exit 2)."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"cannot decode {path}: {reason}")
+        self.path, self.reason = path, reason
 
 
 def scan_image_folder(
-    root: Path | None, image_size: tuple[int, int] | None, report_dir: Path | None = None
+    root: Path | None,
+    image_size: tuple[int, int] | None,
+    report_dir: Path | None = None,
+    version: str | None = None,
 ) -> DatasetSplits:
-    """Find the images of `root`, check them, and describe the dataset (one-line errors)."""
+    """Find the images of `root`, check them, and describe the dataset (one-line errors).
+
+    `version` (dataversion.data_version) keys the cached result of the checks in `report_dir`.
+    """
     if root is None:
         raise ValueError(
             "--data-path: the folder dataset needs --data-path DIR (DIR/train/<class>/*.png)"
@@ -37,52 +72,43 @@ def scan_image_folder(
             f"--data-path: {root / 'train'} is not a folder; expected "
             "DIR/train/<class>/*.png|jpg (and optionally DIR/val, DIR/test)"
         )
-    class_names = sorted(p.name for p in (root / "train").iterdir() if p.is_dir())
+    class_names = sorted(
+        p.name for p in (root / "train").iterdir() if p.is_dir() and not is_hidden(p.name)
+    )
     if not class_names:
         raise ValueError(
             f"--data-path: {root / 'train'} has no class folders (expected train/<class>/*.png)"
         )
-    files: dict[str, list[tuple[Path, int]]] = {}
-    for split in SPLIT_DIRS:
-        split_dir = root / split
-        if not split_dir.is_dir():
-            continue
-        found = []
-        for class_dir in sorted(p for p in split_dir.iterdir() if p.is_dir()):
-            if class_dir.name not in class_names:
-                raise ValueError(
-                    f"--data-path: class {class_dir.name!r} is in {split}/ but not "
-                    f"in train/ (train has: {', '.join(class_names)})"
-                )
-            images = sorted(
-                p
-                for p in class_dir.iterdir()
-                if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()
-            )
-            if not images and split == "train":
-                raise ValueError(
-                    f"--data-path: class folder {class_dir} has no images "
-                    f"({', '.join(IMAGE_EXTENSIONS)})"
-                )
-            found += [(p, class_names.index(class_dir.name)) for p in images]
-        files[split] = found
+    files, others = _list_images(root, class_names)
     total = sum(map(len, files.values()))
     if total == 0:
         raise ValueError(f"--data-path: no images ({', '.join(IMAGE_EXTENSIONS)}) under {root}")
 
+    checked = _check_images(root, files, report_dir, version)
     sizes, modes, unreadable, readable = set(), set(), [], {}
+    int_max, float_range = 0, (0.0, 1.0)
     for split, found in files.items():
         readable[split] = []
         for path, label in found:
-            try:
-                with Image.open(path) as image:  # reads the header only
-                    sizes.add(image.size)
-                    modes.add(image.mode)
-            except (OSError, ValueError, Image.DecompressionBombError) as e:
-                unreadable.append(f"{path}\t{type(e).__name__}: {e}")
+            result = checked[os.path.relpath(path, root)]
+            if isinstance(result, str):
+                unreadable.append(f"{path}\t{result}")
                 continue
+            width, height, mode, low, high = result
+            sizes.add((width, height))
+            modes.add(mode)
+            if mode in INT_MODES:
+                int_max = max(int_max, high)
+            elif mode == "F":
+                float_range = (min(float_range[0], low), max(float_range[1], high))
             readable[split].append((path, label))
     notes = []
+    if others:
+        counts = ", ".join(f"{ext or 'no extension'}: {n}" for ext, n in others.most_common())
+        notes.append(
+            f"ignored {sum(others.values())} file(s) that are not images ({counts}); "
+            f"read are {', '.join(IMAGE_EXTENSIONS)}"
+        )
     if unreadable:
         listing = _write_unreadable_list(root, unreadable, report_dir)
         if len(unreadable) > MAX_UNREADABLE_FRACTION * total:
@@ -103,6 +129,7 @@ def scan_image_folder(
         ((width, height),) = sizes
         image_size = (height, width)
     channels = 1 if modes <= GREY_MODES else 3  # RGBA, palette, CMYK... become RGB
+    bits = next((b for b in BIT_DEPTHS if int_max < 2**b), BIT_DEPTHS[-1])
 
     def split_files(split: str) -> ImageFiles | None:
         if split not in readable or not readable[split]:
@@ -117,29 +144,192 @@ def scan_image_folder(
         channels=channels,
         image_size=image_size,
         notes=notes,
+        value_ranges={"int": (0.0, float(2**bits - 1)), "float": float_range},
     )
 
 
+def _list_images(root: Path, class_names: list[str]):
+    """{split: [(path, label)]} of every image, and a Counter of other files by extension.
+
+    Refuses (ValueError) class folders that are one folder under two names, and one image
+    under two labels or in two splits (symlinks): the model would learn or test it twice.
+    """
+    files: dict[str, list[tuple[str, int]]] = {}
+    others: Counter = Counter()
+    owner: dict[str, str] = {}  # resolved image -> "split/class" that has it
+    for split in SPLIT_DIRS:
+        split_dir = root / split
+        if not split_dir.is_dir():
+            continue
+        found: list[tuple[str, int]] = []
+        real_dirs: dict[str, str] = {}
+        for class_dir in sorted(
+            p for p in split_dir.iterdir() if p.is_dir() and not is_hidden(p.name)
+        ):
+            if class_dir.name not in class_names:
+                raise ValueError(
+                    f"--data-path: class {class_dir.name!r} is in {split}/ but not "
+                    f"in train/ (train has: {', '.join(class_names)})"
+                )
+            real = os.path.realpath(class_dir)
+            if real in real_dirs:
+                raise ValueError(
+                    f"--data-path: class folders {split}/{real_dirs[real]} and "
+                    f"{split}/{class_dir.name} are the same folder ({real}): one class "
+                    "under two labels; remove the link"
+                )
+            real_dirs[real] = class_dir.name
+            images = []
+            with os.scandir(class_dir) as entries:
+                for entry in entries:
+                    if is_hidden(entry.name) or not entry.is_file():
+                        continue
+                    ext = os.path.splitext(entry.name)[1].lower()
+                    if ext not in IMAGE_EXTENSIONS:
+                        others[ext] += 1
+                        continue
+                    images.append(entry)
+            if not images and split == "train":
+                raise ValueError(
+                    f"--data-path: class folder {class_dir} has no images "
+                    f"({', '.join(IMAGE_EXTENSIONS)})"
+                )
+            where = f"{split}/{class_dir.name}"
+            label = class_names.index(class_dir.name)
+            for entry in sorted(images, key=lambda e: e.name):
+                resolved = (
+                    os.path.realpath(entry.path)
+                    if entry.is_symlink()
+                    else os.path.join(real, entry.name)
+                )
+                if resolved in owner:
+                    raise ValueError(
+                        f"--data-path: {entry.path} is the same image as one in "
+                        f"{owner[resolved]} ({resolved}): an image may be in one class "
+                        "and one split only"
+                    )
+                owner[resolved] = where
+                found.append((entry.path, label))
+        files[split] = found
+    return files, others
+
+
+def _check_images(root: Path, files: dict, report_dir: Path | None, version: str | None):
+    """{relative path: (width, height, mode, low, high) or "why unreadable"}, cached per version.
+
+    Decodes every image fully once (im.load()): a file whose header reads but whose data is
+    cut short fails here. Width and height are after EXIF orientation.
+    """
+    cache = None
+    if report_dir is not None and version is not None:
+        key = version.removeprefix("files:")
+        cache = Path(report_dir) / f"image-check-{root.name}-{key}.json"
+    paths = [path for found in files.values() for path, _ in found]
+    with contextlib.ExitStack() as stack:
+        if cache is not None:
+            with contextlib.suppress(OSError):  # a read-only --data-dir: check without caching
+                stack.enter_context(file_lock(cache))
+            cached = _read_json(cache)
+            if cached is not None and all(os.path.relpath(p, root) in cached for p in paths):
+                return {k: v if isinstance(v, str) else tuple(v) for k, v in cached.items()}
+        checked = {os.path.relpath(p, root): _inspect(p) for p in paths}
+        if cache is not None:
+            from .runs import atomic_write_text
+
+            with contextlib.suppress(OSError):
+                atomic_write_text(cache, json.dumps(checked))
+    return checked
+
+
+def _inspect(path: str) -> tuple | str:
+    try:
+        with Image.open(path) as image:
+            image.load()  # the whole file: a truncated one fails here, with a reason
+            width, height = image.size
+            if image.getexif().get(EXIF_ORIENTATION, 1) in TRANSPOSED:
+                width, height = height, width
+            low, high = image.getextrema() if image.mode in INT_MODES | {"F"} else (0, 255)
+            return (width, height, image.mode, float(low), float(high))
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, encoding="utf-8") as f:
+            content = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return content if isinstance(content, dict) else None
+
+
 def _write_unreadable_list(root: Path, lines: list[str], report_dir: Path | None) -> Path:
-    """The list goes next to the caches (the data folder may be read-only)."""
+    """The list goes next to the caches (the data folder may be read-only), replaced
+    atomically: a link planted at its name is replaced, never written through."""
+    from .runs import atomic_write_text
+
     key = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:8]
     listing = Path(report_dir or root) / f"unreadable-images-{root.name}-{key}.txt"
     listing.parent.mkdir(parents=True, exist_ok=True)
-    listing.write_text("\n".join(lines) + "\n")
+    atomic_write_text(listing, "\n".join(lines) + "\n")
     return listing
 
 
-def decode_image(path: str, size: tuple[int, int], channels: int) -> np.ndarray:
-    """One image as uint8 (height, width, channels), converted and resized (bilinear)."""
+def decode_image(
+    path: str,
+    size: tuple[int, int],
+    channels: int,
+    value_ranges: dict[str, tuple[float, float]] | None = None,
+) -> np.ndarray:
+    """One image as uint8 (height, width, channels): oriented, converted, resized, cropped.
+
+    `value_ranges`: {"int": (low, high), "float": (low, high)} mapped onto 0..255 for images of
+    more than 8 bits (from the scan; default: the mode's own range). Raises UnreadableImage.
+    """
     height, width = size
     try:
         with Image.open(path) as image:
-            # JPEG only: decode at a reduced DCT scale that is still >= the target size.
-            image.draft("L" if channels == 1 else "RGB", (width, height))
-            image = image.convert("L" if channels == 1 else "RGB")
-            if image.size != (width, height):
-                image = image.resize((width, height), Image.Resampling.BILINEAR)
-            pixels = np.asarray(image, dtype=np.uint8)
-    except (OSError, ValueError, Image.DecompressionBombError) as e:
-        raise ValueError(f"cannot decode {path}: {e}") from e
+            w, h = image.size
+            turned = image.getexif().get(EXIF_ORIENTATION, 1) in TRANSPOSED
+            if turned:
+                w, h = h, w
+            scale = max(width / w, height / h)
+            # JPEG only: decode at a reduced DCT scale that still covers the target.
+            need = (round(w * scale + 0.5), round(h * scale + 0.5))
+            image.draft(None, need[::-1] if turned else need)
+            image = ImageOps.exif_transpose(image)
+            image = _to_8bit(image, channels, value_ranges or {})
+            pixels = np.asarray(_cover(image, width, height), dtype=np.uint8)
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        raise UnreadableImage(path, f"{type(e).__name__}: {e}") from e
     return pixels.reshape(height, width, channels)
+
+
+def _to_8bit(image: Image.Image, channels: int, value_ranges: dict) -> Image.Image:
+    mode = image.mode
+    if mode in INT_MODES or mode == "F":
+        default = (0.0, 1.0) if mode == "F" else (0.0, 65535.0 if "16" in mode else 2.0**31 - 1)
+        low, high = value_ranges.get("float" if mode == "F" else "int", default)
+        values = (np.asarray(image, dtype=np.float64) - low) * (255 / max(high - low, 1e-12))
+        # The scan's range holds every value; the clip only guards a file changed since.
+        image = Image.fromarray(np.clip(np.rint(values), 0, 255).astype(np.uint8), "L")
+    elif mode == "P":
+        image = image.convert("RGBA" if "transparency" in image.info else "RGB")
+    if image.mode in ("RGBA", "LA", "La", "RGBa", "PA"):
+        rgba = image.convert("RGBA")
+        image = Image.alpha_composite(Image.new("RGBA", rgba.size, (*BACKGROUND, 255)), rgba)
+    return image.convert("L" if channels == 1 else "RGB")
+
+
+def _cover(image: Image.Image, width: int, height: int) -> Image.Image:
+    """Resize so the image covers width x height, cropping the long side's excess evenly."""
+    w, h = image.size
+    if (w, h) == (width, height):
+        return image
+    scale = max(width / w, height / h)
+    crop_w, crop_h = width / scale, height / scale
+    left, top = (w - crop_w) / 2, (h - crop_h) / 2
+    return image.resize(
+        (width, height), Image.Resampling.BILINEAR, box=(left, top, left + crop_w, top + crop_h)
+    )

@@ -1,0 +1,197 @@
+"""The version of the user's data (`--data-path`): part of the run's identity. Imports no torch.
+
+A dataset of files is versioned by a fingerprint: sha256 over every file's relative path, size
+and modification time (hidden files and folders, whose names start with ".", are left out, as
+the folder scan leaves them out). run.py, `--print-run-dir` and the sweep's planner compute it
+for every job, so it must stay cheap for a million files: the full fingerprint is computed once
+and cached in --data-dir together with the modification times of every directory it walked; a
+later check only stats those directories (no listing, no file) and reuses the cached fingerprint
+while none changed. Adding, removing or renaming a file changes its directory's mtime.
+
+Not seen by the cheap check (README, "Use your own data"): a file rewritten in place, keeping
+its name (its directory's mtime stays). After such an edit, `touch DIR/train` (any folder
+above the edited file) or delete --data-dir/data-version-*.json: the next start recomputes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+CACHE_PREFIX = "data-version-"
+VERSION_PREFIX = "files:"
+
+
+def is_hidden(name: str) -> bool:
+    """`.DS_Store`, macOS `._x.png`, `.ipynb_checkpoints`, `.git`: never data."""
+    return name.startswith(".")
+
+
+def data_version(root: Path, cache_dir: Path | None = None) -> str:
+    """`files:<16 hex>` for the file or folder `root`; ValueError (one line) if unreadable."""
+    root = Path(root)
+    try:
+        if not root.exists():
+            raise ValueError(f"--data-path: {root} does not exist")
+        if not root.is_dir():
+            st = root.stat()
+            return _digest([(root.name, st.st_size, st.st_mtime_ns)])
+        cache = _cache_path(root, cache_dir)
+        cached = _read_cache(cache, root)
+        if cached is not None and _unchanged(root, cached["dirs"]):
+            return cached["version"]
+        dirs, files = _walk(root)
+        version = _digest(files)
+    except OSError as e:
+        raise ValueError(f"--data-path: cannot read {e.filename or root}: {e.strerror}") from e
+    if cache is not None:
+        # A read-only or full --data-dir only costs the next start the full walk again.
+        with contextlib.suppress(OSError), file_lock(cache):
+            _write_cache(cache, {"root": str(root), "version": version, "dirs": dirs})
+    return version
+
+
+def changed_since(before: dict, now: dict, run_dir: Path) -> str | None:
+    """One line when config.json `before` recorded other array data than `now` describes.
+
+    Array datasets keep their run name across versions (released names must not move), so
+    their content hash is compared at a resume instead of being part of the identity.
+    """
+    old, new = before.get("data_content"), now.get("data_content")
+    if old is None or new is None or old == new:
+        return None
+    return (
+        f"--dataset {now.get('dataset')}: its data changed since {run_dir} started "
+        f"(content {old} -> {new}); resuming would train on two datasets: --fresh retrains "
+        "it on the current data, or restore the data it began with"
+    )
+
+
+def forget(root: Path | None, cache_dir: Path | None) -> None:
+    """Drop the cached fingerprint of `root`: the next check walks every file again (used when
+    a file fails to decode although the cheap check saw no change: it was rewritten in place)."""
+    cache = None if root is None else _cache_path(Path(root), cache_dir)
+    if cache is not None:
+        with contextlib.suppress(OSError):
+            cache.unlink()
+
+
+def _cache_path(root: Path, cache_dir: Path | None) -> Path | None:
+    if cache_dir is None:
+        return None
+    key = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:12]
+    return Path(cache_dir) / f"{CACHE_PREFIX}{root.name}-{key}.json"
+
+
+def _dir_stamp(path: str) -> list[int]:
+    # ctime too: unlike mtime it cannot be set back (touch -d, rsync -t on a directory).
+    st = os.stat(path)
+    return [st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _unchanged(root: Path, dirs: dict[str, list[int]]) -> bool:
+    try:
+        return all(_dir_stamp(os.path.join(root, rel)) == stamp for rel, stamp in dirs.items())
+    except OSError:  # a directory went away: changed
+        return False
+
+
+def _walk(root: Path) -> tuple[dict[str, list[int]], list[tuple[str, int, int]]]:
+    """Every non-hidden directory (stamped before it is listed: a file added meanwhile changes
+    the stamp, so the next check sees it) and every non-hidden file, links followed once."""
+    dirs: dict[str, list[int]] = {}
+    files: list[tuple[str, int, int]] = []
+    seen: set[tuple[int, int]] = set()
+    pending = [""]
+    while pending:
+        rel = pending.pop()
+        path = os.path.join(root, rel) if rel else str(root)
+        st = os.stat(path)
+        if (st.st_dev, st.st_ino) in seen:  # a link back up the tree (or to a sibling)
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        dirs[rel or "."] = _dir_stamp(path)
+        with os.scandir(path) as entries:
+            for entry in entries:
+                if is_hidden(entry.name):
+                    continue
+                child = f"{rel}/{entry.name}" if rel else entry.name
+                if entry.is_dir():
+                    pending.append(child)
+                elif entry.is_file():
+                    fst = entry.stat()
+                    files.append((child, fst.st_size, fst.st_mtime_ns))
+    return dirs, files
+
+
+def _digest(files: list[tuple[str, int, int]]) -> str:
+    h = hashlib.sha256()
+    for rel, size, mtime in sorted(files):
+        h.update(f"{rel}\0{size}\0{mtime}\n".encode("utf-8", "surrogateescape"))
+    return VERSION_PREFIX + h.hexdigest()[:16]
+
+
+def _read_cache(cache: Path | None, root: Path) -> dict | None:
+    if cache is None:
+        return None
+    try:
+        fd = os.open(cache, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, encoding="utf-8") as f:
+            cached = json.load(f)
+    except (OSError, ValueError):
+        return None
+    valid = (
+        isinstance(cached, dict)
+        and cached.get("root") == str(root)
+        and isinstance(cached.get("version"), str)
+        and cached["version"].startswith(VERSION_PREFIX)
+        and isinstance(cached.get("dirs"), dict)
+        and all(isinstance(v, list) for v in cached["dirs"].values())
+    )
+    return cached if valid else None
+
+
+def _write_cache(cache: Path, content: dict) -> None:
+    from .runs import atomic_write_text  # a temp file renamed over the name: never through a link
+
+    atomic_write_text(cache, json.dumps(content) + "\n")
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive flock on `path`.lock (opened without following a link): the jobs of a
+    sweep starting at once build a cache once, the others wait and read it.
+
+    The lock file is deleted before it is released, so nothing is left behind (even after a
+    failed download). A waiter that then gets the lock on the deleted file sees that the name
+    no longer points at its file and tries again on the new one.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # Windows: the atomic renames alone keep the cache valid
+        yield
+        return
+    lock_path = path.with_name(path.name + ".lock")
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                current = os.lstat(lock_path)
+            except FileNotFoundError:
+                current = None
+            if current is not None and current.st_ino == os.fstat(fd).st_ino:
+                try:
+                    yield
+                finally:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(lock_path)
+                return
+        finally:
+            os.close(fd)  # closing releases the flock
