@@ -16,7 +16,9 @@ finished), run.log, tracking.json. One process at a time trains a run directory 
 `.lock`); any number of jobs may share one results folder and one MLflow database.
 Exit codes: 0 finished (or already), 1 failed, 2 bad input, 73 running elsewhere (another process
 holds this run directory), 75 interrupted (re-run the same command to resume).
-Stop signals (SIGTERM, SIGINT, SIGUSR1, in any number): finish the step, checkpoint, exit 75.
+Stop signals (SIGTERM, SIGINT, SIGUSR1, SIGHUP, in any number): finish the step, checkpoint, exit
+75. A run whose directory is deleted (or its .lock replaced) while it trains stops at its next
+epoch end with one `error:` line, writes nothing more and exits 73: the path may be another's now.
 """
 
 import sys
@@ -24,8 +26,10 @@ import traceback
 from typing import NamedTuple
 
 from {{ cookiecutter.package_name }} import distributed, jobs, runs
+from {{ cookiecutter.package_name }}.claim import LostClaim
 from {{ cookiecutter.package_name }}.config import UsageError, parse_args, resolved_config, run_dir
 from {{ cookiecutter.package_name }}.jobs import (
+    EXIT_BUSY,
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -47,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     return jobs.lifecycle(argv, parse_args, run_dir, train, redo=is_tool, ranks=True)
 
 
-def train(args, parser, out, stop: GracefulStop, dist) -> int:
+def train(args, parser, out, stop: GracefulStop, held, dist) -> int:
     """The method: config -> data -> model -> (resume) -> loop -> test -> save."""
     import torch
 
@@ -71,6 +75,7 @@ def train(args, parser, out, stop: GracefulStop, dist) -> int:
     config = resolved_config(args, parser)
     config["world_size"] = dist.world  # processes of this job (torchrun), not of its identity
     try:
+        runs.check_ownership(out)  # a colleague's run directory, or files planted in ours
         task = create_task(args.task, args, args.monitor)  # loss, metrics, the monitored one
         config.update(monitored=task.monitor, metric_directions=task.directions)
         dist.check(args)  # a --batch-size that does not divide among the processes: exit 2
@@ -165,10 +170,13 @@ def train(args, parser, out, stop: GracefulStop, dist) -> int:
         return error(f"cannot resume: {exc}", EXIT_USAGE)
     try:
         record = (
-            RunRecord(out, config, args, device, dtype, log)
+            RunRecord(out, config, args, device, dtype, log, held)
             if dist.is_main
             else distributed.Follower(out, log)
         )
+    except LostClaim as exc:  # the directory was deleted while the data loaded
+        runs.close_logging(log)
+        return error(str(exc), EXIT_BUSY)
     except OSError as exc:  # e.g. the disk filled since the start-up check
         runs.try_write_status(out, "failed")
         runs.close_logging(log)
@@ -212,12 +220,12 @@ def train(args, parser, out, stop: GracefulStop, dist) -> int:
                 }
             )
             if state.stopper.update(p.history[-1][task.monitor], p.epoch, eval_model):
-                state.save_best(out / runs.BEST_MODEL)  # keep the best, never test
+                record.save_best(state)  # keep the best, never test
             record.epoch_done(state, checkpoint_due=dist.decide(record.checkpoint_due(args)))
             if dist.stopped(stop):
                 break
         if not finished(p, args, steps_per_epoch, state.stopper):  # stopped: checkpoint, exit 75
-            state.save(out / runs.CHECKPOINT)
+            record.checkpoint(state)
             record.interrupted(state, stop.requested or "a stop signal to another process")
             return EXIT_INTERRUPTED
 
@@ -226,7 +234,7 @@ def train(args, parser, out, stop: GracefulStop, dist) -> int:
         test = evaluate(
             eval_model, loaders["test"], device=device, dtype=dtype, task=task, reduce=dist.sum
         )
-        state.save(out / runs.CHECKPOINT)
+        record.checkpoint(state)
         record.finished(state, task, test, stop_reason(p, args, state.stopper))
         return EXIT_OK
     except Exception as exc:  # failed: one line here, the traceback in run.log and MLflow
@@ -495,14 +503,18 @@ def metrics_line(row: dict, prefix: str) -> str:
 class RunRecord:
     """What the run leaves behind: its files (config, status, history, checkpoint, metrics) and
     its MLflow run. Every fault path here is best-effort: a full disk or a dead tracker never
-    turns an ending run into a traceback."""
+    turns an ending run into a traceback. Before each write it checks that the run directory is
+    still this process's (`claim.check()`): if it was deleted meanwhile, LostClaim, and nothing
+    more is written there."""
 
-    def __init__(self, out, config: dict, args, device, dtype, log) -> None:
+    def __init__(self, out, config: dict, args, device, dtype, log, claim) -> None:
         import time
 
         from {{ cookiecutter.package_name }}.tracking import Tracker, provenance, run_params
 
         self.out, self.log, self.device, self._time = out, log, device, time
+        self.claim = claim
+        claim.check()
         self.epochs = args.epochs
         self.last_checkpoint = time.monotonic()
         runs.write_json(out / runs.CONFIG, config)
@@ -533,11 +545,20 @@ class RunRecord:
     def checkpoint_due(self, args) -> bool:
         return self._time.monotonic() - self.last_checkpoint >= args.checkpoint_every
 
+    def save_best(self, state) -> None:
+        self.claim.check()
+        state.save_best(self.out / runs.BEST_MODEL)
+
+    def checkpoint(self, state) -> None:
+        self.claim.check()
+        state.save(self.out / runs.CHECKPOINT)
+        self.last_checkpoint = self._time.monotonic()
+
     def epoch_done(self, state, *, checkpoint_due: bool) -> None:
         p, row = state.progress, state.progress.history[-1]
+        self.claim.check()
         if checkpoint_due:
-            state.save(self.out / runs.CHECKPOINT)
-            self.last_checkpoint = self._time.monotonic()
+            self.checkpoint(state)
         runs.write_history(self.out, p.history)
         self.tracker.log_history(p.history)
         self.log.info(
@@ -554,6 +575,7 @@ class RunRecord:
         )
 
     def interrupted(self, state, signal_name: str) -> None:
+        self.claim.check()
         runs.write_status(self.out, "interrupted")
         self.tracker.end("KILLED", state.progress.history)
         self.log.warning(
@@ -564,7 +586,7 @@ class RunRecord:
 
     def force_exited(self) -> None:
         """Exit 130 (a second Ctrl-C, a late signal): the last checkpoint resumes the run."""
-        if not runs.is_done(self.out):
+        if self.claim.still_ours() and not runs.is_done(self.out):
             runs.try_write_status(self.out, "interrupted")
 
     def finished(self, state, task, test: dict[str, float], reason: str) -> None:
@@ -588,6 +610,7 @@ class RunRecord:
             "stop_reason": reason,
             "mlflow_run_id": self.tracker.run_id,
         }
+        self.claim.check()
         runs.write_history(self.out, p.history)
         self.tracker.end(
             "FINISHED",
@@ -596,6 +619,7 @@ class RunRecord:
             tags={"stop_reason": reason},
             artifacts=[self.out / name for name in (runs.CONFIG, runs.HISTORY, runs.BEST_MODEL)],
         )
+        self.claim.check()  # again: the tracker's end may have taken a while
         runs.write_status(self.out, "finished")
         runs.write_json(self.out / runs.METRICS, metrics)  # last: its existence means "done"
         self.log.info(
@@ -611,6 +635,13 @@ class RunRecord:
     def failed(self, state, exc: BaseException, args) -> int:
         import torch
 
+        if not self.claim.still_ours():  # LostClaim, or any failure once the path is another's
+            message = str(exc)
+            if not isinstance(exc, LostClaim):
+                message = f"{self.claim.lost_message()} (then {type(exc).__name__})"
+            self.log.error("%s", message)
+            self.tracker.abandon(message)
+            return error(message, EXIT_BUSY)
         text = traceback.format_exc()
         self.log.error("run failed:\n%s", text)
         runs.try_write_status(self.out, "failed")

@@ -8,7 +8,8 @@
 #             one of another script built on the package's jobs.py (e.g. analyze.py), as is.
 #             ONE call of `SCRIPT --plan` per script (its own parser, no torch) gives every
 #             job's run directory and state: done (metrics.json parses), running (its claim is
-#             held: running elsewhere), interrupted, failed, refused (run.py refused its
+#             held: running elsewhere), stopping (its holder is checkpointing: waited for, up to
+#             SWEEP_STOPPING_WAIT_S), interrupted, failed, refused (run.py refused its
 #             checkpoint: not re-run until --fresh), pending, waiting (an input, such as a run
 #             it analyses, is not finished: planned again whenever a job of the sweep ends,
 #             and queued once its inputs are done), invalid.
@@ -42,6 +43,8 @@ SWEEP_TICKER=""        # pid of the timer child that wakes the queue for a statu
 SLOTS=()               # per slot: its GPU, or "" for a CPU slot (make_slots, cpu_slots)
 SWEEP_CPU_REASON=""    # why the CPU slots are as many as they are (cpu_slots)
 readonly SWEEP_CGROUP="${SWEEP_CGROUP:-/sys/fs/cgroup}"   # cgroup v2 mount (tests point it away)
+# How long to wait for jobs whose holder is checkpointing and exiting (plan state "stopping").
+readonly SWEEP_STOPPING_WAIT_S="${SWEEP_STOPPING_WAIT_S:-30}"
 JOB_ARGV=()            # filled by job_argv
 readonly SWEEP_EXIT_BUSY=73 SWEEP_EXIT_INTERRUPTED=75
 # Settings run.sh must define (their defaults are there, not here).
@@ -129,6 +132,31 @@ plan_jobs() {
   done
 }
 
+#######################################
+# Jobs whose holder is stopping (a run.py told to stop, e.g. the orphans of a run.sh killed a
+# moment ago, checkpointing) are free in a few seconds: plan again every second until they
+# are, for at most SWEEP_STOPPING_WAIT_S seconds; any still stopping then runs elsewhere.
+#######################################
+wait_for_stopping() {
+  local i waited=0 stopping
+  while true; do
+    stopping=0
+    for ((i = 0; i < ${#SWEEP_START[@]}; i++)); do
+      if [[ "${SWEEP_STATE[i]}" == "stopping" ]]; then stopping=$(( stopping + 1 )); fi
+    done
+    (( stopping && waited < SWEEP_STOPPING_WAIT_S )) || break
+    if (( waited == 0 )); then
+      log "waiting up to ${SWEEP_STOPPING_WAIT_S}s for ${stopping} job(s) still checkpointing"
+    fi
+    sleep 1
+    waited=$(( waited + 1 ))
+    plan_jobs
+  done
+  for ((i = 0; i < ${#SWEEP_START[@]}; i++)); do
+    if [[ "${SWEEP_STATE[i]}" == "stopping" ]]; then SWEEP_STATE[i]="running"; fi
+  done
+}
+
 # True if job I is to be run (or submitted).
 is_runnable() {
   case "${SWEEP_STATE[$1]}" in
@@ -151,7 +179,7 @@ print_plan() {
   done
   printf '%d jobs: %d done, %d pending, %d interrupted, %d failed' "${#SWEEP_START[@]}" \
     "${count[done]:-0}" "${count[pending]:-0}" "${count[interrupted]:-0}" "${count[failed]:-0}"
-  for state in running queued waiting invalid refused duplicate; do
+  for state in running stopping queued waiting invalid refused duplicate; do
     if (( ${count[${state}]:-0} )); then
       printf ', %d %s' "${count[${state}]}" "${state/running/running elsewhere}"
     fi
@@ -505,7 +533,7 @@ run_queue() {
     case "${SWEEP_STATE[i]}" in
       done) SWEEP_RESULT[i]="skipped" ;;
       duplicate) SWEEP_RESULT[i]="duplicate" ;;
-      running) SWEEP_RESULT[i]="elsewhere" ;;
+      running | stopping) SWEEP_RESULT[i]="elsewhere" ;;
       waiting) SWEEP_RESULT[i]="waiting" ;;
       *) SWEEP_RESULT[i]="failed" ;;
     esac
@@ -767,6 +795,7 @@ sweep_main() {
   "${define_jobs}"
   (( ${#SWEEP_START[@]} > 0 )) || die "the sweep has no jobs"
   plan_jobs
+  if (( ! dry_run )); then wait_for_stopping; fi
   if (( ! slurm )) && (( ${#SLOTS[@]} == 0 )); then cpu_slots; fi
   if (( slurm )); then
     mark_queued_in_slurm

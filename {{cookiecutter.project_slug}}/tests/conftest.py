@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from {{ cookiecutter.package_name }}.stopping import STOP_SIGNALS
+
 # Tiny models run fastest on one thread, and two threads on a loaded 2-core machine are many
 # times slower (OpenMP workers wait for a busy core): every test job uses one.
 os.environ["OMP_NUM_THREADS"] = "1"
@@ -82,10 +84,18 @@ def run_cli(env, data_dir):
 @pytest.fixture
 def main_in_process(env, data_dir):
     """Call run.main() in this process (torch is imported once, so quick checks stay quick)."""
+    import signal
+
     run = load_run_py()
+    # run.py's stop handlers stay installed until the process exits; this process lives on.
+    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
 
     def call(*args: str) -> int:
-        return run.main([*TINY, "--data-dir", str(data_dir), *args])
+        try:
+            return run.main([*TINY, "--data-dir", str(data_dir), *args])
+        finally:
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
 
     return call
 

@@ -66,6 +66,8 @@ def parser():
     p.add_argument("--fail", action="store_true", help="exit 1 after sleeping")
     p.add_argument("--child", action="store_true", help="start a child process that sleeps")
     p.add_argument("--ignore-term", action="store_true")
+    p.add_argument("--stop-sleep", type=float, default=0,
+                   help="on a stop signal, checkpoint for this long before exiting 75")
     p.add_argument("--interrupt-once", action="store_true",
                    help="the first attempt exits 75 as if stopped; the next one finishes")
     p.add_argument("--results-dir", default=str(ROOT / "results"))
@@ -137,6 +139,8 @@ def main() -> int:
             f.write(json.dumps(dict(record, **extra)) + "\n")
 
     def on_signal(signum, frame):
+        held.mark_stopping()  # as run.py's GracefulStop does at the first stop request
+        time.sleep(args.stop_sleep)
         (run_dir / "status").write_text("interrupted\n")
         write_record(end=time.time(), rc=75, signal=signum)
         sys.exit(75)
@@ -642,6 +646,21 @@ def test_sigkill_of_run_sh_stops_its_jobs(tmp_path):
     # The kernel sent each job SIGTERM (parent-death signal): it checkpointed and ended.
     wait_for(lambda: all(is_gone(p) for p in pids), 10, "the orphaned jobs to end")
     assert [(d / "status").read_text().strip() for d in run_dirs(project)] == ["interrupted"] * 2
+
+
+@pytest.mark.slow  # the orphans take 3 s to checkpoint
+def test_a_re_run_right_after_kill_9_waits_for_the_stopping_orphans(tmp_path):
+    jobs = [f"--first-sleep 60 --stop-sleep 3 --tag {i}" for i in range(2)]
+    project = make_project(tmp_path, jobs)
+    proc = start_sweep(project)
+    wait_for(lambda: len(started_pids(project)) == 2, 20, "2 jobs")
+    proc.kill()  # the orphans get SIGTERM and take 3 s to checkpoint
+    proc.communicate(timeout=10)
+    again = run_sweep(project)  # at once: both are still checkpointing
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "still checkpointing" in again.stdout
+    assert "running elsewhere" not in again.stdout
+    assert all((d / "metrics.json").exists() for d in run_dirs(project))
 
 
 def test_two_sweeps_on_one_folder_train_each_job_once(tmp_path):

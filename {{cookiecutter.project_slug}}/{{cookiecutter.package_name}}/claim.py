@@ -31,25 +31,43 @@ from .runs import LOCK as LOCK_FILE
 # such a probe tries again for this long before reporting Busy, so a look never blocks a start.
 _RETRY_S = 0.2
 _RETRY_EVERY_S = 0.01
+STOPPING = "stopping"  # field in the lock file: the holder got a stop signal and is exiting
 
 
 class Busy(RuntimeError):
     """The run directory is claimed by another live process; str() names that process."""
 
 
+class LostClaim(RuntimeError):
+    """The run directory's lock is no longer the one this process holds (the directory was
+    deleted, or its .lock replaced): another process may own the path now. str() says so."""
+
+
 class Claim:
     """A held claim; released by `release()`, by leaving a `with` block, or at process end."""
 
-    def __init__(self, run_dir: Path, fd: int, created: bool) -> None:
+    def __init__(self, run_dir: Path, fd: int, created: bool, info: str = "") -> None:
         self.run_dir, self.created = run_dir, created
         self._fd: int | None = fd
+        self._info = info
+
+    def mark_stopping(self) -> None:
+        """Note in the lock file that this holder is stopping (checkpointing, then exiting): the
+        sweep's planner then waits a few seconds for it instead of calling the run "running
+        elsewhere" (run.sh re-run right after its own jobs were told to stop)."""
+        if self._fd is None or STOPPING in self._info:
+            return
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self._info = f"{self._info.rstrip()} {STOPPING}={now}\n"
+        with contextlib.suppress(OSError):
+            os.pwrite(self._fd, self._info.encode(), 0)
 
     def discard(self) -> None:
         """Release, and remove the run directory if this claim created it and it holds nothing
         else (a run refused before any work leaves nothing behind). The lock file goes first,
         while still held: a process waiting on it sees another inode at the path and retries."""
-        if self._fd is None or not self.created:
-            self.release()
+        if self._fd is None or not self.created or not self.still_ours():
+            self.release()  # not ours to remove: a deleted directory's path may be another's
             return
         with contextlib.suppress(OSError):
             if [p.name for p in self.run_dir.iterdir()] == [LOCK_FILE]:
@@ -65,6 +83,33 @@ class Claim:
     @property
     def held(self) -> bool:
         return self._fd is not None
+
+    def still_ours(self) -> bool:
+        """True while the file at <run_dir>/.lock is the one this claim locked (same device and
+        inode). `rm -rf` of the run directory, or a replaced .lock, makes it False for good: a
+        new process can then claim the path, and this one must write nothing more there."""
+        if self._fd is None:
+            return False
+        try:
+            on_disk = os.stat(self.run_dir / LOCK_FILE, follow_symlinks=False)
+        except OSError:
+            return False
+        held = os.fstat(self._fd)
+        return (on_disk.st_dev, on_disk.st_ino) == (held.st_dev, held.st_ino)
+
+    def check(self) -> None:
+        """Raise LostClaim unless still_ours(): call before every write to the run directory
+        that matters (checkpoint, history, status, metrics.json)."""
+        if not self.still_ours():
+            raise LostClaim(self.lost_message())
+
+    def lost_message(self) -> str:
+        now = holder(self.run_dir)
+        return (
+            f"lost the claim on {self.run_dir}: the directory was deleted or its .lock replaced "
+            "while this process trained" + (f" (now held by {now})" if now else "") + "; "
+            "stopping without writing anything more there"
+        )
 
     def __enter__(self) -> Claim:
         return self
@@ -89,10 +134,16 @@ def _describe(text: str) -> str:
     fields = dict(part.split("=", 1) for part in text.split() if "=" in part)
     if "pid" not in fields:
         return "a process that is just starting (no holder recorded yet)"
+    stopping = f", {STOPPING} since {fields[STOPPING]}" if STOPPING in fields else ""
     return (
         f"pid {fields['pid']} on {fields.get('host', '?')} since "
-        f"{fields.get('start', '?').replace('T', ' ')}"
+        f"{fields.get('start', '?').replace('T', ' ')}{stopping.replace('T', ' ')}"
     )
+
+
+def is_stopping(description: str | None) -> bool:
+    """True if holder()'s description says the holder is checkpointing and about to exit."""
+    return description is not None and f", {STOPPING} since " in description
 
 
 def _read(fd: int) -> str:
@@ -135,7 +186,7 @@ def claim(run_dir: str | os.PathLike) -> Claim:
     with contextlib.suppress(OSError):  # read-only lock file: the claim holds, unnamed
         os.ftruncate(fd, 0)
         os.pwrite(fd, info, 0)
-    return Claim(directory, fd, created)
+    return Claim(directory, fd, created, info.decode())
 
 
 def holder(run_dir: str | os.PathLike) -> str | None:

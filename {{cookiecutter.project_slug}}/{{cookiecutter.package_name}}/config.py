@@ -80,6 +80,12 @@ MAX_NAME_BYTES = 255  # NAME_MAX of Linux file systems: longest single path comp
 TRACKING_ENV = "LAB_TRACKING"  # LAB_TRACKING=off runs without MLflow, like --tracking off
 
 
+def tracking_default() -> str:
+    """LAB_TRACKING as on/off in any case (default on); anything else is refused by parse_args
+    (argparse checks `choices` on the command line only, not on a default)."""
+    return os.environ.get(TRACKING_ENV, "").strip().lower() or "on"
+
+
 class UsageError(ValueError):
     """Bad command line or bad input: run.py prints `error: <message>` and exits 2."""
 
@@ -379,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument(
         "--tracking",
         choices=("on", "off"),
-        default="off" if os.environ.get(TRACKING_ENV) == "off" else "on",
+        default=tracking_default(),
         help=f"log to MLflow (off: only the run directory; also {TRACKING_ENV}=off). "
         "An unreachable tracker never stops training: see README, Tracking",
     )
@@ -429,6 +435,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     """Parse and check what can be checked without data; argparse exits 2 on errors."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.tracking not in ("on", "off"):  # argparse checks `choices` on the command line only
+        parser.error(f"{TRACKING_ENV}={os.environ.get(TRACKING_ENV)!r}: expected on or off")
     if DATASET_DECLARED[args.dataset].keywords.get("needs_data_path") and args.data_path is None:
         parser.error(f"--data-path: dataset {args.dataset!r} reads your files: give --data-path")
     args.data_version = None

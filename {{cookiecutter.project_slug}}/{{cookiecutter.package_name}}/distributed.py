@@ -275,9 +275,15 @@ class Follower:
     def checkpoint_due(self, args) -> bool:
         return False  # rank 0 decides
 
+    def save_best(self, state) -> None:
+        pass  # rank 0 writes best_model.pt
+
+    def checkpoint(self, state) -> None:
+        state.save(self.out / CHECKPOINT)  # writes nothing here: sends its part
+
     def epoch_done(self, state, *, checkpoint_due: bool) -> None:
         if checkpoint_due:
-            state.save(self.out / CHECKPOINT)  # writes nothing here: sends its part
+            self.checkpoint(state)
 
     def interrupted(self, state, signal_name) -> None:
         pass

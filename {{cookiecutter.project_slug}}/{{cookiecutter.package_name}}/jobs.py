@@ -35,7 +35,6 @@ so a refused job leaves nothing behind. Imports neither torch nor mlflow.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 import traceback
@@ -44,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import distributed, runs
-from .claim import Busy, claim
+from .claim import Busy, Claim, claim
 from .config import (
     DEFAULT_EXPERIMENT,
     PROJECT_ROOT,
@@ -56,8 +55,9 @@ from .config import (
     changed_args,
     readable_name,
     short_hash,
+    tracking_default,
 )
-from .stopping import GracefulStop
+from .stopping import BadGrace, GracefulStop
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_BUSY, EXIT_INTERRUPTED = 0, 1, 2, 73, 75
 # The flags parser() adds: how a job runs, never what it computes, so out of its identity.
@@ -107,7 +107,7 @@ def parser(prog: str, description: str, results_dir: str | Path) -> argparse.Arg
     j.add_argument(
         "--tracking",
         choices=("on", "off"),
-        default="off" if os.environ.get(TRACKING_ENV) == "off" else "on",
+        default=tracking_default(),
         help=f"log to MLflow (off: only the run directory; also {TRACKING_ENV}=off)",
     )
     j.add_argument(
@@ -129,12 +129,18 @@ def lifecycle(
     ranks: bool = False,
 ) -> int:
     """--plan, parse, --print-run-dir, --init-tracking, skip when done, claim; then
-    `body(args, parser, out, stop) -> exit code` while holding the claim.
+    `body(args, parser, out, stop, held) -> exit code` while holding the claim `held`
+    (claim.Claim: RunRecord checks it before every write, in case the directory was deleted).
 
     `locate` may raise UsageError (bad input, exit 2); `redo(args)` True runs even when done
     (run.py's tools). `ranks=True` (run.py): under torchrun rank 0 alone does all this; the
-    other ranks do as it decides; `body(args, parser, out, stop, dist)` runs on every rank."""
-    with GracefulStop() as stop:  # first: a stop signal at any later moment still ends in 75
+    other ranks do as it decides; `body(args, parser, out, stop, held, dist)` runs on every rank
+    (`held`: the claim on rank 0, None on the others)."""
+    try:
+        stop = GracefulStop()
+    except BadGrace as exc:  # LAB_STOP_GRACE_S is not a number of seconds
+        return error(str(exc), EXIT_USAGE)
+    with stop:  # first: a stop signal at any later moment still ends in 75
         if (sys.argv[1:] if argv is None else argv) == ["--plan"]:  # run.sh: all jobs, one call
             from . import plan
 
@@ -153,21 +159,25 @@ def lifecycle(
             print(f"MLflow ready: {tracking_uri()} (experiment id {init(args.experiment)})")
             return EXIT_OK
         if not ranks:
-            return _claimed(args, out, redo, lambda: body(args, parser_, out, stop))
+            return _claimed(
+                args, out, redo, stop, lambda held: body(args, parser_, out, stop, held)
+            )
         with distributed.session(args.device) as dist:  # torchrun: N processes, one job
             if not dist.is_main:  # the others run when rank 0 does, else leave with its code
                 code = dist.verdict(None)
-                return dist.finish(body(args, parser_, out, stop, dist) if code is None else code)
+                if code is None:
+                    code = body(args, parser_, out, stop, None, dist)
+                return dist.finish(code)
 
-            def run_all() -> int:
+            def run_all(held) -> int:
                 dist.verdict(None)  # torchrun: the other ranks run too
-                return body(args, parser_, out, stop, dist)
+                return body(args, parser_, out, stop, held, dist)
 
-            return dist.finish(_claimed(args, out, redo, run_all))
+            return dist.finish(_claimed(args, out, redo, stop, run_all))
 
 
-def _claimed(args, out: Path, redo, run: Callable[[], int]) -> int:
-    """Skip when done; else `run()` while holding the run directory's claim."""
+def _claimed(args, out: Path, redo, stop: GracefulStop, run: Callable[[Claim], int]) -> int:
+    """Skip when done; else `run(held)` while holding the run directory's claim."""
     skip = not (args.fresh or redo(args))
     done = f"already finished: {out} (metrics.json exists; --fresh starts over)"
     if skip and runs.is_done(out):
@@ -175,10 +185,11 @@ def _claimed(args, out: Path, redo, run: Callable[[], int]) -> int:
         return EXIT_OK
     try:
         with claim(out) as held:  # one process per run directory, freed by the kernel on death
+            stop.on_request = held.mark_stopping  # run.sh waits for a stopping holder
             if skip and runs.is_done(out):  # done meanwhile, by the process we waited for
                 print(done)
                 return EXIT_OK
-            code = run()
+            code = run(held)
             if code in (EXIT_USAGE, EXIT_INTERRUPTED):
                 held.discard()  # refused or stopped before any work: leave nothing behind
             return code
@@ -230,7 +241,7 @@ def main(
     def locate(args, _parser) -> Path:
         return args.results_dir / readable_name(name(args), ident(args))
 
-    def body(args, _parser, out: Path, stop: GracefulStop) -> int:
+    def body(args, _parser, out: Path, stop: GracefulStop, _held) -> int:
         try:
             prepared = prepare(args) if prepare else None
         except (UsageError, ValueError, OSError) as exc:

@@ -108,7 +108,7 @@ def stage(in_channels: int, out_channels: int) -> nn.Sequential:
 def build_model(num_classes: int = 10, width: int = 64, *, channels: int = 3) -> nn.Module:
     """Return the default network; `width` is the channel count of the first stage."""
     if width < 2:
-        raise ValueError(f"width must be >= 2, got {width}")
+        raise ValueError(f"--width: must be >= 2 (the stem has width // 2 channels), got {width}")
     widths = (width, 2 * width, 4 * width)
     model = nn.Sequential(
         conv_bn_relu(channels, width // 2),

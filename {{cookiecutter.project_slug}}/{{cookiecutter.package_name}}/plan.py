@@ -11,6 +11,7 @@ Input on stdin, for each job: the number of arguments, then the arguments, each 
 Output on stdout, for each job three NUL-terminated fields: STATE, RUN_DIR, NOTE, where STATE is
     done         metrics.json exists and parses to a non-empty object (runs.is_done)
     running      another live process holds the run's claim (claim.py): "running elsewhere"
+    stopping     its holder got a stop signal and is checkpointing: free in a few seconds
     interrupted  stopped before the end (status interrupted, or running with no live holder)
     failed       the last attempt failed
     refused      run.py refused to continue it (its checkpoint cannot be loaded): not re-run;
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from {{ cookiecutter.package_name }} import config, runs
-from {{ cookiecutter.package_name }}.claim import holder
+from {{ cookiecutter.package_name }}.claim import holder, is_stopping
 from {{ cookiecutter.package_name }}.config import UsageError, parse_args, run_dir
 from {{ cookiecutter.package_name }}.jobs import NotReady
 
@@ -61,7 +62,7 @@ def job_state(directory: Path) -> tuple[str, str]:
         return "done", ""
     who = holder(directory)
     if who is not None:
-        return "running", f"running elsewhere: {who}"
+        return "stopping" if is_stopping(who) else "running", f"running elsewhere: {who}"
     status = runs.read_status(directory)
     resumes = (directory / runs.CHECKPOINT).is_file()
     then = "resumes from its checkpoint" if resumes else "starts over: no checkpoint yet"

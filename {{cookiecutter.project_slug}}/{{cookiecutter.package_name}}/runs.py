@@ -4,6 +4,13 @@ Imports no torch: plot.py, analysis.py and the sweep read the same names. Every 
 append-only run.log is written to a temporary file in the same directory and moved into place with
 os.replace, so a reader (or a crash) never sees half a file. Files get the permissions the umask
 allows (as `open()` would), so colleagues sharing the results folder can read them.
+
+Nothing is written through a link someone planted: os.replace puts a new file in place of
+whatever name was there, and the files written in place (run.log, the status fallback) are opened
+with O_NOFOLLOW and must be a regular file of ours with one link. Files read back to decide
+something (metrics.json, status, tracking.json) count only if they are regular files owned by the
+run directory's owner (`read_trusted`); a job trains only in a run directory whose every entry is
+its user's (`check_ownership`). docs/design.md, "Sharing a results folder", says what that buys.
 """
 
 from __future__ import annotations
@@ -15,7 +22,9 @@ import io
 import json
 import logging
 import os
+import pwd
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -83,6 +92,82 @@ def atomic_path(path: Path) -> Iterator[Path]:
             os.unlink(tmp)
 
 
+class ForeignFile(OSError):
+    """A run directory (or a file in it) belongs to another user, or is not a plain file."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def _owner_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+def check_ownership(run_dir: Path) -> None:
+    """Raise ForeignFile unless `run_dir` (if it exists) and every entry in it belong to this
+    process's user: a job never resumes from, appends to or "finishes" with files someone else
+    put there (a checkpoint, a metrics.json, a link to a file of yours elsewhere)."""
+    run_dir, me = Path(run_dir), os.geteuid()
+    try:
+        entries = [run_dir, *run_dir.iterdir()]
+    except FileNotFoundError:
+        return
+    for path in entries:
+        try:
+            info = path.lstat()
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(info.st_mode) and path != run_dir:  # a link to the directory: see owner
+            raise ForeignFile(
+                errno.ELOOP,
+                f"{path} is a symbolic link: a run directory holds plain files only (nothing "
+                "is written through a link); remove it, or use another --results-dir",
+            )
+        owner = info.st_uid
+        if owner != me:
+            what = "the run directory" if path == run_dir else path.name
+            raise ForeignFile(
+                errno.EPERM,
+                f"{path} ({what}) belongs to {_owner_name(owner)}, not to you "
+                f"({_owner_name(me)}): a run directory is written by one user only. Use your "
+                "own --results-dir, or have its owner remove or finish it (docs/design.md, "
+                "'Sharing a results folder')",
+            )
+
+
+def _open_own(path: Path, flags: int, owner: int | None = None) -> int:
+    """os.open without following a symlink (ELOOP) or blocking on a FIFO; the result must be a
+    regular file owned by `owner` (default: this process's user) with one link, else
+    ForeignFile. A hard link to someone's file is refused too (nlink > 1)."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, FILE_MODE)
+    try:
+        st = os.fstat(fd)
+        owner = os.geteuid() if owner is None else owner
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != owner or st.st_nlink != 1:
+            raise ForeignFile(
+                errno.EPERM,
+                f"{path} is not a plain file of {_owner_name(owner)} (owner "
+                f"{_owner_name(st.st_uid)}, {st.st_nlink} link(s)): not used",
+            )
+        os.set_blocking(fd, True)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_trusted(path: Path, max_bytes: int = 1 << 20) -> str:
+    """The text of `path` if it is a regular file (not a link) owned by its directory's owner;
+    OSError otherwise (ForeignFile for a foreign or linked file)."""
+    path = Path(path)
+    fd = _open_own(path, os.O_RDONLY, owner=path.parent.stat().st_uid)
+    with os.fdopen(fd, "rb") as f:
+        return f.read(max_bytes).decode("utf-8")
+
+
 def remove_stale_temps(run_dir: Path, older_than_s: float = 60.0) -> list[str]:
     """Delete temporary files a killed writer (kill -9, power loss) left behind; return names.
 
@@ -122,10 +207,12 @@ def read_json(path: Path) -> dict:
 
 
 def read_status(run_dir: Path) -> str | None:
+    """One of STATUSES, or None (missing, unreadable, foreign, or not a status word)."""
     try:
-        return (Path(run_dir) / STATUS).read_text(encoding="utf-8").strip() or None
-    except OSError:
+        status = read_trusted(Path(run_dir) / STATUS, max_bytes=64).strip()
+    except (OSError, ValueError):
         return None
+    return status if status in STATUSES else None
 
 
 def write_status(run_dir: Path, status: str) -> None:
@@ -144,7 +231,9 @@ def try_write_status(run_dir: Path, status: str) -> bool:
     except OSError:
         pass
     try:
-        with open(Path(run_dir) / STATUS, "w", encoding="utf-8") as f:
+        fd = _open_own(Path(run_dir) / STATUS, os.O_WRONLY | os.O_CREAT)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.truncate()
             f.write(status + "\n")
         return True
     except OSError:
@@ -154,7 +243,7 @@ def try_write_status(run_dir: Path, status: str) -> bool:
 def read_metrics(run_dir: Path) -> dict | None:
     """metrics.json if it exists and parses to a JSON object, else None."""
     try:
-        metrics = json.loads((Path(run_dir) / METRICS).read_text(encoding="utf-8"))
+        metrics = json.loads(read_trusted(Path(run_dir) / METRICS))
     except (OSError, ValueError):
         return None
     return metrics if isinstance(metrics, dict) and metrics else None
@@ -248,6 +337,15 @@ def git_state(root: Path) -> tuple[str | None, bool | None]:
         return None, None
 
 
+class NoFollowFileHandler(logging.FileHandler):
+    """logging.FileHandler that appends only to a plain file of ours: never through a symlink
+    or a hard link someone planted at the log's name (ForeignFile / ELOOP instead)."""
+
+    def _open(self):
+        fd = _open_own(Path(self.baseFilename), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        return os.fdopen(fd, "a", encoding=self.encoding or "utf-8", errors=self.errors)
+
+
 def setup_logging(run_dir: Path, name: str) -> logging.Logger:
     """Log lines to stderr and appended to <run_dir>/run.log (a resumed run keeps one log)."""
     logger = logging.getLogger(f"run.{name}")
@@ -257,7 +355,7 @@ def setup_logging(run_dir: Path, name: str) -> logging.Logger:
         logger.removeHandler(handler)
         handler.close()
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S")
-    for handler in (logging.StreamHandler(sys.stderr), logging.FileHandler(Path(run_dir) / LOG)):
+    for handler in (logging.StreamHandler(sys.stderr), NoFollowFileHandler(Path(run_dir) / LOG)):
         handler.setFormatter(fmt)
         logger.addHandler(handler)
     return logger

@@ -6,7 +6,9 @@ Who sends what (README, "Stops and resume"): Slurm sends SIGTERM to every proces
 on preemption (after the partition's GraceTime), on `scancel` and at the time limit, and SIGUSR1
 first when the job was submitted with `--signal=B:USR1@SECONDS`; a terminal's Ctrl-C sends SIGINT
 to the whole foreground process group; run.sh forwards SIGTERM. Bursts are normal: two SIGTERMs a
-few milliseconds apart (the step's and the wrapper's) are one request to stop, not two.
+few milliseconds apart (the step's and the wrapper's) are one request to stop, not two. A closed
+terminal or a dropped ssh session sends SIGHUP: also a stop (unless the job was started under
+`nohup`, which ignores it: then it keeps training, as `nohup` asked).
 
 So the first signal asks the training loop to stop after the current step; later ones are logged
 and ignored, except
@@ -15,11 +17,14 @@ and ignored, except
   checkpoint takes far less, so the job is stuck; exit at once.
 An exit at once writes status `interrupted` and exits 130; the last checkpoint (end of the previous
 epoch, or the one being written, which is atomic) is still there, so re-running resumes.
-Handlers are installed in the first lines of run.py's main(), before anything slow.
+Handlers are installed in the first lines of run.py's main(), before anything slow, and stay
+installed until the process exits: a signal that comes after main() has returned (its checkpoint
+written) cannot turn exit 75 (or 0) into death by that signal.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
@@ -35,7 +40,25 @@ if TYPE_CHECKING:  # torch is imported after the handlers are installed (it take
 EXIT_FORCED = 130
 GRACE_ENV = "LAB_STOP_GRACE_S"
 DEFAULT_GRACE_S = 120.0
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
+
+
+class BadGrace(ValueError):
+    """LAB_STOP_GRACE_S is not a number of seconds >= 0."""
+
+
+def grace_from_env() -> float:
+    """LAB_STOP_GRACE_S as seconds >= 0 (default 120); BadGrace with one line otherwise."""
+    text = os.environ.get(GRACE_ENV, "").strip()
+    if not text:
+        return DEFAULT_GRACE_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):  # 0: any second signal forces the exit
+        raise BadGrace(f"{GRACE_ENV}={text!r}: expected a number of seconds >= 0")
+    return value
 
 
 def _stdin_is_a_terminal() -> bool:
@@ -55,12 +78,11 @@ class GracefulStop:
         interactive: bool | None = None,
     ) -> None:
         self.log = log or logging.getLogger(__name__)
-        self.grace_s = (
-            float(os.environ.get(GRACE_ENV, DEFAULT_GRACE_S)) if grace_s is None else grace_s
-        )
+        self.grace_s = grace_from_env() if grace_s is None else grace_s
         self.interactive = _stdin_is_a_terminal() if interactive is None else interactive
         self.requested: str | None = None
         self.on_force_exit: Callable[[], None] | None = None  # e.g. mark the status file
+        self.on_request: Callable[[], None] | None = None  # at the first request (claim note)
         self._first_at = 0.0
         self._ignored = 0
         self._old: dict = {}
@@ -72,6 +94,8 @@ class GracefulStop:
             self.log.warning(
                 "%s received: finishing the current step, then checkpoint and exit", name
             )
+            if self.on_request is not None:
+                self.on_request()
             return
         late = time.monotonic() - self._first_at > self.grace_s
         if (signum == signal.SIGINT and self.interactive) or late:
@@ -91,12 +115,30 @@ class GracefulStop:
 
     def __enter__(self) -> GracefulStop:
         for sig in STOP_SIGNALS:
+            if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+                continue  # started under nohup: a hang-up is to be ignored, not obeyed
             self._old[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc) -> None:
+        """Leaves the handlers installed: between main()'s return and the interpreter's exit
+        (joining MLflow's threads, flushing) a stop signal must not kill the process with its
+        default action and replace the exit code main() returned (75 after a checkpoint).
+        Python's finalization resets Python handlers to the default action, so at exit (atexit)
+        the stop signals are ignored instead: nothing is left to stop by then."""
+        atexit.unregister(_ignore_stop_signals)
+        atexit.register(_ignore_stop_signals)
+
+    def restore(self) -> None:
+        """Put back the handlers found at __enter__ (for callers that live on, e.g. tests)."""
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
+        self._old.clear()
+
+
+def _ignore_stop_signals() -> None:
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class NonFiniteLoss(RuntimeError):

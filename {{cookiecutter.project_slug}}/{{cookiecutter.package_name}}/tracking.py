@@ -11,9 +11,17 @@
   sets those to 5 s and 1 retry unless you set them yourself.
 - Never fatal: when the tracker cannot be reached or errors, the job warns once and keeps
   training; the run directory (history.csv, metrics.json, status) stays the record. What was not
-  sent is sent at the next epoch that reaches the tracker, at the end, when the run is resumed, or
-  with `python -m <package>.tracking sync RESULTS_OR_RUN_DIR...`. `tracking.json` in the run
-  directory says which MLflow run it is and how much of the history it holds.
+  sent is sent at the next epoch that reaches the tracker, at the end (tried once more whatever
+  the back-off), when the run is resumed, or with `python -m <package>.tracking sync
+  RESULTS_OR_RUN_DIR...`. `tracking.json` in the run directory says which MLflow run it is, how
+  much of the history it holds and, when the end could not be sent, what is `missing`. It is
+  checked before use (a run id is 32 hex digits, counts are integers): a bad one is a warning and
+  a fresh MLflow run.
+- One sender per run directory: a training job holds the run's claim (claim.py), and `sync`
+  takes it too, skipping directories a live job holds: rows are never sent twice, and a
+  directory never gets two MLflow runs.
+- The sqlite DB is created with the umask's permissions (like every other file), so a group
+  can share it; SQLite gives its journal the database's permissions.
 - `--tracking off` (or `LAB_TRACKING=off`) runs without MLflow at all.
 
 Imports neither torch nor mlflow at module level (mlflow costs ~1.5 s to import).
@@ -28,6 +36,7 @@ import json
 import logging
 import os
 import platform
+import re
 import shlex
 import socket
 import sys
@@ -67,6 +76,10 @@ def _quiet_mlflow() -> None:
     """MLflow's INFO lines (creating tables, system metrics started) are not the job's news."""
     for name in ("mlflow", "alembic"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # A failing DB call logs its whole traceback at ERROR here (and the system-metrics thread
+    # warns on its own): the Tracker already says it once, in one line.
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
+    logging.getLogger("mlflow.system_metrics").setLevel(logging.CRITICAL)
 
 
 @contextlib.contextmanager
@@ -80,6 +93,10 @@ def _schema_lock(uri: str) -> Iterator[None]:
     fd = os.open(f"{db}.lock", os.O_RDWR | os.O_CREAT, 0o666)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        # SQLite would create the file 0644 whatever the umask; an empty file is a valid empty
+        # database, so create it here with what the umask allows (its journal copies the mode).
+        with contextlib.suppress(FileExistsError):
+            os.close(os.open(db, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666))
         yield
     finally:
         os.close(fd)
@@ -171,14 +188,17 @@ class Tracker:
         params: dict | None = None,
         tags: dict | None = None,
         system_metrics: bool = True,
+        training: bool = True,
     ) -> None:
         self.run_dir, self.log, self.enabled = Path(run_dir), log, enabled
+        self.training = training  # False for sync: an ended MLflow run stays as it ended
         self.experiment, self.run_name = experiment, run_name
         self.params, self.tags = params or {}, tags or {}
-        self.state = _read_state(self.run_dir)
+        self.state = _read_state(self.run_dir, log)
         self.client = self.monitor = None
         self._failed_at: float | None = None
         self._warned = False
+        self._frozen = False  # abandon(): the run directory is no longer ours to write
         if self.enabled:
             self._guard("open the MLflow run", self._open)
             if system_metrics and self.ready:
@@ -193,11 +213,13 @@ class Tracker:
         return self.client is not None and self.run_id is not None
 
     # ---- the guarded calls ---------------------------------------------------------------------
-    def _guard(self, what: str, fn, *args):
-        """Run fn unless tracking is off or failed recently; a failure warns once, never raises."""
+    def _guard(self, what: str, fn, *args, force: bool = False):
+        """Run fn unless tracking is off or failed recently (`force`: whatever the back-off, for
+        the run's end); a failure warns once, never raises."""
         if not self.enabled:
             return None
-        if self._failed_at is not None and time.monotonic() - self._failed_at < RETRY_AFTER_S:
+        recent = self._failed_at is not None and time.monotonic() - self._failed_at < RETRY_AFTER_S
+        if recent and not force:
             return None
         try:
             result = fn(*args)
@@ -230,7 +252,10 @@ class Tracker:
             self.client = _client()
         if self.run_id is not None:
             try:  # resume: the same run, back to RUNNING
-                self.client.update_run(self.run_id, status="RUNNING")
+                if self.training:
+                    self.client.update_run(self.run_id, status="RUNNING")
+                else:
+                    self.client.get_run(self.run_id)  # it exists
                 return
             except Exception as exc:  # e.g. another MLFLOW_TRACKING_URI than the first attempt
                 self.log.warning(
@@ -265,20 +290,32 @@ class Tracker:
         self.monitor.start()
 
     def _save_state(self) -> None:
+        if self._frozen:
+            return
         with contextlib.suppress(OSError):  # a full disk must not turn tracking into a crash
             runs.write_json(self.run_dir / STATE_FILE, self.state)
 
+    def _reread_state(self) -> None:
+        """What tracking.json says was sent, if it says more than this process knows (its
+        writer held the run's claim, as this one does now)."""
+        disk = _read_state(self.run_dir, self.log)
+        if disk.get("run_id") == self.run_id and disk.get("sent_rows", 0) > self.state.get(
+            "sent_rows", 0
+        ):
+            self.state = disk
+
     # ---- what run.py calls ----------------------------------------------------------------------
-    def log_history(self, history: list[dict]) -> None:
+    def log_history(self, history: list[dict], *, force: bool = False) -> None:
         """Send every history row the MLflow run has not received yet (one log_batch call)."""
         if self.enabled and not self.ready:
-            self._guard("open the MLflow run", self._open)
+            self._guard("open the MLflow run", self._open, force=force)
         if self.ready:
-            self._guard("log metrics", self._send_rows, history)
+            self._guard("log metrics", self._send_rows, history, force=force)
 
     def _send_rows(self, history: list[dict]) -> None:
         from mlflow.entities import Metric
 
+        self._reread_state()
         start = self.state.get("sent_rows", 0)
         if start >= len(history):
             return
@@ -303,8 +340,12 @@ class Tracker:
         artifacts: list[Path] = (),
         error: str | None = None,
     ) -> None:
-        """Send what is missing, attach files, end the MLflow run: FINISHED, KILLED or FAILED."""
-        self.log_history(history)
+        """Send what is missing, attach files, end the MLflow run: FINISHED, KILLED or FAILED.
+
+        Tried once more whatever the retry back-off (a short outage near the end must not leave
+        the run RUNNING with half its epochs); what still did not arrive is written to
+        tracking.json as `missing`, for `sync` (or the next resume) to send."""
+        self.log_history(history, force=True)
         if self.ready:
             self._guard(
                 "end the MLflow run",
@@ -314,7 +355,26 @@ class Tracker:
                 tags or {},
                 list(artifacts),
                 error,
+                force=True,
             )
+        if self.enabled:
+            sent, missing = self.state.get("sent_rows", 0), []
+            if sent < len(history):
+                missing.append(f"history rows {sent + 1}-{len(history)}")
+            if self.state.get("ended") != status:
+                missing.append(f"end {status}")
+            if missing or self.state.get("missing"):
+                self.state = {"run_id": None, "sent_rows": 0, "ended": None, **self.state}
+                self.state["missing"] = missing
+                self._save_state()
+        self.close()
+
+    def abandon(self, reason: str) -> None:
+        """The run directory is another's now (claim.LostClaim): end this MLflow run FAILED with
+        `reason`, and write nothing more to the directory (not even tracking.json)."""
+        self._frozen = True
+        if self.ready:
+            self._guard("end the MLflow run", self._end, "FAILED", {}, {}, [], reason, force=True)
         self.close()
 
     def _end(
@@ -352,12 +412,44 @@ class Tracker:
             self.monitor = None
 
 
-def _read_state(run_dir: Path) -> dict:
+RUN_ID = re.compile(r"[0-9a-f]{32}")  # MLflow's run ids (uuid4().hex)
+ENDED = (None, "FINISHED", "KILLED", "FAILED")
+
+
+def _state_problem(state: object) -> str | None:
+    """What is wrong with a parsed tracking.json, in our words (never its content), or None."""
+    if not isinstance(state, dict):
+        return "not a JSON object"
+    run_id, sent, ended = state.get("run_id"), state.get("sent_rows", 0), state.get("ended")
+    if run_id is not None and not (isinstance(run_id, str) and RUN_ID.fullmatch(run_id)):
+        return "its run_id is not 32 hex digits"
+    if not isinstance(sent, int) or isinstance(sent, bool) or sent < 0:
+        return "its sent_rows is not a count"
+    if ended not in ENDED:
+        return "its ended is not an MLflow end status"
+    missing = state.get("missing", [])
+    if not (isinstance(missing, list) and all(isinstance(m, str) for m in missing)):
+        return "its missing is not a list of notes"
+    return None
+
+
+def _read_state(run_dir: Path, log: logging.Logger | None = None) -> dict:
+    """tracking.json, checked; {} (a fresh start) if missing, and with a warning if unusable:
+    not a plain file of the run directory's owner, not JSON, or a value of the wrong form."""
+    path = Path(run_dir) / STATE_FILE
     try:
-        state = json.loads((Path(run_dir) / STATE_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        state = json.loads(runs.read_trusted(path))
+    except FileNotFoundError:
         return {}
-    return state if isinstance(state, dict) else {}
+    except (OSError, ValueError) as exc:
+        state, problem = None, f"unreadable ({type(exc).__name__})"
+    else:
+        problem = _state_problem(state)
+    if problem is None:
+        return state
+    if log is not None:
+        log.warning("%s ignored: %s; a new MLflow run is started", path, problem)
+    return {}
 
 
 def _history_rows(run_dir: Path) -> list[dict]:
@@ -378,10 +470,33 @@ def _history_rows(run_dir: Path) -> list[dict]:
 MLFLOW_STATUS = {"finished": "FINISHED", "interrupted": "KILLED", "failed": "FAILED"}
 
 
-def sync(run_dir: Path, log: logging.Logger) -> bool:
-    """Send to MLflow what a run directory holds and its tracker missed; True if all arrived."""
-    config = json.loads((run_dir / runs.CONFIG).read_text(encoding="utf-8"))
-    status = (run_dir / runs.STATUS).read_text(encoding="utf-8").strip()
+def sync(run_dir: Path, log: logging.Logger) -> bool | None:
+    """Send to MLflow what a run directory holds and its tracker missed; True if all arrived,
+    None if a live job holds the directory (it sends its own metrics: skipped).
+
+    Holds the run's claim while it works, like a training job: no job starts meanwhile, and no
+    second sync, so each row is sent once and the directory has one MLflow run."""
+    from .claim import Busy, claim
+
+    try:
+        held = claim(run_dir)
+    except Busy as exc:
+        log.info("skipped %s: %s (that job sends its own metrics)", run_dir, exc)
+        return None
+    except OSError as exc:  # e.g. a colleague's directory without a .lock: cannot claim it
+        log.warning("skipped %s: cannot claim it (%s)", run_dir, exc.strerror or exc)
+        return False
+    with held:
+        return _sync_held(run_dir, log)
+
+
+def _sync_held(run_dir: Path, log: logging.Logger) -> bool:
+    try:
+        config = json.loads(runs.read_trusted(run_dir / runs.CONFIG))
+    except (OSError, ValueError) as exc:
+        log.warning("skipped %s: config.json unreadable (%s)", run_dir, type(exc).__name__)
+        return False
+    status = runs.read_status(run_dir)
     tracker = Tracker(
         run_dir,
         enabled=True,
@@ -391,6 +506,7 @@ def sync(run_dir: Path, log: logging.Logger) -> bool:
         params=run_params(config),
         tags={"run_dir": str(run_dir), "synced_later": "true"},
         system_metrics=False,
+        training=False,
     )
     history = _history_rows(run_dir)
     if status in MLFLOW_STATUS:
@@ -444,10 +560,14 @@ def main(argv: list[str] | None = None) -> int:
     run_dirs = sorted({c.parent for path in args.paths for c in path.rglob(runs.CONFIG)})
     if not run_dirs:
         p.error("sync: no run directory (a folder with config.json) under the given paths")
-    missing = [d for d in run_dirs if not sync(d, log)]
+    done = {d: sync(d, log) for d in run_dirs}
+    missing = [str(d) for d, ok in done.items() if ok is False]
+    held = [str(d) for d, ok in done.items() if ok is None]
     print(
-        f"synced {len(run_dirs) - len(missing)} of {len(run_dirs)} run directories to "
-        f"{tracking_uri()}" + (f"; not reached: {', '.join(map(str, missing))}" if missing else "")
+        f"synced {len(run_dirs) - len(missing) - len(held)} of {len(run_dirs)} run directories "
+        f"to {tracking_uri()}"
+        + (f"; skipped, held by a live job: {', '.join(held)}" if held else "")
+        + (f"; not reached: {', '.join(missing)}" if missing else "")
     )
     return 1 if missing else 0
 
