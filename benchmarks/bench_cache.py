@@ -105,14 +105,28 @@ def main(argv=None) -> int:
     def loader(split):
         return data.build_loader(split, args.batch_size, train=True, device="cpu", workers=0)
 
-    runs = {"stream": [], "gather": [], "full": [], "copy": []}
+    aug = __import__(f"{package}.augment", fromlist=["crop_flip_gather"])
+    batch = cached.images[: args.batch_size].permute(0, 2, 3, 1)
+    pad = aug.crop_padding(args.size, args.size)
+    padded = torch.nn.functional.pad(batch, (0, 0, pad, pad, pad, pad))
+    draws = [torch.randint(0, 2 * pad + 1, (len(batch),)) for _ in range(2)]
+    draws.append(torch.randint(0, 2, (len(batch),)))
+
+    def crop_ms(cut) -> float:
+        start = time.perf_counter()
+        cut(padded, *draws, (args.size, args.size))
+        return 1000 * (time.perf_counter() - start)
+
+    runs = {k: [] for k in ("stream", "gather", "full", "copy", "crop_gather", "crop_slices")}
     for _ in range(args.repeats):  # interleaved: a load spike hits every variant alike
         runs["stream"].append(epoch(loader(stream)))
         runs["gather"].append(epoch(loader(cached), raw=True))
         runs["full"].append(epoch(loader(cached)))
         runs["copy"].append(copy_rate(cached.images.permute(0, 2, 3, 1).numpy(), args.batch_size))
+        runs["crop_gather"].append(crop_ms(aug.crop_flip_gather))
+        runs["crop_slices"].append(crop_ms(aug.crop_flip_slices))
     load_after = os.getloadavg()[0]
-    best = {k: max(v) for k, v in runs.items()}
+    best = {k: (min if k.startswith("crop") else max)(v) for k, v in runs.items()}
 
     print("```")
     cpu = platform.processor() or platform.machine()
@@ -143,6 +157,13 @@ def main(argv=None) -> int:
     print(f"\nDecode once into the cache: {decoded} images in {decode_s:.1f} s with "
           f"{cores} processes ({decoded / decode_s:.0f} img/s, "
           f"{decoded / decode_s / cores:.0f} img/s per core); later starts read it.")
+    def listed(key):
+        return f"{best[key]:.1f} (all: {', '.join(f'{r:.1f}' for r in runs[key])})"
+
+    print(f"\nRandom crop + flip of one batch ({args.batch_size} x {args.size} px, uint8, one "
+          f"thread), ms, best of {args.repeats}: one index_select for the batch (the path on a "
+          f"GPU) {listed('crop_gather')}; one slice per image (the CPU path) "
+          f"{listed('crop_slices')}.")
     return 0
 
 

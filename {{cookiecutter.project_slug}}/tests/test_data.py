@@ -259,6 +259,20 @@ def test_random_crop_flip():
     assert 10 < flipped < 54  # about half
 
 
+def test_the_cpu_and_device_crops_cut_the_same_pixels():
+    """The CPU cuts one slice per image, other devices gather in one call: same pixels, so a
+    run's numbers do not depend on which one ran (and the CPU path's speed-up changed none)."""
+    padded = torch.randint(0, 256, (40, 24, 30, 3), dtype=torch.uint8)
+    dy, dx, flip = (
+        torch.randint(0, 9, (40,)),
+        torch.randint(0, 9, (40,)),
+        torch.randint(0, 2, (40,)),
+    )
+    sliced = augment.crop_flip_slices(padded, dy, dx, flip, (16, 22))
+    gathered = augment.crop_flip_gather(padded, dy, dx, flip, (16, 22))
+    assert torch.equal(sliced, gathered) and 0 < int(flip.sum()) < 40
+
+
 def test_dataloader_workers(small_split):
     loader = build_loader(small_split, 25, train=True, device="cpu", workers=1)
     assert sum(len(y) for _, y in loader) == 100

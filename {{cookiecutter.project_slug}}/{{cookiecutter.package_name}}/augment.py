@@ -66,21 +66,41 @@ class DeviceTransform:
 def random_crop_flip(padded: torch.Tensor, padding: int) -> torch.Tensor:
     """Per-sample random crop and horizontal flip of a zero-padded uint8 NHWC batch.
 
-    One index_select does both; offsets and flips come from the default RNG of the batch's
-    device (so a checkpoint's RNG state replays them exactly).
+    Offsets and flips come from the default RNG of the batch's device (so a checkpoint's RNG
+    state replays them exactly). Both ways of cutting give the same pixels (a test checks).
     """
     n, hp, wp, c = padded.shape
-    h, w = hp - 2 * padding, wp - 2 * padding
     dev = padded.device
     dy = torch.randint(0, 2 * padding + 1, (n,), device=dev)
     dx = torch.randint(0, 2 * padding + 1, (n,), device=dev)
     flip = torch.randint(0, 2, (n,), device=dev)
+    cut = crop_flip_slices if dev.type == "cpu" else crop_flip_gather
+    return cut(padded, dy, dx, flip, (hp - 2 * padding, wp - 2 * padding))
+
+
+def crop_flip_gather(padded, dy, dx, flip, size) -> torch.Tensor:
+    """One index_select for the whole batch: no host sync (the offsets stay on the device)."""
+    n, hp, wp, c = padded.shape
+    h, w = size
+    dev = padded.device
     # Pixel offsets of one window, plain and mirrored; each sample adds its own start pixel.
     window = torch.arange(h, device=dev).view(h, 1) * wp + torch.arange(w, device=dev)
     windows = torch.stack([window, window.flip(1)])
     start = torch.arange(n, device=dev) * (hp * wp) + dy * wp + dx
     pixels = (windows[flip] + start.view(n, 1, 1)).view(-1)
     return padded.reshape(-1, c).index_select(0, pixels).view(n, h, w, c)
+
+
+def crop_flip_slices(padded, dy, dx, flip, size) -> torch.Tensor:
+    """One slice copy per image, for the CPU: the gather of 3-byte pixels costs ~15x more at
+    224 px (155 vs 10 ms for 64 images on one core, benchmarks/RESULTS.md, bench_cache.py)."""
+    h, w = size
+    out = torch.empty((len(padded), h, w, padded.shape[3]), dtype=padded.dtype)
+    draws = zip(dy.tolist(), dx.tolist(), flip.tolist(), strict=True)
+    for i, (y, x, mirrored) in enumerate(draws):
+        window = padded[i, y : y + h, x : x + w]
+        out[i] = window.flip(1) if mirrored else window
+    return out
 
 
 @contextlib.contextmanager
