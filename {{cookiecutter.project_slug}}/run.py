@@ -82,7 +82,12 @@ def train(args, parser, out, stop: GracefulStop) -> int:
     )
     from {{ cookiecutter.package_name }}.state import TrainingState
     from {{ cookiecutter.package_name }}.stopping import EarlyStopping, check_finite
-    from {{ cookiecutter.package_name }}.train import build_trainer, evaluate, seed_everything
+    from {{ cookiecutter.package_name }}.train import (
+        build_trainer,
+        evaluate,
+        peak_epoch,
+        seed_everything,
+    )
 
     # ---- config + data: every bad input is found here, before a file of the run is written ----
     config = resolved_config(args, parser)
@@ -96,9 +101,6 @@ def train(args, parser, out, stop: GracefulStop) -> int:
         data = build_data(args, device)
         # num_classes, channels, image_size, class_names, split sizes, the arrays' content hash
         config.update(data.info.as_config())
-        config["data_version"] = config.get("data_version") or config.get("data_content")
-        if not args.fresh and (changed := changed_data(out, config)):
-            raise UsageError(changed)  # arrays: their content hash is recorded in config.json
         seed_everything(args.seed)  # same seed => same init, split, order, augmentation
         model = make_model(args, data.info).to(device, memory_format=torch.channels_last)
     except (UsageError, ValueError, OSError) as exc:
@@ -119,7 +121,8 @@ def train(args, parser, out, stop: GracefulStop) -> int:
     stop.log = log  # from here on, stop requests are in run.log too
     for note in data.notes:  # e.g. skipped unreadable images: in run.log, not only on screen
         log.warning("data: %s", note)
-    log.info("data: %s images (train/val/test) | %s", config["split_sizes"], config["data_version"])
+    version = config["data_version"] or config.get("data_content")  # files | arrays
+    log.info("data: %s images (train/val/test) | %s", config["split_sizes"], version)
     steps = total_steps(args, data.steps_per_epoch)
     compile_mode, compile_why = choose_compile(device, args.compile, steps, args.deterministic)
     for what, why in (
@@ -137,11 +140,17 @@ def train(args, parser, out, stop: GracefulStop) -> int:
         total_steps=steps,
         log=log,
     )
-    state = TrainingState(
-        trainer, EarlyStopping(args.patience), device=device, config_hash=config["config_hash"]
-    )
+    # Patience counts only after the LR peak and --min-epochs: no stop during the warm-up.
+    patience_from = max(args.min_epochs, peak_epoch(steps, data.steps_per_epoch))
+    stopper = EarlyStopping(args.patience, start_epoch=patience_from)
+    state = TrainingState(trainer, stopper, device=device, config_hash=config["config_hash"])
     if is_tool(args):
         return run_tools(args, trainer, data, device, dtype, out, log)
+    if changed := changed_data(out, config):  # arrays: a resume on other data is refused
+        log.error("cannot resume: %s", changed)
+        runs.try_write_status(out, "refused")
+        runs.close_logging(log)
+        return error(changed, EXIT_USAGE)
     try:
         if state.resume(out / runs.CHECKPOINT, out / runs.BEST_MODEL, log):  # (resume)
             log.info(
@@ -150,7 +159,9 @@ def train(args, parser, out, stop: GracefulStop) -> int:
                 state.progress.epoch + 1,
                 state.progress.step,
             )
-    except ckpt.CheckpointError as exc:
+    except ckpt.CheckpointError as exc:  # refused for good: the planner must not say "resumes"
+        log.error("cannot resume: %s", exc)
+        runs.try_write_status(out, "refused")
         runs.close_logging(log)
         return error(f"cannot resume: {exc}", EXIT_USAGE)
     try:
@@ -159,6 +170,7 @@ def train(args, parser, out, stop: GracefulStop) -> int:
         runs.try_write_status(out, "failed")
         runs.close_logging(log)
         return error(f"{exc.strerror} writing {exc.filename or out}", EXIT_FAILED)
+    stop.on_force_exit = record.force_exited  # exit 130 leaves "interrupted", not "running"
 
     # ---- loop -----------------------------------------------------------------------------------
     p, loaders, steps_per_epoch = state.progress, data.loaders, data.steps_per_epoch
@@ -275,10 +287,12 @@ def build_data(args, device) -> Data:
 
 
 def changed_data(out, config: dict) -> str | None:
-    """Why this run directory must not resume or be skipped: it began on other data (arrays
-    keep their run name across data versions; their content hash is compared here)."""
+    """Why this run directory must not resume: it began on other data (arrays keep their run
+    name across data versions; their content hash is compared here)."""
     from {{ cookiecutter.package_name }}.dataversion import changed_since
 
+    if not (out / runs.CHECKPOINT).is_file():  # nothing to resume: it starts on today's data
+        return None
     try:
         before = runs.read_json(out / runs.CONFIG)
     except (OSError, ValueError):
@@ -300,10 +314,10 @@ def make_model(args, info):
 
 
 def checkpoint_bytes(model, ema: float) -> int:
-    """Disk a run needs: checkpoint (weights, two AdamW moments, EMA) twice during its atomic
-    replace, plus best_model.pt."""
+    """Disk a run needs: checkpoint (weights, two AdamW moments, EMA, best weights) twice during
+    its atomic replace, plus best_model.pt."""
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    return weights * (2 * (3 + (ema > 0)) + 1)
+    return weights * (2 * (4 + (ema > 0)) + 1)
 
 
 def total_steps(args, steps_per_epoch: int) -> int:
@@ -330,9 +344,12 @@ def first_step_of_epoch(p, args) -> int:
 
 
 def stop_reason(p, args, stopper) -> str:
-    if stopper.should_stop:
+    """Why the run ended: "early_stopping" only when patience ended it before its last step
+    (patience that runs out on the last epoch changed nothing)."""
+    at_max_steps = bool(args.max_steps) and p.step >= args.max_steps
+    if stopper.should_stop and p.epoch < args.epochs and not at_max_steps:
         return "early_stopping"
-    return "max_steps" if args.max_steps and p.step >= args.max_steps else "max_epochs"
+    return "max_steps" if at_max_steps else "max_epochs"
 
 
 def warm_up(state, data: Data, args, log) -> None:
@@ -361,12 +378,14 @@ def warm_up(state, data: Data, args, log) -> None:
 def train_epoch(state, loader, steps_per_epoch: int, args, stop) -> float:
     """Optimizer steps until the epoch ends, the run's last step, or a stop request.
 
-    Returns the seconds of training. The loader's order is a function of (seed, epoch), so a
-    resumed epoch skips the micro-batches it already did and continues exactly.
+    Returns the seconds of training of the whole epoch, those before a resume in it included,
+    so that its rate counts the samples of the steps timed. The loader's order is a function
+    of (seed, epoch), so a resumed epoch skips the micro-batches it already did and continues.
     """
     from {{ cookiecutter.package_name }}.hardware import timed
 
     p, trainer = state.progress, state.trainer
+    resumed_in_epoch = p.batch > 0
     now = timed(trainer.device)  # waits for the device: times the work, not the launches
     loader.set_epoch(p.epoch, skip_batches=p.batch)
     batches, last = iter(loader), total_steps(args, steps_per_epoch)
@@ -382,7 +401,8 @@ def train_epoch(state, loader, steps_per_epoch: int, args, stop) -> float:
     if bar is not None:
         bar.close()
     p.train_time_s += train_s
-    return train_s
+    p.epoch_time_s = train_s + (p.epoch_time_s if resumed_in_epoch else 0.0)
+    return p.epoch_time_s
 
 
 def progress_bar(args, steps_per_epoch: int, p):
@@ -518,6 +538,11 @@ class RunRecord:
             signal_name,
             state.progress.step,
         )
+
+    def force_exited(self) -> None:
+        """Exit 130 (a second Ctrl-C, a late signal): the last checkpoint resumes the run."""
+        if not runs.is_done(self.out):
+            runs.try_write_status(self.out, "interrupted")
 
     def finished(self, state, test_loss: float, test_acc: float, reason: str) -> None:
         from {{ cookiecutter.package_name }}.hardware import peak_memory_bytes

@@ -7,7 +7,8 @@
 #             which `--results-dir results/SWEEP_NAME` is prepended. ONE call of `run.py --plan`
 #             (run.py's own parser, no torch) gives every job's run directory and state:
 #             done (metrics.json parses), running (its claim is held: running elsewhere),
-#             interrupted, failed, pending, invalid.
+#             interrupted, failed, refused (run.py refused its checkpoint: not re-run until
+#             --fresh), pending, invalid.
 #   2. queue: one slot per GPU (JOBS_PER_GPU slots per GPU; without a GPU CPU_JOBS slots, by
 #             default one per core: see cpu_slots). Every job runs in its own process group
 #             with CUDA_VISIBLE_DEVICES set to its slot's GPU, under `setpriv --pdeathsig TERM`,
@@ -28,7 +29,7 @@ SWEEP_ARGV=()
 SWEEP_START=()
 SWEEP_LEN=()
 SWEEP_EXTRA=()      # arguments after `--` on run.sh's command line, appended to every job
-SWEEP_STATE=()      # per job: done running interrupted failed pending invalid duplicate queued
+SWEEP_STATE=()      # per job: a state of run.py --plan (plan.py), or duplicate, queued
 SWEEP_DIR=()        # per job: its run directory (from run.py --plan)
 SWEEP_RUN_NAME=()   # per job: basename of its run directory
 SWEEP_NOTE=()       # per job: detail shown by --dry-run and the summary
@@ -125,7 +126,7 @@ print_plan() {
   done
   printf '%d jobs: %d done, %d pending, %d interrupted, %d failed' "${#SWEEP_START[@]}" \
     "${count[done]:-0}" "${count[pending]:-0}" "${count[interrupted]:-0}" "${count[failed]:-0}"
-  for state in running queued invalid duplicate; do
+  for state in running queued invalid refused duplicate; do
     if (( ${count[${state}]:-0} )); then
       printf ', %d %s' "${count[${state}]}" "${state/running/running elsewhere}"
     fi
@@ -540,7 +541,7 @@ summarize() {
       elsewhere) n_else=$(( n_else + 1 )) ;;
       failed)
         n_fail=$(( n_fail + 1 ))
-        if [[ "${SWEEP_STATE[i]}" == "invalid" ]]; then
+        if [[ "${SWEEP_STATE[i]}" == "invalid" || "${SWEEP_STATE[i]}" == "refused" ]]; then
           job_argv "${i}"
           failures+=("job ${i} (run.py ${JOB_ARGV[*]}): ${SWEEP_NOTE[i]}")
         else
@@ -603,6 +604,9 @@ submit_slurm() {
   for ((i = 0; i < ${#SWEEP_START[@]}; i++)); do
     if is_runnable "${i}"; then pending+=("${i}"); fi
     if [[ "${SWEEP_STATE[i]}" == "invalid" ]]; then err "not submitted, ${SWEEP_NOTE[i]}"; fi
+    if [[ "${SWEEP_STATE[i]}" == "refused" ]]; then
+      err "not submitted, ${SWEEP_RUN_NAME[i]}: ${SWEEP_NOTE[i]}"
+    fi
   done
   if (( ${#pending[@]} == 0 )); then
     echo "nothing to submit: all ${#SWEEP_START[@]} jobs are done, queued or running."

@@ -127,6 +127,7 @@ def test_interrupted_folder_run_then_more_images_starts_a_new_run(env, tmp_path)
     assert len(versions) == 2
 
 
+@pytest.mark.slow
 def test_array_data_changed_under_a_run_is_refused_at_resume(main_in_process, tmp_path, capsys):
     results, data_dir = tmp_path / "results", tmp_path / "data"
     args = ("--dataset", "synthetic", "--synthetic-size", "400", "--data-dir", str(data_dir))
@@ -142,8 +143,11 @@ def test_array_data_changed_under_a_run_is_refused_at_resume(main_in_process, tm
         np.savez(f, **arrays)
     capsys.readouterr()
     assert main_in_process(*args, "--epochs", "1") == 2
-    (err,) = capsys.readouterr().err.strip().splitlines()  # refused before any file is written
+    err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: --dataset synthetic: its data changed") and "--fresh" in err
+    assert (run_dir / "status").read_text() == "refused\n"  # the planner: refused, not re-run
+    assert "its data changed" in (run_dir / "run.log").read_text()
+    assert main_in_process(*args, "--epochs", "1", "--fresh") == 0
 
 
 # ---- 2. images decoded as they are ------------------------------------------------------------
@@ -237,6 +241,7 @@ HANG_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_decode_error_in_a_worker_names_the_file_and_the_process_exits(tmp_path):
     paths = []
     for i in range(8):
@@ -379,10 +384,10 @@ def test_an_unwritable_data_dir_names_the_flag(main_in_process, tmp_path, capsys
     assert capsys.readouterr().err.startswith("error: --data-dir: cannot write to")
 
 
-def test_an_image_size_that_cannot_fit_is_refused_before_allocating(tmp_path, monkeypatch):
+def test_an_image_size_that_cannot_fit_is_refused_before_allocating(data_dir, monkeypatch):
     monkeypatch.setenv("LAB_JOBS_PER_NODE", str(10**9))  # a budget of a few bytes
     with pytest.raises(ValueError, match=r"--image-size: \d+ images of digits/train at 64x64"):
-        load_dataset("digits", tmp_path, image_size=(64, 64))
+        load_dataset("digits", data_dir, image_size=(64, 64))
 
 
 # ---- 5. memory ----------------------------------------------------------------------------------

@@ -101,10 +101,14 @@ def test_files_follow_the_umask_and_temps_are_cleaned(tmp_path):
 
 @pytest.mark.parametrize("content", ["", "{", "[]", "{}", "null"])
 def test_metrics_json_counts_only_if_it_parses(tmp_path, content):
+    """One definition of "done": run.py's (runs.is_done) and the sweep planner's agree."""
+    from {{ cookiecutter.package_name }} import plan
+
     (tmp_path / "metrics.json").write_text(content)
     assert not runs.is_done(tmp_path)
+    assert plan.job_state(tmp_path)[0] != "done"
     (tmp_path / "metrics.json").write_text('{"test_acc": 0.5}')
-    assert runs.is_done(tmp_path)
+    assert runs.is_done(tmp_path) and plan.job_state(tmp_path) == ("done", "")
 
 
 def test_status_is_written_even_when_the_disk_has_no_room_for_a_temp_file(tmp_path, monkeypatch):
@@ -320,6 +324,30 @@ def test_a_burst_of_signals_checkpoints_once_and_exits_75(env, data_dir, tmp_pat
     run_dir = run_dir_of(results)
     assert (run_dir / "status").read_text() == "interrupted\n"
     assert (run_dir / "checkpoint.pt").exists()
+
+
+@pytest.mark.slow
+def test_a_forced_exit_130_leaves_status_interrupted(env, data_dir, tmp_path):
+    """A signal after the grace period (0 s here) exits at once with 130; the run is resumable,
+    so its status says "interrupted" (it said "running", a process that no longer exists)."""
+    results = tmp_path / "results"
+    env = {**env, "LAB_STOP_GRACE_S": "0"}
+    # Wide and big batches: a step takes long enough for the second signal to land within it.
+    args = ("--epochs", "3", "--width", "64", "--batch-size", "512")
+    proc = popen_cli(*args, results_dir=results, data_dir=data_dir, env=env)
+
+    def logged(text: str) -> bool:
+        return any(text in p.read_text() for p in results.glob("*/run.log"))
+
+    wait_while_running(lambda: logged("steps/epoch"), proc)
+    proc.send_signal(signal.SIGTERM)
+    wait_while_running(lambda: logged("SIGTERM received"), proc)  # two pending ones are one
+    proc.send_signal(signal.SIGTERM)  # later than 0 s after the first: exit now
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    run_dir = run_dir_of(results)
+    assert "exiting now" in (run_dir / "run.log").read_text()
+    assert (run_dir / "status").read_text() == "interrupted\n"
 
 
 @pytest.mark.slow

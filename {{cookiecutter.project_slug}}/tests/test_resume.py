@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import shutil
@@ -117,6 +119,14 @@ def test_stopped_mid_epoch_then_resumed_equals_straight(
         return [row.split(",")[:7] for row in (run / "history.csv").read_text().splitlines()]
 
     assert learning(run_dir) == learning(run_dir_of(straight)) and len(learning(run_dir)) == 3
+    # Epoch 1 ran 7 steps before the stop and 13 after: its time and rate cover all 20, so the
+    # history's times add up to train_time_s and each row's rate x time is its epoch's samples.
+    rows = list(csv.DictReader((run_dir / "history.csv").open()))
+    times = [float(r["epoch_time_s"]) for r in rows]
+    assert sum(times) == pytest.approx(got["train_time_s"], rel=1e-4)
+    samples = [float(r["samples_per_sec"]) * t for r, t in zip(rows, times, strict=True)]
+    assert samples == pytest.approx([20 * 64, 5 * 64], rel=1e-4)  # steps x (2 x 32)
+    assert got["samples_per_sec"] * got["train_time_s"] == pytest.approx(25 * 64)
     run_id = json.loads((run_dir / "tracking.json").read_text())["run_id"]
     assert run_id == got["mlflow_run_id"]  # one MLflow run, continued across the resume
     assert mlflow_run(mlflow_uri, run_id).info.status == "FINISHED"
@@ -173,6 +183,100 @@ def test_bad_checkpoints_are_refused_and_fresh_starts_over(main_in_process, tmp_
     assert main_in_process(*args, "--fresh") == 0
     assert "--fresh: deleting checkpoint.pt" in capsys.readouterr().out
     assert read_metrics(target)["steps"] == 2
+
+
+def test_a_best_model_newer_than_the_checkpoint_is_put_back(main_in_process, tmp_path):
+    """SIGKILL between a new best_model.pt and the checkpoint that knows it (checkpoints come
+    every --checkpoint-every seconds, best_model.pt at every new best): the resumed run must
+    keep the checkpoint's best, not weights of an epoch it has not reached again."""
+    import torch
+
+    args = ("--epochs", "3", "--batch-size", "256", "--patience", "0", "--checkpoint-every", "0")
+    args = (*args, "--tracking", "off", "--results-dir", str(tmp_path))
+    with pytest.MonkeyPatch.context() as m:
+        _signal_self_after(m, 5)  # the end of epoch 1 (5 steps of 256)
+        assert main_in_process(*args) == 75
+    run_dir = run_dir_of(tmp_path)
+    epoch_1 = {n: (run_dir / n).read_bytes() for n in ("checkpoint.pt", "best_model.pt")}
+    assert main_in_process(*args) == 0
+    assert read_metrics(run_dir)["best_epoch"] > 1  # best_model.pt now holds a later epoch
+    # What the kill leaves: the epoch-1 checkpoint beside the later best_model.pt.
+    (run_dir / "checkpoint.pt").write_bytes(epoch_1["checkpoint.pt"])
+    (run_dir / "metrics.json").unlink()
+    (run_dir / "status").write_text("running\n")
+    with pytest.MonkeyPatch.context() as m:
+        _signal_self_after(m, 6)
+        assert main_in_process(*args) == 75
+    assert "rewritten from the checkpoint" in (run_dir / "run.log").read_text()
+    best = torch.load(run_dir / "best_model.pt", weights_only=True)
+    expected = torch.load(io.BytesIO(epoch_1["best_model.pt"]), weights_only=True)
+    assert all(torch.equal(best[k], expected[k]) for k in expected)
+
+
+PRECISION_RESUME = ("--epochs", "1", "--max-steps", "12", "--checkpoint-every", "0")
+
+
+@pytest.mark.parametrize(("before", "after"), [("fp32", "fp16"), ("fp16", "fp32")])
+def test_a_resume_under_another_precision_continues_and_says_so(
+    main_in_process, tmp_path, monkeypatch, before, after
+):
+    """A requeue onto another GPU generation: bf16/fp32 <-> fp16 + GradScaler. Before, a
+    GradScaler that had to load the empty state of a disabled one raised (a traceback on every
+    retry), and the other way round the scaler's state vanished without a word."""
+    import torch
+
+    from {{ cookiecutter.package_name }} import hardware
+
+    dtypes = {"fp32": None, "fp16": torch.float16}  # CPU autocast runs fp16 too
+    args = (*PRECISION_RESUME, "--results-dir", str(tmp_path))
+    with monkeypatch.context() as m:  # as tests/test_hardware.py decides CUDA precision
+        m.setattr(hardware, "choose_precision", lambda device, amp: (dtypes[before], before))
+        _signal_self_after(m, 5)
+        assert main_in_process(*args) == 75
+    run_dir = run_dir_of(tmp_path)
+    saved = torch.load(run_dir / "checkpoint.pt", weights_only=True)["trainer"]
+    assert saved["precision"] == {"autocast": before, "grad_scaler": before == "fp16"}
+    assert bool(saved["scaler"]) == (before == "fp16")
+    monkeypatch.setattr(hardware, "choose_precision", lambda device, amp: (dtypes[after], after))
+    assert main_in_process(*args) == 0
+    log = (run_dir / "run.log").read_text()
+    assert f"checkpoint was written under {before}, this run continues under {after}" in log
+    expected = "a new GradScaler starts" if after == "fp16" else "GradScaler state is dropped"
+    assert expected in log
+    metrics = read_metrics(run_dir)
+    assert metrics["steps"] == 12 and metrics["test_acc"] > 0.1
+    saved = torch.load(run_dir / "checkpoint.pt", weights_only=True)["trainer"]
+    assert saved["precision"] == {"autocast": after, "grad_scaler": after == "fp16"}
+
+
+def test_a_checkpoint_that_fails_to_load_is_refused_once_and_for_good(
+    main_in_process, tmp_path, capsys
+):
+    """Any exception while loading is one `error: cannot resume:` line and exit 2; the status
+    says "refused", so the sweep's planner stops promising a resume; --fresh starts over."""
+    import torch
+
+    from {{ cookiecutter.package_name }} import plan
+
+    args = ("--epochs", "1", "--max-steps", "2", "--results-dir", str(tmp_path))
+    assert main_in_process(*args) == 0
+    run_dir = run_dir_of(tmp_path)
+    # What a checkpoint from another machine's torch may hold: an RNG state of another size.
+    state = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    state["rng"]["torch"] = state["rng"]["torch"][:100]
+    torch.save(state, run_dir / "checkpoint.pt")
+    (run_dir / "metrics.json").unlink()
+    (run_dir / "status").write_text("interrupted\n")
+    capsys.readouterr()
+    assert main_in_process(*args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: cannot resume: ") and "--fresh" in err[-1], err
+    assert "Traceback" not in "\n".join(err)
+    assert (run_dir / "status").read_text() == "refused\n"
+    state, note = plan.job_state(run_dir)
+    assert state == "refused" and "--fresh" in note and "resumes" not in note
+    assert main_in_process(*args, "--fresh") == 0
+    assert plan.job_state(run_dir)[0] == "done"
 
 
 def test_tools_report_and_exit_without_training(main_in_process, tmp_path, capsys):

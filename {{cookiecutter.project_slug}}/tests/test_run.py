@@ -127,6 +127,46 @@ def test_finished_run_is_not_retrained(finished_run):
     assert (run_dir / "metrics.json").stat().st_mtime_ns == before
 
 
+@pytest.mark.slow  # two runs; test_step.py checks the EMA's warm-up arithmetic in milliseconds
+def test_ema_of_a_short_run_is_as_good_as_its_weights(main_in_process, tmp_path):
+    """The issue's case: a short digits run (60 steps) with --ema 0.999. Without a warm-up the
+    EMA is mostly the random initialisation and tests near chance (0.13 against 0.79)."""
+    args = ("--epochs", "3", "--patience", "0", "--tracking", "off")
+    assert main_in_process(*args, "--results-dir", str(tmp_path / "plain")) == 0
+    assert main_in_process(*args, "--ema", "0.999", "--results-dir", str(tmp_path / "ema")) == 0
+    plain = read_metrics(run_dir_of(tmp_path / "plain"))["test_acc"]
+    ema = read_metrics(run_dir_of(tmp_path / "ema"))["test_acc"]
+    assert plain > 0.3 and ema > plain - 0.1, (plain, ema)
+
+
+@pytest.mark.slow  # two runs; test_train_units.py checks EarlyStopping's start in milliseconds
+def test_min_epochs_holds_early_stopping_back(main_in_process, tmp_path, monkeypatch):
+    """Validation accuracy that only falls after epoch 1 (scripted): patience 1 stops the run at
+    epoch 2; with --min-epochs 3 only epoch 4 counts, and the run ends on its last epoch, which
+    is not "early_stopping"."""
+    from {{ cookiecutter.package_name }} import train
+
+    real_evaluate, calls = train.evaluate, []
+
+    def falling(model, loader, **kwargs):
+        loss, _ = real_evaluate(model, loader, **kwargs)
+        calls.append(1)
+        return loss, 0.5 - 0.1 * len(calls)
+
+    monkeypatch.setattr(train, "evaluate", falling)
+    args = ("--epochs", "4", "--batch-size", "256", "--patience", "1", "--tracking", "off")
+    for extra, epochs_run, reason in (
+        ((), 2, "early_stopping"),
+        (("--min-epochs", "3"), 4, "max_epochs"),
+    ):
+        calls.clear()
+        out = tmp_path / (extra[-1] if extra else "none")
+        assert main_in_process(*args, *extra, "--results-dir", str(out)) == 0
+        metrics = read_metrics(run_dir_of(out))
+        assert (metrics["epochs_run"], metrics["stop_reason"]) == (epochs_run, reason), extra
+        assert metrics["best_epoch"] == 1
+
+
 def test_max_steps_stops_at_exactly_n_steps(main_in_process, tmp_path):
     assert main_in_process("--max-steps", "7", "--epochs", "5", "--results-dir", str(tmp_path)) == 0
     metrics = read_metrics(run_dir_of(tmp_path))

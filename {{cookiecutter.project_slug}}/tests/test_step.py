@@ -50,27 +50,58 @@ def make_trainer(model: nn.Module, **kwargs) -> Trainer:
     )
 
 
-def test_ema_matches_averaged_model():
-    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+def warm_up_ema_fn(decay: float):
+    """AveragedModel's multi_avg_fn for the timm/TensorFlow warm-up, written from the formula:
+    AveragedModel copies on its first update and calls this with n = updates so far."""
+
+    def average(ema, current, n):
+        d = min(decay, (1 + int(n)) / (10 + int(n)))
+        for e, c in zip(ema, current, strict=True):
+            e.copy_(d * e + (1 - d) * c)
+
+    return average
+
+
+def test_ema_matches_averaged_model_with_the_warm_up():
+    from torch.optim.swa_utils import AveragedModel
 
     model = small_net()
-    ours = EMA(model, 0.9)
-    theirs = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    ours = EMA(model, 0.75)
+    theirs = AveragedModel(model, multi_avg_fn=warm_up_ema_fn(0.75), use_buffers=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for x, y in batches(5):
+    decays = []
+    for x, y in batches(30):
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
         optimizer.zero_grad()
+        decays.append(ours.current_decay())
         ours.update()
         theirs.update_parameters(model)
+    # A copy, then the warm-up (2/11, 3/12, ...), capped at 0.75 from n = 26 (27/36 = 0.75).
+    assert decays[:3] == [0.0, 2 / 11, 3 / 12] and decays[25] < 0.75 == decays[26] == decays[-1]
     ours_state, theirs_state = ours.module.state_dict(), theirs.module.state_dict()
     floats = [k for k, v in ours_state.items() if v.is_floating_point()]
     assert len(floats) == 7  # conv; BN weight, bias, mean, var; linear weight, bias: all compared
     for key in floats:
-        assert torch.equal(ours_state[key], theirs_state[key]), key
+        torch.testing.assert_close(ours_state[key], theirs_state[key], rtol=1e-6, atol=1e-7)
     # Integer buffers: copied, where AveragedModel averaged a counter into a meaningless value.
-    assert ours_state["1.num_batches_tracked"] == model[1].num_batches_tracked == 5
+    assert ours_state["1.num_batches_tracked"] == model[1].num_batches_tracked == 30
     assert not any(t.requires_grad for t in ours.module.parameters())
+
+
+def test_ema_of_a_short_run_holds_little_of_the_initial_weights():
+    """The issue's case in numbers: 200 updates at decay 0.999. Without a warm-up 0.999**199 =
+    82 % of the initial weights stay in the EMA; with it, under 1 %."""
+    model = nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)  # the "initial weights"
+    ema = EMA(model, 0.999)
+    ema.update()  # the first update copies
+    with torch.no_grad():
+        model.weight.fill_(0.0)  # every later weight: 0, so what is left of the 1 is the share
+    for _ in range(199):
+        ema.update()
+    assert ema.module.weight.item() < 0.01
 
 
 def test_gather_cross_entropy_equals_torch_with_and_without_smoothing():

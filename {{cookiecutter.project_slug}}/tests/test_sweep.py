@@ -507,6 +507,27 @@ def test_dry_run_lists_states_and_runs_nothing(tmp_path):
     assert len((project / "init_tracking.log").read_text().split()) == 1  # from the real run
 
 
+def test_a_refused_run_is_listed_and_not_rerun(tmp_path):
+    """run.py writes status "refused" when it cannot load a run's checkpoint (test_resume.py):
+    the planner says so, with what to do, and the sweep does not re-run it for ever."""
+    project = make_project(tmp_path, ["--fail --tag refused", "--tag ok"])
+    run_sweep(project)
+    refused = next(d for d in run_dirs(project) if "tag_refused" in d.name)
+    (refused / "status").write_text("refused\n")  # what run.py leaves: this status and
+    (refused / "checkpoint.pt").write_bytes(b"a checkpoint run.py cannot load")  # its checkpoint
+    before = len(attempts(project, finished_only=False))
+    dry = run_sweep(project, "--dry-run")
+    assert re.search(
+        r"^refused +\S*tag_refused\S* +\(run.py refused its checkpoint", dry.stdout, re.M
+    )
+    assert "2 jobs: 1 done, 0 pending, 0 interrupted, 0 failed, 1 refused" in dry.stdout
+    result = run_sweep(project)
+    assert len(attempts(project, finished_only=False)) == before  # nothing started
+    assert result.returncode == 1 and "--fresh" in result.stdout, result.stdout
+    (refused / "checkpoint.pt").unlink()  # deleted by hand: run.py would start it over
+    assert "1 pending" in run_sweep(project, "--dry-run").stdout
+
+
 def test_extra_arguments_after_double_dash_reach_every_job(tmp_path):
     project = make_project(tmp_path, ["--tag a", "--tag b"])
     result = run_sweep(project, "--", "--sleep", "0.01", "--child-less")

@@ -56,6 +56,63 @@ def test_early_stopping_state_round_trips_and_patience_zero_never_stops():
     assert (copy.patience, copy.best_epoch, copy.bad_epochs) == (0, 1, 18)
 
 
+def test_early_stopping_counts_no_epoch_up_to_its_start():
+    """Falling scores from epoch 2: with patience 2 counted from epoch 3 on, the run stops at
+    epoch 5, not at epoch 3 (while the LR still climbs)."""
+    stopper, model = EarlyStopping(patience=2, start_epoch=3), _model_with_weight(0.0)
+    stopped = []
+    for epoch, score in enumerate([0.5, 0.4, 0.3, 0.2, 0.1, 0.0], start=1):
+        stopper.update(score, epoch, model)
+        stopped.append(stopper.should_stop)
+    assert stopped.index(True) + 1 == 5 and stopper.best_epoch == 1
+
+
+@pytest.mark.parametrize(("total", "per_epoch"), [(200, 10), (80, 20), (1000, 7), (5, 5)])
+def test_patience_starts_after_the_lr_peak_and_beta1_cycles_as_documented(total, per_epoch):
+    from {{ cookiecutter.package_name }}.train import peak_epoch
+
+    model = nn.Linear(2, 2)
+    optimizer = build_optimizer(model, 0.01, 0.0, CPU)
+    scheduler = build_scheduler(optimizer, 0.01, total)
+    lrs, beta1 = [], []
+    for _ in range(total):
+        lrs.append(scheduler.get_last_lr()[0])
+        beta1.append(optimizer.param_groups[0]["betas"][0])
+        optimizer.step()
+        scheduler.step()
+    peak_step = max(range(total), key=lrs.__getitem__)  # LR of step peak_step + 1 is the max
+    # The epoch at whose end the peak is passed: epochs up to it never count against patience.
+    assert (
+        (peak_epoch(total, per_epoch) - 1) * per_epoch
+        <= peak_step
+        < max(peak_epoch(total, per_epoch) * per_epoch, 1)
+    )
+    # --lr's help: AdamW's beta1 cycles 0.95 -> 0.85 (at the LR peak) -> 0.95.
+    if total > 10:
+        assert beta1[0] == pytest.approx(0.95) and beta1[-1] == pytest.approx(0.95, abs=1e-3)
+        assert beta1[peak_step] == pytest.approx(0.85)
+
+
+def test_stop_reason_is_early_stopping_only_if_patience_ended_the_run_early():
+    import argparse
+
+    from conftest import load_run_py
+
+    from {{ cookiecutter.package_name }}.state import Progress
+
+    run = load_run_py()
+    stopper, model = EarlyStopping(patience=1), _model_with_weight(0.0)
+    stopper.update(0.5, 1, model)
+    stopper.update(0.4, 2, model)  # patience ran out at epoch 2
+    assert stopper.should_stop
+    args = argparse.Namespace(epochs=5, max_steps=0)
+    assert run.stop_reason(Progress(epoch=2, step=20), args, stopper) == "early_stopping"
+    args.epochs = 2  # ... on the last epoch: the run ended there anyway
+    assert run.stop_reason(Progress(epoch=2, step=20), args, stopper) == "max_epochs"
+    args.epochs, args.max_steps = 5, 20  # ... on the last step
+    assert run.stop_reason(Progress(epoch=2, step=20), args, stopper) == "max_steps"
+
+
 def test_check_finite_names_the_steps():
     check_finite(1.5, 1, 1, 10)
     for bad in (math.nan, math.inf):

@@ -60,6 +60,7 @@ EXECUTION_KEYS = frozenset(
 # Experiment-defining flags added after the first release, with their defaults: left out of the
 # hash while at that default, so an update does not move every finished run to a new directory.
 ADDED_DEFAULTS: dict[str, object] = {
+    "min_epochs": 0,
     # The version of --data-path's files (dataversion.py), set by parse_args, not a flag: runs
     # on two versions of a folder never share a directory. None for the built-in array datasets,
     # whose released run names must not move (their content hash goes to config.json instead).
@@ -233,7 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="micro-batch size; effective batch = batch size x --grad-accum",
     )
     e.add_argument(
-        "--lr", type=_positive_float, default=3e-3, help="peak learning rate (one-cycle schedule)"
+        "--lr",
+        type=_positive_float,
+        default=3e-3,
+        help="peak learning rate of the one-cycle schedule (up over 15%% of the steps, then "
+        "cosine down to ~0); it also cycles AdamW's beta1 0.95 -> 0.85 -> 0.95",
     )
     e.add_argument(
         "--weight-decay", type=_non_negative_float, default=5e-4, help="AdamW weight decay"
@@ -242,7 +247,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--patience",
         type=_non_negative_int,
         default=5,
-        help="early stopping: epochs without a better val accuracy (0 = off)",
+        help="early stopping: epochs without a better val accuracy (0 = off); counted "
+        "only after the LR peak and after --min-epochs",
+    )
+    e.add_argument(
+        "--min-epochs",
+        type=_non_negative_int,
+        default=0,
+        help="early stopping counts no epoch up to this one (it never counts before the "
+        "one-cycle LR peak, 15%% of the steps, either)",
     )
     e.add_argument(
         "--seed",
@@ -263,7 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--ema",
         type=_fraction,
         default=0.0,
-        help="EMA decay of the weights, e.g. 0.999; evaluated instead of them (0 = off)",
+        help="EMA decay of the weights, evaluated instead of them (0 = off); it averages "
+        "over ~1/(1 - decay) steps after a warm-up (timm's): e.g. 0.99 for the default "
+        "digits run (200 steps), 0.999 from a few thousand steps",
     )
     e.add_argument(
         "--label-smoothing",

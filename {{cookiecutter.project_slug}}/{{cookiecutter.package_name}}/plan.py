@@ -8,10 +8,12 @@ the ones run.py will use, and imports no torch and no mlflow.
 Input on stdin, for each job: the number of arguments, then the arguments, each ending in NUL:
     printf '%s\\0' 2 --lr 0.01  3 --seed 1 --epochs 3 | python run.py --plan
 Output on stdout, for each job three NUL-terminated fields: STATE, RUN_DIR, NOTE, where STATE is
-    done         metrics.json exists and parses
+    done         metrics.json exists and parses to a non-empty object (runs.is_done)
     running      another live process holds the run's claim (claim.py): "running elsewhere"
     interrupted  stopped before the end (status interrupted, or running with no live holder)
     failed       the last attempt failed
+    refused      run.py refused to continue it (its checkpoint cannot be loaded): not re-run;
+                 `run.py ARGS --fresh` starts it over (NOTE says so)
     pending      never started
     invalid      run.py would refuse the command line (RUN_DIR empty, NOTE = run.py's error)
 """
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -43,17 +44,9 @@ def resolve(argv: list[str]) -> Path:
         raise UsageError(lines[-1].removeprefix("run.py: ")) from None
 
 
-def finished(directory: Path) -> bool:
-    """Done iff metrics.json parses: a truncated or empty one (disk full) is not a result."""
-    try:
-        return isinstance(json.loads((directory / runs.METRICS).read_bytes()), dict)
-    except (OSError, ValueError):
-        return False
-
-
 def job_state(directory: Path) -> tuple[str, str]:
     """(state, note) of one run directory, from the files run.py writes and the claim."""
-    if finished(directory):
+    if runs.is_done(directory):  # the one definition of "done", run.py's own
         return "done", ""
     who = holder(directory)
     if who is not None:
@@ -63,6 +56,11 @@ def job_state(directory: Path) -> tuple[str, str]:
     then = "resumes from its checkpoint" if resumes else "starts over: no checkpoint yet"
     if status == "failed":
         return "failed", f"last attempt failed; will be re-run, {then}"
+    if status == "refused" and resumes:  # without its checkpoint (deleted), it starts over
+        return "refused", (
+            f"run.py refused its checkpoint (why: the last lines of {runs.LOG}); not re-run: "
+            "fix the cause, or re-run the job with --fresh to start it over"
+        )
     if status == "interrupted":
         return "interrupted", then
     if status == "running":  # says running, but nobody holds the claim: its process died

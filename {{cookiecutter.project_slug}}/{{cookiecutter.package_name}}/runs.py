@@ -31,7 +31,9 @@ BEST_MODEL = "best_model.pt"
 METRICS = "metrics.json"
 LOG = "run.log"
 LOCK = ".lock"  # held (flock) by the process training this directory: see claim.py
-STATUSES = ("running", "interrupted", "failed", "finished")
+# refused: run.py will not continue this run as it is (its checkpoint cannot be loaded); the
+# sweep does not re-run it, and `run.py ... --fresh` starts it over.
+STATUSES = ("running", "interrupted", "failed", "finished", "refused")
 HISTORY_FIELDS = (
     "epoch",
     "step",

@@ -2,8 +2,11 @@
 
 `TrainingState` owns it all -- progress (epoch, optimizer step, position in the epoch), history,
 timers, early stopping and the Trainer's own state (model, optimizer, scheduler, GradScaler, EMA,
-partial-epoch sums) -- so saving and resuming are one call each. The best weights live only in
-best_model.pt (a plain state_dict); the checkpoint records which epoch they are from.
+partial-epoch sums) -- so saving and resuming are one call each. The best weights are in the
+checkpoint too, not only in best_model.pt (a plain state_dict, written at every new best): a hard
+kill after a new best_model.pt but before the next checkpoint would otherwise resume with the
+weights of an epoch the checkpoint has not reached. On resume the checkpoint's copy wins and
+best_model.pt is rewritten from it when they differ.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class Progress:
     history: list[dict] = dataclasses.field(default_factory=list)
     wall_time_s: float = 0.0
     train_time_s: float = 0.0
+    epoch_time_s: float = 0.0  # training time of the current epoch so far, across resumes
     compile_time_s: float = 0.0
     samples: int = 0
 
@@ -48,8 +52,7 @@ class TrainingState:
         self._clock = now
 
     def state_dict(self) -> dict:
-        early = self.stopper.state_dict()
-        early.pop("best_state", None)  # the best weights are in best_model.pt, not twice on disk
+        early = self.stopper.state_dict()  # with the best weights (see the module docstring)
         return {
             "trainer": self.trainer.state_dict(),
             "early_stopping": early,
@@ -65,11 +68,22 @@ class TrainingState:
     def save_best(self, path: Path) -> None:
         ckpt.save_weights(path, self.stopper.best_state)
 
+    @staticmethod
+    def _best_model_matches(early: dict, best_model: Path) -> bool:
+        try:
+            on_disk = ckpt.load_weights(best_model)
+        except ckpt.CheckpointError:  # missing or unreadable: rewritten
+            return False
+        best = early["best_state"]
+        return on_disk.keys() == best.keys() and all(torch.equal(on_disk[k], best[k]) for k in best)
+
     def resume(self, path: Path, best_model: Path, log) -> bool:
         """Load the checkpoint at `path` if there is one; False if there is none.
 
-        Raises CheckpointError (corrupt, another configuration, another model) with the reason.
-        The RNG state is restored last, so nothing after it consumes random numbers.
+        Raises CheckpointError (corrupt, another configuration, another model, anything that
+        fails while loading it) with the reason: a checkpoint that cannot be loaded is refused
+        in one line, never a traceback. The RNG state is restored last, so nothing after it
+        consumes random numbers.
         """
         if not path.exists():
             return False
@@ -77,14 +91,27 @@ class TrainingState:
         try:
             self.trainer.load_state_dict(state["trainer"])
             early = state["early_stopping"]
-            early["best_state"] = ckpt.load_weights(best_model) if early["best_epoch"] else None
+            if early.get("best_state") is None and early["best_epoch"]:  # older checkpoints
+                early["best_state"] = ckpt.load_weights(best_model)
+            elif early["best_epoch"] and not self._best_model_matches(early, best_model):
+                log.warning(
+                    "%s is not the checkpoint's best (epoch %d): a hard kill came between "
+                    "the two writes; rewritten from the checkpoint",
+                    best_model.name,
+                    early["best_epoch"],
+                )
+                ckpt.save_weights(best_model, early["best_state"])
             self.stopper.load_state_dict(early)
             self.progress = Progress(**state["progress"])
-        except (KeyError, TypeError, ValueError) as exc:
+            note = ckpt.set_rng_state(state["rng"], self.device)
+        except ckpt.CheckpointError:
+            raise
+        except Exception as exc:  # whatever torch or this code raises: refused, with the reason
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise ckpt.CheckpointError(
-                f"{path} does not fit this code ({type(exc).__name__}: {exc}); re-run with --fresh"
+                f"{path} does not fit this code or this machine ({type(exc).__name__}: "
+                f"{first}); re-run with --fresh to start over"
             ) from exc
-        note = ckpt.set_rng_state(state["rng"], self.device)
         if note:
             log.warning(note)
         return True

@@ -117,10 +117,12 @@ class EarlyStopping:
     """Patience on a validation score (higher is better); keeps a copy of the best weights.
 
     patience=0 never stops early but still keeps (and lets you restore) the best weights.
+    Epochs up to `start_epoch` never count against patience (their bests are still kept): a run
+    must not stop in its warm-up, while the learning rate climbs and validation scores jump.
     """
 
-    def __init__(self, patience: int) -> None:
-        self.patience = patience
+    def __init__(self, patience: int, start_epoch: int = 0) -> None:
+        self.patience, self.start_epoch = patience, start_epoch
         self.best_score = float("-inf")
         self.best_epoch = 0
         self.bad_epochs = 0
@@ -133,7 +135,8 @@ class EarlyStopping:
             weights = model.state_dict().items()
             self.best_state = {k: v.detach().to("cpu", copy=True) for k, v in weights}
             return True
-        self.bad_epochs += 1
+        if epoch > self.start_epoch:
+            self.bad_epochs += 1
         return False
 
     @property

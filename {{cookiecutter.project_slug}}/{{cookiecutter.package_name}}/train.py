@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import math
 import random
 from collections.abc import Iterable
 
@@ -54,21 +55,48 @@ def build_optimizer(
     return torch.optim.AdamW(groups, lr=lr, fused=device.type == "cuda")
 
 
+WARM_UP_FRACTION = 0.15  # of the optimizer steps: the one-cycle LR climbs, then anneals
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, lr: float, total_steps: int):
-    """One-cycle: short warm-up, then cosine annealing to ~0 at the last optimizer step."""
+    """One-cycle (Smith & Topin): the LR climbs over the first 15 % of the steps to `lr`, then
+    cosine-anneals to ~0 at the last optimizer step.
+
+    Momentum cycles too, deliberately (OneCycleLR's cycle_momentum, as in Smith's one-cycle
+    policy and fastai): AdamW's beta1 goes 0.95 -> 0.85 at the LR peak -> 0.95, i.e. less
+    momentum while the LR is high. It replaces AdamW's beta1 = 0.9 for the whole run; beta2
+    stays 0.999. --lr's help says so.
+    """
     return torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=lr, total_steps=max(total_steps, 1), pct_start=0.15, anneal_strategy="cos"
+        optimizer,
+        max_lr=lr,
+        total_steps=max(total_steps, 1),
+        pct_start=WARM_UP_FRACTION,
+        anneal_strategy="cos",
+        cycle_momentum=True,
+        base_momentum=0.85,
+        max_momentum=0.95,
     )
+
+
+def peak_epoch(total_steps: int, steps_per_epoch: int) -> int:
+    """The epoch at whose end the one-cycle LR has passed its peak: early stopping counts only
+    from the next one (run.py), so a run never stops while its LR climbs."""
+    return math.ceil(WARM_UP_FRACTION * total_steps / max(steps_per_epoch, 1))
 
 
 class EMA:
     """Exponential moving average of the weights and float buffers (BatchNorm statistics).
 
-    Same arithmetic as `AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay),
-    use_buffers=True)` for float tensors (tested): the first update copies, later ones
-    `ema = decay * ema + (1 - decay) * weight` as one foreach lerp. Unlike AveragedModel it
-    keeps its update count as a Python int (AveragedModel copies a CPU counter to the device
-    every update: a blocking copy) and copies integer buffers instead of averaging them.
+    The first update copies the weights (the random initialisation never enters the average);
+    update n >= 1 does `ema = d_n * ema + (1 - d_n) * weight` as one foreach lerp, with the
+    warm-up `d_n = min(decay, (1 + n) / (10 + n))` of timm and TensorFlow: without it, 0.999
+    keeps 0.999**n of the first weights in the average, 82 % after 200 updates.
+    Same arithmetic as `AveragedModel(model, multi_avg_fn=<that lerp>, use_buffers=True)` for
+    float tensors (tested). Unlike AveragedModel it keeps its update count as a Python int
+    (AveragedModel copies a CPU counter to the device every update: a blocking copy) and copies
+    integer buffers instead of averaging them. The count is in `state_dict()`: a resumed run
+    continues the warm-up exactly.
     """
 
     def __init__(self, model: nn.Module, decay: float) -> None:
@@ -90,13 +118,19 @@ class EMA:
         )
         self._other = [(e, m) for e, m in pairs if not e.is_floating_point()]
 
+    def current_decay(self) -> float:
+        """The decay of the next update: 0 (a copy) first, then the warm-up toward `decay`."""
+        n = self.updates
+        return 0.0 if n == 0 else min(self.decay, (1 + n) / (10 + n))
+
     @torch.no_grad()
     def update(self) -> None:
         ema, live = self._float
-        if self.updates == 0:
+        decay = self.current_decay()
+        if decay == 0.0:
             torch._foreach_copy_(ema, live)
         else:
-            torch._foreach_lerp_(ema, live, 1 - self.decay)
+            torch._foreach_lerp_(ema, live, 1 - decay)
         for e, m in self._other:
             e.copy_(m)
         self.updates += 1
@@ -298,9 +332,40 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
+            "precision": self.precision(),
             "ema": self.ema.state_dict() if self.ema is not None else None,
             "sums": sums,
         }
+
+    def precision(self) -> dict:
+        """What the checkpoint records of the arithmetic: the autocast dtype and the scaler."""
+        names = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}
+        autocast = names.get(self.dtype, str(self.dtype))
+        return {"autocast": autocast, "grad_scaler": self.scaler.is_enabled()}
+
+    def _load_scaler(self, state: dict) -> None:
+        """Continue under this run's precision, whatever the checkpoint's (a requeue may land
+        on a GPU without bf16, or with it): the GradScaler's state is taken over when both use
+        one, dropped when this run needs none, and started afresh when only this run needs one
+        (its first steps then find the scale again). run.log says which."""
+        # Checkpoints from before "precision" was recorded: a GradScaler saves {} when disabled.
+        then = state.get("precision") or {"autocast": None, "grad_scaler": bool(state["scaler"])}
+        now = self.precision()
+        if then["autocast"] not in (None, now["autocast"]):
+            self.log.warning(
+                "precision: the checkpoint was written under %s, this run continues under %s",
+                then["autocast"],
+                now["autocast"],
+            )
+        if then["grad_scaler"] and now["grad_scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+        elif then["grad_scaler"]:
+            self.log.warning("precision: the checkpoint's GradScaler state is dropped (not needed)")
+        elif now["grad_scaler"]:
+            self.log.warning(
+                "precision: a new GradScaler starts at scale %g (the checkpoint had none)",
+                self.scaler.get_scale(),
+            )
 
     def load_state_dict(self, state: dict) -> None:
         """Strict: a model whose keys or shapes differ raises CheckpointError."""
@@ -309,7 +374,7 @@ class Trainer:
         load_model_state(self.model, state["model"], "the checkpoint's model")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
+        self._load_scaler(state)
         if (state["ema"] is None) != (self.ema is None):
             raise CheckpointError("the checkpoint's EMA setting differs from this run's")
         if self.ema is not None:
