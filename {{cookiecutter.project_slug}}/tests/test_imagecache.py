@@ -69,12 +69,14 @@ def file_split(folder) -> FileSplit:
 
 
 DECODE = textwrap.dedent("""
-    import json, os, signal, sys, time
+    import json, os, signal, subprocess, sys, time
     import torch
     from {{ cookiecutter.package_name }} import imagecache
     from {{ cookiecutter.package_name }}.loaders import FileSplit
 
-    folder, data_dir, processes, kill_after, ready, go = sys.argv[1:]
+    folder, data_dir, processes, kill_after, ready, go, how = sys.argv[1:]
+    stops = []
+    signal.signal(signal.SIGTERM, lambda *_: stops.append("TERM"))  # as run.py's GracefulStop
     imagecache.CHUNK_IMAGES = 4
     paths = sorted(str(p) for p in __import__("pathlib").Path(folder).rglob("*.png"))
     split = FileSplit(paths, torch.zeros(len(paths), dtype=torch.long), (3, 16, 16))
@@ -82,8 +84,11 @@ DECODE = textwrap.dedent("""
 
     def progress(done, chunks):
         calls.append(done)
-        if done >= int(kill_after):
+        if done == int(kill_after) and how == "KILL":
             os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or a node failure would
+        if done == int(kill_after) and how == "TERM":
+            # As Slurm or Ctrl-C: every process of the group, from another process.
+            subprocess.run(["kill", "-s", "TERM", "--", f"-{os.getpgid(0)}"])  # it gets one too
         time.sleep(0.02)  # a slower decode: the other job must find it in progress
 
     if ready != "-":  # start together with another job: both wait for the test's "go"
@@ -92,11 +97,11 @@ DECODE = textwrap.dedent("""
             time.sleep(0.01)
     out = imagecache.decode_cached(split, data_dir, version="v1", processes=int(processes),
                                    progress=progress)
-    print(json.dumps({"calls": calls, "sum": int(out.images.sum()), "n": len(out)}))
+    print(json.dumps({"calls": calls, "sum": int(out.images.sum()), "n": len(out), "stops": stops}))
 """)
 
 
-def decode(folder, data_dir, processes=1, kill_after=10**9, ready="-", go="-", wait=True):
+def decode(folder, data_dir, processes=1, kill_after=0, ready="-", go="-", wait=True, how="-"):
     command = [
         sys.executable,
         "-c",
@@ -107,11 +112,23 @@ def decode(folder, data_dir, processes=1, kill_after=10**9, ready="-", go="-", w
         str(kill_after),
         str(ready),
         str(go),
+        how,
     ]
-    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # its own process group: a group signal reaches it alone
+    )
     if not wait:
         return proc
-    out, err = proc.communicate(timeout=120)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return "timeout", out.decode(), err.decode()
     return proc.returncode, out.decode(), err.decode()
 
 
@@ -119,7 +136,7 @@ def decode(folder, data_dir, processes=1, kill_after=10**9, ready="-", go="-", w
 def test_a_killed_decode_resumes_where_it_stopped(tmp_path):
     folder = make_folder(tmp_path / "f", {"train": 10}, size=(20, 20))  # 30 images, 8 chunks
     data_dir = tmp_path / "cache"
-    code, _, err = decode(folder, data_dir, processes=2, kill_after=3)
+    code, _, err = decode(folder, data_dir, processes=2, kill_after=3, how="KILL")
     assert code == -signal.SIGKILL, err
     (cache,) = data_dir.glob("decoded-*.partial.npy")
     marks = next(data_dir.glob("decoded-*.chunks")).read_bytes()
@@ -137,6 +154,18 @@ def test_a_killed_decode_resumes_where_it_stopped(tmp_path):
     fresh = json.loads(out)
     assert fresh["calls"] == list(range(1, 9))
     assert (resumed["sum"], resumed["n"]) == (fresh["sum"], fresh["n"]) and fresh["sum"] > 0
+
+
+@pytest.mark.slow
+def test_a_group_sigterm_during_the_decode_is_left_to_the_main_process(tmp_path):
+    """Slurm's TERM reaches every process of the job: the decoding processes leave it to the
+    main process (run.py stops gracefully after the decode). Before, a decoding process died of
+    it, its chunk was lost and the pool waited for it forever."""
+    folder = make_folder(tmp_path / "f", {"train": 10}, size=(20, 20))  # 8 chunks
+    code, out, err = decode(folder, tmp_path / "cache", processes=2, kill_after=2, how="TERM")
+    assert code == 0, (code, err)
+    done = json.loads(out)
+    assert done["stops"] == ["TERM"] and done["calls"][-1] == 8 and done["n"] == 30
 
 
 @pytest.mark.slow

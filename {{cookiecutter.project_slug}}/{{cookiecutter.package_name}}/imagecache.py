@@ -24,10 +24,11 @@ import hashlib
 import multiprocessing
 import os
 import shutil
-import signal
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +36,7 @@ import torch
 
 from .dataversion import file_lock
 from .imagefolder import UnreadableImage, decode_image
-from .loaders import FileSplit, Split, available_cpus, set_parent_death_signal
+from .loaders import FileSplit, Split, available_cpus, worker_init, workers_started_safely
 
 CHUNK_IMAGES = 256  # images per task of a decoding process (and per done-marker)
 PROGRESS_EVERY_S = 10.0  # the progress line, when not on a terminal: at most this often
@@ -172,15 +173,24 @@ def _run(tasks, processes: int):
         yield from map(_decode_chunk, tasks)
         return
     context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-    with context.Pool(processes, initializer=_init_process) as pool:
-        yield from pool.imap_unordered(_decode_chunk, tasks)
-
-
-def _init_process() -> None:
-    """Ctrl-C and Slurm's TERM reach the main process, which ends the pool; a killed main
-    process ends its pool too (the parent-death signal)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    set_parent_death_signal(signal.SIGTERM)
+    # As the loader's workers: a group SIGINT/SIGTERM (Ctrl-C, Slurm) is left to the main
+    # process, and the main process's own TERM or its death ends them. A process that dies
+    # anyway (the OOM killer) breaks the pool: an error, never a wait for its lost chunk.
+    with workers_started_safely():  # the processes start (fork) at the first submit
+        pool = ProcessPoolExecutor(
+            processes, mp_context=context, initializer=worker_init, initargs=(0,)
+        )
+        futures = [pool.submit(_decode_chunk, task) for task in tasks]
+    try:
+        for future in as_completed(futures):
+            yield future.result()
+    except BrokenProcessPool as e:
+        raise ValueError(
+            "a process decoding images died (killed, out of memory?); run again: the decode "
+            "resumes with the chunks not done"
+        ) from e
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _decode_chunk(task) -> tuple[int, tuple[str, str] | None]:

@@ -86,13 +86,13 @@ def default_workers(device: torch.device, *, streaming: bool = False) -> int:
     return min(4, cpus // 2)
 
 
-def _worker_init(_worker_id: int) -> None:
+def worker_init(_worker_id: int) -> None:
     """worker_init_fn: workers leave stop signals to the main process, but not their own end.
 
     Slurm and Ctrl-C signal the whole process group: a worker dying of it would turn a graceful
     stop (checkpoint, exit 75) into "DataLoader worker killed by signal" in the main process.
     So SIGINT and SIGTERM stay blocked here (they were blocked for the fork, by
-    _workers_started_safely) and one thread takes them: a SIGTERM sent by the parent itself
+    workers_started_safely) and one thread takes them: a SIGTERM sent by the parent itself
     (how multiprocessing's exit handler and torch's shutdown end workers) or any SIGTERM once
     the parent is gone ends the worker as SIGTERM's default action would. Workers that ignored
     every SIGTERM kept run.py alive at exit after an error, holding its .lock, forever.
@@ -129,7 +129,7 @@ _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 @contextlib.contextmanager
-def _workers_started_safely() -> Iterator[None]:
+def workers_started_safely() -> Iterator[None]:
     """Block SIGINT/SIGTERM while DataLoader workers are forked: a group signal landing between
     a worker's fork and its worker_init_fn would otherwise kill it (Slurm's TERM at an epoch's
     start, when CPU workers are started anew). Blocked in the main process only for the fork;
@@ -311,7 +311,7 @@ class DataLoaderLoader(Loader):
             batch_sampler=_EpochBatches(self),
             collate_fn=_whole_batch,
             num_workers=self.workers,
-            worker_init_fn=_worker_init,
+            worker_init_fn=worker_init,
             # Pinned host memory makes the copy below truly asynchronous; only CUDA has it.
             pin_memory=self._on_cuda,
             # Workers survive between epochs (no re-fork of a process holding the dataset).
@@ -339,7 +339,7 @@ class DataLoaderLoader(Loader):
         traceback would otherwise outlive main() with its workers.
         """
         self._next_epoch()
-        with _workers_started_safely():
+        with workers_started_safely():
             batches = iter(self._loader)  # forks the workers (CPU: every epoch)
         try:
             for images, labels in batches:
