@@ -48,10 +48,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="device to train on")
     p.add_argument("--steps", type=int, default=30, help="timed optimizer steps per variant")
     p.add_argument("--batch-size", type=int, default=0,
-                   help="batch size of every variant (0: the device's rule, 128 CPU / 512 CUDA)")
+                   help="batch size of every variant (0: the device's recommendation, "
+                        "hardware.recommended_batch_size: 128 CPU / 512 CUDA)")
     p.add_argument("--width", type=int, default=64, help="model width (run.py --width)")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
-                   help="compile policy of (a) and (c); auto = the job's rule for this length")
+                   help="compile policy of (a); (c) compiles in mode default with 'on' and "
+                        "stays eager otherwise (auto: run.py's measured decision in (a))")
     p.add_argument("--warmup", type=int, default=3,
                    help="untimed steps before (b) and (c) (the job excludes compile itself)")
     p.add_argument("--repeats", type=int, default=3, help="runs per variant; the best is kept")
@@ -131,7 +133,7 @@ def main(argv=None) -> int:
 
     check = pkg.gpucheck
     if not args.batch_size:
-        args.batch_size = pkg.hardware.default_batch_size(device)
+        args.batch_size = pkg.hardware.recommended_batch_size(device)
     loader = pkg.data.build_loader(split, args.batch_size, train=True, device=device)
     batches = [batch for _, batch in zip(range(8), loader, strict=False)]
 
@@ -147,7 +149,7 @@ def main(argv=None) -> int:
         torch.manual_seed(0)
         trainer = check.build_trainer(device, batch_size=args.batch_size, width=args.width,
                                       total_steps=args.warmup + args.steps,
-                                      compile_flag=args.compile)
+                                      compile_mode="default" if args.compile == "on" else None)
         check.warm_up(trainer, batches[0])
         return check.ceiling_rate(trainer, batches, args.steps, args.warmup)
 

@@ -91,12 +91,14 @@ def write_cruft_state(project: Path, context: dict, repo_dir: Path) -> bool:
 def next_steps(slug: str) -> str:
     return "\n".join(
         [
-            f"Created {slug}/. Next (README.md, 'Install', for the CUDA build and uv):",
+            f"Created {slug}/. Next (README.md, 'Install' and 'First steps'):",
             f"  cd {slug}",
             "  pip install torch --index-url https://download.pytorch.org/whl/cpu  # CPU build",
-            "  pip install -e '.[dev]'      # or, with uv: uv sync --extra cpu --extra dev",
-            "  bash run.sh --dry-run        # list the sweep's jobs",
-            "  bash run.sh && python plot.py  # run it, then make the figures",
+            "  pip install -e '.[dev]'      # uv: uv pip install -r pyproject.toml --extra cpu ...",
+            "  git init && git add -A && git commit -m 'Start from the lab template'",
+            "  pre-commit install           # the lint on every commit (offline)",
+            "  bash run.sh --quick          # the sweep small and short, into results/quick/",
+            "  bash run.sh && python plot.py  # the real sweep, then the figures",
         ]
     )
 

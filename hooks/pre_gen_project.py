@@ -24,9 +24,11 @@ SLUG_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 EMAIL_PATTERN = re.compile(r"^[^@\s\"'<>(),;:\\\[\]]+@[^@\s\"'<>(),;:\\\[\]]+\.[A-Za-z0-9-]+$")
 TEXT_FIELDS = ("project_name", "project_slug", "package_name", "author", "email", "description")
 # Longest answer per field: a folder name over 255 bytes cannot be created at all, and a title or
-# description longer than this is a paragraph, not a name.
+# description longer than this is a paragraph, not a name. The package name stands in import lines
+# and strings of the generated code, which must stay within its lint's 100 columns (the template's
+# tests render it at this limit and run ruff).
 MAX_LENGTH = {
-    "project_name": 80, "project_slug": 80, "package_name": 80,
+    "project_name": 80, "project_slug": 80, "package_name": 30,
     "author": 200, "email": 254, "description": 500,
 }
 # Bidirectional overrides reorder what a reader sees ("Trojan source"): refused like controls.
@@ -39,7 +41,8 @@ def check_text(field: str, value) -> str | None:
         return f"{field}: expected text, got {type(value).__name__}"
     limit = MAX_LENGTH.get(field, 500)
     if len(value) > limit:
-        return f"{field}: {len(value)} characters, the limit is {limit}; type a shorter one"
+        why = " (it must fit in import lines of 100 columns)" if field == "package_name" else ""
+        return f"{field}: {len(value)} characters, the limit is {limit}{why}; type a shorter one"
     for char in value:
         category = unicodedata.category(char)
         if category in ("Cc", "Cs", "Zl", "Zp") or char in BIDI_CONTROLS:
@@ -68,7 +71,7 @@ def check_package_name(name: str, shadowed: frozenset = frozenset()) -> str | No
     ``shadowed`` holds the top-level modules of the project's dependency closure
     (hooks/shadowed_modules.txt).
     """
-    suggestion = re.sub(r"\W", "_", name.lower()).strip("_")[:40] or "my_project"
+    suggestion = re.sub(r"\W", "_", name.lower()).strip("_")[:30] or "my_project"
     if not suggestion.isascii():
         suggestion = "my_project"
     if suggestion[0].isdigit():

@@ -19,10 +19,10 @@ echo "[demo] rendering the template with the default answers into ${OUT_DIR}/lab
 cd "${OUT_DIR}/lab_project"
 echo "[demo] running the sweep (run.sh), then the figures (plot.py)"
 
-# A job per core (run.sh's default without a GPU); a small model and few epochs, the README's
-# quick path.
-PYTHON="${VENV_PYTHON}" bash run.sh -- --epochs 6 --width 16
-"${VENV_PYTHON}" plot.py
+# A job per core (run.sh's default without a GPU); run.sh's quick preset (a small model, few
+# epochs) into results/quick/, the README's quick path.
+PYTHON="${VENV_PYTHON}" bash run.sh --quick
+"${VENV_PYTHON}" plot.py --results results/quick
 
 echo
 echo "Demo finished."

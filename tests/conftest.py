@@ -66,10 +66,11 @@ def bake(template_copy, tmp_path):
 # Skips of the generated project's own suite (CUDA tests without a GPU, the Slurm test without a
 # cluster), collected by test_generated_project.py and listed at the end of the run, so that
 # `scripts/test.sh` says what the nested suite did not test, and why.
-GENERATED_SKIPS: dict[str, list[str]] = {}
+GENERATED_SKIPS: dict[str, list[tuple[int, str]]] = {}
 
 
-def record_generated_skips(render: str, lines: list[str]) -> None:
+def record_generated_skips(render: str, lines: list[tuple[int, str]]) -> None:
+    """lines: (tests skipped, "location: reason") per `SKIPPED [N] ...` line of pytest -rs."""
     GENERATED_SKIPS[render] = lines
 
 
@@ -78,6 +79,7 @@ def pytest_terminal_summary(terminalreporter):
         return
     terminalreporter.section("skipped in the generated project's suite")
     for render, lines in GENERATED_SKIPS.items():
-        terminalreporter.write_line(f"{render}: {len(lines)} skipped")
-        for line in lines:
-            terminalreporter.write_line(f"  {line}")
+        total = sum(n for n, _ in lines)
+        terminalreporter.write_line(f"{render}: {total} skipped ({len(lines)} locations)")
+        for n, line in lines:
+            terminalreporter.write_line(f"  [{n}] {line}")

@@ -20,7 +20,24 @@ TINY = ["--device", "cpu", "--width", "8", "--epochs", "1", "--max-steps", "3", 
         "off"]
 
 
-def test_first_hour_walkthrough(template_copy, tmp_path):
+def streamed(command, *, capsys, step, **kwargs) -> subprocess.CompletedProcess:
+    """Run a step with its output lines printed as they come (past pytest's capture), so the
+    minute of training is never a silent stretch; returns the output like subprocess.run."""
+    timeout = kwargs.pop("timeout")
+    lines = []
+    with capsys.disabled():
+        print(f"\n--- first hour: {step} ---", flush=True)
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True, bufsize=1, **kwargs)
+        for line in process.stdout:
+            lines.append(line)
+            print(f"    {line}", end="", flush=True)
+        returncode = process.wait(timeout=timeout)
+    output = "".join(lines)
+    return subprocess.CompletedProcess(command, returncode, output, output)
+
+
+def test_first_hour_walkthrough(template_copy, tmp_path, capsys):
     repo = tmp_path / "template"
     subprocess.run(["cp", "-r", str(template_copy), str(repo)], check=True)
     git("init", "-q", "-b", "main", cwd=repo)
@@ -45,20 +62,20 @@ def test_first_hour_walkthrough(template_copy, tmp_path):
         env.pop(name, None)
 
     # The README's "Run one job": a trial run, written to results/trials.
-    trial = subprocess.run([sys.executable, "run.py", "--dataset", "digits", *TINY],
-                           cwd=project, env=env, capture_output=True, text=True, timeout=300)
+    trial = streamed([sys.executable, "run.py", "--dataset", "digits", *TINY], cwd=project,
+                     env=env, timeout=300, capsys=capsys, step="a trial run (run.py)")
     assert trial.returncode == 0, trial.stderr
     assert "Creating initial MLflow database tables" not in trial.stderr  # no MLflow noise
     assert list((project / "results" / "trials").glob("*/metrics.json"))
 
     # The sweep, then the figures: only the sweep's runs are aggregated.
-    sweep = subprocess.run(["bash", "run.sh", "--", *TINY], cwd=project, env=env,
-                           capture_output=True, text=True, timeout=900)
+    sweep = streamed(["bash", "run.sh", "--", *TINY], cwd=project, env=env, timeout=900,
+                     capsys=capsys, step="the sweep (run.sh, 9 jobs)")
     assert sweep.returncode == 0, sweep.stdout[-3000:] + sweep.stderr[-3000:]
     assert "sweep summary: 9 done (9 ran now" in sweep.stdout
     assert "thread(s) each (CPU_JOBS=auto: " in sweep.stdout  # the cores shared out, said so
-    plot = subprocess.run([sys.executable, "plot.py"], cwd=project, env=env,
-                          capture_output=True, text=True, timeout=300)
+    plot = streamed([sys.executable, "plot.py"], cwd=project, env=env, timeout=300,
+                    capsys=capsys, step="the figures (plot.py)")
     assert plot.returncode == 0, plot.stderr
     with open(project / "figures" / "aggregate.csv", newline="") as f:
         rows = list(csv.DictReader(f))

@@ -18,7 +18,9 @@ import sys
 
 from conftest import BIN, record_generated_skips
 
-SKIP_LINE = re.compile(r"^SKIPPED \[\d+\] (.*)$")
+# `-rs` lines: "SKIPPED [N] tests/x.py:81: reason", N tests skipped at that location.
+SKIP_LINE = re.compile(r"^SKIPPED \[(\d+)\] (.*)$")
+SKIP_TOTAL = re.compile(r"^=+ .*\b(\d+) skipped\b.* =+$", re.M)
 
 
 def cluster_is_up() -> bool:
@@ -48,8 +50,10 @@ def run_project_tests(project, *args, capsys, label):
     return returncode, "".join(lines)
 
 
-def skipped(output: str) -> list[str]:
-    return [m.group(1) for line in output.splitlines() if (m := SKIP_LINE.match(line))]
+def skipped(output: str) -> list[tuple[int, str]]:
+    """(how many tests, "location: reason") per `-rs` line of a pytest run's output."""
+    return [(int(m.group(1)), m.group(2)) for line in output.splitlines()
+            if (m := SKIP_LINE.match(line))]  # fmt: skip
 
 
 def test_default_project_passes_its_whole_suite_including_slow_tests(bake, capsys):
@@ -58,9 +62,9 @@ def test_default_project_passes_its_whole_suite_including_slow_tests(bake, capsy
                                            label="every switch on, --runslow")
     record_generated_skips("every switch on, --runslow", skipped(output))
     assert returncode == 0, output[-6000:]
-    assert not [s for s in skipped(output) if "slow:" in s]  # --runslow ran the slow tests
+    assert not [s for _, s in skipped(output) if "slow:" in s]  # --runslow ran the slow tests
     if cluster_is_up():  # CI brings one up (.ci/slurm-up.sh): then the Slurm test must run
-        assert not [s for s in skipped(output) if "test_slurm" in s], skipped(output)
+        assert not [s for _, s in skipped(output) if "test_slurm" in s], skipped(output)
 
 
 def test_project_without_options_passes_its_fast_suite(bake, capsys):
@@ -71,3 +75,21 @@ def test_project_without_options_passes_its_fast_suite(bake, capsys):
     record_generated_skips("every switch off, fast suite", skipped(output))
     assert returncode == 0, output[-6000:]
     assert "test_slurm.py" not in output
+
+
+def test_skip_summary_counts_tests_as_pytest_does(tmp_path):
+    """A skip line stands for N tests (a parametrized test skipped at one location): the
+    summary adds up the N, and agrees with the "N skipped" of pytest's own last line."""
+    (tmp_path / "test_some.py").write_text(
+        "import pytest\n\n"
+        "@pytest.mark.parametrize('i', range(3))\n"
+        "def test_needs_a_gpu(i):\n    pytest.skip('needs a CUDA device')\n\n"
+        "def test_needs_slurm():\n    pytest.skip('no cluster')\n\n"
+        "def test_runs():\n    pass\n"
+    )
+    output = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs",
+                             "-p", "no:xdist", "test_some.py"], cwd=tmp_path,
+                            capture_output=True, text=True).stdout  # fmt: skip
+    lines = skipped(output)
+    assert sum(n for n, _ in lines) == int(SKIP_TOTAL.search(output).group(1)) == 4
+    assert len(lines) == 2

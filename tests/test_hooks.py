@@ -190,7 +190,12 @@ def test_post_gen_prints_the_next_commands_with_the_cpu_build_of_torch():
     assert lines[1] == "cd vision_lab"
     # A plain `pip install` would pull the CUDA build of torch (GBs) on a CPU-only machine.
     assert "download.pytorch.org/whl/cpu" in lines[2]
-    assert lines[3].startswith("pip install -e '.[dev]'") and "uv sync --extra cpu" in lines[3]
+    # uv's CPU path that needs no CUDA index (`uv sync` locks every extra: README.md, "Install").
+    assert lines[3].startswith("pip install -e '.[dev]'")
+    assert "uv pip install -r pyproject.toml --extra cpu" in lines[3]
+    # A git repository first: provenance records its commit, pre-commit needs one.
+    assert lines[4].startswith("git init && git add -A && git commit")
+    assert lines[5].startswith("pre-commit install") and lines[6].startswith("bash run.sh --quick")
 
 
 def test_pre_gen_hook_runs_the_checks_on_rendered_answers(bake, tmp_path):

@@ -15,18 +15,20 @@ PACKAGE_FILES = [
     "__init__.py", "config.py", "runs.py", "data.py", "model.py", "train.py",
     "checkpoint.py", "tracking.py", "tuning.py", "analysis.py",
     "hardware.py", "gpucheck.py", "datasets.py", "imagefolder.py", "registry.py",
-    "stopping.py", "state.py", "claim.py", "plan.py", "dataversion.py",
-    "arrays.py", "imagecache.py", "loaders.py", "augment.py",
+    "stopping.py", "state.py", "claim.py", "plan.py", "jobs.py", "similarity.py",
+    "dataversion.py", "arrays.py", "imagecache.py", "loaders.py", "augment.py",
 ]
 BASE_FILES = [
     ".gitignore", ".pre-commit-config.yaml", "LICENSE", "README.md", "pyproject.toml",
-    "run.py", "run.sh", "plot.py", "scripts/sweep_lib.sh",
+    "run.py", "run.sh", "plot.py", "analyze.py", "scripts/sweep_lib.sh",
     "tests/conftest.py", "tests/test_run.py", "tests/test_resume.py",
     "tests/test_train_units.py", "tests/test_data.py", "tests/test_model.py",
     "tests/test_tuning.py", "tests/test_sweep.py", "tests/test_plot.py",
     "tests/test_step.py", "tests/test_hardware.py", "tests/image_folders.py",
     "tests/test_image_folder.py", "tests/test_recipes.py", "tests/test_lifecycle.py",
-    "tests/test_claim.py", "tests/test_folder_trust.py", "tests/test_imagecache.py",
+    "tests/test_claim.py", "tests/test_compile.py", "tests/test_gpucheck.py",
+    "tests/test_jobs.py", "tests/test_analyze.py", "tests/test_first_week.py",
+    "tests/test_folder_trust.py", "tests/test_imagecache.py",
 ]
 SLURM_FILES = ["scripts/slurm_task.sh", "tests/test_slurm.py"]
 GITHUB_ACTIONS_FILES = [".github/workflows/ci.yml", ".github/workflows/cruft-update.yml"]

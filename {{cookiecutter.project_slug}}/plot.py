@@ -6,6 +6,7 @@
     python plot.py --from-mlflow       # read the runs from the MLflow tracking server instead
     python plot.py --system RUN        # GPU/CPU utilisation over time of one run (from MLflow)
     python plot.py --formats pdf       # only PDFs (for LaTeX), faster
+    python plot.py --analysis          # analyze.py's results: a layer-by-layer CKA heat map each
 
 Figures are made and re-made dozens of times before publication, so their styling lives here, in
 code: `figsize` is the size on the page in inches (PAGE_WIDTHS x a height each figure declares),
@@ -29,7 +30,7 @@ import math
 import re
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import matplotlib
@@ -40,6 +41,7 @@ import numpy as np  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.font_manager import FontProperties  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.patches import Rectangle  # noqa: E402
 from matplotlib.textpath import TextToPath  # noqa: E402
 from matplotlib.ticker import EngFormatter, MaxNLocator, NullLocator  # noqa: E402
 
@@ -62,6 +64,8 @@ from {{ cookiecutter.package_name }}.tracking import tracking_uri  # noqa: E402 
 # its own writes to results/trials, so trial runs never mix into the sweep's figures.
 SWEEP_RESULTS = PROJECT_ROOT / "results" / "sweep"
 TRIAL_RESULTS = PROJECT_ROOT / "results" / "trials"
+ANALYSIS_RESULTS = PROJECT_ROOT / "results" / "analysis"  # analyze.py's run directories
+CKA_TABLE = "cka_layers.csv"  # analyze.TABLE (analyze.py imports torch when it runs; not here)
 # Widths on the page, in inches. single/double: column and text width of the common two-column
 # conference layouts (ICML: 3.25 in / 6.75 in; IEEE and CVPR are within 0.1 in of these).
 # slide: the content area of a 16:9 slide (13.33 in x 7.5 in) less margins.
@@ -114,6 +118,10 @@ LABELS = {  # axis labels of metrics (anything missing falls back to the metric'
 }
 # Identifies the artists that stand for a configuration (its colour and marker); tests read it.
 GID = "config:"
+# Figures show at most this many configurations (the first, in the table's sorted order) and
+# say how many they leave out; aggregate.csv has every one. Beyond this, colours blur and a
+# legend or a row of labels no longer fits a page.
+MAX_SHOWN = 24
 
 
 def set_style() -> None:
@@ -190,12 +198,40 @@ def wrap(text: str, width: float, size: float) -> str:
     return "\n".join(lines)
 
 
+def shorten(text: str, width: float, size: float) -> str:
+    """`text`, cut with an ellipsis where it would be wider than `width` inches at `size` pt."""
+    if text_width(text, size) <= width:
+        return text
+    lo, hi = 0, len(text)  # the longest prefix that fits with its ellipsis: binary search
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if text_width(text[:mid] + "…", size) <= width else (lo, mid - 1)
+    return text[:lo].rstrip(", ") + "…"
+
+
+MAX_LEGEND_ROWS = 8  # more entries go into more (narrower) columns, their labels cut to fit
+
+
+def legend_fit(labels: Sequence[str], width: float, title: str | None) -> tuple[list, str | None]:
+    """Labels and title as a legend `width` inches wide shows them: each cut to the width of
+    its column, with enough columns (each >= 0.9 in) for at most MAX_LEGEND_ROWS rows."""
+    size = STYLE["legend.fontsize"]
+    em = size / 72
+    ncols = max(1, min(math.ceil(len(labels) / MAX_LEGEND_ROWS), int((width - 0.1) // 0.9)))
+    extra = STYLE["legend.handlelength"] + STYLE["legend.handletextpad"]
+    room = (width - 0.1) / ncols - (extra + STYLE["legend.columnspacing"] + 0.5) * em
+    title = shorten(title, width - 0.1, STYLE["legend.title_fontsize"]) if title else title
+    return [shorten(s, room, size) for s in labels], title
+
+
 def legend_layout(labels: Sequence[str], width: float, title: str | None) -> tuple[int, float]:
     """(ncols, height in inches) of a legend of `labels` spanning `width` inches below the axes.
 
     As many columns as fit, so that 20 configurations take a few rows rather than the
-    height of the panel; the column width is measured with the font's metrics.
+    height of the panel; the column width is measured with the font's metrics. Labels wider
+    than the page are cut (legend_fit), so the legend never runs off the page.
     """
+    labels, title = legend_fit(labels, width, title)
     size = STYLE["legend.fontsize"]
     em = size / 72
     handle = (STYLE["legend.handlelength"] + STYLE["legend.handletextpad"]) * em
@@ -203,6 +239,20 @@ def legend_layout(labels: Sequence[str], width: float, title: str | None) -> tup
     ncols = max(1, min(len(labels), int((width - 0.1) // col)))
     rows = math.ceil(len(labels) / ncols) + (1 if title else 0)
     return ncols, 0.15 + rows * STYLE["legend.labelspacing"] * em + rows * 1.2 * em
+
+
+def first_rows(table: Table) -> tuple[Table, str]:
+    """The table a figure draws (its first MAX_SHOWN configurations) and, if some are left out,
+    the note that says so (in the legend's title or the axis label)."""
+    if len(table.rows) <= MAX_SHOWN:
+        return table, ""
+    note = f"first {MAX_SHOWN} of {len(table.rows)}; all in aggregate.csv"
+    return replace(table, rows=table.rows[:MAX_SHOWN]), note
+
+
+def with_note(title: str | None, note: str) -> str | None:
+    """The note first, so that a title cut to the page width keeps it."""
+    return f"{note}: {title}" if title and note else (note or title)
 
 
 def config_legend(fig: Figure, table: Table, style: Style, labels: Sequence[str],
@@ -213,6 +263,7 @@ def config_legend(fig: Figure, table: Table, style: Style, labels: Sequence[str]
                gid=GID + row.label, **line)
         for row in table.rows
     ]  # fmt: skip
+    labels, title = legend_fit(labels, style.width, title)
     ncols, _ = legend_layout(labels, style.width, title)
     fig.legend(handles, labels, loc="outside lower center", ncols=ncols, title=title)
 
@@ -232,9 +283,10 @@ def plot_learning_curves(table: Table, style: Style, column: str = "val_acc") ->
 
     Where some seeds have stopped (early stopping), the mean is over fewer seeds: that part of
     the curve is dashed and the legend says `n=3→1`. The y-axis spans what the curves reach after
-    the first quarter of the epochs (the region where configurations differ); the steep first
-    epochs may leave it at the bottom.
+    the first quarter of the epochs (the region where configurations differ); points of the steep
+    first epochs that fall outside it are named in a note on the axes ("epochs 1-2 below").
     """
+    table, note = first_rows(table)
     curves = {row.label: curve(row, column) for row in table.rows}
     labels = [legend_label(row, n_last=int(curves[row.label][3].min(initial=row.n)))
               for row in table.rows]  # fmt: skip
@@ -242,6 +294,7 @@ def plot_learning_curves(table: Table, style: Style, column: str = "val_acc") ->
     title = key_title(table)
     if title and any_dashed:
         title += " (dashed: fewer seeds)"
+    title = with_note(title, note)
     height = style.panel_height + legend_room(table, style, labels, title)
     fig = Figure(figsize=(style.width, height), layout="constrained")
     ax = fig.add_subplot()
@@ -269,12 +322,31 @@ def plot_learning_curves(table: Table, style: Style, column: str = "val_acc") ->
         lo, hi = values.min(), values.max()
         pad = 0.08 * (hi - lo) or 0.01
         ax.set_ylim(lo - pad, hi + pad)
+        _note_points_outside(ax, [curves[row.label][:2] for row in table.rows])
     ax.set_xlabel("epoch")
     ax.set_ylabel(LABELS.get(column, column))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if len(table.rows) > 1:
         config_legend(fig, table, style, labels, title)
     return fig
+
+
+def _note_points_outside(ax, lines: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+    """Name the epochs whose points lie outside the y-limits, in a note on the axes: a focused
+    y-range must not hide points without saying so."""
+    lo, hi = ax.get_ylim()
+    for side, outside in (("below", lambda y: y < lo), ("above", lambda y: y > hi)):
+        epochs = sorted({int(e) for x, y in lines for e, v in zip(x, y, strict=True)
+                         if np.isfinite(v) and outside(v)})  # fmt: skip
+        if not epochs:
+            continue
+        span = f"{epochs[0]}" if len(epochs) == 1 else f"{epochs[0]}-{epochs[-1]}"
+        if len(epochs) > 1 and epochs != list(range(epochs[0], epochs[-1] + 1)):
+            span = ", ".join(map(str, epochs))
+        word = "epoch" if len(epochs) == 1 else "epochs"
+        ax.text(0.98, 0.03 if side == "below" else 0.97, f"{word} {span} {side}",
+                transform=ax.transAxes, ha="right", va="bottom" if side == "below" else "top",
+                fontsize=STYLE["legend.fontsize"], color="0.35", gid=f"outside:{side}")  # fmt: skip
 
 
 def plot_final_vs_hparam(table: Table, style: Style, metric: str = "test_acc") -> Figure | None:
@@ -285,18 +357,26 @@ def plot_final_vs_hparam(table: Table, style: Style, metric: str = "test_acc") -
     """
     if not table.keys or metric not in table.metrics:
         return None
+    table, note = first_rows(table)
     most = max(row.count[metric] for row in table.rows)
     labels = [legend_label(row, n=row.count[metric]) if row.count[metric] < most
               else legend_label(row) for row in table.rows]  # fmt: skip
-    title = key_title(table)
+    title = with_note(key_title(table), note)
     ncols = min(len(table.keys), max(1, int(style.width // 2.2)))  # panels at least ~2.2 in wide
-    nrows = math.ceil(len(table.keys) / ncols)
-    height = nrows * style.panel_height + legend_room(table, style, labels, title)
+    # Panels share a height of at most twice the page width (many swept keys: trial runs), each
+    # at least 1.3 in tall; keys beyond that many rows are left out, and the title says so.
+    max_rows = max(1, int(2 * style.width // 1.3))
+    keys = table.keys[: max_rows * ncols]
+    if len(keys) < len(table.keys):
+        title = with_note(title, f"first {len(keys)} of {len(table.keys)} hyperparameters")
+    nrows = math.ceil(len(keys) / ncols)
+    row_height = max(1.3, min(style.panel_height, 2 * style.width / nrows))
+    height = nrows * row_height + legend_room(table, style, labels, title)
     fig = Figure(figsize=(style.width, height), layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
-    for ax in axes[len(table.keys) :]:
+    for ax in axes[len(keys) :]:
         ax.set_visible(False)
-    for ax, key in zip(axes, table.keys, strict=False):
+    for ax, key in zip(axes, keys, strict=False):
         _final_vs_one(ax, table, style, key, metric)
         ax.set_ylabel(LABELS.get(metric, metric))  # every panel: each may be read alone
     config_legend(fig, table, style, labels, title, ls="none")
@@ -343,20 +423,16 @@ def _final_vs_one(ax, table: Table, style: Style, key: str, metric: str) -> None
 def plot_throughput(table: Table, style: Style) -> Figure:
     """Training throughput and wall time of every run, one row per configuration.
 
-    Each dot is one run and the bar | their median: the spread between the seeds of one
+    Each dot is one run and the vertical bar their median: the spread between the seeds of one
     configuration is the machine (other jobs sharing the GPU or CPU, data loading), not an effect
-    of the hyperparameters, and the caption says so; compare rows only where their dots separate.
-    Both axes start at 0, so a few percent of contention look like a few percent.
+    of the hyperparameters (say so in the paper's caption: the figure carries no caption text);
+    compare rows only where their dots separate. Both axes start at 0, so a few percent of
+    contention look like a few percent. At most MAX_SHOWN rows; the y-label says if more exist.
     """
+    table, note = first_rows(table)
     n = len(table.rows)
-    caption = wrap(
-        "One dot per run, | median. Spread within a row is machine load, not the hyperparameter.",
-        style.width - 0.1,
-        STYLE["legend.fontsize"],
-    )
-    lines = caption.count("\n") + 1
-    # Rows need ~0.17 in each to keep their 9 pt labels apart; plus the axis labels and caption.
-    height = max(style.panel_height, 0.6 + 0.17 * n) + lines * 0.2
+    # Rows need ~0.17 in each to keep their 9 pt labels apart; plus the axis labels.
+    height = max(style.panel_height, 0.6 + 0.17 * n)
     fig = Figure(figsize=(style.width, height), layout="constrained")
     fig.get_layout_engine().set(wspace=0.08)  # room between the panels' tick labels
     ax_speed, ax_time = fig.subplots(1, 2, sharey=True)
@@ -382,11 +458,13 @@ def plot_throughput(table: Table, style: Style) -> Figure:
     ax_speed.set_xlabel("samples/s")  # short: two labels share one width
     ax_time.set_xlabel(f"wall time ({unit})")
     ax_speed.xaxis.set_major_formatter(EngFormatter(sep=""))  # 30k, not 30000
-    ax_speed.set_yticks(range(n), [legend_label(row) for row in table.rows])
+    # Row labels take at most 30 % of the width (the panels keep the rest); longer ones are cut.
+    size, room = STYLE["ytick.labelsize"], 0.3 * style.width
+    ax_speed.set_yticks(range(n), [shorten(legend_label(row), room, size) for row in table.rows])
     ax_speed.set_ylim(n - 0.5, -0.5)  # first configuration on top, as in the table
-    ax_speed.set_ylabel(key_title(table) or "")
+    ylabel = with_note(key_title(table), note) or ""
+    ax_speed.set_ylabel(shorten(ylabel, height - 0.5, STYLE["axes.labelsize"]))
     ax_time.tick_params(axis="y", left=False)
-    fig.suptitle(caption, fontsize=STYLE["legend.fontsize"])
     return fig
 
 
@@ -440,6 +518,92 @@ def plot_system(series: dict[str, tuple[np.ndarray, np.ndarray]], style: Style,
     if title:
         fig.suptitle(title, fontsize=STYLE["legend.fontsize"])
     return fig
+
+
+@dataclass(frozen=True)
+class CkaTable:
+    """One analyze.py run directory: CKA of every layer of run A (rows) with every layer of run B
+    (columns), the layer pair its `cka` is of, and the two runs' names."""
+
+    rows: list[str]
+    columns: list[str]
+    values: np.ndarray
+    layers: tuple[str, str]  # the pair `cka` is of: a layer of A, a layer of B
+    cka: float
+    run_a: str
+    run_b: str
+
+
+def read_cka(run_dir: Path) -> CkaTable:
+    """An analyze.py run directory's cka_layers.csv, metrics.json and config.json (ValueError or
+    OSError when one is missing or malformed)."""
+    lines = [line.split(",") for line in (run_dir / CKA_TABLE).read_text().splitlines()]
+    if len(lines) < 2 or any(len(line) != len(lines[0]) for line in lines):
+        raise ValueError(f"{run_dir / CKA_TABLE} is not a table")
+    metrics, config = read_json(run_dir / METRICS), read_json(run_dir / "config.json")
+    return CkaTable(
+        rows=[line[0] for line in lines[1:]],
+        columns=lines[0][1:],
+        values=np.array([[float(v) for v in line[1:]] for line in lines[1:]]),
+        layers=(str(metrics["layer_a"]), str(metrics["layer_b"])),
+        cka=float(metrics["cka"]),
+        run_a=Path(config["run_a"]).name,
+        run_b=Path(config["run_b"]).name,
+    )
+
+
+def plot_cka(table: CkaTable, style: Style) -> Figure:
+    """Layer-by-layer linear CKA of two runs as a heat map on a fixed 0-1 scale (one colour means
+    one value in every such figure); the pair `cka` is of is outlined, its value in the title."""
+    caption = "\n".join(wrap(f"{side}: {name}", style.width - 0.1, STYLE["legend.fontsize"])
+                         for side, name in (("A", table.run_a), ("B", table.run_b)))  # fmt: skip
+    height = max(style.panel_height, 0.22 * len(table.rows) + 0.9) + 0.15 * caption.count("\n")
+    fig = Figure(figsize=(style.width, height), layout="constrained")
+    ax = fig.add_subplot()
+    image = ax.imshow(table.values, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+    ax.set_xticks(
+        range(len(table.columns)), table.columns, rotation=90 if len(table.columns) > 8 else 0
+    )
+    ax.set_yticks(range(len(table.rows)), table.rows)
+    ax.set_xlabel("layer of B")
+    ax.set_ylabel("layer of A")
+    ax.spines[:].set_visible(False)
+    layer_a, layer_b = table.layers
+    if layer_a in table.rows and layer_b in table.columns:
+        i, j = table.rows.index(layer_a), table.columns.index(layer_b)
+        ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False,
+                                                  edgecolor="white", lw=1.2))  # fmt: skip
+    pair = layer_a if layer_a == layer_b else f"{layer_a} / {layer_b}"
+    ax.set_title(f"linear CKA, layer {pair}: {table.cka:.3f}")
+    fig.colorbar(image, ax=ax, label="linear CKA", shrink=0.9)
+    fig.suptitle(caption, fontsize=STYLE["legend.fontsize"])
+    return fig
+
+
+def analysis_main(args: argparse.Namespace) -> int:
+    """--analysis [DIR]: one heat map per finished analyze.py run directory in DIR."""
+    found = sorted(
+        p for p in args.analysis.glob(f"*/{CKA_TABLE}") if (p.parent / METRICS).is_file()
+    )
+    if not found:
+        print(f"error: --analysis: no finished analyze.py results in {shown(args.analysis)} "
+              "(python analyze.py RUN_A RUN_B writes them)", file=sys.stderr)  # fmt: skip
+        return 1
+    set_style()
+    style = Style(PAGE_WIDTHS[args.width], PANEL_HEIGHTS[args.width], {})
+    skipped = []
+    for path in found:
+        try:
+            table = read_cka(path.parent)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            skipped.append((path.parent, f"unreadable ({type(exc).__name__})"))
+            continue
+        save(plot_cka(table, style), path.parent.name, args.out, args.formats)
+    if skipped:
+        print(skipped_line(skipped), file=sys.stderr)
+    print(f"{args.out}/: {len(found) - len(skipped)} CKA heat map(s) (<analysis run>.*) "
+          f"from {shown(args.analysis)}")  # fmt: skip
+    return 0 if len(skipped) < len(found) else 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -527,9 +691,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "one run, from MLflow's system metrics; RUN is a run directory or an MLflow run id",
     )
     p.add_argument(
+        "--analysis",
+        metavar="DIR",
+        type=Path,
+        nargs="?",
+        const=ANALYSIS_RESULTS,
+        default=None,
+        help="instead of the sweep's figures: a layer-by-layer CKA heat map of every analyze.py "
+        "result in DIR (default: results/analysis)",
+    )
+    p.add_argument(
         "--experiment",
         default=DEFAULT_EXPERIMENT,
-        help="MLflow experiment to read (with --from-mlflow)",
+        help="MLflow experiment to read (with --from-mlflow); trial runs are in "
+        f"{DEFAULT_EXPERIMENT}-trials",
     )
     p.add_argument(
         "--tracking-uri",
@@ -595,6 +770,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.system is not None:
         return system_main(args)
+    if args.analysis is not None:
+        return analysis_main(args)
     if args.from_mlflow:
         uri = args.tracking_uri or tracking_uri()
         try:

@@ -23,12 +23,17 @@ import sys
 import traceback
 from typing import NamedTuple
 
-from {{ cookiecutter.package_name }} import runs
-from {{ cookiecutter.package_name }}.claim import Busy, claim
+from {{ cookiecutter.package_name }} import jobs, runs
 from {{ cookiecutter.package_name }}.config import UsageError, parse_args, resolved_config, run_dir
+from {{ cookiecutter.package_name }}.jobs import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    error,
+)
 from {{ cookiecutter.package_name }}.stopping import GracefulStop
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_BUSY, EXIT_INTERRUPTED = 0, 1, 2, 73, 75
 UNREADABLE_HINT = (
     "it changed after its folder was checked (rewritten in place); re-run: the folder is "
     "fingerprinted again (a new data version, a new run directory), the file skipped and listed"
@@ -36,37 +41,9 @@ UNREADABLE_HINT = (
 
 
 def main(argv: list[str] | None = None) -> int:
-    with GracefulStop() as stop:  # first: a stop signal at any later moment still ends in 75
-        if (sys.argv[1:] if argv is None else argv) == ["--plan"]:  # run.sh: all jobs, one call
-            from {{ cookiecutter.package_name }} import plan
-
-            return plan.main()
-        args, parser = parse_args(argv)  # bad flags: one `error:` line, exit 2
-        out = run_dir(args, parser)
-        if args.print_run_dir:
-            print(out)
-            return EXIT_OK
-        if args.init_tracking:
-            from {{ cookiecutter.package_name }}.tracking import init, tracking_uri
-
-            print(f"MLflow ready: {tracking_uri()} (experiment id {init(args.experiment)})")
-            return EXIT_OK
-        if runs.is_done(out) and not (args.fresh or is_tool(args)):
-            print(f"already finished: {out} (metrics.json exists; --fresh re-trains)")
-            return EXIT_OK
-        try:
-            with claim(out) as held:  # one process per run directory, freed by the kernel on death
-                if runs.is_done(out) and not (args.fresh or is_tool(args)):  # done meanwhile
-                    print(f"already finished: {out} (metrics.json exists; --fresh re-trains)")
-                    return EXIT_OK
-                code = train(args, parser, out, stop)
-                if code in (EXIT_USAGE, EXIT_INTERRUPTED):
-                    held.discard()  # refused or stopped before any work: leave nothing behind
-                return code
-        except Busy as exc:
-            return error(f"running elsewhere: {exc}", EXIT_BUSY)
-        except OSError as exc:  # the run directory cannot be created
-            return error(f"--results-dir: cannot write to {out.parent}: {exc.strerror}", EXIT_USAGE)
+    # The contract every job shares (jobs.py): --plan, --print-run-dir, skip when done, the
+    # claim (exit 73); then train() holds the run directory. Tools run even when it is done.
+    return jobs.lifecycle(argv, parse_args, run_dir, train, redo=is_tool)
 
 
 def train(args, parser, out, stop: GracefulStop) -> int:
@@ -75,7 +52,6 @@ def train(args, parser, out, stop: GracefulStop) -> int:
 
     from {{ cookiecutter.package_name }} import checkpoint as ckpt
     from {{ cookiecutter.package_name }}.hardware import (
-        choose_compile,
         choose_precision,
         resolve_device,
         setup_backends,
@@ -124,11 +100,9 @@ def train(args, parser, out, stop: GracefulStop) -> int:
     version = config["data_version"] or config.get("data_content")  # files | arrays
     log.info("data: %s images (train/val/test) | %s", config["split_sizes"], version)
     steps = total_steps(args, data.steps_per_epoch)
-    compile_mode, compile_why = choose_compile(device, args.compile, steps, args.deterministic)
     for what, why in (
         ("precision", precision_why),
         ("kernels", setup_backends(device, args.deterministic)),
-        ("compile", compile_why),
     ):
         log.info("%s: %s", what, why)
     trainer = build_trainer(
@@ -136,7 +110,7 @@ def train(args, parser, out, stop: GracefulStop) -> int:
         args,
         device=device,
         dtype=dtype,
-        compile_mode=compile_mode,
+        compile_mode=None,  # warm_up compiles where it pays, once it has timed a real batch
         total_steps=steps,
         log=log,
     )
@@ -145,6 +119,8 @@ def train(args, parser, out, stop: GracefulStop) -> int:
     stopper = EarlyStopping(args.patience, start_epoch=patience_from)
     state = TrainingState(trainer, stopper, device=device, config_hash=config["config_hash"])
     if is_tool(args):
+        if args.profile:  # profile the step the run would take, compiled where it would be
+            warm_up(state, data, args, log)
         return run_tools(args, trainer, data, device, dtype, out, log)
     if changed := changed_data(out, config):  # arrays: a resume on other data is refused
         log.error("cannot resume: %s", changed)
@@ -229,11 +205,6 @@ def train(args, parser, out, stop: GracefulStop) -> int:
 
 
 # ---- the pieces main() and train() name --------------------------------------------------------
-def error(message: str, code: int) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return code
-
-
 def is_tool(args) -> bool:
     return bool(args.find_lr or args.find_batch_size or args.profile)
 
@@ -353,26 +324,41 @@ def stop_reason(p, args, stopper) -> str:
 
 
 def warm_up(state, data: Data, args, log) -> None:
-    """Compile forward and backward on a batch of zeros before the timed loop (a no-op when
-    eager); the Trainer puts back all it touched, so the run goes on as if it had not happened.
+    """Compile the step where it pays, before the timed loop: eager passes on a real batch of
+    the loader time the steps left, against the compile time recorded for this model and machine
+    (hardware.compile_if_it_pays; auto on CPU stays eager and measures nothing). The Trainer and
+    peek_batch put back all they touch, so the run goes on as if this had not happened.
     Compile time is summed over resumes: every compile of the run was paid for."""
-    import torch
+    from {{ cookiecutter.package_name }}.config import PROJECT_ROOT
+    from {{ cookiecutter.package_name }}.hardware import compile_if_it_pays
 
-    from {{ cookiecutter.package_name }}.hardware import timed
+    p, trainer = state.progress, state.trainer
+    p.compile_time_s += compile_if_it_pays(
+        trainer,
+        lambda: peek_batch(data.loaders["train"], p.epoch, trainer.device),
+        steps=total_steps(args, data.steps_per_epoch) - p.step,
+        flag=args.compile,
+        deterministic=args.deterministic,
+        project_root=PROJECT_ROOT,
+        log=log,
+    )
 
-    trainer = state.trainer
-    if not trainer.compiled:
-        return
-    now = timed(trainer.device)
-    shape = (args.batch_size, data.info.channels, *data.info.image_size)
-    x = torch.zeros(shape, device=trainer.device).contiguous(memory_format=torch.channels_last)
-    y = torch.zeros(args.batch_size, dtype=torch.long, device=trainer.device)
-    started = now()
-    trainer.warm_up(x, y)
-    spent = now() - started
-    state.progress.compile_time_s += spent
-    if trainer.compiled:  # else it fell back to eager, and said why
-        log.info("compiled (%s) in %.1f s", trainer.compile_mode, spent)
+
+def peek_batch(loader, epoch: int, device):
+    """A batch exactly as the loop gets it (shape, dtype, strides: a batch of zeros differs in
+    strides for 1-channel data, and the compiled graph would recompile on the first real batch),
+    without shifting the run: the loader's order is a function of (seed, epoch) and train_epoch
+    sets the epoch again; the RNG draws of the augmentation are put back."""
+    from {{ cookiecutter.package_name }}.checkpoint import rng_state, set_rng_state
+
+    saved = rng_state(device)
+    loader.set_epoch(epoch)
+    batches = iter(loader)
+    try:
+        return next(batches)
+    finally:
+        getattr(batches, "close", lambda: None)()  # a generator: stop its workers now
+        set_rng_state(saved, device)
 
 
 def train_epoch(state, loader, steps_per_epoch: int, args, stop) -> float:
@@ -456,8 +442,8 @@ def run_tools(args, trainer, data: Data, device, dtype, out, log) -> int:
             )
             batch, lr = recommend_batch_size(size, device)
             print(
-                f"largest batch size that fits: {size}; this device's default rule: "
-                f"--batch-size {batch} --lr {lr:.3g}"
+                f"largest batch size that fits: {size}; recommended on this device (pass "
+                f"it: the default stays 128): --batch-size {batch} --lr {lr:.3g}"
             )
         if args.profile:
             print(profile_training(trainer, data.loaders["train"], out_dir=out))
@@ -474,8 +460,7 @@ class RunRecord:
     def __init__(self, out, config: dict, args, device, dtype, log) -> None:
         import time
 
-        from {{ cookiecutter.package_name }}.config import experiment_args
-        from {{ cookiecutter.package_name }}.tracking import Tracker, provenance
+        from {{ cookiecutter.package_name }}.tracking import Tracker, provenance, run_params
 
         self.out, self.log, self.device, self._time = out, log, device, time
         self.epochs = args.epochs
@@ -488,9 +473,9 @@ class RunRecord:
             experiment=args.experiment,
             run_name=out.name,
             log=log,
-            params=experiment_args(args),
+            params=run_params(config),  # with `experiment_keys`: what plot.py --from-mlflow reads
             tags={
-                **provenance(),
+                **provenance(log),
                 "run_dir": str(out),
                 "device": str(device),
                 "amp_dtype": str(dtype),

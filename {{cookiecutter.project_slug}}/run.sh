@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # run.sh: the sweep. Runs run.py once per job listed below, one job per GPU, until all are done.
 #
-# Usage: bash run.sh [--dry-run] [--slurm] [-h|--help] [-- EXTRA_RUN_PY_ARGS...]
+# Usage: bash run.sh [--dry-run] [--slurm] [--quick] [-h|--help] [-- EXTRA_RUN_PY_ARGS...]
 #   --dry-run   list every job and its state (done / pending / interrupted / failed / running
 #               elsewhere; with --slurm also queued); run nothing
 #   --slurm     submit the pending jobs as one Slurm job array instead of running them here;
 #               jobs still queued or running from an earlier submission are not submitted again
-#   -- ARGS     appended to every job, e.g.  bash run.sh -- --dataset digits --epochs 3
+#   --quick     the quick preset (also PRESET=quick): the jobs with QUICK_ARGS (a small model,
+#               few epochs) and QUICK_LRS, into results/quick and logs/quick, never the sweep's
+#   -- ARGS     appended to every run.py job, e.g.  bash run.sh -- --dataset digits --epochs 3
 #
 # Every job writes to results/SWEEP_NAME/<run>/ (trial runs of run.py go to results/trials).
 # Jobs already done (metrics.json) are skipped; unfinished ones resume from their checkpoint, so
@@ -19,7 +21,8 @@
 #
 # Environment (defaults in brackets):
 #   PYTHON        interpreter that runs run.py [python]
-#   SWEEP_NAME    results go to results/SWEEP_NAME [sweep]
+#   PRESET        quick: as --quick [empty: the sweep as listed]
+#   SWEEP_NAME    results go to results/SWEEP_NAME [sweep; quick with the quick preset]
 #   GPUS          GPU ids to use, e.g. "0 2" [all visible: CUDA_VISIBLE_DEVICES, else nvidia-smi;
 #                 none: run on CPU]
 #   JOBS_PER_GPU  jobs sharing one GPU, for small models [1]
@@ -37,21 +40,41 @@
 set -euo pipefail
 
 # ---- The sweep: edit here. Call `job` once per run.py command line. -------------------------
+# A job of another script names it first: `job analyze.py RUN_A RUN_B` (README, "A job that does
+# not train"); it keeps its own --results-dir, and `-- ARGS` are not added to it.
 readonly LRS=(1e-3 3e-3 1e-2)
+# The quick preset's grid: its small model (QUICK_ARGS) learns best near 1e-2 on digits, so a
+# decade grid puts the best in the middle, not at an edge (the lab template's
+# benchmarks/RESULTS.md, "The quick preset's learning rates").
+readonly QUICK_LRS=(1e-3 1e-2 1e-1)
 readonly SEEDS=(0 1 2)
 
 define_jobs() {
   local lr seed
-  for lr in "${LRS[@]}"; do
+  local -a lrs=("${LRS[@]}")
+  if [[ "${PRESET}" == quick ]]; then lrs=("${QUICK_LRS[@]}"); fi
+  for lr in "${lrs[@]}"; do
     for seed in "${SEEDS[@]}"; do
       job --lr "${lr}" --seed "${seed}"
     done
   done
+  # E.g. the CKA of two of these runs (it waits until both have finished):
+  # job analyze.py results/sweep/digits_lr=0.001-95f69369 results/sweep/digits_lr=0.01-57e9003b
 }
 
+# The quick preset (`bash run.sh --quick`): these arguments come first on every job's command
+# line (extras after `--` still override them), in their own folder, so a plain `bash run.sh`
+# later runs the real sweep instead of finding the quick results done.
+readonly QUICK_ARGS=(--epochs 6 --width 16)
+
 # ---- Where the jobs run -----------------------------------------------------------------------
+PRESET="${PRESET:-}"
+for arg in "$@"; do
+  if [[ "${arg}" == -- ]]; then break; fi
+  if [[ "${arg}" == --quick ]]; then PRESET=quick; fi
+done
 PYTHON="${PYTHON:-python}"
-SWEEP_NAME="${SWEEP_NAME:-sweep}"
+SWEEP_NAME="${SWEEP_NAME:-${PRESET:-sweep}}"
 JOBS_PER_GPU="${JOBS_PER_GPU:-1}"
 CPU_JOBS="${CPU_JOBS:-auto}"
 CPU_JOB_MEM_GB="${CPU_JOB_MEM_GB:-2}"
@@ -71,10 +94,24 @@ SLURM_LOG_DIR="${SLURM_LOG_DIR:-logs/slurm}"    # one folder per submission: arg
 SWEEP_JOB_NAME="${SWEEP_JOB_NAME:-}"           # squeue's name; empty: the project folder's
 
 main() {
+  local -a options=() extra=()
+  while (( $# > 0 )) && [[ "$1" != -- ]]; do
+    if [[ "$1" != --quick ]]; then options+=("$1"); fi
+    shift
+  done
+  if (( $# > 0 )); then shift; extra=("$@"); fi
+  case "${PRESET}" in
+    "") ;;
+    quick)
+      extra=("${QUICK_ARGS[@]}" "${extra[@]}")
+      echo "run.sh: quick preset: ${QUICK_ARGS[*]} on every job, results in results/${SWEEP_NAME}/"
+      ;;
+    *) echo "run.sh: PRESET must be quick or empty, got '${PRESET}'" >&2; exit 2 ;;
+  esac
   cd "$(dirname "${BASH_SOURCE[0]}")"
   # shellcheck source-path=SCRIPTDIR disable=SC1091  # (followed with -x)
   source scripts/sweep_lib.sh
-  sweep_main define_jobs "$@"
+  sweep_main define_jobs "${options[@]}" -- "${extra[@]}"
 }
 
 main "$@"

@@ -3,6 +3,7 @@
 #
 # Usage (by sbatch): slurm_task.sh SUBMIT_DIR
 #   SUBMIT_DIR/args/<SLURM_ARRAY_TASK_ID>  this task's run.py arguments, NUL-separated
+#   SUBMIT_DIR/script/<SLURM_ARRAY_TASK_ID> the script it runs, when not run.py (analyze.py, ...)
 #   SUBMIT_DIR/python                      the interpreter that run.sh --slurm resolved
 #
 # Which event sends which signal (Slurm's documentation: sbatch --signal, scancel, preempt.html),
@@ -42,19 +43,20 @@ on_term() {
 }
 
 main() {
-  local submit_dir="$1" python rc=0 again
+  local submit_dir="$1" python rc=0 again script=run.py
   local task="${SLURM_ARRAY_TASK_ID:?not running as a Slurm array task}"
   local -a args=()
   mapfile -d '' -t args <"${submit_dir}/args/${task}"
   python="$(<"${submit_dir}/python")"
+  if [[ -f "${submit_dir}/script/${task}" ]]; then script="$(<"${submit_dir}/script/${task}")"; fi
   printf '=== %(%F %T)T  job %s_%s on %s, CUDA_VISIBLE_DEVICES=%s, start #%s\n' -1 \
     "${SLURM_ARRAY_JOB_ID:-?}" "${task}" "$(hostname -s)" "${CUDA_VISIBLE_DEVICES-}" \
     "$(( ${SLURM_RESTART_COUNT:-0} + 1 ))"
-  printf '    %s run.py %s\n' "${python}" "${args[*]}"
+  printf '    %s %s %s\n' "${python}" "${script}" "${args[*]}"
 
   trap on_usr1 USR1
   trap on_term TERM
-  "${python}" run.py "${args[@]}" &
+  "${python}" "${script}" "${args[@]}" &
   SWEEP_CHILD_PID=$!
   # `wait` returns early (128+signal) when a trap runs. bash keeps the status of a child it has
   # reaped until `wait PID` collects it, so waiting again gives run.py's own exit code exactly;

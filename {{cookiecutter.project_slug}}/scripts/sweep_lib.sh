@@ -4,11 +4,14 @@
 #
 # How it works:
 #   1. plan:  run the job function; each `job ARGS...` call records one run.py invocation, to
-#             which `--results-dir results/SWEEP_NAME` is prepended. ONE call of `run.py --plan`
-#             (run.py's own parser, no torch) gives every job's run directory and state:
-#             done (metrics.json parses), running (its claim is held: running elsewhere),
-#             interrupted, failed, refused (run.py refused its checkpoint: not re-run until
-#             --fresh), pending, invalid.
+#             which `--results-dir results/SWEEP_NAME` is prepended; `job SCRIPT.py ARGS...`
+#             one of another script built on the package's jobs.py (e.g. analyze.py), as is.
+#             ONE call of `SCRIPT --plan` per script (its own parser, no torch) gives every
+#             job's run directory and state: done (metrics.json parses), running (its claim is
+#             held: running elsewhere), interrupted, failed, refused (run.py refused its
+#             checkpoint: not re-run until --fresh), pending, waiting (an input, such as a run
+#             it analyses, is not finished: planned again whenever a job of the sweep ends,
+#             and queued once its inputs are done), invalid.
 #   2. queue: one slot per GPU (JOBS_PER_GPU slots per GPU; without a GPU CPU_JOBS slots, by
 #             default one per core: see cpu_slots). Every job runs in its own process group
 #             with CUDA_VISIBLE_DEVICES set to its slot's GPU, under `setpriv --pdeathsig TERM`,
@@ -28,8 +31,9 @@
 SWEEP_ARGV=()
 SWEEP_START=()
 SWEEP_LEN=()
+SWEEP_SCRIPT=()     # per job: the script it runs (run.py unless its job line names one)
 SWEEP_EXTRA=()      # arguments after `--` on run.sh's command line, appended to every job
-SWEEP_STATE=()      # per job: a state of run.py --plan (plan.py), or duplicate, queued
+SWEEP_STATE=()      # per job: a state of SCRIPT --plan (plan.py), or duplicate, queued
 SWEEP_DIR=()        # per job: its run directory (from run.py --plan)
 SWEEP_RUN_NAME=()   # per job: basename of its run directory
 SWEEP_NOTE=()       # per job: detail shown by --dry-run and the summary
@@ -46,10 +50,13 @@ readonly SWEEP_SETTINGS=(PYTHON SWEEP_NAME JOBS_PER_GPU CPU_JOBS CPU_JOB_MEM_GB 
   SLURM_MAX_PARALLEL SLURM_SIGNAL_SECS SLURM_EXTRA SLURM_LOG_DIR SWEEP_JOB_NAME)
 
 #######################################
-# Add one run.py invocation to the sweep; called from run.sh's job list.
-# Arguments: run.py's arguments for this job.
+# Add one job to the sweep; called from run.sh's job list.
+# Arguments: run.py's arguments for this job, or a script (NAME.py) and its arguments.
 #######################################
 job() {
+  local script="run.py"
+  if [[ "${1:-}" == *.py ]]; then script="$1"; shift; fi
+  SWEEP_SCRIPT+=("${script}")
   SWEEP_START+=("${#SWEEP_ARGV[@]}")
   SWEEP_LEN+=("$#")
   SWEEP_ARGV+=("$@")
@@ -59,15 +66,19 @@ err() { echo "run.sh: $*" >&2; }
 die() { err "$@"; exit 2; }
 log() { printf '[%(%H:%M:%S)T] %s\n' -1 "$*"; }
 
-# job_argv I: set JOB_ARGV to job I's complete run.py argument list. The sweep's results folder
-# comes first, so a job (or `-- --results-dir X`) can still choose another.
+# job_argv I: set JOB_ARGV to job I's complete argument list. A run.py job gets the sweep's
+# results folder first, so a job (or `-- --results-dir X`) can still choose another, and the
+# arguments after `--` last; a job of another script gets its own arguments only.
 job_argv() {
   local k end=$(( SWEEP_START[$1] + SWEEP_LEN[$1] ))
-  JOB_ARGV=(--results-dir "results/${SWEEP_NAME}")
+  JOB_ARGV=()
+  if [[ "${SWEEP_SCRIPT[$1]}" == run.py ]]; then
+    JOB_ARGV=(--results-dir "results/${SWEEP_NAME}")
+  fi
   # Element by element: bash finds the next element of an indexed array at once, while a slice
   # "${a[@]:off:n}" walks from the start: slicing every job would grow with jobs squared.
   for ((k = SWEEP_START[$1]; k < end; k++)); do JOB_ARGV+=("${SWEEP_ARGV[k]}"); done
-  JOB_ARGV+=("${SWEEP_EXTRA[@]}")
+  if [[ "${SWEEP_SCRIPT[$1]}" == run.py ]]; then JOB_ARGV+=("${SWEEP_EXTRA[@]}"); fi
 }
 
 # Print the header comment of run.sh (the usage text). run.sh has cd'ed to its own directory.
@@ -76,26 +87,40 @@ usage() {
 }
 
 #######################################
-# Find every job's run directory and state in one `run.py --plan` call.
+# Find every job's run directory and state: one `SCRIPT --plan` call per script (run.py, ...).
 #######################################
 plan_jobs() {
-  local i n="${#SWEEP_START[@]}" dir
-  local -a fields=()
-  local -A seen=()
-  mapfile -d '' fields < <(
+  local i k n="${#SWEEP_START[@]}" dir script
+  local -a fields=() mine=()
+  local -A seen=() scripts=()
+  for ((i = 0; i < n; i++)); do scripts[${SWEEP_SCRIPT[i]}]=1; done
+  for script in "${!scripts[@]}"; do
+    mine=()
     for ((i = 0; i < n; i++)); do
-      job_argv "${i}"
-      printf '%s\0' "${#JOB_ARGV[@]}" "${JOB_ARGV[@]}"
-    done | "${PYTHON}" run.py --plan
-  )
-  (( ${#fields[@]} == 3 * n )) \
-    || die "run.py --plan answered ${#fields[@]} fields for ${n} jobs (is run.py current?)"
-  for ((i = 0; i < n; i++)); do
-    SWEEP_STATE[i]="${fields[3 * i]}" dir="${fields[3 * i + 1]}"
-    SWEEP_NOTE[i]="${fields[3 * i + 2]}"
-    SWEEP_DIR[i]="${dir}" SWEEP_RUN_NAME[i]="${dir##*/}"
+      if [[ "${SWEEP_SCRIPT[i]}" == "${script}" ]]; then mine+=("${i}"); fi
+    done
+    [[ -f "${script}" ]] || die "job ${mine[0]}: ${script} not found in ${PWD}"
+    mapfile -d '' fields < <(
+      for i in "${mine[@]}"; do
+        job_argv "${i}"
+        printf '%s\0' "${#JOB_ARGV[@]}" "${JOB_ARGV[@]}"
+      done | "${PYTHON}" "${script}" --plan
+    )
+    (( ${#fields[@]} == 3 * ${#mine[@]} )) || die "${script} --plan answered ${#fields[@]}" \
+      "fields for ${#mine[@]} jobs (is ${script} current, built on the package's jobs.py?)"
+    for ((k = 0; k < ${#mine[@]}; k++)); do
+      i="${mine[k]}"
+      SWEEP_STATE[i]="${fields[3 * k]}" SWEEP_DIR[i]="${fields[3 * k + 1]}"
+      SWEEP_NOTE[i]="${fields[3 * k + 2]}"
+    done
+  done
+  for ((i = 0; i < n; i++)); do   # in job order: of two equal jobs, the first one runs
+    dir="${SWEEP_DIR[i]}" SWEEP_RUN_NAME[i]="${SWEEP_DIR[i]##*/}"
     if [[ "${SWEEP_STATE[i]}" == "invalid" ]]; then
-      SWEEP_RUN_NAME[i]="job-${i}" SWEEP_NOTE[i]="run.py rejected the arguments: ${SWEEP_NOTE[i]}"
+      SWEEP_RUN_NAME[i]="job-${i}"
+      SWEEP_NOTE[i]="${SWEEP_SCRIPT[i]} rejected the arguments: ${SWEEP_NOTE[i]}"
+    elif [[ "${SWEEP_STATE[i]}" == "waiting" ]]; then
+      SWEEP_RUN_NAME[i]="job-${i}"
     elif [[ -n "${seen[${dir}]:-}" ]]; then
       SWEEP_STATE[i]="duplicate" SWEEP_NOTE[i]="same run as job ${seen[${dir}]}"
     else
@@ -121,12 +146,12 @@ print_plan() {
     state="${SWEEP_STATE[i]}"
     printf '%-11s %s' "${state}" "${SWEEP_RUN_NAME[i]}"
     if [[ -n "${SWEEP_NOTE[i]}" ]]; then printf '  (%s)' "${SWEEP_NOTE[i]}"; fi
-    printf '\n            run.py %s\n' "${JOB_ARGV[*]}"
+    printf '\n            %s %s\n' "${SWEEP_SCRIPT[i]}" "${JOB_ARGV[*]}"
     count[${state}]=$(( ${count[${state}]:-0} + 1 ))
   done
   printf '%d jobs: %d done, %d pending, %d interrupted, %d failed' "${#SWEEP_START[@]}" \
     "${count[done]:-0}" "${count[pending]:-0}" "${count[interrupted]:-0}" "${count[failed]:-0}"
-  for state in running queued invalid refused duplicate; do
+  for state in running queued waiting invalid refused duplicate; do
     if (( ${count[${state}]:-0} )); then
       printf ', %d %s' "${count[${state}]}" "${state/running/running elsewhere}"
     fi
@@ -139,8 +164,8 @@ print_plan() {
 # Arguments: index of a job whose arguments (e.g. --experiment) to use.
 init_tracking() {
   job_argv "$1"
-  "${PYTHON}" run.py "${JOB_ARGV[@]}" --init-tracking >/dev/null \
-    || die "could not create the MLflow database (run.py --init-tracking failed)"
+  "${PYTHON}" "${SWEEP_SCRIPT[$1]}" "${JOB_ARGV[@]}" --init-tracking >/dev/null \
+    || die "could not create the MLflow database (${SWEEP_SCRIPT[$1]} --init-tracking failed)"
 }
 
 # The devices jobs may use: CUDA_VISIBLE_DEVICES's entries when it is set (jobs stay inside it),
@@ -289,16 +314,16 @@ launch() {
   local i="$1" slot="$2" dev="${SLOTS[$2]}" pid
   local log_file="${LOG_DIR}/${SWEEP_RUN_NAME[$1]}.log"
   job_argv "${i}"
-  printf '=== %(%F %T)T  CUDA_VISIBLE_DEVICES=%s  %s run.py %s\n' -1 "${dev}" "${PYTHON}" \
-    "${JOB_ARGV[*]}" >>"${log_file}"
+  printf '=== %(%F %T)T  CUDA_VISIBLE_DEVICES=%s  %s %s %s\n' -1 "${dev}" "${PYTHON}" \
+    "${SWEEP_SCRIPT[i]}" "${JOB_ARGV[*]}" >>"${log_file}"
   # setsid: its own process group (pgid = pid), so stopping it reaches its children too, and
   # Ctrl-C in the terminal reaches run.sh only, which then stops every job the same way.
   if (( SWEEP_HAVE_SETSID )); then
-    CUDA_VISIBLE_DEVICES="${dev}" setsid "${SWEEP_GUARD[@]}" "${PYTHON}" run.py "${JOB_ARGV[@]}" \
-      </dev/null >>"${log_file}" 2>&1 &
+    CUDA_VISIBLE_DEVICES="${dev}" setsid "${SWEEP_GUARD[@]}" "${PYTHON}" "${SWEEP_SCRIPT[i]}" \
+      "${JOB_ARGV[@]}" </dev/null >>"${log_file}" 2>&1 &
   else   # no setsid (macOS): job control gives the job its own process group
     set -m
-    CUDA_VISIBLE_DEVICES="${dev}" "${PYTHON}" run.py "${JOB_ARGV[@]}" \
+    CUDA_VISIBLE_DEVICES="${dev}" "${PYTHON}" "${SWEEP_SCRIPT[i]}" "${JOB_ARGV[@]}" \
       </dev/null >>"${log_file}" 2>&1 &
     set +m
   fi
@@ -451,7 +476,23 @@ start_ticker() {
 }
 
 #######################################
-# Run every pending job through the dynamic queue; print the summary.
+# After a job ended: plan again, and queue the jobs that were waiting for inputs (runs of this
+# sweep) that have finished meanwhile. Appends to run_queue's local `queue`.
+#######################################
+wake_waiting() {
+  local i
+  plan_jobs
+  for ((i = 0; i < ${#SWEEP_START[@]}; i++)); do
+    if [[ "${SWEEP_RESULT[i]:-}" == "waiting" ]] && is_runnable "${i}"; then
+      SWEEP_RESULT[i]="" queue+=("${i}")
+      log "ready    ${SWEEP_RUN_NAME[i]}  (its inputs have finished)"
+    fi
+  done
+}
+
+#######################################
+# Run every pending job through the dynamic queue (and each waiting job once its inputs are
+# done); print the summary.
 # Returns: 0 if every job is done, 1 otherwise.
 #######################################
 run_queue() {
@@ -465,6 +506,7 @@ run_queue() {
       done) SWEEP_RESULT[i]="skipped" ;;
       duplicate) SWEEP_RESULT[i]="duplicate" ;;
       running) SWEEP_RESULT[i]="elsewhere" ;;
+      waiting) SWEEP_RESULT[i]="waiting" ;;
       *) SWEEP_RESULT[i]="failed" ;;
     esac
   done
@@ -511,6 +553,9 @@ run_queue() {
     # No pid: a trapped signal interrupted the wait (or it was not one of ours).
     elif [[ -n "${pid:-}" && -n "${SWEEP_RUNNING[${pid}]+set}" ]]; then
       finish "${pid}" "${rc}"
+      if [[ -z "${SWEEP_STOP_SIGNAL}" && " ${SWEEP_RESULT[*]} " == *" waiting "* ]]; then
+        wake_waiting
+      fi
     fi
     reap_lost
   done
@@ -521,7 +566,7 @@ run_queue() {
 
 # Print the counts and the failures; returns 0 iff every job is done.
 summarize() {
-  local i n_done=0 n_skip=0 n_fail=0 n_int=0 n_left=0 n_dup=0 n_else=0
+  local i n_done=0 n_skip=0 n_fail=0 n_int=0 n_left=0 n_dup=0 n_else=0 n_wait=0
   local -a failures=()
   # Jobs another process was running may have finished meanwhile: ask once more (one call).
   if [[ " ${SWEEP_RESULT[*]} " == *" elsewhere "* ]]; then
@@ -539,11 +584,12 @@ summarize() {
       duplicate) n_dup=$(( n_dup + 1 )) ;;
       interrupted) n_int=$(( n_int + 1 )) ;;
       elsewhere) n_else=$(( n_else + 1 )) ;;
+      waiting) n_wait=$(( n_wait + 1 )) ;;
       failed)
         n_fail=$(( n_fail + 1 ))
         if [[ "${SWEEP_STATE[i]}" == "invalid" || "${SWEEP_STATE[i]}" == "refused" ]]; then
           job_argv "${i}"
-          failures+=("job ${i} (run.py ${JOB_ARGV[*]}): ${SWEEP_NOTE[i]}")
+          failures+=("job ${i} (${SWEEP_SCRIPT[i]} ${JOB_ARGV[*]}): ${SWEEP_NOTE[i]}")
         else
           failures+=("${SWEEP_RUN_NAME[i]}  log: ${LOG_DIR}/${SWEEP_RUN_NAME[i]}.log")
         fi
@@ -556,13 +602,19 @@ summarize() {
     "$(( n_done + n_skip ))" "${n_done}" "${n_skip}" "${n_fail}"
   printf '%d interrupted, %d not started' "${n_int}" "${n_left}"
   if (( n_else )); then printf ', %d running elsewhere' "${n_else}"; fi
+  if (( n_wait )); then printf ', %d waiting for unfinished inputs' "${n_wait}"; fi
   if (( n_dup )); then printf ' (%d duplicate job(s) ignored)' "${n_dup}"; fi
   printf '\n'
   for i in "${failures[@]}"; do echo "  failed: ${i}"; done
-  if (( n_int + n_left + n_else )); then
+  for ((i = 0; i < ${#SWEEP_START[@]}; i++)); do
+    if [[ "${SWEEP_RESULT[i]:-}" == "waiting" ]]; then
+      echo "  waiting: job ${i}: ${SWEEP_NOTE[i]}"
+    fi
+  done
+  if (( n_int + n_left + n_else + n_wait )); then
     echo "re-run run.sh to finish the rest (interrupted jobs resume from their checkpoints)."
   fi
-  (( n_fail + n_int + n_left + n_else == 0 ))
+  (( n_fail + n_int + n_left + n_else + n_wait == 0 ))
 }
 
 #######################################
@@ -635,8 +687,12 @@ submit_slurm() {
   printf '%s\n' "${python}" >"${dir}/python"
   for i in "${pending[@]}"; do
     job_argv "${i}"
-    # One file per array task: its run.py arguments, NUL-separated (any character is safe).
+    # One file per array task: its arguments, NUL-separated (any character is safe), and its
+    # script when it is not run.py.
     printf '%s\0' "${JOB_ARGV[@]}" >"${dir}/args/${n}"
+    if [[ "${SWEEP_SCRIPT[i]}" != run.py ]]; then
+      mkdir -p "${dir}/script" && printf '%s\n' "${SWEEP_SCRIPT[i]}" >"${dir}/script/${n}"
+    fi
     printf '%d\t%s\n' "${n}" "${SWEEP_DIR[i]}" >>"${dir}/tasks.tsv"
     n=$(( n + 1 ))
   done

@@ -85,7 +85,13 @@ def test_a_look_at_the_holder_never_makes_a_claim_fail(tmp_path):
         [
             sys.executable,
             "-c",
-            "import sys\nfrom {{ cookiecutter.package_name }}.claim import holder\nwhile True: holder(sys.argv[1])",
+            "\n".join(
+                [
+                    "import sys",
+                    "from {{ cookiecutter.package_name }}.claim import holder",
+                    "while True: holder(sys.argv[1])",
+                ]
+            ),
             str(run_dir),
         ],
         cwd=ROOT,

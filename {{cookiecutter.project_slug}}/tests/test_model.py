@@ -1,12 +1,10 @@
 """The model registry and its networks: shapes, gradients, deterministic kernels."""
 
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
 
-from {{ cookiecutter.package_name }}.model import MODELS, build_model, create_model
+from {{ cookiecutter.package_name }}.model import BUILT_IN, MODELS, build_model, create_model
 
 
 def test_default_model_forward_backward():
@@ -41,12 +39,13 @@ def test_residual_blocks_start_as_identity():
     torch.testing.assert_close(block(x), x)
 
 
-def test_default_model_keeps_its_size_and_uses_no_adaptive_pooling():
+def test_built_in_models_keep_their_size_and_use_no_adaptive_pooling():
+    """The built-ins only: a model of your own may use any op (README, "Use your own model")."""
     model = build_model()
     # The CNN of the benchmarks (benchmarks/RESULTS.md): 1,941,546 parameters at width 64.
     assert sum(p.numel() for p in model.parameters()) == 1_941_546
     adaptive = (nn.AdaptiveMaxPool2d, nn.AdaptiveAvgPool2d)  # no deterministic CUDA backward
-    for name in MODELS:
+    for name in BUILT_IN:
         net = create_model(name, num_classes=3, channels=3, image_size=(64, 64), width=8)
         assert not [m for m in net.modules() if isinstance(m, adaptive)], name
 
@@ -62,12 +61,14 @@ def test_registered_models_adapt_to_the_data(name, channels, image_size):
 
 
 def test_help_names_match_the_registry():
-    """config.py reads the @register_model lines without importing torch: they must agree."""
-    import {{ cookiecutter.package_name }}.model as model_module
-    from {{ cookiecutter.package_name }}.registry import decorated_names
+    """config.py reads the @register_model lines of every module of the package without
+    importing torch: they must agree with what the decorators register."""
+    from {{ cookiecutter.package_name }}.registry import declarations
 
-    names = decorated_names(Path(model_module.__file__), "register_model")
-    assert names == {name: entry.help for name, entry in MODELS.items()}
+    declared = {name: d.help for name, d in declarations("register_model").items()}
+    assert set(BUILT_IN) <= set(declared)
+    assert all(name in MODELS for name in declared)  # imports the modules that declare them
+    assert declared == {name: entry.help for name, entry in MODELS.items()}
 
 
 def test_unknown_model_and_too_small_images_are_clear_errors():

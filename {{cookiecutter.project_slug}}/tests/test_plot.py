@@ -319,12 +319,84 @@ def test_learning_curves_focus_on_the_late_epochs(drawn, table):
     assert hi >= max(v.max() for v in late)
 
 
+def test_learning_curves_name_the_points_outside_the_axes(drawn):
+    """A focused y-range must not hide points silently: every plotted point outside the
+    y-limits has its epoch named in the note on the axes, and nothing else is named."""
+    width, figures = drawn
+    ax = figures["learning_curves"].axes[0]
+    lo, hi = ax.get_ylim()
+    below = sorted({int(x) for line in ax.get_lines() for x, y in zip(*line.get_data(), strict=True)
+                    if np.isfinite(y) and y < lo})  # fmt: skip
+    assert below, "the fixture's first epochs lie below the focused range"
+    notes = [t.get_text() for t in ax.texts if (t.get_gid() or "").startswith("outside:")]
+    span = f"{below[0]}" if len(below) == 1 else f"{below[0]}-{below[-1]}"
+    assert notes == [f"epoch{'s' if len(below) > 1 else ''} {span} below"], (width, notes)
+
+
 def test_throughput_shows_every_run_and_says_spread_is_the_machine(drawn, table):
     width, figures = drawn
     fig = figures["throughput"]
     dots = [ln for ln in fig.axes[0].get_lines() if (ln.get_gid() or "").startswith(plot.GID)]
     assert sum(len(ln.get_xdata()) for ln in dots) == sum(row.n for row in table.rows)
-    assert "machine load" in fig.get_suptitle().replace("\n", " ")
+    assert not fig.get_suptitle() and "|" not in " ".join(t.get_text() for t in fig.texts)
+
+
+def many_configurations(n: int) -> list:
+    """`n` configurations of trial runs, as results/trials holds them: several keys vary
+    (long legend labels), two seeds each."""
+    from {{ cookiecutter.package_name }}.analysis import Run
+
+    keys = ["dataset", "lr", "width", "epochs", "batch_size", "model", "seed"]
+    runs = []
+    for i in range(n):
+        for seed in (0, 1):
+            config = {"dataset": "digits", "lr": 10 ** (-4 + i / 10), "width": 16 * (1 + i % 4),
+                      "epochs": 6 + i % 3, "batch_size": 32 * (1 + i % 2),
+                      "model": "resnet18" if i % 5 else "cnn", "seed": seed,
+                      "experiment_keys": keys}  # fmt: skip
+            acc = 0.5 + 0.4 * (1 - 0.5 ** np.arange(1, 7)) + 0.001 * i
+            history = {"epoch": np.arange(1.0, 7.0), "val_acc": acc}
+            metrics = {"test_acc": acc[-1], "best_val_acc": acc[-1], "wall_time_s": 60.0 + i,
+                       "samples_per_sec": 1000.0 + seed}  # fmt: skip
+            runs.append(Run(f"run{i}-{seed}", config, metrics, history))
+    return runs
+
+
+@pytest.mark.parametrize(
+    "n, widths",
+    [(40, ["single"]), pytest.param(120, sorted(plot.PAGE_WIDTHS), marks=pytest.mark.slow)],
+)
+def test_layouts_hold_for_any_number_of_configurations(n, widths):
+    """`plot.py --results results/trials` with many configurations: every figure keeps a page
+    size (not a 15 in tall throughput figure), draws without layout warnings, its legend and
+    labels stay on the page, and a figure that leaves configurations out says so."""
+    import warnings
+
+    table = aggregate(many_configurations(n))
+    assert len(table.rows) == n
+    plot.set_style()
+    for width in widths:  # single: the narrowest page, where layouts break first
+        style = plot.make_style(table, width)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # "constrained_layout not applied" fails the test
+            figures = {
+                "learning_curves": plot.plot_learning_curves(table, style),
+                "final_vs_hparam": plot.plot_final_vs_hparam(table, style),
+                "throughput": plot.plot_throughput(table, style),
+            }
+            figures = {name: fig for name, fig in figures.items() if fig is not None}
+            for fig in figures.values():
+                FigureCanvasAgg(fig).draw()
+        for name, fig in figures.items():
+            w, h = fig.get_size_inches()
+            assert w == plot.PAGE_WIDTHS[width] and h <= 2.5 * w + 1, f"{name} ({width}): {h} in"
+            box = fig.get_tightbbox(fig.canvas.get_renderer())
+            tol = 1 / 72
+            assert box.x0 >= -tol and box.y0 >= -tol, f"{name} ({width}, n={n})"
+            assert box.x1 <= w + tol and box.y1 <= h + tol, f"{name} ({width}, n={n})"
+            words = " ".join(t.get_text() for t in visible_texts(fig))
+            if n > plot.MAX_SHOWN:
+                assert f"of {n}" in words, f"{name} ({width}): no note of what is left out"
 
 
 def test_aggregate_mean_se_and_n(results, plotted, table):
@@ -473,18 +545,21 @@ def test_from_mlflow(tmp_path, capsys):
     from mlflow.tracking import MlflowClient
 
     from {{ cookiecutter.package_name }}.analysis import load_runs_from_mlflow
+    from {{ cookiecutter.package_name }}.config import resolved_config
+    from {{ cookiecutter.package_name }}.tracking import run_params
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri)
     exp = client.create_experiment("sweep")
-    keys = str(["dataset", "lr", "seed", "width"])  # a list param arrives as its str()
+    parser = build_parser()
     for (lr, seed), acc in TEST_ACC.items():
         if lr not in (0.01, 0.1):
             continue
         for _ in range(2 if (lr, seed) == (0.01, 0) else 1):  # (0.01, 0) re-run with --fresh
             run = client.create_run(exp, run_name=f"digits_lr={lr}_seed={seed}")
-            params = {"dataset": "digits", "lr": lr, "width": 64, "seed": seed, "device": "cpu",
-                      "experiment_keys": keys, "total_steps": EPOCHS * 10}  # fmt: skip
+            # The params the producer logs (PKG/tracking.run_params of run.py's config.json).
+            args = parser.parse_args(["--lr", str(lr), "--seed", str(seed)])
+            params = run_params(resolved_config(args, parser))
             for k, v in params.items():
                 client.log_param(run.info.run_id, k, str(v))
             for e in range(1, EPOCHS + 1):
@@ -546,3 +621,34 @@ def test_from_mlflow(tmp_path, capsys):
     capsys.readouterr()  # drop mlflow's own log lines from creating the DB above
     assert plot.main(["--from-mlflow", "--tracking-uri", uri, "--experiment", "nope"]) == 1
     assert capsys.readouterr().err.startswith("error: no MLflow experiment named 'nope'")
+
+
+@pytest.mark.slow  # three real (tiny) training runs, then plot.py, in subprocesses
+def test_from_mlflow_plots_what_run_py_tracked(run_cli, env, tmp_path):
+    """The round trip a user makes: run.py tracks into MLflow (the private sqlite DB of
+    conftest), `plot.py --from-mlflow` reads those runs back and draws the figures."""
+    experiment = f"roundtrip-{tmp_path.name}"
+    jobs = [("0.01", "0"), ("0.01", "1"), ("0.05", "0")]
+    for lr, seed in jobs:
+        done = run_cli("--lr", lr, "--seed", seed, "--epochs", "2", "--experiment", experiment,
+                       results_dir=tmp_path / "results")  # fmt: skip
+        assert done.returncode == 0, done.stderr
+    out = tmp_path / "figures"
+    proc = subprocess.run(
+        [sys.executable, str(PROJECT / "plot.py"), "--from-mlflow", "--experiment", experiment,
+         "--tracking-uri", env["MLFLOW_TRACKING_URI"], "--out", str(out)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "skipped" not in proc.stderr, proc.stderr
+    for name in FIGURES:
+        assert (out / f"{name}.pdf").is_file()
+    lines = (out / "aggregate.csv").read_text().splitlines()
+    rows = [dict(zip(lines[0].split(","), ln.split(","), strict=True)) for ln in lines[1:]]
+    assert sorted((float(r["lr"]), int(r["n"])) for r in rows) == [(0.01, 2), (0.05, 1)]
+    tested: dict[float, list[float]] = {}  # what each run directory says, by lr
+    for path in (tmp_path / "results").glob("*/metrics.json"):
+        lr = json.loads((path.parent / "config.json").read_text())["lr"]
+        tested.setdefault(lr, []).append(json.loads(path.read_text())["test_acc"])
+    for r in rows:
+        assert float(r["test_acc_mean"]) == pytest.approx(np.mean(tested[float(r["lr"])]))

@@ -21,16 +21,20 @@ import os
 import re
 from pathlib import Path
 
-from .datasets import DATASETS
 from .dataversion import data_version
-from .registry import decorated_names
+from .registry import declarations
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_EXPERIMENT = {{ cookiecutter.project_slug | py_string }}
-# Both registries are read without torch: datasets.py imports nothing heavy, and model.py's
-# `@register_model` lines are read from its source.
-DATASET_CHOICES = tuple(DATASETS)
-MODEL_CHOICES = decorated_names(Path(__file__).with_name("model.py"), "register_model")
+DEFAULT_EXPERIMENT = {{ cookiecutter.project_slug | py_string }}  # noqa: E501 (a long slug)  # fmt: skip
+# Trial runs (results/trials, the default --results-dir) go to their own MLflow experiment, as
+# plot.py keeps them out of the sweep's figures.
+TRIALS_DIR = PROJECT_ROOT / "results" / "trials"
+TRIALS_EXPERIMENT = f"{DEFAULT_EXPERIMENT}-trials"
+# Both registries are read without importing a module (no torch): the `@register_dataset` and
+# `@register_model` lines of every module of the package, from their source (registry.py).
+DATASET_DECLARED = declarations("register_dataset")  # from any module of the package
+DATASET_CHOICES = tuple(DATASET_DECLARED)
+MODEL_CHOICES = {name: d.help for name, d in declarations("register_model").items()}
 
 # How a run is executed, not what it computes: left out of the hash, so the same experiment run on
 # another GPU, with more workers or after a Ctrl-C lands in the same directory.
@@ -189,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dataset",
         choices=DATASET_CHOICES,
         default="digits",
-        help=_choices_help({k: v.help for k, v in DATASETS.items()}),
+        help=_choices_help({k: v.help for k, v in DATASET_DECLARED.items()}),
     )
     e.add_argument(
         "--data-path",
@@ -305,8 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile",
         choices=("auto", "on", "off"),
         default="auto",
-        help="torch.compile the step; auto = on CUDA by run length (eager < 500 steps, "
-        "max-autotune from 5000), off on CPU and with --deterministic",
+        help="torch.compile the step; auto = on CUDA where the measured eager time of the "
+        "steps left saves >= 2x the recorded compile time (mode default or max-autotune), "
+        "off on CPU; on = always; --deterministic stays eager",
     )
     x.add_argument(
         "--workers",
@@ -338,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument(
         "--results-dir",
         type=_directory,
-        default=PROJECT_ROOT / "results" / "trials",
+        default=TRIALS_DIR,
         help="parent of the run directories (run.sh uses results/<sweep name>)",
     )
     x.add_argument(
@@ -348,7 +353,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="where datasets are downloaded / cached",
     )
     x.add_argument(
-        "--experiment", type=_experiment, default=DEFAULT_EXPERIMENT, help="MLflow experiment name"
+        "--experiment",
+        type=_experiment,
+        default=None,
+        help=f"MLflow experiment name (default: {DEFAULT_EXPERIMENT!r}; "
+        f"{TRIALS_EXPERIMENT!r} for runs into results/trials)",
     )
     x.add_argument(
         "--tracking",
@@ -403,7 +412,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     """Parse and check what can be checked without data; argparse exits 2 on errors."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if DATASETS[args.dataset].needs_data_path and args.data_path is None:
+    if DATASET_DECLARED[args.dataset].keywords.get("needs_data_path") and args.data_path is None:
         parser.error(f"--data-path: dataset {args.dataset!r} reads your files: give --data-path")
     args.data_version = None
     if args.data_path is not None:  # absolute: the same data named two ways is one experiment
@@ -412,6 +421,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
             args.data_version = data_version(args.data_path, args.data_dir)
         except ValueError as exc:
             parser.error(str(exc))
+    if args.experiment is None:
+        trial = args.results_dir.resolve() == TRIALS_DIR.resolve()
+        args.experiment = TRIALS_EXPERIMENT if trial else DEFAULT_EXPERIMENT
     out = run_dir(args, parser)
     for path, flag in ((args.results_dir, "--results-dir"), (out, "--results-dir")):
         if path.exists() and not path.is_dir():
@@ -434,26 +446,44 @@ def identity_args(args: argparse.Namespace) -> dict:
 
 
 def config_hash(args: argparse.Namespace) -> str:
-    blob = json.dumps(identity_args(args), sort_keys=True, default=str)
+    return short_hash(identity_args(args))
+
+
+def short_hash(identity: dict) -> str:
+    """8 hex digits of sha256 over the sorted-key JSON of `identity` (any job's identity)."""
+    blob = json.dumps(identity, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:8]
 
 
-def run_name(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
-    """`<dataset>_key=value_...-<hash8>`: readable part lists the non-default experiment args."""
-    parts = [str(args.dataset)]
-    for action in parser._actions:  # parser order, so names are stable and predictable
+def changed_args(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, skip: frozenset | set = frozenset()
+) -> list[str]:
+    """`key=value` for every argument not at its default, in parser order (stable names)."""
+    parts = []
+    for action in parser._actions:
         key = action.dest
-        if key in EXECUTION_KEYS or key in ("help", "dataset"):
+        if key in skip or key == "help" or not hasattr(args, key):
             continue
         value = getattr(args, key)
         if value != action.default:
             if isinstance(value, Path):  # the hash holds the full path; the name its folder
                 value = value.name
-            elif isinstance(value, tuple):
+            elif isinstance(value, tuple | list):
                 value = "x".join(map(str, value))
             parts.append(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}")
+    return parts
+
+
+def readable_name(parts: list[str], identity: dict) -> str:
+    """`<parts joined by _>-<hash8 of identity>`, file-name safe, the readable part capped."""
     readable = re.sub(r"[^A-Za-z0-9._=+-]", "-", "_".join(parts))[:MAX_READABLE].rstrip("_")
-    return f"{readable}-{config_hash(args)}"
+    return f"{readable}-{short_hash(identity)}"
+
+
+def run_name(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    """`<dataset>_key=value_...-<hash8>`: readable part lists the non-default experiment args."""
+    parts = changed_args(args, parser, skip=EXECUTION_KEYS | {"dataset"})
+    return readable_name([str(args.dataset), *parts], identity_args(args))
 
 
 def run_dir(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Path:

@@ -1,8 +1,9 @@
 """The dataset registry: one decorated function per dataset. Imports neither torch nor numpy.
 
-`run.py --dataset NAME` calls the function registered as NAME; the command line's choices and
-`--help` come from this registry (config.py imports it, so it must stay cheap to import: heavy
-imports go inside the functions). Add a dataset ("Use your own data" in README.md):
+`run.py --dataset NAME` calls the function registered as NAME, here or in any other module of
+the package (registry.py: the command line's choices and `--help` are read from the
+`@register_dataset` lines of every module, without importing them). Add a dataset ("Use your own
+data" in README.md); keep heavy imports inside the function:
 
     @register_dataset("mydata", help="my lab's images as arrays")
     def mydata(options: DataOptions) -> DatasetSplits:
@@ -23,6 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .registry import Registry
 
 
 @dataclass(frozen=True)
@@ -72,16 +75,14 @@ class DatasetEntry:
     needs_data_path: bool
 
 
-DATASETS: dict[str, DatasetEntry] = {}
+DATASETS: dict[str, DatasetEntry] = Registry("register_dataset")  # any module (registry.py)
 
 
 def register_dataset(name: str, *, help: str = "", needs_data_path: bool = False):
     """Decorator: register `fn(options: DataOptions) -> DatasetSplits` as dataset `name`."""
 
     def add(fn: Callable[[DataOptions], DatasetSplits]):
-        if name in DATASETS:
-            raise ValueError(f"dataset {name!r} is registered twice")
-        DATASETS[name] = DatasetEntry(name, fn, help, needs_data_path)
+        DATASETS.add(name, DatasetEntry(name, fn, help, needs_data_path))
         return fn
 
     return add

@@ -1,21 +1,28 @@
 """Prove the GPU claims on the machine at hand: `python -m {{ cookiecutter.package_name }}.gpucheck`.
 
-Trains the default model for a few hundred steps on synthetic data and reports, with exit status
-0 (every check passed) or 1 (one failed):
-  sync        no host sync inside the training step (`torch.cuda.set_sync_debug_mode("error")`
-              around the steps: any blocking device->host copy raises)
-  recompiles  none across train, eval, checkpoint (state_dict + torch.save) and resume
-              (load_state_dict) after the first step (torch._dynamo counters, and
-              `error_on_recompile`)
-  layout      every conv activation is channels_last
-  resume      exact: with --deterministic, k steps + checkpoint + resume in a fresh Trainer + k
-              steps gives bitwise the weights of 2k straight steps (the data loader included)
-  precision   the chosen autocast dtype and why (hardware.choose_precision)
-  speed       samples/s of the job (run.py in a subprocess), of the plain loop and of the
-              pure-compute step; achieved TFLOP/s of the job against this device's measured
-              matmul peak in the same precision (MFU)
-Without CUDA it says so and exits 0 without claiming anything. `--device cpu` runs the same
-checks on the CPU (no sync check there): a way to test this script without a GPU.
+Builds run.py's jobs in this process with run.py's own functions (build_data, make_model,
+train.build_trainer, warm_up with its compile decision, train_epoch) and run.py's defaults, then
+checks each claim against a stated threshold. Exit status 0: no check FAILed (checks that cannot
+run here say "not checked" and why); 1: at least one FAIL.
+  torch build  a machine whose nvidia-smi lists GPUs runs a CUDA build of torch that sees them
+  precision    the autocast dtype's matmul peak is >= PRECISION_MIN_GAIN x fp32's (CUDA)
+  compile      run.py's decision for the default run (logged with its numbers); where it
+               compiles: no fallback to eager, and compiled forward + backward <= eager's
+  feed         the job's loop (run.train_epoch, the real loader) reaches >= FEED_MIN of the
+               step's ceiling (the same steps on batches already on the device): once for
+               the default run, once for a streamed image folder at 224 px with ResNet-18
+               (JPEGs written to a temp folder; DataLoader workers, pinned memory)
+  plain        the job is >= PLAIN_MIN x the textbook loop (CUDA: its syncs cost there)
+  sync         no host sync inside the step and the loader's batches, under
+               `torch.cuda.set_sync_debug_mode("error")`: run.py's defaults, --ema, --clip-grad,
+               --grad-accum and fp16 autocast + GradScaler (CUDA)
+  recompiles   none across train, eval, checkpoint and resume after the warm-up
+  layout       every conv activation is channels_last
+  resume       exact: with --deterministic, k steps + checkpoint + resume + k steps gives
+               bitwise the weights of 2k straight steps
+`--device cpu` runs what can run on a CPU (feed, recompiles, layout, resume): a dry run of this
+script, not a GPU claim. Checks are functions in CHECKS (each returns its Result lines): a new
+claim (the DDP case: distributed.py) appends its own.
 The lab template's benchmarks/bench_train.py imports the measuring functions below
 (`plain_loop_rate`, `ceiling_rate`, `job_rate`, `train_flops_per_sample`, `matmul_peak`).
 """
@@ -23,44 +30,179 @@ The lab template's benchmarks/bench_train.py imports the measuring functions bel
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import io
 import json
+import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+# Thresholds: each check FAILs below (or above) its own.
+FEED_MIN = 0.9  # job / ceiling: the loader and the loop cost at most 10 % of the step's rate
+PLAIN_MIN = 1.0  # job / textbook loop: the job's design must not be slower than the naive loop
+PRECISION_MIN_GAIN = 1.3  # autocast matmul / fp32 (TF32) matmul: the low precision must pay
+COMPILED_MAX_RATIO = 1.0  # compiled / eager forward + backward: a compile must not slow it
+INSTALL_CUDA = (
+    "pip install torch --index-url https://download.pytorch.org/whl/cu128   "
+    "(or: uv sync --extra cu128 --extra dev; README, Install)"
+)
+PASS, FAIL, NOT_CHECKED, INFO = "PASS", "FAIL", "not checked", "info"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m {{ cookiecutter.package_name }}.gpucheck", description=__doc__.splitlines()[0]
+        prog=f"python -m {__package__}.gpucheck", description=__doc__.splitlines()[0]
     )
     p.add_argument(
         "--device",
         choices=("cuda", "cpu"),
         default="cuda",
-        help="cuda: the checks this script exists for; cpu: a dry run of the code",
+        help="cuda: the checks this script exists for; cpu: a dry run of what runs on a CPU",
     )
-    p.add_argument("--steps", type=int, default=300, help="timed steps of each speed measurement")
+    p.add_argument("--steps", type=int, default=100, help="timed steps of each speed measurement")
     p.add_argument(
-        "--batch-size",
+        "--synthetic-size",
         type=int,
-        default=None,
-        help="default: the device's rule (hardware.default_batch_size)",
+        default=50_000,
+        help="images of the default job's synthetic data (50000: CIFAR-10's 7,020 steps)",
+    )
+    p.add_argument(
+        "--mode",
+        choices=("run", "default", "max-autotune", "eager"),
+        default="run",
+        help="compile mode of the checked step: run = what run.py decides for the default run",
     )
     p.add_argument("--width", type=int, default=64, help="model width (run.py's --width)")
+    p.add_argument("--batch-size", type=int, default=128, help="run.py's --batch-size")
+    p.add_argument("--stream-size", type=int, default=224, help="streamed case: image size (px)")
+    p.add_argument("--stream-model", default="resnet18", help="streamed case: run.py's --model")
     p.add_argument(
-        "--compile",
-        choices=("auto", "on", "off"),
-        default="on",
-        help="compile policy checked (on: the mode a long run gets)",
+        "--skip", nargs="*", default=[], help="names of checks to leave out (e.g. stream plain)"
     )
-    p.add_argument("--skip-job", action="store_true", help="do not run run.py (speed of the job)")
     return p.parse_args(argv)
+
+
+@dataclass
+class Result:
+    name: str
+    status: str  # PASS, FAIL, NOT_CHECKED or INFO
+    detail: str
+
+
+@dataclass
+class Context:
+    """What every check gets: this script's options, the device, a work folder, the log."""
+
+    options: argparse.Namespace
+    device: object
+    work: Path
+    log: logging.Logger
+    lines: list[str] = field(default_factory=list)  # run.py's log lines (compile decisions)
+    mode: str | None = None  # the compile mode of the default job, for the other checks
+
+
+# --------------------------------------------------------------------------------------------
+# run.py's jobs, built in this process with run.py's own functions
+
+
+def run_module():
+    """run.py itself (imported from the project root): the code path under test."""
+    spec = importlib.util.spec_from_file_location("run_checked", PROJECT_ROOT / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass
+class Job:
+    run: types.ModuleType
+    args: argparse.Namespace
+    data: object  # run.Data
+    state: object  # state.TrainingState
+    eager_s: float  # forward + backward of one micro-batch, before the warm-up
+    compiled_s: float | None  # the same after it, where it compiled
+
+    @property
+    def trainer(self):
+        return self.state.trainer
+
+
+def build_job(ctx: Context, *flags: str, dtype=None, mode: str | None = "run") -> Job:
+    """One run.py job as run.train() builds it, up to and including the warm-up: the same
+    config, data, model, Trainer and compile decision (mode "run"; or a forced mode, compiled
+    by the same Trainer.warm_up on run.py's peeked batch). `dtype` forces an autocast dtype."""
+    import torch
+
+    from .config import parse_args as run_args
+    from .hardware import choose_precision, setup_backends, timed
+    from .state import TrainingState
+    from .stopping import EarlyStopping
+    from .train import build_trainer, seed_everything
+
+    run = run_module()
+    args, _ = run_args(
+        [
+            *("--device", ctx.device.type, "--tracking", "off", "--progress", "off"),
+            *("--results-dir", str(ctx.work / "results"), "--data-dir", str(ctx.work / "data")),
+            *("--width", str(ctx.options.width), "--batch-size", str(ctx.options.batch_size)),
+            *flags,
+        ]
+    )
+    device = ctx.device
+    chosen, _ = choose_precision(device, args.amp)
+    setup_backends(device, args.deterministic)
+    data = run.build_data(args, device)
+    seed_everything(args.seed)
+    model = run.make_model(args, data.info).to(device, memory_format=torch.channels_last)
+    trainer = build_trainer(
+        model,
+        args,
+        device=device,
+        dtype=dtype or chosen,
+        compile_mode=None,
+        total_steps=run.total_steps(args, data.steps_per_epoch),
+        log=ctx.log,
+    )
+    state = TrainingState(trainer, EarlyStopping(args.patience), device=device, config_hash="-")
+    now = timed(device)
+    x, y = run.peek_batch(data.loaders["train"], 0, device)
+    eager_s = trainer.time_forward_backward(x, y, now)
+    if mode == "run":
+        run.warm_up(state, data, args, ctx.log)
+    elif mode not in (None, "eager"):
+        trainer.compile(mode)
+        trainer.warm_up(x, y)
+    compiled_s = trainer.time_forward_backward(x, y, now) if trainer.compiled else None
+    return Job(run, args, data, state, eager_s, compiled_s)
+
+
+def job_and_ceiling(job: Job, steps: int, warmup: int = 5) -> tuple[float, float]:
+    """samples/s of run.py's loop (train_epoch over the real loader) and of the same Trainer's
+    steps on batches already on the device (the ceiling the loader must not pull down)."""
+    run, args, p = job.run, job.args, job.state.progress
+    loader, per_epoch = job.data.loaders["train"], job.data.steps_per_epoch
+    steps = min(steps, per_epoch - warmup)
+    if steps < 1:
+        raise ValueError(f"{per_epoch} steps per epoch: too few for {warmup} + 1 steps")
+    never = types.SimpleNamespace(requested=None)
+    args.max_steps = warmup  # untimed: cuDNN autotuning, allocator growth, worker start
+    run.train_epoch(job.state, loader, per_epoch, args, never)
+    args.max_steps = warmup + steps
+    seconds = run.train_epoch(job.state, loader, per_epoch, args, never)
+    samples = steps * args.batch_size * args.grad_accum
+    loader.set_epoch(0)
+    batches = [b for _, b in zip(range(8), loader, strict=False)]
+    ceiling = ceiling_rate(job.trainer, batches, steps, warmup, p.step)
+    return samples / seconds, ceiling
 
 
 # --------------------------------------------------------------------------------------------
@@ -91,11 +233,11 @@ def build_trainer(
     batch_size: int,
     total_steps: int,
     width: int = 64,
-    compile_flag: str = "auto",
-    deterministic: bool = False,
+    compile_mode: str | None = None,
     grad_accum: int = 1,
 ):
-    """The job's model and Trainer with the job's own policy choices (hardware.py)."""
+    """A default-model Trainer with run.py's optimizer, schedule and precision (for the
+    benchmarks and the resume check; the other checks build whole jobs: build_job)."""
     import torch
 
     from . import hardware, train
@@ -106,7 +248,6 @@ def build_trainer(
     optimizer = train.build_optimizer(model, lr, 5e-4, device)
     scheduler = train.build_scheduler(optimizer, lr, total_steps)
     dtype, _ = hardware.choose_precision(device, "auto")
-    mode, _ = hardware.choose_compile(device, compile_flag, total_steps, deterministic)
     return train.Trainer(
         model,
         optimizer,
@@ -114,7 +255,7 @@ def build_trainer(
         device=device,
         dtype=dtype,
         grad_accum=grad_accum,
-        compile_mode=mode,
+        compile_mode=compile_mode,
     )
 
 
@@ -128,16 +269,21 @@ def warm_up(trainer, batch) -> float:
     return now() - start
 
 
-def ceiling_rate(trainer, batches: list, steps: int, warmup: int) -> float:
-    """samples/s of the job's step alone, on batches already on the device."""
+def ceiling_rate(trainer, batches: list, steps: int, warmup: int, first: int = 0) -> float:
+    """samples/s of `steps` optimizer steps alone, on batches already on the device."""
+    n = trainer.grad_accum
+
+    def step(i: int) -> None:
+        trainer.step([batches[(i * n + k) % len(batches)] for k in range(n)], first + i + 1)
+
     for i in range(warmup):
-        trainer.step([batches[i % len(batches)]], i + 1)
+        step(i)
     synchronize(trainer.device)
     start = time.perf_counter()
     for i in range(steps):
-        trainer.step([batches[i % len(batches)]], warmup + i + 1)
+        step(warmup + i)
     synchronize(trainer.device)
-    return steps * batches[0][1].shape[0] / (time.perf_counter() - start)
+    return steps * n * batches[0][1].shape[0] / (time.perf_counter() - start)
 
 
 def plain_loop_rate(
@@ -301,53 +447,302 @@ def matmul_peak(device, dtype, size: int | None = None, repeats: int = 10) -> fl
 
 
 # --------------------------------------------------------------------------------------------
-# Checks
+# Checks: each takes the Context and returns its Result lines
 
 
-def check_no_sync(trainer, batches: list, steps: int) -> tuple[bool, str]:
+def check_torch_build(ctx: Context) -> list[Result]:
     import torch
 
-    if trainer.device.type != "cuda":
-        return True, "n/a on CPU"
+    gpus = nvidia_smi_gpus()
+    build = f"torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}"
+    if gpus and torch.version.cuda is None:
+        return [
+            Result(
+                "torch build",
+                FAIL,
+                f"nvidia-smi lists {len(gpus)} GPU(s) but {build} is a CPU build: "
+                f"install the CUDA build: {INSTALL_CUDA}",
+            )
+        ]
+    if gpus and not torch.cuda.is_available():
+        return [
+            Result(
+                "torch build",
+                FAIL,
+                f"nvidia-smi lists {len(gpus)} GPU(s) but {build} sees none "
+                "(driver older than the build's CUDA, or CUDA_VISIBLE_DEVICES hides them)",
+            )
+        ]
+    if ctx.device.type != "cuda":
+        return [Result("torch build", NOT_CHECKED, f"--device cpu ({build})")]
+    if not torch.cuda.is_available():
+        return [Result("torch build", NOT_CHECKED, f"no CUDA ({build}, no GPU in nvidia-smi)")]
+    return [Result("torch build", PASS, f"{build}: {torch.cuda.get_device_name(ctx.device)}")]
+
+
+def nvidia_smi_gpus() -> list[str]:
+    """The GPUs `nvidia-smi -L` lists (none where it is missing or fails)."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        listed = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line for line in listed.splitlines() if line.startswith("GPU ")]
+
+
+def check_precision(ctx: Context) -> list[Result]:
+    from .hardware import choose_precision
+
+    dtype, why = choose_precision(ctx.device, "auto")
+    if ctx.device.type != "cuda":
+        return [Result("precision", NOT_CHECKED, f"no CUDA ({why})")]
+    gain = matmul_peak(ctx.device, dtype) / matmul_peak(ctx.device, None)
+    ok = gain >= PRECISION_MIN_GAIN
+    return [
+        Result(
+            "precision",
+            PASS if ok else FAIL,
+            f"{why}; its matmul is {gain:.2f}x fp32's (threshold {PRECISION_MIN_GAIN}x)",
+        )
+    ]
+
+
+def check_default_job(ctx: Context) -> list[Result]:
+    """run.py's defaults on CIFAR-sized synthetic data: compile decision, feed, plain, sync,
+    recompiles, layout, MFU."""
+    import torch
+
+    options, device = ctx.options, ctx.device
+    flags = ("--dataset", "synthetic", "--synthetic-size", str(options.synthetic_size))
+    job = build_job(ctx, *flags, mode=options.mode)
+    trainer = job.trainer
+    ctx.mode = trainer.compile_mode
+    decision = next((line for line in reversed(ctx.lines) if line.startswith("compile: ")), "")
+    if options.mode == "run":
+        results = [Result("decision", INFO, f"run.py's {decision}")]
+        wanted = not decision.startswith("compile: eager")
+    else:
+        results = [Result("decision", INFO, f"forced: --mode {options.mode}")]
+        wanted = options.mode != "eager"
+    if wanted and not trainer.compiled:
+        results.append(Result("compile", FAIL, "compiling fell back to eager (see the log)"))
+    elif trainer.compiled:
+        ratio = job.compiled_s / job.eager_s
+        results.append(
+            Result(
+                "compile",
+                PASS if ratio <= COMPILED_MAX_RATIO else FAIL,
+                f"{ctx.mode}: forward + backward {1e3 * job.compiled_s:.2f} ms vs eager "
+                f"{1e3 * job.eager_s:.2f} ms = {ratio:.2f}x (threshold <= {COMPILED_MAX_RATIO})",
+            )
+        )
+    else:
+        results.append(Result("compile", NOT_CHECKED, "eager: nothing compiled"))
+    job_rate_, ceiling = job_and_ceiling(job, options.steps)
+    results.append(feed_result("feed", job_rate_, ceiling))
+    if "plain" in options.skip:
+        pass
+    elif device.type != "cuda":
+        results.append(Result("plain", NOT_CHECKED, "no CUDA (the plain loop's syncs cost there)"))
+    else:
+        plain = plain_loop_rate(
+            job.data.splits["train"],
+            device,
+            batch_size=job.args.batch_size,
+            steps=min(options.steps, 100),
+            warmup=5,
+            tracking_dir=ctx.work,
+            width=options.width,
+        )
+        results.append(
+            Result(
+                "plain",
+                PASS if job_rate_ >= PLAIN_MIN * plain else FAIL,
+                f"job {job_rate_:.0f} vs textbook loop {plain:.0f} samples/s = "
+                f"{job_rate_ / plain:.2f}x (threshold {PLAIN_MIN}x)",
+            )
+        )
+    results.append(sync_result("sync", job, options.steps))
+    results.append(check_no_recompiles(job))
+    batch = job.run.peek_batch(job.data.loaders["train"], 0, device)
+    ok, detail = check_channels_last(trainer, batch)
+    results.append(Result("layout", PASS if ok else FAIL, detail))
+    flops = train_flops_per_sample(options.width, device)
+    dtype = trainer.dtype or torch.float32
+    peak = matmul_peak(device, trainer.dtype)
+    results.append(
+        Result(
+            "MFU",
+            INFO,
+            f"{job_rate_ * flops / 1e12:.3f} TFLOP/s of the job ({flops / 1e9:.2f} GFLOP/sample)"
+            f" vs measured matmul peak {peak / 1e12:.1f} TFLOP/s ({dtype}): "
+            f"{100 * job_rate_ * flops / peak:.1f} %",
+        )
+    )
+    return results
+
+
+def feed_result(name: str, job: float, ceiling: float) -> Result:
+    share = job / ceiling
+    return Result(
+        name,
+        PASS if share >= FEED_MIN else FAIL,
+        f"job {job:.0f} of the step's {ceiling:.0f} samples/s = {100 * share:.0f} % "
+        f"(threshold {100 * FEED_MIN:.0f} %)",
+    )
+
+
+def sync_result(name: str, job: Job, steps: int) -> Result:
+    """`steps` optimizer steps of run.py's Trainer on the loader's batches, with any blocking
+    device->host operation an error. The epoch's first batch is taken before (an epoch start
+    may copy its order to the device once); the rest come from the loader under the check."""
+    import torch
+
+    if job.trainer.device.type != "cuda":
+        return Result(name, NOT_CHECKED, "no CUDA")
+    trainer, n = job.trainer, job.args.grad_accum
+    loader = job.data.loaders["train"]
+    loader.set_epoch(0)
+    batches = iter(loader)
+    first = next(batches)
+    steps = min(steps, len(loader) // n - 1)
     synchronize(trainer.device)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for i in range(steps):
-            trainer.step([batches[i % len(batches)]], 1000 + i)
+        trainer.step([first, *(next(batches) for _ in range(n - 1))], 10_000)
+        for i in range(steps - 1):
+            trainer.step([next(batches) for _ in range(n)], 10_001 + i)
     except RuntimeError as exc:
-        return False, f"host sync inside the step: {str(exc).splitlines()[0]}"
+        return Result(name, FAIL, f"host sync: {str(exc).splitlines()[0]}")
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    return True, f"{steps} steps under set_sync_debug_mode('error')"
+        getattr(batches, "close", lambda: None)()
+    return Result(name, PASS, f"{steps} steps, 0 host syncs (threshold 0)")
 
 
-def check_no_recompiles(trainer, batches: list, eval_loader) -> tuple[bool, str]:
+def check_sync_variants(ctx: Context) -> list[Result]:
+    """The sync check under the flags that add work to the step, in the default job's mode."""
+    import torch
+
+    variants = {
+        "sync --ema": ("--ema", "0.999"),
+        "sync --clip-grad": ("--clip-grad", "1.0"),
+        "sync --grad-accum": ("--grad-accum", "2"),
+        "sync fp16": (),
+    }
+    if ctx.device.type != "cuda":
+        return [Result(name, NOT_CHECKED, "no CUDA") for name in variants]
+    size = ("--dataset", "synthetic", "--synthetic-size", str(40 * ctx.options.batch_size))
+    results = []
+    for name, flags in variants.items():
+        dtype = torch.float16 if name == "sync fp16" else None
+        job = build_job(ctx, *size, *flags, dtype=dtype, mode=ctx.mode)
+        results.append(sync_result(name, job, 20))
+    return results
+
+
+def check_streamed_folder(ctx: Context) -> list[Result]:
+    """Image files streamed through run.py's loader (workers, pinned memory on CUDA) into
+    ResNet-18 at 224 px: JPEGs of 500x375 written to a temp folder."""
+    options = ctx.options
+    if "stream" in options.skip:
+        return []
+    warmup, steps = 5, max(options.steps // 2, 5)
+    per_class = -(-(warmup + steps + 2) * options.batch_size // 3) + 1
+    folder = write_jpegs(ctx.work / "jpegs", per_class)
+    flags = (
+        *("--dataset", "folder", "--data-path", str(folder), "--data-mode", "stream"),
+        *("--image-size", str(options.stream_size), "--model", options.stream_model),
+        *("--val-fraction", "0.01"),
+    )
+    job = build_job(ctx, *flags, mode=ctx.mode)
+    job_rate_, ceiling = job_and_ceiling(job, steps, warmup)
+    workers = getattr(job.data.loaders["train"], "workers", "?")
+    result = feed_result(f"feed stream {options.stream_size}px", job_rate_, ceiling)
+    result.detail += f"; {options.stream_model}, {workers} workers"
+    return [result]
+
+
+def write_jpegs(root: Path, per_class: int, size=(500, 375), classes: int = 3) -> Path:
+    """root/train/<class>/<i>.jpg and root/test/<class>/0.jpg: smooth random photos-like JPEGs
+    (8x8 noise upscaled: sizes on disk like a photo's, not like incompressible noise)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for label in range(classes):
+        for split, count in (("train", per_class), ("test", 1)):
+            folder = root / split / f"class{label}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(count):
+                small = rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)
+                image = Image.fromarray(small, "RGB").resize(size, Image.Resampling.BICUBIC)
+                image.save(folder / f"{i}.jpg", quality=90)
+    return root
+
+
+def check_no_recompiles(job: Job) -> Result:
     import torch
     import torch._dynamo
 
     from .train import evaluate
 
+    trainer = job.trainer
     if not trainer.compiled:
-        return True, "n/a: eager"
+        return Result("recompiles", NOT_CHECKED, "eager (nothing compiled)")
+    loader = job.data.loaders["train"]
+    loader.set_epoch(0)
+    batches = [b for _, b in zip(range(4 * trainer.grad_accum), loader, strict=False)]
     counters = torch._dynamo.utils.counters
     graphs_before = counters["stats"]["unique_graphs"]
+    n = trainer.grad_accum
     torch._dynamo.config.error_on_recompile = True
     try:
-        trainer.step([batches[0]], 2000)
-        evaluate(trainer.model, eval_loader, device=trainer.device, dtype=trainer.dtype)
+        trainer.step(batches[:n], 20_000)
+        evaluate(trainer.model, job.data.loaders["val"], device=trainer.device, dtype=trainer.dtype)
         buffer = io.BytesIO()
         torch.save(trainer.state_dict(), buffer)  # checkpoint
         buffer.seek(0)
         trainer.load_state_dict(torch.load(buffer, weights_only=True))  # resume
-        for i in range(3):
-            trainer.step([batches[(i + 1) % len(batches)]], 2001 + i)
+        for i in range(1, 4):
+            trainer.step(batches[i * n : (i + 1) * n], 20_000 + i)
         synchronize(trainer.device)
     except Exception as exc:  # RecompileError, or what recompiling broke
-        return False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return Result("recompiles", FAIL, f"{type(exc).__name__}: {text}")
     finally:
         torch._dynamo.config.error_on_recompile = False
-    new_graphs = counters["stats"]["unique_graphs"] - graphs_before
-    return new_graphs == 0, f"{new_graphs} new graphs across train, eval, checkpoint, resume"
+    new = counters["stats"]["unique_graphs"] - graphs_before
+    return Result(
+        "recompiles",
+        PASS if new == 0 else FAIL,
+        f"{new} new graphs across train, eval, checkpoint, resume (threshold 0)",
+    )
+
+
+def check_resume(ctx: Context) -> list[Result]:
+    from .hardware import setup_backends
+
+    split = synthetic_split(16 * 64)
+    try:
+        ok, detail = check_exact_resume(ctx.device, split, batch_size=64, width=ctx.options.width)
+    finally:
+        setup_backends(ctx.device, deterministic=False)
+    return [Result("resume", PASS if ok else FAIL, detail)]
+
+
+# The checks, in order. A new claim appends its function (the DDP case: distributed.py).
+CHECKS: list[Callable[[Context], list[Result]]] = [
+    check_torch_build,
+    check_precision,
+    check_default_job,
+    check_sync_variants,
+    check_streamed_folder,
+    check_resume,
+]
 
 
 def check_channels_last(trainer, batch) -> tuple[bool, str]:
@@ -391,14 +786,7 @@ def check_exact_resume(
 
     def fresh():
         seed_everything(0)
-        trainer = build_trainer(
-            device,
-            batch_size=batch_size,
-            total_steps=steps,
-            width=width,
-            compile_flag="off",
-            deterministic=True,
-        )
+        trainer = build_trainer(device, batch_size=batch_size, total_steps=steps, width=width)
         loader = build_loader(split, batch_size, train=True, device=device, seed=0)
         return trainer, loader
 
@@ -427,117 +815,55 @@ def check_exact_resume(
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    options = parse_args(argv)
     import torch
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print(
-            f"gpucheck: no CUDA device visible (torch {torch.__version__}, CUDA build "
-            f"{torch.version.cuda or 'none'}): nothing checked"
-        )
-        return 0
-    from . import hardware
-    from .data import build_loader
+    from .hardware import setup_backends
 
-    device = torch.device(args.device)
-    hardware.setup_backends(device, deterministic=False)
-    batch_size = args.batch_size or hardware.default_batch_size(device)
-    dtype, precision_why = hardware.choose_precision(device, "auto")
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(
-        f"gpucheck on {name}, torch {torch.__version__}, batch {batch_size}, "
-        f"width {args.width}, {args.steps} timed steps"
-    )
-    results: list[tuple[str, bool, str]] = [("precision", True, precision_why)]
-
-    split = synthetic_split(max(20 * batch_size, 4096))
-    loader = build_loader(split, batch_size, train=True, device=device, seed=0)
-    eval_loader = build_loader(
-        synthetic_split(2 * batch_size, seed=1), batch_size, train=False, device=device, seed=0
-    )
-    batches = [b for _, b in zip(range(8), loader, strict=False)]
-    total = 10 * args.steps
-    trainer = build_trainer(
-        device,
-        batch_size=batch_size,
-        total_steps=total,
-        width=args.width,
-        compile_flag=args.compile,
-    )
-    compile_s = warm_up(trainer, batches[0])
-    mode, compile_why = hardware.choose_compile(device, args.compile, total)
-    fell_back = mode is not None and not trainer.compiled
-    results.append(
-        (
-            "compile",
-            not fell_back,
-            f"{compile_why}; warm-up {compile_s:.1f} s"
-            + (" (compiling FAILED: eager)" if fell_back else ""),
-        )
-    )
-    ceiling = ceiling_rate(trainer, batches, args.steps, warmup=5)
-    results.append(("sync", *check_no_sync(trainer, batches, min(args.steps, 50))))
-    results.append(("recompiles", *check_no_recompiles(trainer, batches, eval_loader)))
-    results.append(("layout", *check_channels_last(trainer, batches[0])))
-
+    device = torch.device(options.device)
+    cuda_missing = device.type == "cuda" and not torch.cuda.is_available()
+    if not cuda_missing:
+        setup_backends(device, deterministic=False)  # run.py's fast kernels (TF32 on CUDA)
+    log = logging.getLogger(f"{__package__}.gpucheck")
+    log.setLevel(logging.INFO)
+    log.propagate = False
     with tempfile.TemporaryDirectory(prefix="gpucheck_") as work:
-        work = Path(work)
-        plain = plain_loop_rate(
-            split,
-            device,
-            batch_size=batch_size,
-            steps=min(args.steps, 100),
-            warmup=5,
-            tracking_dir=work,
-            width=args.width,
+        ctx = Context(options, device, Path(work), log)
+        log.addHandler(_Lines(ctx.lines))
+        print(f"gpucheck on {options.device}, torch {torch.__version__}, run.py's defaults")
+        results: list[Result] = []
+        for check in CHECKS:
+            if cuda_missing and check is not check_torch_build:
+                name = check.__name__.removeprefix("check_").replace("_", " ")
+                results.append(Result(name, NOT_CHECKED, "no CUDA"))
+                continue
+            print(f"  running {check.__name__} ...", file=sys.stderr, flush=True)
+            results.extend(check(ctx))
+    print()
+    column = max(len(r.name) for r in results)
+    for r in results:
+        print(r.name.ljust(column), r.status.ljust(len(NOT_CHECKED)), r.detail, sep="  ")
+    failed = [r.name for r in results if r.status == FAIL]
+    unchecked = [r.name for r in results if r.status == NOT_CHECKED]
+    if failed:
+        print(f"FAILED: {', '.join(failed)}")
+    else:
+        print(
+            "no check failed" + (f"; not checked here: {', '.join(unchecked)}" if unchecked else "")
         )
-        job = None
-        if not args.skip_job:
-            metrics = job_rate(
-                device,
-                batch_size=batch_size,
-                steps=args.steps,
-                synthetic_size=len(split),
-                data_dir=work / "data",
-                results_dir=work / "results",
-                width=args.width,
-                extra_args=("--compile", args.compile),
-            )
-            job = metrics["samples_per_sec"]
-    flops = train_flops_per_sample(args.width, device)
-    peak = matmul_peak(device, dtype)
-    rate = job or ceiling
-    mfu = rate * flops / peak
-    ratios = (
-        f"job {job:.0f}, plain {plain:.0f}, ceiling {ceiling:.0f} samples/s; job/plain "
-        f"{job / plain:.2f}x, job/ceiling {100 * job / ceiling:.0f} %"
-        if job
-        else f"job skipped, plain {plain:.0f}, ceiling {ceiling:.0f} samples/s"
-    )
-    results.append(("speed", True, ratios))
-    results.append(
-        (
-            "MFU",
-            True,
-            f"{rate * flops / 1e12:.2f} TFLOP/s of {'job' if job else 'ceiling'} "
-            f"({flops / 1e9:.2f} GFLOP/sample) vs measured matmul peak "
-            f"{peak / 1e12:.1f} TFLOP/s ({dtype or torch.float32}): MFU {100 * mfu:.1f} %",
-        )
-    )
-    # Last: it switches the process to deterministic kernels.
-    results.append(
-        (
-            "resume",
-            *check_exact_resume(device, split, batch_size=min(batch_size, 64), width=args.width),
-        )
-    )
-
-    column = max(len(n) for n, _, _ in results)
-    for check, ok, detail in results:
-        print(check.ljust(column), "PASS" if ok else "FAIL", detail, sep="  ")
-    failed = [n for n, ok, _ in results if not ok]
-    print("all checks passed" if not failed else f"FAILED: {', '.join(failed)}")
     return 1 if failed else 0
+
+
+class _Lines(logging.Handler):
+    """Keeps run.py's log lines (the compile decision) for the report."""
+
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__()
+        self.lines = lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+        print(f"  | {record.getMessage()}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

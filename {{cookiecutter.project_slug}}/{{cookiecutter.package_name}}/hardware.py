@@ -7,31 +7,49 @@ with the reason that run.py logs:
               compute capability >= 8.0, or a CPU with native bf16); fp16 + GradScaler on older
               GPUs; fp32 otherwise. `torch.cuda.is_bf16_supported()` is not used: it also counts
               emulated bf16 (V100/T4), which has no tensor cores.
-- compile:    `choose_compile` picks a torch.compile mode from the run's length (rule below).
+- compile:    `compile_if_it_pays` / `choose_compile`: eager, "default" or "max-autotune" from the
+              measured eager time of the steps left and the compile time recorded for this
+              model on this machine (rule below); `use_inductor_cache`: one cache per project.
 - kernels:    `setup_backends`: cuDNN autotuning + TF32 for speed, or `--deterministic`.
-- batch size: `default_batch_size` / `default_lr`: the device-aware defaults (rule below).
+- batch size: `recommended_batch_size` / `default_lr`: what --find-batch-size recommends per
+              device; the default --batch-size is 128 everywhere (rule below).
 No speed figure is claimed here: the lab template's benchmarks/RESULTS.md measures them
 (`bench_train.py`, `python -m <package>.gpucheck`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-# Compile rule (CUDA, --compile auto). Compilation is a one-time cost (compile_time_s in
-# metrics.json measures it), paid back by faster steps only over enough steps, and the
-# max-autotune search costs more up front than the default mode. The thresholds are a stated
-# rule, not a measured break-even: gpucheck reports compile time and step times to set them.
-COMPILE_MIN_STEPS = 500  # shorter runs (digits: 10 steps/epoch x 20 epochs) stay eager
-AUTOTUNE_MIN_STEPS = 5000  # from here on: "max-autotune" (autotuned kernels + CUDA graphs)
-# Batch-size rule: the CPU default (128) keeps a CPU step short; a GPU needs more work per
-# launch, so on CUDA the default is CUDA_BATCH_SIZE where find_batch_size says it fits, and the
-# LR grows with sqrt(batch ratio) (the usual rule for Adam-type optimizers, tuning.scale_lr).
+# Compile rule (--compile auto, hardware.choose_compile): compile only where the eager time it
+# saves clearly exceeds what compiling costs. The eager time is measured (forward + backward of a
+# real batch, times the micro-batches left); the compile time and the compiled/eager time ratio
+# come from this model's last compile on this machine (CompileRecord, kept in the inductor cache
+# folder). Until one exists, the PRIOR_COSTS below stand in: assumptions on the expensive side,
+# not measurements (gpucheck and every compiled run replace them with this machine's numbers).
+PAYBACK = 2.0  # compile when the estimated saving is at least twice the compile time
+PRIOR_COSTS = {  # mode: (compile seconds, compiled/eager time of forward + backward)
+    "default": (60.0, 0.8),
+    "max-autotune": (600.0, 0.7),  # autotuned kernels + CUDA graphs: long search up front
+}
+CPU_MODES = ("default",)  # max-autotune's CUDA graphs and Triton autotuning need a GPU
+INDUCTOR_CACHE_ENV = "LAB_INDUCTOR_CACHE_DIR"  # a lab-wide cache folder, shared by projects
+RECORDS = "lab_compile_costs"  # sub-folder of the inductor cache: one JSON per model and machine
+# Batch-size rule: one default batch size, 128, on every device: the batch size is part of the
+# run's identity (it changes the numbers), so a default that followed the device would put the
+# same command into different run directories on a laptop and on a GPU node, and a sweep's
+# results would stop being comparable. A GPU usually wants more work per launch: CUDA_BATCH_SIZE
+# is the *recommendation* `--find-batch-size` prints (capped by what fits, LR scaled by
+# sqrt(batch ratio), the usual rule for Adam-type optimizers); you pass it explicitly.
 BASE_BATCH_SIZE, BASE_LR = 128, 3e-3
 CUDA_BATCH_SIZE = 512
 BF16_MIN_CAPABILITY = (8, 0)  # Ampere: first GPUs with bf16 tensor cores
@@ -73,14 +91,35 @@ def choose_precision(device: torch.device, amp: str) -> tuple[torch.dtype | None
     return None, "fp32 (--amp on ignored: this CPU has no native bf16, only a slow emulation)"
 
 
-def choose_compile(
-    device: torch.device, flag: str, total_steps: int, deterministic: bool = False
-) -> tuple[str | None, str]:
-    """(torch.compile mode or None for eager, why), from --compile and the run's length.
+@dataclass(frozen=True)
+class CompileCost:
+    """What compiling in one mode costs and gives, for one model on one machine."""
 
-    auto: eager on CPU, under --deterministic and for runs shorter than COMPILE_MIN_STEPS;
-    "default" up to AUTOTUNE_MIN_STEPS; "max-autotune" (adds CUDA graphs) beyond.
-    on: compiled whatever the length ("default" below AUTOTUNE_MIN_STEPS or on CPU).
+    compile_s: float
+    ratio: float  # compiled / eager seconds of forward + backward
+    source: str  # "prior" (PRIOR_COSTS) or "measured <UTC time>"
+
+
+def prior_costs() -> dict[str, CompileCost]:
+    return {mode: CompileCost(c, r, "prior") for mode, (c, r) in PRIOR_COSTS.items()}
+
+
+def choose_compile(
+    device: torch.device,
+    flag: str,
+    steps: int,
+    deterministic: bool = False,
+    *,
+    micro_batches: int = 1,
+    measure: Callable[[], tuple[float, dict[str, CompileCost]]] | None = None,
+) -> tuple[str | None, str]:
+    """(torch.compile mode or None for eager, why), from --compile and the measured work.
+
+    off, --deterministic, and auto on CPU: eager, nothing measured. Otherwise `measure()` gives
+    the eager seconds of one micro-batch's forward + backward and each mode's CompileCost; the
+    eager time of the run is steps x micro_batches x that, and each mode would save
+    (1 - ratio) of it. auto compiles in the mode that saves the most net of its compile time,
+    if that saving is at least PAYBACK x the compile time; on always compiles, in that mode.
     """
     if flag == "off":
         return None, "eager (--compile off)"
@@ -89,15 +128,172 @@ def choose_compile(
         return None, "eager (--deterministic)"
     if flag == "auto" and device.type != "cuda":
         return None, "eager (--compile auto: off on CPU; --compile on to compile)"
-    if flag == "auto" and total_steps < COMPILE_MIN_STEPS:
-        return None, f"eager ({total_steps} steps < {COMPILE_MIN_STEPS}: compiling would not pay)"
-    if device.type == "cuda" and total_steps >= AUTOTUNE_MIN_STEPS:
-        return "max-autotune", f"max-autotune + CUDA graphs ({total_steps} steps)"
-    return "default", f"default mode ({total_steps} steps)"
+    if measure is None:
+        raise ValueError("choose_compile: --compile on/auto on CUDA needs `measure`")
+    step_s, costs = measure()
+    modes = CPU_MODES if device.type != "cuda" else tuple(costs)
+    eager_s = steps * micro_batches * step_s
+    work = (
+        f"{steps} steps x {micro_batches} micro-batch{'es' if micro_batches > 1 else ''} x "
+        f"{1e3 * step_s:.1f} ms = {eager_s:.1f} s eager"
+    )
+
+    def net_saving(mode: str) -> float:
+        return eager_s * (1 - costs[mode].ratio) - costs[mode].compile_s
+
+    mode = max(modes, key=net_saving)
+    cost = costs[mode]
+    saving = eager_s * (1 - cost.ratio)
+    estimate = (
+        f"{mode} would save ~{saving:.1f} s ({100 * (1 - cost.ratio):.0f} %, {cost.source}) "
+        f"for a compile of ~{cost.compile_s:.0f} s ({cost.source})"
+    )
+    if cost.source == "prior":
+        estimate += "; prior: no compile of this model recorded on this machine yet"
+    if flag == "on":
+        return mode, f"{mode} (--compile on): {work}; {estimate}"
+    if saving >= PAYBACK * cost.compile_s:
+        return mode, f"{mode}: {work}; {estimate} (>= {PAYBACK:g} x: pays)"
+    return None, f"eager: {work}; {estimate} (< {PAYBACK:g} x: would not pay)"
 
 
-def default_batch_size(device: torch.device) -> int:
-    """The batch-size rule: BASE_BATCH_SIZE on CPU, CUDA_BATCH_SIZE on CUDA (where it fits)."""
+def use_inductor_cache(project_root: Path) -> tuple[Path, str]:
+    """One inductor cache for every job of the project: TORCHINDUCTOR_CACHE_DIR as the user set
+    it, else $LAB_INDUCTOR_CACHE_DIR (a lab-wide folder), else <project>/.cache/inductor.
+
+    When torch reads it (torch 2.13): inductor's caches (FX graphs, autotuning, Triton kernels)
+    call `cache_dir()` (torch/_inductor/runtime/cache_dir_utils.py) lazily, at the first
+    compile, some then memoised: so this runs before the first torch.compile of the process.
+    But `import torch._dynamo` already calls it (for DynamoCache, used only under
+    TORCH_CACHING_PRECOMPILE=1) and writes torch's default, /tmp/torchinductor_<user>, into the
+    environment: a value equal to that default therefore counts as not set by the user. Without
+    this, the cache is /tmp of whichever node runs the job, and every job and resume on another
+    node compiles from scratch.
+    """
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current and Path(current).resolve() != Path(default_cache_dir()).resolve():
+        return Path(current), "TORCHINDUCTOR_CACHE_DIR"
+    lab = os.environ.get(INDUCTOR_CACHE_ENV)
+    path = (Path(lab).expanduser() if lab else project_root / ".cache" / "inductor").resolve()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    return path, INDUCTOR_CACHE_ENV if lab else "the project's folder"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    return f"cpu {platform.machine()} {capability}, {torch.get_num_threads()} threads"
+
+
+class CompileRecord:
+    """The measured compile costs of one model, input and precision on one machine and torch
+    version: a small JSON file in the inductor cache folder, shared by the project's jobs (the
+    last compile's numbers win; a lost update between two concurrent jobs only costs a
+    re-measurement)."""
+
+    def __init__(self, cache_dir: Path, model, x: torch.Tensor, dtype, device) -> None:
+        self.key = {
+            "model": f"{type(model).__module__}.{type(model).__qualname__}",
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "input": [list(x.shape), str(x.dtype), list(x.stride())],
+            "autocast": str(dtype),
+            "device": device_name(device),
+            "torch": torch.__version__,
+        }
+        digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:16]
+        self.path = Path(cache_dir) / RECORDS / f"{digest}.json"
+
+    def read(self) -> dict:
+        try:
+            record = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # none yet, or unreadable: the priors stand in
+            return {}
+        return record.get("modes", {}) if record.get("key") == self.key else {}
+
+    def costs(self) -> dict[str, CompileCost]:
+        costs = prior_costs()
+        for mode, seen in self.read().items():
+            if mode in costs and seen.get("eager_step_s"):
+                ratio = seen["compiled_step_s"] / seen["eager_step_s"]
+                costs[mode] = CompileCost(seen["compile_s"], ratio, f"measured {seen['when']}")
+        return costs
+
+    def save(self, mode: str, *, compile_s: float, eager_step_s: float, compiled_step_s: float):
+        from .runs import write_json
+
+        modes = self.read()
+        modes[mode] = {
+            "compile_s": round(compile_s, 3),
+            "eager_step_s": eager_step_s,
+            "compiled_step_s": compiled_step_s,
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        }
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_json(self.path, {"key": self.key, "modes": modes})
+        except OSError:  # a read-only cache folder: the next job measures again
+            pass
+
+
+def compile_if_it_pays(
+    trainer,
+    next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    *,
+    steps: int,
+    flag: str,
+    deterministic: bool,
+    project_root: Path,
+    log,
+) -> float:
+    """Decide (choose_compile) and compile the trainer's step on a real batch from
+    `next_batch()` (called only when compiling is possible: never for auto on CPU, off or
+    --deterministic); log the decision with its numbers. Returns the seconds spent compiling
+    (the warm-up pass), 0.0 when eager. The Trainer's passes put back all they touch."""
+    device = trainer.device
+    now = timed(device)
+    seen: dict = {}
+
+    def measure() -> tuple[float, dict[str, CompileCost]]:
+        cache, source = use_inductor_cache(project_root)  # before anything compiles
+        log.info("inductor cache: %s (%s)", cache, source)
+        x, y = seen["batch"] = next_batch()
+        seen["record"] = CompileRecord(cache, trainer.model, x, trainer.dtype, device)
+        seen["eager_s"] = trainer.time_forward_backward(x, y, now)
+        return seen["eager_s"], seen["record"].costs()
+
+    mode, why = choose_compile(
+        device, flag, steps, deterministic, micro_batches=trainer.grad_accum, measure=measure
+    )
+    log.info("compile: %s", why)
+    if mode is None:
+        return 0.0
+    (x, y), record = seen["batch"], seen["record"]
+    trainer.compile(mode)
+    started = now()
+    trainer.warm_up(x, y)
+    spent = now() - started
+    if trainer.compiled:  # else it fell back to eager, and said why
+        compiled_s = trainer.time_forward_backward(x, y, now)
+        record.save(mode, compile_s=spent, eager_step_s=seen["eager_s"], compiled_step_s=compiled_s)
+        log.info(
+            "compiled (%s) in %.1f s; forward + backward %.1f ms (eager %.1f ms); recorded in %s",
+            mode,
+            spent,
+            1e3 * compiled_s,
+            1e3 * seen["eager_s"],
+            record.path,
+        )
+    return spent
+
+
+def recommended_batch_size(device: torch.device) -> int:
+    """The batch size --find-batch-size recommends (capped by what fits): BASE_BATCH_SIZE on
+    CPU, CUDA_BATCH_SIZE on CUDA. Not a default: see the batch-size rule above."""
     return CUDA_BATCH_SIZE if device.type == "cuda" else BASE_BATCH_SIZE
 
 

@@ -6,15 +6,19 @@
         return nn.Sequential(nn.Flatten(), nn.Linear(channels * height * w, width), nn.ReLU(),
                              nn.Linear(width, num_classes))
 
-config.py reads the names and help texts of the `@register_model(...)` lines of this file without
-importing it (so `--help` needs no torch): write them as plain string literals.
+A model may also live in another module of the package (`mymodels.py`, `models/unet.py`):
+config.py reads the names and help texts of the `@register_model(...)` lines of every module
+without importing them (so `--help` needs no torch; registry.py): write them as plain string
+literals. The module is imported when a run asks for one of its models.
 
 The default, `cnn` = `build_model()` (width 64, 3x32x32 input): stem 3->32 at 32x32, then three
 stages at 16x16 (64 ch), 8x8 (128 ch) and 4x4 (256 ch), each `maxpool -> conv-BN-ReLU -> residual
 block`, then a global max-pool and a linear classifier. 1.9 M parameters; one SGD step at batch
 128 takes ~0.3 s on 2 CPU cores (AVX2), so the template's tests and CPU smoke runs stay quick.
 Any channel count and image size (>= 8x8) work: the global pool removes the spatial size.
-Every op has a deterministic CUDA kernel (no adaptive pooling), so --deterministic runs.
+Every op of the built-in models has a deterministic CUDA kernel (no adaptive pooling), so
+--deterministic runs (tests/test_model.py holds the built-ins to that; a model of your own may use
+any op, and --deterministic then raises if one has no deterministic kernel).
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
-MODELS: dict[str, ModelEntry] = {}
+from .registry import Registry
+
+MODELS: dict[str, ModelEntry] = Registry("register_model")  # imports other modules on demand
+BUILT_IN = ("cnn", "resnet18")  # the models of this file
 
 
 @dataclass(frozen=True)
@@ -38,9 +45,7 @@ def register_model(name: str, *, help: str = ""):
     """Decorator: register `fn(num_classes, channels, image_size, width) -> nn.Module`."""
 
     def add(fn):
-        if name in MODELS:
-            raise ValueError(f"model {name!r} is registered twice")
-        MODELS[name] = ModelEntry(name, fn, help)
+        MODELS.add(name, ModelEntry(name, fn, help))
         return fn
 
     return add

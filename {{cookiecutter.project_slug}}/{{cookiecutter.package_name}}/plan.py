@@ -1,4 +1,5 @@
-"""Plan a sweep in one interpreter: the run directory and state of many run.py command lines.
+"""Plan a sweep in one interpreter: the run directory and state of many command lines of a script
+(run.py, or any script built on jobs.py: `python analyze.py --plan`).
 
 run.sh asks this once for all its jobs (`python run.py --plan`) instead of starting one Python per
 job (`run.py ARGS --print-run-dir`), which cost a second or more per job. It parses each command
@@ -15,7 +16,8 @@ Output on stdout, for each job three NUL-terminated fields: STATE, RUN_DIR, NOTE
     refused      run.py refused to continue it (its checkpoint cannot be loaded): not re-run;
                  `run.py ARGS --fresh` starts it over (NOTE says so)
     pending      never started
-    invalid      run.py would refuse the command line (RUN_DIR empty, NOTE = run.py's error)
+    waiting      an input of the job is not finished yet (jobs.NotReady; RUN_DIR empty)
+    invalid      the script would refuse the command line (RUN_DIR empty, NOTE = its error)
 """
 
 from __future__ import annotations
@@ -30,18 +32,27 @@ from typing import BinaryIO
 from {{ cookiecutter.package_name }} import config, runs
 from {{ cookiecutter.package_name }}.claim import holder
 from {{ cookiecutter.package_name }}.config import UsageError, parse_args, run_dir
+from {{ cookiecutter.package_name }}.jobs import NotReady
 
 
-def resolve(argv: list[str]) -> Path:
-    """run.py's run directory for `argv`; raises UsageError with run.py's own message."""
-    captured = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
-            args, parser = parse_args(argv)
-            return run_dir(args, parser)
-    except SystemExit:  # argparse reports the error on stderr, then exits
-        lines = captured.getvalue().strip().splitlines() or ["rejected"]
-        raise UsageError(lines[-1].removeprefix("run.py: ")) from None
+def resolver(parse: Callable, locate: Callable) -> Callable[[list[str]], Path]:
+    """A script's `argv -> run directory` from its own parser (jobs.lifecycle's `parse` and
+    `locate`); it raises UsageError with the script's own message."""
+
+    def resolve(argv: list[str]) -> Path:
+        captured = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
+                args, parser = parse(argv)
+                return locate(args, parser)
+        except SystemExit:  # argparse reports the error on stderr, then exits
+            lines = captured.getvalue().strip().splitlines() or ["rejected"]
+            raise UsageError(lines[-1].removeprefix("run.py: ")) from None
+
+    return resolve
+
+
+resolve = resolver(parse_args, run_dir)  # run.py's
 
 
 def job_state(directory: Path) -> tuple[str, str]:
@@ -105,6 +116,8 @@ def plan(
 def _plan_one(argv: list[str], where: Callable[[list[str]], Path]) -> tuple[str, str, str]:
     try:
         directory = where(argv)
+    except NotReady as exc:  # e.g. analyze.py of a run still training: run.sh again later
+        return "waiting", "", str(exc)
     except (UsageError, ValueError) as exc:
         return "invalid", "", str(exc)
     state, note = job_state(directory)

@@ -1,19 +1,44 @@
-"""Names of registered functions, read from a module's source without importing it.
+"""Registries of models and datasets declared anywhere in the package, read without importing it.
 
-config.py builds `--model`'s choices from model.py's `@register_model("name", help="...")`
-lines this way: model.py imports torch, which `--help` must not wait for.
+A model or dataset of your own may live in any module of the package: model.py, datasets.py, a
+new file (`mymodels.py`) or a folder (`models/unet.py`, no `__init__.py` needed). config.py
+builds `--model`'s and `--dataset`'s choices and help from the `@register_model("name",
+help="...")` and `@register_dataset(...)` lines of every module, read from their source (the
+modules import torch, which `--help` must not wait for): write the name and the help as plain
+string literals. When a run asks for a name, the module that declares it is imported then
+(`Registry`), so its decorator registers the function.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
+import importlib
+from dataclasses import dataclass, field
 from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Declared:
+    """One `@decorator("name", ...)` line: where it is and its literal arguments."""
+
+    name: str
+    help: str
+    module: str  # dotted, inside the package: "model", "models.unet"
+    where: str  # file:line, for error messages
+    keywords: dict = field(default_factory=dict)  # the other literal keywords (needs_data_path)
 
 
 def decorated_names(source: Path, decorator: str) -> dict[str, str]:
     """{name: help} of every `@decorator("name", help="...")` on a top-level function."""
-    names = {}
-    for node in ast.parse(Path(source).read_text(encoding="utf-8")).body:
+    return {d.name: d.help for d in _declared_in(Path(source), decorator, module="")}
+
+
+def _declared_in(source: Path, decorator: str, module: str) -> list[Declared]:
+    found = []
+    for node in ast.parse(source.read_text(encoding="utf-8")).body:
         if not isinstance(node, ast.FunctionDef):
             continue
         for deco in node.decorator_list:
@@ -24,15 +49,70 @@ def decorated_names(source: Path, decorator: str) -> dict[str, str]:
                 and deco.args
             ):
                 continue
+            where = f"{source}:{deco.lineno}"
             try:
                 name = ast.literal_eval(deco.args[0])
-                help_text = next(
-                    (ast.literal_eval(k.value) for k in deco.keywords if k.arg == "help"), ""
-                )
+                keywords = {k.arg: ast.literal_eval(k.value) for k in deco.keywords}
             except ValueError as e:
                 raise ValueError(
-                    f"{source}:{deco.lineno}: @{decorator} needs string literals "
+                    f"{where}: @{decorator} needs literal arguments "
                     "(config.py reads them without importing the module)"
                 ) from e
-            names[name] = help_text
-    return names
+            help_text = str(keywords.pop("help", ""))
+            found.append(Declared(name, help_text, module, where, keywords))
+    return found
+
+
+@functools.cache
+def declarations(decorator: str, package_dir: Path = PACKAGE_DIR) -> dict[str, Declared]:
+    """{name: Declared} of every `@decorator(...)` in every module of the package (sorted by
+    path; model.py and datasets.py first). A name declared twice is an error naming both."""
+    modules = sorted(
+        (p for p in package_dir.rglob("*.py") if "__pycache__" not in p.parts),
+        key=lambda p: (p.name not in ("model.py", "datasets.py"), p.relative_to(package_dir)),
+    )
+    found: dict[str, Declared] = {}
+    for path in modules:
+        parts = path.relative_to(package_dir).with_suffix("").parts
+        if any(part.startswith(".") for part in parts):
+            continue
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        for d in _declared_in(path, decorator, module):
+            if d.name in found:
+                raise ValueError(
+                    f"{d.where}: @{decorator}({d.name!r}) is also at {found[d.name].where}"
+                )
+            found[d.name] = d
+    return found
+
+
+class Registry(dict):
+    """name -> entry, filled by the decorator as modules are imported. Asking for a name that
+    another module of the package declares (`name in registry`, `registry[name]`) imports that
+    module first, so a model in `models/unet.py` is found like one in model.py."""
+
+    def __init__(self, decorator: str) -> None:
+        super().__init__()
+        self.decorator = decorator
+
+    def _import_declaring(self, name) -> None:
+        declared = declarations(self.decorator).get(name)
+        if declared is not None and declared.module:
+            importlib.import_module(f"{__package__}.{declared.module}")
+
+    def __contains__(self, name) -> bool:
+        if not super().__contains__(name):
+            self._import_declaring(name)
+        return super().__contains__(name)
+
+    def __missing__(self, name):
+        self._import_declaring(name)
+        if super().__contains__(name):
+            return super().__getitem__(name)
+        raise KeyError(name)
+
+    def add(self, name: str, entry) -> None:
+        """What the decorator calls: a name registered twice is an error."""
+        if super().__contains__(name):
+            raise ValueError(f"{self.decorator}: {name!r} is registered twice")
+        self[name] = entry

@@ -115,11 +115,20 @@ def init(experiment: str = DEFAULT_EXPERIMENT, client=None) -> str:
         return found.experiment_id
 
 
-def provenance() -> dict[str, str]:
-    """Tags that let someone reproduce the run: code, command, versions, hardware."""
+def provenance(log: logging.Logger | None = None) -> dict[str, str]:
+    """Tags that let someone reproduce the run: code, command, versions, hardware.
+
+    Outside a git repository the commit is `unknown`; `log` then says so (once per run), since a
+    run whose code cannot be found again is a result nobody can reproduce."""
     import torch
 
     commit, dirty = runs.git_state(PROJECT_ROOT)
+    if commit is None and log is not None:
+        log.warning(
+            "%s is not in a git repository (or git is missing): provenance records "
+            "git_commit=unknown; make it one: git init && git add -A && git commit",
+            PROJECT_ROOT,
+        )
     tags = {
         "git_commit": commit or "unknown",
         "git_dirty": str(dirty).lower() if dirty is not None else "unknown",
@@ -134,6 +143,13 @@ def provenance() -> dict[str, str]:
     if "SLURM_JOB_ID" in os.environ:
         tags["slurm_job_id"] = os.environ["SLURM_JOB_ID"]
     return tags
+
+
+def run_params(config: dict) -> dict:
+    """The MLflow params of a run: its experiment-defining config values and the list of their
+    names, `experiment_keys` (analysis.load_runs_from_mlflow needs it to tell them apart)."""
+    keys = list(config.get("experiment_keys", []))
+    return {**{k: config[k] for k in keys if k in config}, "experiment_keys": keys}
 
 
 class Tracker:
@@ -372,7 +388,7 @@ def sync(run_dir: Path, log: logging.Logger) -> bool:
         experiment=config.get("experiment", DEFAULT_EXPERIMENT),
         run_name=run_dir.name,
         log=log,
-        params={k: config[k] for k in config.get("experiment_keys", []) if k in config},
+        params=run_params(config),
         tags={"run_dir": str(run_dir), "synced_later": "true"},
         system_metrics=False,
     )

@@ -15,6 +15,7 @@ CUDA with `torch.cuda.set_sync_debug_mode("error")`):
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import logging
@@ -233,16 +234,19 @@ class Trainer:
         self.log = log or logging.getLogger(__name__)
         # fp16 needs loss scaling to keep small gradients; bf16 has fp32's range and does not.
         self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-        self.compile_mode = compile_mode
-        self.forward = (
-            torch.compile(forward_and_sums, mode=compile_mode) if compile_mode else forward_and_sums
-        )
+        self.compile(compile_mode)
         self._first_step_done = False
         self.reset_sums()
 
     @property
     def compiled(self) -> bool:
         return self.compile_mode is not None
+
+    def compile(self, mode: str | None) -> None:
+        """Compile the step's forward and loss with torch.compile `mode` (None: eager), before
+        the first step (run.py decides after timing eager passes: hardware.compile_if_it_pays)."""
+        self.compile_mode = mode
+        self.forward = torch.compile(forward_and_sums, mode=mode) if mode else forward_and_sums
 
     def reset_sums(self) -> None:
         self.loss_sum = torch.zeros((), device=self.device)
@@ -306,14 +310,38 @@ class Trainer:
         it had not happened. A no-op when eager. Time it from outside (compile_time_s)."""
         if not self.compiled or self._first_step_done:
             return
+        with self._put_back():
+            try:
+                self._forward_backward(x, y)
+            except compiler_errors() as exc:
+                self._fall_back(exc)
+        self._first_step_done = True
+
+    def time_forward_backward(self, x: torch.Tensor, y: torch.Tensor, now, repeats: int = 3):
+        """Seconds of one micro-batch's forward + backward (the part torch.compile speeds up),
+        the best of `repeats` after one untimed pass; `now` is a clock that waits for the device
+        (hardware.timed). Puts back everything it touched, like `warm_up`."""
+        with self._put_back():
+            self._forward_backward(x, y)  # untimed: allocator growth, cuDNN autotuning
+            best = float("inf")
+            for _ in range(repeats):
+                start = now()
+                self._forward_backward(x, y)
+                best = min(best, now() - start)
+        return best
+
+    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        loss, _, _ = self.forward(self.model, x, y, self.dtype, self.label_smoothing)
+        self.scaler.scale(loss / self.grad_accum).backward()
+
+    @contextlib.contextmanager
+    def _put_back(self):
+        """Restore what trial passes change: BatchNorm statistics, gradients, RNG."""
         buffers = [b.detach().clone() for b in self.model.buffers()]
         cpu_rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         try:
-            loss, _, _ = self.forward(self.model, x, y, self.dtype, self.label_smoothing)
-            self.scaler.scale(loss / self.grad_accum).backward()
-        except compiler_errors() as exc:
-            self._fall_back(exc)
+            yield
         finally:
             with torch.no_grad():
                 for live, saved in zip(self.model.buffers(), buffers, strict=True):
@@ -322,7 +350,6 @@ class Trainer:
             torch.set_rng_state(cpu_rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state(cuda_rng, self.device)
-        self._first_step_done = True
 
     def state_dict(self) -> dict:
         """Everything the step changes; tensors as they are (torch.save copies them out)."""

@@ -1,0 +1,239 @@
+"""analyze.py and similarity.py: linear CKA, its properties, and the job on two real runs.
+
+The properties are the ones a wrong formula breaks: without centring, X and X + offset are not
+at 1; a normalisation by the wrong norms leaves [0, 1] or breaks the scale invariance; any
+whitening would make every invertible linear map look identical.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from {{ cookiecutter.package_name }} import runs
+from {{ cookiecutter.package_name }}.model import create_model
+from {{ cookiecutter.package_name }}.similarity import default_layer, layers, linear_cka
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def random_features(n=64, p=20, seed=0) -> torch.Tensor:
+    return torch.randn(n, p, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def random_orthogonal(p: int, seed: int) -> torch.Tensor:
+    q, r = torch.linalg.qr(random_features(p, p, seed))
+    return q * torch.sign(torch.diagonal(r))  # Haar-distributed, det +-1
+
+
+def test_cka_of_a_representation_with_itself_is_one():
+    x = random_features()
+    assert abs(linear_cka(x, x) - 1) < 1e-12
+    assert abs(linear_cka(x.float(), x.float()) - 1) < 1e-5  # float32 activations too
+
+
+def test_cka_is_invariant_to_rotation_and_isotropic_scaling():
+    x, y = (
+        random_features(seed=1),
+        random_features(p=12, seed=2) + 0.5 * random_features(seed=1)[:, :12],
+    )
+    q = random_orthogonal(x.shape[1], seed=3)
+    assert not torch.allclose(x @ q, x)  # a real rotation
+    base = linear_cka(x, y)
+    assert 0.05 < base < 0.95  # neither trivial end, so equality below means something
+    assert linear_cka(x @ q, y) == pytest.approx(base, abs=1e-10)
+    assert linear_cka(7.5 * x, 0.01 * y) == pytest.approx(base, abs=1e-10)
+    assert linear_cka(x, x @ q * 3.0) == pytest.approx(1.0, abs=1e-10)
+
+
+def test_cka_is_not_invariant_to_an_arbitrary_invertible_map():
+    x = random_features(seed=4)
+    stretch = torch.diag(torch.logspace(-2, 2, x.shape[1], dtype=torch.float64))
+    mixed = stretch @ random_orthogonal(x.shape[1], seed=5)  # invertible, not orthogonal
+    assert torch.linalg.matrix_rank(mixed) == x.shape[1]
+    assert linear_cka(x, x @ mixed) < 0.9
+
+
+def test_cka_centres_the_features():
+    x = random_features(seed=6)
+    offset = torch.full((1, x.shape[1]), 10.0, dtype=torch.float64)
+    assert linear_cka(x, x + offset) == pytest.approx(1.0, abs=1e-10)
+    # The same formula without centring is far from 1 here: the test can tell them apart.
+    a, b = x.numpy(), (x + offset).numpy()
+    uncentred = np.linalg.norm(b.T @ a) ** 2 / (np.linalg.norm(a.T @ a) * np.linalg.norm(b.T @ b))
+    assert uncentred < 0.9
+
+
+def test_cka_lies_in_the_unit_interval_and_matches_the_feature_space_formula():
+    for seed in range(20):
+        x = random_features(n=30, p=1 + seed, seed=seed)
+        y = random_features(n=30, p=40 - seed, seed=100 + seed) + (seed % 3) * x[:, :1]
+        value = linear_cka(x, y)
+        assert 0.0 <= value <= 1.0
+        a, b = x.numpy() - x.numpy().mean(0), y.numpy() - y.numpy().mean(0)
+        paper = np.linalg.norm(b.T @ a) ** 2 / (np.linalg.norm(a.T @ a) * np.linalg.norm(b.T @ b))
+        assert value == pytest.approx(paper, rel=1e-9)
+
+
+def test_layers_of_the_registered_models_and_their_default():
+    cnn = layers(create_model("cnn", num_classes=10, channels=1, image_size=(8, 8), width=8))
+    assert list(cnn) == [str(i) for i in range(7)] and default_layer(list(cnn)) == "5"
+    resnet = layers(
+        create_model("resnet18", num_classes=10, channels=3, image_size=(32, 32), width=8)
+    )
+    assert list(resnet) == ["stem", *(f"blocks.{i}" for i in range(8)), "fc"]
+    assert default_layer(list(resnet)) == "blocks.7"
+
+
+def test_help_and_print_run_dir_import_neither_torch_nor_mlflow(tmp_path):
+    for args in (["--help"], [str(tmp_path), str(tmp_path), "--print-run-dir"]):
+        result = subprocess.run(
+            [sys.executable, "-X", "importtime", str(ROOT / "analyze.py"), *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines()}
+        assert not {"torch", "mlflow"} & imported, args
+    assert (
+        "--layer"
+        in subprocess.run(
+            [sys.executable, str(ROOT / "analyze.py"), "--help"], capture_output=True, text=True
+        ).stdout
+    )
+
+
+# ---- the job, end to end, on two real runs of run.py -------------------------------------------
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory) -> tuple[Path, Path, dict]:
+    base = tmp_path_factory.mktemp("cka")
+    env = {**os.environ, "LAB_TRACKING": "off", "OMP_NUM_THREADS": "1"}
+    dirs = []
+    for seed in ("0", "1"):
+        argv = [sys.executable, str(ROOT / "run.py"), "--device", "cpu", "--width", "8",
+                "--epochs", "1", "--seed", seed, "--progress", "off", "--results-dir",
+                str(base / "runs"), "--data-dir", str(base / "data")]  # fmt: skip
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        dirs.append(Path(subprocess.run([*argv, "--print-run-dir"], env=env, capture_output=True,
+                                        text=True).stdout.strip()))  # fmt: skip
+    return dirs[0], dirs[1], env
+
+
+def analyze(*args, results: Path, env: dict):
+    return subprocess.run(
+        [sys.executable, str(ROOT / "analyze.py"), *map(str, args), "--results-dir", str(results)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def read_table(path: Path) -> tuple[list[str], list[str], np.ndarray]:
+    rows = list(csv.reader(path.read_text().splitlines()))
+    return [r[0] for r in rows[1:]], rows[0][1:], np.array([r[1:] for r in rows[1:]], float)
+
+
+@pytest.mark.slow
+def test_analyze_two_runs_end_to_end(two_runs, tmp_path):
+    a, b, env = two_runs
+    results = tmp_path / "analysis"
+    first = analyze(a, b, results=results, env=env)
+    assert first.returncode == 0, first.stderr
+    (out,) = results.iterdir()
+    assert out.name.startswith(f"cka_{a.name}") and runs.read_status(out) == "finished"
+    metrics = runs.read_metrics(out)
+    rows, cols, table = read_table(out / "cka_layers.csv")
+    assert rows == cols == [str(i) for i in range(7)]
+    assert metrics["layer_a"] == metrics["layer_b"] == "5"  # the last hidden layer of each
+    assert metrics["images"] == 360  # digits' whole test split: fewer than --images 500
+    assert metrics["cka"] == pytest.approx(table[5, 5], abs=1e-6)
+    assert ((table >= 0) & (table <= 1)).all() and 0 < metrics["cka"] < 0.999
+    again = analyze(a, b, results=results, env=env)
+    assert again.returncode == 0 and again.stdout.startswith(f"already finished: {out}")
+
+    # A run with itself: every layer with itself is 1 (the same images, the same weights).
+    itself = analyze(a, a, "--images", "100", results=results, env=env)
+    assert itself.returncode == 0, itself.stderr
+    where = analyze(a, a, "--images", "100", "--print-run-dir", results=results, env=env)
+    same = Path(where.stdout.strip())
+    assert runs.read_metrics(same)["cka"] == pytest.approx(1.0, abs=1e-5)
+    assert np.allclose(np.diagonal(read_table(same / "cka_layers.csv")[2]), 1.0, atol=1e-5)
+
+    # plot.py draws each result as a heat map of the declared size.
+    figures = tmp_path / "figures"
+    drawn = subprocess.run(
+        [sys.executable, str(ROOT / "plot.py"), "--analysis", str(results), "--out",
+         str(figures), "--formats", "pdf", "png"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert drawn.returncode == 0, drawn.stderr
+    assert sorted(p.name for p in figures.iterdir()) == sorted(
+        f"{d.name}.{ext}" for d in (out, same) for ext in ("pdf", "png")
+    )
+    pdf = (figures / f"{out.name}.pdf").read_bytes()
+    assert b"/MediaBox [ 0 0 234 " in pdf  # 3.25 in = 234 pt wide: no tight crop
+
+
+@pytest.mark.slow
+def test_analyze_identity_and_refusals(two_runs, tmp_path):
+    a, b, env = two_runs
+    results = tmp_path / "analysis"
+
+    def where(*args):
+        return analyze(*args, "--print-run-dir", results=results, env=env).stdout.strip()
+
+    # The identity is the runs' config hashes (not their paths), the layer and the image count.
+    moved = tmp_path / "elsewhere" / a.name
+    shutil.copytree(a, moved)
+    assert where(moved, b) == where(a, b)
+    assert (
+        len({where(a, b), where(b, a), where(a, b, "--layer", "3"), where(a, b, "--images", "9")})
+        == 4
+    )
+
+    bad = analyze(a, b, "--layer", "nope", results=results, env=env)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+    assert (
+        bad.stderr.startswith("error: --layer: 'nope' is not a layer")
+        and "6 (Linear)" in bad.stderr
+    )
+    assert not results.exists() or not any(results.iterdir())  # refused: nothing left behind
+
+    unfinished = tmp_path / "unfinished" / a.name
+    shutil.copytree(a, unfinished)
+    (unfinished / "metrics.json").unlink()
+    refused = analyze(a, unfinished, results=results, env=env)
+    assert refused.returncode == 2 and refused.stderr.startswith("error: RUN_B: ")
+    assert "not finished" in refused.stderr
+    (moved / "best_model.pt").unlink()
+    refused = analyze(moved, b, results=results, env=env)
+    assert refused.returncode == 2 and "has no best_model.pt" in refused.stderr
+
+
+@pytest.mark.slow
+def test_analyze_is_tracked_in_mlflow(two_runs, tmp_path, env):
+    from mlflow.tracking import MlflowClient
+
+    a, b, _ = two_runs
+    results = tmp_path / "analysis"
+    done = analyze(a, b, "--images", "50", "--tracking", "on", results=results, env=env)
+    assert done.returncode == 0, done.stderr
+    (out,) = results.iterdir()
+    metrics = json.loads((out / "metrics.json").read_text())
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    run = client.get_run(metrics["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.data.metrics["cka"] == pytest.approx(
+        metrics["cka"]
+    )
+    assert {x.path for x in client.list_artifacts(run.info.run_id)} >= {"cka_layers.csv"}

@@ -1,0 +1,210 @@
+"""The first week's steps: your own model and data in new files, provenance, MLflow experiments,
+what git ignores."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, TINY
+
+PACKAGE = "{{ cookiecutter.package_name }}"
+
+# A model in a new folder (no __init__.py) with adaptive pooling, which the built-ins avoid, and
+# a dataset in a new module: both as a user writes them after reading the README.
+MODEL_FILE = """
+from torch import nn
+
+from ..model import register_model
+
+
+@register_model("pooled", help="a conv and an adaptive average pool")
+def pooled(num_classes, channels, image_size, width):
+    return nn.Sequential(
+        nn.Conv2d(channels, width, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(), nn.Linear(width, num_classes),
+    )
+"""
+DATASET_FILE = """
+from .datasets import DatasetSplits, register_dataset
+
+
+@register_dataset("stripes", help="horizontal or vertical stripes, 16x16")
+def stripes(options):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 2, 400)
+    images = np.zeros((400, 1, 16, 16), dtype=np.uint8)
+    images[labels == 0, :, ::2, :] = 255
+    images[labels == 1, :, :, ::2] = 255
+    return DatasetSplits(train=(images, labels))
+"""
+
+
+def project_with_own_code(dest: Path) -> Path:
+    """A copy of the project (run.py, the package, tests/) with the user's two new files."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("run.py", "pyproject.toml", PACKAGE, "tests"):
+        source = ROOT / name
+        if source.is_dir():
+            shutil.copytree(source, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(source, dest / name)
+    (dest / PACKAGE / "models").mkdir()
+    (dest / PACKAGE / "models" / "pooled.py").write_text(MODEL_FILE)
+    (dest / PACKAGE / "lab_data.py").write_text(DATASET_FILE)
+    return dest
+
+
+def test_own_model_and_dataset_in_new_files_appear_in_help_without_torch(tmp_path):
+    project = project_with_own_code(tmp_path)
+    code = (
+        "import runpy, sys\n"
+        "sys.argv = ['run.py', '--help']\n"
+        "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+        "except SystemExit as e:\n    assert not e.code, e.code\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=project, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    help_text = " ".join(result.stdout.split())
+    assert "pooled: a conv and an adaptive average pool" in help_text
+    assert "stripes: horizontal or vertical stripes, 16x16" in help_text
+
+
+@pytest.mark.slow  # a training run and the model tests, in subprocesses
+def test_own_model_and_dataset_in_new_files_train_and_keep_pytest_green(tmp_path, env, data_dir):
+    project = project_with_own_code(tmp_path / "project")
+    cmd = [sys.executable, "run.py", *TINY, "--model", "pooled", "--dataset", "stripes",
+           "--epochs", "1", "--tracking", "off", "--data-dir", str(data_dir)]  # fmt: skip
+    result = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    [config] = (project / "results" / "trials").glob("*/config.json")
+    config = json.loads(config.read_text())
+    assert (config["model"], config["dataset"]) == ("pooled", "stripes")
+    tests = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "-q",
+             "tests/test_model.py", "-k", "adaptive_pooling or help_names"]  # fmt: skip
+    result = subprocess.run(tests, cwd=project, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:]
+
+
+def test_a_name_declared_twice_names_both_places(tmp_path):
+    from {{ cookiecutter.package_name }}.registry import declarations
+
+    (tmp_path / "a.py").write_text('@register_model("twin")\ndef a(): ...\n')
+    (tmp_path / "b.py").write_text('@register_model("twin")\ndef b(): ...\n')
+    with pytest.raises(ValueError, match=r"b.py:1: @register_model\('twin'\) is also at .*a.py:1"):
+        declarations("register_model", tmp_path)
+
+
+def test_trial_runs_and_sweep_runs_go_to_their_own_experiments():
+    from {{ cookiecutter.package_name }}.config import DEFAULT_EXPERIMENT, parse_args
+
+    trial, _ = parse_args([])
+    sweep, _ = parse_args(["--results-dir", str(ROOT / "results" / "sweep")])
+    chosen, _ = parse_args(["--experiment", "mine"])
+    assert trial.experiment == f"{DEFAULT_EXPERIMENT}-trials"
+    assert sweep.experiment == DEFAULT_EXPERIMENT and chosen.experiment == "mine"
+
+
+def test_provenance_warns_outside_git(tmp_path, monkeypatch, caplog):
+    """run.py calls provenance(log) once per run: outside git the run's log says so."""
+    import logging
+
+    from {{ cookiecutter.package_name }}.tracking import provenance
+
+    log = logging.getLogger("test.provenance")
+    monkeypatch.setenv("GIT_DIR", str(tmp_path / "no-repository"))  # git finds no repository
+    with caplog.at_level(logging.WARNING, logger="test.provenance"):
+        tags = provenance(log)
+    assert tags["git_commit"] == "unknown"
+    [record] = caplog.records
+    assert "not in a git repository" in record.getMessage() and "git init" in record.getMessage()
+    monkeypatch.delenv("GIT_DIR")
+    subprocess.run(["git", "init", "-q", str(tmp_path / "repo")], check=True)
+    monkeypatch.setenv("GIT_DIR", str(tmp_path / "repo" / ".git"))
+    commit = subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty",
+         "-m", "first"], cwd=tmp_path / "repo", check=True,
+    )  # fmt: skip
+    assert commit.returncode == 0
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="test.provenance"):
+        tags = provenance(log)
+    assert len(tags["git_commit"]) == 40 and not caplog.records
+
+
+@pytest.mark.slow  # imports mlflow and creates a sqlite DB
+def test_gitignore_ignores_what_tracking_writes(tmp_path, monkeypatch):
+    """mlflow.db, its lock and journal, mlruns/: as the tracker really writes them."""
+    from {{ cookiecutter.package_name }} import tracking
+
+    shutil.copy(ROOT / ".gitignore", tmp_path / ".gitignore")
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.delenv("GIT_DIR", raising=False)
+    tracking.init("gitignore-check")
+    written = sorted(p.name for p in tmp_path.iterdir() if p.name not in (".git", ".gitignore"))
+    assert "mlflow.db" in written and "mlflow.db.lock" in written, written
+    status = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=all"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={k: v for k, v in os.environ.items() if not k.startswith("GIT_")},
+    ).stdout.split("\n")
+    assert [line for line in status if line and not line.endswith(".gitignore")] == []
+
+
+def sweep_copy(dest: Path) -> Path:
+    """run.sh, scripts/, run.py and the package: enough for `run.sh --dry-run` (no training)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("run.sh", "run.py", "scripts", PACKAGE):
+        source = ROOT / name
+        if source.is_dir():
+            shutil.copytree(source, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(source, dest / name)
+    return dest
+
+
+def dry_run(project: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", "run.sh", *args],
+        cwd=project,
+        env={**os.environ, "PYTHON": sys.executable, **env},
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_quick_preset_has_its_own_folder_shown_by_dry_run(tmp_path):
+    """After the quick path, a plain `run.sh` must still see the real sweep as pending: the
+    preset writes elsewhere (results/quick), and --dry-run says so on every job line."""
+    project = sweep_copy(tmp_path)
+    plain = dry_run(project, "--dry-run")
+    quick = dry_run(project, "--quick", "--dry-run", "--", "--epochs", "2")
+    preset = dry_run(project, "--dry-run", PRESET="quick")
+    assert plain.returncode == quick.returncode == preset.returncode == 0, quick.stderr
+    assert "quick preset" in quick.stdout and "quick preset" in preset.stdout
+    plain_jobs = [ln for ln in plain.stdout.splitlines() if ln.strip().startswith("run.py")]
+    quick_jobs = [ln for ln in quick.stdout.splitlines() if ln.strip().startswith("run.py")]
+    assert plain_jobs and len(quick_jobs) == len(plain_jobs)
+    assert all("--results-dir results/sweep" in ln and "--width" not in ln for ln in plain_jobs)
+    # The preset's arguments first, so extras after `--` still win (argparse: the last one).
+    assert {ln.split("--lr ")[1].split()[0] for ln in quick_jobs} == {"1e-3", "1e-2", "1e-1"}
+    ends = "--epochs 6 --width 16 --epochs 2"
+    assert all("--results-dir results/quick" in ln and ln.endswith(ends) for ln in quick_jobs)
+    bad = dry_run(project, "--dry-run", PRESET="huge")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "run.sh: PRESET must be quick or empty, got 'huge'"
+    ]

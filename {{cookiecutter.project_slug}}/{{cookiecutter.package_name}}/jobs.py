@@ -1,0 +1,303 @@
+"""Jobs: the run-directory contract as an API, for any script, training or not.
+
+run.py trains; analyze.py compares two trained runs; your script may do anything else. Each gets
+the same contract (README, "A job that does not train"; docs/design.md, "Jobs"):
+- its run directory from its arguments: `<results-dir>/<readable>-<hash8 of its identity>`, printed
+  by `--print-run-dir` without doing the work (and without importing torch or mlflow);
+- skip when done: metrics.json exists -> "already finished", exit 0; `--fresh` starts over;
+- one process per run directory (claim.py): another live holder -> exit 73 "running elsewhere";
+- config.json, status (running -> finished | failed | interrupted) and run.log in the directory;
+- exit codes 0 finished, 1 failed (one `error:` line, the traceback in run.log), 2 bad input,
+  73 running elsewhere, 75 stopped by a signal (stopping.GracefulStop; re-run to redo);
+- metrics.json written last: its existence means done (runs.is_done);
+- MLflow tracking (tracking.Tracker: params, metrics, end status, artifacts), `--tracking off`;
+- sweeps: `python SCRIPT --plan` answers run.sh for all of its jobs at once (plan.py).
+
+A job of your own is a parser and one function that returns its metrics:
+
+    parser = jobs.parser("count.py", "Count the images of a dataset.", "results/count")
+    parser.add_argument("--dataset", default="digits", help="which dataset")
+
+    def work(job: jobs.Job) -> dict:
+        n = ...  # the work; long loops call job.check_stop() (exit 75 on a stop signal)
+        (job.out / "counts.csv").write_text(...)  # any file of yours, in its run directory
+        return {"images": n}  # -> metrics.json (last) and MLflow
+
+    if __name__ == "__main__":
+        sys.exit(jobs.main(parser, work))
+
+Its identity is every argument but the job flags parser() adds (COMMON_KEYS); pass `identity=`
+(and `readable=`) to jobs.main to say it yourself, as analyze.py does. Bad input found only by
+loading things (a file, a model) goes in `prepare=`: it runs before any file of the job is written,
+so a refused job leaves nothing behind. Imports neither torch nor mlflow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import runs
+from .claim import Busy, claim
+from .config import (
+    DEFAULT_EXPERIMENT,
+    PROJECT_ROOT,
+    TRACKING_ENV,
+    Parser,
+    UsageError,
+    _directory,
+    _experiment,
+    changed_args,
+    readable_name,
+    short_hash,
+)
+from .stopping import GracefulStop
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_BUSY, EXIT_INTERRUPTED = 0, 1, 2, 73, 75
+# The flags parser() adds: how a job runs, never what it computes, so out of its identity.
+COMMON_KEYS = frozenset(
+    {"results_dir", "fresh", "print_run_dir", "experiment", "tracking", "init_tracking"}
+)
+
+
+class Interrupted(Exception):
+    """Raised by Job.check_stop() after a stop signal: the job ends `interrupted`, exit 75."""
+
+
+class NotReady(UsageError):
+    """An input is not there yet (a run still training): exit 2; run.sh lists it as waiting."""
+
+
+def error(message: str, code: int) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return code
+
+
+def parser(prog: str, description: str, results_dir: str | Path) -> argparse.ArgumentParser:
+    """An argparse parser with the job flags (bad input: one `error:` line, exit 2).
+    `results_dir` is relative to the project folder."""
+    p = Parser(
+        prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    j = p.add_argument_group("job (not part of the identity)")
+    j.add_argument(
+        "--results-dir",
+        type=_directory,
+        default=PROJECT_ROOT / results_dir,
+        help="parent of this script's run directories",
+    )
+    j.add_argument(
+        "--fresh", action="store_true", help="delete this job's directory contents and redo it"
+    )
+    j.add_argument(
+        "--print-run-dir",
+        action="store_true",
+        help="print the absolute run directory and exit (imports no torch)",
+    )
+    j.add_argument(
+        "--experiment", type=_experiment, default=DEFAULT_EXPERIMENT, help="MLflow experiment name"
+    )
+    j.add_argument(
+        "--tracking",
+        choices=("on", "off"),
+        default="off" if os.environ.get(TRACKING_ENV) == "off" else "on",
+        help=f"log to MLflow (off: only the run directory; also {TRACKING_ENV}=off)",
+    )
+    j.add_argument(
+        "--init-tracking",
+        action="store_true",
+        help="create the MLflow DB and experiment, then exit (sweeps call it once)",
+    )
+    return p
+
+
+# ---- the lifecycle every job shares (run.py's main() is this, with train() as its body) -------
+def lifecycle(
+    argv: list[str] | None,
+    parse: Callable[[list[str] | None], tuple[argparse.Namespace, argparse.ArgumentParser]],
+    locate: Callable[[argparse.Namespace, argparse.ArgumentParser], Path],
+    body: Callable[..., int],
+    *,
+    redo: Callable[[argparse.Namespace], bool] = lambda args: False,
+) -> int:
+    """--plan, parse, --print-run-dir, --init-tracking, skip when done, claim; then
+    `body(args, parser, out, stop) -> exit code` while holding the claim.
+
+    `locate` may raise UsageError (bad input, exit 2); `redo(args)` True runs even when done
+    (run.py's tools)."""
+    with GracefulStop() as stop:  # first: a stop signal at any later moment still ends in 75
+        if (sys.argv[1:] if argv is None else argv) == ["--plan"]:  # run.sh: all jobs, one call
+            from . import plan
+
+            return plan.main(plan.resolver(parse, locate))
+        args, parser_ = parse(argv)  # bad flags: one `error:` line, exit 2
+        try:
+            out = locate(args, parser_)
+        except UsageError as exc:
+            return error(str(exc), EXIT_USAGE)
+        if args.print_run_dir:
+            print(out)
+            return EXIT_OK
+        if args.init_tracking:
+            from .tracking import init, tracking_uri
+
+            print(f"MLflow ready: {tracking_uri()} (experiment id {init(args.experiment)})")
+            return EXIT_OK
+        skip = not (args.fresh or redo(args))
+        done = f"already finished: {out} (metrics.json exists; --fresh starts over)"
+        if skip and runs.is_done(out):
+            print(done)
+            return EXIT_OK
+        try:
+            with claim(out) as held:  # one process per run directory, freed by the kernel on death
+                if skip and runs.is_done(out):  # done meanwhile, by the process we waited for
+                    print(done)
+                    return EXIT_OK
+                code = body(args, parser_, out, stop)
+                if code in (EXIT_USAGE, EXIT_INTERRUPTED):
+                    held.discard()  # refused or stopped before any work: leave nothing behind
+                return code
+        except Busy as exc:
+            return error(f"running elsewhere: {exc}", EXIT_BUSY)
+        except OSError as exc:  # the run directory cannot be created
+            return error(f"--results-dir: cannot write to {out.parent}: {exc.strerror}", EXIT_USAGE)
+
+
+# ---- a job that does not train ---------------------------------------------------------------
+@dataclass
+class Job:
+    """What `work` gets: its arguments, run directory, log, stop request, what `prepare`
+    returned, and `artifacts` (files of its run directory to attach to its MLflow run)."""
+
+    args: argparse.Namespace
+    out: Path
+    log: object  # logging.Logger: stderr and run.log
+    stop: GracefulStop
+    prepared: object = None
+    artifacts: list[Path] = field(default_factory=list)
+
+    def check_stop(self) -> None:
+        if self.stop.requested:
+            raise Interrupted(self.stop.requested)
+
+
+def main(
+    parser: argparse.ArgumentParser,
+    work: Callable[[Job], dict],
+    argv: list[str] | None = None,
+    *,
+    identity: Callable[[argparse.Namespace], dict] | None = None,
+    readable: Callable[[argparse.Namespace], list[str]] | None = None,
+    prepare: Callable[[argparse.Namespace], object] | None = None,
+) -> int:
+    """Run `work(job) -> metrics` as a job of the contract; return the exit code.
+
+    identity(args): what defines the result (default: the arguments less COMMON_KEYS); may raise
+    UsageError (exit 2). readable(args): the name's readable parts (default: the script's name and
+    the arguments not at their default). prepare(args): loads and checks inputs before any file
+    is written (UsageError, ValueError, OSError: exit 2); `job.prepared` is what it returns.
+    """
+    ident = identity or (lambda args: {k: v for k, v in vars(args).items() if k not in COMMON_KEYS})
+    name = readable or (
+        lambda args: [Path(parser.prog).stem, *changed_args(args, parser, COMMON_KEYS)]
+    )
+
+    def locate(args, _parser) -> Path:
+        return args.results_dir / readable_name(name(args), ident(args))
+
+    def body(args, _parser, out: Path, stop: GracefulStop) -> int:
+        try:
+            prepared = prepare(args) if prepare else None
+        except (UsageError, ValueError, OSError) as exc:
+            return error(str(exc), EXIT_USAGE)
+        if stop.requested:
+            return EXIT_INTERRUPTED  # stopped while starting: nothing of this job exists yet
+        return _run(Job(args, out, None, stop, prepared), work, ident(args))
+
+    return lifecycle(argv, lambda a: (parser.parse_args(a), parser), locate, body)
+
+
+def _run(job: Job, work: Callable[[Job], dict], identity: dict) -> int:
+    args, out = job.args, job.out
+    if args.fresh:
+        print(f"--fresh: deleting {', '.join(runs.clear_run_dir(out)) or 'nothing'} in {out}")
+    runs.remove_stale_temps(out)
+    job.log = runs.setup_logging(out, out.name)
+    job.stop.log = job.log  # from here on, stop requests are in run.log too
+    job.stop.on_force_exit = lambda: runs.try_write_status(out, "interrupted")  # exit 130
+    started = time.monotonic()
+    record = _Record(job, identity)
+    try:
+        metrics = work(job)
+        if not isinstance(metrics, dict) or not metrics:
+            raise TypeError(f"work() must return a non-empty dict of metrics, got {metrics!r}")
+        record.finished({**metrics, "wall_time_s": time.monotonic() - started})
+        return EXIT_OK
+    except Interrupted as exc:
+        record.interrupted(str(exc))
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # failed: one line here, the traceback in run.log and MLflow
+        return record.failed(exc)
+    finally:
+        record.close()
+
+
+class _Record:
+    """A job's files (config.json, status, metrics.json last) and its MLflow run."""
+
+    def __init__(self, job: Job, identity: dict) -> None:
+        from .tracking import Tracker, provenance
+
+        self.job, args, out = job, job.args, job.out
+        config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        config.update(
+            identity=identity,
+            run_name=out.name,
+            config_hash=short_hash(identity),
+            experiment_keys=sorted(identity),
+        )
+        runs.write_json(out / runs.CONFIG, config)
+        runs.write_status(out, "running")
+        on = args.tracking == "on"
+        self.tracker = Tracker(
+            out,
+            enabled=on,
+            experiment=args.experiment,
+            run_name=out.name,
+            log=job.log,
+            params=identity,
+            tags={**(provenance() if on else {}), "run_dir": str(out), "job": sys.argv[0]},
+            system_metrics=False,
+        )
+
+    def finished(self, metrics: dict) -> None:
+        out = self.job.out
+        metrics["mlflow_run_id"] = None
+        artifacts = [out / runs.CONFIG, *self.job.artifacts]
+        self.tracker.end("FINISHED", [], metrics=metrics, artifacts=artifacts)
+        metrics["mlflow_run_id"] = self.tracker.run_id
+        runs.write_status(out, "finished")
+        runs.write_json(out / runs.METRICS, metrics)  # last: its existence means "done"
+        self.job.log.info("finished: %s", out)
+
+    def interrupted(self, signal_name: str) -> None:
+        runs.write_status(self.job.out, "interrupted")
+        self.tracker.end("KILLED", [])
+        self.job.log.warning("interrupted by %s; re-run the same command to redo", signal_name)
+
+    def failed(self, exc: BaseException) -> int:
+        text = traceback.format_exc()
+        self.job.log.error("job failed:\n%s", text)
+        runs.try_write_status(self.job.out, "failed")
+        self.tracker.end("FAILED", [], error=text)
+        return error(f"{type(exc).__name__}: {exc}".splitlines()[0], EXIT_FAILED)
+
+    def close(self) -> None:
+        self.tracker.close()
+        runs.close_logging(self.job.log)
