@@ -92,9 +92,9 @@ def crop_flip_gather(padded, dy, dx, flip, size) -> torch.Tensor:
 
 
 def crop_flip_slices(padded, dy, dx, flip, size) -> torch.Tensor:
-    """One slice copy per image, for the CPU: the gather of 3-byte pixels cost ~17x more at
-    224 px (159 vs 9 ms for 64 images on one busy core: the lab template's
-    benchmarks/RESULTS.md, bench_cache.py); `.tolist()` would sync a GPU, so only the CPU."""
+    """One slice copy per image, for the CPU: the gather of 3-byte pixels cost 7x more at 224 px
+    (67 vs 9 ms for 64 images on one core: the lab template's benchmarks/RESULTS.md,
+    bench_cache.py); `.tolist()` would sync a GPU, so only the CPU."""
     h, w = size
     out = torch.empty((len(padded), h, w, padded.shape[3]), dtype=padded.dtype)
     draws = zip(dy.tolist(), dx.tolist(), flip.tolist(), strict=True)
