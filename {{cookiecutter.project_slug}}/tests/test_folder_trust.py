@@ -435,7 +435,8 @@ RSS_SCRIPT = textwrap.dedent("""
 def test_a_folder_in_memory_takes_one_copy(tmp_path):
     """Peak RSS per byte of decoded images, loading and iterating a folder in memory, <= 1.2:
     measured as the growth between a folder and one 25 times larger (the interpreter's fixed
-    costs cancel). Today: 4.0 (an unpadded copy beside a padded one, the carved copies)."""
+    costs cancel). It fails on the old loader: an unpadded copy beside a padded one, and the
+    carved copies of the cache."""
     runs = {}
     for name, per_class in (("small", 8), ("large", 200)):
         folder = make_folder(tmp_path / name, {"train": per_class}, size=(192, 192))

@@ -252,7 +252,7 @@ def test_run_trains_on_a_folder_the_same_on_both_paths(
         "--epochs",
         "2",
         "--batch-size",
-        "8",
+        "4",  # 22 training images: at least 4 steps per epoch (data.check_batch_size)
         "--workers",
         "0",
     ]

@@ -333,7 +333,7 @@ def test_a_forced_exit_130_leaves_status_interrupted(env, data_dir, tmp_path):
     results = tmp_path / "results"
     env = {**env, "LAB_STOP_GRACE_S": "0"}
     # Wide and big batches: a step takes long enough for the second signal to land within it.
-    args = ("--epochs", "3", "--width", "64", "--batch-size", "512")
+    args = ("--epochs", "3", "--width", "64", "--batch-size", "320")  # <= 1/4 of the 1293
     proc = popen_cli(*args, results_dir=results, data_dir=data_dir, env=env)
 
     def logged(text: str) -> bool:
