@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from image_folders import make_folder
 
 from {{ cookiecutter.package_name }} import imagecache
 from {{ cookiecutter.package_name }}.data import load_dataset
+from {{ cookiecutter.package_name }}.imagefolder import UnreadableImage
 from {{ cookiecutter.package_name }}.loaders import FileSplit
 
 PACKAGE = ROOT / "{{ cookiecutter.package_name }}"
@@ -214,3 +216,14 @@ def test_the_cache_is_read_not_decoded_again(tmp_path):
     other = imagecache.decode_cached(split, tmp_path, version="v2", progress=count)
     assert calls == [1] and torch.equal(first.images, other.images)  # another version: decoded
     assert os.path.exists(imagecache.cache_path(split, tmp_path, "v2"))
+
+
+def test_a_file_that_no_longer_decodes_leaves_no_partial_cache(tmp_path):
+    """It ends the run (error: cannot decode FILE); the next start sees a new version of the
+    folder, so a half-decoded file under the old key would only take disk space."""
+    folder = make_folder(tmp_path / "f", {"train": 3}, size=(16, 16))
+    split = file_split(folder)
+    Path(split.paths[4]).write_bytes(b"not a png any more")
+    with pytest.raises(UnreadableImage, match="cannot decode"):
+        imagecache.decode_cached(split, tmp_path / "cache", version="v", processes=1)
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == []

@@ -129,7 +129,9 @@ def _decode(split: FileSplit, cache: Path, shape, processes: int, progress) -> N
     ]
     with open(marks_path, "r+b") as marks_file:
         for i, unreadable in _run(tasks, min(processes, len(tasks))):
-            if unreadable is not None:
+            if unreadable is not None:  # the folder changed since its scan: the next start
+                partial.unlink()  # scans a new version, whose cache has another key
+                marks_path.unlink()
                 raise UnreadableImage(*unreadable)
             # The chunk's rows are flushed (by its process) before its mark is set.
             os.pwrite(marks_file.fileno(), b"\1", i)
