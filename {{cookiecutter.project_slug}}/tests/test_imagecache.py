@@ -18,10 +18,11 @@ import pytest
 import torch
 from conftest import ROOT
 from image_folders import make_folder
+from PIL import Image
 
 from {{ cookiecutter.package_name }} import imagecache
 from {{ cookiecutter.package_name }}.data import load_dataset
-from {{ cookiecutter.package_name }}.imagefolder import UnreadableImage
+from {{ cookiecutter.package_name }}.imagefolder import UnreadableImage, decode_image
 from {{ cookiecutter.package_name }}.loaders import FileSplit
 
 PACKAGE = ROOT / "{{ cookiecutter.package_name }}"
@@ -227,3 +228,15 @@ def test_a_file_that_no_longer_decodes_leaves_no_partial_cache(tmp_path):
     with pytest.raises(UnreadableImage, match="cannot decode"):
         imagecache.decode_cached(split, tmp_path / "cache", version="v", processes=1)
     assert [p.name for p in (tmp_path / "cache").iterdir()] == []
+
+
+def test_every_source_size_decodes_to_the_target_size(tmp_path):
+    """The crop box of a resize that covers the target must stay inside the image: computed in
+    floats it overshot by a rounding error for e.g. a 98x98 JPEG resized to 64x64 (PIL: "box
+    offset can't be negative"), and such images failed to decode (bench_data.py's folder)."""
+    path = tmp_path / "x.jpg"
+    for width in range(90, 111):
+        for height in range(90, 111):
+            Image.new("RGB", (width, height), (120, 30, 200)).save(path, quality=90)
+            pixels = decode_image(str(path), (64, 64), 3)
+            assert pixels.shape == (64, 64, 3), (width, height)

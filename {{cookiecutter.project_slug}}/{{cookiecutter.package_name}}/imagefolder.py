@@ -338,7 +338,8 @@ def _cover(image: Image.Image, width: int, height: int) -> Image.Image:
     if (w, h) == (width, height):
         return image
     scale = max(width / w, height / h)
-    crop_w, crop_h = width / scale, height / scale
+    # min(): width / (width / w) can round to a hair above w, a box PIL refuses.
+    crop_w, crop_h = min(width / scale, w), min(height / scale, h)
     left, top = (w - crop_w) / 2, (h - crop_h) / 2
     return image.resize(
         (width, height), Image.Resampling.BILINEAR, box=(left, top, left + crop_w, top + crop_h)
