@@ -11,13 +11,16 @@ on the same dataset. Each model is rebuilt from its config.json through the mode
 its best_model.pt and runs on the same test images; forward hooks record every layer
 (similarity.layers). Results go to results/analysis/<readable name>-<hash>/: metrics.json (`cka`
 of the chosen layers, written last), cka_layers.csv (every layer of A against every layer of
-B), config.json, status, run.log. The identity is the two runs' config hashes, the layer, the
-number of images and the seed; run again, it says "already finished". A job of jobs.py: exit
+B), config.json, status, run.log. The identity is the two runs' config hashes and trainings
+(their metrics.json, written once at the end of each training: a run trained again with --fresh
+is analysed again), the layer, the number of images and the seed; run again, it says "already
+finished". A job of jobs.py: exit
 codes, the claim, --fresh, MLflow tracking and `run.sh` sweeps work as for run.py.
 """
 
 import argparse
 import csv
+import hashlib
 import io
 import sys
 from pathlib import Path
@@ -83,11 +86,19 @@ def finished_config(run: Path, flag: str) -> dict:
     return config
 
 
+def training(run: Path) -> str:
+    """Which training of `run` is analysed: its metrics.json is written once, last, by each
+    training, so a run trained again (--fresh) has another, and its old analysis stays apart."""
+    return hashlib.sha256((run / runs.METRICS).read_bytes()).hexdigest()[:16]
+
+
 def identity(args) -> dict:
     a, b = finished_config(args.run_a, "RUN_A"), finished_config(args.run_b, "RUN_B")
     return {
         "run_a": a["config_hash"],
         "run_b": b["config_hash"],
+        "training_a": training(args.run_a),
+        "training_b": training(args.run_b),
         "layer": args.layer,
         "images": args.images,
         "seed": args.seed,

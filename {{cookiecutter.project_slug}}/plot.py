@@ -6,6 +6,7 @@
     python plot.py --from-mlflow       # read the runs from the MLflow tracking server instead
     python plot.py --system RUN        # GPU/CPU utilisation over time of one run (from MLflow)
     python plot.py --formats pdf       # only PDFs (for LaTeX), faster
+    python plot.py --curve val_loss --metric test_loss   # other columns than the monitored one
     python plot.py --analysis          # analyze.py's results: a layer-by-layer CKA heat map each
 
 Figures are made and re-made dozens of times before publication, so their styling lives here, in
@@ -50,6 +51,7 @@ from {{ cookiecutter.package_name }}.analysis import (  # noqa: E402
     Table,
     aggregate,
     curve,
+    final_metric,
     format_value,
     load_runs,
     load_runs_from_mlflow,
@@ -113,6 +115,11 @@ LABELS = {  # axis labels of metrics (anything missing falls back to the metric'
     "test_acc": "test accuracy",
     "test_loss": "test loss",
     "val_acc": "val. accuracy",  # short: it must fit beside a short panel
+    "val_loss": "val. loss",
+    "test_r2": "test R²",
+    "val_r2": "val. R²",
+    "test_map": "test mAP",
+    "val_map": "val. mAP",
     "samples_per_sec": "throughput (samples/s)",
     "wall_time_s": "wall time",
 }
@@ -278,8 +285,9 @@ def legend_room(table: Table, style: Style, labels: Sequence[str], title: str | 
 # ----------------------------------------------------------------------------------------------
 
 
-def plot_learning_curves(table: Table, style: Style, column: str = "val_acc") -> Figure:
-    """Validation accuracy per epoch: mean over seeds, band = +-1 standard error.
+def plot_learning_curves(table: Table, style: Style, column: str | None = None) -> Figure:
+    """A history column per epoch (default: the monitored one, e.g. val_acc): mean over seeds,
+    band = +-1 standard error.
 
     Where some seeds have stopped (early stopping), the mean is over fewer seeds: that part of
     the curve is dashed and the legend says `n=3→1`. The y-axis spans what the curves reach after
@@ -287,6 +295,7 @@ def plot_learning_curves(table: Table, style: Style, column: str = "val_acc") ->
     first epochs that fall outside it are named in a note on the axes ("epochs 1-2 below").
     """
     table, note = first_rows(table)
+    column = column or table.monitor
     curves = {row.label: curve(row, column) for row in table.rows}
     labels = [legend_label(row, n_last=int(curves[row.label][3].min(initial=row.n)))
               for row in table.rows]  # fmt: skip
@@ -349,12 +358,13 @@ def _note_points_outside(ax, lines: Sequence[tuple[np.ndarray, np.ndarray]]) -> 
                 fontsize=STYLE["legend.fontsize"], color="0.35", gid=f"outside:{side}")  # fmt: skip
 
 
-def plot_final_vs_hparam(table: Table, style: Style, metric: str = "test_acc") -> Figure | None:
+def plot_final_vs_hparam(table: Table, style: Style, metric: str | None = None) -> Figure | None:
     """`metric` against each swept hyperparameter (one panel each), mean +- SE over seeds.
 
     A point is one configuration, in its colour and marker (legend below); points that share the
     other hyperparameters are joined by a grey line. None if nothing was swept.
     """
+    metric = metric or final_metric(table.monitor)
     if not table.keys or metric not in table.metrics:
         return None
     table, note = first_rows(table)
@@ -726,8 +736,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--metric",
-        default="test_acc",
-        help="final metric (a metrics.json name) plotted against each hyperparameter",
+        default=None,
+        help="final metric (a metrics.json name) plotted against each hyperparameter; "
+        "default: the test value of the monitored metric (test_acc for classification)",
+    )
+    p.add_argument(
+        "--curve",
+        default=None,
+        metavar="COLUMN",
+        help="history.csv column of the learning curves; default: the monitored one "
+        "(config.json `monitored`; val_acc for runs written before tasks)",
     )
     return p.parse_args(argv)
 
@@ -795,6 +813,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
     table = aggregate(runs)
+    args.metric = args.metric or final_metric(table.monitor)
+    args.curve = args.curve or table.monitor
+    columns = sorted({c for r in runs for c in r.history} - {"epoch", "step"})
+    if args.curve not in columns:
+        print(f"error: --curve: {args.curve} is not a history column of the runs: "
+              f"{', '.join(columns)}", file=sys.stderr)  # fmt: skip
+        return 2
     if args.metric not in table.metrics:
         print(f"error: --metric: {args.metric} is not among the runs' metrics: "
               f"{', '.join(table.metrics)}", file=sys.stderr)  # fmt: skip
@@ -813,7 +838,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     set_style()
     style = make_style(table, args.width)
     figures = {  # name -> Figure; add yours here
-        "learning_curves": plot_learning_curves(table, style),
+        "learning_curves": plot_learning_curves(table, style, column=args.curve),
         "final_vs_hparam": plot_final_vs_hparam(table, style, metric=args.metric),
         "throughput": plot_throughput(table, style),
     }

@@ -23,7 +23,7 @@ import sys
 import traceback
 from typing import NamedTuple
 
-from {{ cookiecutter.package_name }} import jobs, runs
+from {{ cookiecutter.package_name }} import distributed, jobs, runs
 from {{ cookiecutter.package_name }}.config import UsageError, parse_args, resolved_config, run_dir
 from {{ cookiecutter.package_name }}.jobs import (
     EXIT_FAILED,
@@ -43,10 +43,11 @@ UNREADABLE_HINT = (
 def main(argv: list[str] | None = None) -> int:
     # The contract every job shares (jobs.py): --plan, --print-run-dir, skip when done, the
     # claim (exit 73); then train() holds the run directory. Tools run even when it is done.
-    return jobs.lifecycle(argv, parse_args, run_dir, train, redo=is_tool)
+    # torchrun (distributed.py): one job in N processes; rank 0 alone claims and writes.
+    return jobs.lifecycle(argv, parse_args, run_dir, train, redo=is_tool, ranks=True)
 
 
-def train(args, parser, out, stop: GracefulStop) -> int:
+def train(args, parser, out, stop: GracefulStop, dist) -> int:
     """The method: config -> data -> model -> (resume) -> loop -> test -> save."""
     import torch
 
@@ -58,6 +59,7 @@ def train(args, parser, out, stop: GracefulStop) -> int:
     )
     from {{ cookiecutter.package_name }}.state import TrainingState
     from {{ cookiecutter.package_name }}.stopping import EarlyStopping, check_finite
+    from {{ cookiecutter.package_name }}.tasks import create_task
     from {{ cookiecutter.package_name }}.train import (
         build_trainer,
         evaluate,
@@ -67,33 +69,44 @@ def train(args, parser, out, stop: GracefulStop) -> int:
 
     # ---- config + data: every bad input is found here, before a file of the run is written ----
     config = resolved_config(args, parser)
+    config["world_size"] = dist.world  # processes of this job (torchrun), not of its identity
     try:
-        device = resolve_device(args.device)
+        task = create_task(args.task, args, args.monitor)  # loss, metrics, the monitored one
+        config.update(monitored=task.monitor, metric_directions=task.directions)
+        dist.check(args)  # a --batch-size that does not divide among the processes: exit 2
+        device = dist.place(resolve_device(args.device))
         dtype, precision_why = choose_precision(device, args.amp)
         if args.profile:  # the CUDA memory snapshot then covers the whole run, model included
             from {{ cookiecutter.package_name }}.tuning import start_memory_history
 
             start_memory_history(device)
-        data = build_data(args, device)
+        data = build_data(args, device, task, dist.shard)
         # num_classes, channels, image_size, class_names, split sizes, the arrays' content hash
         config.update(data.info.as_config())
         seed_everything(args.seed)  # same seed => same init, split, order, augmentation
-        model = make_model(args, data.info).to(device, memory_format=torch.channels_last)
+        model = make_model(args, data.info)
+        model = dist.prepare(model, args.seed).to(device, memory_format=torch.channels_last)
     except (UsageError, ValueError, OSError) as exc:
         return error(str(exc), EXIT_USAGE)
+    code = None
     try:
-        runs.ensure_writable(out, need_bytes=checkpoint_bytes(model, args.ema))
+        if dist.is_main:
+            runs.ensure_writable(out, need_bytes=checkpoint_bytes(model, args.ema))
     except OSError as exc:  # not writable, or no room for a checkpoint: found before any work
-        return error(f"--results-dir: {exc.strerror or exc}", EXIT_USAGE)
-    if stop.requested:
-        return EXIT_INTERRUPTED  # stopped while starting: nothing of this run exists yet
+        code = error(f"--results-dir: {exc.strerror or exc}", EXIT_USAGE)
+    if code is None and dist.stopped(stop):
+        code = EXIT_INTERRUPTED  # stopped while starting: nothing of this run exists yet
+    if (code := dist.agree(code)) is not None:  # torchrun: a refusal on any rank ends all
+        return code
 
     # ---- model, its training step and the resumable state ------------------------------------
-    out.mkdir(parents=True, exist_ok=True)
-    if args.fresh:
-        print(f"--fresh: deleting {', '.join(runs.clear_run_dir(out)) or 'nothing'} in {out}")
-    runs.remove_stale_temps(out)
-    log = runs.setup_logging(out, out.name)
+    if dist.is_main:  # one writer
+        out.mkdir(parents=True, exist_ok=True)
+        if args.fresh:
+            print(f"--fresh: deleting {', '.join(runs.clear_run_dir(out)) or 'nothing'} in {out}")
+        runs.remove_stale_temps(out)
+    log = runs.setup_logging(out, out.name) if dist.is_main else dist.follower_log(out.name)
+    dist.agree(None)  # the others read the checkpoint once --fresh has deleted it
     stop.log = log  # from here on, stop requests are in run.log too
     for note in data.notes:  # e.g. skipped unreadable images: in run.log, not only on screen
         log.warning("data: %s", note)
@@ -103,8 +116,11 @@ def train(args, parser, out, stop: GracefulStop) -> int:
     for what, why in (
         ("precision", precision_why),
         ("kernels", setup_backends(device, args.deterministic)),
+        ("augmentation", "off: per-pixel targets" if task.spatial_targets else "crop + flip"),
     ):
         log.info("%s: %s", what, why)
+    if dist.active:
+        log.info("distributed: %s", dist.describe())
     trainer = build_trainer(
         model,
         args,
@@ -113,11 +129,17 @@ def train(args, parser, out, stop: GracefulStop) -> int:
         compile_mode=None,  # warm_up compiles where it pays, once it has timed a real batch
         total_steps=steps,
         log=log,
+        task=task,
     )
+    trainer.ddp = dist.ddp(model)  # torchrun: gradients all-reduced over the processes
     # Patience counts only after the LR peak and --min-epochs: no stop during the warm-up.
     patience_from = max(args.min_epochs, peak_epoch(steps, data.steps_per_epoch))
-    stopper = EarlyStopping(args.patience, start_epoch=patience_from)
-    state = TrainingState(trainer, stopper, device=device, config_hash=config["config_hash"])
+    stopper = EarlyStopping(
+        args.patience, start_epoch=patience_from, mode=task.direction(task.monitor)
+    )
+    state = TrainingState(
+        trainer, stopper, device=device, config_hash=config["config_hash"], dist=dist
+    )
     if is_tool(args):
         if args.profile:  # profile the step the run would take, compiled where it would be
             warm_up(state, data, args, log)
@@ -137,11 +159,16 @@ def train(args, parser, out, stop: GracefulStop) -> int:
             )
     except ckpt.CheckpointError as exc:  # refused for good: the planner must not say "resumes"
         log.error("cannot resume: %s", exc)
-        runs.try_write_status(out, "refused")
+        if dist.is_main:
+            runs.try_write_status(out, "refused")
         runs.close_logging(log)
         return error(f"cannot resume: {exc}", EXIT_USAGE)
     try:
-        record = RunRecord(out, config, args, device, dtype, log)
+        record = (
+            RunRecord(out, config, args, device, dtype, log)
+            if dist.is_main
+            else distributed.Follower(out, log)
+        )
     except OSError as exc:  # e.g. the disk filled since the start-up check
         runs.try_write_status(out, "failed")
         runs.close_logging(log)
@@ -161,42 +188,46 @@ def train(args, parser, out, stop: GracefulStop) -> int:
         )
         warm_up(state, data, args, log)  # compiling: its own step, outside the timed loop
         while not finished(p, args, steps_per_epoch, state.stopper):
-            train_s = train_epoch(state, loaders["train"], steps_per_epoch, args, stop)
+            train_s = train_epoch(state, loaders["train"], steps_per_epoch, args, stop, dist)
             if not epoch_complete(p, args, steps_per_epoch):
                 break  # stopped mid-epoch: the checkpoint below records where in the epoch
-            train_loss, train_acc, seen = trainer.take_sums()  # note: one sync per epoch
-            check_finite(train_loss, p.epoch + 1, first_step_of_epoch(p, args), p.step)
+            # {loss, metric...} summed over ranks; note: one sync (and all-reduce) per epoch
+            train, seen = trainer.take_sums(dist.sum)
+            check_finite(train["loss"], p.epoch + 1, first_step_of_epoch(p, args), p.step)
             trainer.reset_sums()
-            val_loss, val_acc = evaluate(eval_model, loaders["val"], device=device, dtype=dtype)
+            dist.sync_buffers(eval_model)  # CPU torchrun: rank 0's BatchNorm statistics
+            val = evaluate(
+                eval_model, loaders["val"], device=device, dtype=dtype, task=task, reduce=dist.sum
+            )
             p.epoch, p.batch, p.samples = p.epoch + 1, 0, p.samples + seen
-            if state.stopper.update(val_acc, p.epoch, eval_model):  # keep the best, never test
-                state.save_best(out / runs.BEST_MODEL)
             p.history.append(
                 {
                     "epoch": p.epoch,
                     "step": p.step,
                     "lr": trainer.scheduler.get_last_lr()[0],
-                    "train_loss": train_loss,
-                    "train_acc": train_acc,
-                    "val_loss": val_loss,
-                    "val_acc": val_acc,
+                    **{f"train_{name}": value for name, value in train.items()},
+                    **{f"val_{name}": value for name, value in val.items()},
                     "epoch_time_s": train_s,
                     "samples_per_sec": seen / max(train_s, 1e-9),
                 }
             )
-            record.epoch_done(state, checkpoint_due=record.checkpoint_due(args))
-            if stop.requested:
+            if state.stopper.update(p.history[-1][task.monitor], p.epoch, eval_model):
+                state.save_best(out / runs.BEST_MODEL)  # keep the best, never test
+            record.epoch_done(state, checkpoint_due=dist.decide(record.checkpoint_due(args)))
+            if dist.stopped(stop):
                 break
         if not finished(p, args, steps_per_epoch, state.stopper):  # stopped: checkpoint, exit 75
             state.save(out / runs.CHECKPOINT)
-            record.interrupted(state, stop.requested)
+            record.interrupted(state, stop.requested or "a stop signal to another process")
             return EXIT_INTERRUPTED
 
         # ---- test once, with the best weights; save ---------------------------------------------
         state.stopper.restore(eval_model)
-        test_loss, test_acc = evaluate(eval_model, loaders["test"], device=device, dtype=dtype)
+        test = evaluate(
+            eval_model, loaders["test"], device=device, dtype=dtype, task=task, reduce=dist.sum
+        )
         state.save(out / runs.CHECKPOINT)
-        record.finished(state, test_loss, test_acc, stop_reason(p, args, state.stopper))
+        record.finished(state, task, test, stop_reason(p, args, state.stopper))
         return EXIT_OK
     except Exception as exc:  # failed: one line here, the traceback in run.log and MLflow
         return record.failed(state, exc, args)
@@ -217,7 +248,7 @@ class Data(NamedTuple):
     notes: list  # what the dataset has to say (skipped files): logged into run.log
 
 
-def build_data(args, device) -> Data:
+def build_data(args, device, task, shard: tuple[int, int] = (0, 1)) -> Data:
     """Splits, loaders, optimizer steps per epoch; UsageError for sizes that cannot work."""
     from {{ cookiecutter.package_name }}.data import build_loader, check_batch_size, load_dataset
     from {{ cookiecutter.package_name }}.hardware import choose_gpu_resident
@@ -233,6 +264,7 @@ def build_data(args, device) -> Data:
         mode=args.data_mode,
         workers=args.workers,
         data_version=args.data_version,  # the version in the run's identity (dataversion.py)
+        task=args.task,  # datasets that offer several kinds of targets (synthetic) pick by it
     )
     splits = loaded.splits
     # Only decoded in-memory data can live on the GPU; streamed files come through workers.
@@ -246,6 +278,8 @@ def build_data(args, device) -> Data:
             workers=args.workers,
             gpu_resident=resident,
             seed=args.seed,
+            augment=not task.spatial_targets,  # crop/flip would not move per-pixel targets
+            shard=shard,
         )
         for name, split in splits.items()
     }
@@ -361,7 +395,7 @@ def peek_batch(loader, epoch: int, device):
         set_rng_state(saved, device)
 
 
-def train_epoch(state, loader, steps_per_epoch: int, args, stop) -> float:
+def train_epoch(state, loader, steps_per_epoch: int, args, stop, dist) -> float:
     """Optimizer steps until the epoch ends, the run's last step, or a stop request.
 
     Returns the seconds of training of the whole epoch, those before a resume in it included,
@@ -375,10 +409,12 @@ def train_epoch(state, loader, steps_per_epoch: int, args, stop) -> float:
     now = timed(trainer.device)  # waits for the device: times the work, not the launches
     loader.set_epoch(p.epoch, skip_batches=p.batch)
     batches, last = iter(loader), total_steps(args, steps_per_epoch)
-    bar = progress_bar(args, steps_per_epoch, p)
+    bar = progress_bar(args, steps_per_epoch, p) if dist.is_main else None
     trainer.model.train()
     t0 = now()
-    while p.batch < steps_per_epoch * args.grad_accum and p.step < last and not stop.requested:
+    while p.batch < steps_per_epoch * args.grad_accum and p.step < last:
+        if dist.stopped(stop, p.step):  # stop.requested; torchrun: on any rank, every 10 steps
+            break
         trainer.step([next(batches) for _ in range(args.grad_accum)], p.step + 1)
         p.step, p.batch = p.step + 1, p.batch + args.grad_accum
         if bar is not None:
@@ -406,8 +442,6 @@ def progress_bar(args, steps_per_epoch: int, p):
 
 def run_tools(args, trainer, data: Data, device, dtype, out, log) -> int:
     """--find-lr, --find-batch-size, --profile: measure, report, exit without training."""
-    from torch import nn
-
     from {{ cookiecutter.package_name }}.train import build_optimizer
     from {{ cookiecutter.package_name }}.tuning import (
         find_batch_size,
@@ -418,11 +452,10 @@ def run_tools(args, trainer, data: Data, device, dtype, out, log) -> int:
 
     try:
         if args.find_lr:
-            loss_fn = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
             lr = find_lr(
                 trainer.model,
                 data.loaders["train"],
-                loss_fn,
+                trainer.task.loss,
                 lambda m: build_optimizer(m, args.lr, args.weight_decay, device),
                 device=device,
                 amp_dtype=dtype,
@@ -438,7 +471,8 @@ def run_tools(args, trainer, data: Data, device, dtype, out, log) -> int:
                 start=args.batch_size,
                 max_batch=len(data.splits["train"]),
                 input_shape=(info.channels, *info.image_size),
-                num_classes=info.num_classes,
+                loss_fn=trainer.task.loss,
+                targets=data.splits["train"].labels,
             )
             batch, lr = recommend_batch_size(size, device)
             print(
@@ -450,6 +484,12 @@ def run_tools(args, trainer, data: Data, device, dtype, out, log) -> int:
     finally:
         runs.close_logging(log)
     return EXIT_OK
+
+
+def metrics_line(row: dict, prefix: str) -> str:
+    """`loss 0.3124 acc 0.9012`: a row's numbers of one split, for run.log."""
+    names = [k for k in row if k.startswith(prefix) and not isinstance(row[k], str)]
+    return " ".join(f"{k.removeprefix(prefix)} {row[k]:.4g}" for k in names)
 
 
 class RunRecord:
@@ -481,6 +521,7 @@ class RunRecord:
                 "amp_dtype": str(dtype),
                 "compile": args.compile,
                 "workers": str(args.workers),
+                "world_size": str(config["world_size"]),
             },
         )
 
@@ -500,16 +541,13 @@ class RunRecord:
         runs.write_history(self.out, p.history)
         self.tracker.log_history(p.history)
         self.log.info(
-            "epoch %d/%d step %d | lr %.2e | train %.4f %.2f%% | val %.4f %.2f%%%s | "
-            "%.1fs %.0f img/s",
+            "epoch %d/%d step %d | lr %.2e | train %s | val %s%s | %.1fs %.0f img/s",
             p.epoch,
             self.epochs,
             p.step,
             row["lr"],
-            row["train_loss"],
-            100 * row["train_acc"],
-            row["val_loss"],
-            100 * row["val_acc"],
+            metrics_line(row, "train_"),
+            metrics_line(row, "val_"),
             " *" if state.stopper.best_epoch == p.epoch else "",
             row["epoch_time_s"],
             row["samples_per_sec"],
@@ -529,14 +567,15 @@ class RunRecord:
         if not runs.is_done(self.out):
             runs.try_write_status(self.out, "interrupted")
 
-    def finished(self, state, test_loss: float, test_acc: float, reason: str) -> None:
+    def finished(self, state, task, test: dict[str, float], reason: str) -> None:
         from {{ cookiecutter.package_name }}.hardware import peak_memory_bytes
 
         p, stopper = state.progress, state.stopper
         metrics = {
-            "best_val_acc": stopper.best_score,
-            "test_acc": test_acc,
-            "test_loss": test_loss,
+            f"best_{task.monitor}": stopper.best_score,
+            **{f"test_{name}": test[name] for name in (*task.metrics, "loss")},
+            "task": task.name,
+            "monitor": task.monitor,
             "best_epoch": stopper.best_epoch,
             "epochs_run": p.epoch,
             "steps": p.step,
@@ -560,11 +599,12 @@ class RunRecord:
         runs.write_status(self.out, "finished")
         runs.write_json(self.out / runs.METRICS, metrics)  # last: its existence means "done"
         self.log.info(
-            "finished (%s): best val %.2f%% at epoch %d, test %.2f%% | %s",
+            "finished (%s): best %s %.4g at epoch %d | test %s | %s",
             reason,
-            100 * stopper.best_score,
+            task.monitor,
+            stopper.best_score,
             stopper.best_epoch,
-            100 * test_acc,
+            metrics_line(metrics, "test_"),
             self.out,
         )
 

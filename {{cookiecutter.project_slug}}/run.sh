@@ -34,7 +34,8 @@
 #   STATUS_EVERY  seconds between status lines on a terminal [60]; STATUS_EVERY_LOG: when the
 #                 output goes to a file [600]; 0 = none
 #   SLURM_PARTITION, SLURM_TIME, SLURM_MEM, SLURM_CPUS, SLURM_GRES, SLURM_MAX_PARALLEL,
-#   SLURM_SIGNAL_SECS, SLURM_EXTRA (more sbatch options), SLURM_LOG_DIR, SWEEP_JOB_NAME
+#   SLURM_SIGNAL_SECS, SLURM_EXTRA (more sbatch options), SLURM_LOG_DIR, SWEEP_JOB_NAME,
+#   GPUS_PER_JOB, NODES_PER_JOB
 #                 used by --slurm, see below
 
 set -euo pipefail
@@ -92,6 +93,10 @@ SLURM_SIGNAL_SECS="${SLURM_SIGNAL_SECS:-300}"   # warning before the time limit,
 SLURM_EXTRA="${SLURM_EXTRA:-}"                  # e.g. "--account=mylab --qos=normal"
 SLURM_LOG_DIR="${SLURM_LOG_DIR:-logs/slurm}"    # one folder per submission: args, task logs
 SWEEP_JOB_NAME="${SWEEP_JOB_NAME:-}"           # squeue's name; empty: the project folder's
+# run.sh --slurm, one job on several GPUs (README, "One job on several GPUs"): > 1 runs each job
+# under torchrun, one process per GPU; --batch-size stays the job's global batch.
+GPUS_PER_JOB="${GPUS_PER_JOB:-1}"               # GPUs of one job on each of its nodes
+NODES_PER_JOB="${NODES_PER_JOB:-1}"             # nodes of one job (> 1: srun + c10d rendezvous)
 
 main() {
   local -a options=() extra=()

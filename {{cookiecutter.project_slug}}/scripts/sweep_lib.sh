@@ -664,19 +664,31 @@ submit_slurm() {
     echo "nothing to submit: all ${#SWEEP_START[@]} jobs are done, queued or running."
     return 0
   fi
+  # One job on several GPUs (torchrun): GPUS_PER_JOB replaces SLURM_GRES's count, per node.
+  local job_gpus="${GPUS_PER_JOB:-1}" job_nodes="${NODES_PER_JOB:-1}" gres="${SLURM_GRES}"
+  if [[ ! "${job_gpus}" =~ ^[1-9][0-9]*$ || ! "${job_nodes}" =~ ^[1-9][0-9]*$ ]]; then
+    die "GPUS_PER_JOB=${job_gpus}, NODES_PER_JOB=${job_nodes}: expected whole numbers >= 1"
+  fi
+  if (( job_gpus > 1 )); then gres="${gres%:[0-9]*}:${job_gpus}"; fi
   dir="${PWD}/${SLURM_LOG_DIR}/$(date +%Y%m%d-%H%M%S)-$$"
   cmd=(sbatch --parsable --job-name="${SWEEP_JOB_NAME:-${PWD##*/}}"
     --array="0-$(( ${#pending[@]} - 1 ))%${SLURM_MAX_PARALLEL}"
-    --gres="${SLURM_GRES}" --cpus-per-task="${SLURM_CPUS}" --mem="${SLURM_MEM}" --time="${SLURM_TIME}"
+    --gres="${gres}" --cpus-per-task="${SLURM_CPUS}" --mem="${SLURM_MEM}" --time="${SLURM_TIME}"
     # --requeue: preempted tasks go back to the queue. B:USR1@N: N s before the time limit,
     # the task script (only it: B:) gets USR1; it tells run.py, which checkpoints, and requeues.
     --requeue --signal="B:USR1@${SLURM_SIGNAL_SECS}" --open-mode=append
     --output="${dir}/%A_%a.out" --chdir="${PWD}")
   if [[ -n "${SLURM_PARTITION}" ]]; then cmd+=(--partition="${SLURM_PARTITION}"); fi
+  # Several GPUs: one torchrun per node (slurm_task.sh), each starting one process per GPU.
+  local multi=$(( job_gpus > 1 || job_nodes > 1 ))
+  if (( multi )); then cmd+=(--nodes="${job_nodes}" --ntasks-per-node=1); fi
   read -ra extra <<<"${SLURM_EXTRA}"
   cmd+=("${extra[@]}" scripts/slurm_task.sh "${dir}")
   if (( dry_run )); then
     echo "would submit ${#pending[@]} job(s): ${cmd[*]}"
+    if (( multi )); then
+      echo "  each job: $(bash scripts/slurm_task.sh --launch "${job_gpus}" "${job_nodes}") run.py ARGS"
+    fi
     return 0
   fi
   command -v sbatch >/dev/null 2>&1 || die "--slurm: sbatch not found (run this on a Slurm login node)"
@@ -685,6 +697,7 @@ submit_slurm() {
   # The interpreter the tasks use: PYTHON as resolved here, so the tasks get the same venv.
   python="$(command -v "${PYTHON}")" || die "PYTHON=${PYTHON} not found"
   printf '%s\n' "${python}" >"${dir}/python"
+  if (( multi )); then printf '%s %s\n' "${job_gpus}" "${job_nodes}" >"${dir}/torchrun"; fi
   for i in "${pending[@]}"; do
     job_argv "${i}"
     # One file per array task: its arguments, NUL-separated (any character is safe), and its

@@ -237,3 +237,26 @@ def test_analyze_is_tracked_in_mlflow(two_runs, tmp_path, env):
         metrics["cka"]
     )
     assert {x.path for x in client.list_artifacts(run.info.run_id)} >= {"cka_layers.csv"}
+
+
+@pytest.mark.slow
+def test_a_run_trained_again_is_analysed_again(tmp_path):
+    """--fresh retrains a run in place (same directory, new weights): the CKA computed on the old
+    weights must not be reported as the new run's ("already finished"), and stays as it was."""
+    env = {**os.environ, "LAB_TRACKING": "off", "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, str(ROOT / "run.py"), "--device", "cpu", "--width", "8", "--epochs",
+            "1", "--progress", "off", "--results-dir", str(tmp_path / "runs"), "--data-dir",
+            str(tmp_path / "data")]  # fmt: skip
+    assert subprocess.run(argv, env=env, capture_output=True, timeout=300).returncode == 0
+    run = next((tmp_path / "runs").iterdir())
+    results = tmp_path / "analysis"
+    first = analyze(run, run, "--images", "50", results=results, env=env)
+    assert first.returncode == 0, first.stderr
+    (old,) = results.iterdir()
+    old_metrics = (old / runs.METRICS).read_bytes()
+    again = subprocess.run([*argv, "--fresh"], env=env, capture_output=True, timeout=300)
+    assert again.returncode == 0
+    second = analyze(run, run, "--images", "50", results=results, env=env)
+    assert second.returncode == 0 and not second.stdout.startswith("already finished")
+    assert len(list(results.iterdir())) == 2
+    assert (old / runs.METRICS).read_bytes() == old_metrics

@@ -139,11 +139,11 @@ def test_nan_loss_fails_clearly_and_keeps_the_last_good_checkpoint(
 
     original, calls = train.forward_and_sums, {"n": 0}
 
-    def diverges_at_step_25(model, x, y, dtype, label_smoothing):  # epoch 2 (20 steps each)
+    def diverges_at_step_25(model, x, y, dtype, task):  # epoch 2 (20 steps each)
         calls["n"] += 1
-        loss, loss_sum, correct = original(model, x, y, dtype, label_smoothing)
+        loss, loss_sum, sums = original(model, x, y, dtype, task)
         nan = float("nan") if calls["n"] == 25 else 1.0
-        return loss * nan, loss_sum * nan, correct
+        return loss * nan, loss_sum * nan, sums
 
     monkeypatch.setattr(train, "forward_and_sums", diverges_at_step_25)
     assert (

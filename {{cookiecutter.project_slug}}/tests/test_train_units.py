@@ -144,17 +144,17 @@ def test_grad_accumulation_equals_one_big_batch():
     accumulating.step([(x[:4], y[:4]), (x[4:], y[4:])], 1)
     for p, q in zip(big.parameters(), small.parameters(), strict=True):
         torch.testing.assert_close(p, q)
-    loss, acc, seen = accumulating.take_sums()
-    assert seen == 8 and math.isfinite(loss) and 0 <= acc <= 1
+    metrics, seen = accumulating.take_sums()
+    assert seen == 8 and math.isfinite(metrics["loss"]) and 0 <= metrics["acc"] <= 1
 
 
 def test_evaluate_is_inference_only_and_restores_train_mode():
     model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)).train()
     batches = [(torch.randn(6, 4), torch.randint(0, 3, (6,))) for _ in range(2)]
     before = model[1].running_mean.clone()
-    loss, acc = evaluate(model, batches, device=CPU, dtype=None)
+    metrics = evaluate(model, batches, device=CPU, dtype=None)
     assert model.training and torch.equal(before, model[1].running_mean)
-    assert math.isfinite(loss) and 0 <= acc <= 1
+    assert math.isfinite(metrics["loss"]) and 0 <= metrics["acc"] <= 1
 
 
 def test_fused_adamw_only_on_cuda_and_no_decay_on_norms():

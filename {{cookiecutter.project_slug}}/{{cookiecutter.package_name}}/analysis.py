@@ -9,6 +9,11 @@ functions serve a notebook:
     for row in table.rows:
         print(row.label, row.n, row.mean["test_acc"], row.se["test_acc"])
 
+Metric names come from the task (PKG/tasks.py; docs/design.md, "Metric names"): metrics.json has
+`best_<monitor>`, `test_<metric>` and `test_loss`; history.csv `train_<metric>`, `val_<metric>`;
+config.json `monitored` (the history column early stopping followed). Runs written before tasks
+have none of these keys: they are classification runs monitored on `val_acc`.
+
 Sources: `results/sweep/<run>/{config.json, metrics.json, history.csv, status}` as run.py writes
 them (PKG/runs.py names the files), or the MLflow tracking server (`load_runs_from_mlflow`). A run
 is *done* iff its metrics.json parses to a non-empty JSON object.
@@ -56,14 +61,39 @@ from .runs import (
     read_status,
 )
 
-# metrics.json in design order; the aggregate keeps this order, then any other numeric metric.
+# metrics.json's keys that every task writes, in design order. A table lists the task's own
+# first (best_<monitor>, test_<metric>..., test_loss), then these, then any other.
 METRIC_NAMES = (
-    "best_val_acc", "test_acc", "test_loss", "best_epoch", "epochs_run", "steps", "wall_time_s",
-    "train_time_s", "compile_time_s", "samples_per_sec", "peak_mem_bytes",
+    "best_epoch", "epochs_run", "steps", "wall_time_s", "train_time_s", "compile_time_s",
+    "samples_per_sec", "peak_mem_bytes",
 )  # fmt: skip
 SEED_KEY = "seed"
-# The LaTeX table shows these (a paper table has room for a handful); the CSV has every metric.
-LATEX_METRICS = ("best_val_acc", "test_acc", "test_loss", "epochs_run", "wall_time_s")
+DEFAULT_MONITOR = "val_acc"  # runs written before tasks: classification, early-stopped on it
+# The LaTeX table shows the task's metrics and these (a paper table has room for a handful);
+# the CSV has every metric.
+LATEX_METRICS = ("epochs_run", "wall_time_s")
+
+
+def is_task_metric(name: str) -> bool:
+    """best_<monitor>, test_<metric>, test_loss: the metrics.json names the task gives."""
+    return name.startswith(("best_val_", "test_"))
+
+
+def monitored(runs: Iterable[Run]) -> str:
+    """The history column the runs were early-stopped on (config.json `monitored`, else the
+    metric named best_<monitor>, as MLflow has it; val_acc for runs written before tasks); the
+    most common one when they differ."""
+    counts: dict[str, int] = {}
+    for run in runs:
+        best = [m.removeprefix("best_") for m in run.metrics if m.startswith("best_val_")]
+        name = run.config.get("monitored") or (best[0] if best else DEFAULT_MONITOR)
+        counts[name] = counts.get(name, 0) + 1
+    return max(counts, key=counts.get, default=DEFAULT_MONITOR)
+
+
+def final_metric(monitor: str) -> str:
+    """The metrics.json name of a monitored column's test value: val_acc -> test_acc."""
+    return "test_" + monitor.removeprefix("val_")
 
 
 @dataclass
@@ -121,6 +151,7 @@ class Table:
     rows: list[Row]
     constant: dict = field(default_factory=dict)  # experiment keys shared by every run
     dropped: list[tuple[str, str, float]] = field(default_factory=list)  # (run, metric, value)
+    monitor: str = DEFAULT_MONITOR  # the history column the runs were early-stopped on
 
     @property
     def max_n(self) -> int:
@@ -296,14 +327,21 @@ def load_runs_from_mlflow(
         config.setdefault("run_name", name)
         run = Run(str(config["run_name"]), config, {}, {}, source=mr.info.run_id)
         logged = mr.data.metrics
-        run.metrics = {m: float(logged[m]) for m in METRIC_NAMES if m in logged}
-        run.history = _mlflow_history(
-            client, mr.info.run_id, [c for c in HISTORY_FIELDS if c in logged]
-        )
+        finals = [m for m in logged if m in METRIC_NAMES or is_task_metric(m)]
+        run.metrics = {m: float(logged[m]) for m in finals}
+        columns = [c for c in logged if _is_history_column(c)]
+        run.history = _mlflow_history(client, mr.info.run_id, columns)
         runs.append(run)
     runs, unsettled = settle(runs)  # newest first: the newest of duplicates stays
     runs.reverse()  # oldest first, like the sorted directory listing
     return runs, skipped + unsettled
+
+
+def _is_history_column(name: str) -> bool:
+    """history.csv's columns: the released ones, and train_/val_<metric> of any task."""
+    if name in HISTORY_FIELDS:
+        return True
+    return name.startswith(("train_", "val_")) and name not in METRIC_NAMES  # not train_time_s
 
 
 def _mlflow_history(client, run_id: str, columns: Sequence[str]) -> dict[str, np.ndarray]:
@@ -414,8 +452,10 @@ def aggregate(runs: Iterable[Run]) -> Table:
         k: next(iter(groups))[i] for i, k in enumerate(key_order) if i not in swept
     }  # fmt: skip
 
-    metrics = [m for m in METRIC_NAMES if any(m in r.metrics for r in runs)]
-    metrics += sorted({m for r in runs for m in r.metrics} - set(metrics))
+    present = {m for r in runs for m in r.metrics}
+    task_metrics = sorted((m for m in present if is_task_metric(m)), key=_task_metric_order)
+    metrics = task_metrics + [m for m in METRIC_NAMES if m in present]
+    metrics += sorted(present - set(metrics))
 
     rows = []
     dropped = []
@@ -433,10 +473,15 @@ def aggregate(runs: Iterable[Run]) -> Table:
                         if m in r.metrics and not math.isfinite(r.metrics[m])]  # fmt: skip
         rows.append(row)
     rows.sort(key=lambda row: tuple(_sort_key(_hashable(v)) for v in row.values))
-    table = Table(keys, metrics, rows, constant, dropped)
+    table = Table(keys, metrics, rows, constant, dropped, monitored(runs))
     for row in rows:
         row.fewer_seeds = row.n < table.max_n
     return table
+
+
+def _task_metric_order(name: str) -> tuple:
+    """best_* first, test_<metric> by name, test_loss last: best_val_acc, test_acc, test_loss."""
+    return (not name.startswith("best_"), name == "test_loss", name)
 
 
 def mean_se(values: Sequence[float]) -> tuple[float, float]:
@@ -450,7 +495,7 @@ def mean_se(values: Sequence[float]) -> tuple[float, float]:
 
 
 def curve(
-    row: Row, column: str = "val_acc"
+    row: Row, column: str = DEFAULT_MONITOR
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(epochs, mean, se, n) of one history column over a configuration's seeds.
 
@@ -537,8 +582,11 @@ def format_mean_se(mean: float, se: float) -> str:
     return f"${mean:.{decimals}f} \\pm {se:.{decimals}f}$"
 
 
-def table_latex(table: Table, metrics: Sequence[str] = LATEX_METRICS) -> str:
-    """A booktabs `tabular` (\\usepackage{booktabs}): keys, n, mean +- SE of a few metrics."""
+def table_latex(table: Table, metrics: Sequence[str] | None = None) -> str:
+    """A booktabs `tabular` (\\usepackage{booktabs}): keys, n, mean +- SE of a few metrics
+    (default: the task's metrics, then LATEX_METRICS)."""
+    if metrics is None:
+        metrics = [m for m in table.metrics if is_task_metric(m)] + list(LATEX_METRICS)
     metrics = [m for m in metrics if m in table.metrics]
     columns = [*table.keys, "n", *metrics]
     align = "l" * len(table.keys) + "r" * (1 + len(metrics))

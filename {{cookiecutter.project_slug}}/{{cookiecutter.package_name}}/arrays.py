@@ -96,11 +96,12 @@ def _decode_digits() -> dict[str, np.ndarray]:
     }
 
 
-def load_synthetic_arrays(data_dir: Path, size: int) -> tuple:
+def load_synthetic_arrays(data_dir: Path, size: int, task: str = "classification") -> tuple:
     """Learnable CIFAR-shaped data: one smooth random pattern per class, shifted, plus noise.
 
     `size` training images and size // 5 test images (CIFAR's 5:1), generated from a fixed seed
-    and cached, so every job of a benchmark or sweep reads identical bytes.
+    and cached, so every job of a benchmark or sweep reads identical bytes. The targets follow
+    `task` (`synthetic_targets`); any other task gets the class ids.
     """
     if size < SYNTHETIC_CLASSES:
         raise ValueError(f"--synthetic-size must be >= {SYNTHETIC_CLASSES}, got {size}")
@@ -108,7 +109,22 @@ def load_synthetic_arrays(data_dir: Path, size: int) -> tuple:
     with _lock(cache):
         if not cache.exists():
             _save_npz(cache, **_generate_synthetic(size, size // 5))
-    return _read_npz(cache)
+    (x_train, y_train), (x_test, y_test) = _read_npz(cache)
+    return (x_train, synthetic_targets(y_train, task)), (x_test, synthetic_targets(y_test, task))
+
+
+def synthetic_targets(labels: np.ndarray, task: str) -> np.ndarray:
+    """The class ids as `task`'s targets, each a fixed function of the class (so learnable):
+    regression: 4 standard-normal numbers per class, float32 (N, 4); multilabel: 5 labels,
+    each on for a class with probability 0.4, float32 multi-hot (N, 5); else the ids."""
+    rng = np.random.default_rng([SYNTHETIC_SEED, 21])
+    if task == "regression":
+        table = rng.standard_normal((SYNTHETIC_CLASSES, 4))
+    elif task == "multilabel":
+        table = rng.random((SYNTHETIC_CLASSES, 5)) < 0.4
+    else:
+        return labels
+    return table.astype(np.float32)[labels]
 
 
 def _generate_synthetic(n_train: int, n_test: int) -> dict[str, np.ndarray]:

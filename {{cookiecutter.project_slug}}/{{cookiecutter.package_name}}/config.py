@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 
 from .dataversion import data_version
-from .registry import declarations
+from .registry import declarations, decorated_names
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_EXPERIMENT = {{ cookiecutter.project_slug | py_string }}  # noqa: E501 (a long slug)  # fmt: skip
@@ -35,6 +35,7 @@ TRIALS_EXPERIMENT = f"{DEFAULT_EXPERIMENT}-trials"
 DATASET_DECLARED = declarations("register_dataset")  # from any module of the package
 DATASET_CHOICES = tuple(DATASET_DECLARED)
 MODEL_CHOICES = {name: d.help for name, d in declarations("register_model").items()}
+TASK_CHOICES = decorated_names(Path(__file__).with_name("tasks.py"), "register_task")
 
 # How a run is executed, not what it computes: left out of the hash, so the same experiment run on
 # another GPU, with more workers or after a Ctrl-C lands in the same directory.
@@ -65,6 +66,8 @@ EXECUTION_KEYS = frozenset(
 # hash while at that default, so an update does not move every finished run to a new directory.
 ADDED_DEFAULTS: dict[str, object] = {
     "min_epochs": 0,
+    "task": "classification",
+    "monitor": None,
     # The version of --data-path's files (dataversion.py), set by parse_args, not a flag: runs
     # on two versions of a folder never share a directory. None for the built-in array datasets,
     # whose released run names must not move (their content hash goes to config.json instead).
@@ -212,6 +215,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", choices=tuple(MODEL_CHOICES), default="cnn", help=_choices_help(MODEL_CHOICES)
     )
     e.add_argument(
+        "--task",
+        choices=tuple(TASK_CHOICES),
+        default="classification",
+        help=_choices_help(TASK_CHOICES),
+    )
+    e.add_argument(
+        "--monitor",
+        default=None,
+        metavar="METRIC",
+        help="the validation metric early stopping and best_model.pt follow, e.g. val_loss, "
+        "val_r2 (lower or higher is better as the task says); default: the task's own "
+        "(classification: val_acc, regression: val_mse, multilabel: val_map)",
+    )
+    e.add_argument(
         "--synthetic-size",
         type=_positive_int,
         default=10_000,
@@ -251,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--patience",
         type=_non_negative_int,
         default=5,
-        help="early stopping: epochs without a better val accuracy (0 = off); counted "
+        help="early stopping: epochs without a better --monitor value (0 = off); counted "
         "only after the LR peak and after --min-epochs",
     )
     e.add_argument(
@@ -288,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--label-smoothing",
         type=_fraction,
         default=0.0,
-        help="label smoothing of the cross-entropy loss",
+        help="label smoothing of the cross-entropy loss (--task classification)",
     )
 
     x = p.add_argument_group("execution (not part of the hash)")

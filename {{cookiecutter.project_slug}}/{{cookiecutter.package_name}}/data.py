@@ -110,6 +110,7 @@ def load_dataset(
     mode: str = "auto",
     workers: int | None = None,
     data_version: str | None = None,
+    task: str = "classification",
 ) -> LoadedDataset:
     """Load the registered dataset `name` as {"train", "val", "test"} splits and describe it.
 
@@ -143,6 +144,7 @@ def load_dataset(
         image_size=image_size,
         synthetic_size=synthetic_size,
         data_version=data_version,
+        task=task,
     )
     with _data_dir_errors(data_dir):
         raw = entry.load(options)
@@ -161,15 +163,21 @@ def load_dataset(
     if len(splits["train"]) == 0:
         raise ValueError(f"dataset {name!r}: the training split is empty")
     labels = torch.cat([split.labels for split in splits.values()])
-    num_classes = len(raw.class_names) if raw.class_names else int(labels.max()) + 1
+    class_ids = not labels.is_floating_point()  # else float targets: regression, multi-hot
+    if class_ids:
+        num_classes = len(raw.class_names) if raw.class_names else int(labels.max()) + 1
+    else:  # the model's output width: one per target column
+        num_classes = labels[0].numel() if labels.ndim > 1 else 1
     class_names = (
         [str(c) for c in raw.class_names]
         if raw.class_names
         else [str(i) for i in range(num_classes)]
     )
     for where, split in splits.items():
-        _check_labels(split, f"{name}/{where}", num_classes)
-    missing_in_train = set(labels.unique().tolist()) - set(splits["train"].labels.unique().tolist())
+        if class_ids:
+            _check_labels(split, f"{name}/{where}", num_classes)
+    present = set(labels.unique().tolist()) if class_ids and labels.ndim == 1 else set()
+    missing_in_train = present - set(splits["train"].labels.unique().tolist())
     if missing_in_train:
         raise ValueError(
             f"dataset {name!r}: class(es) {sorted(missing_in_train)} appear in "
@@ -259,13 +267,14 @@ def _as_split(raw, described: DatasetSplits, image_size, where: str) -> Split | 
     except (TypeError, ValueError):
         raise ValueError(f"{where}: a split must be (images, labels) or ImageFiles") from None
     images = torch.as_tensor(np.asarray(images))
-    labels = torch.as_tensor(np.asarray(labels)).long()
+    labels = torch.as_tensor(np.asarray(labels))  # class ids -> int64, targets -> float32
+    labels = labels.float() if labels.is_floating_point() else labels.long()
     if images.dtype != torch.uint8 or images.ndim != 4:
         raise ValueError(
             f"{where}: expected uint8 images of shape (N, C, H, W), "
             f"got {images.dtype} {tuple(images.shape)}"
         )
-    if labels.shape != (len(images),):
+    if labels.ndim == 0 or len(labels) != len(images):
         raise ValueError(f"{where}: expected {len(images)} labels, got {tuple(labels.shape)}")
     if image_size is not None and tuple(images.shape[2:]) != tuple(image_size):
         need = len(images) * images.shape[1] * image_size[0] * image_size[1]

@@ -12,10 +12,15 @@ data" in README.md); keep heavy imports inside the function:
         return DatasetSplits(train=(arrays["x_train"], arrays["y_train"]),
                              test=(arrays["x_test"], arrays["y_test"]))
 
-A split is `(images, labels)`: uint8 images (N, channels, height, width) and integer labels in
-0..num_classes-1, or `ImageFiles` (paths + labels) that are decoded from disk. A missing test split
-is carved out of train with a fixed seed (it never changes with --seed); a missing val split is
-carved out of train with --seed and --val-fraction (data.load_dataset does both).
+A split is `(images, labels)`: uint8 images (N, channels, height, width) and targets, or
+`ImageFiles` (paths + integer labels) that are decoded from disk. Targets pass through the loaders
+as they are (README, "Your own task"): integer class ids (N,) in 0..num_classes-1 for
+classification, float (N, k) for regression, float multi-hot (N, L) for multilabel, integer masks
+(N, H, W) for segmentation. The model's output width (DatasetInfo.num_classes) is the number of
+classes for integer targets (len(class_names), else the largest id + 1), else k or L.
+A missing test split is carved out of train with a fixed seed (it never changes with --seed);
+a missing val split is carved out of train with --seed and --val-fraction (data.load_dataset
+does both).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class DataOptions:
     image_size: tuple[int, int] | None = None  # --image-size as (height, width); None = native
     synthetic_size: int = 10_000  # --synthetic-size
     data_version: str | None = None  # dataversion.data_version(data_path): keys the scan's cache
+    task: str = "classification"  # --task: the kind of targets a dataset may offer
 
 
 @dataclass
@@ -109,11 +115,15 @@ def cifar10(options: DataOptions) -> DatasetSplits:
     return DatasetSplits(train=train, test=test, class_names=list(CIFAR10_CLASSES))
 
 
-@register_dataset("synthetic", help="learnable 32x32 patterns, --synthetic-size images")
+@register_dataset(
+    "synthetic",
+    help="learnable 32x32 patterns, --synthetic-size images; targets for every built-in --task",
+)
 def synthetic(options: DataOptions) -> DatasetSplits:
     from .arrays import load_synthetic_arrays
 
-    train, test = load_synthetic_arrays(options.data_dir, options.synthetic_size)
+    size, task = options.synthetic_size, options.task
+    train, test = load_synthetic_arrays(options.data_dir, size, task)
     return DatasetSplits(train=train, test=test)
 
 

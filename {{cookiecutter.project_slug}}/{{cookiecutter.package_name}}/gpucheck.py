@@ -20,6 +20,8 @@ run here say "not checked" and why); 1: at least one FAIL.
   layout       every conv activation is channels_last
   resume       exact: with --deterministic, k steps + checkpoint + resume + k steps gives
                bitwise the weights of 2k straight steps
+  ddp          with several GPUs: the step on 1 and on all of them (torchrun + DDP, --batch-size
+               per GPU), weak-scaling efficiency >= distributed.SCALING_MIN
 `--device cpu` runs what can run on a CPU (feed, recompiles, layout, resume): a dry run of this
 script, not a GPU claim. Checks are functions in CHECKS (each returns its Result lines): a new
 claim (the DDP case: distributed.py) appends its own.
@@ -735,6 +737,21 @@ def check_resume(ctx: Context) -> list[Result]:
 
 
 # The checks, in order. A new claim appends its function (the DDP case: distributed.py).
+def check_ddp(ctx: Context) -> list[Result]:
+    """One job on every visible GPU: DDP's scaling (distributed.check_scaling)."""
+    import torch
+
+    from .distributed import check_scaling
+
+    gpus = torch.cuda.device_count() if ctx.device.type == "cuda" else 0
+    if gpus < 2:
+        return [Result("ddp", NOT_CHECKED, f"{gpus} GPU(s): needs 2 or more")]
+    ok, detail = check_scaling(
+        "cuda", gpus, batch=ctx.options.batch_size, steps=ctx.options.steps, width=ctx.options.width
+    )
+    return [Result("ddp", PASS if ok else FAIL, detail)]
+
+
 CHECKS: list[Callable[[Context], list[Result]]] = [
     check_torch_build,
     check_precision,
@@ -742,6 +759,7 @@ CHECKS: list[Callable[[Context], list[Result]]] = [
     check_sync_variants,
     check_streamed_folder,
     check_resume,
+    check_ddp,
 ]
 
 

@@ -314,7 +314,7 @@ def setup_backends(device: torch.device, deterministic: bool) -> str:
         torch.set_float32_matmul_precision("highest")
         # warn_only=False: an op without a deterministic kernel raises instead of silently
         # breaking reproducibility. The default model and loss use only covered ops (amax
-        # pooling, a gather-based cross-entropy, see train.cross_entropy).
+        # pooling, a gather-based cross-entropy, see tasks.cross_entropy).
         torch.use_deterministic_algorithms(True, warn_only=False)
         return (
             "deterministic: deterministic kernels (ops without one raise), cudnn.benchmark "

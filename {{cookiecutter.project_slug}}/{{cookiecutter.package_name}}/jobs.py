@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import runs
+from . import distributed, runs
 from .claim import Busy, claim
 from .config import (
     DEFAULT_EXPERIMENT,
@@ -75,7 +75,8 @@ class NotReady(UsageError):
 
 
 def error(message: str, code: int) -> int:
-    print(f"error: {message}", file=sys.stderr)
+    if not distributed.follower():  # torchrun: one line, from rank 0
+        print(f"error: {message}", file=sys.stderr)
     return code
 
 
@@ -125,12 +126,14 @@ def lifecycle(
     body: Callable[..., int],
     *,
     redo: Callable[[argparse.Namespace], bool] = lambda args: False,
+    ranks: bool = False,
 ) -> int:
     """--plan, parse, --print-run-dir, --init-tracking, skip when done, claim; then
     `body(args, parser, out, stop) -> exit code` while holding the claim.
 
     `locate` may raise UsageError (bad input, exit 2); `redo(args)` True runs even when done
-    (run.py's tools)."""
+    (run.py's tools). `ranks=True` (run.py): under torchrun rank 0 alone does all this; the
+    other ranks do as it decides; `body(args, parser, out, stop, dist)` runs on every rank."""
     with GracefulStop() as stop:  # first: a stop signal at any later moment still ends in 75
         if (sys.argv[1:] if argv is None else argv) == ["--plan"]:  # run.sh: all jobs, one call
             from . import plan
@@ -149,24 +152,40 @@ def lifecycle(
 
             print(f"MLflow ready: {tracking_uri()} (experiment id {init(args.experiment)})")
             return EXIT_OK
-        skip = not (args.fresh or redo(args))
-        done = f"already finished: {out} (metrics.json exists; --fresh starts over)"
-        if skip and runs.is_done(out):
-            print(done)
-            return EXIT_OK
-        try:
-            with claim(out) as held:  # one process per run directory, freed by the kernel on death
-                if skip and runs.is_done(out):  # done meanwhile, by the process we waited for
-                    print(done)
-                    return EXIT_OK
-                code = body(args, parser_, out, stop)
-                if code in (EXIT_USAGE, EXIT_INTERRUPTED):
-                    held.discard()  # refused or stopped before any work: leave nothing behind
-                return code
-        except Busy as exc:
-            return error(f"running elsewhere: {exc}", EXIT_BUSY)
-        except OSError as exc:  # the run directory cannot be created
-            return error(f"--results-dir: cannot write to {out.parent}: {exc.strerror}", EXIT_USAGE)
+        if not ranks:
+            return _claimed(args, out, redo, lambda: body(args, parser_, out, stop))
+        with distributed.session(args.device) as dist:  # torchrun: N processes, one job
+            if not dist.is_main:  # the others run when rank 0 does, else leave with its code
+                code = dist.verdict(None)
+                return dist.finish(body(args, parser_, out, stop, dist) if code is None else code)
+
+            def run_all() -> int:
+                dist.verdict(None)  # torchrun: the other ranks run too
+                return body(args, parser_, out, stop, dist)
+
+            return dist.finish(_claimed(args, out, redo, run_all))
+
+
+def _claimed(args, out: Path, redo, run: Callable[[], int]) -> int:
+    """Skip when done; else `run()` while holding the run directory's claim."""
+    skip = not (args.fresh or redo(args))
+    done = f"already finished: {out} (metrics.json exists; --fresh starts over)"
+    if skip and runs.is_done(out):
+        print(done)
+        return EXIT_OK
+    try:
+        with claim(out) as held:  # one process per run directory, freed by the kernel on death
+            if skip and runs.is_done(out):  # done meanwhile, by the process we waited for
+                print(done)
+                return EXIT_OK
+            code = run()
+            if code in (EXIT_USAGE, EXIT_INTERRUPTED):
+                held.discard()  # refused or stopped before any work: leave nothing behind
+            return code
+    except Busy as exc:
+        return error(f"running elsewhere: {exc}", EXIT_BUSY)
+    except OSError as exc:  # the run directory cannot be created
+        return error(f"--results-dir: cannot write to {out.parent}: {exc.strerror}", EXIT_USAGE)
 
 
 # ---- a job that does not train ---------------------------------------------------------------

@@ -168,7 +168,15 @@ class Loader:
     """
 
     def __init__(
-        self, split: Split | FileSplit, batch_size: int, *, train: bool, device, seed: int
+        self,
+        split: Split | FileSplit,
+        batch_size: int,
+        *,
+        train: bool,
+        device,
+        seed: int,
+        augment: bool = True,
+        shard: tuple[int, int] = (0, 1),
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -177,11 +185,16 @@ class Loader:
         self.train = train
         self.seed = seed
         self.drop_last = train
+        self.shard = shard  # (rank, world): this process takes the rank-th 1/world of each batch
         self.num_samples = len(split)
         self.epoch, self.skip_batches = 0, 0
         self._epoch_set = True
         # Augmentation and normalisation on the device (augment.py): the loaders only gather.
-        self.transform = DeviceTransform(split.image_shape, train=train, device=self.device)
+        # augment=False (a task with per-pixel targets, which crop and flip would not move):
+        # normalised only.
+        self.transform = DeviceTransform(
+            split.image_shape, train=train and augment, device=self.device
+        )
 
     def __len__(self) -> int:
         if self.drop_last:
@@ -207,8 +220,12 @@ class Loader:
             )
         else:
             order = torch.arange(self.num_samples)
-        batches = list(order.split(self.batch_size))[: len(self)]
-        return batches[self.skip_batches :]
+        batches = list(order.split(self.batch_size))[: len(self)][self.skip_batches :]
+        rank, world = self.shard
+        if world > 1:  # torchrun: contiguous, disjoint shards of the same global batches
+            batches = [b.tensor_split(world)[rank] for b in batches]
+            batches = [b for b in batches if len(b)]  # an evaluation's short last batch
+        return batches
 
     @staticmethod
     def _stored_images(split: Split) -> torch.Tensor:
@@ -373,7 +390,7 @@ class DeviceResidentLoader(Loader):
             return
         # One copy of the epoch's order to the device, then every gather happens there.
         order = torch.cat(batches).to(self.device, non_blocking=True)
-        for index in order.split(self.batch_size):
+        for index in order.split([len(b) for b in batches]):
             with one_cpu_thread(self.device):
                 images = self.images.index_select(0, index)
                 labels = self.labels.index_select(0, index)
@@ -389,15 +406,18 @@ def build_loader(
     workers: int | None = None,
     gpu_resident: bool = False,
     seed: int = 0,
+    augment: bool = True,
+    shard: tuple[int, int] = (0, 1),
 ) -> Loader:
-    """Return a loader of `(x, y)` on `device`: x float32 normalised channels_last, y int64.
+    """Return a loader of `(x, y)` on `device`: x float32 normalised channels_last, y the labels.
 
-    Train loaders shuffle (order = f(seed, epoch)), augment and drop the last partial batch.
+    Train loaders shuffle (order = f(seed, epoch)), augment (random crop + flip, unless
+    `augment=False`) and drop the last partial batch. `y` is the split's labels as they are.
     `gpu_resident=True` keeps an in-memory split whole on `device` (see `fits_on_device`);
     otherwise a DataLoader with `workers` processes (None: `default_workers`). A `FileSplit`
-    is always streamed.
+    is always streamed. `shard=(rank, world)`: this rank's contiguous 1/world of every batch.
     """
-    common = dict(train=train, device=device, seed=seed)
+    common = dict(train=train, device=device, seed=seed, augment=augment, shard=shard)
     if gpu_resident and isinstance(split, Split):
         return DeviceResidentLoader(split, batch_size, **common)
     return DataLoaderLoader(split, batch_size, workers=workers, **common)

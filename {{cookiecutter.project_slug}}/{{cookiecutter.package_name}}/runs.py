@@ -34,6 +34,8 @@ LOCK = ".lock"  # held (flock) by the process training this directory: see claim
 # refused: run.py will not continue this run as it is (its checkpoint cannot be loaded); the
 # sweep does not re-run it, and `run.py ... --fresh` starts it over.
 STATUSES = ("running", "interrupted", "failed", "finished", "refused")
+# history.csv's columns as classification writes them (and every run before tasks did); another
+# task writes train_loss, train_<metric>..., val_loss, val_<metric>... in their place.
 HISTORY_FIELDS = (
     "epoch",
     "step",
@@ -169,10 +171,11 @@ def is_done(run_dir: Path) -> bool:
 
 def write_history(run_dir: Path, rows: list[dict]) -> None:
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=HISTORY_FIELDS, lineterminator="\n")
+    fields = list(rows[0]) if rows else list(HISTORY_FIELDS)  # the task's columns, in order
+    writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
     writer.writeheader()
     for row in rows:
-        writer.writerow({k: _fmt(row[k]) for k in HISTORY_FIELDS})
+        writer.writerow({k: _fmt(row[k]) for k in fields})
     atomic_write_text(Path(run_dir) / HISTORY, buf.getvalue())
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoint as ckpt
+from .distributed import Dist
 from .stopping import EarlyStopping
 
 
@@ -38,10 +39,17 @@ class TrainingState:
     """Progress + Trainer + early stopping, checkpointed together and restored together."""
 
     def __init__(
-        self, trainer, stopper: EarlyStopping, *, device: torch.device, config_hash: str
+        self,
+        trainer,
+        stopper: EarlyStopping,
+        *,
+        device: torch.device,
+        config_hash: str,
+        dist: Dist | None = None,
     ) -> None:
         self.trainer, self.stopper, self.device = trainer, stopper, device
         self.config_hash = config_hash
+        self.dist = dist or Dist()  # torchrun: rank 0 writes, with every rank's own part
         self.progress = Progress()
         self._clock = time.perf_counter()  # wall time is accumulated across resumes
 
@@ -62,11 +70,15 @@ class TrainingState:
         }
 
     def save(self, path: Path) -> None:
+        """Collective under torchrun: every rank calls it, rank 0 writes."""
         self.tick()
-        ckpt.save(path, self.state_dict())
+        state = self.dist.gather_state(self.state_dict())
+        if state is not None:
+            ckpt.save(path, state)
 
     def save_best(self, path: Path) -> None:
-        ckpt.save_weights(path, self.stopper.best_state)
+        if self.dist.is_main:
+            ckpt.save_weights(path, self.stopper.best_state)
 
     @staticmethod
     def _best_model_matches(early: dict, best_model: Path) -> bool:
@@ -89,11 +101,16 @@ class TrainingState:
             return False
         state = ckpt.load(path, config_hash=self.config_hash)
         try:
+            state = self.dist.own_state(state, path)
             self.trainer.load_state_dict(state["trainer"])
             early = state["early_stopping"]
             if early.get("best_state") is None and early["best_epoch"]:  # older checkpoints
                 early["best_state"] = ckpt.load_weights(best_model)
-            elif early["best_epoch"] and not self._best_model_matches(early, best_model):
+            elif (
+                early["best_epoch"]
+                and self.dist.is_main  # one writer
+                and not self._best_model_matches(early, best_model)
+            ):
                 log.warning(
                     "%s is not the checkpoint's best (epoch %d): a hard kill came between "
                     "the two writes; rewritten from the checkpoint",

@@ -114,23 +114,27 @@ def check_finite(mean_loss: float, epoch: int, first_step: int, last_step: int) 
 
 
 class EarlyStopping:
-    """Patience on a validation score (higher is better); keeps a copy of the best weights.
+    """Patience on a validation score; keeps a copy of the best weights.
 
-    patience=0 never stops early but still keeps (and lets you restore) the best weights.
-    Epochs up to `start_epoch` never count against patience (their bests are still kept): a run
-    must not stop in its warm-up, while the learning rate climbs and validation scores jump.
+    mode "max": higher is better (accuracy, r2); "min": lower is better (a loss, mse). A NaN
+    score is never a new best. patience=0 never stops early but still keeps (and lets you
+    restore) the best weights. Epochs up to `start_epoch` never count against patience (their
+    bests are still kept): a run must not stop in its warm-up, while the learning rate climbs
+    and validation scores jump.
     """
 
-    def __init__(self, patience: int, start_epoch: int = 0) -> None:
-        self.patience, self.start_epoch = patience, start_epoch
-        self.best_score = float("-inf")
+    def __init__(self, patience: int, start_epoch: int = 0, mode: str = "max") -> None:
+        if mode not in ("max", "min"):
+            raise ValueError(f"mode must be 'max' or 'min', got {mode!r}")
+        self.patience, self.start_epoch, self.mode = patience, start_epoch, mode
+        self.best_score = float("-inf") if mode == "max" else float("inf")
         self.best_epoch = 0
         self.bad_epochs = 0
         self.best_state: dict[str, torch.Tensor] | None = None
 
     def update(self, score: float, epoch: int, model: nn.Module) -> bool:
         """Record an epoch's score; return True if it is a new best (weights copied to CPU)."""
-        if score > self.best_score:
+        if score > self.best_score if self.mode == "max" else score < self.best_score:
             self.best_score, self.best_epoch, self.bad_epochs = score, epoch, 0
             weights = model.state_dict().items()
             self.best_state = {k: v.detach().to("cpu", copy=True) for k, v in weights}

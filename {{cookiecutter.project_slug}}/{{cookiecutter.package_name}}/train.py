@@ -7,14 +7,16 @@ When to stop (signals, early stopping, a non-finite loss) is stopping.py's.
 
 The step never waits for the device (no host sync, whatever the flags; `gpucheck` proves it on
 CUDA with `torch.cuda.set_sync_debug_mode("error")`):
-- loss, per-batch loss sum and correct count come out of one (compiled, if enabled) function;
-  two tiny in-place adds accumulate them on the device; the loop reads them once per epoch.
+- loss, per-batch loss sum and the task's metric sums (tasks.py) come out of one (compiled, if
+  enabled) function; two tiny in-place adds accumulate them on the device; the loop reads them
+  once per epoch.
 - EMA is a foreach lerp over tensors collected once; its counter is a Python int.
 - fp16's GradScaler: fused AdamW takes the inf check on the device; clipping is foreach.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import itertools
@@ -25,21 +27,9 @@ from collections.abc import Iterable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-
-def cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0
-) -> torch.Tensor:
-    """Mean cross-entropy from log_softmax + gather: equal to F.cross_entropy (tested), and
-    deterministic on CUDA, where NLLLoss has no deterministic kernel (torch raises under
-    --deterministic)."""
-    log_probs = F.log_softmax(logits.float(), dim=1)
-    nll = -log_probs.gather(1, target.unsqueeze(1)).squeeze(1)
-    if label_smoothing:
-        nll = (1 - label_smoothing) * nll - label_smoothing * log_probs.mean(1)
-    return nll.mean()
+from .tasks import Task
 
 
 def build_optimizer(
@@ -158,8 +148,10 @@ def build_trainer(
     compile_mode: str | None,
     total_steps: int,
     log: logging.Logger,
+    task: Task,
 ) -> Trainer:
-    """The Trainer a run's arguments describe: AdamW, one-cycle schedule, EMA, loss, compile."""
+    """The Trainer a run's arguments describe: AdamW, one-cycle schedule, EMA, compile; the
+    loss and metrics are `task`'s."""
     optimizer = build_optimizer(model, args.lr, args.weight_decay, device)
     return Trainer(
         model,
@@ -170,25 +162,19 @@ def build_trainer(
         grad_accum=args.grad_accum,
         clip_grad=args.clip_grad,
         ema=build_ema(model, args.ema),
-        label_smoothing=args.label_smoothing,
+        task=task,
         compile_mode=compile_mode,
         log=log,
     )
 
 
-def forward_and_sums(
-    model: nn.Module,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    dtype: torch.dtype | None,
-    label_smoothing: float,
-):
-    """(mean loss, loss summed over the batch, correct count): the region torch.compile sees."""
+def forward_and_sums(model: nn.Module, x: torch.Tensor, y: torch.Tensor, dtype, task: Task):
+    """(mean loss, loss summed over the batch, the task's metric sums): the region torch.compile
+    sees. The forward runs under autocast; the task's loss is fp32 on its outputs."""
     with torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None):
-        logits = model(x)
-    loss = cross_entropy(logits, y, label_smoothing)
-    correct = (logits.detach().argmax(1) == y).sum()
-    return loss, loss.detach() * y.shape[0], correct
+        outputs = model(x)
+    loss = task.loss(outputs, y)
+    return loss, loss.detach() * y.shape[0], task.sums(outputs.detach(), y)
 
 
 def compiler_errors() -> tuple[type[BaseException], ...]:
@@ -205,6 +191,8 @@ def compiler_errors() -> tuple[type[BaseException], ...]:
 
 class Trainer:
     """One optimizer step: forward/backward of `grad_accum` micro-batches, clip, step, EMA.
+
+    `task` (tasks.py; default: classification) gives the loss and the metric sums.
 
     `compile_mode` (from hardware.choose_compile) compiles `forward_and_sums`; a compiler error
     during the first step (or `warm_up`) falls back to eager for the rest of the run; any later
@@ -223,19 +211,20 @@ class Trainer:
         grad_accum: int = 1,
         clip_grad: float = 0.0,
         ema: EMA | None = None,
-        label_smoothing: float = 0.0,
+        task: Task | None = None,
         compile_mode: str | None = None,
         log: logging.Logger | None = None,
     ) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.device, self.dtype, self.ema = device, dtype, ema
         self.grad_accum, self.clip_grad = grad_accum, clip_grad
-        self.label_smoothing = label_smoothing
+        self.task = task or default_task()
         self.log = log or logging.getLogger(__name__)
         # fp16 needs loss scaling to keep small gradients; bf16 has fp32's range and does not.
         self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         self.compile(compile_mode)
         self._first_step_done = False
+        self.ddp: nn.Module | None = None  # torchrun: the model in DistributedDataParallel
         self.reset_sums()
 
     @property
@@ -250,15 +239,13 @@ class Trainer:
 
     def reset_sums(self) -> None:
         self.loss_sum = torch.zeros((), device=self.device)
-        self.correct = torch.zeros((), device=self.device, dtype=torch.int64)
+        self.sums: torch.Tensor | None = None  # the task's sums; their length comes with a batch
         self.seen = 0
 
-    def take_sums(self) -> tuple[float, float, int]:
-        """Mean loss and accuracy since the last reset.  # note: sync point (one per epoch)"""
-        both = torch.stack([self.loss_sum.double(), self.correct.double()])
-        loss_sum, correct = both.tolist()
-        seen = max(self.seen, 1)
-        return loss_sum / seen, correct / seen, self.seen
+    def take_sums(self, reduce=None) -> tuple[dict[str, float], int]:
+        """{loss, metric...} since the last reset, and the sample count; `reduce` sums them
+        over ranks (torchrun). # note: sync point (one per epoch)"""
+        return finish(self.task, self.loss_sum, self.sums, self.seen, reduce)
 
     def _fall_back(self, exc: BaseException) -> None:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -270,11 +257,13 @@ class Trainer:
         self.forward, self.compile_mode = forward_and_sums, None
 
     def _micro_step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> None:
-        loss, loss_sum, correct = self.forward(self.model, x, y, self.dtype, self.label_smoothing)
+        net = self.model if self.ddp is None else self.ddp
+        loss, loss_sum, sums = self.forward(net, x, y, self.dtype, self.task)
         self.scaler.scale(loss / self.grad_accum).backward()
         # Counted only once backward succeeded: a compile fallback re-runs this micro-batch.
         self.loss_sum += loss_sum
-        self.correct += correct
+        # A copy first: a CUDA-graph (max-autotune) output is overwritten by the next replay.
+        self.sums = sums.clone() if self.sums is None else self.sums.add_(sums)
         self.seen += y.shape[0]
 
     def _checked_micro_step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> None:
@@ -291,8 +280,11 @@ class Trainer:
 
     def step(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]], step: int) -> None:
         """One optimizer step over `grad_accum` micro-batches. `step` counts from 1."""
-        for x, y in micro_batches:
-            self._checked_micro_step(x, y, step)
+        for i, (x, y) in enumerate(micro_batches):
+            # DDP all-reduces the gradients once, on the last micro-batch (nanoGPT's habit).
+            quiet = self.ddp is not None and i < self.grad_accum - 1
+            with self.ddp.no_sync() if quiet else contextlib.nullcontext():
+                self._checked_micro_step(x, y, step)
         self._first_step_done = True
         if self.clip_grad > 0:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
@@ -331,7 +323,7 @@ class Trainer:
         return best
 
     def _forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        loss, _, _ = self.forward(self.model, x, y, self.dtype, self.label_smoothing)
+        loss, _, _ = self.forward(self.model, x, y, self.dtype, self.task)
         self.scaler.scale(loss / self.grad_accum).backward()
 
     @contextlib.contextmanager
@@ -353,7 +345,7 @@ class Trainer:
 
     def state_dict(self) -> dict:
         """Everything the step changes; tensors as they are (torch.save copies them out)."""
-        sums = {"loss_sum": self.loss_sum, "correct": self.correct, "seen": self.seen}
+        sums = {"loss_sum": self.loss_sum, "sums": self.sums, "seen": self.seen}
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -408,30 +400,61 @@ class Trainer:
             self.ema.load_state_dict(state["ema"])
         sums = state["sums"]
         self.loss_sum = sums["loss_sum"].to(self.device, torch.float32)
-        self.correct = sums["correct"].to(self.device, torch.int64)
+        if "correct" in sums:  # written before tasks: the classification count
+            sums["sums"] = sums["correct"].reshape(1)
+        task_sums = sums["sums"]
+        self.sums = None if task_sums is None else task_sums.to(self.device, torch.float64)
         self.seen = sums["seen"]
 
 
 @torch.inference_mode()
 def evaluate(
-    model: nn.Module, loader: Iterable, *, device: torch.device, dtype: torch.dtype | None
-) -> tuple[float, float]:
-    """Mean loss and accuracy over a loader, in eval mode; one host sync at the end."""
+    model: nn.Module,
+    loader: Iterable,
+    *,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    task: Task | None = None,
+    reduce=None,
+) -> dict[str, float]:
+    """{loss, metric...} of `task` over a loader, in eval mode; one host sync at the end.
+    `reduce` sums the sums over ranks (torchrun: each rank evaluated its shard)."""
+    task = task or default_task()
     was_training = model.training
     model.eval()
-    loss_sum = torch.zeros((), device=device)
-    correct = torch.zeros((), device=device)
-    seen = 0
+    loss_sum, sums, seen = torch.zeros((), device=device), None, 0
     for x, y in loader:
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            logits = model(x)
-        loss_sum += cross_entropy(logits, y) * y.shape[0]
-        correct += (logits.argmax(1) == y).sum()
+            outputs = model(x)
+        loss_sum += (task.eval_loss or task.loss)(outputs, y) * y.shape[0]
+        batch_sums = task.sums(outputs, y)
+        sums = batch_sums if sums is None else sums.add_(batch_sums)
         seen += y.shape[0]
     model.train(was_training)
-    # note: sync point (one per evaluation)
-    total_loss, total_correct = torch.stack([loss_sum, correct.float()]).tolist()
-    return total_loss / max(seen, 1), total_correct / max(seen, 1)
+    return finish(task, loss_sum, sums, seen, reduce)[0]  # note: sync point (one per evaluation)
+
+
+def finish(
+    task: Task, loss_sum: torch.Tensor, sums: torch.Tensor | None, seen: int, reduce=None
+) -> tuple[dict[str, float], int]:
+    """({loss, metric...}, samples) from the device sums: one host read of loss, sums and count
+    together, after `reduce` (torchrun: their sum over ranks, one all_reduce)."""
+    if sums is None:  # nothing was seen
+        return {"loss": float("nan"), **dict.fromkeys(task.metrics, float("nan"))}, 0
+    count = torch.full((1,), float(seen), dtype=torch.float64, device=sums.device)
+    total = torch.cat([loss_sum.double().reshape(1), sums.double(), count])
+    total = (reduce(total) if reduce is not None else total).cpu().numpy()
+    seen = int(total[-1])
+    metrics = task.finish(total[1:-1], seen)
+    values = {k: float(metrics[k]) for k in task.metrics}
+    return {"loss": float(total[0] / max(seen, 1)), **values}, seen
+
+
+def default_task() -> Task:
+    """Classification without label smoothing: for callers that name no task."""
+    from .tasks import create_task
+
+    return create_task("classification", argparse.Namespace(label_smoothing=0.0))
 
 
 def seed_everything(seed: int) -> None:

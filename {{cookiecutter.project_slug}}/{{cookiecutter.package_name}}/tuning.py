@@ -47,7 +47,7 @@ def _sync(device: torch.device) -> None:
 def find_lr(
     model: nn.Module,
     loader: Iterable,
-    loss_fn: nn.Module,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer],
     *,
     device,
@@ -86,7 +86,7 @@ def find_lr(
             for group in optimizer.param_groups:
                 group["lr"] = lr
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                loss = loss_fn(model(x).float(), y)
+                loss = loss_fn(model(x), y)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
             scaler.step(optimizer)
@@ -204,7 +204,7 @@ def _activation_bytes_per_sample(model: nn.Module, x: torch.Tensor) -> int:
     return total // len(x)
 
 
-def _try_batch(build_model_fn, batch: int, device, amp_dtype, input_shape, num_classes) -> None:
+def _try_batch(build_model_fn, batch: int, device, amp_dtype, input_shape, loss_fn, targets):
     """One full training step (forward, backward, AdamW step) at `batch`, on a fresh model."""
     model = build_model_fn().to(device, memory_format=torch.channels_last)
     # AdamW keeps two state tensors per weight: the hungriest common optimizer, so the answer
@@ -212,9 +212,9 @@ def _try_batch(build_model_fn, batch: int, device, amp_dtype, input_shape, num_c
     optimizer = torch.optim.AdamW(model.parameters())
     x = torch.randn(batch, *input_shape, device=device)
     x = x.contiguous(memory_format=torch.channels_last)
-    y = torch.randint(num_classes, (batch,), device=device)
+    y = targets[torch.arange(batch) % len(targets)].to(device)  # the task's targets, repeated
     with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-        loss = nn.functional.cross_entropy(model(x).float(), y)
+        loss = loss_fn(model(x), y)
     loss.backward()
     optimizer.step()
     _sync(device)
@@ -228,10 +228,12 @@ def find_batch_size(
     start: int = 32,
     max_batch: int = 8192,
     input_shape: tuple[int, ...] = (3, 32, 32),
-    num_classes: int = 10,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    targets: torch.Tensor | None = None,
 ) -> int:
     """Largest power-of-two batch (from `start`, doubling, at most `max_batch`) for which a full
-    training step of a fresh model runs in the current precision.
+    training step of a fresh model runs in the current precision. `loss_fn` (the task's loss;
+    default cross-entropy) is computed on `targets` (the training labels; default 10 classes).
 
     On CUDA each size is tried until torch.OutOfMemoryError. On the CPU running out of memory
     means the kernel kills the process, so sizes are also capped by a conservative estimate
@@ -239,6 +241,8 @@ def find_batch_size(
     is printed. The largest size is rarely the fastest to converge: scale the LR (`scale_lr`).
     """
     device = torch.device(device)
+    if loss_fn is None:
+        loss_fn, targets = nn.functional.cross_entropy, torch.arange(10)
     batch, cap = _power_of_two_at_most(start), _power_of_two_at_most(max_batch)
     if device.type != "cuda":
         probe = build_model_fn().to(device, memory_format=torch.channels_last)
@@ -258,7 +262,7 @@ def find_batch_size(
     largest = 0
     while batch <= cap:
         try:
-            _try_batch(build_model_fn, batch, device, amp_dtype, input_shape, num_classes)
+            _try_batch(build_model_fn, batch, device, amp_dtype, input_shape, loss_fn, targets)
         except torch.OutOfMemoryError:
             break
         finally:

@@ -1,0 +1,399 @@
+"""One job on several processes (torchrun + DistributedDataParallel): the rank logic in one place.
+
+`torchrun --nproc-per-node N run.py ARGS` starts N copies of run.py with RANK, WORLD_SIZE and
+LOCAL_RANK in their environment. Each copy is a rank; together they train ONE run:
+- the same run, whatever the world size: --batch-size stays the global batch, each rank takes a
+  contiguous 1/N of every global batch (`Loader(shard=...)`), so steps per epoch, the LR schedule
+  and the epoch's order (a function of seed and epoch) are those of one process;
+- gradients are all-reduced by DDP (not on non-final --grad-accum micro-steps: `no_sync`);
+  BatchNorm statistics are synchronised with SyncBatchNorm on CUDA. torch refuses SyncBatchNorm
+  on CPU modules, so on CPU each rank normalises with its own share of the batch (said in the
+  log); evaluation then uses rank 0's running statistics on every rank (`sync_buffers`);
+- one writer: rank 0 alone claims the run directory, writes its files and talks to MLflow; the
+  others follow its decisions (`decide`, `agree`) and exit with the same code;
+- stops that agree: a stop signal on any rank is seen by all at the same step through one
+  all_reduce MAX of a CPU flag on a gloo group every `STOP_EVERY` steps and at every epoch end
+  (no GPU sync), then rank 0 checkpoints and every rank exits 75;
+- a checkpoint holds the full state once (rank 0's) plus each rank's own RNG state and partial
+  epoch sums, so a resume on the same world size is exact; on another one it is refused.
+
+Without torchrun (or with one process) `session()` yields `Dist()`: no process group, no torch
+import, every method hands its input back; run.py then behaves exactly as one process always did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Iterator
+
+from .runs import CHECKPOINT
+
+EXIT_FAILED = 1
+STOP_EVERY = 10  # steps between stop polls: a stop waits at most this many steps
+SCALING_MIN = 0.8  # gpucheck's ddp check: weak-scaling efficiency below this is a FAIL
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def follower() -> bool:
+    """True in a rank other than 0 of a torchrun job (read from the environment, no torch)."""
+    return _env_int("WORLD_SIZE", 1) > 1 and _env_int("RANK", 0) != 0
+
+
+class Dist:
+    """This process's place in the job: rank, world size, and the collectives run.py needs."""
+
+    def __init__(self, rank: int = 0, world: int = 1, local_rank: int = 0) -> None:
+        self.rank, self.world, self.local_rank = rank, world, local_rank
+        self.cuda = False
+        self.cpu_group = None  # gloo: decisions and stop polls never wait for the GPU
+        self._stop = False
+        self._told = False
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # ---- start and end ---------------------------------------------------------------------
+    def start(self, device: str) -> None:
+        """Join the job's process group: NCCL on CUDA (this rank's GPU), gloo on CPU."""
+        import torch
+        import torch.distributed as td
+
+        self.cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+        if self.cuda:
+            torch.cuda.set_device(self.local_rank)
+            td.init_process_group("nccl", device_id=torch.device("cuda", self.local_rank))
+            self.cpu_group = td.new_group(backend="gloo")
+        else:
+            td.init_process_group("gloo")
+            self.cpu_group = td.group.WORLD
+        if not self.is_main:  # one voice: rank 0 prints; the others' warnings go to stderr
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
+
+    def finish(self, code: int) -> int:
+        """Every rank leaves with rank 0's code; wait for rank 0's last writes (a rank that
+        exits first with a non-zero code would have torchrun kill the writer). torchrun then
+        sends SIGTERM to the ranks still exiting: GracefulStop's handlers, kept until the
+        process ends, keep their exit code (75, 73, 2) from becoming death by that signal."""
+        if not self.active:
+            return code
+        code = self.verdict(code)  # rank 0 ended before training: tell the others why
+        if code != EXIT_FAILED:  # a failure is one rank's: the others may be mid-collective
+            import torch.distributed as td
+
+            td.barrier(group=self.cpu_group)
+        return code
+
+    # ---- decisions -------------------------------------------------------------------------
+    def verdict(self, code: int | None) -> int | None:
+        """Rank 0's one decision before training (None: train; else the exit code: done, busy,
+        refused). Collective once; later calls return `code` unchanged."""
+        if not self.active or self._told:
+            return code
+        self._told = True
+        return self.decide(code)
+
+    def decide(self, value):
+        """Rank 0's `value` on every rank (a broadcast over the CPU group)."""
+        if not self.active:
+            return value
+        import torch.distributed as td
+
+        box = [value]
+        td.broadcast_object_list(box, src=0, group=self.cpu_group)
+        return box[0]
+
+    def agree(self, code: int | None) -> int | None:
+        """The first non-None code in rank order, on every rank (a refusal anywhere ends all)."""
+        if not self.active:
+            return code
+        import torch.distributed as td
+
+        codes: list = [None] * self.world
+        td.all_gather_object(codes, code, group=self.cpu_group)
+        return next((c for c in codes if c is not None), None)
+
+    def stopped(self, stop, step: int | None = None) -> bool:
+        """Whether the job stops here: `stop.requested` (GracefulStop) on any rank. Polled every
+        STOP_EVERY steps and whenever `step` is None (epoch ends); once true, it stays true."""
+        if not self.active:
+            return stop.requested is not None
+        if not self._stop and (step is None or step % STOP_EVERY == 0):
+            import torch
+            import torch.distributed as td
+
+            flag = torch.tensor([int(stop.requested is not None)])
+            td.all_reduce(flag, op=td.ReduceOp.MAX, group=self.cpu_group)
+            self._stop = bool(flag.item())
+        return self._stop
+
+    # ---- model, data, metrics --------------------------------------------------------------
+    def check(self, args) -> None:
+        """Refuse what cannot run on several processes (UsageError: exit 2 on every rank)."""
+        if not self.active:
+            return
+        from .config import UsageError
+
+        if args.batch_size % self.world:
+            raise UsageError(
+                f"--batch-size: {args.batch_size} is the global batch and does not divide among "
+                f"{self.world} processes; use a multiple of {self.world}"
+            )
+        if args.find_lr or args.find_batch_size or args.profile:
+            raise UsageError("--find-lr, --find-batch-size and --profile run in one process")
+
+    def place(self, device):
+        """This rank's device: cuda:LOCAL_RANK on CUDA."""
+        import torch
+
+        if self.active and device.type == "cuda":
+            return torch.device("cuda", self.local_rank)
+        return device
+
+    @property
+    def shard(self) -> tuple[int, int]:
+        return self.rank, self.world
+
+    def prepare(self, model, seed: int):
+        """SyncBatchNorm on CUDA; then each rank its own augmentation stream (the init above
+        came from the common seed, and DDP starts every rank from rank 0's weights anyway)."""
+        if not self.active:
+            return model
+        import numpy as np
+        import torch
+
+        from .train import seed_everything
+
+        if self.cuda:
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        seed_everything(int(np.random.SeedSequence([seed, self.rank]).generate_state(1)[0]))
+        return model
+
+    def describe(self) -> str:
+        bn = (
+            "SyncBatchNorm"
+            if self.cuda
+            else "BatchNorm per rank (torch refuses SyncBatchNorm on CPU: each rank normalises "
+            "with its share of the batch; evaluation uses rank 0's statistics)"
+        )
+        backend = "NCCL + a gloo group for decisions" if self.cuda else "gloo"
+        return f"{self.world} processes (torchrun, {backend}); {bn}"
+
+    def ddp(self, model):
+        """`model` in DistributedDataParallel (None in one process)."""
+        if not self.active:
+            return None
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [self.local_rank] if self.cuda else None
+        return DistributedDataParallel(model, device_ids=ids)
+
+    def sum(self, totals):
+        """The element-wise sum over ranks of a vector of sums (one all_reduce)."""
+        if self.active:
+            import torch.distributed as td
+
+            td.all_reduce(totals)
+        return totals
+
+    def sync_buffers(self, model) -> None:
+        """Rank 0's buffers (BatchNorm statistics) on every rank: what its checkpoint holds."""
+        if self.active and not self.cuda:
+            import torch.distributed as td
+
+            for buffer in model.buffers():
+                td.broadcast(buffer, src=0)
+
+    # ---- checkpoint: the full state once, each rank's own part ---------------------------------
+    def gather_state(self, state: dict) -> dict | None:
+        """Rank 0's state with every rank's RNG state and partial-epoch sums (collective).
+        Returns what rank 0 writes; None on the other ranks."""
+        state["world_size"] = self.world
+        if not self.active:
+            return state
+        import torch.distributed as td
+
+        sums = {k: v.cpu() if hasattr(v, "cpu") else v for k, v in state["trainer"]["sums"].items()}
+        own = {"rng": state["rng"], "sums": sums}
+        parts: list | None = [None] * self.world if self.is_main else None
+        td.gather_object(own, parts, dst=0, group=self.cpu_group)
+        if not self.is_main:
+            return None
+        return {**state, "ranks": parts}
+
+    def own_state(self, state: dict, path) -> dict:
+        """The checkpoint as this rank resumes it; refused when written by another world size."""
+        from .checkpoint import CheckpointError
+
+        saved = state.get("world_size", 1)
+        if saved != self.world:
+            raise CheckpointError(
+                f"{path} was written by {saved} process(es), this run has {self.world}: "
+                "each rank's data shard and random stream depend on it, so the continuation "
+                f"would not be exact; resume with {saved} process(es) or re-run with --fresh"
+            )
+        if self.active:
+            own = state["ranks"][self.rank]
+            state["rng"], state["trainer"]["sums"] = own["rng"], own["sums"]
+        return state
+
+    # ---- the ranks other than 0 ---------------------------------------------------------------
+    def follower_log(self, name: str) -> logging.Logger:
+        log = logging.getLogger(f"run.{name}.rank{self.rank}")
+        log.setLevel(logging.WARNING)
+        log.propagate = False
+        if not log.handlers:
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter(f"[rank {self.rank}] %(message)s"))
+            log.addHandler(handler)
+        return log
+
+
+class Follower:
+    """What a rank other than 0 does where rank 0 keeps the run's record: nothing but its part
+    of the collective checkpoint."""
+
+    def __init__(self, out, log: logging.Logger) -> None:
+        self.out, self.log = out, log
+
+    def tracker_line(self) -> str:
+        return ""
+
+    def checkpoint_due(self, args) -> bool:
+        return False  # rank 0 decides
+
+    def epoch_done(self, state, *, checkpoint_due: bool) -> None:
+        if checkpoint_due:
+            state.save(self.out / CHECKPOINT)  # writes nothing here: sends its part
+
+    def interrupted(self, state, signal_name) -> None:
+        pass
+
+    def force_exited(self) -> None:
+        pass
+
+    def finished(self, state, *args) -> None:
+        pass
+
+    def failed(self, state, exc: BaseException, args) -> int:
+        self.log.error("failed", exc_info=exc)
+        return EXIT_FAILED
+
+    def close(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def session(device: str) -> Iterator[Dist]:
+    """This process's Dist: under torchrun with WORLD_SIZE > 1 inside the job's process group
+    (destroyed on every way out); else one process, no torch import."""
+    dist = Dist(_env_int("RANK", 0), _env_int("WORLD_SIZE", 1), _env_int("LOCAL_RANK", 0))
+    if not dist.active:
+        yield dist
+        return
+    dist.start(device)
+    try:
+        yield dist
+    finally:
+        import torch.distributed as td
+
+        td.destroy_process_group()
+
+
+# ---- the cost of DDP: step time on 1 and N processes (gpucheck, benchmarks/) ---------------------
+def measure_step(device_name: str, batch: int, steps: int, width: int) -> dict:
+    """Seconds per optimizer step of the default model on `batch` random images per process,
+    in this process's job (run it under torchrun for N processes); the slowest rank's time."""
+    import torch
+    import torch.distributed as td
+
+    from .hardware import timed
+    from .model import create_model
+    from .train import Trainer, build_optimizer, build_scheduler
+
+    with session(device_name) as dist:
+        device = dist.place(torch.device(device_name))
+        model = create_model("cnn", num_classes=10, channels=3, image_size=(32, 32), width=width)
+        model = dist.prepare(model, 0).to(device, memory_format=torch.channels_last)
+        optimizer = build_optimizer(model, 1e-3, 0.0, device)
+        trainer = Trainer(
+            model, optimizer, build_scheduler(optimizer, 1e-3, steps + 5), device=device, dtype=None
+        )
+        trainer.ddp = dist.ddp(model)
+        x = torch.randn(batch, 3, 32, 32, device=device).contiguous(
+            memory_format=torch.channels_last
+        )
+        y = torch.randint(0, 10, (batch,), device=device)
+        now = timed(device)
+        for step in range(1, 6):  # warm-up: allocator, cuDNN autotune, DDP buckets
+            trainer.step([(x, y)], step)
+        now()
+        dist.agree(None)  # start together
+        started = now()
+        for step in range(6, 6 + steps):
+            trainer.step([(x, y)], step)
+        seconds = torch.tensor([now() - started])
+        if dist.active:
+            td.all_reduce(seconds, op=td.ReduceOp.MAX, group=dist.cpu_group)
+        return {"world": dist.world, "batch": batch, "step_s": seconds.item() / steps}
+
+
+def check_scaling(
+    device: str, nproc: int, *, batch: int, steps: int, width: int, threshold: float = SCALING_MIN
+) -> tuple[bool, str]:
+    """DDP's weak scaling: step time on 1 process and on `nproc` (torchrun), `batch` samples
+    per process each; efficiency = t1 / tN (1.0: the gradient all-reduce costs nothing).
+    Below `threshold` is a FAIL: the interconnect or the bucketing eats the extra GPUs."""
+    import json
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    package = __package__ or "lab_project"
+    bench = ["-m", f"{package}.distributed", device, str(batch), str(steps), str(width)]
+    root = Path(__file__).resolve().parent.parent
+    times = {}
+    with tempfile.TemporaryDirectory(prefix="ddpcheck_") as work:
+        for n in (1, nproc):
+            out = Path(work) / f"{n}.json"
+            launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
+            cmd = [sys.executable, *(launcher if n > 1 else []), *bench, str(out)]
+            done = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
+            if done.returncode != 0 or not out.exists():
+                return False, f"{n} process(es) failed: {done.stderr.strip()[-300:]}"
+            times[n] = json.loads(out.read_text())["step_s"]
+    efficiency = times[1] / times[nproc]
+    return efficiency >= threshold, (
+        f"step {1000 * times[1]:.1f} ms on 1 process, {1000 * times[nproc]:.1f} ms on {nproc} "
+        f"({batch} samples each): scaling efficiency {100 * efficiency:.0f} % "
+        f"(FAIL below {100 * threshold:.0f} %)"
+    )
+
+
+def _measure_main(argv: list[str]) -> int:
+    """check_scaling's worker: DEVICE BATCH STEPS WIDTH OUT.json (rank 0 writes it)."""
+    import json
+    from pathlib import Path
+
+    device, batch, steps, width, out = argv
+    result = measure_step(device, int(batch), int(steps), int(width))
+    if _env_int("RANK", 0) == 0:
+        Path(out).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_measure_main(sys.argv[1:]))
