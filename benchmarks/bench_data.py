@@ -117,8 +117,9 @@ CHILD = textwrap.dedent("""
 GROWTH = textwrap.dedent("""
     import json, sys
     import {package}.data as data
+    import {package}.loaders as loaders
     if sys.argv[3] == "off":  # what glibc does by default
-        data._fix_malloc_mmap_threshold = lambda: None
+        loaders._fix_malloc_mmap_threshold = lambda: None
     loaded = data.load_dataset("folder", sys.argv[1], data_path=sys.argv[2], mode="stream")
     loader = data.build_loader(loaded.splits["train"], 64, train=True, device="cpu", workers=1)
     rss = []

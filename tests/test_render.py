@@ -16,7 +16,7 @@ PACKAGE_FILES = [
     "checkpoint.py", "tracking.py", "tuning.py", "analysis.py",
     "hardware.py", "gpucheck.py", "datasets.py", "imagefolder.py", "registry.py",
     "stopping.py", "state.py", "claim.py", "plan.py", "jobs.py", "similarity.py", "tasks.py",
-    "dataversion.py", "distributed.py",
+    "dataversion.py", "distributed.py", "arrays.py", "imagecache.py", "loaders.py", "augment.py",
 ]
 BASE_FILES = [
     ".gitignore", ".pre-commit-config.yaml", "LICENSE", "README.md", "pyproject.toml",
@@ -28,7 +28,7 @@ BASE_FILES = [
     "tests/test_image_folder.py", "tests/test_recipes.py", "tests/test_lifecycle.py",
     "tests/test_claim.py", "tests/test_compile.py", "tests/test_gpucheck.py",
     "tests/test_jobs.py", "tests/test_analyze.py", "tests/test_first_week.py",
-    "tests/test_folder_trust.py", "tests/test_tasks.py",
+    "tests/test_folder_trust.py", "tests/test_tasks.py", "tests/test_imagecache.py",
     "tests/released_run/config.json", "tests/released_run/metrics.json",
     "tests/released_run/history.csv", "tests/released_run/status",
     "tests/test_distributed.py", "tests/ddp_worker.py",

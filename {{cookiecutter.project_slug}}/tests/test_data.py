@@ -12,14 +12,9 @@ import pytest
 import torch
 from conftest import ROOT
 
-from {{ cookiecutter.package_name }} import data
-from {{ cookiecutter.package_name }}.data import (
-    Split,
-    build_loader,
-    fits_on_device,
-    load_dataset,
-    random_crop_flip,
-)
+from {{ cookiecutter.package_name }} import arrays, augment
+from {{ cookiecutter.package_name }}.augment import random_crop_flip
+from {{ cookiecutter.package_name }}.data import Split, build_loader, fits_on_device, load_dataset
 
 NUM_CLASSES = 10  # of every built-in dataset
 
@@ -56,7 +51,7 @@ def test_digits_loads_offline_with_fixed_splits(tmp_path):
     assert torch.equal(splits["test"].images, other_seed["test"].images)
     # Decoded once into the data dir (no lock file left); a file where the data dir should be
     # (or a read-only one) decodes in memory instead, to the same arrays.
-    assert [p.name for p in tmp_path.iterdir()] == [data.DIGITS_CACHE]
+    assert [p.name for p in tmp_path.iterdir()] == [arrays.DIGITS_CACHE]
     uncached = load_dataset("digits", tmp_path / "digits_32px.npz" / "not_a_dir").splits
     for name, split in splits.items():
         assert torch.equal(split.images, uncached[name].images)
@@ -92,7 +87,7 @@ def test_synthetic_is_deterministic_and_cached(tmp_path, monkeypatch):
     def must_not_generate(*args):
         raise AssertionError("the second load must read the cache")
 
-    monkeypatch.setattr(data, "_generate_synthetic", must_not_generate)
+    monkeypatch.setattr(arrays, "_generate_synthetic", must_not_generate)
     second = load_dataset("synthetic", tmp_path, synthetic_size=500).splits
     for name in first:
         assert torch.equal(first[name].images, second[name].images)
@@ -124,8 +119,8 @@ def fake_cifar_tarball(path, n_per_batch=20, n_test=10, corrupt_shape=False):
 
 
 def point_cifar_at(monkeypatch, tarball, md5):
-    monkeypatch.setattr(data, "CIFAR10_URL", tarball.as_uri())
-    monkeypatch.setattr(data, "CIFAR10_MD5", md5)
+    monkeypatch.setattr(arrays, "CIFAR10_URL", tarball.as_uri())
+    monkeypatch.setattr(arrays, "CIFAR10_MD5", md5)
 
 
 def test_cifar10_download_verifies_and_caches(tmp_path, monkeypatch):
@@ -136,11 +131,11 @@ def test_cifar10_download_verifies_and_caches(tmp_path, monkeypatch):
     splits = loaded.splits
     assert loaded.info.class_names[0] == "airplane"
     check_splits(splits, {"train": 90, "val": 10, "test": 10})
-    assert (data_dir / data.CIFAR10_CACHE).exists()
+    assert (data_dir / arrays.CIFAR10_CACHE).exists()
     assert not list(data_dir.glob("*.part"))
 
     served.unlink()  # a second load must need neither the network nor the tarball
-    (data_dir / data.CIFAR10_TARBALL).unlink()
+    (data_dir / arrays.CIFAR10_TARBALL).unlink()
     again = load_dataset("cifar10", data_dir).splits
     assert torch.equal(splits["train"].images, again["train"].images)
 
@@ -162,8 +157,8 @@ def test_cifar10_unreadable_tarball_is_deleted(tmp_path, monkeypatch):
     data_dir = tmp_path / "data"
     with pytest.raises(ValueError, match="could not be read as CIFAR-10"):
         load_dataset("cifar10", data_dir)
-    assert not (data_dir / data.CIFAR10_CACHE).exists()
-    assert not (data_dir / data.CIFAR10_TARBALL).exists()
+    assert not (data_dir / arrays.CIFAR10_CACHE).exists()
+    assert not (data_dir / arrays.CIFAR10_TARBALL).exists()
 
 
 def test_cifar10_bad_sizes_never_cached(tmp_path, monkeypatch):
@@ -171,7 +166,7 @@ def test_cifar10_bad_sizes_never_cached(tmp_path, monkeypatch):
     point_cifar_at(monkeypatch, served, fake_cifar_tarball(served, corrupt_shape=True))
     with pytest.raises(ValueError, match="CIFAR-10"):
         load_dataset("cifar10", tmp_path / "data")
-    assert not (tmp_path / "data" / data.CIFAR10_CACHE).exists()
+    assert not (tmp_path / "data" / arrays.CIFAR10_CACHE).exists()
 
 
 def test_cifar10_unreachable_url_is_a_clear_error(tmp_path, monkeypatch):
@@ -204,8 +199,8 @@ def test_loader_batches(small_split, gpu_resident):
     evaluation = build_loader(small_split, 32, train=False, device="cpu", gpu_resident=gpu_resident)
     assert len(evaluation) == 4  # every sample scored
     x, _ = next(iter(evaluation))
-    expected = (small_split.images[:32].float() - torch.tensor(data.MEAN).view(1, 3, 1, 1)) / (
-        torch.tensor(data.STD).view(1, 3, 1, 1)
+    expected = (small_split.images[:32].float() - torch.tensor(augment.MEAN).view(1, 3, 1, 1)) / (
+        torch.tensor(augment.STD).view(1, 3, 1, 1)
     )
     torch.testing.assert_close(x, expected)  # no augmentation, in order, normalised
 
@@ -262,6 +257,20 @@ def test_random_crop_flip():
         assert any(torch.equal(augmented, w) or torch.equal(augmented, w.flip(1)) for w in windows)
         flipped += not any(torch.equal(augmented, w) for w in windows)
     assert 10 < flipped < 54  # about half
+
+
+def test_the_cpu_and_device_crops_cut_the_same_pixels():
+    """The CPU cuts one slice per image, other devices gather in one call: same pixels, so a
+    run's numbers do not depend on which one ran (and the CPU path's speed-up changed none)."""
+    padded = torch.randint(0, 256, (40, 24, 30, 3), dtype=torch.uint8)
+    dy, dx, flip = (
+        torch.randint(0, 9, (40,)),
+        torch.randint(0, 9, (40,)),
+        torch.randint(0, 2, (40,)),
+    )
+    sliced = augment.crop_flip_slices(padded, dy, dx, flip, (16, 22))
+    gathered = augment.crop_flip_gather(padded, dy, dx, flip, (16, 22))
+    assert torch.equal(sliced, gathered) and 0 < int(flip.sum()) < 40
 
 
 def test_dataloader_workers(small_split):

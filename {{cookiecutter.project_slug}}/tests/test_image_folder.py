@@ -17,7 +17,7 @@ import torch
 from conftest import ROOT, RUN_PY, cli_command, read_metrics, run_dir_of
 from image_folders import CLASSES, make_folder
 
-from {{ cookiecutter.package_name }} import data
+from {{ cookiecutter.package_name }} import data, imagecache, loaders
 from {{ cookiecutter.package_name }}.data import FileSplit, Split, build_loader, load_dataset
 
 
@@ -121,7 +121,7 @@ def test_decoded_cache_is_reused_and_follows_the_files(tmp_path, monkeypatch):
         raise AssertionError("the second load must read the decoded cache")
 
     with monkeypatch.context() as patched:
-        patched.setattr(data, "decode_image", must_not_decode)
+        patched.setattr(imagecache, "decode_image", must_not_decode)
         again = load(folder, tmp_path / "cache", mode="memory", workers=0).splits
     assert torch.equal(first["train"].images, again["train"].images)
     edited = folder / "train" / CLASSES[0] / "0.png"
@@ -129,6 +129,9 @@ def test_decoded_cache_is_reused_and_follows_the_files(tmp_path, monkeypatch):
 
     Image.new("RGB", (16, 16), (255, 0, 0)).save(edited)
     os.utime(edited, ns=(1, 1))  # a new mtime even on coarse-grained file systems
+    # The cache is keyed by the folder's version; a file rewritten in place reaches it as the
+    # README says (dataversion.py): touch a folder above it.
+    os.utime(folder / "train")
     changed = load(folder, tmp_path / "cache", mode="memory", workers=0).splits
     assert not torch.equal(first["train"].images, changed["train"].images)
     assert not list((tmp_path / "cache").glob("*.lock"))
@@ -367,9 +370,9 @@ def test_streaming_workers_follow_the_cores_this_process_may_use():
     cpus = os.sched_getaffinity(0)
     try:
         os.sched_setaffinity(0, {min(cpus)})  # as under `taskset -c 0` or a 1-core Slurm job
-        assert data.default_workers(torch.device("cpu"), streaming=True) == 1
-        assert data.default_workers(torch.device("cpu")) == 0  # in RAM: no workers on the CPU
+        assert loaders.default_workers(torch.device("cpu"), streaming=True) == 1
+        assert loaders.default_workers(torch.device("cpu")) == 0  # in RAM: no workers on the CPU
     finally:
         os.sched_setaffinity(0, cpus)
     expected = max(1, min(8, len(cpus) - 1))  # one core left to the main process
-    assert data.default_workers(torch.device("cpu"), streaming=True) == expected
+    assert loaders.default_workers(torch.device("cpu"), streaming=True) == expected

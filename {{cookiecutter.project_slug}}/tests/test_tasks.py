@@ -29,7 +29,8 @@ from conftest import ROOT, mlflow_run, read_metrics, run_dir_of, temp_files
 
 import plot
 from {{ cookiecutter.package_name }}.analysis import aggregate, load_runs
-from {{ cookiecutter.package_name }}.data import Split, build_loader, synthetic_targets
+from {{ cookiecutter.package_name }}.arrays import synthetic_targets
+from {{ cookiecutter.package_name }}.data import Split, build_loader
 from {{ cookiecutter.package_name }}.stopping import EarlyStopping
 from {{ cookiecutter.package_name }}.tasks import AP_BINS, create_task
 from {{ cookiecutter.package_name }}.train import Trainer

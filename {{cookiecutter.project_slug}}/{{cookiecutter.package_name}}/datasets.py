@@ -95,22 +95,24 @@ def register_dataset(name: str, *, help: str = "", needs_data_path: bool = False
 
 
 # --------------------------------------------------------------------------------------------
-# Built-in datasets: thin entries; the work (download, caching, decoding) lives in data.py and
-# imagefolder.py, imported only when a dataset is loaded.
+# Built-in datasets: thin entries; the work (download, caching, decoding) lives in arrays.py and
+# imagefolder.py, imported only when a dataset is loaded (neither imports this module back).
 
 
 @register_dataset("digits", help="scikit-learn's 1797 8x8 digits upscaled to 32x32 (offline)")
 def digits(options: DataOptions) -> DatasetSplits:
-    from .data import load_digits_arrays
+    from .arrays import DIGITS_CLASSES, load_digits_arrays
 
-    return load_digits_arrays(options.data_dir)
+    train, test = load_digits_arrays(options.data_dir)
+    return DatasetSplits(train=train, test=test, class_names=DIGITS_CLASSES)
 
 
 @register_dataset("cifar10", help="CIFAR-10, downloaded once into --data-dir")
 def cifar10(options: DataOptions) -> DatasetSplits:
-    from .data import load_cifar10_arrays
+    from .arrays import CIFAR10_CLASSES, load_cifar10_arrays
 
-    return load_cifar10_arrays(options.data_dir)
+    train, test = load_cifar10_arrays(options.data_dir)
+    return DatasetSplits(train=train, test=test, class_names=list(CIFAR10_CLASSES))
 
 
 @register_dataset(
@@ -118,9 +120,11 @@ def cifar10(options: DataOptions) -> DatasetSplits:
     help="learnable 32x32 patterns, --synthetic-size images; targets for every built-in --task",
 )
 def synthetic(options: DataOptions) -> DatasetSplits:
-    from .data import load_synthetic_arrays
+    from .arrays import load_synthetic_arrays
 
-    return load_synthetic_arrays(options.data_dir, options.synthetic_size, options.task)
+    size, task = options.synthetic_size, options.task
+    train, test = load_synthetic_arrays(options.data_dir, size, task)
+    return DatasetSplits(train=train, test=test)
 
 
 @register_dataset(
@@ -131,6 +135,17 @@ def synthetic(options: DataOptions) -> DatasetSplits:
 def folder(options: DataOptions) -> DatasetSplits:
     from .imagefolder import scan_image_folder
 
-    return scan_image_folder(
+    scan = scan_image_folder(
         options.data_path, options.image_size, options.data_dir, options.data_version
+    )
+    split = {name: ImageFiles(*found) for name, found in scan.files.items()}
+    return DatasetSplits(
+        train=split.get("train"),
+        val=split.get("val"),
+        test=split.get("test"),
+        class_names=scan.class_names,
+        channels=scan.channels,
+        image_size=scan.image_size,
+        notes=scan.notes,
+        value_ranges=scan.value_ranges,
     )

@@ -298,7 +298,7 @@ def plain_loop_rate(
     import torch
     import torch.nn.functional as F
 
-    from .data import MEAN, STD
+    from .augment import MEAN, STD
     from .model import build_model
 
     class PerSampleDataset(torch.utils.data.Dataset):

@@ -5,8 +5,9 @@ to another class, one image under two labels or in two splits), and decodes ever
 check it: a file that fails only when fully decoded (a truncated JPEG whose header reads) is
 skipped and listed here, not found later inside a DataLoader worker. The result is cached in
 --data-dir per version of the folder (dataversion.py), so a later start only lists the folders.
-Images are decoded later, by data.py, either once into a cache or batch by batch in workers.
-Torch-free: Pillow and numpy only.
+Images are decoded later with `decode_image`: once, into imagecache.py's memory-mapped cache,
+or batch by batch in loader workers (--data-mode stream). Torch-free: Pillow and numpy only;
+imports nothing of the data layer but dataversion (datasets.py turns a scan into DatasetSplits).
 
 How an image becomes pixels (README, "Use your own data"): EXIF orientation applied; 16-bit and
 32-bit integer images scaled by the bit depth of the dataset (the smallest of 8, 10, 12, 14, 16,
@@ -23,12 +24,12 @@ import hashlib
 import json
 import os
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageOps
 
-from .datasets import DatasetSplits, ImageFiles
 from .dataversion import file_lock, is_hidden
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".webp", ".gif", ".bmp")
@@ -52,12 +53,24 @@ class UnreadableImage(ValueError):
         self.path, self.reason = path, reason
 
 
+@dataclass
+class FolderScan:
+    """The readable images of each split, and what describes them (datasets.DatasetSplits)."""
+
+    files: dict[str, tuple[list[str], list[int]]]  # split -> (paths, labels); absent: none
+    class_names: list[str]
+    channels: int
+    image_size: tuple[int, int]
+    notes: list[str] = field(default_factory=list)
+    value_ranges: dict | None = None
+
+
 def scan_image_folder(
     root: Path | None,
     image_size: tuple[int, int] | None,
     report_dir: Path | None = None,
     version: str | None = None,
-) -> DatasetSplits:
+) -> FolderScan:
     """Find the images of `root`, check them, and describe the dataset (one-line errors).
 
     `version` (dataversion.data_version) keys the cached result of the checks in `report_dir`.
@@ -131,15 +144,12 @@ def scan_image_folder(
     channels = 1 if modes <= GREY_MODES else 3  # RGBA, palette, CMYK... become RGB
     bits = next((b for b in BIT_DEPTHS if int_max < 2**b), BIT_DEPTHS[-1])
 
-    def split_files(split: str) -> ImageFiles | None:
-        if split not in readable or not readable[split]:
-            return None
-        return ImageFiles([str(p) for p, _ in readable[split]], [y for _, y in readable[split]])
-
-    return DatasetSplits(
-        train=split_files("train"),
-        val=split_files("val"),
-        test=split_files("test"),
+    return FolderScan(
+        files={
+            split: ([str(p) for p, _ in found], [y for _, y in found])
+            for split, found in readable.items()
+            if found
+        },
         class_names=class_names,
         channels=channels,
         image_size=image_size,
@@ -328,7 +338,8 @@ def _cover(image: Image.Image, width: int, height: int) -> Image.Image:
     if (w, h) == (width, height):
         return image
     scale = max(width / w, height / h)
-    crop_w, crop_h = width / scale, height / scale
+    # min(): width / (width / w) can round to a hair above w, a box PIL refuses.
+    crop_w, crop_h = min(width / scale, w), min(height / scale, h)
     left, top = (w - crop_w) / 2, (h - crop_h) / 2
     return image.resize(
         (width, height), Image.Resampling.BILINEAR, box=(left, top, left + crop_w, top + crop_h)

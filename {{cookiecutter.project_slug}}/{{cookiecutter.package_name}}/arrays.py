@@ -1,0 +1,251 @@
+"""The built-in array datasets' data: digits (offline), synthetic, CIFAR-10 (downloaded).
+
+Each function returns `(train, test)`, every split `(uint8 images (N, C, H, W), int64 labels)`,
+decoded once into an .npz in --data-dir (written atomically, under a lock: the jobs of a sweep
+that start together decode it once). datasets.py registers them; data.load_dataset carves val.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import pickle
+import tarfile
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .dataversion import file_lock as _lock
+from .runs import atomic_path
+
+# Module constants so tests can point them at a local tarball.
+CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
+CIFAR10_MD5 = "c58f30108f718f92721af3b95e74349a"
+CIFAR10_TARBALL = "cifar-10-python.tar.gz"
+CIFAR10_CACHE = "cifar10.npz"
+CIFAR10_SHAPE = (3, 32, 32)
+CIFAR10_CLASSES = (
+    "airplane",
+    "automobile",
+    "bird",
+    "cat",
+    "deer",
+    "dog",
+    "frog",
+    "horse",
+    "ship",
+    "truck",
+)
+
+TEST_FRACTION = 0.2  # of train, for datasets that come without a test split
+TEST_SPLIT_SEED = 0  # fixed: the test set must not change with the run's seed
+SYNTHETIC_SEED = 1234  # fixed: every job of a sweep trains on the same synthetic data
+SYNTHETIC_CLASSES = 10
+
+
+DIGITS_CACHE = "digits_32px.npz"  # the decoded arrays below; rename it when they change
+DIGITS_CLASSES = [str(d) for d in range(10)]
+
+
+def load_digits_arrays(data_dir: Path | None = None) -> tuple:
+    """scikit-learn's 1797 handwritten digits (ships with the package: works offline).
+
+    Decoded once into `data_dir`/DIGITS_CACHE: later jobs read 5.5 MB of arrays instead of
+    importing scikit-learn, which took a job's start-up from 5.7 to 3.8 s (the lab template's
+    benchmarks/RESULTS.md, "Start-up"). Without a writable `data_dir` every call decodes.
+    """
+    if data_dir is not None:
+        cache = Path(data_dir) / DIGITS_CACHE
+        try:
+            with _lock(cache):
+                if not cache.exists():
+                    _save_npz(cache, **_decode_digits())
+        except OSError:  # a read-only or full data dir: decode in memory, as without one
+            pass
+        else:
+            return _read_npz(cache)
+    arrays = _decode_digits()
+    return tuple((arrays[f"{s}_images"], arrays[f"{s}_labels"]) for s in ("train", "test"))
+
+
+def _decode_digits() -> dict[str, np.ndarray]:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    # 8x8 intensities 0..16 -> 32x32 uint8, grey repeated to 3 channels to look like CIFAR.
+    small = torch.from_numpy(digits.images).float().unsqueeze(1) * (255 / 16)
+    big = F.interpolate(small, size=(32, 32), mode="bilinear", align_corners=False)
+    images = big.round().clamp_(0, 255).to(torch.uint8).expand(-1, 3, -1, -1).contiguous()
+    labels = digits.target.astype(np.int64)
+    train_idx, test_idx = train_test_split(
+        np.arange(len(labels)),
+        test_size=TEST_FRACTION,
+        stratify=digits.target,
+        random_state=TEST_SPLIT_SEED,
+    )
+    train_idx, test_idx = np.sort(train_idx), np.sort(test_idx)
+    return {
+        "train_images": images.numpy()[train_idx],
+        "train_labels": labels[train_idx],
+        "test_images": images.numpy()[test_idx],
+        "test_labels": labels[test_idx],
+    }
+
+
+def load_synthetic_arrays(data_dir: Path, size: int, task: str = "classification") -> tuple:
+    """Learnable CIFAR-shaped data: one smooth random pattern per class, shifted, plus noise.
+
+    `size` training images and size // 5 test images (CIFAR's 5:1), generated from a fixed seed
+    and cached, so every job of a benchmark or sweep reads identical bytes. The targets follow
+    `task` (`synthetic_targets`); any other task gets the class ids.
+    """
+    if size < SYNTHETIC_CLASSES:
+        raise ValueError(f"--synthetic-size must be >= {SYNTHETIC_CLASSES}, got {size}")
+    cache = Path(data_dir) / f"synthetic_{size}.npz"
+    with _lock(cache):
+        if not cache.exists():
+            _save_npz(cache, **_generate_synthetic(size, size // 5))
+    (x_train, y_train), (x_test, y_test) = _read_npz(cache)
+    return (x_train, synthetic_targets(y_train, task)), (x_test, synthetic_targets(y_test, task))
+
+
+def synthetic_targets(labels: np.ndarray, task: str) -> np.ndarray:
+    """The class ids as `task`'s targets, each a fixed function of the class (so learnable):
+    regression: 4 standard-normal numbers per class, float32 (N, 4); multilabel: 5 labels,
+    each on for a class with probability 0.4, float32 multi-hot (N, 5); else the ids."""
+    rng = np.random.default_rng([SYNTHETIC_SEED, 21])
+    if task == "regression":
+        table = rng.standard_normal((SYNTHETIC_CLASSES, 4))
+    elif task == "multilabel":
+        table = rng.random((SYNTHETIC_CLASSES, 5)) < 0.4
+    else:
+        return labels
+    return table.astype(np.float32)[labels]
+
+
+def _generate_synthetic(n_train: int, n_test: int) -> dict[str, np.ndarray]:
+    gen = torch.Generator().manual_seed(SYNTHETIC_SEED)
+    shape = CIFAR10_SHAPE
+    # Low-frequency prototypes (8x8 noise upsampled): classes differ in colour and layout.
+    prototypes = F.interpolate(
+        torch.rand(SYNTHETIC_CLASSES, 3, 8, 8, generator=gen), size=shape[1:], mode="bicubic"
+    )
+    arrays = {}
+    for split, n in (("train", n_train), ("test", max(n_test, 1))):
+        labels = torch.randint(SYNTHETIC_CLASSES, (n,), generator=gen)
+        images = torch.empty(n, *shape, dtype=torch.uint8)
+        for start in range(0, n, 4096):  # in chunks: float temporaries stay small
+            y = labels[start : start + 4096]
+            # Each image: its class prototype circularly shifted by up to 4 px, plus noise.
+            dy, dx = torch.randint(-4, 5, (2, len(y), 1), generator=gen)
+            rows = (torch.arange(32) + dy) % 32
+            cols = (torch.arange(32) + dx) % 32
+            x = prototypes[y.view(-1, 1, 1), :, rows.unsqueeze(2), cols.unsqueeze(1)]
+            x = x.permute(0, 3, 1, 2) + 0.35 * torch.randn(len(y), *shape, generator=gen)
+            images[start : start + 4096] = (x * 255).round().clamp(0, 255).to(torch.uint8)
+        arrays[f"{split}_images"], arrays[f"{split}_labels"] = images.numpy(), labels.numpy()
+    return arrays
+
+
+def load_cifar10_arrays(data_dir: Path) -> tuple:
+    """CIFAR-10 from the official tarball: downloaded once, md5-checked, cached as .npz."""
+    data_dir = Path(data_dir)
+    cache = data_dir / CIFAR10_CACHE
+    tarball = data_dir / CIFAR10_TARBALL
+    with _lock(cache):
+        if not cache.exists():
+            if not tarball.exists():
+                _download(CIFAR10_URL, tarball, CIFAR10_MD5)
+            elif _md5(tarball) != CIFAR10_MD5:
+                tarball.unlink()
+                raise ValueError(
+                    f"{tarball} is corrupt (md5 mismatch); deleted it, run again to re-download"
+                )
+            try:
+                arrays = _extract_cifar10(tarball)
+                for split in ("train", "test"):  # validate before caching, never after
+                    images, labels = arrays[f"{split}_images"], arrays[f"{split}_labels"]
+                    if images.shape[1:] != CIFAR10_SHAPE or len(labels) != len(images):
+                        raise ValueError(f"cifar10/{split}: shape {images.shape}")
+                    if labels.min() < 0 or labels.max() >= len(CIFAR10_CLASSES):
+                        raise ValueError(f"cifar10/{split}: labels outside 0..9")
+            except (tarfile.TarError, KeyError, EOFError, pickle.UnpicklingError, ValueError) as e:
+                tarball.unlink()
+                raise ValueError(
+                    f"{tarball} could not be read as CIFAR-10 ({e}); deleted it, run again"
+                ) from e
+            _save_npz(cache, **arrays)
+    return _read_npz(cache)
+
+
+def _download(url: str, dest: Path, md5: str) -> None:
+    """Stream `url` into a temp file next to `dest`; rename it to `dest` only if the md5 matches."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    print(f"downloading {url} -> {dest}", flush=True)
+    digest = hashlib.md5()
+    with atomic_path(dest) as tmp:  # whatever happens (error, Ctrl-C), the partial file goes
+        try:
+            with open(tmp, "wb") as out, urllib.request.urlopen(url, timeout=60) as response:
+                while chunk := response.read(1 << 20):
+                    digest.update(chunk)
+                    out.write(chunk)
+        except OSError as e:  # URLError, timeouts, a full disk
+            raise ValueError(
+                f"could not download {url} ({e}); on an offline machine, copy the file to {dest}"
+            ) from e
+        if digest.hexdigest() != md5:
+            raise ValueError(
+                f"download of {url} is corrupt or partial (md5 {digest.hexdigest()}, expected "
+                f"{md5}); deleted it, run again to retry"
+            )
+
+
+def _md5(path: Path) -> str:
+    digest = hashlib.md5()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _extract_cifar10(tarball: Path) -> dict[str, np.ndarray]:
+    def batches(tar: tarfile.TarFile, names: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        images, labels = [], []
+        for name in names:
+            member = tar.extractfile(f"cifar-10-batches-py/{name}")
+            if member is None:
+                raise KeyError(f"cifar-10-batches-py/{name} is not a file")
+            # Our own md5-verified download, so unpickling it is safe.
+            batch = pickle.load(io.BytesIO(member.read()), encoding="bytes")
+            images.append(np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, *CIFAR10_SHAPE))
+            labels.append(np.asarray(batch[b"labels"], dtype=np.int64))
+        return np.concatenate(images), np.concatenate(labels)
+
+    with tarfile.open(tarball, "r:gz") as tar:
+        train_images, train_labels = batches(tar, [f"data_batch_{i}" for i in range(1, 6)])
+        test_images, test_labels = batches(tar, ["test_batch"])
+    return {
+        "train_images": train_images,
+        "train_labels": train_labels,
+        "test_images": test_images,
+        "test_labels": test_labels,
+    }
+
+
+def _save_npz(path: Path, **arrays: np.ndarray) -> None:
+    """Write atomically (temp file + rename): a killed job never leaves a half-written cache."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        np.savez(f, **arrays)  # uncompressed: loading 180 MB of CIFAR takes ~0.1 s
+
+
+def _read_npz(path: Path) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+    try:
+        with np.load(path) as f:
+            return tuple((f[f"{s}_images"], f[f"{s}_labels"]) for s in ("train", "test"))
+    except (OSError, KeyError, ValueError) as e:
+        raise ValueError(f"cached dataset {path} is unreadable ({e}); delete it and rerun") from e

@@ -1,0 +1,423 @@
+"""Loaders: a split in RAM or on disk -> batches of the model's input on the training device.
+
+    loader = build_loader(split, 128, train=True, device=device)
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)                         # shuffle order = f(seed, epoch)
+        for x, y in loader: ...                         # float32, channels_last, on device
+
+A split is a `Split` (uint8 images in RAM or memory-mapped from the decoded cache) or a
+`FileSplit` (image files, decoded batch by batch in DataLoader worker processes). Workers only
+gather (or decode) uint8 NHWC batches; the batch crosses to the device as uint8 and
+augment.DeviceTransform turns it into the model's input there. The order of an epoch is a pure
+function of (seed, epoch), so a resumed run replays it exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .augment import DeviceTransform, one_cpu_thread
+from .imagefolder import UnreadableImage, decode_image
+
+
+@dataclass
+class Split:
+    """One split in memory: uint8 images (N, C, H, W) and int64 labels (N,), on the CPU.
+
+    Images are stored channels_last (NHWC memory), the layout the loaders gather from. `rows`,
+    when set, makes the split `images[rows]` without copying them: the splits of one decoded
+    cache (decode_cached) are rows of one memory-mapped array, shared by every job on the node.
+    """
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    rows: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        return tuple(self.images.shape[1:])
+
+
+@dataclass
+class FileSplit:
+    """One split streamed from disk: image paths, int64 labels, and the decoded shape."""
+
+    paths: Sequence[str]
+    labels: torch.Tensor
+    image_shape: tuple[int, int, int]  # (C, H, W) after conversion and resizing
+    value_ranges: dict | None = None  # images of more than 8 bits (DatasetSplits.value_ranges)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+def available_cpus() -> int:
+    """Cores this process may run on (a Slurm or taskset mask, not the machine's count)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def default_workers(device: torch.device, *, streaming: bool = False) -> int:
+    """DataLoader workers when --workers is not given.
+
+    Streaming: decoding images is CPU work, so use the cores but leave one to the main process
+    (at most 8: the lab's notes find the best count between 1 and 10). In memory on the CPU: 0,
+    since a batch is a ~1 ms gather against ~270 ms for a training step on 2 cores, and a worker
+    would take a core from the model. In memory on CUDA: a few workers gather and pin the next
+    batches while the GPU computes.
+    """
+    cpus = available_cpus()
+    if streaming:
+        return max(1, min(8, cpus - 1))
+    if device.type != "cuda":
+        return 0
+    return min(4, cpus // 2)
+
+
+def worker_init(_worker_id: int) -> None:
+    """worker_init_fn: workers leave stop signals to the main process, but not their own end.
+
+    Slurm and Ctrl-C signal the whole process group: a worker dying of it would turn a graceful
+    stop (checkpoint, exit 75) into "DataLoader worker killed by signal" in the main process.
+    So SIGINT and SIGTERM stay blocked here (they were blocked for the fork, by
+    workers_started_safely) and one thread takes them: a SIGTERM sent by the parent itself
+    (how multiprocessing's exit handler and torch's shutdown end workers) or any SIGTERM once
+    the parent is gone ends the worker as SIGTERM's default action would. Workers that ignored
+    every SIGTERM kept run.py alive at exit after an error, holding its .lock, forever.
+    PR_SET_PDEATHSIG sends that SIGTERM when the parent dies.
+    """
+    parent = os.getppid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    set_parent_death_signal(signal.SIGTERM)
+    if os.getppid() != parent:  # the parent died before the line above
+        os._exit(128 + signal.SIGTERM)
+
+    def take_stop_signals() -> None:
+        while True:
+            info = signal.sigwaitinfo(_STOP_SIGNALS)
+            if info.si_signo == signal.SIGTERM and (
+                info.si_pid == parent or os.getppid() != parent
+            ):
+                os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=take_stop_signals, name="stop-signals", daemon=True).start()
+
+
+def set_parent_death_signal(signum: int) -> None:
+    try:
+        import ctypes
+
+        pr_set_pdeathsig = 1  # from linux/prctl.h
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, int(signum))
+    except (OSError, AttributeError):  # not Linux: torch's watchdog still ends orphans
+        pass
+
+
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+@contextlib.contextmanager
+def workers_started_safely() -> Iterator[None]:
+    """Block SIGINT/SIGTERM while DataLoader workers are forked: a group signal landing between
+    a worker's fork and its worker_init_fn would otherwise kill it (Slurm's TERM at an epoch's
+    start, when CPU workers are started anew). Blocked in the main process only for the fork;
+    a signal that came meanwhile reaches the stop handler when they are unblocked."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _fix_malloc_mmap_threshold(threshold: int = 4 << 20) -> None:
+    """Serve every allocation above `threshold` by mmap, so it goes back to the OS when freed.
+
+    glibc raises its mmap threshold after each large free (up to 32 MB), after which batch-sized
+    buffers come from the heap and fragment it: streaming 256 px images in batches of 64, the
+    main process's RSS grew from 301 to 871 MB in 40 batches; with a fixed threshold, from 302
+    to 319 MB (the lab template's benchmarks/RESULTS.md, bench_data.py). Same as
+    MALLOC_MMAP_THRESHOLD_=4194304.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        m_mmap_threshold = -3  # from glibc's malloc.h
+        libc.mallopt(m_mmap_threshold, threshold)
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to fix
+        pass
+
+
+class Loader:
+    """Iterable of `(x, y)` batches on `device`; `len()` is the number of batches per epoch.
+
+    Training drops the ragged last batch (BatchNorm sees full batches, compiled graphs one
+    shape); evaluation keeps it, so every sample is scored.
+    """
+
+    def __init__(
+        self,
+        split: Split | FileSplit,
+        batch_size: int,
+        *,
+        train: bool,
+        device,
+        seed: int,
+        augment: bool = True,
+        shard: tuple[int, int] = (0, 1),
+    ):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.device = torch.device(device)
+        self.batch_size = batch_size
+        self.train = train
+        self.seed = seed
+        self.drop_last = train
+        self.shard = shard  # (rank, world): this process takes the rank-th 1/world of each batch
+        self.num_samples = len(split)
+        self.epoch, self.skip_batches = 0, 0
+        self._epoch_set = True
+        # Augmentation and normalisation on the device (augment.py): the loaders only gather.
+        # augment=False (a task with per-pixel targets, which crop and flip would not move):
+        # normalised only.
+        self.transform = DeviceTransform(
+            split.image_shape, train=train and augment, device=self.device
+        )
+
+    def __len__(self) -> int:
+        if self.drop_last:
+            return self.num_samples // self.batch_size
+        return -(-self.num_samples // self.batch_size)
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        """Fix the shuffle order for `epoch` and start it at batch `skip_batches` (for resume)."""
+        self.epoch, self.skip_batches = epoch, skip_batches
+        self._epoch_set = True
+
+    def _next_epoch(self) -> None:
+        # Iterating again without set_epoch() moves to the next epoch instead of repeating one.
+        if not self._epoch_set:
+            self.epoch, self.skip_batches = self.epoch + 1, 0
+        self._epoch_set = False
+
+    def batch_indices(self) -> list[torch.Tensor]:
+        """This epoch's batches as index tensors: a pure function of (seed, epoch, skip)."""
+        if self.train:
+            order = torch.from_numpy(
+                np.random.default_rng([self.seed, self.epoch]).permutation(self.num_samples)
+            )
+        else:
+            order = torch.arange(self.num_samples)
+        batches = list(order.split(self.batch_size))[: len(self)][self.skip_batches :]
+        rank, world = self.shard
+        if world > 1:  # torchrun: contiguous, disjoint shards of the same global batches
+            batches = [b.tensor_split(world)[rank] for b in batches]
+            batches = [b for b in batches if len(b)]  # an evaluation's short last batch
+        return batches
+
+    @staticmethod
+    def _stored_images(split: Split) -> torch.Tensor:
+        """The split's stored images as uint8 NHWC: a view, no copy (Split keeps NHWC memory)."""
+        return split.images.permute(0, 2, 3, 1).contiguous()
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        raise NotImplementedError
+
+
+class _ArrayDataset(torch.utils.data.Dataset):
+    """The whole split as uint8 NHWC in RAM: no per-sample work."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor | None):
+        self.images, self.labels, self.rows = images, labels, rows
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int):
+        return self.__getitems__([index])
+
+    def __getitems__(self, indices: list[int]):
+        # The DataLoader asks for a whole batch at once: one gather instead of N small tensors.
+        index = torch.as_tensor(indices)
+        rows = index if self.rows is None else self.rows.index_select(0, index)
+        # index_select, not images[index]: the latter is ~300x slower for uint8 on CPU.
+        with one_cpu_thread(self.images.device):
+            return self.images.index_select(0, rows), self.labels.index_select(0, index)
+
+
+class _FileDataset(torch.utils.data.Dataset):
+    """Image files decoded on demand (in the worker processes): disk -> uint8 NHWC batch."""
+
+    def __init__(self, split: FileSplit):
+        self.paths, self.labels, self.shape = split.paths, split.labels, split.image_shape
+        self.ranges = split.value_ranges
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int):
+        return self.__getitems__([index])
+
+    def __getitems__(self, indices: list[int]):
+        channels, height, width = self.shape
+        batch = np.empty((len(indices), height, width, channels), dtype=np.uint8)
+        for row, i in enumerate(indices):
+            try:
+                batch[row] = decode_image(self.paths[i], (height, width), channels, self.ranges)
+            except UnreadableImage as e:  # to the main process as a value: it names the file
+                return _Unreadable(e.path, e.reason), None
+        return torch.from_numpy(batch), self.labels[torch.as_tensor(indices)]
+
+
+@dataclass
+class _Unreadable:
+    """A batch that could not be decoded (raised as UnreadableImage by the main process)."""
+
+    path: str
+    reason: str
+
+
+class _EpochBatches(torch.utils.data.Sampler):
+    """Batch sampler that yields the loader's current epoch (iterated in the main process)."""
+
+    def __init__(self, loader: Loader):
+        self.loader = loader
+
+    def __iter__(self):
+        return (b.tolist() for b in self.loader.batch_indices())
+
+    def __len__(self) -> int:
+        return len(self.loader) - self.loader.skip_batches
+
+
+def _whole_batch(batch):
+    return batch
+
+
+class DataLoaderLoader(Loader):
+    """torch DataLoader over the in-RAM array or the image files; the uint8 batch is moved to
+    the device, then converted there."""
+
+    def __init__(self, split: Split | FileSplit, batch_size: int, *, workers: int | None, **kwargs):
+        super().__init__(split, batch_size, **kwargs)
+        streaming = isinstance(split, FileSplit)
+        self.workers = (
+            default_workers(self.device, streaming=streaming) if workers is None else workers
+        )
+        _fix_malloc_mmap_threshold()  # batch-sized buffers, freed, must not fragment the heap
+        if streaming:
+            dataset = _FileDataset(split)
+        else:
+            dataset = _ArrayDataset(self._stored_images(split), split.labels, split.rows)
+        self._on_cuda = self.device.type == "cuda"
+        background = self._on_cuda and self.workers > 0
+        self._loader = torch.utils.data.DataLoader(
+            dataset,
+            batch_sampler=_EpochBatches(self),
+            collate_fn=_whole_batch,
+            num_workers=self.workers,
+            worker_init_fn=worker_init,
+            # Pinned host memory makes the copy below truly asynchronous; only CUDA has it.
+            pin_memory=self._on_cuda,
+            # Workers survive between epochs (no re-fork of a process holding the dataset).
+            persistent_workers=background,
+            # Batches each worker prepares ahead, so the GPU never waits for a decode.
+            prefetch_factor=4 if background else None,
+            # Its own generator: otherwise each epoch's iterator draws its worker base seed from
+            # the global torch RNG, shifting the augmentation stream a resumed run must replay.
+            generator=torch.Generator().manual_seed(self.seed),
+        )
+
+    def __iter__(self):
+        for images, labels in self.raw_batches():
+            # uint8 crosses the bus (4x fewer bytes than float32); non_blocking lets the copy
+            # overlap with the GPU still computing the previous step.
+            images = images.to(self.device, non_blocking=self._on_cuda)
+            labels = labels.to(self.device, non_blocking=self._on_cuda)
+            yield self.transform(images), labels
+
+    def raw_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This epoch's batches as the workers give them: uint8 NHWC and labels, on the CPU.
+
+        An image that fails to decode raises UnreadableImage (naming it). On any error the
+        workers are shut down here, at once: a live iterator kept alive by the exception's
+        traceback would otherwise outlive main() with its workers.
+        """
+        self._next_epoch()
+        with workers_started_safely():
+            batches = iter(self._loader)  # forks the workers (CPU: every epoch)
+        try:
+            for images, labels in batches:
+                if isinstance(images, _Unreadable):
+                    raise UnreadableImage(images.path, images.reason)
+                yield images, labels
+        except Exception:
+            shutdown = getattr(batches, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+                self._loader._iterator = None  # persistent workers: a fresh set next epoch
+            raise
+
+
+class DeviceResidentLoader(Loader):
+    """The whole uint8 split lives on the device; batches are gathered there, nothing crosses
+    the bus during training. 3 KB per 32x32 RGB image: CIFAR-10 takes ~180 MB."""
+
+    def __init__(self, split: Split, batch_size: int, **kwargs):
+        super().__init__(split, batch_size, **kwargs)
+        images = self._stored_images(split)
+        if split.rows is not None:
+            images = images.index_select(0, split.rows)
+        self.images = images.to(self.device)
+        self.labels = split.labels.to(self.device)
+
+    def __iter__(self):
+        self._next_epoch()
+        batches = self.batch_indices()
+        if not batches:
+            return
+        # One copy of the epoch's order to the device, then every gather happens there.
+        order = torch.cat(batches).to(self.device, non_blocking=True)
+        for index in order.split([len(b) for b in batches]):
+            with one_cpu_thread(self.device):
+                images = self.images.index_select(0, index)
+                labels = self.labels.index_select(0, index)
+            yield self.transform(images), labels
+
+
+def build_loader(
+    split: Split | FileSplit,
+    batch_size: int,
+    *,
+    train: bool,
+    device,
+    workers: int | None = None,
+    gpu_resident: bool = False,
+    seed: int = 0,
+    augment: bool = True,
+    shard: tuple[int, int] = (0, 1),
+) -> Loader:
+    """Return a loader of `(x, y)` on `device`: x float32 normalised channels_last, y the labels.
+
+    Train loaders shuffle (order = f(seed, epoch)), augment (random crop + flip, unless
+    `augment=False`) and drop the last partial batch. `y` is the split's labels as they are.
+    `gpu_resident=True` keeps an in-memory split whole on `device` (see `fits_on_device`);
+    otherwise a DataLoader with `workers` processes (None: `default_workers`). A `FileSplit`
+    is always streamed. `shard=(rank, world)`: this rank's contiguous 1/world of every batch.
+    """
+    common = dict(train=train, device=device, seed=seed, augment=augment, shard=shard)
+    if gpu_resident and isinstance(split, Split):
+        return DeviceResidentLoader(split, batch_size, **common)
+    return DataLoaderLoader(split, batch_size, workers=workers, **common)
