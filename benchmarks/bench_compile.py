@@ -113,14 +113,15 @@ def main(argv=None) -> int:
     ms = {k: (1e3 * statistics.median(v), 1e3 * min(v)) for k, v in m.items()}
     machine = device_name(torch.device("cpu"))
     print(f"machine: {machine}; torch {torch.__version__}; load avg {load:.1f}")
-    print("| what (CPU, batch %d, width %d, 32x32x3) | median ms | best ms | repeats |"
-          % (args.batch_size, args.width))
+    print(f"| what (CPU, batch {args.batch_size}, width {args.width}, 32x32x3) | median ms | "
+          "best ms | repeats |")
     print("|---|---:|---:|---:|")
-    print("| decision before compiling (peek + 4 forward+backward) | %.1f | %.1f | %d |"
-          % (*ms["decide"], args.repeats))
-    print("| one optimizer step of the same job | %.1f | %.1f | %d |" % (*ms["step"], args.repeats))
-    print("| choose_compile, --compile auto on CPU | %.4f | %.4f | %d |"
-          % (*ms["choose"], args.repeats))
+    rows = (("decision before compiling (peek + 4 forward+backward)", "decide", ".1f"),
+            ("one optimizer step of the same job", "step", ".1f"),
+            ("choose_compile, --compile auto on CPU", "choose", ".4f"))
+    for what, key, fmt in rows:
+        median, best = ms[key]
+        print(f"| {what} | {median:{fmt}} | {best:{fmt}} | {args.repeats} |")
     if not args.skip_cache:
         cold, warm = cache_effect(project)
         print(f"| compile_time_s, empty project cache / second job, same cache | {cold:.1f} s | "
