@@ -192,7 +192,7 @@ WORKER_SCRIPT = textwrap.dedent("""
     from {{ cookiecutter.package_name }}.data import Split, build_loader
 
     stops = []
-    for sig in (signal.SIGTERM, signal.SIGINT):  # the main process decides what a stop means
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):  # the main decides
         signal.signal(sig, lambda signum, frame: stops.append(signum))
     split = Split(torch.zeros(4096, 3, 8, 8, dtype=torch.uint8), torch.zeros(4096).long())
     loader = build_loader(split, 4, train=True, device="cpu", workers=2)
@@ -208,7 +208,8 @@ WORKER_SCRIPT = textwrap.dedent("""
 
 
 def test_workers_survive_a_process_group_signal(tmp_path):
-    """Slurm signals every process of the job: the workers must leave the stop to the main."""
+    """Slurm (TERM, `scancel --full` USR1), Ctrl-C (INT) and a closed terminal (HUP) signal every
+    process of the group: the workers must leave the stop to the main process."""
     proc = subprocess.Popen(
         [sys.executable, "-c", WORKER_SCRIPT],
         stdout=subprocess.PIPE,
@@ -219,14 +220,44 @@ def test_workers_survive_a_process_group_signal(tmp_path):
     )
     try:
         assert proc.stdout.readline() == "workers running\n", proc.stderr.read()
-        os.killpg(proc.pid, signal.SIGTERM)  # the whole group: main process and both workers
-        os.killpg(proc.pid, signal.SIGINT)
+        for sig in (signal.SIGHUP, signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+            os.killpg(proc.pid, sig)  # the whole group: main process and both workers
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 75, err
     assert "stopped cleanly" in out and "killed by signal" not in err
+
+
+def _sleep_as_a_worker(ready) -> None:
+    loaders.worker_init(0)
+    ready.set()
+    time.sleep(60)
+
+
+def test_a_worker_outlives_every_stop_signal_but_its_parents_term():
+    """A closed terminal (HUP), `scancel --full` (USR1) and Ctrl-C (INT) reach the workers too:
+    each must leave the stop to the main process (their default action would kill the worker,
+    and the run would fail instead of checkpointing); the parent's own TERM still ends it."""
+    import multiprocessing
+
+    fork = multiprocessing.get_context("fork")
+    ready = fork.Event()
+    worker = fork.Process(target=_sleep_as_a_worker, args=(ready,))
+    worker.start()
+    try:
+        assert ready.wait(30)
+        for sig in (signal.SIGHUP, signal.SIGUSR1, signal.SIGINT):
+            os.kill(worker.pid, sig)
+        time.sleep(0.5)
+        assert worker.is_alive()
+        os.kill(worker.pid, signal.SIGTERM)  # sent by its parent: the worker's end
+        worker.join(30)
+        assert worker.exitcode == 128 + signal.SIGTERM
+    finally:
+        if worker.is_alive():
+            worker.kill()
 
 
 def test_resize_of_arrays_keeps_uint8(tmp_path):

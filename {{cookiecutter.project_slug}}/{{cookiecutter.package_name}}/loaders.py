@@ -91,7 +91,7 @@ def worker_init(_worker_id: int) -> None:
 
     Slurm and Ctrl-C signal the whole process group: a worker dying of it would turn a graceful
     stop (checkpoint, exit 75) into "DataLoader worker killed by signal" in the main process.
-    So SIGINT and SIGTERM stay blocked here (they were blocked for the fork, by
+    So the stop signals (INT, TERM, HUP, USR1) stay blocked here (they were blocked for the fork, by
     workers_started_safely) and one thread takes them: a SIGTERM sent by the parent itself
     (how multiprocessing's exit handler and torch's shutdown end workers) or any SIGTERM once
     the parent is gone ends the worker as SIGTERM's default action would. Workers that ignored
@@ -125,12 +125,14 @@ def set_parent_death_signal(signum: int) -> None:
         pass
 
 
-_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+# Every stop signal of stopping.STOP_SIGNALS: a closed terminal's SIGHUP and `scancel --full`'s
+# USR1 reach the whole group too, and their default action would kill a worker.
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1}
 
 
 @contextlib.contextmanager
 def workers_started_safely() -> Iterator[None]:
-    """Block SIGINT/SIGTERM while DataLoader workers are forked: a group signal landing between
+    """Block the stop signals while DataLoader workers are forked: a group signal landing between
     a worker's fork and its worker_init_fn would otherwise kill it (Slurm's TERM at an epoch's
     start, when CPU workers are started anew). Blocked in the main process only for the fork;
     a signal that came meanwhile reaches the stop handler when they are unblocked."""
