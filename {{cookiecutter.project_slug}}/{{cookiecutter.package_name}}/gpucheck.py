@@ -148,6 +148,7 @@ def build_job(ctx: Context, *flags: str, dtype=None, mode: str | None = "run") -
     from .hardware import choose_precision, setup_backends, timed
     from .state import TrainingState
     from .stopping import EarlyStopping
+    from .tasks import create_task
     from .train import build_trainer, seed_everything
 
     run = run_module()
@@ -162,7 +163,8 @@ def build_job(ctx: Context, *flags: str, dtype=None, mode: str | None = "run") -
     device = ctx.device
     chosen, _ = choose_precision(device, args.amp)
     setup_backends(device, args.deterministic)
-    data = run.build_data(args, device)
+    task = create_task(args.task, args, args.monitor)
+    data = run.build_data(args, device, task)
     seed_everything(args.seed)
     model = run.make_model(args, data.info).to(device, memory_format=torch.channels_last)
     trainer = build_trainer(
@@ -173,6 +175,7 @@ def build_job(ctx: Context, *flags: str, dtype=None, mode: str | None = "run") -
         compile_mode=None,
         total_steps=run.total_steps(args, data.steps_per_epoch),
         log=ctx.log,
+        task=task,
     )
     state = TrainingState(trainer, EarlyStopping(args.patience), device=device, config_hash="-")
     now = timed(device)
@@ -195,11 +198,13 @@ def job_and_ceiling(job: Job, steps: int, warmup: int = 5) -> tuple[float, float
     steps = min(steps, per_epoch - warmup)
     if steps < 1:
         raise ValueError(f"{per_epoch} steps per epoch: too few for {warmup} + 1 steps")
+    from .distributed import Dist  # one process: gpucheck's jobs are not under torchrun
+
     never = types.SimpleNamespace(requested=None)
     args.max_steps = warmup  # untimed: cuDNN autotuning, allocator growth, worker start
-    run.train_epoch(job.state, loader, per_epoch, args, never)
+    run.train_epoch(job.state, loader, per_epoch, args, never, Dist())
     args.max_steps = warmup + steps
-    seconds = run.train_epoch(job.state, loader, per_epoch, args, never)
+    seconds = run.train_epoch(job.state, loader, per_epoch, args, never, Dist())
     samples = steps * args.batch_size * args.grad_accum
     loader.set_epoch(0)
     batches = [b for _, b in zip(range(8), loader, strict=False)]
