@@ -31,7 +31,7 @@ BASE_FILES = [
     "tests/test_folder_trust.py", "tests/test_tasks.py", "tests/test_imagecache.py",
     "tests/released_run/config.json", "tests/released_run/metrics.json",
     "tests/released_run/history.csv", "tests/released_run/status",
-    "tests/test_distributed.py", "tests/ddp_worker.py",
+    "tests/test_distributed.py", "tests/ddp_worker.py", "tests/test_adversarial.py",
 ]
 SLURM_FILES = ["scripts/slurm_task.sh", "tests/test_slurm.py"]
 GITHUB_ACTIONS_FILES = [".github/workflows/ci.yml", ".github/workflows/cruft-update.yml"]

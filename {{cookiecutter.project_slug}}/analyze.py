@@ -115,7 +115,11 @@ def readable(args) -> list[str]:
 def prepare(args) -> SimpleNamespace:
     """Both models with their best weights, the layer names, the test images: every bad input
     is found here, before a file of the job is written."""
-    from {{ cookiecutter.package_name }}.checkpoint import CheckpointError, load_model_state, load_weights
+    from {{ cookiecutter.package_name }}.checkpoint import (  # one per line: fits any package name
+        CheckpointError,
+        load_model_state,
+        load_weights,
+    )
     from {{ cookiecutter.package_name }}.hardware import resolve_device
     from {{ cookiecutter.package_name }}.model import create_model
     from {{ cookiecutter.package_name }}.similarity import default_layer, describe, layers
