@@ -358,8 +358,10 @@ def test_queue_makespan_near_list_scheduling_bound(queue_run):
     allowance = 0.1
     print(f"makespan {makespan:.3f} s, list-scheduling bound {bound:.3f} s")
     assert makespan <= 1.10 * bound + allowance, (makespan, bound)
-    static = max(sum(DURATIONS[g::N_GPUS]) for g in range(N_GPUS))
-    assert makespan < 0.7 * static  # clearly better than a static round-robin split
+    # Clearly better than a static round-robin split of the same measured durations (the
+    # nominal DURATIONS leave out each job's interpreter start-up, which the makespan includes).
+    static = max(sum(durations[g::N_GPUS]) for g in range(N_GPUS))
+    assert makespan < 0.7 * static, (makespan, static)
 
 
 def test_init_tracking_once_before_any_job(queue_run):
