@@ -151,7 +151,8 @@ def train(args, parser, out, stop: GracefulStop, held, dist) -> int:
         return run_tools(args, trainer, data, device, dtype, out, log)
     if changed := changed_data(out, config):  # arrays: a resume on other data is refused
         log.error("cannot resume: %s", changed)
-        runs.try_write_status(out, "refused")
+        if dist.is_main:  # one writer
+            runs.try_write_status(out, "refused")
         runs.close_logging(log)
         return error(changed, EXIT_USAGE)
     try:
