@@ -5,11 +5,15 @@ Python string literal, see rendered_context); the functions take plain arguments
 tests import and call them on a directory of their own.
 """
 
+import base64
+import hashlib
 import json
 import shutil
 import stat
 import subprocess
 import sys
+import tomllib
+import zipfile
 from pathlib import Path
 
 EXECUTABLES = ("run.sh", "scripts/sweep_lib.sh", "scripts/slurm_task.sh")
@@ -88,13 +92,63 @@ def write_cruft_state(project: Path, context: dict, repo_dir: Path) -> bool:
     return True
 
 
+# A fixed time stamp for every file of the wheel: the same library gives the same bytes, so an
+# unchanged library makes no diff in a project's `cruft update`.
+WHEEL_DATE = (2020, 1, 1, 0, 0, 0)
+
+
+def build_wheel(lib_dir: Path, out_dir: Path) -> Path:
+    """A pure-Python wheel of the library (lib/) in out_dir, written directly (a wheel is a zip
+    with three metadata files): no build backend and no network needed while rendering. The
+    project installs it with `pip install --find-links wheels` until the lab publishes it."""
+    meta = tomllib.loads((lib_dir / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    name, version = meta["name"], meta["version"]
+    dist_info = f"{name}-{version}.dist-info"
+    files = {}
+    package_dir = lib_dir / "src" / name
+    for path in sorted(package_dir.rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts and path.suffix in (".py", ".sh"):
+            files[f"{name}/{path.relative_to(package_dir).as_posix()}"] = path.read_bytes()
+    metadata = [
+        "Metadata-Version: 2.1",
+        f"Name: {name}",
+        f"Version: {version}",
+        f"Summary: {meta.get('description', '')}",
+        f"Requires-Python: {meta.get('requires-python', '>=3.11')}",
+        *(f"Requires-Dist: {dep}" for dep in meta.get("dependencies", [])),
+    ]
+    files[f"{dist_info}/METADATA"] = ("\n".join(metadata) + "\n").encode()
+    files[f"{dist_info}/WHEEL"] = (
+        "Wheel-Version: 1.0\nGenerator: lab-template\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    ).encode()
+    scripts = meta.get("scripts", {})
+    if scripts:
+        lines = ["[console_scripts]", *(f"{k} = {v}" for k, v in scripts.items())]
+        files[f"{dist_info}/entry_points.txt"] = ("\n".join(lines) + "\n").encode()
+    record = []
+    for arcname, data in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record.append(f"{arcname},sha256={digest},{len(data)}")
+    record.append(f"{dist_info}/RECORD,,")
+    files[f"{dist_info}/RECORD"] = ("\n".join(record) + "\n").encode()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    wheel = out_dir / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as archive:
+        for arcname, data in files.items():
+            info = zipfile.ZipInfo(arcname, date_time=WHEEL_DATE)
+            info.external_attr = 0o644 << 16
+            info.compress_type = zipfile.ZIP_DEFLATED
+            archive.writestr(info, data)
+    return wheel
+
+
 def next_steps(slug: str) -> str:
     return "\n".join(
         [
             f"Created {slug}/. Next (README.md, 'Install' and 'First steps'):",
             f"  cd {slug}",
             "  pip install torch --index-url https://download.pytorch.org/whl/cpu  # CPU build",
-            "  pip install -e '.[dev]'      # uv: uv pip install -r pyproject.toml --extra cpu ...",
+            "  pip install --find-links wheels -e '.[dev]'   # labrun's wheel is in wheels/",
             "  git init && git add -A && git commit -m 'Start from the lab template'",
             "  pre-commit install           # the lint on every commit (offline)",
             "  bash run.sh --quick          # the sweep small and short, into results/quick/",
@@ -126,6 +180,11 @@ def main() -> int:
     project = Path.cwd()
     context, render_dir = rendered_context()
     make_executable(project)
+    lib_dir = render_dir / "lib"
+    if (lib_dir / "pyproject.toml").is_file():
+        build_wheel(lib_dir, project / "wheels")
+    else:
+        print(f"note: no library at {lib_dir}; install labrun from the package index")
     remove_excluded(
         project,
         use_slurm=context["use_slurm"] is True,

@@ -5,6 +5,8 @@
 # downloading, building) are shown as they come, so a first install of several minutes is not
 # one silent line. Lines about packages already there are left out.
 #
+# The library, labrun (lib/), is installed editable: an edit there is live in every test.
+#
 # Usage: source scripts/venv.sh; ensure_venv EXTRA
 # INSTALLER=uv uses uv (`uv venv`, `uv pip install`) instead of pip. uv does not read pip's
 # configuration: a local wheel folder must be in PIP_FIND_LINKS or UV_FIND_LINKS.
@@ -33,10 +35,10 @@ ensure_venv() {
   if [[ "${installer}" == uv ]]; then
     local find_links="${UV_FIND_LINKS:-${PIP_FIND_LINKS:-}}"
     uv pip install --python .venv/bin/python ${find_links:+--find-links "${find_links}"} \
-      -c constraints.txt ".[${extra}]"
+      -c constraints.txt -e ./lib ".[${extra}]"
   else
     .venv/bin/python -m pip install --disable-pip-version-check --progress-bar off \
-      -c constraints.txt ".[${extra}]" \
+      -c constraints.txt -e ./lib ".[${extra}]" \
       | { grep --line-buffered -v -e '^Requirement already satisfied' -e '^  Using cached' || true; }
   fi
   step "ready in $((SECONDS - started)) s"

@@ -26,8 +26,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from {{ cookiecutter.package_name }} import jobs, runs
-from {{ cookiecutter.package_name }}.config import UsageError, _positive_int, _seed
+from labrun import jobs, runs
+from labrun.config import UsageError, _positive_int, _seed
 
 TABLE = "cka_layers.csv"
 # The arguments of run.py that decide which images the test split holds.
@@ -115,14 +115,14 @@ def readable(args) -> list[str]:
 def prepare(args) -> SimpleNamespace:
     """Both models with their best weights, the layer names, the test images: every bad input
     is found here, before a file of the job is written."""
-    from {{ cookiecutter.package_name }}.checkpoint import (  # one per line: fits any package name
+    from labrun.checkpoint import (  # one per line: fits any package name
         CheckpointError,
         load_model_state,
         load_weights,
     )
-    from {{ cookiecutter.package_name }}.hardware import resolve_device
-    from {{ cookiecutter.package_name }}.model import create_model
-    from {{ cookiecutter.package_name }}.similarity import default_layer, describe, layers
+    from labrun.hardware import resolve_device
+    from labrun.models import create_model
+    from labrun.similarity import default_layer, describe, layers
 
     configs = [finished_config(args.run_a, "RUN_A"), finished_config(args.run_b, "RUN_B")]
     differ = [k for k in DATA_KEYS if configs[0].get(k) != configs[1].get(k)]
@@ -162,7 +162,7 @@ def test_images(config: dict, args, device):
     """`--images` test images of the runs' dataset (a seeded choice), as one batch per entry."""
     import torch
 
-    from {{ cookiecutter.package_name }}.data import FileSplit, Split, build_loader, load_dataset
+    from labrun.data import FileSplit, Split, build_loader, load_dataset
 
     image_size = config.get("image_size")  # the size the run's model saw (config.json)
     loaded = load_dataset(
@@ -188,7 +188,7 @@ def test_images(config: dict, args, device):
 
 
 def work(job: jobs.Job) -> dict:
-    from {{ cookiecutter.package_name }}.similarity import activations, cka_matrix
+    from labrun.similarity import activations, cka_matrix
 
     p = job.prepared
     n = sum(len(x) for x in p.images)

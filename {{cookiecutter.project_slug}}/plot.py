@@ -46,7 +46,7 @@ from matplotlib.patches import Rectangle  # noqa: E402
 from matplotlib.textpath import TextToPath  # noqa: E402
 from matplotlib.ticker import EngFormatter, MaxNLocator, NullLocator  # noqa: E402
 
-from {{ cookiecutter.package_name }}.analysis import (  # noqa: E402
+from labrun.analysis import (  # noqa: E402
     Row,
     Table,
     aggregate,
@@ -58,9 +58,9 @@ from {{ cookiecutter.package_name }}.analysis import (  # noqa: E402
     load_system_metrics,
     write_tables,
 )
-from {{ cookiecutter.package_name }}.config import DEFAULT_EXPERIMENT, PROJECT_ROOT  # noqa: E402
-from {{ cookiecutter.package_name }}.runs import METRICS, atomic_path, read_json  # noqa: E402
-from {{ cookiecutter.package_name }}.tracking import tracking_uri  # noqa: E402  (no mlflow import)
+from labrun.config import DEFAULT_EXPERIMENT, PROJECT_ROOT  # noqa: E402
+from labrun.runs import METRICS, atomic_path, read_json  # noqa: E402
+from labrun.tracking import tracking_uri  # noqa: E402  (no mlflow import)
 
 # run.sh gives every job `--results-dir results/$SWEEP_NAME` (default: sweep); `python run.py` on
 # its own writes to results/trials, so trial runs never mix into the sweep's figures.

@@ -25,10 +25,10 @@ import sys
 import traceback
 from typing import NamedTuple
 
-from {{ cookiecutter.package_name }} import distributed, jobs, runs
-from {{ cookiecutter.package_name }}.claim import LostClaim
-from {{ cookiecutter.package_name }}.config import UsageError, parse_args, resolved_config, run_dir
-from {{ cookiecutter.package_name }}.jobs import (
+from labrun import distributed, jobs, runs
+from labrun.claim import LostClaim
+from labrun.config import UsageError, parse_args, resolved_config, run_dir
+from labrun.jobs import (
     EXIT_BUSY,
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -36,7 +36,7 @@ from {{ cookiecutter.package_name }}.jobs import (
     EXIT_USAGE,
     error,
 )
-from {{ cookiecutter.package_name }}.stopping import GracefulStop
+from labrun.stopping import GracefulStop
 
 UNREADABLE_HINT = (
     "it changed after its folder was checked (rewritten in place); re-run: the folder is "
@@ -55,16 +55,16 @@ def train(args, parser, out, stop: GracefulStop, held, dist) -> int:
     """The method: config -> data -> model -> (resume) -> loop -> test -> save."""
     import torch
 
-    from {{ cookiecutter.package_name }} import checkpoint as ckpt
-    from {{ cookiecutter.package_name }}.hardware import (
+    from labrun import checkpoint as ckpt
+    from labrun.hardware import (
         choose_precision,
         resolve_device,
         setup_backends,
     )
-    from {{ cookiecutter.package_name }}.state import TrainingState
-    from {{ cookiecutter.package_name }}.stopping import EarlyStopping, check_finite
-    from {{ cookiecutter.package_name }}.tasks import create_task
-    from {{ cookiecutter.package_name }}.train import (
+    from labrun.state import TrainingState
+    from labrun.stopping import EarlyStopping, check_finite
+    from labrun.tasks import create_task
+    from labrun.train import (
         build_trainer,
         evaluate,
         peak_epoch,
@@ -82,7 +82,7 @@ def train(args, parser, out, stop: GracefulStop, held, dist) -> int:
         device = dist.place(resolve_device(args.device))
         dtype, precision_why = choose_precision(device, args.amp)
         if args.profile:  # the CUDA memory snapshot then covers the whole run, model included
-            from {{ cookiecutter.package_name }}.tuning import start_memory_history
+            from labrun.tuning import start_memory_history
 
             start_memory_history(device)
         data = build_data(args, device, task, dist.shard)
@@ -259,8 +259,8 @@ class Data(NamedTuple):
 
 def build_data(args, device, task, shard: tuple[int, int] = (0, 1)) -> Data:
     """Splits, loaders, optimizer steps per epoch; UsageError for sizes that cannot work."""
-    from {{ cookiecutter.package_name }}.data import build_loader, check_batch_size, load_dataset
-    from {{ cookiecutter.package_name }}.hardware import choose_gpu_resident
+    from labrun.data import build_loader, check_batch_size, load_dataset
+    from labrun.hardware import choose_gpu_resident
 
     loaded = load_dataset(
         args.dataset,
@@ -303,7 +303,7 @@ def build_data(args, device, task, shard: tuple[int, int] = (0, 1)) -> Data:
 def changed_data(out, config: dict) -> str | None:
     """Why this run directory must not resume: it began on other data (arrays keep their run
     name across data versions; their content hash is compared here)."""
-    from {{ cookiecutter.package_name }}.dataversion import changed_since
+    from labrun.dataversion import changed_since
 
     if not (out / runs.CHECKPOINT).is_file():  # nothing to resume: it starts on today's data
         return None
@@ -316,7 +316,7 @@ def changed_data(out, config: dict) -> str | None:
 
 def make_model(args, info):
     """The registered --model, sized for this dataset (a misfit is bad input: ValueError)."""
-    from {{ cookiecutter.package_name }}.model import create_model
+    from labrun.models import create_model
 
     return create_model(
         args.model,
@@ -372,8 +372,8 @@ def warm_up(state, data: Data, args, log) -> None:
     (hardware.compile_if_it_pays; auto on CPU stays eager and measures nothing). The Trainer and
     peek_batch put back all they touch, so the run goes on as if this had not happened.
     Compile time is summed over resumes: every compile of the run was paid for."""
-    from {{ cookiecutter.package_name }}.config import PROJECT_ROOT
-    from {{ cookiecutter.package_name }}.hardware import compile_if_it_pays
+    from labrun.config import PROJECT_ROOT
+    from labrun.hardware import compile_if_it_pays
 
     p, trainer = state.progress, state.trainer
     p.compile_time_s += compile_if_it_pays(
@@ -392,7 +392,7 @@ def peek_batch(loader, epoch: int, device):
     strides for 1-channel data, and the compiled graph would recompile on the first real batch),
     without shifting the run: the loader's order is a function of (seed, epoch) and train_epoch
     sets the epoch again; the RNG draws of the augmentation are put back."""
-    from {{ cookiecutter.package_name }}.checkpoint import rng_state, set_rng_state
+    from labrun.checkpoint import rng_state, set_rng_state
 
     saved = rng_state(device)
     loader.set_epoch(epoch)
@@ -411,7 +411,7 @@ def train_epoch(state, loader, steps_per_epoch: int, args, stop, dist) -> float:
     so that its rate counts the samples of the steps timed. The loader's order is a function
     of (seed, epoch), so a resumed epoch skips the micro-batches it already did and continues.
     """
-    from {{ cookiecutter.package_name }}.hardware import timed
+    from labrun.hardware import timed
 
     p, trainer = state.progress, state.trainer
     resumed_in_epoch = p.batch > 0
@@ -451,8 +451,8 @@ def progress_bar(args, steps_per_epoch: int, p):
 
 def run_tools(args, trainer, data: Data, device, dtype, out, log) -> int:
     """--find-lr, --find-batch-size, --profile: measure, report, exit without training."""
-    from {{ cookiecutter.package_name }}.train import build_optimizer
-    from {{ cookiecutter.package_name }}.tuning import (
+    from labrun.train import build_optimizer
+    from labrun.tuning import (
         find_batch_size,
         find_lr,
         profile_training,
@@ -511,7 +511,7 @@ class RunRecord:
     def __init__(self, out, config: dict, args, device, dtype, log, claim) -> None:
         import time
 
-        from {{ cookiecutter.package_name }}.tracking import Tracker, provenance, run_params
+        from labrun.tracking import Tracker, provenance, run_params
 
         self.out, self.log, self.device, self._time = out, log, device, time
         self.claim = claim
@@ -591,7 +591,7 @@ class RunRecord:
             runs.try_write_status(self.out, "interrupted")
 
     def finished(self, state, task, test: dict[str, float], reason: str) -> None:
-        from {{ cookiecutter.package_name }}.hardware import peak_memory_bytes
+        from labrun.hardware import peak_memory_bytes
 
         p, stopper = state.progress, state.stopper
         metrics = {
@@ -647,11 +647,11 @@ class RunRecord:
         self.log.error("run failed:\n%s", text)
         runs.try_write_status(self.out, "failed")
         self.tracker.end("FAILED", state.progress.history, error=text)
-        from {{ cookiecutter.package_name }}.imagefolder import UnreadableImage
+        from labrun.imagefolder import UnreadableImage
 
         message = f"{type(exc).__name__}: {exc}".splitlines()[0]
         if isinstance(exc, UnreadableImage):  # changed since the scan: bad input, not a retry
-            from {{ cookiecutter.package_name }}.dataversion import forget
+            from labrun.dataversion import forget
 
             forget(args.data_path, args.data_dir)  # the next start fingerprints every file
             return error(f"{exc}; {UNREADABLE_HINT}", EXIT_USAGE)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from {{ cookiecutter.package_name }}.stopping import STOP_SIGNALS
+from labrun.stopping import STOP_SIGNALS
 
 # Tiny models run fastest on one thread, and two threads on a loaded 2-core machine are many
 # times slower (OpenMP workers wait for a busy core): every test job uses one.
@@ -42,7 +42,7 @@ TINY = [
 @pytest.fixture(scope="session")
 def mlflow_uri(tmp_path_factory) -> str:
     """A private sqlite DB, created once (as run.sh does before fanning out)."""
-    from {{ cookiecutter.package_name }} import tracking
+    from labrun import tracking
 
     uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
     with pytest.MonkeyPatch.context() as patch:  # in-process: mlflow is imported once anyway

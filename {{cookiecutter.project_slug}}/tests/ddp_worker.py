@@ -14,9 +14,9 @@ import sys
 import torch
 from torch import nn
 
-from {{ cookiecutter.package_name }}.data import Split, build_loader
-from {{ cookiecutter.package_name }}.distributed import session
-from {{ cookiecutter.package_name }}.train import (
+from labrun.data import Split, build_loader
+from labrun.distributed import session
+from labrun.train import (
     Trainer,
     build_optimizer,
     build_scheduler,

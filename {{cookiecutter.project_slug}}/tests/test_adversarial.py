@@ -25,7 +25,7 @@ from conftest import (
     wait_while_running,
 )
 
-from {{ cookiecutter.package_name }} import runs
+from labrun import runs
 
 QUICK = ("--epochs", "1", "--max-steps", "3")
 IS_ROOT = os.geteuid() == 0
@@ -131,7 +131,7 @@ def test_a_crafted_tracking_json_is_ignored_not_logged(main_in_process, tmp_path
     ],
 )
 def test_tracking_json_values_are_checked(tmp_path, state, caplog):
-    from {{ cookiecutter.package_name }}.tracking import _read_state
+    from labrun.tracking import _read_state
 
     (tmp_path / "tracking.json").write_text(json.dumps(state))
     assert _read_state(tmp_path, __import__("logging").getLogger("t")) == {}
@@ -221,7 +221,7 @@ def test_a_stop_signal_after_the_checkpoint_still_ends_in_75(env, data_dir, tmp_
 
 
 def test_a_job_started_under_nohup_keeps_ignoring_sighup():
-    from {{ cookiecutter.package_name }}.stopping import GracefulStop
+    from labrun.stopping import GracefulStop
 
     old = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what nohup does
     stop = GracefulStop()
@@ -236,7 +236,7 @@ def test_a_job_started_under_nohup_keeps_ignoring_sighup():
 
 # ---- the shared MLflow DB ---
 def test_the_mlflow_db_and_its_journal_follow_the_umask(tmp_path, monkeypatch):
-    from {{ cookiecutter.package_name }} import tracking
+    from labrun import tracking
 
     db = tmp_path / "shared" / "mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
@@ -258,7 +258,7 @@ def test_the_mlflow_db_and_its_journal_follow_the_umask(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_a_deleted_mlflow_db_is_one_warning_not_a_flood(env, data_dir, tmp_path, monkeypatch):
-    from {{ cookiecutter.package_name }} import tracking
+    from labrun import tracking
 
     db = tmp_path / "mlflow.db"
     env = {**env, "MLFLOW_TRACKING_URI": f"sqlite:///{db}"}
@@ -327,7 +327,7 @@ def test_a_short_outage_near_the_end_still_reports_the_end(env, data_dir, tmp_pa
 def test_an_outage_through_the_end_is_written_down_and_sync_completes_it(
     env, data_dir, tmp_path, monkeypatch
 ):
-    from {{ cookiecutter.package_name }} import tracking
+    from labrun import tracking
 
     uri = env["MLFLOW_TRACKING_URI"]
     results = tmp_path / "results"
@@ -353,7 +353,7 @@ def test_an_outage_through_the_end_is_written_down_and_sync_completes_it(
 # ---- tracking sync beside a live job ---
 @pytest.mark.slow
 def test_sync_beside_a_live_job_sends_every_row_once_to_one_run(env, data_dir, tmp_path):
-    from {{ cookiecutter.package_name }} import tracking
+    from labrun import tracking
 
     uri, results = env["MLFLOW_TRACKING_URI"], tmp_path / "results"
     proc = popen_cli("--epochs", "12", results_dir=results, data_dir=data_dir, env=env)
@@ -383,14 +383,14 @@ def test_a_bad_stop_grace_is_one_line(main_in_process, monkeypatch, capsys, tmp_
 
 @pytest.mark.parametrize(("value", "expected"), [("OFF", "off"), (" On ", "on"), ("", "on")])
 def test_lab_tracking_is_case_insensitive(monkeypatch, value, expected):
-    from {{ cookiecutter.package_name }}.config import parse_args
+    from labrun.config import parse_args
 
     monkeypatch.setenv("LAB_TRACKING", value)
     assert parse_args([])[0].tracking == expected
 
 
 def test_a_bad_lab_tracking_is_refused(monkeypatch, capsys):
-    from {{ cookiecutter.package_name }}.config import parse_args
+    from labrun.config import parse_args
 
     monkeypatch.setenv("LAB_TRACKING", "no")
     with pytest.raises(SystemExit) as exit_info:
@@ -408,7 +408,7 @@ def test_width_1_names_the_flag(main_in_process, tmp_path, capsys):
 
 
 def test_claim_knows_when_its_directory_is_gone(tmp_path):
-    from {{ cookiecutter.package_name }}.claim import LostClaim, claim
+    from labrun.claim import LostClaim, claim
 
     held = claim(tmp_path / "run")
     assert held.still_ours()

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from {{ cookiecutter.package_name }} import runs
-from {{ cookiecutter.package_name }}.model import create_model
-from {{ cookiecutter.package_name }}.similarity import default_layer, layers, linear_cka
+from labrun import runs
+from labrun.models import create_model
+from labrun.similarity import default_layer, layers, linear_cka
 
 ROOT = Path(__file__).resolve().parent.parent
 

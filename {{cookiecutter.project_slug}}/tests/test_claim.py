@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from {{ cookiecutter.package_name }}.claim import LOCK_FILE, Busy, claim, holder
+from labrun.claim import LOCK_FILE, Busy, claim, holder
 
 ROOT = Path(__file__).resolve().parent.parent
 
 # A second process that claims the directory in argv[1], says so, then waits to be killed.
 HOLDER = """
 import sys, time
-from {{ cookiecutter.package_name }}.claim import claim
+from labrun.claim import claim
 held = claim(sys.argv[1])
 print("held", flush=True)
 time.sleep(300)
@@ -88,7 +88,7 @@ def test_a_look_at_the_holder_never_makes_a_claim_fail(tmp_path):
             "\n".join(
                 [
                     "import sys",
-                    "from {{ cookiecutter.package_name }}.claim import holder",
+                    "from labrun.claim import holder",
                     "while True: holder(sys.argv[1])",
                 ]
             ),

@@ -15,8 +15,8 @@ import torch
 from conftest import ROOT, load_run_py, run_dir_of
 from image_folders import make_folder
 
-from {{ cookiecutter.package_name }} import hardware
-from {{ cookiecutter.package_name }}.hardware import CompileCost, CompileRecord, choose_compile
+from labrun import hardware
+from labrun.hardware import CompileCost, CompileRecord, choose_compile
 from {{ cookiecutter.package_name }}.model import build_model
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
@@ -217,7 +217,7 @@ def test_compiling_with_a_peeked_batch_changes_no_number(
 
 
 def test_compile_if_it_pays_records_the_measured_costs(counted_compile, tmp_path):
-    from {{ cookiecutter.package_name }}.train import Trainer, build_optimizer, build_scheduler
+    from labrun.train import Trainer, build_optimizer, build_scheduler
 
     def trainer():
         model = build_model(width=8)

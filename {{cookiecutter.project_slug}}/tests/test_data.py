@@ -12,9 +12,9 @@ import pytest
 import torch
 from conftest import ROOT
 
-from {{ cookiecutter.package_name }} import arrays, augment
-from {{ cookiecutter.package_name }}.augment import random_crop_flip
-from {{ cookiecutter.package_name }}.data import Split, build_loader, fits_on_device, load_dataset
+from labrun import arrays, augment
+from labrun.augment import random_crop_flip
+from labrun.data import Split, build_loader, fits_on_device, load_dataset
 
 NUM_CLASSES = 10  # of every built-in dataset
 
@@ -64,7 +64,7 @@ def test_a_job_with_digits_cached_does_not_import_sklearn(tmp_path):
     load_dataset("digits", tmp_path)
     code = (
         "import sys\n"
-        "from {{ cookiecutter.package_name }}.data import load_dataset\n"
+        "from labrun.data import load_dataset\n"
         f"load_dataset('digits', {str(tmp_path)!r})\n"
         "print('sklearn' in sys.modules)\n"
     )

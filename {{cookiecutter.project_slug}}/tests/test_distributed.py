@@ -293,7 +293,7 @@ def test_slurm_task_under_torchrun_reads_75_from_the_run_directory(tmp_path, env
 def test_shards_of_every_global_batch_are_disjoint_and_exact_on_resume():
     import torch
 
-    from {{ cookiecutter.package_name }}.data import Split, build_loader
+    from labrun.data import Split, build_loader
 
     images = torch.zeros(100, 1, 8, 8, dtype=torch.uint8)
     split = Split(images, torch.arange(100))
@@ -321,7 +321,7 @@ def test_one_process_needs_no_process_group_and_no_torch(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     code = (
         "import sys\n"
-        "from {{ cookiecutter.package_name }} import distributed\n"
+        "from labrun import distributed\n"
         "with distributed.session('cpu') as dist:\n"
         "    assert not dist.active and dist.is_main and dist.verdict(None) is None\n"
         "    assert dist.agree(7) == 7 and dist.decide(True) is True and dist.ddp(None) is None\n"

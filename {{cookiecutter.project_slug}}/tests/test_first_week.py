@@ -97,7 +97,7 @@ def test_own_model_and_dataset_in_new_files_train_and_keep_pytest_green(tmp_path
 
 
 def test_a_name_declared_twice_names_both_places(tmp_path):
-    from {{ cookiecutter.package_name }}.registry import declarations
+    from labrun.registry import declarations
 
     (tmp_path / "a.py").write_text('@register_model("twin")\ndef a(): ...\n')
     (tmp_path / "b.py").write_text('@register_model("twin")\ndef b(): ...\n')
@@ -106,7 +106,7 @@ def test_a_name_declared_twice_names_both_places(tmp_path):
 
 
 def test_trial_runs_and_sweep_runs_go_to_their_own_experiments():
-    from {{ cookiecutter.package_name }}.config import DEFAULT_EXPERIMENT, parse_args
+    from labrun.config import DEFAULT_EXPERIMENT, parse_args
 
     trial, _ = parse_args([])
     sweep, _ = parse_args(["--results-dir", str(ROOT / "results" / "sweep")])
@@ -119,7 +119,7 @@ def test_provenance_warns_outside_git(tmp_path, monkeypatch, caplog):
     """run.py calls provenance(log) once per run: outside git the run's log says so."""
     import logging
 
-    from {{ cookiecutter.package_name }}.tracking import provenance
+    from labrun.tracking import provenance
 
     log = logging.getLogger("test.provenance")
     monkeypatch.setenv("GIT_DIR", str(tmp_path / "no-repository"))  # git finds no repository
@@ -145,7 +145,7 @@ def test_provenance_warns_outside_git(tmp_path, monkeypatch, caplog):
 @pytest.mark.slow  # imports mlflow and creates a sqlite DB
 def test_gitignore_ignores_what_tracking_writes(tmp_path, monkeypatch):
     """mlflow.db, its lock and journal, mlruns/: as the tracker really writes them."""
-    from {{ cookiecutter.package_name }} import tracking
+    from labrun import tracking
 
     shutil.copy(ROOT / ".gitignore", tmp_path / ".gitignore")
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)

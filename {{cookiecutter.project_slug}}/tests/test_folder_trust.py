@@ -17,9 +17,9 @@ from conftest import ROOT, RUN_PY, cli_command, read_metrics
 from image_folders import CLASSES, make_folder, make_image
 from PIL import Image
 
-from {{ cookiecutter.package_name }} import config, data, dataversion
-from {{ cookiecutter.package_name }}.data import load_dataset
-from {{ cookiecutter.package_name }}.imagefolder import decode_image
+from labrun import config, data, dataversion
+from labrun.data import load_dataset
+from labrun.imagefolder import decode_image
 
 
 def load(folder, data_dir, **kwargs):
@@ -225,7 +225,7 @@ def test_a_truncated_jpeg_is_found_by_the_scan_and_listed(tmp_path):
 
 HANG_SCRIPT = textwrap.dedent("""
     import sys, torch
-    from {{ cookiecutter.package_name }}.data import FileSplit, build_loader
+    from labrun.data import FileSplit, build_loader
 
     paths = sys.argv[1:]
     split = FileSplit(paths, torch.zeros(len(paths)).long(), (3, 16, 16))
@@ -414,7 +414,7 @@ def test_the_memory_budget_counts_the_jobs_cgroup_and_slurm(tmp_path, monkeypatc
 
 RSS_SCRIPT = textwrap.dedent("""
     import json, os, resource, sys
-    from {{ cookiecutter.package_name }}.data import build_loader, decoded_bytes, load_dataset
+    from labrun.data import build_loader, decoded_bytes, load_dataset
 
     def rss():
         with open("/proc/self/statm") as f:

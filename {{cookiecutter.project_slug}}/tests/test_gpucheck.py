@@ -15,8 +15,8 @@ import pytest
 import torch
 from conftest import ROOT
 
-from {{ cookiecutter.package_name }} import gpucheck
-from {{ cookiecutter.package_name }}.gpucheck import FAIL, NOT_CHECKED, PASS
+from labrun import gpucheck
+from labrun.gpucheck import FAIL, NOT_CHECKED, PASS
 
 PACKAGE = "{{ cookiecutter.package_name }}"
 

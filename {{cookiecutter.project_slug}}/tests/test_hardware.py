@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from {{ cookiecutter.package_name }} import checkpoint, hardware
+from labrun import checkpoint, hardware
 from {{ cookiecutter.package_name }}.model import build_model
-from {{ cookiecutter.package_name }}.tuning import recommend_batch_size
+from labrun.tuning import recommend_batch_size
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
@@ -70,7 +70,7 @@ def test_deterministic_turns_off_tf32_everywhere_and_raises_instead_of_warning(r
     assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
     assert "compile off" in statement and "Still not reproducible" in statement
     # The default model trains under these rules (amax pooling, gather loss): one step on CPU.
-    from {{ cookiecutter.package_name }}.tasks import cross_entropy
+    from labrun.tasks import cross_entropy
 
     model = build_model(width=8)
     cross_entropy(model(torch.randn(2, 3, 32, 32)), torch.tensor([0, 1])).backward()

@@ -17,8 +17,8 @@ import torch
 from conftest import ROOT, RUN_PY, cli_command, read_metrics, run_dir_of
 from image_folders import CLASSES, make_folder
 
-from {{ cookiecutter.package_name }} import data, imagecache, loaders
-from {{ cookiecutter.package_name }}.data import FileSplit, Split, build_loader, load_dataset
+from labrun import data, imagecache, loaders
+from labrun.data import FileSplit, Split, build_loader, load_dataset
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +189,7 @@ def test_arrays_cannot_be_streamed(tmp_path):
 WORKER_SCRIPT = textwrap.dedent("""
     import signal, sys
     import torch
-    from {{ cookiecutter.package_name }}.data import Split, build_loader
+    from labrun.data import Split, build_loader
 
     stops = []
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):  # the main decides

@@ -20,10 +20,10 @@ from conftest import ROOT
 from image_folders import make_folder
 from PIL import Image
 
-from {{ cookiecutter.package_name }} import imagecache
-from {{ cookiecutter.package_name }}.data import load_dataset
-from {{ cookiecutter.package_name }}.imagefolder import UnreadableImage, decode_image
-from {{ cookiecutter.package_name }}.loaders import FileSplit
+from labrun import imagecache
+from labrun.data import load_dataset
+from labrun.imagefolder import UnreadableImage, decode_image
+from labrun.loaders import FileSplit
 
 PACKAGE = ROOT / "{{ cookiecutter.package_name }}"
 DATA_LAYER = ("data", "datasets", "arrays", "imagefolder", "imagecache", "loaders", "augment")
@@ -74,8 +74,8 @@ def file_split(folder) -> FileSplit:
 DECODE = textwrap.dedent("""
     import json, os, signal, subprocess, sys, time
     import torch
-    from {{ cookiecutter.package_name }} import imagecache
-    from {{ cookiecutter.package_name }}.loaders import FileSplit
+    from labrun import imagecache
+    from labrun.loaders import FileSplit
 
     folder, data_dir, processes, kill_after, ready, go, how = sys.argv[1:]
     stops = []

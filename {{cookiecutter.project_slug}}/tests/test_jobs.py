@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from test_sweep import make_project, run_sweep
 
-from {{ cookiecutter.package_name }} import plan, runs
-from {{ cookiecutter.package_name }}.claim import claim
-from {{ cookiecutter.package_name }}.jobs import NotReady
+from labrun import plan, runs
+from labrun.claim import claim
+from labrun.jobs import NotReady
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "{{ cookiecutter.package_name }}"

@@ -26,7 +26,7 @@ from conftest import (
     wait_while_running,
 )
 
-from {{ cookiecutter.package_name }} import runs
+from labrun import runs
 
 QUICK = ("--epochs", "1", "--max-steps", "3")
 
@@ -102,7 +102,7 @@ def test_files_follow_the_umask_and_temps_are_cleaned(tmp_path):
 @pytest.mark.parametrize("content", ["", "{", "[]", "{}", "null"])
 def test_metrics_json_counts_only_if_it_parses(tmp_path, content):
     """One definition of "done": run.py's (runs.is_done) and the sweep planner's agree."""
-    from {{ cookiecutter.package_name }} import plan
+    from labrun import plan
 
     (tmp_path / "metrics.json").write_text(content)
     assert not runs.is_done(tmp_path)
@@ -171,7 +171,7 @@ def test_no_room_for_a_checkpoint_is_refused_before_any_work(main_in_process, ti
 
 # ---- one claim per run directory ---
 def test_a_claimed_run_directory_is_not_trained_again(main_in_process, tmp_path, capsys):
-    from {{ cookiecutter.package_name }}.claim import claim
+    from labrun.claim import claim
 
     assert main_in_process(*QUICK, "--results-dir", str(tmp_path), "--print-run-dir") == 0
     out = Path(capsys.readouterr().out.strip())
@@ -206,7 +206,7 @@ def test_the_same_run_started_twice_trains_once(env, data_dir, tmp_path):
 def test_a_tracker_that_is_down_never_stops_training_and_sync_sends_it_later(
     main_in_process, tmp_path, monkeypatch, capsys
 ):
-    from {{ cookiecutter.package_name }} import tracking
+    from labrun import tracking
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_free_port()}")
     results = tmp_path / "results"
@@ -275,7 +275,7 @@ def test_eight_parallel_jobs_on_a_fresh_project(data_dir, tmp_path):
 def test_a_burst_of_signals_in_one_step_checkpoints_once_and_exits_75(
     main_in_process, tmp_path, monkeypatch
 ):
-    from {{ cookiecutter.package_name }} import train
+    from labrun import train
 
     original = train.Trainer.step
 

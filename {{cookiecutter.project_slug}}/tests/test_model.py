@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from {{ cookiecutter.package_name }}.model import BUILT_IN, MODELS, build_model, create_model
+from labrun.models import BUILT_IN, MODELS, create_model
+from {{ cookiecutter.package_name }}.model import build_model
 
 
 def test_default_model_forward_backward():
@@ -63,7 +64,7 @@ def test_registered_models_adapt_to_the_data(name, channels, image_size):
 def test_help_names_match_the_registry():
     """config.py reads the @register_model lines of every module of the package without
     importing torch: they must agree with what the decorators register."""
-    from {{ cookiecutter.package_name }}.registry import declarations
+    from labrun.registry import declarations
 
     declared = {name: d.help for name, d in declarations("register_model").items()}
     assert set(BUILT_IN) <= set(declared)

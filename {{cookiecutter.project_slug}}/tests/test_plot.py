@@ -24,14 +24,14 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.lines import Line2D
 
 import plot
-from {{ cookiecutter.package_name }}.analysis import (
+from labrun.analysis import (
     aggregate,
     curve,
     format_value,
     load_runs,
     mean_se,
 )
-from {{ cookiecutter.package_name }}.config import build_parser
+from labrun.config import build_parser
 
 PROJECT = Path(__file__).resolve().parents[1]
 FIGURES = ("learning_curves", "final_vs_hparam", "throughput")
@@ -344,7 +344,7 @@ def test_throughput_shows_every_run_and_says_spread_is_the_machine(drawn, table)
 def many_configurations(n: int) -> list:
     """`n` configurations of trial runs, as results/trials holds them: several keys vary
     (long legend labels), two seeds each."""
-    from {{ cookiecutter.package_name }}.analysis import Run
+    from labrun.analysis import Run
 
     keys = ["dataset", "lr", "width", "epochs", "batch_size", "model", "seed"]
     runs = []
@@ -544,9 +544,9 @@ def test_from_mlflow(tmp_path, capsys):
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
-    from {{ cookiecutter.package_name }}.analysis import load_runs_from_mlflow
-    from {{ cookiecutter.package_name }}.config import resolved_config
-    from {{ cookiecutter.package_name }}.tracking import run_params
+    from labrun.analysis import load_runs_from_mlflow
+    from labrun.config import resolved_config
+    from labrun.tracking import run_params
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri)

@@ -20,7 +20,7 @@ from conftest import (
     wait_while_running,
 )
 
-from {{ cookiecutter.package_name }} import train
+from labrun import train
 
 # Everything that has state to restore: EMA, accumulation, clipping, the one-cycle schedule.
 STATEFUL = (
@@ -225,7 +225,7 @@ def test_a_resume_under_another_precision_continues_and_says_so(
     retry), and the other way round the scaler's state vanished without a word."""
     import torch
 
-    from {{ cookiecutter.package_name }} import hardware
+    from labrun import hardware
 
     dtypes = {"fp32": None, "fp16": torch.float16}  # CPU autocast runs fp16 too
     args = (*PRECISION_RESUME, "--results-dir", str(tmp_path))
@@ -256,7 +256,7 @@ def test_a_checkpoint_that_fails_to_load_is_refused_once_and_for_good(
     says "refused", so the sweep's planner stops promising a resume; --fresh starts over."""
     import torch
 
-    from {{ cookiecutter.package_name }} import plan
+    from labrun import plan
 
     args = ("--epochs", "1", "--max-steps", "2", "--results-dir", str(tmp_path))
     assert main_in_process(*args) == 0

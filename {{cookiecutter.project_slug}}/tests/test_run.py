@@ -144,7 +144,7 @@ def test_min_epochs_holds_early_stopping_back(main_in_process, tmp_path, monkeyp
     """Validation accuracy that only falls after epoch 1 (scripted): patience 1 stops the run at
     epoch 2; with --min-epochs 3 only epoch 4 counts, and the run ends on its last epoch, which
     is not "early_stopping"."""
-    from {{ cookiecutter.package_name }} import train
+    from labrun import train
 
     real_evaluate, calls = train.evaluate, []
 
@@ -229,7 +229,7 @@ def test_exception_marks_run_failed_without_partial_files(
 ):
     from mlflow.tracking import MlflowClient
 
-    from {{ cookiecutter.package_name }} import train
+    from labrun import train
 
     def broken_evaluate(*args, **kwargs):
         raise RuntimeError("boom in evaluation")

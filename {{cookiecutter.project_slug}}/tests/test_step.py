@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.exc import InternalTorchDynamoError
 
-from {{ cookiecutter.package_name }}.tasks import cross_entropy
-from {{ cookiecutter.package_name }}.train import EMA, Trainer, build_scheduler
+from labrun.tasks import cross_entropy
+from labrun.train import EMA, Trainer, build_scheduler
 
 CPU = torch.device("cpu")
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from {{ cookiecutter.package_name }}.claim import claim
+from labrun.claim import claim
 
 PROJECT = Path(__file__).resolve().parent.parent
 PACKAGE = "{{ cookiecutter.package_name }}"

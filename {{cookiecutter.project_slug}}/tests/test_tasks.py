@@ -28,12 +28,12 @@ import torch.nn.functional as F
 from conftest import ROOT, mlflow_run, read_metrics, run_dir_of, temp_files
 
 import plot
-from {{ cookiecutter.package_name }}.analysis import aggregate, load_runs
-from {{ cookiecutter.package_name }}.arrays import synthetic_targets
-from {{ cookiecutter.package_name }}.data import Split, build_loader
-from {{ cookiecutter.package_name }}.stopping import EarlyStopping
-from {{ cookiecutter.package_name }}.tasks import AP_BINS, create_task
-from {{ cookiecutter.package_name }}.train import Trainer
+from labrun.analysis import aggregate, load_runs
+from labrun.arrays import synthetic_targets
+from labrun.data import Split, build_loader
+from labrun.stopping import EarlyStopping
+from labrun.tasks import AP_BINS, create_task
+from labrun.train import Trainer
 
 RELEASED = Path(__file__).with_name("released_run")
 REFERENCE = (  # with the tiny settings of conftest.TINY
@@ -285,7 +285,7 @@ def test_readme_segmentation_task_works_as_written(tmp_path):
         f.write("\n\n" + code)
     check = """
 import argparse, numpy as np, torch, torch.nn.functional as F
-from {{ cookiecutter.package_name }}.tasks import create_task
+from labrun.tasks import create_task
 task = create_task("segmentation", argparse.Namespace())
 gen = torch.Generator().manual_seed(0)
 logits = torch.randn(6, 3, 8, 8, generator=gen)

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from {{ cookiecutter.package_name }} import checkpoint, config, runs
-from {{ cookiecutter.package_name }}.stopping import EarlyStopping, NonFiniteLoss, check_finite
-from {{ cookiecutter.package_name }}.train import (
+from labrun import checkpoint, config, runs
+from labrun.stopping import EarlyStopping, NonFiniteLoss, check_finite
+from labrun.train import (
     Trainer,
     build_optimizer,
     build_scheduler,
@@ -69,7 +69,7 @@ def test_early_stopping_counts_no_epoch_up_to_its_start():
 
 @pytest.mark.parametrize(("total", "per_epoch"), [(200, 10), (80, 20), (1000, 7), (5, 5)])
 def test_patience_starts_after_the_lr_peak_and_beta1_cycles_as_documented(total, per_epoch):
-    from {{ cookiecutter.package_name }}.train import peak_epoch
+    from labrun.train import peak_epoch
 
     model = nn.Linear(2, 2)
     optimizer = build_optimizer(model, 0.01, 0.0, CPU)
@@ -98,7 +98,7 @@ def test_stop_reason_is_early_stopping_only_if_patience_ended_the_run_early():
 
     from conftest import load_run_py
 
-    from {{ cookiecutter.package_name }}.state import Progress
+    from labrun.state import Progress
 
     run = load_run_py()
     stopper, model = EarlyStopping(patience=1), _model_with_weight(0.0)

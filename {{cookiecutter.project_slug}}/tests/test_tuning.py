@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from {{ cookiecutter.package_name }}.data import Split, build_loader
+from labrun.data import Split, build_loader
 from {{ cookiecutter.package_name }}.model import build_model
-from {{ cookiecutter.package_name }}.train import Trainer, build_optimizer, build_scheduler
-from {{ cookiecutter.package_name }}.tuning import (
+from labrun.train import Trainer, build_optimizer, build_scheduler
+from labrun.tuning import (
     find_batch_size,
     find_lr,
     profile_training,

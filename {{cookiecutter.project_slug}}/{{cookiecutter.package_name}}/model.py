@@ -1,4 +1,4 @@
-"""The model registry (`--model`) and its networks. A model is one decorated function:
+"""The models (`--model`). A model is one decorated function:
 
     @register_model("mlp", help="a two-layer perceptron")
     def mlp(num_classes: int, channels: int, image_size: tuple[int, int], width: int):
@@ -7,9 +7,8 @@
                              nn.Linear(width, num_classes))
 
 A model may also live in another module of the package (`mymodels.py`, `models/unet.py`):
-config.py reads the names and help texts of the `@register_model(...)` lines of every module
-without importing them (so `--help` needs no torch; registry.py): write them as plain string
-literals. The module is imported when a run asks for one of its models.
+the library reads the names and help texts of the `@register_model(...)` lines of every module
+without importing them (so `--help` needs no torch): write them as plain string literals. The module is imported when a run asks for one of its models.
 
 The default, `cnn` = `build_model()` (width 64, 3x32x32 input): stem 3->32 at 32x32, then three
 stages at 16x16 (64 ch), 8x8 (128 ch) and 4x4 (256 ch), each `maxpool -> conv-BN-ReLU -> residual
@@ -23,43 +22,8 @@ any op, and --deterministic then raises if one has no deterministic kernel).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
+from labrun.models import register_model
 from torch import nn
-
-from .registry import Registry
-
-MODELS: dict[str, ModelEntry] = Registry("register_model")  # imports other modules on demand
-BUILT_IN = ("cnn", "resnet18")  # the models of this file
-
-
-@dataclass(frozen=True)
-class ModelEntry:
-    name: str
-    build: Callable[..., nn.Module]
-    help: str
-
-
-def register_model(name: str, *, help: str = ""):
-    """Decorator: register `fn(num_classes, channels, image_size, width) -> nn.Module`."""
-
-    def add(fn):
-        MODELS.add(name, ModelEntry(name, fn, help))
-        return fn
-
-    return add
-
-
-def create_model(
-    name: str, *, num_classes: int, channels: int, image_size: tuple[int, int], width: int
-) -> nn.Module:
-    """Build the registered model `name` for a dataset's shape and class count."""
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
-    return MODELS[name].build(
-        num_classes=num_classes, channels=channels, image_size=tuple(image_size), width=width
-    )
 
 
 def conv_bn_relu(in_channels: int, out_channels: int) -> nn.Sequential:

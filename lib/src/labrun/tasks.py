@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import UsageError
+from .registry import Registry
 
 DIRECTIONS = ("max", "min")
 
@@ -71,16 +72,14 @@ class TaskEntry:
     help: str
 
 
-TASKS: dict[str, TaskEntry] = {}
+TASKS: dict[str, TaskEntry] = Registry("register_task")  # the project may add its own
 
 
 def register_task(name: str, *, help: str = ""):
     """Decorator: register `fn(args) -> Task` as task `name` (args: run.py's arguments)."""
 
     def add(fn):
-        if name in TASKS:
-            raise ValueError(f"task {name!r} is registered twice")
-        TASKS[name] = TaskEntry(name, fn, help)
+        TASKS.add(name, TaskEntry(name, fn, help))
         return fn
 
     return add

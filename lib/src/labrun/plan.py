@@ -30,10 +30,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from {{ cookiecutter.package_name }} import config, runs
-from {{ cookiecutter.package_name }}.claim import holder, is_stopping
-from {{ cookiecutter.package_name }}.config import UsageError, parse_args, run_dir
-from {{ cookiecutter.package_name }}.jobs import NotReady
+from labrun import config, runs
+from labrun.claim import holder, is_stopping
+from labrun.config import UsageError, parse_args, run_dir
+from labrun.jobs import NotReady
 
 
 def resolver(parse: Callable, locate: Callable) -> Callable[[list[str]], Path]:

@@ -1,7 +1,8 @@
-"""Registries of models and datasets declared anywhere in the package, read without importing it.
+"""Registries of models, datasets and tasks declared in the library or anywhere in the project's
+package (project.py), read without importing them.
 
-A model or dataset of your own may live in any module of the package: model.py, datasets.py, a
-new file (`mymodels.py`) or a folder (`models/unet.py`, no `__init__.py` needed). config.py
+A model or dataset of your own may live in any module of the project's package: model.py,
+data.py, a new file (`mymodels.py`) or a folder (`models/unet.py`, no `__init__.py` needed). config.py
 builds `--model`'s and `--dataset`'s choices and help from the `@register_model("name",
 help="...")` and `@register_dataset(...)` lines of every module, read from their source (the
 modules import torch, which `--help` must not wait for): write the name and the help as plain
@@ -17,7 +18,9 @@ import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+from . import project
+
+LIBRARY_DIR = Path(__file__).resolve().parent
 
 
 @dataclass(frozen=True)
@@ -26,7 +29,7 @@ class Declared:
 
     name: str
     help: str
-    module: str  # dotted, inside the package: "model", "models.unet"
+    module: str  # dotted and absolute: "labrun.datasets", "lab_project.models.unet"
     where: str  # file:line, for error messages
     keywords: dict = field(default_factory=dict)  # the other literal keywords (needs_data_path)
 
@@ -63,26 +66,37 @@ def _declared_in(source: Path, decorator: str, module: str) -> list[Declared]:
     return found
 
 
+def packages() -> list[tuple[str, Path]]:
+    """(import name, folder) of the packages searched: the library's, then the project's."""
+    found = [(__package__, LIBRARY_DIR)]
+    here = project.current()
+    if here.package and here.package_dir.is_dir():
+        found.append((here.package, here.package_dir))
+    return found
+
+
 @functools.cache
-def declarations(decorator: str, package_dir: Path = PACKAGE_DIR) -> dict[str, Declared]:
-    """{name: Declared} of every `@decorator(...)` in every module of the package (sorted by
-    path; model.py and datasets.py first). A name declared twice is an error naming both."""
-    modules = sorted(
-        (p for p in package_dir.rglob("*.py") if "__pycache__" not in p.parts),
-        key=lambda p: (p.name not in ("model.py", "datasets.py"), p.relative_to(package_dir)),
-    )
+def declarations(decorator: str) -> dict[str, Declared]:
+    """{name: Declared} of every `@decorator(...)` in every module of the library and of the
+    project's package (sorted by path; model.py and data.py first). A name declared twice is an
+    error naming both."""
     found: dict[str, Declared] = {}
-    for path in modules:
-        parts = path.relative_to(package_dir).with_suffix("").parts
-        if any(part.startswith(".") for part in parts):
-            continue
-        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        for d in _declared_in(path, decorator, module):
-            if d.name in found:
-                raise ValueError(
-                    f"{d.where}: @{decorator}({d.name!r}) is also at {found[d.name].where}"
-                )
-            found[d.name] = d
+    for package, package_dir in packages():
+        modules = sorted(
+            (p for p in package_dir.rglob("*.py") if "__pycache__" not in p.parts),
+            key=lambda p: (p.name not in ("model.py", "data.py"), p.relative_to(package_dir)),
+        )
+        for path in modules:
+            parts = path.relative_to(package_dir).with_suffix("").parts
+            if any(part.startswith(".") for part in parts):
+                continue
+            module = ".".join((package, *(parts[:-1] if parts[-1] == "__init__" else parts)))
+            for d in _declared_in(path, decorator, module):
+                if d.name in found:
+                    raise ValueError(
+                        f"{d.where}: @{decorator}({d.name!r}) is also at {found[d.name].where}"
+                    )
+                found[d.name] = d
     return found
 
 
@@ -97,8 +111,8 @@ class Registry(dict):
 
     def _import_declaring(self, name) -> None:
         declared = declarations(self.decorator).get(name)
-        if declared is not None and declared.module:
-            importlib.import_module(f"{__package__}.{declared.module}")
+        if declared is not None:
+            importlib.import_module(declared.module)
 
     def __contains__(self, name) -> bool:
         if not super().__contains__(name):

@@ -21,11 +21,13 @@ import os
 import re
 from pathlib import Path
 
+from . import project
 from .dataversion import data_version
-from .registry import declarations, decorated_names
+from .registry import declarations
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_EXPERIMENT = {{ cookiecutter.project_slug | py_string }}  # noqa: E501 (a long slug)  # fmt: skip
+# The project this process works for (project.py: its pyproject.toml's [tool.labrun]).
+PROJECT_ROOT = project.current().root
+DEFAULT_EXPERIMENT = project.current().experiment
 # Trial runs (results/trials, the default --results-dir) go to their own MLflow experiment, as
 # plot.py keeps them out of the sweep's figures.
 TRIALS_DIR = PROJECT_ROOT / "results" / "trials"
@@ -35,7 +37,7 @@ TRIALS_EXPERIMENT = f"{DEFAULT_EXPERIMENT}-trials"
 DATASET_DECLARED = declarations("register_dataset")  # from any module of the package
 DATASET_CHOICES = tuple(DATASET_DECLARED)
 MODEL_CHOICES = {name: d.help for name, d in declarations("register_model").items()}
-TASK_CHOICES = decorated_names(Path(__file__).with_name("tasks.py"), "register_task")
+TASK_CHOICES = {name: d.help for name, d in declarations("register_task").items()}
 
 # How a run is executed, not what it computes: left out of the hash, so the same experiment run on
 # another GPU, with more workers or after a Ctrl-C lands in the same directory.

@@ -1,4 +1,4 @@
-"""Prove the GPU claims on the machine at hand: `python -m {{ cookiecutter.package_name }}.gpucheck`.
+"""Prove the GPU claims on the machine at hand: `python -m labrun.gpucheck`.
 
 Builds run.py's jobs in this process with run.py's own functions (build_data, make_model,
 train.build_trainer, warm_up with its compile decision, train_epoch) and run.py's defaults, then
@@ -248,9 +248,9 @@ def build_trainer(
     import torch
 
     from . import hardware, train
-    from .model import build_model
+    from .models import create_model
 
-    model = build_model(10, width).to(device, memory_format=torch.channels_last)
+    model = create_model("cnn", num_classes=10, channels=3, image_size=(32, 32), width=width).to(device, memory_format=torch.channels_last)
     lr = hardware.default_lr(batch_size)
     optimizer = train.build_optimizer(model, lr, 5e-4, device)
     scheduler = train.build_scheduler(optimizer, lr, total_steps)
@@ -304,7 +304,7 @@ def plain_loop_rate(
     import torch.nn.functional as F
 
     from .augment import MEAN, STD
-    from .model import build_model
+    from .models import create_model
 
     class PerSampleDataset(torch.utils.data.Dataset):
         def __init__(self, images, labels):
@@ -332,7 +332,7 @@ def plain_loop_rate(
         num_workers=0,
         drop_last=True,
     )
-    model = build_model(10, width).to(device)
+    model = create_model("cnn", num_classes=10, channels=3, image_size=(32, 32), width=width).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=5e-4)
     mlflow.set_tracking_uri(f"sqlite:///{tracking_dir / 'plain.db'}")
     mlflow.set_experiment("bench-plain")
@@ -424,9 +424,9 @@ def train_flops_per_sample(width: int, device) -> float:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from .model import build_model
+    from .models import create_model
 
-    model = build_model(10, width).to(device)
+    model = create_model("cnn", num_classes=10, channels=3, image_size=(32, 32), width=width).to(device)
     x = torch.randn(2, 3, 32, 32, device=device)
     with FlopCounterMode(display=False) as counter:
         model(x).sum().backward()

@@ -327,7 +327,7 @@ def measure_step(device_name: str, batch: int, steps: int, width: int) -> dict:
     import torch.distributed as td
 
     from .hardware import timed
-    from .model import create_model
+    from .models import create_model
     from .train import Trainer, build_optimizer, build_scheduler
 
     with session(device_name) as dist:

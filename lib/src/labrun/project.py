@@ -1,0 +1,64 @@
+"""Which project this process works for: its root folder, its package and its MLflow experiment.
+
+A project declares itself in its pyproject.toml (the template writes it):
+
+    [tool.labrun]
+    package = "lab_project"       # where @register_model / @register_dataset / @register_task live
+    experiment = "lab_project"    # the default MLflow experiment
+
+The root is found without configuration: $LABRUN_PROJECT if set, else the folder of the script
+that started Python (run.py, plot.py, analyze.py), else the working directory or the nearest of
+its parents that has such a pyproject.toml. Outside any project the working directory is the root,
+with no package (the library's built-ins only) and the experiment "labrun".
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Project:
+    root: Path
+    package: str | None
+    experiment: str
+
+    @property
+    def package_dir(self) -> Path | None:
+        return self.root / self.package if self.package else None
+
+
+def _declared(folder: Path) -> dict | None:
+    """The [tool.labrun] table of folder/pyproject.toml, or None."""
+    try:
+        with open(folder / "pyproject.toml", "rb") as f:
+            table = tomllib.load(f).get("tool", {}).get("labrun")
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+    return table if isinstance(table, dict) else None
+
+
+def _candidates() -> list[Path]:
+    if os.environ.get("LABRUN_PROJECT"):
+        return [Path(os.environ["LABRUN_PROJECT"]).resolve()]
+    found = []
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+    if script:
+        found.append(Path(script).resolve().parent)
+    cwd = Path.cwd().resolve()
+    return found + [cwd, *cwd.parents]
+
+
+@functools.cache
+def current() -> Project:
+    for folder in _candidates():
+        table = _declared(folder)
+        if table is not None:
+            package = table.get("package")
+            return Project(folder, package, str(table.get("experiment") or package or "labrun"))
+    return Project(Path.cwd().resolve(), None, "labrun")
