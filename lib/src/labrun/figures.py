@@ -1,0 +1,103 @@
+"""What every figure of plot.py shares: colours and markers per configuration, labels wrapped
+at the font's real width (never cut off), legends that fit the page, atomic saves. The figures
+themselves, their sizes and the rcParams live in the project's plot.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.font_manager import FontProperties
+from matplotlib.textpath import TextToPath
+
+from .analysis import Table, format_value
+from .runs import atomic_path
+
+MARKERS = "osD^vP<X>*"
+GID = "config:"  # the gid of every artist that stands for a configuration (tests read it)
+MAX_SHOWN = 24  # configurations a figure draws (a legend must fit the page); a note says so
+
+
+def text_width(text: str, size: float) -> float:
+    """Width of `text` at `size` pt in inches, from the font's own metrics."""
+    return (
+        TextToPath().get_text_width_height_descent(text, FontProperties(size=size), False)[0] / 72
+    )
+
+
+def wrap(text, width: float, size: float = 8) -> str:
+    """`text` broken at spaces into lines at most `width` inches wide at `size` pt (a single
+    word wider than that stays whole: a label is never cut)."""
+    lines: list[str] = []
+    for word in str(text).split(" "):
+        if lines and text_width(f"{lines[-1]} {word}", size) <= width:
+            lines[-1] += f" {word}"
+        else:
+            lines.append(word)
+    return "\n".join(lines)
+
+
+def shown(table: Table) -> tuple[list[str], str]:
+    """The configurations a figure draws (the first MAX_SHOWN), and the note naming the rest."""
+    configs = list(table.stats.index)
+    if len(configs) <= MAX_SHOWN:
+        return configs, ""
+    return configs[:MAX_SHOWN], f"first {MAX_SHOWN} of {len(configs)} (all in aggregate.csv)"
+
+
+def title(table: Table, note: str = "") -> str:
+    """A legend's title: the swept keys its labels give the values of, then the note."""
+    return "; ".join(filter(None, [", ".join(table.keys), note]))
+
+
+def looks(table: Table) -> dict[str, dict]:
+    """Line2D keywords per configuration: the i-th (sorted) gets the i-th tab10 colour and
+    marker (beyond 10, a colormap's shades): the same in every figure, readable in greyscale."""
+    n = len(table.stats)
+    colours = matplotlib.colormaps["tab10"](range(10))
+    if n > 10:
+        colours = matplotlib.colormaps["turbo"](np.linspace(0.05, 0.95, n))
+    return {
+        config: {"color": colours[i], "marker": MARKERS[i % len(MARKERS)], "gid": GID + config}
+        for i, config in enumerate(table.stats.index)
+    }
+
+
+def label(table: Table, config: str, n: int | None = None) -> str:
+    """A configuration's values ("0.01, 64": the keys are in the legend's title), with its n
+    where it has fewer seeds (or `n` finite values) than the others."""
+    row = table.stats.loc[config]
+    text = ", ".join(format_value(row[k]) for k in table.keys) or config
+    if n is not None:
+        return f"{text} (n={n})"
+    return f"{text} (n={row.n})" if row.fewer_seeds else text
+
+
+def legend(fig: Figure, handles, labels, width: float, title: str = "") -> float:
+    """A legend below the axes, in as many columns as fit `width` inches, its labels wrapped to
+    fit; returns the height in inches it needs (add it to the figure's)."""
+    labels, title = [wrap(s, width - 0.5) for s in labels], wrap(title, width - 0.1, 9)
+    widest = max(text_width(line, 8) for s in labels for line in s.split("\n")) + 0.4
+    ncols = max(1, min(len(labels), int((width - 0.1) // widest)))
+    lines = max(sum(s.count("\n") + 1 for s in labels[i::ncols]) for i in range(ncols))
+    fig.legend(handles, labels, loc="outside lower center", ncols=ncols, title=title or None)
+    return 0.15 + 0.155 * lines + (0.19 * (title.count("\n") + 1) if title else 0)
+
+
+def time_unit(seconds: float) -> tuple[float, str]:
+    """(seconds per unit, unit) for an axis of durations up to `seconds`."""
+    return (3600, "h") if seconds >= 7200 else (60, "min") if seconds >= 120 else (1, "s")
+
+
+def save(fig: Figure, name: str, out: Path, formats=("pdf", "png")) -> list[Path]:
+    """out/<name>.<fmt> for each format, written atomically (a LaTeX preview never sees half a
+    PDF); the PDF carries no date, so a re-run without changes gives the same bytes."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{name}.{fmt}" for fmt in formats]
+    for path in paths:
+        with atomic_path(path) as tmp:
+            metadata = {"CreationDate": None} if path.suffix == ".pdf" else None
+            fig.savefig(tmp, format=path.suffix[1:], metadata=metadata)
+    return paths
