@@ -18,6 +18,7 @@ out silently: skipped runs, dropped values and configurations not drawn are name
 """
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -85,9 +86,10 @@ def plot_final_vs_hparam(table: A.Table, page, metric: str) -> Figure | None:
         for c in configs:  # hollow markers: the error bar shows through
             ax.errorbar(s.at[c, key], s.at[c, f"{metric}_mean"], s.at[c, f"{metric}_se"],
                         mfc="none", zorder=3, **look[c])  # fmt: skip
-        values = sorted(set(s[key]))
+        values = sorted(set(s[key]))  # the swept values, each labelled (a few, if many)
+        values = values[:: math.ceil(len(values) * len(keys) * 0.6 / page[0])]
         ax.set_xscale("log" if min(values) > 0 and max(values) / min(values) >= 8 else "linear")
-        ax.set_xticks(values, [A.format_value(v) for v in values], rotation=90 * (len(values) > 5))
+        ax.set_xticks(values, [A.format_value(v) for v in values])
         ax.minorticks_off()
         ax.set_xlabel(key)
     axes[0].set_ylabel(LABELS.get(metric, metric))
@@ -127,7 +129,8 @@ def plot_throughput(table: A.Table, page) -> Figure:
     configuration. The spread between seeds is the machine, not the hyperparameters."""
     (configs, note), look = F.shown(table), F.looks(table)
     names = [F.wrap(F.label(table, c), 0.3 * page[0], 9) for c in configs]
-    height = max(page[1], 0.6 + 0.16 * sum(s.count("\n") + 1 for s in names))
+    lines = max(s.count("\n") + 1 for s in names)  # rows are evenly spaced: the tallest decides
+    height = max(page[1], 0.7 + 0.17 * lines * len(names))
     fig = Figure(figsize=(page[0], height), layout="constrained")
     axes = fig.subplots(1, 2, sharey=True)
     scale, unit = F.time_unit(table.per_run("wall_time_s").max())
@@ -164,7 +167,7 @@ def plot_system(series: dict, page, title: str) -> Figure:
     scale, unit = F.time_unit(max(t.max(initial=0) for t, _ in series.values()))
     for ax, (ylabel, names) in zip(axes, panels.items(), strict=True):
         for name in names:
-            ax.plot(series[name][0] / scale, series[name][1], label=name[:5].upper().strip("_"))
+            ax.plot(series[name][0] / scale, series[name][1], label=" ".join(name.split("_")[:2]).upper())
         ax.set(ylim=(0, 105), ylabel=ylabel)
         if len(names) > 1:
             ax.legend(loc="lower right", ncols=min(4, len(names)))
@@ -176,7 +179,8 @@ def plot_system(series: dict, page, title: str) -> Figure:
 def plot_cka(frame, metrics: dict, config: dict, page) -> Figure:
     """Layer-by-layer linear CKA of two runs on a fixed 0-1 scale (a colour means one value in
     every such figure); the pair `cka` is of is outlined, its value in the title."""
-    caption = F.wrap(f"A: {Path(config['run_a']).name} B: {Path(config['run_b']).name}", page[0])
+    names = {side: Path(config[f"run_{side.lower()}"]).name for side in "AB"}
+    caption = "\n".join(F.wrap(f"{side}: {name}", page[0] - 0.1) for side, name in names.items())
     height = max(page[1], 0.22 * len(frame) + 0.9) + 0.15 * caption.count("\n")
     fig = Figure(figsize=(page[0], height), layout="constrained")
     ax = fig.add_subplot()

@@ -476,7 +476,7 @@ def dropped_line(table: Table, limit: int = 5) -> str:
 def read_cka(run_dir: Path) -> tuple[pd.DataFrame, dict, dict]:
     """An analyze.py result: its cka_layers.csv (layers of A x layers of B), metrics.json and
     config.json (ValueError, KeyError or OSError when one is missing or malformed)."""
-    frame = pd.read_csv(run_dir / CKA_TABLE, index_col=0).astype(float)
+    frame = pd.read_csv(run_dir / CKA_TABLE, index_col=0, dtype={0: str}).astype(float)
     metrics, config = read_json(run_dir / METRICS), read_json(run_dir / CONFIG)
     float(metrics["cka"]), metrics["layer_a"], config["run_a"], config["run_b"]  # noqa: B018
     return frame, metrics, config

@@ -4,6 +4,7 @@ themselves, their sizes and the rcParams live in the project's plot.py."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import matplotlib
@@ -28,15 +29,19 @@ def text_width(text: str, size: float) -> float:
 
 
 def wrap(text, width: float, size: float = 8) -> str:
-    """`text` broken at spaces into lines at most `width` inches wide at `size` pt (a single
-    word wider than that stays whole: a label is never cut)."""
+    """`text` in lines at most `width` inches wide at `size` pt: broken after spaces, `_`, `,`,
+    `=`, `-` or `/`, inside a word only where one is wider than the line (never cut off)."""
     lines: list[str] = []
-    for word in str(text).split(" "):
-        if lines and text_width(f"{lines[-1]} {word}", size) <= width:
-            lines[-1] += f" {word}"
-        else:
-            lines.append(word)
-    return "\n".join(lines)
+    for piece in re.split(r"(?<=[ _,=/-])", str(text)):
+        if lines and text_width(lines[-1] + piece, size) <= width:
+            lines[-1] += piece
+            continue
+        lines.append("")
+        for char in piece:  # a piece wider than the line: broken where it must be
+            if lines[-1] and text_width(lines[-1] + char, size) > width:
+                lines.append("")
+            lines[-1] += char
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def shown(table: Table) -> tuple[list[str], str]:

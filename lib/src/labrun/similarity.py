@@ -43,6 +43,37 @@ def describe(found: dict[str, nn.Module]) -> str:
     return ", ".join(f"{name} ({type(module).__name__})" for name, module in found.items())
 
 
+def first_tensor(output, batch: int) -> torch.Tensor:
+    """What a layer's output stands for, as (batch, features): the first tensor, depth first (a
+    tuple's or list's first element that holds one, a dict's first such value: GRU and LSTM give
+    `(output, h_n)`, MultiheadAttention `(output, weights)`), a PackedSequence padded to (batch,
+    time, features), sequence-first outputs (time, batch, ...) turned batch-first. ValueError
+    when the output holds no tensor with a dimension of `batch` inputs."""
+    if isinstance(output, nn.utils.rnn.PackedSequence):
+        output = nn.utils.rnn.pad_packed_sequence(output, batch_first=True)[0]
+    elif isinstance(output, dict):
+        output = next((v for v in output.values() if _holds_tensor(v)), None)
+    elif isinstance(output, tuple | list):
+        output = next((v for v in output if _holds_tensor(v)), None)
+    if output is not None and not isinstance(output, torch.Tensor):
+        return first_tensor(output, batch)
+    if not isinstance(output, torch.Tensor):
+        raise ValueError("its output holds no tensor")
+    if output.dim() > 1 and output.shape[0] != batch and output.shape[1] == batch:
+        output = output.transpose(0, 1)  # (time, batch, ...): an RNN without batch_first
+    if output.dim() == 0 or output.shape[0] != batch:
+        raise ValueError(f"its output {tuple(output.shape)} has no dimension of {batch} inputs")
+    return output.reshape(batch, -1)
+
+
+def _holds_tensor(value) -> bool:
+    if isinstance(value, torch.Tensor | nn.utils.rnn.PackedSequence):
+        return True
+    if isinstance(value, dict):
+        value = list(value.values())
+    return isinstance(value, tuple | list) and any(_holds_tensor(v) for v in value)
+
+
 @torch.no_grad()
 def activations(
     model: nn.Module, batches: Iterable[torch.Tensor], names: list[str], on_batch=None
@@ -50,22 +81,30 @@ def activations(
     """Each named layer's outputs for every input, flattened per input: {name: (n, features)}.
 
     Forward hooks record the layers while the model runs once per batch, in eval mode (BatchNorm
-    uses its running statistics, as at test time). `on_batch()` runs after each batch (e.g. to
-    honour a stop request)."""
+    uses its running statistics, as at test time); a layer's output is read by first_tensor().
+    `on_batch()` runs after each batch (e.g. to honour a stop request). ValueError names a layer
+    whose output cannot be read."""
     modules = dict(layers(model))
     out: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    batch = 0
 
     def hook(name):
-        # A copy: a later in-place op (ReLU(inplace=True)) must not change what was recorded.
-        return lambda _module, _inputs, output: out[name].append(
-            output.detach().flatten(1).to("cpu", torch.float32, copy=True)
-        )
+        def record(_module, _inputs, output):
+            try:
+                features = first_tensor(output, batch)
+            except ValueError as exc:
+                raise ValueError(f"layer {name!r} ({type(_module).__name__}): {exc}") from None
+            # A copy: a later in-place op (ReLU(inplace=True)) must not change what was recorded.
+            out[name].append(features.detach().to("cpu", torch.float32, copy=True))
+
+        return record
 
     handles = [modules[name].register_forward_hook(hook(name)) for name in names]
     was_training = model.training
     model.eval()
     try:
         for x in batches:
+            batch = len(x)
             model(x)
             if on_batch is not None:
                 on_batch()
