@@ -22,14 +22,14 @@ import numpy as np
 import pandas as pd
 import pytest
 from conftest import ROOT, load_run_py
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-
 from labrun import figures as F
 from labrun.analysis import aggregate, by_monitor, comparison, curves, load_runs
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 LRS = {0.003: 3, 0.01: 3, 0.03: 2}  # lr -> seeds
 TINY_RUN = ["--device", "cpu", "--width", "8", "--batch-size", "64", "--progress", "off",
-            "--tracking", "off", "--epochs", "2", "--image-size", "16", "--synthetic-size", "300"]  # fmt: skip
+            "--tracking", "off", "--epochs", "2", "--image-size", "16",
+            "--synthetic-size", "300"]  # fmt: skip
 
 
 def load_plot():
@@ -51,7 +51,8 @@ def sweeps(tmp_path_factory) -> dict[str, Path]:
     jobs += [("hparam", ["--task", "regression", "--dataset", "synthetic", "--seed", str(s)])
              for s in (0, 1)]  # fmt: skip
     jobs += [("comparison", ["--model", m, "--dataset", d, "--seed", str(s)])
-             for m in ("cnn", "resnet18") for d in ("digits", "synthetic") for s in (0, 1)]  # fmt: skip
+             for m in ("cnn", "resnet18") for d in ("digits", "synthetic")
+             for s in (0, 1)]  # fmt: skip
     for folder, args in jobs:
         where = ["--results-dir", str(base / folder), "--data-dir", str(base / "data")]
         assert run.main([*TINY_RUN, *where, *args]) == 0, args
@@ -327,7 +328,8 @@ def test_plot_imports_neither_torch_nor_mlflow(sweeps, tmp_path):
 
     code = ("import sys, runpy; sys.argv = ['plot.py', *sys.argv[1:]]\n"
             "try: runpy.run_path(sys.argv[0], run_name='__main__')\n"
-            "except SystemExit as e: print('rc', e.code, sorted({'torch', 'mlflow'} & set(sys.modules)))")  # fmt: skip
+            "except SystemExit as e:\n"
+            "    print('rc', e.code, sorted({'torch', 'mlflow'} & set(sys.modules)))")  # fmt: skip
     done = subprocess.run([sys.executable, "-c", code, "--results", str(sweeps["comparison"]),
                            "--out", str(tmp_path), "--formats", "png"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
