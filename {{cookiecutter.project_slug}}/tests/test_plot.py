@@ -59,7 +59,8 @@ def test_every_figure_and_table_of_a_sweep(results, capsys):
     assert "error" not in capsys.readouterr().err
 
 
-def test_cka_of_two_runs_and_its_heat_map(results, capsys):
+def test_cka_of_two_runs_and_its_heat_map(results, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))  # analyze.py builds models with run.py's make_model
     a, b = sorted(p for p in (results / "sweep").iterdir() if p.name.startswith("digits"))
     analysis = results / "analysis"
     argv = [str(a), str(b), "--images", "64", "--device", "cpu", "--tracking", "off"]

@@ -43,6 +43,39 @@ def describe(found: dict[str, nn.Module]) -> str:
     return ", ".join(f"{name} ({type(module).__name__})" for name, module in found.items())
 
 
+def choose_layer(model: nn.Module, layer: str | None, which: str) -> str:
+    """`layer` of `model` (None: its last hidden layer); ValueError listing every layer."""
+    found = layers(model)
+    chosen = layer or default_layer(list(found))
+    if chosen not in found:
+        raise ValueError(f"--layer: {chosen!r} is not a layer of {which}'s model; choose one of "
+                         f"{describe(found)}")  # fmt: skip
+    return chosen
+
+
+def test_inputs(config: dict, count: int, seed: int, batch_size: int, device, data_dir=None):
+    """`count` inputs of the test split a run was tested on (rebuilt from its config.json; a
+    seeded choice, in order), in batches on `device`."""
+    from .data import FileSplit, Split, build_loader, load_dataset
+
+    loaded = load_dataset(
+        config["dataset"], data_dir or config["data_dir"], data_path=config.get("data_path"),
+        image_size=tuple(config["image_size"]) if config.get("image_size") else None,
+        val_fraction=config.get("val_fraction", 0.1), seed=config.get("seed", 0),
+        synthetic_size=config.get("synthetic_size", 10_000), workers=0,
+        data_version=config.get("data_version"), task=config.get("task", "classification"),
+    )  # fmt: skip
+    test = loaded.splits["test"]
+    generator = torch.Generator().manual_seed(seed)
+    chosen = torch.randperm(len(test), generator=generator)[:count].sort().values
+    if isinstance(test, FileSplit):
+        test = FileSplit([test.paths[i] for i in chosen], test.labels[chosen], test.image_shape)
+    else:
+        test = Split(test.images[chosen], test.labels[chosen])
+    loader = build_loader(test, batch_size, train=False, device=device, workers=0)
+    return [x for x, _ in loader]
+
+
 def first_tensor(output, batch: int) -> torch.Tensor:
     """What a layer's output stands for, as (batch, features): the first tensor, depth first (a
     tuple's or list's first element that holds one, a dict's first such value: GRU and LSTM give
