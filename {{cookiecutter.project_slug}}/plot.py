@@ -8,13 +8,10 @@
     python plot.py --system RUN        # GPU/CPU utilisation over time of one run (MLflow)
     python plot.py --analysis          # a CKA heat map per analyze.py result
 
-Styling lives here, in code: PAGES gives sizes on the page in inches, STYLE 10 pt text (8 pt the
-minimum); the PDF page is exactly that size (no bbox_inches="tight"), so LaTeX includes it at
-100 %. One function per figure over the aggregate table: to add one, copy a plot_* function and
-add it to FIGURES. A configuration keeps one colour and marker in every figure. A swept
-categorical key (model, dataset) adds `comparison` (model x condition) and comparison.csv/.tex;
-runs of several tasks get one figure set per monitored metric (figures/<metric>/). Nothing is left
-out silently: skipped runs, dropped values and configurations not drawn are named.
+Style in code: PAGES in inches, STYLE's 10 pt text; a PDF page is exactly that size (LaTeX
+includes it at 100 %). One function per figure over the aggregate table (add yours to FIGURES).
+A swept category (model, dataset) adds `comparison` and comparison.csv/.tex; runs of several tasks
+get a figure set per monitored metric. Skipped runs and dropped values are always named.
 """
 
 import argparse
@@ -47,10 +44,10 @@ LABELS = {"test_acc": "test accuracy", "val_acc": "val. accuracy", "test_loss": 
           "val_loss": "val. loss", "test_r2": "test R²", "test_map": "test mAP"}  # fmt: skip
 
 
-def plot_learning_curves(table: A.Table, page, column: str) -> Figure:
-    """`column` per epoch: mean over seeds, band +-SE; dashed where seeds have stopped early
-    (a mean over fewer of them: `n=3→1` in the legend)."""
-    data, (configs, note), look = A.curves(table, column), F.shown(table), F.looks(table)
+def plot_learning_curves(table: A.Table, page, metric: str, curve: str) -> Figure:
+    """History column `curve` per epoch: mean over seeds, band +-SE; dashed where seeds have
+    stopped early (a mean over fewer of them: `n=3→1` in the legend)."""
+    data, (configs, note), look = A.curves(table, curve), F.shown(table), F.looks(table)
     fig = Figure(figsize=page, layout="constrained")
     ax, handles, labels = fig.add_subplot(), [], []
     for config in configs:
@@ -59,18 +56,18 @@ def plot_learning_curves(table: A.Table, page, column: str) -> Figure:
         dashed = ~full | np.r_[~full[1:], False]  # from the last point with every seed
         handles += ax.plot(c.epoch, c["mean"].where(full), **look[config])
         ax.plot(c.epoch, c["mean"].where(dashed), color=look[config]["color"], ls="--", lw=0.9)
-        ax.fill_between(c.epoch, c["mean"] - c.se, c["mean"] + c.se, alpha=0.2, lw=0,
-                        color=look[config]["color"])  # fmt: skip
+        band = (c["mean"] - c.se, c["mean"] + c.se)
+        ax.fill_between(c.epoch, *band, color=look[config]["color"], alpha=0.2, lw=0)
         fewer = f" (n={int(c.n.max())}→{int(c.n.min())})" if not full.all() else ""
         labels.append(F.label(table, config) + fewer)
-    ax.set(xlabel="epoch", ylabel=LABELS.get(column, column))
+    ax.set(xlabel="epoch", ylabel=LABELS.get(curve, curve))
     ax.xaxis.get_major_locator().set_params(integer=True)
     if len(configs) > 1:
         fig.set_figheight(page[1] + F.legend(fig, handles, labels, page[0], F.title(table, note)))
     return fig
 
 
-def plot_final_vs_hparam(table: A.Table, page, metric: str) -> Figure | None:
+def plot_final_vs_hparam(table: A.Table, page, metric: str, curve: str) -> Figure | None:
     """`metric`, mean +- SE, against each swept *numeric* key (a panel each, side by side); a
     grey line joins configurations equal in every other key. Categorical keys: comparison."""
     keys = [k for k in table.keys if k not in table.categorical]
@@ -100,7 +97,7 @@ def plot_final_vs_hparam(table: A.Table, page, metric: str) -> Figure | None:
     return fig
 
 
-def plot_comparison(table: A.Table, page, metric: str) -> Figure | None:
+def plot_comparison(table: A.Table, page, metric: str, curve: str) -> Figure | None:
     """`metric` as model x condition: a group per model, its conditions side by side, mean +-
     SE over seeds (hollow markers: every error bar shows)."""
     if (found := A.comparison(table, metric)) is None:
@@ -124,7 +121,7 @@ def plot_comparison(table: A.Table, page, metric: str) -> Figure | None:
     return fig
 
 
-def plot_throughput(table: A.Table, page) -> Figure:
+def plot_throughput(table: A.Table, page, metric: str, curve: str) -> Figure:
     """Samples/s and wall time of every run (a dot each, a bar at the median), a row per
     configuration. The spread between seeds is the machine, not the hyperparameters."""
     (configs, note), look = F.shown(table), F.looks(table)
@@ -145,17 +142,15 @@ def plot_throughput(table: A.Table, page) -> Figure:
     axes[0].set_yticks(range(len(configs)), names)
     axes[0].set_ylim(len(configs) - 0.5, -0.5)  # the first configuration on top
     axes[0].set(xlabel="samples/s", ylabel=F.wrap(F.title(table, note), height - 0.5, 10))
+    axes[0].xaxis.set_major_formatter(matplotlib.ticker.EngFormatter(sep=""))  # 30k, not 30000
     axes[1].set_xlabel(f"wall time ({unit})")
     axes[1].tick_params(axis="y", left=False)
     return fig
 
 
-FIGURES = {  # name -> figure(table, page, metric, curve); add yours here
-    "learning_curves": lambda table, page, metric, curve: plot_learning_curves(table, page, curve),
-    "final_vs_hparam": lambda table, page, metric, curve: plot_final_vs_hparam(table, page, metric),
-    "comparison": lambda table, page, metric, curve: plot_comparison(table, page, metric),
-    "throughput": lambda table, page, metric, curve: plot_throughput(table, page),
-}
+# Drawn in this order, saved as <name without plot_>.<format>; each takes (table, page size,
+# final metric, history column) and returns a Figure, or None when it has nothing to show.
+FIGURES = [plot_learning_curves, plot_final_vs_hparam, plot_comparison, plot_throughput]
 
 
 def plot_system(series: dict, page, title: str) -> Figure:
@@ -167,7 +162,8 @@ def plot_system(series: dict, page, title: str) -> Figure:
     scale, unit = F.time_unit(max(t.max(initial=0) for t, _ in series.values()))
     for ax, (ylabel, names) in zip(axes, panels.items(), strict=True):
         for name in names:
-            ax.plot(series[name][0] / scale, series[name][1], label=" ".join(name.split("_")[:2]).upper())
+            device = " ".join(name.split("_")[:2]).upper()  # GPU 0, GPU 1
+            ax.plot(series[name][0] / scale, series[name][1], label=device)
         ax.set(ylim=(0, 105), ylabel=ylabel)
         if len(names) > 1:
             ax.legend(loc="lower right", ncols=min(4, len(names)))
@@ -202,25 +198,21 @@ def plot_cka(frame, metrics: dict, config: dict, page) -> Figure:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="plot.py", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--results", "--results-dir", dest="results", type=Path,
-                   default=RESULTS / "sweep", help="directory of run directories: run.sh's sweep"
-                   " (results/<SWEEP_NAME>); `python run.py` alone writes results/trials")
+    p.add_argument("--results", "--results-dir", dest="results", type=Path, default=RESULTS /
+                   "sweep", help="run directories (run.sh: results/<SWEEP_NAME>; run.py: trials)")
     p.add_argument("--out", type=Path, default=Path("figures"), help="figures and tables go here")
-    p.add_argument("--from-mlflow", action="store_true",
-                   help="read the runs from the MLflow experiment instead of --results")
+    p.add_argument("--from-mlflow", action="store_true", help="read the MLflow experiment's runs")
     p.add_argument("--experiment", default=DEFAULT_EXPERIMENT,
                    help=f"MLflow experiment to read; trial runs: {DEFAULT_EXPERIMENT}-trials")
-    p.add_argument("--tracking-uri", help="MLflow tracking URI; default: $MLFLOW_TRACKING_URI, "
-                   "else sqlite:///<project>/mlflow.db")
+    p.add_argument("--tracking-uri", help="default: $MLFLOW_TRACKING_URI, else ./mlflow.db")
     p.add_argument("--system", metavar="RUN", help="instead: GPU/CPU utilisation and memory over "
                    "time of one run (its run directory or MLflow run id)")
     p.add_argument("--analysis", metavar="DIR", type=Path, nargs="?", const=RESULTS / "analysis",
-                   help="instead: a CKA heat map of each analyze.py result in DIR "
-                   "(default: results/analysis)")
-    p.add_argument("--width", choices=sorted(PAGES), default="single", help="figure width: "
-                   "single column (3.25 in), double (6.75 in), slide (10 in)")
-    p.add_argument("--formats", nargs="+", choices=("pdf", "png", "svg"),
-                   default=["pdf", "png"], help="file formats of every figure")
+                   help="instead: a CKA heat map per analyze.py result in DIR (results/analysis)")
+    p.add_argument("--width", choices=sorted(PAGES), default="single", help="figure width: column "
+                   "(3.25 in), text width (6.75 in), slide (10 in)")
+    p.add_argument("--formats", nargs="+", choices=("pdf", "png", "svg"), default=["pdf", "png"],
+                   help="the files of every figure")
     p.add_argument("--metric", help="final metric (a metrics.json name) of final_vs_hparam and "
                    "comparison; default: the monitored metric's test value (test_acc)")
     p.add_argument("--curve", metavar="COLUMN", help="history.csv column of the learning "
@@ -255,9 +247,9 @@ def main(argv=None) -> int:
         return warn(f"error: {e}", e.code)
     warn(A.skipped_line(skipped)) if skipped else None
     groups = A.by_monitor(runs)
-    if len(groups) > 1:  # runs of several tasks: a figure set each, none drawn over another's
-        warn(f"note: runs of {len(groups)} monitored metrics, a figure set each: "
-             + "; ".join(f"{args.out / m}/ ({len(g)} runs)" for m, g in groups.items()))  # fmt: skip
+    if len(groups) > 1:  # runs of several tasks: never drawn over one another
+        sets = "; ".join(f"{args.out / m}/ ({len(g)} runs)" for m, g in groups.items())
+        warn(f"note: runs of {len(groups)} monitored metrics, a figure set each: {sets}")
     for monitor, group in groups.items():
         table, out = A.aggregate(group), args.out / monitor if len(groups) > 1 else args.out
         metric, curve = args.metric or A.final_metric(monitor), args.curve or monitor
@@ -270,10 +262,10 @@ def main(argv=None) -> int:
         for line in A.notes(table):
             warn(line)
         written = []
-        for name, draw in FIGURES.items():
+        for draw in FIGURES:
             if (fig := draw(table, page, metric, curve)) is not None:
-                F.save(fig, name, out, args.formats)
-                written.append(name)
+                written.append(draw.__name__.removeprefix("plot_"))
+                F.save(fig, written[-1], out, args.formats)
         tables = [p.name for p in A.write_tables(table, out, metric)]
         print(f"{out}/: {', '.join(written + tables)} from {len(group)} runs in "
               f"{len(table.stats)} configurations")  # fmt: skip

@@ -135,7 +135,7 @@ def test_comparison_is_model_by_condition_with_its_table(sweeps, tmp_path, capsy
     assert "model & dataset=digits & dataset=synthetic" in tex and tex.count(" \\pm ") == 4
 
     table = aggregate(load_runs(sweeps["comparison"])[0])
-    fig = plot.plot_comparison(table, plot.PAGES["single"], "test_acc")
+    fig = plot.plot_comparison(table, plot.PAGES["single"], "test_acc", "val_acc")
     FigureCanvasAgg(fig).draw()
     ax = fig.axes[0]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["cnn", "resnet18"]
@@ -167,8 +167,7 @@ def test_labels_are_never_cut_off(sweeps):
 
 
 def every_figure(table, page) -> dict:
-    figures = {name: draw_fig(table, page, "test_acc", table.monitor)
-               for name, draw_fig in plot.FIGURES.items()}  # fmt: skip
+    figures = {draw.__name__: draw(table, page, "test_acc", table.monitor) for draw in plot.FIGURES}
     figures = {name: fig for name, fig in figures.items() if fig is not None}
     for fig in figures.values():
         FigureCanvasAgg(fig).draw()
@@ -213,7 +212,7 @@ def test_every_figure_fits_its_page(sweeps, width):
         runs, _ = load_runs(sweeps[folder])
         table = aggregate(by_monitor(runs)["val_acc"])
         figures = every_figure(table, plot.PAGES[width])
-        assert set(figures) >= {"learning_curves", "throughput"}
+        assert set(figures) >= {"plot_learning_curves", "plot_throughput"}
         for name, fig in figures.items():
             assert fig.get_size_inches()[0] == plot.PAGES[width][0], name
             assert_on_the_page(fig, f"{folder}/{name} ({width})")
@@ -242,7 +241,7 @@ def test_curves_over_seeds_that_stopped_early(sweeps):
     others = [r.history["val_acc"][1] for r in table.runs if r.config["lr"] == 0.01 and
               r is not stopped]  # fmt: skip
     assert mine["mean"].iloc[1] == pytest.approx(np.mean(others))
-    fig = plot.plot_learning_curves(table, plot.PAGES["single"], "val_acc")
+    fig = plot.plot_learning_curves(table, plot.PAGES["single"], "test_acc", "val_acc")
     assert "0.01 (n=3→2)" in [t.get_text() for t in fig.legends[0].get_texts()]
 
 
@@ -318,7 +317,7 @@ def test_many_configurations_keep_a_page_and_say_what_is_left_out(sweeps):
         width, height = fig.get_size_inches()
         assert height <= 2.5 * width + 1, (name, height)
         words = " ".join(t.get_text() for t in visible_texts(fig))
-        if name != "comparison":
+        if name != "plot_comparison":
             assert "of 40" in words.replace("\n", " "), name
         assert_on_the_page(fig, name)
 
