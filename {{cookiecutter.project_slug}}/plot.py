@@ -29,8 +29,7 @@ from labrun.config import DEFAULT_EXPERIMENT, PROJECT_ROOT  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 RESULTS = PROJECT_ROOT / "results"  # run.sh writes results/<SWEEP_NAME>, run.py results/trials
-# (width, height of one row of panels) in inches: a column and the text width of ICML-like
-# two-column papers (IEEE and CVPR are within 0.1 in), and a 16:9 slide less its margins.
+# (width, height of a row of panels) in inches: ICML's column and text width; a 16:9 slide
 PAGES = {"single": (3.25, 2.0), "double": (6.75, 2.3), "slide": (10.0, 4.5)}
 STYLE = {  # 10 pt text, 8 pt the minimum; TrueType fonts: journals refuse Type 3
     "font.size": 10, "axes.labelsize": 10, "axes.titlesize": 10, "xtick.labelsize": 9,
@@ -91,8 +90,7 @@ def plot_final_vs_hparam(table: A.Table, page, metric: str, curve: str) -> Figur
         ax.set_xlabel(key)
     axes[0].set_ylabel(LABELS.get(metric, metric))
     handles = [matplotlib.lines.Line2D([], [], ls="none", mfc="none", **look[c]) for c in configs]
-    labels = [F.label(table, c, int(s.at[c, f"{metric}_n"]) if s.at[c, f"{metric}_n"] < s.at[c, "n"]
-                    else None) for c in configs]  # fmt: skip
+    labels = [F.label(table, c, metric) for c in configs]  # n: the finite values of `metric`
     fig.set_figheight(page[1] + F.legend(fig, handles, labels, page[0], F.title(table, note)))
     return fig
 
@@ -204,7 +202,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--from-mlflow", action="store_true", help="read the MLflow experiment's runs")
     p.add_argument("--experiment", default=DEFAULT_EXPERIMENT,
                    help=f"MLflow experiment to read; trial runs: {DEFAULT_EXPERIMENT}-trials")
-    p.add_argument("--tracking-uri", help="default: $MLFLOW_TRACKING_URI, else ./mlflow.db")
+    p.add_argument("--tracking-uri", help="default: $MLFLOW_TRACKING_URI, else the project's DB")
     p.add_argument("--system", metavar="RUN", help="instead: GPU/CPU utilisation and memory over "
                    "time of one run (its run directory or MLflow run id)")
     p.add_argument("--analysis", metavar="DIR", type=Path, nargs="?", const=RESULTS / "analysis",
@@ -222,7 +220,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def warn(line: str, code: int = 0) -> int:
-    print(line, file=sys.stderr)
+    """`line` (if any) on stderr; returns `code`, the exit code that goes with it."""
+    print(line, file=sys.stderr) if line else None
     return code
 
 
@@ -234,22 +233,24 @@ def main(argv=None) -> int:
         if args.system is not None:
             series, name = A.load_system_run(args.system, args.tracking_uri)
             F.save(plot_system(series, page, name), f"system_{name}", args.out, args.formats)
-            return print(f"{args.out}/system_{name}.* ({len(series)} system metrics)") or 0
+            print(f"{args.out}/system_{name}.* ({len(series)} system metrics)")
+            return 0
         if args.analysis is not None:
             found, skipped = A.load_cka_results(args.analysis)
             for name, cka in found.items():
                 F.save(plot_cka(*cka, page), name, args.out, args.formats)
-            warn(A.skipped_line(skipped)) if skipped else None
-            return print(f"{args.out}/: {len(found)} CKA heat map(s) from {args.analysis}") or 0
+            print(f"{args.out}/: {len(found)} CKA heat map(s) from {args.analysis}")
+            return warn(A.skipped_line(skipped))
         runs, skipped = A.load_runs_from(args.results, args.from_mlflow, args.experiment,
                                          args.tracking_uri)  # fmt: skip
     except A.NoResults as e:
         return warn(f"error: {e}", e.code)
-    warn(A.skipped_line(skipped)) if skipped else None
+    warn(A.skipped_line(skipped))
     groups = A.by_monitor(runs)
     if len(groups) > 1:  # runs of several tasks: never drawn over one another
         sets = "; ".join(f"{args.out / m}/ ({len(g)} runs)" for m, g in groups.items())
         warn(f"note: runs of {len(groups)} monitored metrics, a figure set each: {sets}")
+    drawn = 0
     for monitor, group in groups.items():
         table, out = A.aggregate(group), args.out / monitor if len(groups) > 1 else args.out
         metric, curve = args.metric or A.final_metric(monitor), args.curve or monitor
@@ -269,7 +270,8 @@ def main(argv=None) -> int:
         tables = [p.name for p in A.write_tables(table, out, metric)]
         print(f"{out}/: {', '.join(written + tables)} from {len(group)} runs in "
               f"{len(table.stats)} configurations")  # fmt: skip
-    return 0
+        drawn += 1
+    return 0 if drawn else 2  # every set left out: --metric or --curve fits none
 
 
 if __name__ == "__main__":

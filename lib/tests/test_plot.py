@@ -392,3 +392,32 @@ def test_from_mlflow_plots_what_run_py_tracked(run_cli, env, tmp_path):
     truth = metrics_json(tmp_path / "results")
     for lr, mean in zip(rows.lr, rows.test_acc_mean, strict=True):
         assert mean == pytest.approx(truth[truth.lr == lr].test_acc.mean())
+
+    # A crashed run is named, not drawn; --system reads a run's system metrics through its run
+    # directory's MLflow run id.
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    experiment_id = client.get_experiment_by_name(experiment).experiment_id
+    crashed = client.create_run(experiment_id, run_name="crashed")
+    client.set_terminated(crashed.info.run_id, "FAILED")
+    run_dir = next((tmp_path / "results").iterdir())
+    run_id = json.loads((run_dir / "metrics.json").read_text())["mlflow_run_id"]
+    series = system_series(1)
+    client.log_batch(run_id, metrics=[
+        Metric(f"system/{name}", float(v), 1_700_000_000_000 + int(t * 1000), i)
+        for name, (ts, vs) in series.items() for i, (t, v) in enumerate(zip(ts, vs, strict=True))
+    ])  # fmt: skip
+    for args in (["--from-mlflow", "--experiment", experiment], ["--system", str(run_dir)]):
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "plot.py"), *args, "--tracking-uri",
+             env["MLFLOW_TRACKING_URI"], "--out", str(out), "--formats", "png"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+    assert "warning: skipped 1 run (failed: crashed)" in subprocess.run(
+        [sys.executable, str(ROOT / "plot.py"), "--from-mlflow", "--experiment", experiment,
+         "--tracking-uri", env["MLFLOW_TRACKING_URI"], "--out", str(out), "--formats", "png"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120).stderr  # fmt: skip
+    assert (out / f"system_{run_dir.name}.png").is_file()

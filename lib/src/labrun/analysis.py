@@ -198,8 +198,13 @@ def load_runs_from_mlflow(tracking_uri: str, experiment: str) -> tuple[list[Run]
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         raise LookupError(f"no MLflow experiment named {experiment!r} at {tracking_uri}")
-    found = client.search_runs([exp.experiment_id], order_by=["start_time DESC"],
-                               max_results=50_000)  # fmt: skip
+    found, token = [], None
+    while True:  # newest first, a page at a time
+        page = client.search_runs([exp.experiment_id], order_by=["start_time DESC"],
+                                  max_results=1000, page_token=token)  # fmt: skip
+        found += page
+        if not (token := page.token):
+            break
     runs, skipped = [], []
     for mr in found:  # newest first, so settle() keeps the newest of duplicates
         name = mr.data.tags.get("mlflow.runName") or mr.info.run_id
@@ -351,8 +356,11 @@ def aggregate(runs: Iterable[Run]) -> Table:
 def curves(table: Table, column: str) -> pd.DataFrame:
     """Mean, se and n of a history column per configuration and epoch (columns config, epoch,
     mean, se, n). Seeds that stopped early drop out of the later epochs, so n can shrink."""
-    parts = [pd.DataFrame({"epoch": r.history["epoch"], "value": r.history[column], "config": c})
-             for r, c in zip(table.runs, table.configs, strict=True) if column in r.history]  # fmt: skip
+    parts = [
+        pd.DataFrame({"epoch": r.history["epoch"], "value": r.history[column], "config": c})
+        for r, c in zip(table.runs, table.configs, strict=True)
+        if column in r.history
+    ]
     if not parts:
         return pd.DataFrame(columns=["config", "epoch", "mean", "se", "n"])
     long = pd.concat(parts).replace([np.inf, -np.inf], np.nan)
@@ -390,8 +398,18 @@ def table_csv(table: Table) -> str:
 
 
 def latex_escape(text) -> str:
-    special = {"\\": r"\textbackslash ", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#",
-               "_": r"\_", "{": r"\{", "}": r"\}", "~": r"\textasciitilde ", "^": r"\^ "}  # fmt: skip
+    special = {
+        "\\": r"\textbackslash ",
+        "&": r"\&",
+        "%": r"\%",
+        "$": r"\$",
+        "#": r"\#",
+        "_": r"\_",
+        "{": r"\{",
+        "}": r"\}",
+        "~": r"\textasciitilde ",
+        "^": r"\^ ",
+    }
     return "".join(special.get(ch, ch) for ch in str(text))
 
 
@@ -424,8 +442,10 @@ def table_latex(table: Table) -> str:
     cells = s[table.keys].map(lambda v: latex_escape(format_value(v)))
     cells["n"] = [f"{n}" + "$^\\dagger$" * f for n, f in zip(s["n"], s["fewer_seeds"], strict=True)]
     for m in metrics:
-        cells[m] = [format_mean_se(a, b) + "$^\\ddagger$" * (k < n) for a, b, k, n in
-                    zip(s[f"{m}_mean"], s[f"{m}_se"], s[f"{m}_n"], s["n"], strict=True)]  # fmt: skip
+        cells[m] = [
+            format_mean_se(a, b) + "$^\\ddagger$" * (k < n)
+            for a, b, k, n in zip(s[f"{m}_mean"], s[f"{m}_se"], s[f"{m}_n"], s["n"], strict=True)
+        ]
     notes = ["$^\\dagger$ fewer seeds than the other configurations"] * bool(s["fewer_seeds"].any())
     if any((s[f"{m}_n"] < s["n"]).any() for m in metrics):
         notes.append("$^\\ddagger$ over the finite values only (their n: aggregate.csv)")
@@ -456,6 +476,8 @@ def write_tables(table: Table, out_dir: str | os.PathLike, metric: str) -> list[
 
 def skipped_line(skipped: Sequence[tuple], limit: int = 5) -> str:
     """`warning: skipped 3 runs (unfinished: a, b; corrupt: c)`: one line, however many."""
+    if not skipped:
+        return ""
     by_reason: dict[str, list[str]] = {}
     for where, reason in skipped:
         by_reason.setdefault(reason, []).append(Path(str(where)).name)
@@ -553,8 +575,11 @@ def load_system_run(target: str, uri: str | None) -> tuple[dict, str]:
         except (OSError, ValueError, AttributeError):
             run_id = None
         if not run_id:
-            raise NoResults(f"--system: {target} has no MLflow run id in its {METRICS} "
-                            "(unfinished, or trained with tracking off): pass the run id", 2)  # fmt: skip
+            raise NoResults(
+                f"--system: {target} has no MLflow run id in its {METRICS} "
+                "(unfinished, or trained with tracking off): pass the run id",
+                2,
+            )
         name = Path(target).resolve().name
     try:
         series = load_system_metrics(uri or tracking_uri(), run_id)

@@ -70,14 +70,13 @@ def looks(table: Table) -> dict[str, dict]:
     }
 
 
-def label(table: Table, config: str, n: int | None = None) -> str:
+def label(table: Table, config: str, metric: str | None = None) -> str:
     """A configuration's values ("0.01, 64": the keys are in the legend's title), with its n
-    where it has fewer seeds (or `n` finite values) than the others."""
+    where it has fewer seeds than the others, or fewer finite values of `metric` than seeds."""
     row = table.stats.loc[config]
     text = ", ".join(format_value(row[k]) for k in table.keys) or config
-    if n is not None:
-        return f"{text} (n={n})"
-    return f"{text} (n={row.n})" if row.fewer_seeds else text
+    n = int(row[f"{metric}_n"]) if metric else row.n
+    return f"{text} (n={n})" if n < row.n or row.fewer_seeds else text
 
 
 def legend(fig: Figure, handles, labels, width: float, title: str = "") -> float:
