@@ -121,9 +121,10 @@ def train(args, parser, out, stop: GracefulStop, held, dist) -> int:
     for what, why in (
         ("precision", precision_why),
         ("kernels", setup_backends(device, args.deterministic)),
-        ("augmentation", "off: per-pixel targets" if task.spatial_targets else "crop + flip"),
     ):
         log.info("%s: %s", what, why)
+    for what, did in data.info.describe().items():  # dtype and shape, normalisation, augmentation
+        log.info("%s: %s", what, did)
     if dist.active:
         log.info("distributed: %s", dist.describe())
     trainer = build_trainer(
@@ -274,6 +275,8 @@ def build_data(args, device, task, shard: tuple[int, int] = (0, 1)) -> Data:
         workers=args.workers,
         data_version=args.data_version,  # the version in the run's identity (dataversion.py)
         task=args.task,  # datasets that offer several kinds of targets (synthetic) pick by it
+        augment=args.augment,  # data-aware: images crop + flip, other data none unless asked
+        spatial_targets=task.spatial_targets,  # crop/flip would not move per-pixel targets
     )
     splits = loaded.splits
     # Only decoded in-memory data can live on the GPU; streamed files come through workers.
@@ -287,7 +290,7 @@ def build_data(args, device, task, shard: tuple[int, int] = (0, 1)) -> Data:
             workers=args.workers,
             gpu_resident=resident,
             seed=args.seed,
-            augment=not task.spatial_targets,  # crop/flip would not move per-pixel targets
+            augment=loaded.info.augmentation,
             shard=shard,
         )
         for name, split in splits.items()
@@ -316,15 +319,9 @@ def changed_data(out, config: dict) -> str | None:
 
 def make_model(args, info):
     """The registered --model, sized for this dataset (a misfit is bad input: ValueError)."""
-    from labrun.models import create_model
+    from labrun.models import model_from_config
 
-    return create_model(
-        args.model,
-        num_classes=info.num_classes,
-        channels=info.channels,
-        image_size=info.image_size,
-        width=args.width,
-    )
+    return model_from_config({**vars(args), **info.as_config()})
 
 
 def checkpoint_bytes(model, ema: float) -> int:
@@ -479,7 +476,7 @@ def run_tools(args, trainer, data: Data, device, dtype, out, log) -> int:
                 amp_dtype=dtype,
                 start=args.batch_size,
                 max_batch=len(data.splits["train"]),
-                input_shape=(info.channels, *info.image_size),
+                input_shape=info.input_shape,
                 loss_fn=trainer.task.loss,
                 targets=data.splits["train"].labels,
             )

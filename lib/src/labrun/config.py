@@ -326,9 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--augment",
         choices=("auto", "on", "off"),
         default="auto",
-        help="training augmentation; auto = random crop + flip for uint8 images (N, C, H, W) "
-        "of at least 8x8, none for other data (or as the dataset declares); on = crop + flip "
-        "of images, shift + flip along signals' and sequences' length",
+        help="training augmentation; auto = random crop + flip for uint8 images (N, C, H, W), "
+        "none for other data (or as the dataset declares); on = crop + flip of images, shift + "
+        "flip along the length of signals and sequences; run.log says which and why",
     )
     e.add_argument(
         "--seed",
