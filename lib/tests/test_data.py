@@ -45,7 +45,7 @@ def test_digits_loads_offline_with_fixed_splits(tmp_path):
         "input": {  # what the data layer does with them, also in run.log
             "data": "uint8 images (N, 3, 32, 32)",
             "normalization": "per channel, fixed constants of uint8 images (CIFAR-10's)",
-            "augmentation": "random crop + flip, padding 4 (auto: uint8 images)",
+            "augmentation": "crop + flip (random, padding 4; auto: uint8 images)",
         },
     }
     # 1797 images: stratified 80/20 -> 1437 train pool / 360 test; 10 % of the pool is val.

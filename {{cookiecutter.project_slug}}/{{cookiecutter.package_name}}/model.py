@@ -104,10 +104,10 @@ def build_model(num_classes: int = 10, width: int = 64, *, channels: int = 3) ->
 
 @register_model("cnn", help="small ResNet-style CNN for small images (the default)")
 def cnn(num_classes: int, channels: int, image_size: tuple[int, int], width: int) -> nn.Module:
-    if min(image_size) < 8:
+    if len(image_size) != 2 or min(image_size) < 8:
         raise ValueError(
-            f"--model cnn: images must be at least 8x8 (three 2x poolings), "
-            f"got {image_size[0]}x{image_size[1]}"
+            "--model cnn: needs images (N, C, H, W) of at least 8x8 (three 2x poolings), "
+            f"got {'x'.join(map(str, image_size)) or 'vectors'}"
         )
     return build_model(num_classes, width, channels=channels)
 
@@ -201,4 +201,6 @@ class ResNet18(nn.Module):
 
 @register_model("resnet18", help="ResNet-18 (11 M parameters at width 64) for larger images")
 def resnet18(num_classes: int, channels: int, image_size: tuple[int, int], width: int) -> nn.Module:
+    if len(image_size) != 2:
+        raise ValueError("--model resnet18: needs images (N, C, H, W); try cnn1d for signals")
     return ResNet18(num_classes, channels, image_size, width)

@@ -121,7 +121,7 @@ def choose_augmentation(
             "need images, signals or sequences (write your own in labrun's augment.py)"
         )
     pad = crop_padding(*spatial) if len(spatial) == 2 else max(1, spatial[0] // 8)
-    kind = "random crop + flip" if len(spatial) == 2 else "random shift + flip along the length"
+    kind = "crop + flip" if len(spatial) == 2 else "shift + flip along the length"
     if 4 * pad > min(spatial):  # the crop would cover more than a quarter of an axis
         skipped = (
             f"a random crop padded by {pad} would leave up to {2 * pad} of {min(spatial)} "
@@ -131,7 +131,7 @@ def choose_augmentation(
             return Augmentation(why=f"off (auto: {skipped})")
         return Augmentation(flip=True, why=f"flip only ({source}); crop skipped: {skipped}")
     padding = (pad, pad) if len(spatial) == 2 else (0, pad)
-    return Augmentation(padding, True, f"{kind}, padding {pad} ({source})")
+    return Augmentation(padding, True, f"{kind} (random, padding {pad}; {source})")
 
 
 class DeviceTransform:
