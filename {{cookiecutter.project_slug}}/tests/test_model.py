@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from labrun.models import create_model
+from labrun.models import BUILT_IN, create_model
 from labrun.registry import declarations
 from {{ cookiecutter.package_name }}.model import ResidualBlock, build_model
 
@@ -48,10 +48,11 @@ def sample(name, batch, channels, image_size, **kwargs):
     return torch.randn(batch, channels, *size, **kwargs), size
 
 
-def test_models_use_no_adaptive_pooling():
-    """--deterministic: adaptive pooling has no deterministic CUDA backward."""
+def test_built_in_models_use_no_adaptive_pooling():
+    """--deterministic: adaptive pooling has no deterministic CUDA backward. The template's
+    models only: a model of your own may use any op (README, "Use your own model")."""
     adaptive = (nn.AdaptiveMaxPool2d, nn.AdaptiveAvgPool2d)
-    for name in MODELS:
+    for name in BUILT_IN:
         size = sample(name, 1, 3, (64, 64))[1]
         net = create_model(name, num_classes=3, channels=3, image_size=size, width=8)
         assert not [m for m in net.modules() if isinstance(m, adaptive)], name
@@ -70,7 +71,7 @@ def test_registered_models_adapt_to_the_data(name, channels, image_size):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", BUILT_IN)
 def test_backward_is_deterministic_on_cuda(name):
     torch.use_deterministic_algorithms(True)  # raises on any op without a deterministic kernel
     try:

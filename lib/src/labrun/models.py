@@ -25,7 +25,7 @@ from .registry import REQUIRED, Declared, Registry
 
 MODELS: dict[str, ModelEntry] = Registry("register_model")  # imports other modules on demand
 # The template's models: held to deterministic CUDA kernels (no adaptive pooling) by the tests.
-BUILT_IN = ("cnn", "resnet18")
+BUILT_IN = ("cnn", "cnn1d", "resnet18")
 # What the data gives a model function (by parameter name); every other parameter is its own.
 DATA_PARAMS = ("num_classes", "channels", "image_size", "input_shape")
 WIDTH_DEFAULT = 64  # --width's default: the built-in models' run names depend on it
