@@ -201,3 +201,35 @@ def test_the_non_image_example_trains_like_a_plain_pytorch_loop(tmp_path, data_d
     with torch.no_grad():
         plain_acc = (model.eval()(x[test]).argmax(1) == y[test]).float().mean().item()
     assert plain_acc > 0.75 and abs(test_acc - plain_acc) < 0.06, (test_acc, plain_acc)
+
+
+def test_signals_with_augmentation_resume_exactly(main_in_process, tmp_path, monkeypatch):
+    """Float signals, shifted and flipped (--augment on), stopped mid-epoch and resumed: the
+    same history as a run never stopped (the shifts are replayed from the checkpoint's RNG)."""
+    import os
+    import signal
+
+    import pandas as pd
+
+    from labrun.state import TrainSums
+
+    argv = ["--dataset", "signals", "--model", "cnn1d", "--augment", "on", "--epochs", "2",
+            "--tracking", "off"]  # fmt: skip
+    assert main_in_process(*argv, "--results-dir", str(tmp_path / "whole")) == 0
+    add, calls = TrainSums.add, []
+
+    def add_then_stop(self, *args):  # a stop signal in the middle of epoch 2 (45 steps each)
+        calls.append(1)
+        if len(calls) == 60:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return add(self, *args)
+
+    monkeypatch.setattr(TrainSums, "add", add_then_stop)
+    assert main_in_process(*argv, "--results-dir", str(tmp_path / "parts")) == 75
+    monkeypatch.setattr(TrainSums, "add", add)
+    assert main_in_process(*argv, "--results-dir", str(tmp_path / "parts")) == 0
+    [whole], [parts] = (list((tmp_path / k).iterdir()) for k in ("whole", "parts"))
+    assert "augmentation: shift + flip along the length" in (parts / "run.log").read_text()
+    times = ["epoch_time_s", "samples_per_sec"]  # measured, not computed
+    history = [pd.read_csv(d / "history.csv").drop(columns=times) for d in (whole, parts)]
+    pd.testing.assert_frame_equal(*history, rtol=1e-4)

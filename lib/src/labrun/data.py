@@ -113,15 +113,10 @@ class DatasetInfo:
     def describe(self) -> dict:
         """What the data layer did with the inputs: run.log's `data:` lines, config.json."""
         norm = self.normalization
-        if norm is None:
-            normalised = "per channel, fixed constants of uint8 images (CIFAR-10's)"
-        elif norm.mean is None:
-            normalised = norm.why or "none"
-        else:
-            normalised = norm.why
+        fixed = "per channel, fixed constants of uint8 images (CIFAR-10's)"
         return {
             "data": describe(self.input_shape, self.layout, self.dtype),
-            "normalization": normalised,
+            "normalization": fixed if norm is None else norm.why,
             "augmentation": self.augmentation.why,
         }
 
@@ -268,7 +263,7 @@ def load_dataset(
     if not raw.normalize:
         normalization = Normalization(None, None, "none (the dataset declares normalize=False)")
     else:  # the training split's: val and test are scaled as the model saw train
-        normalization = own_normalization(splits["train"])
+        normalization = own_normalization(splits["train"], "the training split")
     for split in splits.values():
         split.normalization = normalization
     augmentation = choose_augmentation(

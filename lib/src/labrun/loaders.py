@@ -9,8 +9,8 @@ A split is a `Split` (arrays of any dtype and shape in RAM, or uint8 images memo
 the decoded cache) or a `FileSplit` (image files, decoded batch by batch in DataLoader worker
 processes). Workers only gather (or decode) channel-last batches in the stored dtype (uint8
 images cross the bus as uint8: 4x fewer bytes); augment.DeviceTransform turns them into the
-model's input on the device. The order of an epoch is a pure
-function of (seed, epoch), so a resumed run replays it exactly.
+model's input on the device. The order of an epoch is a pure function of (seed, epoch), so a
+resumed run replays it exactly.
 """
 
 from __future__ import annotations
@@ -268,9 +268,9 @@ class Loader:
         raise NotImplementedError
 
 
-def own_normalization(split: Split | FileSplit) -> Normalization | None:
+def own_normalization(split: Split | FileSplit, whose: str = "this split") -> Normalization | None:
     """None for uint8 images (their constants); else per channel (the last stored axis) mean
-    and std of `split` itself: pass the training split's to the others (data.load_dataset)."""
+    and std of `split` itself: data.load_dataset gives the training split's to every split."""
     if isinstance(split, FileSplit) or (
         split.layout == "NCHW" and split.images.dtype == torch.uint8
     ):
@@ -290,7 +290,7 @@ def own_normalization(split: Split | FileSplit) -> Normalization | None:
     mean = total / count
     std = (squares / count - mean.square()).clamp_min(0).sqrt()
     std = torch.where(std > 1e-12, std, torch.ones_like(std))  # a constant channel: shifted only
-    why = f"per channel ({len(mean)}), mean and std of the training split"
+    why = f"per channel ({len(mean)}), mean and std of {whose}"
     return Normalization(tuple(mean.tolist()), tuple(std.tolist()), why)
 
 
