@@ -323,8 +323,9 @@ def aggregate(runs: Iterable[Run]) -> Table:
     keyed = pd.DataFrame([[_hashable(r.config.get(k)) for k in order] for r in runs], columns=order)
     keys = [k for k in order if keyed[k].nunique(dropna=False) > 1]
     constant = {k: runs[0].config.get(k) for k in order if k not in keys}
-    configs = [", ".join(f"{k}={format_value(r.config.get(k))}" for k in keys) or "all runs"
-               for r in runs]  # fmt: skip
+    # None: an argument this run's model does not take (logreg has no width): not shown.
+    configs = [", ".join(f"{k}={format_value(r.config[k])}" for k in keys
+                         if r.config.get(k) is not None) or "all runs" for r in runs]  # fmt: skip
     present = {m for r in runs for m in r.metrics}
     metrics = sorted((m for m in present if is_task_metric(m)),
                      key=lambda m: (not m.startswith("best_"), m == "test_loss", m))  # fmt: skip
