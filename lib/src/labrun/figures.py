@@ -9,7 +9,6 @@ from pathlib import Path
 
 import matplotlib
 import numpy as np
-import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.font_manager import FontProperties
 from matplotlib.textpath import TextToPath
@@ -75,8 +74,9 @@ def label(table: Table, config: str, metric: str | None = None) -> str:
     """A configuration's values ("0.01, 64": the keys are in the legend's title), with its n
     where it has fewer seeds than the others, or fewer finite values of `metric` than seeds."""
     row = table.stats.loc[config]
-    # None: an argument this configuration's model does not take (logreg has no width)
-    text = ", ".join(format_value(row[k]) for k in table.keys if not pd.isna(row[k])) or config
+    # None or NaN (v != v): an argument this configuration's model does not take (logreg: width)
+    values = [row[k] for k in table.keys]
+    text = ", ".join(format_value(v) for v in values if v is not None and v == v) or config
     n = int(row[f"{metric}_n"]) if metric else row.n
     return f"{text} (n={n})" if n < row.n or row.fewer_seeds else text
 
