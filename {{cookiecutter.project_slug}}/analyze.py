@@ -71,8 +71,8 @@ def load_model(run: Path, config: dict, which: str, device):
     import torch
     from run import make_model  # the model as run.py builds it, from the run's own flags
 
-    info = SimpleNamespace(**{k: config[k] for k in ("num_classes", "channels", "image_size")})
-    model = make_model(SimpleNamespace(**config), info)
+    args = SimpleNamespace(**{"model_args": {}, "input_shape": None, **config})
+    model = make_model(args, info=args)  # config.json holds the data's shape beside the flags
     if not (run / runs.BEST_MODEL).is_file():
         raise UsageError(f"{which}: {run} has no {runs.BEST_MODEL}")
     try:  # weights_only: tensors and numbers only, a crafted pickle is refused, never run
