@@ -1,12 +1,13 @@
-"""run.sh and its engine (scripts/sweep_lib.sh), driven with a stand-in for run.py.
+"""labrun's sweep engine (labrun/sweep.sh) behind the project's run.sh, driven with a stand-in
+for run.py; and labrun/slurm_task.sh without Slurm.
 
 The stand-in keeps run.py's command-line contract (--plan through the real planner, the real
 claim with exit 73, --init-tracking, metrics.json when finished, status, exit 75 on SIGTERM)
 without torch, and records for every attempt its CUDA_VISIBLE_DEVICES, pid, and start and end
-times. Each test copies run.sh, scripts/ and the (torch-free) package into a temporary project
-next to the stand-in, so nothing here touches results/ or logs/. The sweep script the tests run
-is run.sh itself, with its job list read from jobs.txt. CUDA_VISIBLE_DEVICES=0,1,2,3 stands for
-four visible GPUs.
+times. Each test copies the rendered project's run.sh into a temporary folder next to the
+stand-in, so nothing here touches results/ or logs/; run.sh finds the engine through
+`$PYTHON -m labrun sweep-lib`, as in a project. The sweep script the tests run is run.sh itself,
+with its job list read from jobs.txt. CUDA_VISIBLE_DEVICES=0,1,2,3 stands for four visible GPUs.
 """
 
 from __future__ import annotations
@@ -23,15 +24,13 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import ROOT as PROJECT
 
+import labrun
 from labrun.claim import claim
 
-PROJECT = Path(__file__).resolve().parent.parent
-PACKAGE = "{{ cookiecutter.package_name }}"
-needs_slurm_option = pytest.mark.skipif(
-    not (PROJECT / "scripts" / "slurm_task.sh").exists(),
-    reason="generated with use_slurm=false: no run.sh --slurm",
-)
+ENGINE = Path(labrun.__file__).with_name("sweep.sh")
+SLURM_TASK = Path(labrun.__file__).with_name("slurm_task.sh")
 
 
 STANDIN = r'''
@@ -48,9 +47,9 @@ import sys
 import time
 from pathlib import Path
 
-from PACKAGE import plan
-from PACKAGE.claim import Busy, claim
-from PACKAGE.config import UsageError
+from labrun import plan
+from labrun.claim import Busy, claim
+from labrun.config import UsageError
 
 ROOT = Path(__file__).resolve().parent
 OWN = ("--print-run-dir", "--init-tracking")
@@ -172,7 +171,7 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-'''.replace("PACKAGE", PACKAGE)
+'''
 
 # PYTHON for the sweep: notes when it started (bash builtin, no fork) and each call, and marks
 # the environment, so the tests see that run.sh launched run.py through $PYTHON.
@@ -201,11 +200,13 @@ def driver_from_run_sh() -> str:
 
 
 def copy_real_project(dest: Path, jobs: list[str], files: tuple[str, ...] = ()) -> Path:
-    """A copy of the real project (run.py, run.sh, scripts/, the package and `files`), with
-    sweep.sh running `jobs` (one run.py argument line each): its results stay in `dest`."""
+    """A copy of the real project (run.py, run.sh, pyproject.toml, the package and `files`), with
+    sweep.sh running `jobs` (one run.py argument line each): its results stay in `dest`. Run it
+    without LABRUN_PROJECT (real_env), so that it is its own project."""
     dest.mkdir(parents=True, exist_ok=True)
     for path in PROJECT.iterdir():
-        if path.name in ("run.py", "run.sh", "scripts", *files) or (path / "__init__.py").exists():
+        names = ("run.py", "run.sh", "pyproject.toml", *files)
+        if path.name in names or (path / "__init__.py").exists():
             if path.is_dir():
                 shutil.copytree(
                     path, dest / path.name, ignore=shutil.ignore_patterns("__pycache__")
@@ -217,17 +218,16 @@ def copy_real_project(dest: Path, jobs: list[str], files: tuple[str, ...] = ()) 
     return dest
 
 
+def real_env(**overrides: str) -> dict[str, str]:
+    """The environment of a copy of the real project: its own root, no test MLflow DB."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LABRUN_PROJECT", "GPUS")}
+    return {**env, **overrides}
+
+
 def make_project(root: Path, jobs: list[str] | None = None) -> Path:
-    """A project with run.sh, scripts/, the package and the stand-in as run.py; jobs: sweep.sh."""
+    """A project with run.sh and the stand-in as run.py; jobs: sweep.sh runs them."""
     root.mkdir(parents=True, exist_ok=True)
     shutil.copy(PROJECT / "run.sh", root / "run.sh")
-    shutil.copytree(PROJECT / "scripts", root / "scripts", dirs_exist_ok=True)
-    shutil.copytree(
-        PROJECT / PACKAGE,
-        root / PACKAGE,
-        dirs_exist_ok=True,
-        ignore=shutil.ignore_patterns("__pycache__"),
-    )
     (root / "run.py").write_text(STANDIN)
     wrapper = root / "python-standin"
     wrapper.write_text(WRAPPER % sys.executable)
@@ -618,10 +618,16 @@ def test_second_signal_kills_jobs_that_ignore_the_first(tmp_path):
 # ---- many processes, one results folder; planning; GPUs; status -----------------------
 
 
-def job_calls(project: Path) -> list[str]:
-    """The run.py command lines the sweep started as jobs (not --plan, not --init-tracking)."""
+def script_calls(project: Path) -> list[str]:
+    """The script command lines run through $PYTHON (not run.sh's `-m labrun sweep-lib`)."""
     log = project / "python-calls.log"
     lines = log.read_text().splitlines() if log.exists() else []
+    return [x for x in lines if x != "-m labrun sweep-lib"]
+
+
+def job_calls(project: Path) -> list[str]:
+    """The run.py command lines the sweep started as jobs (not --plan, not --init-tracking)."""
+    lines = script_calls(project)
     return [x for x in lines if x != "run.py --plan" and not x.endswith("--init-tracking")]
 
 
@@ -720,7 +726,7 @@ def test_planning_is_one_interpreter_call(tmp_path):
     result = run_sweep(project, "--dry-run")
     assert result.returncode == 0, result.stderr
     assert "30 jobs: 0 done, 30 pending" in result.stdout
-    assert (project / "python-calls.log").read_text().splitlines() == ["run.py --plan"]
+    assert script_calls(project) == ["run.py --plan"]
 
 
 def test_every_job_writes_to_the_sweep_results_folder(tmp_path):
@@ -760,7 +766,7 @@ def test_gpus_are_checked_against_the_visible_devices(tmp_path, gpus, message):
     result = run_sweep(project, GPUS=gpus)
     assert result.returncode == 2
     assert result.stderr.strip() == message or result.stderr.startswith(message), result.stderr
-    assert not (project / "python-calls.log").exists()  # refused before any work
+    assert not script_calls(project)  # refused before any work
 
 
 def test_gpus_from_nvidia_smi_when_nothing_is_set(tmp_path):
@@ -836,7 +842,7 @@ def test_real_plan_matches_print_run_dir_and_reads_states(tmp_path):
         assert real_plan(jobs[:1], tmp_path)[0][0] == "running"
 
 
-# ---- scripts/slurm_task.sh without Slurm (the signals Slurm would send, sent by hand) ----------
+# ---- labrun/slurm_task.sh without Slurm (the signals Slurm would send, sent by hand) ----------
 
 
 def start_task(project: Path, args: str) -> subprocess.Popen:
@@ -852,7 +858,7 @@ def start_task(project: Path, args: str) -> subprocess.Popen:
         "PATH": "/usr/bin:/bin",
     }  # no squeue / scontrol here: the requeue is only logged
     return subprocess.Popen(
-        ["bash", "scripts/slurm_task.sh", str(submit)],
+        ["bash", str(SLURM_TASK), str(submit)],
         cwd=project,
         env=env,
         stdout=subprocess.PIPE,
@@ -862,7 +868,6 @@ def start_task(project: Path, args: str) -> subprocess.Popen:
 
 
 @pytest.mark.slow  # waits for the stand-in job's checkpoint-and-exit after USR1
-@needs_slurm_option
 def test_slurm_task_passes_usr1_on_and_returns_the_exact_exit_code(tmp_path):
     project = make_project(tmp_path)
     task = start_task(project, "--results-dir results/sweep --sleep 60 --tag u")
@@ -874,7 +879,6 @@ def test_slurm_task_passes_usr1_on_and_returns_the_exact_exit_code(tmp_path):
     assert "requeueing 1_0: run.py checkpointed and exited 75 after SIGUSR1" in out
 
 
-@needs_slurm_option
 def test_slurm_task_does_not_pass_term_on(tmp_path):
     # Slurm sends TERM to every process of the step: passing it on would double it.
     project = make_project(tmp_path)
@@ -907,31 +911,84 @@ def test_run_sh_help_and_bad_option(tmp_path):
     usage = run_sweep(project, "--help", script="run.sh")
     assert usage.returncode == 0
     assert "Usage: bash run.sh [--dry-run] [--slurm]" in usage.stdout
+    # run.sh's header, then every setting with its default, from the engine.
+    for setting in ("GPUS ", "JOBS_PER_GPU ", "CPU_JOBS ", "LOG_DIR ", "SLURM_TIME ", "[24:00:00]"):
+        assert setting in usage.stdout.split("Environment (defaults in brackets):")[1], setting
     bad = run_sweep(project, "--bogus", script="run.sh")
     assert bad.returncode == 2
     assert "unknown option: --bogus" in bad.stderr
+    bad = run_sweep(project, "--dry-run", script="run.sh", PRESET="huge")
+    assert bad.returncode == 2 and "PRESET must be quick or empty" in bad.stderr
 
 
-@needs_slurm_option
+def test_run_sh_without_labrun_says_so(tmp_path):
+    project = make_project(tmp_path)
+    result = run_sweep(project, "--dry-run", script="run.sh", PYTHON="/bin/false")
+    assert result.returncode == 2
+    assert "run.sh: no labrun in PYTHON=/bin/false" in result.stderr
+
+
+def quick_argv(dry_run_stdout: str) -> list[list[str]]:
+    """Each job's run.py command line, as --dry-run lists it (indented under its state line)."""
+    lines = dry_run_stdout.splitlines()
+    return [line.split()[1:] for line in lines if line.startswith(" " * 12 + "run.py ")]
+
+
+@pytest.mark.parametrize("how", ["--quick", "PRESET=quick"])
+def test_quick_arguments_come_first_so_a_jobs_own_win(tmp_path, how):
+    """Issue 30: the quick preset's arguments precede the job's own and those after `--`."""
+    project = make_project(tmp_path, ["--width 25 --tag a", "--tag b"])
+    # A preset the stand-in understands: 9 s a job, unless a later --sleep wins.
+    driver = project / "sweep.sh"
+    text, n = re.subn(
+        r"^QUICK_ARGS=\(.*\)$", "QUICK_ARGS=(--sleep 9 --width 16)", driver.read_text(), flags=re.M
+    )
+    assert n == 1, "run.sh has no QUICK_ARGS=(...) line"
+    driver.write_text(text)
+    env = {"PRESET": "quick"} if how == "PRESET=quick" else {}
+    options = ["--quick"] if how == "--quick" else []
+    result = run_sweep(project, *options, "--dry-run", "--", "--sleep", "0.01", **env)
+    assert result.returncode == 0, result.stderr
+    assert "quick preset: --sleep 9 --width 16 first on every job" in result.stdout
+    preset = ["--results-dir", "results/quick", "--sleep", "9", "--width", "16"]
+    assert quick_argv(result.stdout) == [
+        [*preset, "--width", "25", "--tag", "a", "--sleep", "0.01"],
+        [*preset, "--tag", "b", "--sleep", "0.01"],
+    ]
+    run = run_sweep(project, *options, "--", "--sleep", "0.01", **env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert [r["end"] - r["start"] < 5 for r in attempts(project)] == [True, True]  # 0.01 won
+    assert len(run_dirs(project, "quick")) == 2 and not (project / "results" / "sweep").exists()
+
+
 def test_slurm_dry_run_lists_the_array_without_slurm_installed(tmp_path):
     """--slurm skips the local slots (no GPU check, no CPU sizing): it must not need them."""
     project = make_project(tmp_path, ["--tag a", "--tag b"])
     result = run_sweep(project, "--slurm", "--dry-run", GPUS="")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "sbatch --parsable" in result.stdout and "--array=0-1" in result.stdout
+    # The task script is the library's, the one `python -m labrun slurm-task` names.
+    located = subprocess.run(
+        [sys.executable, "-m", "labrun", "slurm-task"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert f" {located} " in result.stdout and Path(located).samefile(SLURM_TASK)
     assert not attempts(project, finished_only=False)
 
 
-def test_slurm_option_without_the_task_script_says_why(tmp_path):
-    project = make_project(tmp_path, ["--tag a"])
-    (project / "scripts" / "slurm_task.sh").unlink(missing_ok=True)
-    result = run_sweep(project, "--slurm")
-    assert result.returncode == 2
-    assert "use_slurm=false" in result.stderr
-    assert not (project / "results").exists() or not attempts(project)
+def test_labrun_cli_names_the_engine_and_imports_no_torch():
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "labrun", "sweep-lib"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert Path(result.stdout.strip()).samefile(ENGINE)
+    assert "torch" not in result.stderr and "mlflow" not in result.stderr
+    bad = subprocess.run([sys.executable, "-m", "labrun", "nonsense"], capture_output=True)
+    assert bad.returncode == 2
 
 
-SHELL_SCRIPTS = sorted([PROJECT / "run.sh", *(PROJECT / "scripts").glob("*.sh")])
+SHELL_SCRIPTS = [ENGINE, SLURM_TASK]
 
 
 @pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=lambda p: p.name)
@@ -951,29 +1008,13 @@ def test_shell_script_is_clean(script):
 # ---- the real run.py and plot.py ---------------------------------------------------------------
 
 
-def real_run_py_ready() -> str | None:
-    """Why the real two-job sweep cannot run here, or None."""
-    if not (PROJECT / "run.py").exists() or "--print-run-dir" not in (
-        PROJECT / "run.py"
-    ).read_text() + "".join(p.read_text() for p in PROJECT.glob("*/config.py")):
-        return "run.py has no --print-run-dir yet"
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        return "torch is not installed"
-    return None
-
-
 @pytest.mark.slow
 def test_real_two_job_sweep_then_plot(tmp_path):
-    reason = real_run_py_ready()
-    if reason:
-        pytest.skip(reason)
     # A copy of the project, so the sweep's results/, logs/ and mlflow.db stay in tmp_path.
     tiny = "--dataset digits --epochs 1 --width 8 --workers 0 --compile off --progress off"
     copy_real_project(tmp_path, [f"{tiny} --seed 0", f"{tiny} --seed 1"], files=("plot.py",))
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    env.update(PYTHON=sys.executable, GPUS="", CPU_JOBS="2")
+    env = real_env(PYTHON=sys.executable, GPUS="", CPU_JOBS="2")
+    env.pop("MLFLOW_TRACKING_URI", None)
     result = subprocess.run(
         ["bash", "sweep.sh"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )
