@@ -1024,6 +1024,7 @@ def test_real_two_job_sweep_then_plot(tmp_path):
     plot = subprocess.run(
         [sys.executable, "plot.py", "--formats", "png"],
         cwd=tmp_path,
+        env=env,
         capture_output=True,
         text=True,
         timeout=300,
