@@ -82,7 +82,7 @@ readonly SWEEP_STOPPING_WAIT_S="${SWEEP_STOPPING_WAIT_S:-30}"
 JOB_ARGV=()            # filled by job_argv
 readonly SWEEP_EXIT_BUSY=73 SWEEP_EXIT_INTERRUPTED=75
 # This file, and the Slurm task script beside it (sbatch copies it at submission).
-SWEEP_ENGINE="$(realpath "${BASH_SOURCE[0]}")"
+SWEEP_ENGINE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)/${BASH_SOURCE[0]##*/}"
 readonly SWEEP_ENGINE SWEEP_TASK_SCRIPT="${SWEEP_ENGINE%/*}/slurm_task.sh"
 
 #######################################
@@ -146,7 +146,7 @@ plan_jobs() {
       done | "${PYTHON}" "${script}" --plan
     )
     (( ${#fields[@]} == 3 * ${#mine[@]} )) || die "${script} --plan answered ${#fields[@]}" \
-      "fields for ${#mine[@]} jobs (is ${script} current, built on the package's jobs.py?)"
+      "fields for ${#mine[@]} jobs (is ${script} current, built on labrun's jobs.py?)"
     for ((k = 0; k < ${#mine[@]}; k++)); do
       i="${mine[k]}"
       SWEEP_STATE[i]="${fields[3 * k]}" SWEEP_DIR[i]="${fields[3 * k + 1]}"
