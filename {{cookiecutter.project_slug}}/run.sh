@@ -25,8 +25,8 @@
 set -euo pipefail
 
 # ---- The sweep: edit here. Call `job` once per run.py command line. -------------------------
-# A job of another script names it first: `job analyze.py RUN_A RUN_B` (README, "A job that does
-# not train"); it keeps its own --results-dir, and neither QUICK_ARGS nor `-- ARGS` reach it.
+# A job of another script names it first: `job analyze.py RUN_A RUN_B` (labrun's README, "A job
+# that does not train"); it keeps its own --results-dir; neither QUICK_ARGS nor `-- ARGS` reach it.
 define_jobs() {
   local lr seed
   local -a lrs=(1e-3 3e-3 1e-2)
