@@ -202,7 +202,9 @@ def load_dataset(
         try:
             with _data_dir_errors(data_dir):
                 splits = {
-                    k: decode_cached(s, data_dir, version=data_version, processes=processes)
+                    k: decode_cached(
+                        s, data_dir, version=data_version, processes=processes, notes=notes
+                    )
                     if isinstance(s, FileSplit)
                     else s
                     for k, s in splits.items()

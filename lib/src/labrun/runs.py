@@ -138,7 +138,7 @@ def check_ownership(run_dir: Path) -> None:
             )
 
 
-def _open_own(path: Path, flags: int, owner: int | None = None) -> int:
+def open_own(path: Path, flags: int, owner: int | None = None) -> int:
     """os.open without following a symlink (ELOOP) or blocking on a FIFO; the result must be a
     regular file owned by `owner` (default: this process's user) with one link, else
     ForeignFile. A hard link to someone's file is refused too (nlink > 1)."""
@@ -159,11 +159,18 @@ def _open_own(path: Path, flags: int, owner: int | None = None) -> int:
         raise
 
 
+def size_text(nbytes: float) -> str:
+    """`12.3 GiB`, or `420 MiB` below a GiB: a small size never reads `0.0 GiB`."""
+    if nbytes >= 2**30:
+        return f"{nbytes / 2**30:.1f} GiB"
+    return f"{nbytes / 2**20:.{0 if nbytes >= 2**24 else 1}f} MiB"
+
+
 def read_trusted(path: Path, max_bytes: int = 1 << 20) -> str:
     """The text of `path` if it is a regular file (not a link) owned by its directory's owner;
     OSError otherwise (ForeignFile for a foreign or linked file)."""
     path = Path(path)
-    fd = _open_own(path, os.O_RDONLY, owner=path.parent.stat().st_uid)
+    fd = open_own(path, os.O_RDONLY, owner=path.parent.stat().st_uid)
     with os.fdopen(fd, "rb") as f:
         return f.read(max_bytes).decode("utf-8")
 
@@ -231,7 +238,7 @@ def try_write_status(run_dir: Path, status: str) -> bool:
     except OSError:
         pass
     try:
-        fd = _open_own(Path(run_dir) / STATUS, os.O_WRONLY | os.O_CREAT)
+        fd = open_own(Path(run_dir) / STATUS, os.O_WRONLY | os.O_CREAT)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.truncate()
             f.write(status + "\n")
@@ -342,7 +349,7 @@ class NoFollowFileHandler(logging.FileHandler):
     or a hard link someone planted at the log's name (ForeignFile / ELOOP instead)."""
 
     def _open(self):
-        fd = _open_own(Path(self.baseFilename), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        fd = open_own(Path(self.baseFilename), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         return os.fdopen(fd, "a", encoding=self.encoding or "utf-8", errors=self.errors)
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, mlflow_run, read_metrics, run_dir_of, temp_files
+from conftest import PACKAGE, ROOT, mlflow_run, read_metrics, run_dir_of, temp_files
 
 import plot
 from labrun.analysis import aggregate, load_runs
@@ -280,7 +280,7 @@ def test_readme_segmentation_task_works_as_written(tmp_path):
     copy = tmp_path / "project"
     shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns("results", "data", "figures", "*.db",
                                                               ".git", "__pycache__"))  # fmt: skip
-    package = copy / "{{ cookiecutter.package_name }}"
+    package = copy / PACKAGE
     with open(package / "tasks.py", "a") as f:
         f.write("\n\n" + code)
     check = """
