@@ -336,14 +336,14 @@ def _allocate(fd: int, path: Path, shape) -> None:
                 raise
             os.ftruncate(fd, size)
     except OSError as e:
+        why, fix = e.strerror, "free space"
         if e.errno == errno.EFBIG:
             limit, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
             why = f"larger than the file-size limit (ulimit -f: {size_text(limit)})"
-        else:
-            why = e.strerror
+            fix = "raise the limit"
         raise ValueError(
             f"--data-dir: cannot write the decoded cache {path} ({size_text(need)}): "
-            f"{why}; free space, or use --data-mode stream"
+            f"{why}; {fix}, or use --data-mode stream"
         ) from e
 
 

@@ -160,10 +160,11 @@ def open_own(path: Path, flags: int, owner: int | None = None) -> int:
 
 
 def size_text(nbytes: float) -> str:
-    """`12.3 GiB`, or `420 MiB` below a GiB: a small size never reads `0.0 GiB`."""
-    if nbytes >= 2**30:
-        return f"{nbytes / 2**30:.1f} GiB"
-    return f"{nbytes / 2**20:.{0 if nbytes >= 2**24 else 1}f} MiB"
+    """`2.5 GiB`, `40.0 MiB`, `19.5 KiB`: a small size never reads `0.0 GiB`."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{int(nbytes)} bytes"
 
 
 def read_trusted(path: Path, max_bytes: int = 1 << 20) -> str:

@@ -1,0 +1,148 @@
+"""Data you can trust (issue 29): no planted or damaged cache, non-finite target, hard-linked leak
+or made-up metric behind a reported number."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import read_metrics, run_dir_of
+from image_folders import make_folder
+
+from labrun import imagecache
+from labrun.data import load_dataset
+from labrun.loaders import FileSplit
+
+
+def cache_names(folder: Path, scratch: Path) -> dict[int, str]:
+    """{images: decoded-<key>} of the folder's caches, computed as anyone who can read the
+    folder can: by decoding it into a folder of their own (the key ignores --data-dir)."""
+    load_dataset("folder", scratch, data_path=folder, mode="memory", workers=0)
+    return {
+        len(np.load(p, mmap_mode="r")): p.stem
+        for p in scratch.glob("decoded-*.npy")
+        if not p.name.endswith(".partial.npy")
+    }
+
+
+def test_planted_links_in_the_data_dir_are_never_written_through_nor_trained_on(
+    main_in_process, tmp_path
+):
+    """The two-step attack of issue 29: plant links at the cache's names, then a job runs."""
+    folder = make_folder(tmp_path / "f", {"train": 20, "test": 6}, size=(16, 16))
+    names = cache_names(folder, tmp_path / "attacker")
+    train, test = names[60], names[18]
+    data_dir = tmp_path / "shared-data"
+    data_dir.mkdir()
+    victim1, victim2 = tmp_path / "victim1.txt", tmp_path / "victim2.txt"
+    victim1.write_text("a colleague's notes\n")
+    victim2.write_text("another file of theirs\n")
+    zeros = tmp_path / "zeros.npy"
+    np.save(zeros, np.zeros((18, 16, 16, 3), np.uint8))
+    (data_dir / f"{train}.partial.npy").symlink_to(victim1)
+    (data_dir / f"{train}.chunks").symlink_to(victim2)
+    (data_dir / f"{test}.npy").symlink_to(zeros)
+
+    results = tmp_path / "results"
+    args = ["--dataset", "folder", "--data-path", str(folder), "--data-dir", str(data_dir)]
+    run = ("--epochs", "4", "--batch-size", "8", "--workers", "0", "--results-dir", str(results))
+    code = main_in_process(*args, *run)
+    assert code == 0
+    assert victim1.read_text() == "a colleague's notes\n"
+    assert victim2.read_text() == "another file of theirs\n"
+    assert np.load(zeros).sum() == 0
+    for name in (f"{test}.npy", f"{train}.npy", f"{test}.sums", f"{train}.sums"):
+        assert not (data_dir / name).is_symlink() and (data_dir / name).stat().st_uid == os.getuid()
+    assert np.load(data_dir / f"{test}.npy").sum() != 0  # the real pixels, decoded again
+    log = (run_dir_of(results) / "run.log").read_text()
+    assert f"{test}.npy is a symbolic link" in log and f"{train}.chunks is a symbolic link" in log
+    assert read_metrics(run_dir_of(results))["test_acc"] > 0.8  # the zeros gave 0.44
+
+
+def test_a_cache_file_of_another_user_is_not_used(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give a file to another user")
+    folder = make_folder(tmp_path / "f", {"train": 3}, size=(16, 16))
+    split = split_of(folder)
+    first = imagecache.decode_cached(split, tmp_path, version="v", processes=1).images.clone()
+    cache = imagecache.cache_path(split, tmp_path, "v")
+    os.chown(cache, 65534, 65534)
+    notes: list[str] = []
+    again = imagecache.decode_cached(split, tmp_path, version="v", processes=1, notes=notes)
+    assert notes == [f"decoded cache {cache} belongs to uid 65534, not to you: not used, "
+                     "decoded again"]  # fmt: skip
+    assert torch.equal(first, again.images) and cache.stat().st_uid == os.geteuid()
+
+
+def split_of(folder: Path) -> FileSplit:
+    paths = sorted(str(p) for p in folder.rglob("*.png"))
+    return FileSplit(paths, torch.zeros(len(paths), dtype=torch.long), (3, 16, 16))
+
+
+@pytest.mark.parametrize("damage", ["zeros", "random"])
+def test_a_damaged_cache_is_found_by_its_checksums_and_decoded_again(tmp_path, damage):
+    folder = make_folder(tmp_path / "f", {"train": 120}, size=(16, 16))  # 360 images: 2 chunks
+    split = split_of(folder)
+    first = imagecache.decode_cached(split, tmp_path, version="v", processes=1).images.clone()
+    cache = imagecache.cache_path(split, tmp_path, "v")
+    pixels = np.load(cache, mmap_mode="r+")
+    rng = np.random.default_rng(0)
+    pixels[300:] = 0 if damage == "zeros" else rng.integers(0, 256, pixels[300:].shape)
+    pixels.flush()
+    del pixels
+    notes: list[str] = []
+    again = imagecache.decode_cached(split, tmp_path, version="v", processes=1, notes=notes)
+    assert len(notes) == 1 and "does not match its checksums in 1 of 2 chunk(s)" in notes[0]
+    assert "images 256-359" in notes[0]
+    assert torch.equal(first, again.images)
+    assert imagecache.decode_cached(split, tmp_path, version="v", notes=notes)  # no new note
+    assert len(notes) == 1
+
+
+def test_a_file_size_limit_streams_under_auto_and_is_one_line_under_memory(tmp_path):
+    import resource
+    import subprocess
+    import sys
+
+    folder = make_folder(tmp_path / "f", {"train": 8, "test": 2}, size=(32, 32))
+    code = (
+        "import resource, sys\n"
+        "from labrun.data import load_dataset\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (20000, resource.RLIM_INFINITY))\n"
+        f"d = load_dataset('folder', {str(tmp_path / 'c')!r}, data_path={str(folder)!r}, "
+        "mode=sys.argv[1], workers=0)\n"
+        "print(d.mode, d.notes)\n"
+    )
+    auto = subprocess.run([sys.executable, "-c", code, "auto"], capture_output=True, text=True)
+    assert auto.returncode == 0, auto.stderr
+    assert auto.stdout.startswith("stream") and "larger than the file-size limit" in auto.stdout
+    assert "(ulimit -f: 19.5 KiB)" in auto.stdout
+    memory = subprocess.run([sys.executable, "-c", code, "memory"], capture_output=True, text=True)
+    assert memory.returncode == 1
+    last = memory.stderr.strip().splitlines()[-1]
+    assert last.startswith("ValueError: --data-dir: cannot write") and "(ulimit -f: 19.5 KiB)" in last
+    assert resource.getrlimit(resource.RLIMIT_FSIZE)  # this process: untouched
+
+
+def test_small_sizes_are_never_0_0_gib():
+    from labrun.runs import size_text
+
+    assert size_text(3 * 2**20) == "3.0 MiB" and size_text(20000) == "19.5 KiB"
+    assert size_text(2.5 * 2**30) == "2.5 GiB" and size_text(1000) == "1000 bytes"
+
+
+def killed_by_the_oom_killer(task):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_decoder_killed_by_the_oom_killer_is_not_bad_input(tmp_path, monkeypatch):
+    folder = make_folder(tmp_path / "f", {"train": 4}, size=(16, 16))
+    monkeypatch.setattr(imagecache, "_decode_chunk", killed_by_the_oom_killer)
+    monkeypatch.setattr(imagecache, "CHUNK_IMAGES", 4)
+    with pytest.raises(imagecache.DecodeWorkerDied, match="out of memory") as raised:
+        imagecache.decode_cached(split_of(folder), tmp_path, version="v", processes=2)
+    assert not isinstance(raised.value, ValueError)  # run.py: exit 1, not 2 (bad input)
