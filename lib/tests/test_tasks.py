@@ -22,17 +22,17 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import plot
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import PACKAGE, ROOT, mlflow_run, read_metrics, run_dir_of, temp_files
 
-import plot
 from labrun.analysis import aggregate, load_runs
 from labrun.arrays import synthetic_targets
 from labrun.data import Split, build_loader
 from labrun.stopping import EarlyStopping
-from labrun.tasks import AP_BINS, create_task
+from labrun.tasks import ap_bins, create_task
 from labrun.train import Trainer
 
 RELEASED = Path(__file__).with_name("released_run")
@@ -222,16 +222,17 @@ def test_multilabel_f1_and_map_equal_sklearn():
     truth = y.numpy().astype(int)
     f1 = f1_score(truth, (scores >= 0.5).astype(int), average="macro", zero_division=0)
     assert got["f1"] == pytest.approx(f1, abs=1e-12)
-    # The histogram's AP is sklearn's AP of the scores rounded to their bins, exactly ...
-    binned = np.clip((torch.sigmoid(logits) * AP_BINS).long().numpy(), 0, AP_BINS - 1)
+    # The histogram's AP is sklearn's AP of the logits replaced by their bins, exactly ...
+    binned = ap_bins(logits).numpy()
     present = truth.sum(0) > 0
     exact_binned = np.mean([average_precision_score(truth[:, k], binned[:, k])
                             for k in np.flatnonzero(present)])  # fmt: skip
     assert got["map"] == pytest.approx(exact_binned, abs=1e-12)
-    # ... and within 0.01 of the AP of the unrounded scores (ties inside a bin only).
+    # ... and close to the AP of the logits (ties inside a bin only; 500 samples: one tie
+    # moves it by ~1e-3; on 4000 x 20 within 1e-3: test_trust.py).
     exact = np.mean([average_precision_score(truth[:, k], scores[:, k])
                      for k in np.flatnonzero(present)])  # fmt: skip
-    assert abs(got["map"] - exact) < 0.01
+    assert abs(got["map"] - exact) < 2e-3
 
 
 def test_classification_sums_equal_a_direct_count():

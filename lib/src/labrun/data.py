@@ -37,6 +37,7 @@ from .dataversion import forget
 from .imagecache import cache_fits, decode_cached
 from .imagefolder import UnreadableImage
 from .loaders import FileSplit, Split, build_loader
+from .tasks import check_targets
 
 __all__ = [  # what callers import from here (the loaders' names have their home in loaders.py)
     "DatasetInfo",
@@ -156,6 +157,7 @@ def load_dataset(
         for s in ("train", "val", "test")
         if getattr(raw, s) is not None
     }
+    check_targets(splits, task, name)  # non-finite targets, a multilabel split without a label
     shapes = {split.image_shape for split in splits.values()}
     if len(shapes) > 1:
         raise ValueError(f"dataset {name!r}: splits differ in image shape {sorted(shapes)}")
