@@ -196,3 +196,50 @@ def test_multilabel_map_is_sklearns_for_confident_moderate_and_noisy_models(scal
     logits, y = torch.tensor(logits, dtype=torch.float32), torch.tensor(truth, dtype=torch.float32)
     sums = sum(multilabel_sums(logits[i : i + 512], y[i : i + 512]) for i in range(0, 4000, 512))
     assert multilabel_metrics(sums.numpy(), 4000)["map"] == pytest.approx(exact, abs=1e-3)
+
+
+@pytest.mark.parametrize("where", ["dog/x.png", "../test/cat/x.png"])
+@pytest.mark.parametrize("link", [os.link, os.symlink])
+def test_one_file_in_two_classes_or_splits_is_refused_whether_hard_or_symbolic_link(
+    tmp_path, where, link
+):
+    from labrun.imagefolder import scan_image_folder
+
+    folder = make_folder(tmp_path / "f", {"train": 3, "test": 2}, size=(8, 8))
+    original = folder / "train" / "cat" / "0.png"
+    copy = (folder / "train" / where).resolve()
+    link(original, copy)
+    with pytest.raises(ValueError, match=r"--data-path: .* is the same (file|image) as"):
+        scan_image_folder(folder, None)
+
+
+def damage_in_place(path: Path) -> None:
+    """Garbage in the middle of the file, its size and modification time kept: the folder's
+    cheap fingerprint (names, sizes, mtimes, directory stamps) cannot see it."""
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(st.st_size // 2)
+        f.write(b"\xff" * 16)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_a_file_damaged_in_place_is_skipped_and_listed_at_the_next_run(
+    main_in_process, tmp_path, capsys
+):
+    """Issue 29: the re-run promised by the refusal refused again, run after run."""
+    folder = make_folder(tmp_path / "f", {"train": 34, "test": 4}, size=(8, 8))  # 102 + 12
+    data_dir, results = tmp_path / "data", tmp_path / "results"
+    args = ("--dataset", "folder", "--data-path", str(folder), "--data-dir", str(data_dir))
+    args += ("--workers", "0", "--batch-size", "8", "--epochs", "1", "--results-dir", str(results))
+    assert main_in_process(*args) == 0  # the images checked and cached
+    damage_in_place(folder / "train" / "dog" / "5.png")
+    capsys.readouterr()
+    assert main_in_process(*args, "--image-size", "12") == 2  # decoded again: found now
+    err = capsys.readouterr().err
+    assert "cannot decode" in err and "dog/5.png" in err
+    for _ in range(2):  # the next runs: skipped and listed, trained
+        assert main_in_process(*args, "--image-size", "12") == 0
+    (listing,) = data_dir.glob("unreadable-images-*.txt")
+    assert listing.read_text().startswith(str(folder / "train" / "dog" / "5.png"))
+    logs = [p / "run.log" for p in results.iterdir() if "image_size" in p.name]
+    assert "skipped 1 unreadable image(s) of 114" in logs[0].read_text()
