@@ -3,6 +3,7 @@ or made-up metric behind a reported number."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -243,3 +244,28 @@ def test_a_file_damaged_in_place_is_skipped_and_listed_at_the_next_run(
     assert listing.read_text().startswith(str(folder / "train" / "dog" / "5.png"))
     logs = [p / "run.log" for p in results.iterdir() if "image_size" in p.name]
     assert "skipped 1 unreadable image(s) of 114" in logs[0].read_text()
+
+
+def test_history_keeps_a_column_added_by_a_resumed_run(tmp_path):
+    from labrun import runs
+    from labrun.analysis import read_history
+
+    before = {"epoch": 1, "step": 4, "train_loss": 0.5, "val_loss": 0.6}  # from the checkpoint
+    after = {"epoch": 2, "step": 8, "train_loss": 0.4, "grad_norm": 1.5, "val_loss": 0.5}
+    runs.write_history(tmp_path, [before, after])
+    header = (tmp_path / "history.csv").read_text().splitlines()[0]
+    assert header == "epoch,step,train_loss,val_loss,grad_norm"
+    columns = read_history((tmp_path / "history.csv").read_text())
+    assert np.isnan(columns["grad_norm"][0]) and columns["grad_norm"][1] == 1.5
+
+
+def test_json_files_never_hold_nan_or_infinity(tmp_path):
+    from labrun import runs
+
+    runs.write_json(tmp_path / "m.json", {"test_r2": float("nan"), "best": [float("inf"), 1.0]})
+    text = (tmp_path / "m.json").read_text()
+
+    def refuse(constant):
+        raise ValueError(constant)
+
+    assert json.loads(text, parse_constant=refuse) == {"test_r2": None, "best": [None, 1.0]}

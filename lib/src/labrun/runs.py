@@ -21,6 +21,7 @@ import errno
 import io
 import json
 import logging
+import math
 import os
 import pwd
 import shutil
@@ -207,7 +208,20 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def write_json(path: Path, obj: dict) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+    """`obj` as strict JSON: a NaN or infinite float becomes null (Python's NaN, Infinity are
+    not JSON; jq, JavaScript and most readers refuse them)."""
+    text = json.dumps(_finite_or_none(obj), indent=2, sort_keys=True, default=str, allow_nan=False)
+    atomic_write_text(path, text + "\n")
+
+
+def _finite_or_none(value: object) -> object:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_or_none(v) for v in value]
+    return value
 
 
 def read_json(path: Path) -> dict:
@@ -267,12 +281,14 @@ def is_done(run_dir: Path) -> bool:
 
 
 def write_history(run_dir: Path, rows: list[dict]) -> None:
+    """history.csv: every column of every row (the task's, then any added later, in the order
+    they first appear: a value added in code survives a resume), empty where a row has none."""
     buf = io.StringIO()
-    fields = list(rows[0]) if rows else list(HISTORY_FIELDS)  # the task's columns, in order
-    writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
+    fields = list(dict.fromkeys(k for row in rows for k in row)) or list(HISTORY_FIELDS)
+    writer = csv.DictWriter(buf, fieldnames=fields, restval="", lineterminator="\n")
     writer.writeheader()
     for row in rows:
-        writer.writerow({k: _fmt(row[k]) for k in fields})
+        writer.writerow({k: _fmt(v) for k, v in row.items()})
     atomic_write_text(Path(run_dir) / HISTORY, buf.getvalue())
 
 
