@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 from labrun import distributed, jobs, runs
 from labrun.claim import LostClaim
-from labrun.config import UsageError, parse_args, resolved_config, run_dir
+from labrun.config import UsageError, check_model_fits, parse_args, resolved_config, run_dir
 from labrun.jobs import (
     EXIT_BUSY,
     EXIT_FAILED,
@@ -85,6 +85,7 @@ def train(args, parser, out, stop: GracefulStop, held, dist) -> int:
             from labrun.tuning import start_memory_history
 
             start_memory_history(device)
+        check_model_fits(args)  # an --image-size the model cannot take: before any decoding
         data = build_data(args, device, task, dist.shard)
         # num_classes, channels, image_size, class_names, split sizes, the arrays' content hash
         config.update(data.info.as_config())

@@ -269,3 +269,70 @@ def test_json_files_never_hold_nan_or_infinity(tmp_path):
         raise ValueError(constant)
 
     assert json.loads(text, parse_constant=refuse) == {"test_r2": None, "best": [None, 1.0]}
+
+
+def test_a_flag_added_with_a_default_never_moves_a_run_without_a_second_edit(monkeypatch):
+    """The first release's run names stay; a new flag (only added to the parser) joins the
+    hash only when set to something else than its default."""
+    from labrun import config
+
+    released = {
+        (): "digits-07ad383c",
+        ("--lr", "0.01", "--seed", "1"): "digits_lr=0.01_seed=1-4c5ba385",
+        ("--dataset", "synthetic", "--ema", "0.9"): "synthetic_ema=0.9-f23144b4",
+    }
+    build = config.build_parser
+
+    def with_a_new_flag():
+        parser = build()
+        parser.add_argument("--mixup", type=float, default=0.0, help="a flag added later")
+        return parser
+
+    monkeypatch.setattr(config, "build_parser", with_a_new_flag)
+    for argv, name in released.items():
+        args, parser = config.parse_args([*argv, "--results-dir", "/r"])
+        assert config.run_dir(args, parser).name == name, argv
+    args, parser = config.parse_args(["--mixup", "0.2", "--results-dir", "/r"])
+    assert config.run_dir(args, parser).name.startswith("digits_mixup=0.2-")
+    assert config.config_hash(args) != "07ad383c"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--data-path", "."), "--data-path: --dataset digits reads no files of yours"),
+        (("--task", "regression", "--label-smoothing", "0.1"), "--label-smoothing: --task regr"),
+    ],
+)
+def test_flags_the_run_would_ignore_are_refused(argv, message, capsys):
+    from labrun import config
+
+    with pytest.raises(SystemExit) as exited:
+        config.parse_args(list(argv))
+    assert exited.value.code == 2 and capsys.readouterr().err.startswith(f"error: {message}")
+
+
+def test_an_image_size_the_model_cannot_take_is_refused_before_decoding(
+    main_in_process, tmp_path, capsys
+):
+    folder = make_folder(tmp_path / "f", {"train": 4}, size=(16, 16))
+    args = ("--dataset", "folder", "--data-path", str(folder), "--data-dir", str(tmp_path / "d"))
+    assert main_in_process(*args, "--image-size", "4", "--results-dir", str(tmp_path / "r")) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.strip()
+        == "error: --model cnn: images must be at least 8x8 (three 2x poolings), got 4x4"
+    )
+    assert not list((tmp_path / "d").glob("decoded-*"))
+
+
+def test_classification_with_one_class_is_refused(main_in_process, tmp_path, capsys):
+    folder = tmp_path / "f"
+    make_folder(folder, {"train": 6}, size=(16, 16))
+    for name in ("dog", "eel"):
+        for path in (folder / "train" / name).iterdir():
+            path.unlink()
+        (folder / "train" / name).rmdir()
+    args = ("--dataset", "folder", "--data-path", str(folder), "--data-dir", str(tmp_path / "d"))
+    assert main_in_process(*args, "--batch-size", "1", "--results-dir", str(tmp_path / "r")) == 2
+    assert "--task classification needs at least 2 classes" in capsys.readouterr().err

@@ -6,9 +6,9 @@ and the sweep calls the latter for every job.
 Identity (README, "What a run writes"): the run directory is `<results-dir>/<readable>-<hash8>`,
 where the hash is sha256 over the sorted-key JSON of every *experiment-defining* argument, i.e.
 every argument except those in EXECUTION_KEYS. Add a flag to the parser and it joins the hash
-unless you also add it to EXECUTION_KEYS. A flag added after run directories exist goes into
-ADDED_DEFAULTS too: at that default it stays out of the hash, so every existing run keeps its
-directory (and is skipped when done) after the update; set to anything else, it is hashed.
+unless you also add it to EXECUTION_KEYS; at its default it stays out of the hash (only the
+first release's flags, FIRST_RELEASE_KEYS, are hashed at any value), so every existing run keeps
+its directory (and is skipped when done) after the update; set to anything else, it is hashed.
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ TRIALS_EXPERIMENT = f"{DEFAULT_EXPERIMENT}-trials"
 DATASET_DECLARED = declarations("register_dataset")  # from any module of the package
 DATASET_CHOICES = tuple(DATASET_DECLARED)
 MODEL_CHOICES = {name: d.help for name, d in declarations("register_model").items()}
-TASK_CHOICES = {name: d.help for name, d in declarations("register_task").items()}
+TASK_DECLARED = declarations("register_task")
+TASK_CHOICES = {name: d.help for name, d in TASK_DECLARED.items()}
+TASKS_MODULE = f"{__package__}.tasks"  # the built-in tasks: which of them read which flag
 
 # How a run is executed, not what it computes: left out of the hash, so the same experiment run on
 # another GPU, with more workers or after a Ctrl-C lands in the same directory.
@@ -64,17 +66,31 @@ EXECUTION_KEYS = frozenset(
         "checkpoint_every",
     }
 )
-# Experiment-defining flags added after the first release, with their defaults: left out of the
-# hash while at that default, so an update does not move every finished run to a new directory.
-ADDED_DEFAULTS: dict[str, object] = {
-    "min_epochs": 0,
-    "task": "classification",
-    "monitor": None,
-    # The version of --data-path's files (dataversion.py), set by parse_args, not a flag: runs
-    # on two versions of a folder never share a directory. None for the built-in array datasets,
-    # whose released run names must not move (their content hash goes to config.json instead).
-    "data_version": None,
-}
+# The experiment-defining flags of the first release: always in the hash (their run names are
+# pinned by the tests). Every other experiment key (a flag added since, `data_version`) is hashed
+# only while it differs from its default: adding a flag with a default never moves a run.
+FIRST_RELEASE_KEYS = frozenset(
+    {
+        "batch_size",
+        "clip_grad",
+        "data_path",
+        "dataset",
+        "ema",
+        "epochs",
+        "grad_accum",
+        "image_size",
+        "label_smoothing",
+        "lr",
+        "max_steps",
+        "model",
+        "patience",
+        "seed",
+        "synthetic_size",
+        "val_fraction",
+        "weight_decay",
+        "width",
+    }
+)
 MAX_READABLE = 80
 MAX_SEED = 2**32 - 1  # numpy's seed range; torch takes 64 bits, but one seed feeds both
 MAX_EXPERIMENT_NAME = 500  # MLflow's limit (mlflow.utils.validation.MAX_EXPERIMENT_NAME_LENGTH)
@@ -439,8 +455,22 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     args = parser.parse_args(argv)
     if args.tracking not in ("on", "off"):  # argparse checks `choices` on the command line only
         parser.error(f"{TRACKING_ENV}={os.environ.get(TRACKING_ENV)!r}: expected on or off")
-    if DATASET_DECLARED[args.dataset].keywords.get("needs_data_path") and args.data_path is None:
+    declared = DATASET_DECLARED[args.dataset]
+    reads_files = declared.keywords.get("needs_data_path")
+    if reads_files and args.data_path is None:
         parser.error(f"--data-path: dataset {args.dataset!r} reads your files: give --data-path")
+    built_in = declared.module == f"{__package__}.datasets"  # a dataset of yours may read it
+    if args.data_path is not None and built_in and not reads_files:
+        parser.error(
+            f"--data-path: --dataset {args.dataset} reads no files of yours; drop "
+            "--data-path, or use --dataset folder (or a dataset of your own)"
+        )
+    task_module = TASK_DECLARED[args.task].module if args.task in TASK_DECLARED else None
+    if args.label_smoothing and args.task != "classification" and task_module == TASKS_MODULE:
+        parser.error(
+            f"--label-smoothing: --task {args.task} has no class labels to smooth (only "
+            "--task classification uses it); drop it"
+        )
     args.data_version = None
     if args.data_path is not None:  # absolute: the same data named two ways is one experiment
         args.data_path = args.data_path.expanduser().resolve()
@@ -458,17 +488,50 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     return args, parser
 
 
+def check_model_fits(args: argparse.Namespace) -> None:
+    """Refuse an --image-size (or --width) that --model cannot take before any image is read or
+    decoded: the model is built at that size on torch's meta device (no memory, no compute).
+    ValueError (one line, exit 2) when it fails for 1 and 3 channels alike."""
+    if args.image_size is None:
+        return
+    import torch
+
+    from .models import create_model
+
+    errors = []
+    for channels in (3, 1):
+        try:
+            with torch.device("meta"):
+                create_model(
+                    args.model,
+                    num_classes=10,
+                    channels=channels,
+                    image_size=args.image_size,
+                    width=args.width,
+                )
+            return
+        except ValueError as e:
+            errors.append(e)
+        except Exception:  # noqa: BLE001 (the real build, on the data's shape, reports it)
+            return
+    raise UsageError(str(errors[0]))
+
+
 def experiment_args(args: argparse.Namespace) -> dict:
     """The arguments that define what is computed (everything but EXECUTION_KEYS)."""
     return {k: v for k, v in vars(args).items() if k not in EXECUTION_KEYS}
 
 
 def identity_args(args: argparse.Namespace) -> dict:
-    """What the hash covers: the experiment arguments, less added flags at their default."""
+    """What the hash covers: the experiment arguments of the first release, and any other one
+    that is not at its default. `data_version` (set by parse_args, not a flag; None for the
+    array datasets, whose released names must not move: their content hash goes to config.json)
+    counts like a flag added since."""
+    defaults = {a.dest: a.default for a in build_parser()._actions}
     return {
         k: v
         for k, v in experiment_args(args).items()
-        if not (k in ADDED_DEFAULTS and v == ADDED_DEFAULTS[k])
+        if k in FIRST_RELEASE_KEYS or v != defaults.get(k)
     }
 
 

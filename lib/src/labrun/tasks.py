@@ -103,9 +103,16 @@ def create_task(name: str, args: argparse.Namespace, monitor: str | None = None)
 def check_targets(splits: dict, task: str, dataset: str) -> None:
     """Refuse targets no reported number could be trusted on (UsageError: one line, exit 2):
     a non-finite float target (NaN or inf: the loss, r2 and the best epoch would be made up),
-    and under --task multilabel a split without one positive label (its mAP is undefined: the
-    monitored val_map would never be finite, test_map would be made up). `splits`: {name:
+    under --task multilabel a split without one positive label (its mAP is undefined: the
+    monitored val_map would never be finite, test_map would be made up), and under --task
+    classification a train split of one class (test acc 1, whatever the model). `splits`: {name:
     Split or FileSplit} as the dataset gave them, so a row is the row of the user's data."""
+    train = splits["train"].labels
+    if task == "classification" and not train.is_floating_point() and train.unique().numel() < 2:
+        raise UsageError(
+            f"dataset {dataset!r}: --task classification needs at least 2 classes; the train "
+            f"split has {train.unique().numel()} (every prediction would be right)"
+        )
     for name, split in splits.items():
         labels = split.labels
         if not labels.is_floating_point() or len(labels) == 0:
