@@ -27,7 +27,14 @@ from typing import NamedTuple
 
 from labrun import distributed, jobs, runs
 from labrun.claim import LostClaim
-from labrun.config import UsageError, check_model_fits, parse_args, resolved_config, run_dir
+from labrun.config import (
+    PROJECT_ROOT,
+    UsageError,
+    check_model_fits,
+    parse_args,
+    resolved_config,
+    run_dir,
+)
 from labrun.jobs import (
     EXIT_BUSY,
     EXIT_FAILED,
@@ -164,6 +171,8 @@ def train(args, parser, out, stop: GracefulStop, held, dist) -> int:
                 state.progress.epoch + 1,
                 state.progress.step,
             )
+            if other := runs.other_code_line(out, PROJECT_ROOT, "resuming"):
+                log.warning("%s", other)
     except ckpt.CheckpointError as exc:  # refused for good: the planner must not say "resumes"
         log.error("cannot resume: %s", exc)
         if dist.is_main:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import read_metrics, run_dir_of
+from conftest import mlflow_run, read_metrics, run_dir_of
 from image_folders import make_folder
 
 from labrun import imagecache
@@ -336,3 +336,64 @@ def test_classification_with_one_class_is_refused(main_in_process, tmp_path, cap
     args = ("--dataset", "folder", "--data-path", str(folder), "--data-dir", str(tmp_path / "d"))
     assert main_in_process(*args, "--batch-size", "1", "--results-dir", str(tmp_path / "r")) == 2
     assert "--task classification needs at least 2 classes" in capsys.readouterr().err
+
+
+def test_the_code_version_follows_the_code_not_the_commits_nor_the_readme(tmp_path):
+    import subprocess
+
+    from labrun.runs import code_version
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    (tmp_path / "model.py").write_text("WIDTH = 8\n")
+    (tmp_path / "README.md").write_text("# lab\n")
+    git("init", "-q")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "x", "--allow-empty")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+    clean = code_version(tmp_path)
+    assert clean["git_diff"] == "none" and len(clean["git_commit"]) == 40
+    (tmp_path / "README.md").write_text("# lab, described\n")
+    assert code_version(tmp_path)["project"] == clean["project"]  # a README edit: same code
+    (tmp_path / "model.py").write_text("WIDTH = 16\n")
+    edited = code_version(tmp_path)
+    assert edited["project"] != clean["project"] and edited["git_diff"] not in ("none", "unknown")
+    (tmp_path / "losses.py").write_text("# new, not yet added\n")
+    assert code_version(tmp_path)["project"] != edited["project"]  # untracked code counts
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "second")
+    committed = code_version(tmp_path)
+    assert committed["project"] == code_version(tmp_path)["project"] != clean["project"]
+    assert committed["git_diff"] == "none" and committed["git_commit"] != clean["git_commit"]
+
+
+def test_a_skip_or_a_resume_under_other_code_says_so(
+    main_in_process, tmp_path, monkeypatch, capsys, mlflow_uri
+):
+    from labrun import runs
+
+    args = ("--epochs", "1", "--results-dir", str(tmp_path), "--tracking", "on")
+    assert main_in_process(*args) == 0
+    run_dir = run_dir_of(tmp_path)
+    recorded = json.loads((run_dir / "config.json").read_text())["code"]
+    assert set(recorded) == {"git_commit", "git_diff", "project", "labrun_version", "labrun"}
+    tags = mlflow_run(mlflow_uri, read_metrics(run_dir)["mlflow_run_id"]).data.tags
+    assert tags["code_project"] == recorded["project"] and tags["labrun_source"]
+    capsys.readouterr()
+    assert main_in_process(*args) == 0  # skipped, same code: one line
+    assert capsys.readouterr().out.strip().splitlines() == [
+        f"already finished: {run_dir} (metrics.json exists; --fresh starts over)"
+    ]
+    real = runs.code_version
+    monkeypatch.setattr(runs, "code_version", lambda root: {**real(root), "project": "0ther"})
+    assert main_in_process(*args) == 0
+    note = capsys.readouterr().out.strip().splitlines()[1]
+    assert note == (
+        f"note: {run_dir} was made by other code (commit {recorded['git_commit'][:12]}, "
+        f"project {recorded['project']} -> 0ther): its numbers are that code's; --fresh "
+        "retrains it with this code"
+    )
+    (run_dir / "metrics.json").unlink()  # as if interrupted after its last checkpoint
+    assert main_in_process(*args) == 0
+    assert "resuming under other code: " in (run_dir / "run.log").read_text()

@@ -21,7 +21,7 @@ import os
 import re
 from pathlib import Path
 
-from . import project
+from . import project, runs
 from .dataversion import data_version
 from .registry import declarations
 
@@ -586,4 +586,5 @@ def resolved_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     cfg["run_name"] = run_name(args, parser)
     cfg["config_hash"] = config_hash(args)
     cfg["experiment_keys"] = sorted(experiment_args(args))
+    cfg["code"] = runs.code_version(PROJECT_ROOT)  # which code made it: never in the identity
     return cfg

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import errno
+import hashlib
 import io
 import json
 import logging
@@ -359,6 +360,113 @@ def git_state(root: Path) -> tuple[str | None, bool | None]:
         return commit, bool(porcelain.strip())
     except (OSError, subprocess.SubprocessError):
         return None, None
+
+
+# What counts as the code of a project: its Python and configuration files, not its tests,
+# docs or outputs (a README edit must not make every finished run "made by other code").
+CODE_SUFFIXES = frozenset({".py", ".toml", ".cfg", ".yaml", ".yml"})
+CODE_SKIP_DIRS = frozenset(
+    {"tests", "docs", "results", "data", "figures", "logs", "wheels", "venv", "env", "__pycache__"}
+)
+
+
+def _is_code(relative: str) -> bool:
+    parts = Path(relative).parts
+    return Path(relative).suffix in CODE_SUFFIXES and not any(
+        part.startswith(".") or part in CODE_SKIP_DIRS for part in parts[:-1]
+    )
+
+
+def code_version(root: Path) -> dict[str, str]:
+    """Which code makes a run (recorded in config.json `code` and MLflow tags, never in its
+    identity): the project's git commit, a hash of its uncommitted diff, a hash of its code as
+    it is on disk (`project`: the files git tracks or would add that are code, _is_code; the
+    same code gives the same hash whatever was committed), and labrun's version and source."""
+    from . import __version__
+
+    root = Path(root)
+    commit, _ = git_state(root)
+    files = _git_lines(root, "ls-files", "-z", "--cached", "--others", "--exclude-standard")
+    if files is None:  # not in git: the files under root, skipped folders left unwalked
+        files = []
+        for folder, subfolders, names in os.walk(root):
+            subfolders[:] = [d for d in subfolders if _is_code(os.path.join(d, "x.py"))]
+            files += [os.path.relpath(os.path.join(folder, name), root) for name in names]
+    diff = _git_lines(root, "diff", "HEAD", "--binary", "--", ".", z=False)
+    library = Path(__file__).parent
+    return {
+        "git_commit": commit or "unknown",
+        "git_diff": "none" if diff == [] else _content_hash(diff) if diff else "unknown",
+        "project": _files_hash(root, [name for name in files if _is_code(name)]),
+        "labrun_version": __version__,
+        "labrun": _files_hash(library, sorted(p.name for p in library.glob("*.py"))),
+    }
+
+
+def other_code(run_dir: Path, now: dict[str, str]) -> str | None:
+    """A line when the run in `run_dir` was made by other code than `now` (code_version), else
+    None (also for a run made before code versions were recorded)."""
+    try:
+        before = json.loads(read_trusted(Path(run_dir) / CONFIG)).get("code")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(before, dict):
+        return None
+    changed = [
+        f"{key} {before.get(key)} -> {now[key]}"
+        for key in ("project", "labrun")
+        if before.get(key) != now[key]
+    ]
+    if not changed:
+        return None
+    commit = before.get("git_commit", "unknown")[:12]
+    return f"made by other code (commit {commit}, {'; '.join(changed)})"
+
+
+def other_code_line(run_dir: Path, root: Path, doing: str) -> str | None:
+    """The one line a skip or a resume of `run_dir` says when other code made it (README, "What
+    a run writes"): `doing` is "skipped" or "resuming"."""
+    other = other_code(run_dir, code_version(root))
+    if other is None:
+        return None
+    if doing == "skipped":
+        return (
+            f"note: {run_dir} was {other}: its numbers are that code's; --fresh retrains it "
+            "with this code"
+        )
+    return (
+        f"resuming under other code: {run_dir} was {other}: its epochs so far are that "
+        "code's; --fresh starts it over with this code"
+    )
+
+
+def _git_lines(root: Path, *command: str, z: bool = True) -> list[str] | None:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), *command],
+            capture_output=True,
+            timeout=30,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    text = out.decode("utf-8", "surrogateescape")
+    return [line for line in text.split("\0" if z else "\n") if line]
+
+
+def _content_hash(lines: list[str]) -> str:
+    return hashlib.sha256("\n".join(lines).encode("utf-8", "surrogateescape")).hexdigest()[:12]
+
+
+def _files_hash(root: Path, names: list[str]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(set(names)):
+        try:
+            content = hashlib.sha256((root / name).read_bytes()).hexdigest()
+        except OSError:  # deleted (still in git's index), or unreadable
+            content = "missing"
+        h.update(f"{name}\0{content}\n".encode("utf-8", "surrogateescape"))
+    return h.hexdigest()[:12]
 
 
 class NoFollowFileHandler(logging.FileHandler):
