@@ -15,6 +15,7 @@ import argparse
 import io
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -272,6 +273,12 @@ def test_runs_written_before_tasks_load_and_plot_as_classification(tmp_path, cap
     assert "error: --curve: val_r2 is not a history column" in capsys.readouterr().err
 
 
+IMPORTS = """import torch.nn.functional as F
+
+from labrun.tasks import Task, cross_entropy, register_task, summed
+"""
+
+
 def test_readme_segmentation_task_works_as_written(tmp_path):
     """README, "Your own task": its code appended to tasks.py of a copy of the project is in
     --help, and its mean IoU (from sums over two batches) is the directly computed one."""
@@ -283,7 +290,7 @@ def test_readme_segmentation_task_works_as_written(tmp_path):
                                                               ".git", "__pycache__"))  # fmt: skip
     package = copy / PACKAGE
     with open(package / "tasks.py", "a") as f:
-        f.write("\n\n" + code)
+        f.write(IMPORTS + "\n\n" + code)  # a module of the project's package, as README says
     check = """
 import argparse, numpy as np, torch, torch.nn.functional as F
 from labrun.tasks import create_task
@@ -302,10 +309,13 @@ torch.testing.assert_close(task.loss(logits, masks), F.cross_entropy(logits, mas
 assert task.spatial_targets and task.monitor == "val_miou"
 print("ok")
 """
-    result = subprocess.run([sys.executable, "-c", check], cwd=copy, capture_output=True, text=True)
+    here = {**os.environ, "LABRUN_PROJECT": str(copy)}  # the copy, not conftest's project
+    result = subprocess.run(
+        [sys.executable, "-c", check], cwd=copy, env=here, capture_output=True, text=True
+    )
     assert result.stdout.strip() == "ok", result.stderr
-    helped = subprocess.run([sys.executable, "run.py", "--help"], cwd=copy, capture_output=True,
-                            text=True)  # fmt: skip
+    helped = subprocess.run([sys.executable, "run.py", "--help"], cwd=copy, env=here,
+                            capture_output=True, text=True)  # fmt: skip
     assert "--task {classification,regression,multilabel,segmentation}" in helped.stdout
 
 

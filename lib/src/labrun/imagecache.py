@@ -111,7 +111,7 @@ def decode_cached(
 def cache_fits(split: FileSplit, data_dir: Path, version: str | None = None) -> str | None:
     """Why `split`'s cache cannot be used here (None: it can): disk space, file-size limit."""
     cache = cache_path(split, data_dir, version)
-    if cache.exists():
+    if cache.exists() and _untrusted(cache) is None:
         return None
     c, h, w = split.image_shape
     need = len(split) * c * h * w
@@ -123,7 +123,7 @@ def cache_fits(split: FileSplit, data_dir: Path, version: str | None = None) -> 
         )
     free = shutil.disk_usage(_existing_parent(cache)).free
     partial = _partial(cache)
-    if partial.exists():  # a decode to resume: its space is already taken
+    if partial.exists() and _untrusted(partial) is None:  # a decode to resume: space taken
         free += partial.stat().st_size
     if need > free:
         return f"its decoded cache needs {size_text(need)}, {size_text(free)} free"
