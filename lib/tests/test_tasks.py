@@ -32,9 +32,9 @@ from conftest import PACKAGE, ROOT, mlflow_run, read_metrics, run_dir_of, temp_f
 from labrun.analysis import aggregate, load_runs
 from labrun.arrays import synthetic_targets
 from labrun.data import Split, build_loader
+from labrun.state import TrainSums
 from labrun.stopping import EarlyStopping
 from labrun.tasks import ap_bins, create_task
-from labrun.train import Trainer
 
 RELEASED = Path(__file__).with_name("released_run")
 REFERENCE = (  # with the tiny settings of conftest.TINY
@@ -183,7 +183,7 @@ def test_unknown_monitor_is_one_error_line(main_in_process, tmp_path, capsys):
 
 
 def in_batches(task_, outputs, targets, sizes):
-    """The task's metrics from per-batch sums, as the Trainer and evaluate add them up."""
+    """The task's metrics from per-batch sums, as the training step and evaluate add them up."""
     total, start = None, 0
     for size in sizes:
         part = task_.sums(outputs[start : start + size], targets[start : start + size])
@@ -319,38 +319,30 @@ print("ok")
     assert "--task {classification,regression,multilabel,segmentation}" in helped.stdout
 
 
-def small_trainer(task_, outputs: int):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, outputs))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    return Trainer(model, optimizer, scheduler, device=CPU, dtype=None, task=task_)
-
-
 def test_task_sums_resume_exactly_mid_epoch():
+    """The epoch's running sums (state.TrainSums) go through a checkpoint unchanged."""
     logits, y = multilabel_data(n=32, labels=4)
-    x = torch.randn(32, 3, 2, 2, generator=torch.Generator().manual_seed(1))
-    batches = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 32, 8)]
-    straight = small_trainer(task("multilabel"), 4)
-    for step, batch in enumerate(batches, 1):
-        straight.step([batch], step)
-    first = small_trainer(task("multilabel"), 4)
-    for step, batch in enumerate(batches[:2], 1):
-        first.step([batch], step)
+    batches = [(logits[i : i + 8], y[i : i + 8]) for i in range(0, 32, 8)]
+    multilabel = task("multilabel")
+    loss = torch.tensor(0.25)
+    straight = TrainSums(multilabel, CPU)
+    for outputs, targets in batches:
+        straight.add(loss, outputs, targets)
+    first = TrainSums(multilabel, CPU)
+    for outputs, targets in batches[:2]:
+        first.add(loss, outputs, targets)
     buffer = io.BytesIO()
     torch.save(first.state_dict(), buffer)  # mid-epoch: the sums are in the checkpoint
     buffer.seek(0)
-    resumed = small_trainer(task("multilabel"), 4)
+    resumed = TrainSums(multilabel, CPU)
     resumed.load_state_dict(torch.load(buffer, weights_only=True))
-    for step, batch in enumerate(batches[2:], 3):
-        resumed.step([batch], step)
-    assert straight.take_sums() == resumed.take_sums()
+    for outputs, targets in batches[2:]:
+        resumed.add(loss, outputs, targets)
+    assert straight.take() == resumed.take()
 
 
 def test_a_checkpoint_from_before_tasks_resumes_its_running_sums():
     """The released Trainer saved {loss_sum, correct, seen}; its count becomes the sums."""
-    trainer = small_trainer(task("classification"), 3)
-    state = trainer.state_dict()
-    state["sums"] = {"loss_sum": torch.tensor(6.5), "correct": torch.tensor(3), "seen": 4}
-    trainer.load_state_dict(state)
-    assert trainer.take_sums() == ({"loss": 6.5 / 4, "acc": 3 / 4}, 4)
+    sums = TrainSums(task("classification"), CPU)
+    sums.load_state_dict({"loss_sum": torch.tensor(6.5), "correct": torch.tensor(3), "seen": 4})
+    assert sums.take() == ({"loss": 6.5 / 4, "acc": 3 / 4}, 4)
