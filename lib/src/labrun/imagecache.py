@@ -53,7 +53,7 @@ from .runs import FILE_MODE, open_own, size_text
 CHUNK_IMAGES = 256  # images per task of a decoding process (and per checksum)
 PROGRESS_EVERY_S = 10.0  # the progress line, when not on a terminal: at most this often
 FORMAT = "nhwc-uint8-v1"  # in the key: change it when the layout of the file changes
-DIGEST_BYTES = 16  # blake2b per chunk; all zeros in the .chunks file: the chunk is not done
+DIGEST_BYTES = 16  # sha256 per chunk, cut; all zeros in the .chunks file: the chunk is not done
 
 Progress = Callable[[int, int], None]  # (chunks done, chunks in all), after every chunk
 
@@ -145,7 +145,8 @@ def _sums(cache: Path) -> Path:
 
 
 def _digest(rows: np.ndarray) -> bytes:
-    return hashlib.blake2b(np.ascontiguousarray(rows).data, digest_size=DIGEST_BYTES).digest()
+    # sha256: hardware-accelerated on x86 (SHA-NI) and ARMv8, 2x blake2b's speed there.
+    return hashlib.sha256(np.ascontiguousarray(rows).data).digest()[:DIGEST_BYTES]
 
 
 def _map_npy(fd: int, shape, mode: str) -> np.memmap:
