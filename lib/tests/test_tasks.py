@@ -27,7 +27,7 @@ import plot
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import PACKAGE, ROOT, mlflow_run, read_metrics, run_dir_of, temp_files
+from conftest import LIB, PACKAGE, ROOT, mlflow_run, read_metrics, run_dir_of, temp_files
 
 from labrun.analysis import aggregate, load_runs
 from labrun.arrays import synthetic_targets
@@ -280,11 +280,10 @@ from labrun.tasks import Task, cross_entropy, register_task, summed
 
 
 def test_readme_segmentation_task_works_as_written(tmp_path):
-    """README, "Your own task": its code appended to tasks.py of a copy of the project is in
+    """labrun's README, its own task: the code, in tasks.py of a copy of the project, is in
     --help, and its mean IoU (from sums over two batches) is the directly computed one."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Your own task") :]
-    code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
+    readme = (LIB / "README.md").read_text()
+    code = re.search(r'```python\n(@register_task\("segmentation".*?)```', readme, re.DOTALL)[1]
     copy = tmp_path / "project"
     shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns("results", "data", "figures", "*.db",
                                                               ".git", "__pycache__"))  # fmt: skip

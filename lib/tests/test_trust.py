@@ -319,10 +319,8 @@ def test_an_image_size_the_model_cannot_take_is_refused_before_decoding(
     args = ("--dataset", "folder", "--data-path", str(folder), "--data-dir", str(tmp_path / "d"))
     assert main_in_process(*args, "--image-size", "4", "--results-dir", str(tmp_path / "r")) == 2
     err = capsys.readouterr().err
-    assert (
-        err.strip()
-        == "error: --model cnn: images must be at least 8x8 (three 2x poolings), got 4x4"
-    )
+    assert err.startswith("error: --model cnn: ") and err.strip().endswith("got 4x4")
+    assert len(err.strip().splitlines()) == 1
     assert not list((tmp_path / "d").glob("decoded-*"))
 
 
