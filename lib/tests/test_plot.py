@@ -255,7 +255,8 @@ def test_runs_left_out_are_named(sweeps, tmp_path, capsys):
     (dirs[2] / "status").write_text("failed\n")
     shutil.copytree(dirs[3], results / "copy-of-a-run")  # the same run twice counts once
     metrics = json.loads((dirs[4] / "metrics.json").read_text())
-    (dirs[4] / "metrics.json").write_text(json.dumps({**metrics, "test_loss": math.nan}))
+    diverged = {"test_loss": None, "null_reasons": {"test_loss": "nan (not finite)"}}
+    (dirs[4] / "metrics.json").write_text(json.dumps({**metrics, **diverged}))  # as run.py does
     config = json.loads((dirs[5] / "config.json").read_text())
     del config["patience"]  # written before --patience existed: takes today's default
     (dirs[5] / "config.json").write_text(json.dumps(config))

@@ -182,9 +182,13 @@ def settle(runs: Sequence[Run]) -> tuple[list[Run], list[tuple[str, str]]]:
 
 
 def _numeric(metrics: dict) -> dict[str, float]:
-    """The numeric entries (bool is a flag here, not a number)."""
-    return {k: float(v) for k, v in metrics.items()
-            if isinstance(v, int | float) and not isinstance(v, bool)}  # fmt: skip
+    """The numeric entries (bool is a flag here, not a number); a null that `null_reasons` says
+    was not finite (run.py writes strict JSON) is NaN again, so aggregate() names it dropped."""
+    numbers = {k: float(v) for k, v in metrics.items()
+               if isinstance(v, int | float) and not isinstance(v, bool)}  # fmt: skip
+    reasons = metrics.get("null_reasons")
+    nulls = [k for k in reasons if metrics.get(k) is None] if isinstance(reasons, dict) else []
+    return numbers | dict.fromkeys(nulls, math.nan)
 
 
 def load_runs_from_mlflow(tracking_uri: str, experiment: str) -> tuple[list[Run], list]:
