@@ -72,7 +72,8 @@ def plot_final_vs_hparam(table: A.Table, page, metric: str, curve: str) -> Figur
     keys = [k for k in table.keys if k not in table.categorical]
     if not keys or f"{metric}_mean" not in table.stats:
         return None
-    (configs, note), look, s = F.shown(table), F.looks(table), table.stats.loc[F.shown(table)[0]]
+    (configs, note), look = F.shown(table), F.looks(table)
+    s = table.stats.loc[configs]
     fig = Figure(figsize=page, layout="constrained")
     axes = fig.subplots(1, len(keys), sharey=True, squeeze=False)[0]
     for ax, key in zip(axes, keys, strict=True):
@@ -112,10 +113,8 @@ def plot_comparison(table: A.Table, page, metric: str, curve: str) -> Figure | N
     names = [F.wrap(v, slot - 0.1, 9) for v in wide.index]
     ax.set_xticks(range(len(wide)), names, rotation=0 if slot > 0.45 else 90)
     ax.set(xlabel=row_key, ylabel=LABELS.get(metric, metric), xlim=(-0.5, len(wide) - 0.5))
-    room = 0.15 * max(n.count("\n") for n in names)
-    if len(conditions) > 1:
-        room += F.legend(fig, *ax.get_legend_handles_labels(), page[0], "")
-    fig.set_figheight(page[1] + room)
+    room = F.legend(fig, *ax.get_legend_handles_labels(), page[0]) if len(conditions) > 1 else 0
+    fig.set_figheight(page[1] + room + 0.15 * max(n.count("\n") for n in names))
     return fig
 
 
