@@ -74,6 +74,8 @@ def plot_final_vs_hparam(table: A.Table, page, metric: str, curve: str) -> Figur
         return None
     (configs, note), look = F.shown(table), F.looks(table)
     s = table.stats.loc[configs]
+    if len(keys) > (fit := max(1, int(page[0] // 1.6))):  # panels at least 1.6 in wide
+        keys, note = keys[:fit], "; ".join(filter(None, [note, f"first {fit} of {len(keys)} keys"]))
     fig = Figure(figsize=page, layout="constrained")
     axes = fig.subplots(1, len(keys), sharey=True, squeeze=False)[0]
     for ax, key in zip(axes, keys, strict=True):
@@ -83,8 +85,9 @@ def plot_final_vs_hparam(table: A.Table, page, metric: str, curve: str) -> Figur
         for c in configs:  # hollow markers: the error bar shows through
             ax.errorbar(s.at[c, key], s.at[c, f"{metric}_mean"], s.at[c, f"{metric}_se"],
                         mfc="none", zorder=3, **look[c])  # fmt: skip
-        values = sorted(set(s[key]))  # the swept values, each labelled (a few, if many)
-        values = values[:: math.ceil(len(values) * len(keys) * 0.6 / page[0])]
+        values = sorted(set(s[key]))  # the swept values: as many labelled as fit side by side
+        each = max(F.text_width(A.format_value(v), 9) for v in values) + 0.2  # inches a label
+        values = values[:: math.ceil(len(values) * each * len(keys) / (page[0] - 0.6))]
         ax.set_xscale("log" if min(values) > 0 and max(values) / min(values) >= 8 else "linear")
         ax.set_xticks(values, [A.format_value(v) for v in values])
         ax.minorticks_off()
@@ -104,11 +107,11 @@ def plot_comparison(table: A.Table, page, metric: str, curve: str) -> Figure | N
     row_key, wide = found
     conditions = list(dict.fromkeys(c for c, _ in wide.columns))
     fig = Figure(figsize=page, layout="constrained")
-    ax, step = fig.add_subplot(), 0.8 / len(conditions)
+    ax, step, look = fig.add_subplot(), 0.8 / len(conditions), F.looks(conditions, "condition:")
     for i, condition in enumerate(conditions):
         x = np.arange(len(wide)) - 0.4 + step * (i + 0.5)
         ax.errorbar(x, wide[(condition, "mean")], wide[(condition, "se")], ls="none", mfc="none",
-                    marker=F.MARKERS[i % 10], color=f"C{i % 10}", label=condition)  # fmt: skip
+                    label=condition, **look[condition])  # fmt: skip
     slot = (page[0] - 0.8) / len(wide)  # inches per model along x
     names = [F.wrap(v, slot - 0.1, 9) for v in wide.index]
     ax.set_xticks(range(len(wide)), names, rotation=0 if slot > 0.45 else 90)
@@ -219,7 +222,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def warn(line: str, code: int = 0) -> int:
-    """`line` (if any) on stderr; returns `code`, the exit code that goes with it."""
     print(line, file=sys.stderr) if line else None
     return code
 

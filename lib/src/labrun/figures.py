@@ -5,6 +5,7 @@ themselves, their sizes and the rcParams live in the project's plot.py."""
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import matplotlib
@@ -57,17 +58,16 @@ def title(table: Table, note: str = "") -> str:
     return "; ".join(filter(None, [", ".join(table.keys), note]))
 
 
-def looks(table: Table) -> dict[str, dict]:
-    """Line2D keywords per configuration: the i-th (sorted) gets the i-th tab10 colour and
-    marker (beyond 10, a colormap's shades): the same in every figure, readable in greyscale."""
-    n = len(table.stats)
+def looks(table: Table | Sequence[str], gid: str = GID) -> dict[str, dict]:
+    """Line2D keywords per configuration (or any names, in order): the i-th gets the i-th tab10
+    colour and marker (beyond 10, a colormap's shades), the same in every figure, distinct in
+    greyscale too; `gid` + name tags its artists."""
+    names = list(table.stats.index) if isinstance(table, Table) else list(table)
     colours = matplotlib.colormaps["tab10"](range(10))
-    if n > 10:
-        colours = matplotlib.colormaps["turbo"](np.linspace(0.05, 0.95, n))
-    return {
-        config: {"color": colours[i], "marker": MARKERS[i % len(MARKERS)], "gid": GID + config}
-        for i, config in enumerate(table.stats.index)
-    }
+    if len(names) > 10:
+        colours = matplotlib.colormaps["turbo"](np.linspace(0.05, 0.95, len(names)))
+    return {name: {"color": colours[i], "marker": MARKERS[i % len(MARKERS)], "gid": gid + name}
+            for i, name in enumerate(names)}  # fmt: skip
 
 
 def label(table: Table, config: str, metric: str | None = None) -> str:
