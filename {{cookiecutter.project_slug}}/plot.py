@@ -8,10 +8,9 @@
     python plot.py --system RUN        # GPU/CPU utilisation over time of one run (MLflow)
     python plot.py --analysis          # a CKA heat map per analyze.py result
 
-Style in code: PAGES in inches, STYLE's 10 pt text; a PDF page is exactly that size (LaTeX
-includes it at 100 %). One function per figure over the aggregate table (add yours to FIGURES).
-A swept category (model, dataset) adds `comparison` and comparison.csv/.tex; runs of several tasks
-get a figure set per monitored metric. Skipped runs and dropped values are always named.
+Style in code: PAGES in inches (a PDF page is that size: include it at 100 %), STYLE's 10 pt text.
+One function per figure over the aggregate table (add yours to FIGURES). A swept category (model,
+dataset) adds `comparison` + comparison.csv/.tex; several tasks get a figure set each.
 """
 
 import argparse
@@ -39,8 +38,7 @@ STYLE = {  # 10 pt text, 8 pt the minimum; TrueType fonts: journals refuse Type 
     "lines.markersize": 4, "errorbar.capsize": 2.5, "legend.frameon": False,
     "legend.handlelength": 1.2, "legend.columnspacing": 0.9, "legend.labelspacing": 0.25,
 }  # fmt: skip
-LABELS = {"test_acc": "test accuracy", "val_acc": "val. accuracy", "test_loss": "test loss",
-          "val_loss": "val. loss", "test_r2": "test R²", "test_map": "test mAP"}  # fmt: skip
+LABELS = {"test_acc": "test accuracy", "val_acc": "val. accuracy", "test_loss": "test loss"}
 
 
 def plot_learning_curves(table: A.Table, page, metric: str, curve: str) -> Figure:
@@ -105,7 +103,9 @@ def plot_comparison(table: A.Table, page, metric: str, curve: str) -> Figure | N
     if (found := A.comparison(table, metric)) is None:
         return None
     row_key, wide = found
-    conditions = list(dict.fromkeys(c for c, _ in wide.columns))
+    conditions = list(dict.fromkeys(c for c, _ in wide.columns))  # at most 10: one colour each
+    note = f"first 10 of {len(conditions)} (all in comparison.csv)" * (len(conditions) > 10)
+    conditions = conditions[:10]
     fig = Figure(figsize=page, layout="constrained")
     ax, step, look = fig.add_subplot(), 0.8 / len(conditions), F.looks(conditions, "condition:")
     for i, condition in enumerate(conditions):
@@ -116,7 +116,7 @@ def plot_comparison(table: A.Table, page, metric: str, curve: str) -> Figure | N
     names = [F.wrap(v, slot - 0.1, 9) for v in wide.index]
     ax.set_xticks(range(len(wide)), names, rotation=0 if slot > 0.45 else 90)
     ax.set(xlabel=row_key, ylabel=LABELS.get(metric, metric), xlim=(-0.5, len(wide) - 0.5))
-    room = F.legend(fig, *ax.get_legend_handles_labels(), page[0]) if len(conditions) > 1 else 0
+    room = F.legend(fig, *ax.get_legend_handles_labels(), page[0], note)  # what each look is
     fig.set_figheight(page[1] + room + 0.15 * max(n.count("\n") for n in names))
     return fig
 
@@ -125,9 +125,8 @@ def plot_throughput(table: A.Table, page, metric: str, curve: str) -> Figure:
     """Samples/s and wall time of every run (a dot each, a bar at the median), a row per
     configuration. The spread between seeds is the machine, not the hyperparameters."""
     (configs, note), look = F.shown(table), F.looks(table)
-    names = [F.wrap(F.label(table, c), 0.3 * page[0], 9) for c in configs]
-    lines = max(s.count("\n") + 1 for s in names)  # rows are evenly spaced: the tallest decides
-    height = max(page[1], 0.7 + 0.17 * lines * len(names))
+    names = [F.wrap(F.label(table, c), 0.35 * page[0], 9) for c in configs]
+    height = max(page[1], 0.7 + 0.17 * len(names) * max(s.count("\n") + 1 for s in names))
     fig = Figure(figsize=(page[0], height), layout="constrained")
     axes = fig.subplots(1, 2, sharey=True)
     scale, unit = F.time_unit(table.per_run("wall_time_s").max())

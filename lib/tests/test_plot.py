@@ -148,6 +148,9 @@ def test_comparison_is_model_by_condition_with_its_table(sweeps, tmp_path, capsy
         assert line.get_markerfacecolor() == "none", "hollow markers: the bar shows through"
         lengths = [abs(s[1][1] - s[0][1]) for s in segments.get_segments()]
         assert lengths == pytest.approx(list(2 * wide[(condition, "se")]))
+    looks = {(matplotlib.colors.to_hex(c.lines[0].get_color()), c.lines[0].get_marker())
+             for c in bars}  # fmt: skip
+    assert len(looks) == len(bars), "each condition its own colour and marker"
 
 
 def test_labels_are_never_cut_off(sweeps):
@@ -310,16 +313,21 @@ def test_many_configurations_keep_a_page_and_say_what_is_left_out(sweeps):
     many = []
     for i in range(40):  # 40 configurations of one real run each
         run = runs[i % len(runs)]
-        clone = type(run)(f"{run.name}-{i}", {**run.config, "width": 8 + i}, run.metrics,
+        varied = {"width": 8 + i, "lr": 10 ** (-4 + i / 7), "epochs": 2 + i % 4,
+                  "batch_size": 32 * (1 + i % 3)}  # four numeric keys, long values  # fmt: skip
+        clone = type(run)(f"{run.name}-{i}", {**run.config, **varied}, run.metrics,
                           run.history, run.source)  # fmt: skip
         many.append(clone)
     table = aggregate(many)
     for name, fig in every_figure(table, plot.PAGES["single"]).items():
         width, height = fig.get_size_inches()
-        assert height <= 2.5 * width + 1, (name, height)
+        if name != "plot_throughput":  # a row per configuration, labels wrapped whole: it grows
+            assert height <= 2.5 * width + 1, (name, height)
         words = " ".join(t.get_text() for t in visible_texts(fig))
         if name != "plot_comparison":
             assert "of 40" in words.replace("\n", " "), name
+        if name == "plot_final_vs_hparam":  # two panels fit a column: the others are named
+            assert "first 2 of 4 keys" in words.replace("\n", " ")
         assert_on_the_page(fig, name)
 
 
