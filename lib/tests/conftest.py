@@ -46,7 +46,18 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 # Small and fast on 2 CPU cores, yet well above chance on digits after a few epochs.
-TINY = ["--device", "cpu", "--width", "8", "--batch-size", "64", "--lr", "0.01", "--progress", "off"]
+TINY = [
+    "--device",
+    "cpu",
+    "--width",
+    "8",
+    "--batch-size",
+    "64",
+    "--lr",
+    "0.01",
+    "--progress",
+    "off",
+]
 
 
 @pytest.fixture(scope="session")
@@ -196,3 +207,56 @@ def wait_while_running(predicate, proc, timeout: float = 120.0) -> None:
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "no progress in time"
         time.sleep(0.02)
+
+
+def signal_self_after(monkeypatch, step_to_stop: int, *signums: int, pause: float = 0.0) -> None:
+    """Real signals (default SIGTERM) to this process right after optimizer step `step_to_stop`
+    of run.py's loop (counted from 1), before the loop looks for a stop."""
+    import signal
+    import time
+
+    from labrun.session import Run
+
+    original = Run.batches
+
+    def batches(self, loader):
+        for micro_batches in original(self, loader):
+            yield micro_batches
+            if self.progress.step + 1 == step_to_stop:  # the step just done
+                for signum in signums or (signal.SIGTERM,):
+                    os.kill(os.getpid(), signum)
+                    time.sleep(pause)
+
+    monkeypatch.setattr(Run, "batches", batches)
+
+
+def capture_step(monkeypatch, data_dir, results_dir, *args: str, model=None, amp_dtype="auto"):
+    """run.py's train() as far as its step, training nothing: a namespace of what `run.tools`
+    gets (run, model, optimizer, scheduler, step). `model` replaces --model's network (any
+    module: the step is called with the test's own batches); `amp_dtype` replaces the autocast
+    dtype hardware.choose_precision would pick (fp16 turns the GradScaler on, also on CPU)."""
+    import signal
+    import types
+
+    from labrun import hardware, session
+    from labrun.stopping import STOP_SIGNALS
+
+    module, captured = load_run_py(), {}
+
+    def tools(self, **kwargs) -> int:
+        captured.update(kwargs, run=self)
+        return 0
+
+    monkeypatch.setattr(session.Run, "tools", tools)
+    if model is not None:
+        monkeypatch.setattr(module, "make_model", lambda args, info: model)
+    if amp_dtype != "auto":
+        monkeypatch.setattr(hardware, "choose_precision", lambda device, amp: (amp_dtype, "test"))
+    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    argv = [*TINY, "--data-dir", str(data_dir), "--results-dir", str(results_dir)]
+    try:
+        assert module.main([*argv, "--tracking", "off", "--profile", *args]) == 0
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    return types.SimpleNamespace(**captured)
