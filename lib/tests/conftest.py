@@ -231,23 +231,17 @@ def signal_self_after(monkeypatch, step_to_stop: int, *signums: int, pause: floa
 
 
 def capture_step(monkeypatch, data_dir, results_dir, *args: str, model=None, amp_dtype="auto"):
-    """run.py's train() as far as its step, training nothing: a namespace of what `run.tools`
-    gets (run, model, optimizer, scheduler, step). `model` replaces --model's network (any
-    module: the step is called with the test's own batches); `amp_dtype` replaces the autocast
-    dtype hardware.choose_precision would pick (fp16 turns the GradScaler on, also on CPU)."""
+    """run.py's train() as far as its step, training nothing (labrun.session.capture_step):
+    run, model, optimizer, scheduler, step. `model` replaces --model's network (any module: the
+    step is called with the test's own batches); `amp_dtype` replaces the autocast dtype
+    hardware.choose_precision would pick (fp16 turns the GradScaler on, also on CPU)."""
     import signal
-    import types
 
-    from labrun import hardware, session
+    from labrun import hardware
+    from labrun.session import capture_step as capture
     from labrun.stopping import STOP_SIGNALS
 
-    module, captured = load_run_py(), {}
-
-    def tools(self, **kwargs) -> int:
-        captured.update(kwargs, run=self)
-        return 0
-
-    monkeypatch.setattr(session.Run, "tools", tools)
+    module = load_run_py()
     if model is not None:
         monkeypatch.setattr(module, "make_model", lambda args, info: model)
     if amp_dtype != "auto":
@@ -255,8 +249,7 @@ def capture_step(monkeypatch, data_dir, results_dir, *args: str, model=None, amp
     saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     argv = [*TINY, "--data-dir", str(data_dir), "--results-dir", str(results_dir)]
     try:
-        assert module.main([*argv, "--tracking", "off", "--profile", *args]) == 0
+        return capture(module.main, [*argv, "--tracking", "off", *args])
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
-    return types.SimpleNamespace(**captured)

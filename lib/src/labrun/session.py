@@ -826,3 +826,28 @@ class RunRecord:
     def close(self) -> None:
         self.tracker.close()
         runs.close_logging(self.log)
+
+
+def capture_step(main, argv: list[str]):
+    """Run a project's run.py `main(argv)` as far as its step, training nothing: a namespace of
+    what `Run.tools` gets (run, model, optimizer, scheduler, step), for tools that drive the
+    project's own step (gpucheck, benchmarks, tests). Runs in tool mode (--profile is added:
+    nothing is resumed or recorded), in this process; `run` is the live Run (device, amp_dtype,
+    train_sums, state, peek_batch, warm_up...)."""
+    import types
+
+    captured: dict = {}
+    original = Run.tools
+
+    def tools(self, **kwargs) -> int:
+        captured.update(kwargs, run=self)
+        return EXIT_OK
+
+    Run.tools = tools
+    try:
+        code = main([*argv, "--profile"])
+    finally:
+        Run.tools = original
+    if not captured:
+        raise RuntimeError(f"run.py did not reach its step (exit {code})")
+    return types.SimpleNamespace(**captured)
