@@ -227,3 +227,45 @@ def test_history_file_has_the_documented_header(tmp_path):
     runs.write_history(tmp_path, [row, row])
     lines = (tmp_path / "history.csv").read_text().splitlines()
     assert lines[0].split(",") == list(runs.HISTORY_FIELDS) and len(lines) == 3
+
+
+def test_metrics_json_holds_null_and_a_reason_never_nan():
+    from labrun.session import finite_or_null
+
+    assert finite_or_null({"a": 1.0, "b": "x"}) == {"a": 1.0, "b": "x"}
+    cleaned = finite_or_null({"test_loss": math.nan, "best_val_r2": -math.inf, "steps": 3})
+    assert cleaned["test_loss"] is None and cleaned["best_val_r2"] is None
+    assert cleaned["null_reasons"] == {
+        "test_loss": "nan (not finite)",
+        "best_val_r2": "-inf (not finite)",
+    }
+    import json
+
+    json.dumps(cleaned, allow_nan=False)  # strict JSON
+
+
+def test_a_monitored_metric_never_finite_fails_the_run_in_one_line(
+    main_in_process, tmp_path, monkeypatch, capsys
+):
+    """Issue 29.3: no epoch gave a finite val_acc, so there are no best weights to test."""
+    from labrun import session
+
+    real = session.Run.evaluate
+
+    def evaluate(self, model, loader):
+        scores = real(self, model, loader)
+        return {**scores, "acc": math.nan} if loader is self.data_.val else scores
+
+    monkeypatch.setattr(session.Run, "evaluate", evaluate)
+    assert (
+        main_in_process("--epochs", "2", "--tracking", "off", "--results-dir", str(tmp_path)) == 1
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        "error: val_acc was never finite in 2 epoch(s): no best weights to test (try a lower "
+        "--lr or --clip-grad)"
+    )
+    run_dir = next(tmp_path.iterdir())
+    assert (run_dir / "status").read_text() == "failed\n" and not (
+        run_dir / "metrics.json"
+    ).exists()
