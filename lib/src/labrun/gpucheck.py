@@ -250,7 +250,8 @@ def build_trainer(
     from . import hardware, train
     from .models import create_model
 
-    model = create_model("cnn", num_classes=10, channels=3, image_size=(32, 32), width=width).to(device, memory_format=torch.channels_last)
+    model = create_model("cnn", num_classes=10, channels=3, image_size=(32, 32), width=width)
+    model = model.to(device, memory_format=torch.channels_last)
     lr = hardware.default_lr(batch_size)
     optimizer = train.build_optimizer(model, lr, 5e-4, device)
     scheduler = train.build_scheduler(optimizer, lr, total_steps)
@@ -332,7 +333,8 @@ def plain_loop_rate(
         num_workers=0,
         drop_last=True,
     )
-    model = create_model("cnn", num_classes=10, channels=3, image_size=(32, 32), width=width).to(device)
+    model = create_model("cnn", num_classes=10, channels=3, image_size=(32, 32), width=width)
+    model = model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=5e-4)
     mlflow.set_tracking_uri(f"sqlite:///{tracking_dir / 'plain.db'}")
     mlflow.set_experiment("bench-plain")
@@ -426,7 +428,8 @@ def train_flops_per_sample(width: int, device) -> float:
 
     from .models import create_model
 
-    model = create_model("cnn", num_classes=10, channels=3, image_size=(32, 32), width=width).to(device)
+    model = create_model("cnn", num_classes=10, channels=3, image_size=(32, 32), width=width)
+    model = model.to(device)
     x = torch.randn(2, 3, 32, 32, device=device)
     with FlopCounterMode(display=False) as counter:
         model(x).sum().backward()
