@@ -20,7 +20,7 @@ from labrun import plan, runs
 from labrun.claim import claim
 from labrun.jobs import NotReady
 
-from conftest import ROOT
+from conftest import LIB, ROOT
 
 # The project (count.py imports nothing of it) and this labrun, in the jobs' processes.
 PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
@@ -297,8 +297,8 @@ def test_a_job_is_tracked_in_mlflow(count_py, tmp_path, env):
 
 @pytest.mark.slow
 def test_the_readme_example_job_runs_as_written(tmp_path):
-    """README, "A job that does not train": the code block, saved as count.py beside run.py."""
-    readme = (ROOT / "README.md").read_text()
+    """labrun's README, "A job that does not train": the code block, as count.py beside run.py."""
+    readme = (LIB / "README.md").read_text()
     section = readme[readme.index("## A job that does not train") :]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     assert code.count('PROJECT_ROOT / "data"') == 1  # the one change: a private data folder
