@@ -17,8 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-from labrun import runs
-
 from conftest import (
     mlflow_run,
     popen_cli,
@@ -26,6 +24,8 @@ from conftest import (
     run_dir_of,
     wait_while_running,
 )
+
+from labrun import runs
 
 QUICK = ("--epochs", "1", "--max-steps", "3")
 IS_ROOT = os.geteuid() == 0

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from labrun.claim import LOCK_FILE, Busy, claim, holder
 
 ROOT = Path(__file__).resolve().parent.parent

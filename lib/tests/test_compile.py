@@ -12,12 +12,12 @@ import sys
 
 import pytest
 import torch
+from conftest import ROOT, load_run_py, run_dir_of
 from image_folders import make_folder
 from lab_project.model import build_model
+
 from labrun import hardware
 from labrun.hardware import CompileCost, CompileRecord, choose_compile
-
-from conftest import ROOT, load_run_py, run_dir_of
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from lab_project.model import build_model
+
 from labrun import checkpoint, hardware
 from labrun.tuning import recommend_batch_size
 

@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import LIB, ROOT
+
 from labrun import plan, runs
 from labrun.claim import claim
 from labrun.jobs import NotReady
-
-from conftest import LIB, ROOT
 
 # The project (count.py imports nothing of it) and this labrun, in the jobs' processes.
 PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))

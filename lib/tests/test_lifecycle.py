@@ -16,8 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-from labrun import runs
-
 from conftest import (
     ROOT,
     cli_command,
@@ -28,6 +26,8 @@ from conftest import (
     signal_self_after,
     wait_while_running,
 )
+
+from labrun import runs
 
 QUICK = ("--epochs", "1", "--max-steps", "3")
 

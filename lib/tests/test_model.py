@@ -1,6 +1,7 @@
 """The model registry: names read without torch, imported on demand, clear errors."""
 
 import pytest
+
 from labrun.models import BUILT_IN, MODELS, create_model
 
 

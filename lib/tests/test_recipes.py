@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import LIB, PACKAGE, ROOT, TINY
 
 RECIPE = re.compile(

@@ -10,7 +10,6 @@ import signal
 from pathlib import Path
 
 import pytest
-
 from conftest import (
     mlflow_run,
     popen_cli,
@@ -123,6 +122,7 @@ def test_nan_loss_fails_clearly_and_keeps_the_last_good_checkpoint(
     main_in_process, tmp_path, monkeypatch, mlflow_uri, capsys
 ):
     import torch
+
     from labrun.state import TrainSums
 
     original, calls = TrainSums.add, {"n": 0}
@@ -210,6 +210,7 @@ def test_a_resume_under_another_precision_continues_and_says_so(
     GradScaler that had to load the empty state of a disabled one raised (a traceback on every
     retry), and the other way round the scaler's state vanished without a word."""
     import torch
+
     from labrun import hardware
 
     dtypes = {"fp32": None, "fp16": torch.float16}  # CPU autocast runs fp16 too
@@ -240,6 +241,7 @@ def test_a_checkpoint_that_fails_to_load_is_refused_once_and_for_good(
     """Any exception while loading is one `error: cannot resume:` line and exit 2; the status
     says "refused", so the sweep's planner stops promising a resume; --fresh starts over."""
     import torch
+
     from labrun import plan
 
     args = ("--epochs", "1", "--max-steps", "2", "--results-dir", str(tmp_path))

@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import (
     ROOT,
     RUN_PY,
@@ -228,8 +227,9 @@ def test_bad_command_line_exits_2(args, tmp_path):
 def test_exception_marks_run_failed_without_partial_files(
     main_in_process, tmp_path, monkeypatch, mlflow_uri, capsys
 ):
-    from labrun import train
     from mlflow.tracking import MlflowClient
+
+    from labrun import train
 
     def broken_evaluate(*args, **kwargs):
         raise RuntimeError("boom in evaluation")

@@ -9,12 +9,12 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
-from labrun.tasks import cross_entropy
-from labrun.train import EMA
+from conftest import capture_step
 from torch import nn
 from torch._dynamo.exc import InternalTorchDynamoError
 
-from conftest import capture_step
+from labrun.tasks import cross_entropy
+from labrun.train import EMA
 
 CPU = torch.device("cpu")
 

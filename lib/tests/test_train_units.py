@@ -9,13 +9,13 @@ import types
 
 import pytest
 import torch
+from conftest import capture_step, load_run_py
+from torch import nn
+
 from labrun import checkpoint, config, runs
 from labrun.session import Run
 from labrun.stopping import EarlyStopping, NonFiniteLoss, check_finite
 from labrun.train import evaluate, lr_peak_step, peak_epoch
-from torch import nn
-
-from conftest import capture_step, load_run_py
 
 CPU = torch.device("cpu")
 

@@ -8,6 +8,8 @@ from collections import Counter
 import pytest
 import torch
 from lab_project.model import build_model
+from torch import nn
+
 from labrun.data import Split, build_loader
 from labrun.tuning import (
     find_batch_size,
@@ -16,7 +18,6 @@ from labrun.tuning import (
     scale_lr,
     suggest_lr,
 )
-from torch import nn
 
 
 @pytest.fixture(scope="module")
