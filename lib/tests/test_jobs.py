@@ -207,12 +207,13 @@ def test_not_ready_is_planned_as_waiting():
 
 
 @pytest.mark.slow
-def test_run_sh_sweeps_a_job_line_that_names_a_script(tmp_path, env):
+def test_run_sh_sweeps_a_job_line_that_names_a_script(tmp_path, env, monkeypatch):
     """`job count.py ...` runs count.py, planned by its own parser; a job whose input is a run of
     the sweep waits for it and runs once it is done; one whose input never comes stays waiting."""
     # test_sweep.py's stand-in project (helper "sweep" moves it here beside this file)
     sweep = pytest.importorskip("test_sweep")
     make_project, run_sweep = sweep.make_project, sweep.run_sweep
+    monkeypatch.delenv("LABRUN_PROJECT")  # count.py's project: the stand-in's folder (its cwd)
     project = make_project(tmp_path / "p", jobs=[])
     (project / "count.py").write_text(COUNT)
     train_dir = subprocess.run(
