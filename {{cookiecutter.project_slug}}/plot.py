@@ -125,7 +125,7 @@ def plot_throughput(table: A.Table, page, metric: str, curve: str) -> Figure:
     """Samples/s and wall time of every run (a dot each, a bar at the median), a row per
     configuration. The spread between seeds is the machine, not the hyperparameters."""
     (configs, note), look = F.shown(table), F.looks(table)
-    names = [F.wrap(F.label(table, c), 0.35 * page[0], 9) for c in configs]
+    names = [F.wrap(F.label(table, c), 0.3 * page[0], 9) for c in configs]
     height = max(page[1], 0.7 + 0.17 * len(names) * max(s.count("\n") + 1 for s in names))
     fig = Figure(figsize=(page[0], height), layout="constrained")
     axes = fig.subplots(1, 2, sharey=True)
