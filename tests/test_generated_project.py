@@ -1,10 +1,11 @@
 """The generated project's own test suite, run in a subprocess on CPU, as a user would.
 
-Which renders: the switches (use_slurm, use_github_actions) decide which files and tests exist,
-so the fast suite runs on a render with every switch on and one with every switch off: every
-switch value is tested. The license choice changes only LICENSE and one pyproject.toml line
-(checked per render in test_render.py), so it does not multiply the suite. The slow tests
-(`--runslow`: real signals, sweeps, Slurm) run once, on the default render.
+The project's tests check its own code (a run end to end, exact resume, the optimizer edits, the
+models, the figures, run.sh --dry-run); the machinery's are labrun's (lib/tests). Which renders:
+every switch on and every switch off (every switch value is tested; the license changes only
+LICENSE and one pyproject.toml line, checked in test_render.py), and a default render after its
+owner edited it as the README says (a new job list, a new model, another warm-up in run.py),
+started under nohup, whose ignored SIGHUP its processes inherit.
 
 The nested suite's output streams to the terminal while it runs (no minutes of silence), and its
 skips with their reasons are listed at the end of the outer run (conftest.py's summary).
@@ -12,7 +13,6 @@ skips with their reasons are listed at the end of the outer run (conftest.py's s
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 
@@ -23,20 +23,16 @@ SKIP_LINE = re.compile(r"^SKIPPED \[(\d+)\] (.*)$")
 SKIP_TOTAL = re.compile(r"^=+ .*\b(\d+) skipped\b.* =+$", re.M)
 
 
-def cluster_is_up() -> bool:
-    if not shutil.which("sinfo"):
-        return False
-    states = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True)
-    return states.returncode == 0 and "idle" in states.stdout
-
-
-def run_project_tests(project, *args, capsys, label):
+def run_project_tests(project, *args, capsys, label, nohup=False):
     """Run the project's pytest, its lines streamed live (-v: one line per test with the
-    percentage done) past pytest's capture. Returns (returncode, output)."""
+    percentage done) past pytest's capture; `nohup`: as `nohup pytest` starts it, with SIGHUP
+    ignored (inherited by every process it starts). Returns (returncode, output)."""
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     env.pop("MLFLOW_TRACKING_URI", None)  # the project's tests isolate MLflow themselves
     env["PYTHONUNBUFFERED"] = "1"  # each test's line arrives as it finishes, not in blocks
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args]
+    if nohup:
+        command = ["nohup", *command]
     lines = []
     with capsys.disabled():
         print(f"\n--- generated project ({label}): {' '.join(command[2:])} ---", flush=True)
@@ -56,25 +52,65 @@ def skipped(output: str) -> list[tuple[int, str]]:
             if (m := SKIP_LINE.match(line))]  # fmt: skip
 
 
-def test_default_project_passes_its_whole_suite_including_slow_tests(bake, capsys):
+def test_default_project_passes_its_suite(bake, capsys):
     project = bake()
-    returncode, output = run_project_tests(project, "-v", "-rs", "--runslow", capsys=capsys,
-                                           label="every switch on, --runslow")
-    record_generated_skips("every switch on, --runslow", skipped(output))
+    returncode, output = run_project_tests(project, "-v", "-rs", capsys=capsys,
+                                           label="every switch on")
+    record_generated_skips("every switch on", skipped(output))
     assert returncode == 0, output[-6000:]
-    assert not [s for _, s in skipped(output) if "slow:" in s]  # --runslow ran the slow tests
-    if cluster_is_up():  # CI brings one up (.ci/slurm-up.sh): then the Slurm test must run
-        assert not [s for _, s in skipped(output) if "test_slurm" in s], skipped(output)
 
 
-def test_project_without_options_passes_its_fast_suite(bake, capsys):
+def test_project_without_options_passes_its_suite(bake, capsys):
     """Without Slurm and CI files the suite still passes: nothing refers to removed files."""
     project = bake(use_slurm=False, use_github_actions=False)
     returncode, output = run_project_tests(project, "-v", "-rs", capsys=capsys,
-                                           label="every switch off, fast suite")
-    record_generated_skips("every switch off, fast suite", skipped(output))
+                                           label="every switch off")
+    record_generated_skips("every switch off", skipped(output))
     assert returncode == 0, output[-6000:]
-    assert "test_slurm.py" not in output
+
+
+# The owner's edits, as the README invites them: the job list rewritten, a model added, a
+# default of the method changed.
+JOBS = """define_jobs() {
+  local width
+  for width in 8 16; do
+    job --model mlp --width "${width}" --lr 3e-3 --seed 4
+  done
+}
+"""
+MLP = """
+
+@register_model("mlp", help="a two-layer perceptron on the flattened input")
+def mlp(num_classes: int, input_shape: tuple, width: int):
+    import math
+
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(math.prod(input_shape), width), nn.ReLU(),
+        nn.Linear(width, num_classes),
+    )
+"""
+
+
+def test_project_edited_by_its_owner_passes_its_suite_under_nohup(bake, capsys):
+    project = bake()
+    run_sh = project / "run.sh"
+    text = run_sh.read_text()
+    start, end = text.index("define_jobs() {"), text.index("\n}\n", text.index("define_jobs() {"))
+    run_sh.write_text(text[:start] + JOBS + text[end + 3:])
+    model = next(project.glob("*/model.py"))
+    model.write_text(model.read_text() + MLP)
+    run_py = project / "run.py"
+    method = run_py.read_text()
+    assert "WARM_UP_FRACTION = 0.15" in method
+    run_py.write_text(method.replace("WARM_UP_FRACTION = 0.15", "WARM_UP_FRACTION = 0.3"))
+    returncode, output = run_project_tests(project, "-v", "-rs", capsys=capsys, nohup=True,
+                                           label="edited by its owner, under nohup")
+    assert returncode == 0, output[-6000:]
+    # The sweep follows the new list: two jobs of the new model, both pending.
+    dry = subprocess.run(["bash", "run.sh", "--dry-run"], cwd=project, capture_output=True,
+                         text=True, env={**os.environ, "PYTHON": sys.executable})  # fmt: skip
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    assert dry.stdout.count("model=mlp") == 2, dry.stdout
 
 
 def test_skip_summary_counts_tests_as_pytest_does(tmp_path):
