@@ -86,22 +86,22 @@ def train(args, parser, out, stop: GracefulStop, held, dist) -> int:
 
             start_memory_history(device)
         data = build_data(args, device, task, dist.shard)
+        dist.check_splits({name: len(split) for name, split in data.splits.items()})
         # num_classes, channels, image_size, class_names, split sizes, the arrays' content hash
         config.update(data.info.as_config())
         seed_everything(args.seed)  # same seed => same init, split, order, augmentation
         model = make_model(args, data.info)
         model = dist.prepare(model, args.seed).to(device, memory_format=torch.channels_last)
-    except (UsageError, ValueError, OSError) as exc:
-        return error(str(exc), EXIT_USAGE)
-    code = None
-    try:
         if dist.is_main:
-            runs.ensure_writable(out, need_bytes=checkpoint_bytes(model, args.ema))
-    except OSError as exc:  # not writable, or no room for a checkpoint: found before any work
-        code = error(f"--results-dir: {exc.strerror or exc}", EXIT_USAGE)
-    if code is None and dist.stopped(stop):
-        code = EXIT_INTERRUPTED  # stopped while starting: nothing of this run exists yet
-    if (code := dist.agree(code)) is not None:  # torchrun: a refusal on any rank ends all
+            try:
+                runs.ensure_writable(out, need_bytes=checkpoint_bytes(model, args.ema))
+            except OSError as exc:  # not writable, or no room for a checkpoint
+                raise UsageError(f"--results-dir: {exc.strerror or exc}") from exc
+        why, code = "", None
+    except (UsageError, ValueError, OSError) as exc:
+        why, code = str(exc), error(str(exc), EXIT_USAGE)
+    # torchrun: a refusal on any rank, or a stop while starting, ends every rank here
+    if (code := dist.settle(code, stop, why)) is not None:
         return code
 
     # ---- model, its training step and the resumable state ------------------------------------
@@ -173,7 +173,7 @@ def train(args, parser, out, stop: GracefulStop, held, dist) -> int:
         record = (
             RunRecord(out, config, args, device, dtype, log, held)
             if dist.is_main
-            else distributed.Follower(out, log)
+            else distributed.Follower(out, log, dist)
         )
     except LostClaim as exc:  # the directory was deleted while the data loaded
         runs.close_logging(log)
@@ -644,12 +644,15 @@ class RunRecord:
             self.tracker.abandon(message)
             return error(message, EXIT_BUSY)
         text = traceback.format_exc()
+        message = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        for rank, theirs in distributed.peer_failures():  # torchrun: the cause, from its rank
+            text += f"\nthe cause, on rank {rank}:\n{theirs}"
+            message = f"rank {rank} failed: {theirs.strip().splitlines()[-1]}"
         self.log.error("run failed:\n%s", text)
         runs.try_write_status(self.out, "failed")
         self.tracker.end("FAILED", state.progress.history, error=text)
         from labrun.imagefolder import UnreadableImage
 
-        message = f"{type(exc).__name__}: {exc}".splitlines()[0]
         if isinstance(exc, UnreadableImage):  # changed since the scan: bad input, not a retry
             from labrun.dataversion import forget
 

@@ -32,6 +32,10 @@ from collections.abc import Iterator
 from .runs import CHECKPOINT
 
 EXIT_FAILED = 1
+EXIT_INTERRUPTED = 75
+TIMEOUT_ENV = "LAB_DIST_TIMEOUT_S"  # how long any collective or the rendezvous may wait
+DEFAULT_TIMEOUT_S = 600.0  # longer than a checkpoint write or a compile; torch's gloo waits 30 min
+FAILURE_KEY = "labrun/failed/"  # + rank: a rank's traceback, in torchrun's store
 STOP_EVERY = 10  # steps between stop polls: a stop waits at most this many steps
 SCALING_MIN = 0.8  # gpucheck's ddp check: weak-scaling efficiency below this is a FAIL
 
@@ -46,6 +50,75 @@ def _env_int(name: str, default: int) -> int:
 def follower() -> bool:
     """True in a rank other than 0 of a torchrun job (read from the environment, no torch)."""
     return _env_int("WORLD_SIZE", 1) > 1 and _env_int("RANK", 0) != 0
+
+
+class JoinFailed(RuntimeError):
+    """This rank could not join the job's process group (the others never came): exit 1."""
+
+
+def timeout_from_env() -> float:
+    """LAB_DIST_TIMEOUT_S as seconds > 0 (default 600): no rank waits longer than this in the
+    rendezvous or in a collective; then it fails (status failed) instead of hanging."""
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    try:
+        value = float(text) if text else DEFAULT_TIMEOUT_S
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        from .config import UsageError
+
+        raise UsageError(f"{TIMEOUT_ENV}={text!r}: expected a number of seconds > 0")
+    return value
+
+
+def launch_problem() -> str | None:
+    """Why this environment is not a job torchrun started (one line), or None. A WORLD_SIZE
+    left in a shell without MASTER_ADDR would otherwise end in torch's 20-line traceback."""
+    if _env_int("WORLD_SIZE", 1) <= 1:
+        return None
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:
+        return (
+            f"WORLD_SIZE={os.environ['WORLD_SIZE']} but no {' or '.join(missing)}: start several "
+            "processes with torchrun (run.sh --gpus N), or unset WORLD_SIZE for one process"
+        )
+    try:
+        timeout_from_env()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def code_version() -> str:
+    """A hash of the code this process runs: labrun's sources, the entry script and the
+    project's package (two checkouts that differ in one line differ here)."""
+    import hashlib
+    from pathlib import Path
+
+    from .project import current
+
+    files = sorted(Path(__file__).parent.glob("*.py"))
+    package = current().package_dir
+    if package is not None and package.is_dir():
+        files += sorted(package.rglob("*.py"))
+    script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    if script is not None and script.is_file():
+        files.append(script)
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def experiment_identity(args, out) -> dict:
+    """What every rank of one job must share: every argument (the experiment, its data path
+    and data version), the run directory, the code, the world size."""
+    identity = {f"--{k.replace('_', '-')}": str(v) for k, v in sorted(vars(args).items())}
+    identity["run directory"] = str(out)
+    identity["code version"] = code_version()
+    identity["world size"] = os.environ.get("WORLD_SIZE", "1")
+    return identity
 
 
 class Dist:
@@ -68,17 +141,23 @@ class Dist:
 
     # ---- start and end ---------------------------------------------------------------------
     def start(self, device: str) -> None:
-        """Join the job's process group: NCCL on CUDA (this rank's GPU), gloo on CPU."""
+        """Join the job's process group: NCCL on CUDA (this rank's GPU), gloo on CPU. Joining
+        and every collective wait at most LAB_DIST_TIMEOUT_S, then raise (nothing hangs)."""
+        import datetime
+
         import torch
         import torch.distributed as td
 
+        timeout = datetime.timedelta(seconds=timeout_from_env())
         self.cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
         if self.cuda:
             torch.cuda.set_device(self.local_rank)
-            td.init_process_group("nccl", device_id=torch.device("cuda", self.local_rank))
-            self.cpu_group = td.new_group(backend="gloo")
+            td.init_process_group(
+                "nccl", device_id=torch.device("cuda", self.local_rank), timeout=timeout
+            )
+            self.cpu_group = td.new_group(backend="gloo", timeout=timeout)
         else:
-            td.init_process_group("gloo")
+            td.init_process_group("gloo", timeout=timeout)
             self.cpu_group = td.group.WORLD
         if not self.is_main:  # one voice: rank 0 prints; the others' warnings go to stderr
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
@@ -116,6 +195,52 @@ class Dist:
         td.broadcast_object_list(box, src=0, group=self.cpu_group)
         return box[0]
 
+    def agree_on(self, identity: dict) -> str | None:
+        """None when every rank runs the same experiment (`identity`: experiment_identity, or
+        the data's content hash once loaded); else one line naming the first rank and argument
+        that differ from rank 0, the same line on every rank (one all_gather: call it on every
+        rank, before anything is written)."""
+        if not self.active:
+            return None
+        import torch.distributed as td
+
+        everyone: list = [None] * self.world
+        td.all_gather_object(everyone, identity, group=self.cpu_group)
+        for rank, theirs in enumerate(everyone[1:], start=1):
+            for key in [*everyone[0], *(k for k in theirs if k not in everyone[0])]:
+                ours, other = everyone[0].get(key), theirs.get(key)
+                if ours != other:
+                    return (
+                        f"torchrun: rank {rank} runs another experiment than rank 0: {key} is "
+                        f"{other} there, {ours} on rank 0; start every process with the same "
+                        "arguments, code and data"
+                    )
+        return None
+
+    def settle(self, code: int | None, stop=None, why: str = "") -> int | None:
+        """One collective for every way a rank may leave here: the first code in rank order
+        (a refusal or failure on any rank ends every rank with it), else EXIT_INTERRUPTED when
+        a stop signal reached any rank (`stop.requested`), else None (go on). Every rank calls
+        it at the same point, whatever it found: one collective shape on every path. `why`:
+        the refusal's line, printed by rank 0 when another rank refused (rank 0 printed its
+        own already)."""
+        stopping = stop is not None and stop.requested is not None
+        if not self.active:
+            return code if code is not None else (EXIT_INTERRUPTED if stopping else None)
+        import torch.distributed as td
+
+        votes: list = [None] * self.world
+        td.all_gather_object(votes, (code, stopping, why), group=self.cpu_group)
+        first = next((rank for rank, vote in enumerate(votes) if vote[0] is not None), None)
+        if first is None:
+            if any(vote[1] for vote in votes):
+                self._stop = True
+                return EXIT_INTERRUPTED
+            return None
+        if first != 0 and votes[first][2] and self.is_main:  # rank 0 is the one voice
+            print(f"error: rank {first}: {votes[first][2]}", file=sys.stderr)
+        return votes[first][0]
+
     def agree(self, code: int | None) -> int | None:
         """The first non-None code in rank order, on every rank (a refusal anywhere ends all)."""
         if not self.active:
@@ -140,7 +265,35 @@ class Dist:
             self._stop = bool(flag.item())
         return self._stop
 
+    # ---- a rank that fails: its cause reaches rank 0 (run.log, MLflow) ------------------------
+    def report_failure(self, text: str) -> None:
+        """Leave this rank's traceback in torchrun's store (not a collective: the others may
+        be anywhere), where rank 0 reads it when its own collective breaks."""
+        if not self.active:
+            return
+        with contextlib.suppress(Exception):  # the store may be gone: stderr still has it
+            store = _store()
+            if store is not None:
+                store.set(f"{FAILURE_KEY}{self.rank}", text)
+
+    def peer_failures(self, wait_s: float = 2.0) -> list[tuple[int, str]]:
+        return peer_failures(wait_s) if self.active else []
+
     # ---- model, data, metrics --------------------------------------------------------------
+    def check_splits(self, sizes: dict) -> None:
+        """Refuse a split with fewer samples than processes: a rank with nothing to evaluate
+        would report nan and the others could not tell (UsageError, exit 2 on every rank)."""
+        if not self.active:
+            return
+        from .config import UsageError
+
+        for name, size in sizes.items():
+            if size < self.world:
+                raise UsageError(
+                    f"the {name} split has {size} sample(s), fewer than the {self.world} "
+                    "processes that would share it; use more data or fewer processes"
+                )
+
     def check(self, args) -> None:
         """Refuse what cannot run on several processes (UsageError: exit 2 on every rank)."""
         if not self.active:
@@ -266,8 +419,8 @@ class Follower:
     """What a rank other than 0 does where rank 0 keeps the run's record: nothing but its part
     of the collective checkpoint."""
 
-    def __init__(self, out, log: logging.Logger) -> None:
-        self.out, self.log = out, log
+    def __init__(self, out, log: logging.Logger, dist: Dist | None = None) -> None:
+        self.out, self.log, self.dist = out, log, dist
 
     def tracker_line(self) -> str:
         return ""
@@ -295,11 +448,53 @@ class Follower:
         pass
 
     def failed(self, state, exc: BaseException, args) -> int:
-        self.log.error("failed", exc_info=exc)
+        import traceback
+
+        text = "".join(traceback.format_exception(exc))
+        self.log.error("failed:\n%s", text)
+        if self.dist is not None:  # rank 0 writes it into run.log and MLflow
+            self.dist.report_failure(text)
         return EXIT_FAILED
 
     def close(self) -> None:
         pass
+
+
+def peer_failures(wait_s: float = 2.0) -> list[tuple[int, str]]:
+    """[(rank, traceback)] of the other ranks that reported a failure (report_failure); waits
+    up to `wait_s` for one: a peer's exit breaks this rank's collective a moment before its
+    report lands. [] outside a process group."""
+    import time
+
+    import torch.distributed as td
+
+    if not td.is_initialized():
+        return []
+    found: list[tuple[int, str]] = []
+    deadline = time.monotonic() + wait_s
+    with contextlib.suppress(Exception):
+        store = _store()
+        me = td.get_rank()
+        keys = [f"{FAILURE_KEY}{r}" for r in range(td.get_world_size()) if r != me]
+        while store is not None and not found:
+            found = [
+                (int(k.removeprefix(FAILURE_KEY)), store.get(k).decode(errors="replace"))
+                for k in keys
+                if store.check([k])
+            ]
+            if found or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    return found
+
+
+def _store():
+    """torchrun's key-value store of this job (None outside a process group)."""
+    import torch.distributed as td
+
+    if not td.is_initialized():
+        return None
+    return td.distributed_c10d._get_default_store()
 
 
 @contextlib.contextmanager
@@ -310,7 +505,18 @@ def session(device: str) -> Iterator[Dist]:
     if not dist.active:
         yield dist
         return
-    dist.start(device)
+    try:
+        dist.start(device)
+    except Exception as exc:  # a peer that never came, a port taken: one line, not 40
+        import torch.distributed as td
+
+        if td.is_initialized():
+            td.destroy_process_group()
+        cause = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise JoinFailed(
+            f"torchrun: rank {dist.rank} could not join the {dist.world} processes of the job "
+            f"(waited at most {TIMEOUT_ENV}={timeout_from_env():.0f}s): {cause}"
+        ) from exc
     try:
         yield dist
     finally:
