@@ -325,14 +325,17 @@ class Dist:
         came from the common seed, and DDP starts every rank from rank 0's weights anyway)."""
         if not self.active:
             return model
+        import random
+
         import numpy as np
         import torch
 
-        from .train import seed_everything
-
         if self.cuda:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        seed_everything(int(np.random.SeedSequence([seed, self.rank]).generate_state(1)[0]))
+        own = int(np.random.SeedSequence([seed, self.rank]).generate_state(1)[0])
+        random.seed(own)
+        np.random.seed(own)
+        torch.manual_seed(own)  # also seeds every CUDA device
         return model
 
     def describe(self) -> str:
@@ -528,39 +531,51 @@ def session(device: str) -> Iterator[Dist]:
 # ---- the cost of DDP: step time on 1 and N processes (gpucheck, benchmarks/) ---------------------
 def measure_step(device_name: str, batch: int, steps: int, width: int) -> dict:
     """Seconds per optimizer step of the default model on `batch` random images per process,
-    in this process's job (run it under torchrun for N processes); the slowest rank's time."""
+    in this process's job (run it under torchrun for N processes); the slowest rank's time.
+    The step is run.py's: channels_last, autocast in the precision run.py picks here (bf16 on
+    recent GPUs: timing fp32 would overstate the all-reduce's share), AdamW, DDP."""
     import torch
     import torch.distributed as td
+    import torch.nn.functional as F
 
-    from .hardware import timed
+    from .config import build_parser
+    from .hardware import choose_precision, timed
     from .models import create_model
-    from .train import Trainer, build_optimizer, build_scheduler
 
     with session(device_name) as dist:
         device = dist.place(torch.device(device_name))
-        model = create_model("cnn", num_classes=10, channels=3, image_size=(32, 32), width=width)
+        dtype, _ = choose_precision(device, "auto")
+        name = build_parser().get_default("model")
+        model = create_model(name, num_classes=10, channels=3, image_size=(32, 32), width=width)
         model = dist.prepare(model, 0).to(device, memory_format=torch.channels_last)
-        optimizer = build_optimizer(model, 1e-3, 0.0, device)
-        trainer = Trainer(
-            model, optimizer, build_scheduler(optimizer, 1e-3, steps + 5), device=device, dtype=None
-        )
-        trainer.ddp = dist.ddp(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        net = dist.ddp(model) or model
         x = torch.randn(batch, 3, 32, 32, device=device).contiguous(
             memory_format=torch.channels_last
         )
         y = torch.randint(0, 10, (batch,), device=device)
+
+        def step() -> None:
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
         now = timed(device)
-        for step in range(1, 6):  # warm-up: allocator, cuDNN autotune, DDP buckets
-            trainer.step([(x, y)], step)
+        for _ in range(5):  # warm-up: allocator, cuDNN autotune, DDP buckets
+            step()
         now()
         dist.agree(None)  # start together
         started = now()
-        for step in range(6, 6 + steps):
-            trainer.step([(x, y)], step)
+        for _ in range(steps):
+            step()
         seconds = torch.tensor([now() - started])
         if dist.active:
             td.all_reduce(seconds, op=td.ReduceOp.MAX, group=dist.cpu_group)
-        return {"world": dist.world, "batch": batch, "step_s": seconds.item() / steps}
+        precision = str(dtype).removeprefix("torch.") if dtype else "fp32"
+        result = {"world": dist.world, "batch": batch, "step_s": seconds.item() / steps}
+        return {**result, "precision": precision}
 
 
 def check_scaling(
@@ -574,9 +589,10 @@ def check_scaling(
     import tempfile
     from pathlib import Path
 
-    package = __package__ or "lab_project"
-    bench = ["-m", f"{package}.distributed", device, str(batch), str(steps), str(width)]
-    root = Path(__file__).resolve().parent.parent
+    from .project import current
+
+    bench = ["-m", "labrun.distributed", device, str(batch), str(steps), str(width)]
+    root = current().root  # the project: its models
     times = {}
     with tempfile.TemporaryDirectory(prefix="ddpcheck_") as work:
         for n in (1, nproc):
@@ -586,11 +602,13 @@ def check_scaling(
             done = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
             if done.returncode != 0 or not out.exists():
                 return False, f"{n} process(es) failed: {done.stderr.strip()[-300:]}"
-            times[n] = json.loads(out.read_text())["step_s"]
+            measured = json.loads(out.read_text())
+            times[n] = measured["step_s"]
     efficiency = times[1] / times[nproc]
     return efficiency >= threshold, (
         f"step {1000 * times[1]:.1f} ms on 1 process, {1000 * times[nproc]:.1f} ms on {nproc} "
-        f"({batch} samples each): scaling efficiency {100 * efficiency:.0f} % "
+        f"({batch} samples each, {measured['precision']}): scaling efficiency "
+        f"{100 * efficiency:.0f} % "
         f"(FAIL below {100 * threshold:.0f} %)"
     )
 
