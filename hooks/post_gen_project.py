@@ -100,7 +100,9 @@ WHEEL_DATE = (2020, 1, 1, 0, 0, 0)
 def build_wheel(lib_dir: Path, out_dir: Path) -> Path:
     """A pure-Python wheel of the library (lib/) in out_dir, written directly (a wheel is a zip
     with three metadata files): no build backend and no network needed while rendering. The
-    project installs it with `pip install --find-links wheels` until the lab publishes it."""
+    project installs it with `pip install wheels/labrun-*.whl -e .` until the lab publishes it
+    (a file named on the command line, not --find-links, which would replace pip's configured
+    find-links, where a machine may keep its torch build)."""
     meta = tomllib.loads((lib_dir / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     name, version = meta["name"], meta["version"]
     dist_info = f"{name}-{version}.dist-info"
@@ -148,7 +150,7 @@ def next_steps(slug: str) -> str:
             f"Created {slug}/. Next (README.md, 'Install' and 'First steps'):",
             f"  cd {slug}",
             "  pip install torch --index-url https://download.pytorch.org/whl/cpu  # CPU build",
-            "  pip install --find-links wheels -e '.[dev]'   # labrun's wheel is in wheels/",
+            "  pip install wheels/labrun-*.whl -e '.[dev]'   # the lab's library, then the project",
             "  git init && git add -A && git commit -m 'Start from the lab template'",
             "  pre-commit install           # the lint on every commit (offline)",
             "  bash run.sh --quick          # the sweep small and short, into results/quick/",

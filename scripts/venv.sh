@@ -5,7 +5,8 @@
 # downloading, building) are shown as they come, so a first install of several minutes is not
 # one silent line. Lines about packages already there are left out.
 #
-# The library, labrun (lib/), is installed editable: an edit there is live in every test.
+# For the tests the library, labrun (lib/), is installed editable too: an edit there is live in
+# every test (the demo installs it from the wheel a render builds, as a project does).
 #
 # Usage: source scripts/venv.sh; ensure_venv EXTRA
 # INSTALLER=uv uses uv (`uv venv`, `uv pip install`) instead of pip. uv does not read pip's
@@ -30,15 +31,17 @@ ensure_venv() {
       "${python}" -m venv .venv
     fi
   fi
-  step "installing .[${extra}] pinned by constraints.txt with ${installer}" \
+  local -a library=()
+  if [[ "${extra}" == test ]]; then library=(-e ./lib); fi
+  step "installing .[${extra}] ${library[*]} pinned by constraints.txt with ${installer}" \
     "(first time: torch, mlflow and their dependencies, several minutes)"
   if [[ "${installer}" == uv ]]; then
     local find_links="${UV_FIND_LINKS:-${PIP_FIND_LINKS:-}}"
     uv pip install --python .venv/bin/python ${find_links:+--find-links "${find_links}"} \
-      -c constraints.txt -e ./lib ".[${extra}]"
+      -c constraints.txt "${library[@]}" ".[${extra}]"
   else
     .venv/bin/python -m pip install --disable-pip-version-check --progress-bar off \
-      -c constraints.txt -e ./lib ".[${extra}]" \
+      -c constraints.txt "${library[@]}" ".[${extra}]" \
       | { grep --line-buffered -v -e '^Requirement already satisfied' -e '^  Using cached' || true; }
   fi
   step "ready in $((SECONDS - started)) s"

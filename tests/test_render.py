@@ -157,3 +157,34 @@ def test_template_repo_python_is_ruff_clean():
                              "scripts", "lab_template_jinja.py"],
                             cwd=TEMPLATE, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def project_line_counts(project: Path) -> tuple[int, int]:
+    """(lines of code, lines of tests) a lab member owns: Python and shell outside tests/, and
+    the Python of tests/ (the counts README's "Code shape" and benchmarks/RESULTS.md give)."""
+
+    def lines(paths) -> int:
+        return sum(len(p.read_text().splitlines()) for p in paths)
+
+    files = [p for p in project.rglob("*") if p.is_file() and p.suffix in (".py", ".sh")]
+    tests = [p for p in files if p.relative_to(project).parts[0] == "tests"]
+    return lines(set(files) - set(tests)), lines(tests)
+
+
+def test_the_default_project_stays_a_method_a_member_can_own(bake):
+    """Issue 27's budget: the project holds the method, the library the machinery."""
+    code, tests = project_line_counts(bake())
+    assert code <= 1500, f"{code} lines of code in a default render (budget 1,500)"
+    assert tests <= 600, f"{tests} lines of tests in a default render (budget 600)"
+
+
+def test_the_library_is_lint_clean():
+    lib = TEMPLATE / "lib"
+    result = subprocess.run([BIN / "ruff", "check", "--no-cache", "."], cwd=lib,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    scripts = sorted(map(str, (lib / "src" / "labrun").glob("*.sh")))
+    if scripts:
+        result = subprocess.run([BIN / "shellcheck", "-x", *scripts], cwd=lib,
+                                capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout + result.stderr

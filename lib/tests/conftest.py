@@ -46,7 +46,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 # Small and fast on 2 CPU cores, yet well above chance on digits after a few epochs.
-TINY = ["--device", "cpu", "--width", "8", "--batch-size", "64", "--lr", "0.01", "--progress", "off"]
+TINY = ["--device", "cpu", "--width", "8", "--batch-size", "64", "--lr", "0.01"]
+TINY += ["--progress", "off"]
 
 
 @pytest.fixture(scope="session")

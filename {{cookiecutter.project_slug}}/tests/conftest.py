@@ -1,54 +1,32 @@
-"""Shared test helpers: run run.py as a user would, against a private MLflow database.
-
-Every test runs on CPU with tiny settings (digits, width 8, a few epochs). The MLflow database is
-created once per session (its first creation costs ~2 s) and shared; each test gets its own
-results directory.
-"""
+"""The project's tests: run.py's main() in this process (torch is imported once), on CPU with
+tiny settings, each test in its own results folder; MLflow off. labrun's own tests cover the
+machinery (run directory, signals, sweeps, MLflow): these check what this project's code does."""
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import subprocess
-import sys
+import signal
 from pathlib import Path
 
 import pytest
 
-from labrun.stopping import STOP_SIGNALS
-
-# Tiny models run fastest on one thread, and two threads on a loaded 2-core machine are many
-# times slower (OpenMP workers wait for a busy core): every test job uses one.
+# Tiny models run fastest on one thread; two on a loaded 2-core machine are many times slower.
 os.environ["OMP_NUM_THREADS"] = "1"
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_PY = ROOT / "run.py"
 # Small and fast on 2 CPU cores, yet well above chance on digits after a few epochs.
-TINY = [
-    "--device",
-    "cpu",
-    "--width",
-    "8",
-    "--batch-size",
-    "64",
-    "--lr",
-    "0.01",
-    "--progress",
-    "off",
-]
+TINY = ["--device", "cpu", "--width", "8", "--batch-size", "64", "--lr", "0.01"]
+TINY += ["--progress", "off", "--tracking", "off"]
 
 
-@pytest.fixture(scope="session")
-def mlflow_uri(tmp_path_factory) -> str:
-    """A private sqlite DB, created once (as run.sh does before fanning out)."""
-    from labrun import tracking
-
-    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
-    with pytest.MonkeyPatch.context() as patch:  # in-process: mlflow is imported once anyway
-        patch.setenv("MLFLOW_TRACKING_URI", uri)
-        tracking.init()
-    return uri
+def load_run_py(path: Path = RUN_PY, name: str = "run_under_test"):
+    """Import a run.py (this project's, or an edited copy) as a module."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="session")
@@ -57,124 +35,23 @@ def data_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def env(mlflow_uri, monkeypatch) -> dict:
-    """Environment for subprocesses; also set in-process (for tests that call main())."""
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
-    return {**os.environ, "MLFLOW_TRACKING_URI": mlflow_uri, "PYTHONUNBUFFERED": "1"}
+def train(data_dir, tmp_path):
+    """train(*args, module=None, results="results") -> (exit code, run directory)."""
+    from labrun.stopping import STOP_SIGNALS
 
-
-@pytest.fixture
-def run_cli(env, data_dir):
-    """run_cli(*args, results_dir=..., extra_env=None) -> CompletedProcess (text, captured)."""
-
-    def run(*args: str, results_dir: Path, extra_env: dict | None = None, timeout: float = 300):
-        cmd = cli_command(*args, results_dir=results_dir, data_dir=data_dir)
-        return subprocess.run(
-            cmd,
-            env={**env, **(extra_env or {})},
-            cwd=ROOT,
-            text=True,
-            capture_output=True,
-            timeout=timeout,
-        )
-
-    return run
-
-
-@pytest.fixture
-def main_in_process(env, data_dir):
-    """Call run.main() in this process (torch is imported once, so quick checks stay quick)."""
-    import signal
-
-    run = load_run_py()
     # run.py's stop handlers stay installed until the process exits; this process lives on.
     saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
 
-    def call(*args: str) -> int:
+    def call(*args: str, module=None, results: str = "results"):
+        module = module or load_run_py()
+        folder = tmp_path / results
+        argv = [*TINY, "--data-dir", str(data_dir), "--results-dir", str(folder), *args]
         try:
-            return run.main([*TINY, "--data-dir", str(data_dir), *args])
+            code = module.main(argv)
         finally:
             for sig, handler in saved.items():
                 signal.signal(sig, handler)
+        dirs = [p for p in folder.iterdir() if p.is_dir()] if folder.is_dir() else []
+        return code, (dirs[0] if len(dirs) == 1 else None)
 
     return call
-
-
-def cli_command(*args: str, results_dir: Path, data_dir: Path) -> list[str]:
-    """`python run.py` with the tiny settings, a private data and results folder, then `args`."""
-    return [
-        sys.executable,
-        str(RUN_PY),
-        *TINY,
-        "--data-dir",
-        str(data_dir),
-        "--results-dir",
-        str(results_dir),
-        *args,
-    ]
-
-
-def popen_cli(*args: str, results_dir: Path, data_dir: Path, env: dict) -> subprocess.Popen:
-    cmd = cli_command(*args, results_dir=results_dir, data_dir=data_dir)
-    return subprocess.Popen(
-        cmd, env=env, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-
-
-def run_dir_of(results_dir: Path) -> Path:
-    """The single run directory under `results_dir`."""
-    dirs = [p for p in results_dir.iterdir() if p.is_dir()]
-    assert len(dirs) == 1, dirs
-    return dirs[0]
-
-
-def read_metrics(run_dir: Path) -> dict:
-    return json.loads((run_dir / "metrics.json").read_text())
-
-
-def mlflow_run(uri: str, run_id: str):
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(tracking_uri=uri).get_run(run_id)
-
-
-def load_run_py():
-    """Import run.py as a module (to call main() in-process)."""
-    spec = importlib.util.spec_from_file_location("run_under_test", RUN_PY)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def temp_files(directory: Path) -> list[Path]:
-    """Leftovers of an interrupted atomic write (there must be none)."""
-    return [p for p in directory.rglob("*") if p.name.endswith(".tmp")]
-
-
-def pytest_addoption(parser):
-    parser.addoption(
-        "--runslow",
-        action="store_true",
-        help="also run the slow end-to-end tests (real signals, sweeps, Slurm)",
-    )
-
-
-def pytest_collection_modifyitems(config, items):
-    """Slow tests run only with --runslow or when `-m` names them (pytest -m slow)."""
-    if config.getoption("--runslow") or "slow" in (config.getoption("-m") or ""):
-        return
-    skip = pytest.mark.skip(reason="slow: run with --runslow (or -m slow)")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
-
-
-def wait_while_running(predicate, proc, timeout: float = 120.0) -> None:
-    """Poll `predicate` until true; fail if `proc` ends first or nothing happens in time."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "no progress in time"
-        time.sleep(0.02)

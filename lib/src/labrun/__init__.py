@@ -4,7 +4,30 @@ A project's run.py holds the method (data, model, optimizer, the step, the loop)
 what is the same in every project: the run directory and its identity, the claim, checkpoints and
 exact resume, stop signals, MLflow tracking, the sweep engine and Slurm, the data layer, the
 device / precision / compile policy, torchrun, results tables and gpucheck. Importing labrun
-imports no torch: `--help` stays instant.
+imports no torch: `--help` stays instant (the names below load their module on first use).
+
+run.py's API: `labrun.lifecycle(argv, train)` calls `train(run)` with a `labrun.Run`
+(session.py); `labrun.EMA` (train.py); `labrun.Interrupted`, `labrun.RunFailed`.
 """
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "Run": "session",
+    "lifecycle": "session",
+    "RunFailed": "session",
+    "EMA": "train",
+    "Interrupted": "jobs",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

@@ -231,6 +231,7 @@ class Dist:
 
         votes: list = [None] * self.world
         td.all_gather_object(votes, (code, stopping, why), group=self.cpu_group)
+        votes = [v if isinstance(v, tuple) else (v, False, "") for v in votes]  # from agree()
         first = next((rank for rank, vote in enumerate(votes) if vote[0] is not None), None)
         if first is None:
             if any(vote[1] for vote in votes):

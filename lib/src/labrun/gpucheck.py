@@ -297,6 +297,7 @@ def plain_loop_rate(
     model = default_model(width).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=5e-4)
     mlflow.set_tracking_uri(f"sqlite:///{tracking_dir / 'plain.db'}")
+    mlflow.set_experiment("bench-plain")
     batches = iter(loader)
     with mlflow.start_run():
         for i in range(warmup + steps):

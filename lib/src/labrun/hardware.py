@@ -7,7 +7,7 @@ with the reason that run.py logs:
               compute capability >= 8.0, or a CPU with native bf16); fp16 + GradScaler on older
               GPUs; fp32 otherwise. `torch.cuda.is_bf16_supported()` is not used: it also counts
               emulated bf16 (V100/T4), which has no tensor cores.
-- compile:    `compile_if_it_pays` / `choose_compile`: eager, "default" or "max-autotune" from the
+- compile:    `decide_compile` / `choose_compile`: eager, "default" or "max-autotune" from the
               measured eager time of the steps left and the compile time recorded for this
               model on this machine (rule below); `use_inductor_cache`: one cache per project.
 - kernels:    `setup_backends`: cuDNN autotuning + TF32 for speed, or `--deterministic`.
@@ -19,6 +19,7 @@ No speed figure is claimed here: the lab template's benchmarks/RESULTS.md measur
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -40,7 +41,12 @@ PAYBACK = 2.0  # compile when the estimated saving is at least twice the compile
 PRIOR_COSTS = {  # mode: (compile seconds, compiled/eager time of forward + backward)
     "default": (60.0, 0.8),
     "max-autotune": (600.0, 0.7),  # autotuned kernels + CUDA graphs: long search up front
+    "max-autotune-no-cudagraphs": (600.0, 0.75),  # the same kernels, no CUDA graphs
 }
+# CUDA graphs replay one captured forward/backward; with --grad-accum > 1 the micro-steps
+# accumulate into .grad between replays and alternate DDP's no_sync, and a replay overwrites the
+# outputs of the one before: cudagraph trees then re-record or fall back, slower than no graphs.
+CUDA_GRAPH_MODES = {"max-autotune": "max-autotune-no-cudagraphs"}
 CPU_MODES = ("default",)  # max-autotune's CUDA graphs and Triton autotuning need a GPU
 INDUCTOR_CACHE_ENV = "LAB_INDUCTOR_CACHE_DIR"  # a lab-wide cache folder, shared by projects
 RECORDS = "lab_compile_costs"  # sub-folder of the inductor cache: one JSON per model and machine
@@ -131,7 +137,16 @@ def choose_compile(
     if measure is None:
         raise ValueError("choose_compile: --compile on/auto on CUDA needs `measure`")
     step_s, costs = measure()
-    modes = CPU_MODES if device.type != "cuda" else tuple(costs)
+    costs = {**prior_costs(), **costs}
+    modes = CPU_MODES if device.type != "cuda" else ("default", "max-autotune")
+    graphs_note = ""
+    if micro_batches > 1 and device.type == "cuda":
+        modes = tuple(CUDA_GRAPH_MODES.get(m, m) for m in modes)
+        graphs_note = (
+            f"; max-autotune-no-cudagraphs in place of max-autotune: CUDA graphs replay one "
+            f"captured step, and --grad-accum {micro_batches} accumulates gradients between "
+            "replays (cudagraph trees would re-record or fall back)"
+        )
     eager_s = steps * micro_batches * step_s
     work = (
         f"{steps} steps x {micro_batches} micro-batch{'es' if micro_batches > 1 else ''} x "
@@ -151,9 +166,9 @@ def choose_compile(
     if cost.source == "prior":
         estimate += "; prior: no compile of this model recorded on this machine yet"
     if flag == "on":
-        return mode, f"{mode} (--compile on): {work}; {estimate}"
+        return mode, f"{mode} (--compile on): {work}; {estimate}{graphs_note}"
     if saving >= PAYBACK * cost.compile_s:
-        return mode, f"{mode}: {work}; {estimate} (>= {PAYBACK:g} x: pays)"
+        return mode, f"{mode}: {work}; {estimate} (>= {PAYBACK:g} x: pays){graphs_note}"
     return None, f"eager: {work}; {estimate} (< {PAYBACK:g} x: would not pay)"
 
 
@@ -240,55 +255,80 @@ class CompileRecord:
             pass
 
 
-def compile_if_it_pays(
-    trainer,
-    next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+@contextlib.contextmanager
+def put_back(module, device: torch.device):
+    """Undo what trial passes change: buffers (BatchNorm statistics), gradients, RNG."""
+    buffers = [b.detach().clone() for b in module.buffers()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for live, saved in zip(module.buffers(), buffers, strict=True):
+                live.copy_(saved)
+        module.zero_grad(set_to_none=True)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, device)
+
+
+def forward_backward(module, x, y, loss_fn, dtype) -> None:
+    """One micro-batch's forward (under autocast) and backward: what torch.compile speeds up."""
+    with torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None):
+        outputs = module(x)
+    loss_fn(outputs, y).backward()
+
+
+def time_forward_backward(module, x, y, loss_fn, dtype, now, repeats: int = 3) -> float:
+    """Seconds of one forward + backward of `module` (the best of `repeats` after one untimed
+    pass: allocator growth, cuDNN autotuning); `now` waits for the device (`timed`). Puts back
+    everything it touched. `module` is what the step calls (compiled, in DDP): the passes
+    compile it and, under torchrun, are collective (every rank calls this)."""
+    with put_back(module, x.device):
+        forward_backward(module, x, y, loss_fn, dtype)
+        best = float("inf")
+        for _ in range(repeats):
+            start = now()
+            forward_backward(module, x, y, loss_fn, dtype)
+            best = min(best, now() - start)
+    return best
+
+
+def decide_compile(
+    model,
+    batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
     *,
+    loss_fn,
+    dtype,
     steps: int,
+    micro_batches: int,
     flag: str,
     deterministic: bool,
     project_root: Path,
     log,
-) -> float:
-    """Decide (choose_compile) and compile the trainer's step on a real batch from
-    `next_batch()` (called only when compiling is possible: never for auto on CPU, off or
-    --deterministic); log the decision with its numbers. Returns the seconds spent compiling
-    (the warm-up pass), 0.0 when eager. The Trainer's passes put back all they touch."""
-    device = trainer.device
+) -> tuple[str | None, float, CompileRecord | None]:
+    """(torch.compile mode or None, eager seconds of forward + backward, its CompileRecord):
+    choose_compile on the eager time of `model` on the real batch `batch()` (called only when
+    compiling is possible: never for auto on CPU, off or --deterministic). Logs the decision
+    with its numbers. Run it on one rank and share the mode (torchrun: the same on all)."""
+    device = next(model.parameters()).device
     now = timed(device)
-    seen: dict = {}
+    seen: dict = {"eager_s": 0.0, "record": None}
 
     def measure() -> tuple[float, dict[str, CompileCost]]:
         cache, source = use_inductor_cache(project_root)  # before anything compiles
         log.info("inductor cache: %s (%s)", cache, source)
-        x, y = seen["batch"] = next_batch()
-        seen["record"] = CompileRecord(cache, trainer.model, x, trainer.dtype, device)
-        seen["eager_s"] = trainer.time_forward_backward(x, y, now)
+        x, y = batch()
+        seen["record"] = CompileRecord(cache, model, x, dtype, device)
+        seen["eager_s"] = time_forward_backward(model, x, y, loss_fn, dtype, now)
         return seen["eager_s"], seen["record"].costs()
 
     mode, why = choose_compile(
-        device, flag, steps, deterministic, micro_batches=trainer.grad_accum, measure=measure
+        device, flag, steps, deterministic, micro_batches=micro_batches, measure=measure
     )
     log.info("compile: %s", why)
-    if mode is None:
-        return 0.0
-    (x, y), record = seen["batch"], seen["record"]
-    trainer.compile(mode)
-    started = now()
-    trainer.warm_up(x, y)
-    spent = now() - started
-    if trainer.compiled:  # else it fell back to eager, and said why
-        compiled_s = trainer.time_forward_backward(x, y, now)
-        record.save(mode, compile_s=spent, eager_step_s=seen["eager_s"], compiled_step_s=compiled_s)
-        log.info(
-            "compiled (%s) in %.1f s; forward + backward %.1f ms (eager %.1f ms); recorded in %s",
-            mode,
-            spent,
-            1e3 * compiled_s,
-            1e3 * seen["eager_s"],
-            record.path,
-        )
-    return spent
+    return mode, seen["eager_s"], seen["record"]
 
 
 def recommended_batch_size(device: torch.device) -> int:
@@ -363,7 +403,7 @@ def choose_gpu_resident(flag: str, device: torch.device, splits: dict) -> bool:
 
 
 # ---- the CPU's memory layout, chosen by measurement (issue 28.9) --------------------------------
-LAYOUT_ROUNDS = 3  # interleaved rounds of the probe: the best of each layout counts
+LAYOUT_ROUNDS = 2  # interleaved rounds of the probe: the best of each layout counts
 LAYOUT_STEPS = 2  # timed forward + backward passes per layout and round
 
 

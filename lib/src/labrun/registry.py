@@ -2,11 +2,11 @@
 package (project.py), read without importing them.
 
 A model or dataset of your own may live in any module of the project's package: model.py,
-data.py, a new file (`mymodels.py`) or a folder (`models/unet.py`, no `__init__.py` needed). config.py
-builds `--model`'s and `--dataset`'s choices and help from the `@register_model("name",
-help="...")` and `@register_dataset(...)` lines of every module, read from their source (the
-modules import torch, which `--help` must not wait for): write the name and the help as plain
-string literals. When a run asks for a name, the module that declares it is imported then
+data.py, a new file (`mymodels.py`) or a folder (`models/unet.py`, no `__init__.py`
+needed). config.py builds `--model`'s and `--dataset`'s choices and help from the
+`@register_model("name", help="...")` and `@register_dataset(...)` lines of every module, read
+from their source (the modules import torch, which `--help` must not wait for): write the name
+and the help as plain string literals. When a run asks for a name, the module that declares it is imported then
 (`Registry`), so its decorator registers the function.
 """
 

@@ -1,17 +1,20 @@
 """The resumable state of a training run: where it is, what it has seen, and everything to go on.
 
 `TrainingState` owns it all -- progress (epoch, optimizer step, position in the epoch), history,
-timers, early stopping and the Trainer's own state (model, optimizer, scheduler, GradScaler, EMA,
-partial-epoch sums) -- so saving and resuming are one call each. The best weights are in the
-checkpoint too, not only in best_model.pt (a plain state_dict, written at every new best): a hard
-kill after a new best_model.pt but before the next checkpoint would otherwise resume with the
-weights of an epoch the checkpoint has not reached. On resume the checkpoint's copy wins and
-best_model.pt is rewritten from it when they differ.
+timers, early stopping, the partial epoch's metric sums and every object run.py registered with
+`run.restore(model=..., optimizer=..., ...)` (by its `state_dict()`), so saving and resuming are
+one call each. The library assumes nothing of those objects but `state_dict()` /
+`load_state_dict()`: any optimizer, a scheduler or None, any number of parameter groups.
+The best weights are in the checkpoint too, not only in best_model.pt (a plain state_dict,
+written at every new best): a hard kill after a new best_model.pt but before the next checkpoint
+would otherwise resume with the weights of an epoch the checkpoint has not reached. On resume the
+checkpoint's copy wins and best_model.pt is rewritten from it when they differ.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from pathlib import Path
 
@@ -35,21 +38,102 @@ class Progress:
     samples: int = 0
 
 
+class TrainSums:
+    """The epoch's training loss and the task's metric sums, accumulated on the device (no host
+    sync in the step); read once per epoch by `take()`."""
+
+    def __init__(self, task, device: torch.device) -> None:
+        self.task, self.device = task, device
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss_sum = torch.zeros((), device=self.device)
+        self.sums: torch.Tensor | None = None  # the task's sums; their length comes with a batch
+        self.seen = 0
+
+    def add(self, loss: torch.Tensor, outputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """Add one micro-batch: `loss` its mean loss, `outputs` the model's outputs."""
+        self.loss_sum += loss.detach() * targets.shape[0]
+        sums = self.task.sums(outputs.detach(), targets)
+        # A copy first: a CUDA-graph (max-autotune) output is overwritten by the next replay.
+        self.sums = sums.clone() if self.sums is None else self.sums.add_(sums)
+        self.seen += targets.shape[0]
+
+    def take(self, reduce=None) -> tuple[dict[str, float], int]:
+        """({loss, metric...}, samples) since the last reset; `reduce` sums over ranks.
+        # note: sync point (one per epoch)"""
+        from .train import finish
+
+        return finish(self.task, self.loss_sum, self.sums, self.seen, reduce)
+
+    def state_dict(self) -> dict:
+        return {"loss_sum": self.loss_sum, "sums": self.sums, "seen": self.seen}
+
+    def load_state_dict(self, sums: dict) -> None:
+        self.loss_sum = sums["loss_sum"].to(self.device, torch.float32)
+        if "correct" in sums:  # written before tasks: the classification count
+            sums["sums"] = sums["correct"].reshape(1)
+        task_sums = sums["sums"]
+        self.sums = None if task_sums is None else task_sums.to(self.device, torch.float64)
+        self.seen = sums["seen"]
+
+
+PRECISION_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}
+
+
+def precision_record(dtype, scaler) -> dict:
+    """What the checkpoint records of the arithmetic: the autocast dtype and the scaler."""
+    enabled = scaler is not None and scaler.is_enabled()
+    return {"autocast": PRECISION_NAMES.get(dtype, str(dtype)), "grad_scaler": enabled}
+
+
+def load_scaler(scaler, saved: dict | None, then: dict | None, now: dict, log) -> None:
+    """Continue under this run's precision, whatever the checkpoint's (a requeue may land on a GPU
+    without bf16, or with it): the GradScaler's state is taken over when both use one, dropped
+    when this run needs none, and started afresh when only this run needs one (its first steps
+    then find the scale again). run.log says which."""
+    # Checkpoints from before "precision" was recorded: a GradScaler saves {} when disabled.
+    then = then or {"autocast": None, "grad_scaler": bool(saved)}
+    if then["autocast"] not in (None, now["autocast"]):
+        log.warning(
+            "precision: the checkpoint was written under %s, this run continues under %s",
+            then["autocast"],
+            now["autocast"],
+        )
+    if then["grad_scaler"] and now["grad_scaler"]:
+        scaler.load_state_dict(saved)
+    elif then["grad_scaler"]:
+        log.warning("precision: the checkpoint's GradScaler state is dropped (not needed)")
+    elif now["grad_scaler"]:
+        log.warning(
+            "precision: a new GradScaler starts at scale %g (the checkpoint had none)",
+            scaler.get_scale(),
+        )
+
+
 class TrainingState:
-    """Progress + Trainer + early stopping, checkpointed together and restored together."""
+    """Progress + registered objects + early stopping + sums, checkpointed and restored together.
+
+    `objects`: name -> an object with state_dict()/load_state_dict(), or None (an EMA that is
+    off, a run without scheduler): None is recorded, and a checkpoint that disagrees is refused.
+    """
 
     def __init__(
         self,
-        trainer,
+        objects: dict,
         stopper: EarlyStopping,
+        sums: TrainSums,
         *,
         device: torch.device,
+        dtype=None,
         config_hash: str,
         dist: Dist | None = None,
+        log: logging.Logger | None = None,
     ) -> None:
-        self.trainer, self.stopper, self.device = trainer, stopper, device
-        self.config_hash = config_hash
+        self.objects, self.stopper, self.sums, self.device = objects, stopper, sums, device
+        self.dtype, self.config_hash = dtype, config_hash
         self.dist = dist or Dist()  # torchrun: rank 0 writes, with every rank's own part
+        self.log = log or logging.getLogger(__name__)
         self.progress = Progress()
         self._clock = time.perf_counter()  # wall time is accumulated across resumes
 
@@ -59,11 +143,18 @@ class TrainingState:
         self.progress.wall_time_s += now - self._clock
         self._clock = now
 
+    def precision(self) -> dict:
+        return precision_record(self.dtype, self._scaler())
+
+    def _scaler(self):
+        return next((o for o in self.objects.values() if isinstance(o, torch.amp.GradScaler)), None)
+
     def state_dict(self) -> dict:
-        early = self.stopper.state_dict()  # with the best weights (see the module docstring)
+        objects = {k: None if o is None else o.state_dict() for k, o in self.objects.items()}
         return {
-            "trainer": self.trainer.state_dict(),
-            "early_stopping": early,
+            # "trainer": the name distributed.py's gather_state / own_state read the sums from
+            "trainer": {**objects, "precision": self.precision(), "sums": self.sums.state_dict()},
+            "early_stopping": self.stopper.state_dict(),  # with the best weights (see above)
             "progress": dataclasses.asdict(self.progress),
             "rng": ckpt.rng_state(self.device),
             "config_hash": self.config_hash,
@@ -79,6 +170,25 @@ class TrainingState:
     def save_best(self, path: Path) -> None:
         if self.dist.is_main:
             ckpt.save_weights(path, self.stopper.best_state)
+
+    def load_objects(self, saved: dict) -> None:
+        """Every registered object from the checkpoint's copy (strict: refused when it differs)."""
+        from .checkpoint import CheckpointError, load_model_state
+
+        for name, obj in self.objects.items():
+            if name not in saved:
+                raise CheckpointError(f"the checkpoint holds no {name!r}")
+            if (saved[name] is None) != (obj is None):
+                raise CheckpointError(f"the checkpoint's {name!r} setting differs from this run's")
+            if obj is None:
+                continue
+            if isinstance(obj, torch.amp.GradScaler):
+                load_scaler(obj, saved[name], saved.get("precision"), self.precision(), self.log)
+            elif isinstance(obj, torch.nn.Module):
+                load_model_state(obj, saved[name], f"the checkpoint's {name}")
+            else:
+                obj.load_state_dict(saved[name])
+        self.sums.load_state_dict(saved["sums"])
 
     @staticmethod
     def _best_model_matches(early: dict, best_model: Path) -> bool:
@@ -102,7 +212,7 @@ class TrainingState:
         state = ckpt.load(path, config_hash=self.config_hash)
         try:
             state = self.dist.own_state(state, path)
-            self.trainer.load_state_dict(state["trainer"])
+            self.load_objects(state["trainer"])
             early = state["early_stopping"]
             if early.get("best_state") is None and early["best_epoch"]:  # older checkpoints
                 early["best_state"] = ckpt.load_weights(best_model)

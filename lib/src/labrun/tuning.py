@@ -48,7 +48,7 @@ def find_lr(
     model: nn.Module,
     loader: Iterable,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer],
+    optimizer: torch.optim.Optimizer,
     *,
     device,
     amp_dtype: torch.dtype | None = None,
@@ -63,7 +63,8 @@ def find_lr(
     Suggestion rule (`suggest_lr`): the smaller of (1) the LR where the smoothed loss falls
     fastest (most negative slope against log LR) before its minimum and (2) the LR at the
     minimum / 10. The EMA lags the raw loss, which moves (1) to the right; (2) bounds that.
-    The model's weights and buffers and the torch RNG are restored afterwards.
+    The model's weights and buffers, the optimizer's state and the torch RNG are restored
+    afterwards (`optimizer` is the run's own: any optimizer of the model's parameters).
     Writes `lr_find.csv` (step, lr, loss, smoothed_loss) and `lr_find.png` into `out_dir`.
     """
     device = torch.device(device)
@@ -73,7 +74,7 @@ def find_lr(
     was_training = model.training
     rng_state = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
-    optimizer = optimizer_factory(model)  # a throw-away optimizer: its state is not restored
+    initial_optimizer = copy.deepcopy(optimizer.state_dict())
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     growth = (end_lr / start_lr) ** (1 / max(steps - 1, 1))
 
@@ -102,6 +103,7 @@ def find_lr(
                 break
     finally:
         model.load_state_dict(initial_model)
+        optimizer.load_state_dict(initial_optimizer)
         model.train(was_training)
         torch.set_rng_state(rng_state)
         if cuda_rng is not None:
@@ -296,45 +298,49 @@ def start_memory_history(device) -> None:
 
 
 def profile_training(
-    trainer,
+    step: Callable[[list], None],
     loader: Iterable,
     *,
+    device,
+    grad_accum: int = 1,
+    scheduler=None,
     out_dir,
     steps: int = 3,
     warmup: int = 2,
 ) -> str:
-    """Profile `steps` whole optimizer steps (all `trainer.grad_accum` micro-batches, clipping,
-    optimizer, EMA) after `warmup` untimed ones (compilation, cuDNN autotuning and allocator
-    growth would otherwise dominate).
+    """Profile `steps` whole optimizer steps of run.py's `step` (all `grad_accum` micro-batches,
+    clipping, optimizer, EMA) after `warmup` untimed ones (compilation, cuDNN autotuning and
+    allocator growth would otherwise dominate).
 
-    A tool: it trains the given trainer's model (run.py exits afterwards), at a constant LR so
-    that any run length can be profiled (a one-cycle schedule refuses steps beyond its end).
-    Writes `trace.json` (https://ui.perfetto.dev or chrome://tracing) and, on CUDA,
-    `memory_snapshot.pickle` (https://pytorch.org/memory_viz; allocations since
+    A tool: it trains the model (run.py exits afterwards), at a constant LR (`scheduler` is
+    held still) so that any run length can be profiled (a one-cycle schedule refuses steps
+    beyond its end). Writes `trace.json` (https://ui.perfetto.dev or chrome://tracing) and, on
+    CUDA, `memory_snapshot.pickle` (https://pytorch.org/memory_viz; allocations since
     `start_memory_history`) into `out_dir`. Returns the top-10 ops by self time: the loader's
     own ops show up there too, if it is the bottleneck.
     """
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    device = trainer.device
+    device = torch.device(device)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     on_cuda = device.type == "cuda"
-    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda _: 1.0)
+    if scheduler is not None:
+        scheduler.step = lambda *args, **kwargs: None  # this instance only: a constant LR
     source = iter(_cycle_batches(loader))
 
-    def one_step(number: int) -> None:
-        trainer.step([next(source) for _ in range(trainer.grad_accum)], number)
+    def one_step() -> None:
+        step([next(source) for _ in range(grad_accum)])
 
     try:
-        for number in range(1, warmup + 1):
-            one_step(number)
+        for _ in range(warmup):
+            one_step()
         _sync(device)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
         with profile(activities=activities, record_shapes=True) as prof:
             for i in range(steps):
                 with record_function(f"optimizer_step_{i}"):
-                    one_step(warmup + 1 + i)
+                    one_step()
             _sync(device)
         if on_cuda:
             torch.cuda.memory._dump_snapshot(str(out_dir / "memory_snapshot.pickle"))

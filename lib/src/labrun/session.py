@@ -1,0 +1,861 @@
+"""`Run`: everything around a project's training loop, so that run.py keeps only the method.
+
+run.py's `main()` is `labrun.lifecycle(argv, train)`; `train(run)` gets a `Run` and calls, in
+order (README, "What a run writes"):
+
+    data = run.data()                       # splits + loaders (batches arrive on run.device)
+    ...model, optimizer, scheduler, scaler, EMA...
+    run.restore(model=..., optimizer=..., scheduler=..., scaler=..., ema=...)  # resume or start
+    mode = run.compile_mode(model)          # times eager passes on a real batch (rank 0 decides)
+    net = run.distributed(torch.compile(model, mode=mode) if mode else model)  # DDP outermost
+    net = run.warm_up(net, eager=model)     # compiles outside the timed loop
+    if run.tool: return run.tools(...)      # --find-lr, --find-batch-size, --profile
+    for epoch in run.epochs():
+        for micro_batches in run.batches(data.train):   # a stop signal: checkpoint, exit 75
+            step(micro_batches)                         # adds to run.train_sums on the device
+        run.epoch_end(run.evaluate(eval_model, data.val), eval_model)   # early stopping
+    run.restore_best(eval_model)
+    run.finish(test=run.evaluate(eval_model, data.test))
+
+What it owns: config.json, run.log, status, history.csv, checkpoint.pt (every object given to
+`restore` by its state_dict, progress, early stopping with the best weights, RNG, the partial
+epoch's metric sums, the precision), best_model.pt, metrics.json (last; never NaN: null and a
+reason), MLflow, stop signals, exact resume, torchrun (rank 0 writes; distributed.Dist), and every
+way a run ends: exit 0 finished, 1 failed (one `error:` line, the traceback in run.log), 2 bad
+input or a refused checkpoint (nothing written), 73 its directory is another's, 75 stopped
+(re-run to resume), 130 forced (status interrupted).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+import time
+import traceback
+from typing import NamedTuple
+
+from . import distributed, jobs, runs
+from .claim import LostClaim
+from .config import PROJECT_ROOT, UsageError, parse_args, resolved_config, run_dir
+from .jobs import EXIT_BUSY, EXIT_FAILED, EXIT_OK, EXIT_USAGE, Interrupted, error
+
+UNREADABLE_HINT = (
+    "it changed after its folder was checked (rewritten in place); re-run: the folder is "
+    "fingerprinted again (a new data version, a new run directory), the file skipped and listed"
+)
+
+
+class RunFailed(RuntimeError):
+    """The run cannot give a result (e.g. its monitored metric was never finite): status
+    failed, exit 1, this message as the one `error:` line."""
+
+
+class _Exit(Exception):  # noqa: N818 (a control-flow signal, not an error)
+    """End the run now with this exit code (its message already printed and logged)."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+def is_tool(args) -> bool:
+    return bool(args.find_lr or args.find_batch_size or args.profile)
+
+
+def lifecycle(argv: list[str] | None, train) -> int:
+    """run.py's main(): --plan, --print-run-dir, skip when done, the claim (exit 73), torchrun's
+    ranks (rank 0 writes); then `train(Run)` with every failure mapped to its exit code."""
+    body = functools.partial(_body, train)
+    return jobs.lifecycle(argv, parse_args, run_dir, body, redo=is_tool, ranks=True)
+
+
+def _body(train, args, parser, out, stop, held, dist) -> int:
+    run = None
+    try:
+        run = Run(args, parser, out, stop, held, dist)
+        code = train(run)
+        return run._returned(code)
+    except _Exit as exc:
+        return exc.code
+    except Interrupted:
+        return jobs.EXIT_INTERRUPTED
+    except (UsageError, ValueError, OSError) as exc:
+        if run is None or not run.opened:  # bad input, found before any file of the run
+            if run is None or not run._agreed:  # torchrun: the ranks still starting end too
+                dist.settle(EXIT_USAGE, why=str(exc) or type(exc).__name__)
+            return error(str(exc) or type(exc).__name__, EXIT_USAGE)
+        return run._failed(exc)
+    except LostClaim as exc:
+        if run is None or run.record is None:
+            return error(str(exc), EXIT_BUSY)
+        return run._failed(exc)
+    except Exception as exc:  # failed: one line here, the traceback in run.log and MLflow
+        if run is None or run.record is None:
+            if run is not None and run.log is not None:
+                run.log.error("run failed:\n%s", traceback.format_exc())
+            return error(f"{type(exc).__name__}: {exc}".splitlines()[0], EXIT_FAILED)
+        return run._failed(exc)
+    finally:
+        if run is not None:
+            run._close()
+
+
+class Data(NamedTuple):
+    splits: dict
+    train: object  # loaders.Loader: batches on the device, an order that is f(seed, epoch)
+    val: object
+    test: object
+    steps_per_epoch: int  # optimizer steps: a trailing remainder of < grad_accum is skipped
+    info: object  # data.DatasetInfo: classes, channels, image size, class names, split sizes
+    notes: list  # what the dataset has to say (skipped files): logged into run.log
+
+
+class Run:
+    """One training run, entered by `lifecycle`: see the module docstring for the order of calls.
+
+    Attributes for run.py: args, device, amp_dtype (autocast dtype or None: fp32), task (loss,
+    device-side metric sums, the monitored metric), dist (torchrun), ddp (True when `net` is
+    DistributedDataParallel), train_sums (add each micro-batch in the step), total_steps, tool,
+    log (run.log, once `restore` has opened the run directory), progress.
+    """
+
+    def __init__(self, args, parser, out, stop, held, dist) -> None:
+        from .hardware import choose_precision, resolve_device, setup_backends
+        from .state import Progress, TrainSums
+        from .tasks import create_task
+
+        self.args, self.out, self.stop, self.held, self.dist = args, out, stop, held, dist
+        self.tool = is_tool(args)
+        self.opened, self._agreed, self.ddp = False, False, False
+        self.log = self.record = self.state = self.data_ = None
+        self.objects: dict = {}
+        self._compile_s = 0.0
+        self.progress = Progress()
+        # ---- config: every bad input is found before a file of the run is written ----
+        self.config = config = resolved_config(args, parser)
+        config["world_size"] = dist.world  # processes of this job (torchrun), not of its identity
+        runs.check_ownership(out)  # a colleague's run directory, or files planted in ours
+        self.task = create_task(args.task, args, args.monitor)  # loss, metrics, the monitored one
+        config.update(monitored=self.task.monitor, metric_directions=self.task.directions)
+        dist.check(args)  # a --batch-size that does not divide among the processes: exit 2
+        self.device = dist.place(resolve_device(args.device))
+        self.amp_dtype, precision_why = choose_precision(self.device, args.amp)
+        self._notes = [
+            ("precision", precision_why),
+            ("kernels", setup_backends(self.device, args.deterministic)),
+        ]
+        if args.profile:  # the CUDA memory snapshot then covers the whole run, model included
+            from .tuning import start_memory_history
+
+            start_memory_history(self.device)
+        self.train_sums = TrainSums(self.task, self.device)
+
+    # ---- data ----------------------------------------------------------------------------------
+    def data(self) -> Data:
+        """Splits and loaders (pinned memory + non_blocking copies, or the whole set resident on
+        the GPU); UsageError for sizes that cannot work. Seeds everything afterwards: the same
+        seed gives the same init, split, order and augmentation."""
+        from .data import build_loader, check_batch_size, load_dataset
+        from .hardware import choose_gpu_resident
+        from .train import seed_everything
+
+        args = self.args
+        loaded = load_dataset(
+            args.dataset,
+            args.data_dir,
+            data_path=args.data_path,
+            image_size=args.image_size,
+            val_fraction=args.val_fraction,
+            seed=args.seed,
+            synthetic_size=args.synthetic_size,
+            mode=args.data_mode,
+            workers=args.workers,
+            data_version=args.data_version,  # the version in the run's identity
+            task=args.task,  # datasets that offer several kinds of targets pick by it
+        )
+        splits = loaded.splits
+        # Only decoded in-memory data can live on the GPU; streamed files come through workers.
+        resident = loaded.mode == "memory" and choose_gpu_resident(
+            args.gpu_resident, self.device, splits
+        )
+        loaders = {
+            name: build_loader(
+                split,
+                args.batch_size,
+                train=name == "train",
+                device=self.device,
+                workers=args.workers,
+                gpu_resident=resident,
+                seed=args.seed,
+                augment=not self.task.spatial_targets,  # crop/flip would not move the targets
+                shard=self.dist.shard,
+            )
+            for name, split in splits.items()
+        }
+        # torchrun: a rank with no sample of a split would skip its final all-reduce
+        self.dist.check_splits({name: len(split) for name, split in splits.items()})
+        steps_per_epoch = len(loaders["train"]) // args.grad_accum
+        check_batch_size(len(splits["train"]), args.batch_size, args.grad_accum)  # small data
+        if len(splits["val"]) == 0:
+            raise UsageError("--val-fraction: the validation split is empty; raise it")
+        # num_classes, channels, image_size, class names, split sizes, the arrays' content hash
+        self.config.update(loaded.info.as_config())
+        seed_everything(args.seed)
+        augmentation = "off: per-pixel targets" if self.task.spatial_targets else "crop + flip"
+        self._notes.append(("augmentation", augmentation))
+        train, val, test = (loaders[k] for k in ("train", "val", "test"))
+        self.data_ = Data(splits, train, val, test, steps_per_epoch, loaded.info, loaded.notes)
+        return self.data_
+
+    def memory_format(self, model):
+        """The memory layout to train `model` in: channels_last on CUDA; on a CPU the faster of
+        channels_last and NCHW on this machine (hardware.choose_memory_format: a short probe on
+        random inputs of the run's shape, recorded per machine). Rank 0 decides; run.log says
+        which and why."""
+        import torch
+
+        from .hardware import choose_memory_format, use_inductor_cache
+
+        choice, why = "channels_last", ""
+        if self.dist.is_main:
+            split = self.data_.splits["train"]
+            n = max(1, min(self.args.batch_size // self.dist.world, len(split)))
+            x = torch.randn(n, self.data_.info.channels, *self.data_.info.image_size)
+            cache = use_inductor_cache(PROJECT_ROOT)[0] if self.device.type == "cpu" else None
+            layout, why = choose_memory_format(
+                model, x, split.labels[:n], self.task.loss, dtype=self.amp_dtype,
+                device=self.device, cache_dir=cache,
+            )  # fmt: skip
+            choice = "channels_last" if layout == torch.channels_last else "NCHW"
+        choice = self.dist.decide(choice)
+        self._notes.append(("layout", why or choice))
+        self.layout = torch.channels_last if choice == "channels_last" else torch.contiguous_format
+        return self.layout
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps of the whole run: epochs x steps per epoch, or --max-steps."""
+        steps = self.data_.steps_per_epoch * self.args.epochs
+        return min(steps, self.args.max_steps) if self.args.max_steps else steps
+
+    # ---- the run directory: opened once the model exists ----------------------------------------
+    def _open(self, model) -> None:
+        """Refusals that need the model (no room for a checkpoint), then the run directory and
+        run.log; a refusal on any rank ends all (torchrun)."""
+        if self.opened:
+            return
+        args, out, dist = self.args, self.out, self.dist
+        code, why = None, ""
+        try:
+            if dist.is_main:
+                runs.ensure_writable(out, need_bytes=checkpoint_bytes(model, args.ema))
+        except OSError as exc:  # not writable, or no room for a checkpoint: before any work
+            why = f"--results-dir: {exc.strerror or exc}"
+            code = error(why, EXIT_USAGE)
+        self._agreed = True
+        # torchrun: one collective whatever each rank found (a refusal, a stop while starting:
+        # nothing of this run exists yet), so that no rank waits in another one (issue 28.2)
+        if (code := dist.settle(code, self.stop, why)) is not None:
+            raise _Exit(code)
+        if dist.is_main:  # one writer
+            out.mkdir(parents=True, exist_ok=True)
+            if args.fresh:
+                cleared = ", ".join(runs.clear_run_dir(out)) or "nothing"
+                print(f"--fresh: deleting {cleared} in {out}")
+            runs.remove_stale_temps(out)
+        name = out.name
+        self.log = runs.setup_logging(out, name) if dist.is_main else dist.follower_log(name)
+        self.opened = True
+        dist.agree(None)  # the others read the checkpoint once --fresh has deleted it
+        self.stop.log = self.log  # from here on, stop requests are in run.log too
+        for note in self.data_.notes:  # e.g. skipped unreadable images
+            self.log.warning("data: %s", note)
+        version = self.config["data_version"] or self.config.get("data_content")
+        self.log.info("data: %s images (train/val/test) | %s", self.config["split_sizes"], version)
+        for what, why in self._notes:
+            self.log.info("%s: %s", what, why)
+        if dist.active:
+            self.log.info("distributed: %s", dist.describe())
+
+    def restore(self, **objects) -> None:
+        """Register what the checkpoint holds (name -> object with state_dict(), or None) and
+        resume from it if there is one; then the run's record starts (config.json, status
+        running, MLflow). A checkpoint that cannot be loaded is refused (status refused, exit 2);
+        so is a resume on other data. The first object is the model (its size: the disk check).
+        Tools (--find-lr ...) only open the run directory."""
+        from . import checkpoint as ckpt
+        from .state import TrainingState
+        from .stopping import EarlyStopping
+        from .train import lr_peak_step, peak_epoch
+
+        args, out, dist = self.args, self.out, self.dist
+        self.objects = objects
+        model = next(iter(objects.values()))
+        self._open(model)
+        # Patience counts only after the LR peak and --min-epochs: no stop during the warm-up.
+        peak = lr_peak_step(objects.get("scheduler"))
+        patience_from = max(args.min_epochs, peak_epoch(peak, self.data_.steps_per_epoch))
+        stopper = EarlyStopping(
+            args.patience, start_epoch=patience_from, mode=self.task.direction(self.task.monitor)
+        )
+        self.state = TrainingState(
+            objects,
+            stopper,
+            self.train_sums,
+            device=self.device,
+            dtype=self.amp_dtype,
+            config_hash=self.config["config_hash"],
+            dist=dist,
+            log=self.log,
+        )
+        self.state.progress = self.progress
+        if self.tool:
+            return
+        if changed := changed_data(out, self.config):  # arrays: a resume on other data
+            self._refuse(changed)
+        try:
+            if self.state.resume(out / runs.CHECKPOINT, out / runs.BEST_MODEL, self.log):
+                self.progress = self.state.progress
+                p = self.progress
+                self.log.info("resuming %s at epoch %d, step %d", out, p.epoch + 1, p.step)
+        except ckpt.CheckpointError as exc:  # refused for good: the planner must not say resumes
+            self._refuse(f"cannot resume: {exc}")
+        try:
+            self.record = (
+                RunRecord(out, self.config, args, self.device, self.amp_dtype, self.log, self.held)
+                if dist.is_main
+                else distributed.Follower(out, self.log, dist)
+            )
+        except OSError as exc:  # e.g. the disk filled since the start-up check
+            if isinstance(exc, LostClaim):
+                raise
+            runs.try_write_status(out, "failed")
+            message = f"{exc.strerror} writing {exc.filename or out}"
+            raise _Exit(error(message, EXIT_FAILED)) from exc
+        self.stop.on_force_exit = self.record.force_exited  # 130 leaves "interrupted"
+        self.log.info(
+            "run %s on %s | %d steps/epoch | %s",
+            out.name,
+            self.device,
+            self.data_.steps_per_epoch,
+            self.record.tracker_line(),
+        )
+
+    def _refuse(self, message: str) -> None:
+        self.log.error("%s", message)
+        if self.dist.is_main:  # one writer
+            runs.try_write_status(self.out, "refused")
+        raise _Exit(error(message, EXIT_USAGE))
+
+    # ---- compile and DDP -------------------------------------------------------------------------
+    def compile_mode(self, model) -> str | None:
+        """torch.compile's mode where compiling pays for this run (hardware.choose_compile:
+        eager time of forward + backward on a real batch against the recorded compile cost),
+        else None. Decided on rank 0, the same on every rank; run.log says why."""
+        from .hardware import decide_compile
+
+        self._open(model)
+        self._compile = (None, 0.0, None)
+        if self.dist.is_main:
+            self._compile = decide_compile(
+                model,
+                self.peek_batch,
+                loss_fn=self.task.loss,
+                dtype=self.amp_dtype,
+                steps=self.total_steps - self.progress.step,
+                micro_batches=self.args.grad_accum,
+                flag=self.args.compile,
+                deterministic=self.args.deterministic,
+                project_root=PROJECT_ROOT,
+                log=self.log,
+            )
+        mode = self.dist.decide(self._compile[0])  # torchrun: rank 0's decision on every rank
+        self.compiled = mode
+        return mode
+
+    def distributed(self, module):
+        """`module` in DistributedDataParallel under torchrun (gradients all-reduced over the
+        processes), else `module` itself. Give it the compiled module: DDP goes outermost."""
+        wrapped = self.dist.ddp(module)
+        self.ddp = wrapped is not None
+        return module if wrapped is None else wrapped
+
+    def warm_up(self, net, *, eager):
+        """Compile `net` (what the step calls) on a real batch before the timed loop, and time
+        it; returns `net`, or `eager` (in DDP where it applies) when the compiler fails. Puts
+        back all it touches (BatchNorm statistics, gradients, RNG). Compile time is summed over
+        resumes: every compile of the run was paid for."""
+        from .hardware import time_forward_backward, timed
+        from .train import compiler_errors
+
+        if not getattr(self, "compiled", None):
+            return net
+        mode, eager_s, record = self._compile
+        now = timed(self.device)
+        x, y = self.peek_batch()
+        started = now()
+        try:
+            compiled_s = time_forward_backward(net, x, y, self.task.loss, self.amp_dtype, now)
+        except compiler_errors() as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            self.log.warning(
+                "torch.compile failed (%s: %s); continuing eagerly", type(exc).__name__, first
+            )
+            self.compiled = None
+            return self.distributed(eager)
+        spent = now() - started - 4 * compiled_s  # the compile, without the timed passes
+        self.progress.compile_time_s += spent
+        if record is not None:
+            record.save(mode, compile_s=spent, eager_step_s=eager_s, compiled_step_s=compiled_s)
+            self.log.info(
+                "compiled (%s) in %.1f s; forward + backward %.1f ms (eager %.1f ms); "
+                "recorded in %s",
+                mode,
+                spent,
+                1e3 * compiled_s,
+                1e3 * eager_s,
+                record.path,
+            )
+        return net
+
+    def peek_batch(self):
+        """A training batch exactly as the loop gets it (shape, dtype, strides), without
+        shifting the run: the loader's order is f(seed, epoch) and `batches` sets the epoch
+        again; the RNG draws of the augmentation are put back."""
+        from .checkpoint import rng_state, set_rng_state
+
+        loader = self.data_.train
+        saved = rng_state(self.device)
+        loader.set_epoch(self.progress.epoch)
+        batches = iter(loader)
+        try:
+            x, y = next(batches)
+            layout = getattr(self, "layout", None)  # the step's layout: no recompile after
+            return (x.contiguous(memory_format=layout) if layout and x.dim() == 4 else x), y
+        finally:
+            getattr(batches, "close", lambda: None)()  # a generator: stop its workers now
+            set_rng_state(saved, self.device)
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def finished(self) -> bool:
+        p = self.progress
+        return (
+            p.epoch >= self.args.epochs
+            or p.step >= self.total_steps
+            or self.state.stopper.should_stop
+        )
+
+    def epochs(self):
+        """Epoch numbers (from 1) until --epochs, --max-steps or early stopping ends the run."""
+        while not self.finished():
+            yield self.progress.epoch + 1
+
+    def batches(self, loader):
+        """The epoch's optimizer steps, each a list of --grad-accum micro-batches, from where
+        the run is (a resumed epoch skips what it did: the order is f(seed, epoch)). Stops at
+        the run's last step; a stop signal (torchrun: on any rank, polled every 10 steps)
+        checkpoints and raises Interrupted (exit 75). Times the epoch's training."""
+        from .hardware import timed
+
+        p, args, dist = self.progress, self.args, self.dist
+        accum, last = args.grad_accum, self.total_steps
+        resumed_in_epoch = p.batch > 0
+        now = timed(self.device)  # waits for the device: times the work, not the launches
+        loader.set_epoch(p.epoch, skip_batches=p.batch)
+        source = iter(loader)
+        bar = self._progress_bar() if dist.is_main else None
+        t0 = now()
+        while p.batch < self.data_.steps_per_epoch * accum and p.step < last:
+            if dist.stopped(self.stop, p.step):
+                break
+            yield [next(source) for _ in range(accum)]
+            p.step, p.batch = p.step + 1, p.batch + accum
+            if bar is not None:
+                bar.update()
+        train_s = now() - t0
+        if bar is not None:
+            bar.close()
+        getattr(source, "close", lambda: None)()
+        p.train_time_s += train_s
+        p.epoch_time_s = train_s + (p.epoch_time_s if resumed_in_epoch else 0.0)
+        epoch_done = p.batch >= self.data_.steps_per_epoch * accum or p.step >= last
+        if not epoch_done:  # stopped mid-epoch: the checkpoint records where in the epoch
+            self._interrupt()
+
+    def _progress_bar(self):
+        args, p = self.args, self.progress
+        if not (args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())):
+            return None
+        from tqdm import tqdm
+
+        return tqdm(
+            total=self.data_.steps_per_epoch,
+            initial=p.batch // args.grad_accum,
+            leave=False,
+            desc=f"epoch {p.epoch + 1}/{args.epochs}",
+        )
+
+    def _interrupt(self):
+        self.record.checkpoint(self.state)
+        self.record.interrupted(self.state, self.stop.requested or "a stop signal to another rank")
+        raise Interrupted(self.stop.requested)
+
+    def evaluate(self, model, loader) -> dict[str, float]:
+        """{loss, metric...} of the task over `loader` in eval mode, summed over ranks."""
+        from .train import evaluate
+
+        self.dist.sync_buffers(model)  # CPU torchrun: rank 0's BatchNorm statistics
+        return evaluate(
+            model,
+            loader,
+            device=self.device,
+            dtype=self.amp_dtype,
+            task=self.task,
+            reduce=self.dist.sum,
+        )
+
+    def epoch_end(self, val: dict[str, float], model) -> None:
+        """The epoch's record: training sums read (the one sync of the epoch), a finite loss
+        checked, history.csv, early stopping (best_model.pt at a new best of `model`), the
+        checkpoint when due; a stop signal now: exit 75."""
+        from .stopping import check_finite
+
+        p, args, task = self.progress, self.args, self.task
+        # {loss, metric...} summed over ranks; note: one sync (and all-reduce) per epoch
+        train, seen = self.train_sums.take(self.dist.sum)
+        first_step = p.step - p.batch // args.grad_accum + 1
+        check_finite(train["loss"], p.epoch + 1, first_step, p.step)
+        self.train_sums.reset()
+        p.epoch, p.batch, p.samples = p.epoch + 1, 0, p.samples + seen
+        optimizer = self.objects.get("optimizer")
+        p.history.append(
+            {
+                "epoch": p.epoch,
+                "step": p.step,
+                "lr": optimizer.param_groups[0]["lr"] if optimizer is not None else math.nan,
+                **{f"train_{name}": value for name, value in train.items()},
+                **{f"val_{name}": value for name, value in val.items()},
+                "epoch_time_s": p.epoch_time_s,
+                "samples_per_sec": seen / max(p.epoch_time_s, 1e-9),
+            }
+        )
+        if self.state.stopper.update(p.history[-1][task.monitor], p.epoch, model):
+            self.record.save_best(self.state)  # keep the best, never test
+        due = self.dist.decide(self.record.checkpoint_due(args))
+        self.record.epoch_done(self.state, checkpoint_due=due)
+        if self.dist.stopped(self.stop) and not self.finished():
+            self._interrupt()
+
+    def restore_best(self, model) -> None:
+        """The best epoch's weights into `model` (to test once); RunFailed when the monitored
+        metric was never finite (nothing to test)."""
+        stopper = self.state.stopper
+        if stopper.best_state is None:
+            raise RunFailed(
+                f"{self.task.monitor} was never finite in {self.progress.epoch} epoch(s): no "
+                "best weights to test (try a lower --lr or --clip-grad)"
+            )
+        stopper.restore(model)
+
+    def finish(self, test: dict[str, float]) -> None:
+        """Checkpoint, metrics.json (last: the run is done), MLflow FINISHED."""
+        self.record.checkpoint(self.state)
+        self.record.finished(self.state, self.task, test, self.stop_reason())
+        self._done = True
+
+    def stop_reason(self) -> str:
+        """ "early_stopping" only when patience ended the run before its last step (patience
+        that runs out on the last epoch changed nothing)."""
+        p, args, stopper = self.progress, self.args, self.state.stopper
+        at_max_steps = bool(args.max_steps) and p.step >= args.max_steps
+        if stopper.should_stop and p.epoch < args.epochs and not at_max_steps:
+            return "early_stopping"
+        return "max_steps" if at_max_steps else "max_epochs"
+
+    # ---- tools ---------------------------------------------------------------------------------
+    def tools(self, *, model, optimizer, step, scheduler=None) -> int:
+        """--find-lr, --find-batch-size, --profile: measure, report, exit without training.
+        `step` is run.py's step (profiled as the run would take it)."""
+        import copy
+
+        from .tuning import find_batch_size, find_lr, profile_training, recommend_batch_size
+
+        args, data, out, device = self.args, self.data_, self.out, self.device
+        if args.find_lr:
+            lr = find_lr(
+                model,
+                data.train,
+                self.task.loss,
+                optimizer,
+                device=device,
+                amp_dtype=self.amp_dtype,
+                out_dir=out,
+            )
+            print(f"suggested --lr {lr:.3g} (plot in {out})")
+        if args.find_batch_size:
+            info = data.info
+            size = find_batch_size(
+                lambda: copy.deepcopy(model),
+                device=device,
+                amp_dtype=self.amp_dtype,
+                start=args.batch_size,
+                max_batch=len(data.splits["train"]),
+                input_shape=(info.channels, *info.image_size),
+                loss_fn=self.task.loss,
+                targets=data.splits["train"].labels,
+            )
+            batch, lr = recommend_batch_size(size, device)
+            print(
+                f"largest batch size that fits: {size}; recommended on this device (pass "
+                f"it: the default stays 128): --batch-size {batch} --lr {lr:.3g}"
+            )
+        if args.profile:
+            print(
+                profile_training(
+                    step,
+                    data.train,
+                    device=device,
+                    grad_accum=args.grad_accum,
+                    scheduler=scheduler,
+                    out_dir=out,
+                )
+            )
+        self._done = True
+        return EXIT_OK
+
+    # ---- endings -------------------------------------------------------------------------------
+    def _returned(self, code) -> int:
+        if code is not None:
+            return code
+        if not getattr(self, "_done", False):
+            raise RunFailed("train() returned before run.finish(): the run has no result")
+        return EXIT_OK
+
+    def _failed(self, exc: BaseException) -> int:
+        if self.record is None:
+            return error(f"{type(exc).__name__}: {exc}".splitlines()[0], EXIT_FAILED)
+        return self.record.failed(self.state, exc, self.args)
+
+    def _close(self) -> None:
+        if self.record is not None:
+            self.record.close()
+        elif self.log is not None:
+            runs.close_logging(self.log)
+
+
+# ---- the pieces Run names ----------------------------------------------------------------------
+def changed_data(out, config: dict) -> str | None:
+    """Why this run directory must not resume: it began on other data (arrays keep their run
+    name across data versions; their content hash is compared here)."""
+    from .dataversion import changed_since
+
+    if not (out / runs.CHECKPOINT).is_file():  # nothing to resume: it starts on today's data
+        return None
+    try:
+        before = runs.read_json(out / runs.CONFIG)
+    except (OSError, ValueError):
+        return None
+    return changed_since(before, config, out)
+
+
+def checkpoint_bytes(model, ema: float) -> int:
+    """Disk a run needs: checkpoint (weights, two AdamW moments, EMA, best weights) twice during
+    its atomic replace, plus best_model.pt."""
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return weights * (2 * (4 + (ema > 0)) + 1)
+
+
+def metrics_line(row: dict, prefix: str) -> str:
+    """`loss 0.3124 acc 0.9012`: a row's numbers of one split, for run.log."""
+    names = [k for k in row if k.startswith(prefix) and isinstance(row[k], int | float)]
+    return " ".join(f"{k.removeprefix(prefix)} {row[k]:.4g}" for k in names)
+
+
+def finite_or_null(metrics: dict) -> dict:
+    """metrics.json is strict JSON: a NaN or infinite number becomes null, and `null_reasons`
+    says what it was."""
+    reasons = {
+        k: f"{v} (not finite)"
+        for k, v in metrics.items()
+        if isinstance(v, float) and not math.isfinite(v)
+    }
+    if not reasons:
+        return metrics
+    return {**{k: None if k in reasons else v for k, v in metrics.items()}, "null_reasons": reasons}
+
+
+class RunRecord:
+    """What the run leaves behind: its files (config, status, history, checkpoint, metrics) and
+    its MLflow run. Every fault path here is best-effort: a full disk or a dead tracker never
+    turns an ending run into a traceback. Before each write it checks that the run directory is
+    still this process's (`claim.check()`): if it was deleted meanwhile, LostClaim, and nothing
+    more is written there. distributed.Follower is its stand-in on the other ranks."""
+
+    def __init__(self, out, config: dict, args, device, dtype, log, claim) -> None:
+        from .tracking import Tracker, provenance, run_params
+
+        self.out, self.log, self.device = out, log, device
+        self.claim = claim
+        claim.check()
+        self.epochs = args.epochs
+        self.last_checkpoint = time.monotonic()
+        runs.write_json(out / runs.CONFIG, config)
+        runs.write_status(out, "running")
+        self.tracker = Tracker(
+            out,
+            enabled=args.tracking == "on",
+            experiment=args.experiment,
+            run_name=out.name,
+            log=log,
+            params=run_params(config),  # with `experiment_keys`: what plot.py --from-mlflow reads
+            tags={
+                **provenance(log),
+                "run_dir": str(out),
+                "device": str(device),
+                "amp_dtype": str(dtype),
+                "compile": args.compile,
+                "workers": str(args.workers),
+                "world_size": str(config["world_size"]),
+            },
+        )
+
+    def tracker_line(self) -> str:
+        if not self.tracker.enabled:
+            return "MLflow off"
+        return f"MLflow run {self.tracker.run_id or 'not reached (continuing without)'}"
+
+    def checkpoint_due(self, args) -> bool:
+        return time.monotonic() - self.last_checkpoint >= args.checkpoint_every
+
+    def save_best(self, state) -> None:
+        self.claim.check()
+        state.save_best(self.out / runs.BEST_MODEL)
+
+    def checkpoint(self, state) -> None:
+        self.claim.check()
+        state.save(self.out / runs.CHECKPOINT)
+        self.last_checkpoint = time.monotonic()
+
+    def epoch_done(self, state, *, checkpoint_due: bool) -> None:
+        p, row = state.progress, state.progress.history[-1]
+        self.claim.check()
+        if checkpoint_due:
+            self.checkpoint(state)
+        runs.write_history(self.out, p.history)
+        self.tracker.log_history(p.history)
+        self.log.info(
+            "epoch %d/%d step %d | lr %.2e | train %s | val %s%s | %.1fs %.0f img/s",
+            p.epoch,
+            self.epochs,
+            p.step,
+            row["lr"],
+            metrics_line(row, "train_"),
+            metrics_line(row, "val_"),
+            " *" if state.stopper.best_epoch == p.epoch else "",
+            row["epoch_time_s"],
+            row["samples_per_sec"],
+        )
+
+    def interrupted(self, state, signal_name: str) -> None:
+        self.claim.check()
+        runs.write_status(self.out, "interrupted")
+        self.tracker.end("KILLED", state.progress.history)
+        self.log.warning(
+            "interrupted by %s at step %d; re-run the same command to resume",
+            signal_name,
+            state.progress.step,
+        )
+
+    def force_exited(self) -> None:
+        """Exit 130 (a second Ctrl-C, a late signal): the last checkpoint resumes the run."""
+        if self.claim.still_ours() and not runs.is_done(self.out):
+            runs.try_write_status(self.out, "interrupted")
+
+    def finished(self, state, task, test: dict[str, float], reason: str) -> None:
+        from .hardware import peak_memory_bytes
+
+        p, stopper = state.progress, state.stopper
+        metrics = {
+            f"best_{task.monitor}": stopper.best_score,
+            **{f"test_{name}": test[name] for name in (*task.metrics, "loss")},
+            "task": task.name,
+            "monitor": task.monitor,
+            "best_epoch": stopper.best_epoch,
+            "epochs_run": p.epoch,
+            "steps": p.step,
+            "wall_time_s": p.wall_time_s,
+            "train_time_s": p.train_time_s,
+            "compile_time_s": p.compile_time_s,
+            "samples_per_sec": p.samples / max(p.train_time_s, 1e-9),
+            "peak_mem_bytes": peak_memory_bytes(self.device),
+            "device": str(self.device),
+            "stop_reason": reason,
+            "mlflow_run_id": self.tracker.run_id,
+        }
+        metrics = finite_or_null(metrics)
+        self.claim.check()
+        runs.write_history(self.out, p.history)
+        self.tracker.end(
+            "FINISHED",
+            p.history,
+            metrics={k: v for k, v in metrics.items() if v is not None},
+            tags={"stop_reason": reason},
+            artifacts=[self.out / name for name in (runs.CONFIG, runs.HISTORY, runs.BEST_MODEL)],
+        )
+        self.claim.check()  # again: the tracker's end may have taken a while
+        runs.write_status(self.out, "finished")
+        runs.write_json(self.out / runs.METRICS, metrics)  # last: its existence means "done"
+        self.log.info(
+            "finished (%s): best %s %.4g at epoch %d | test %s | %s",
+            reason,
+            task.monitor,
+            stopper.best_score,
+            stopper.best_epoch,
+            metrics_line(metrics, "test_"),
+            self.out,
+        )
+
+    def failed(self, state, exc: BaseException, args) -> int:
+        if not self.claim.still_ours():  # LostClaim, or any failure once the path is another's
+            message = str(exc)
+            if not isinstance(exc, LostClaim):
+                message = f"{self.claim.lost_message()} (then {type(exc).__name__})"
+            self.log.error("%s", message)
+            self.tracker.abandon(message)
+            return error(message, EXIT_BUSY)
+        text = traceback.format_exc()
+        message = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        for rank, theirs in distributed.peer_failures():  # torchrun: the cause, from its rank
+            text += f"\nthe cause, on rank {rank}:\n{theirs}"
+            message = f"rank {rank} failed: {theirs.strip().splitlines()[-1]}"
+        self.log.error("run failed:\n%s", text)
+        runs.try_write_status(self.out, "failed")
+        history = state.progress.history if state is not None else []
+        self.tracker.end("FAILED", history, error=text)
+        import torch
+
+        from .imagefolder import UnreadableImage
+
+        if isinstance(exc, UnreadableImage):  # changed since the scan: bad input, not a retry
+            from .dataversion import forget
+
+            forget(args.data_path, args.data_dir)  # the next start fingerprints every file
+            return error(f"{exc}; {UNREADABLE_HINT}", EXIT_USAGE)
+        if isinstance(exc, RunFailed):
+            message = str(exc)
+        elif isinstance(exc, torch.OutOfMemoryError):
+            message = (
+                f"out of memory at --batch-size {args.batch_size}; try --find-batch-size, "
+                "or a smaller --batch-size with --grad-accum"
+            )
+        elif runs.is_disk_error(exc):
+            message = (
+                f"{exc.strerror} writing {exc.filename or self.out}: the run stopped; its "
+                "last complete checkpoint is kept (free space, then re-run to resume)"
+            )
+        return error(message, EXIT_FAILED)
+
+    def close(self) -> None:
+        self.tracker.close()
+        runs.close_logging(self.log)
