@@ -182,7 +182,7 @@ def test_sigterm_burst_stops_all_ranks_at_one_step_and_resumes_exactly(
     assert log.count("interrupted by") == 1, log
     if who == "rank 1":  # torchrun reports its workers' codes (not when it was signalled)
         assert err.count("exitcode  : 75") == 2, err
-        assert "interrupted by a stop signal to another process" in log
+        assert "interrupted by a stop signal to another rank" in log
 
     # Another world size would not continue exactly: refused, the checkpoint kept.
     alone = run([sys.executable, *run_py(*args, results_dir=results, data_dir=data_dir)], env)

@@ -211,8 +211,8 @@ class _Watchdog:
             if not ready:
                 continue
             for signum in self._reader.recv(64):
-                stop = self.stop
-                if stop is not None and signum in {int(s) for s in stop._old}:
+                stop = self.stop  # only while its handler is the one installed for signum
+                if stop is not None and signal.getsignal(signum) == stop._handle:
                     stop._arrived(signum)
 
 
