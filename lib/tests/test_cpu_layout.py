@@ -65,3 +65,12 @@ def test_the_probe_leaves_the_model_and_the_random_stream_alone(tmp_path):
     assert hardware.choose_memory_format(
         model, x, y, F.cross_entropy, dtype=None, device=torch.device("cuda"), cache_dir=None
     ) == (torch.channels_last, "channels_last (tensor cores)")
+
+
+def test_run_log_states_the_layout_run_py_trains_in(main_in_process, tmp_path):
+    assert (
+        main_in_process("--epochs", "1", "--tracking", "off", "--results-dir", str(tmp_path)) == 0
+    )
+    [log] = tmp_path.glob("*/run.log")
+    [line] = [x for x in log.read_text().splitlines() if " layout: " in x]
+    assert " on this CPU: forward + backward " in line and "ms" in line, line

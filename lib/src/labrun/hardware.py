@@ -496,3 +496,11 @@ def _cpu_model_name() -> str:
     import platform
 
     return platform.processor()
+
+
+def layout_records_dir(project_root: Path) -> Path:
+    """Where choose_memory_format keeps its records: the folder use_inductor_cache picks
+    ($LAB_INDUCTOR_CACHE_DIR, else <project>/.cache/inductor), found without importing
+    inductor (seconds, on a CPU run that never compiles)."""
+    lab = os.environ.get(INDUCTOR_CACHE_ENV)
+    return (Path(lab).expanduser() if lab else project_root / ".cache" / "inductor").resolve()

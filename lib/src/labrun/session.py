@@ -215,14 +215,14 @@ class Run:
         which and why."""
         import torch
 
-        from .hardware import choose_memory_format, use_inductor_cache
+        from .hardware import choose_memory_format, layout_records_dir
 
         choice, why = "channels_last", ""
         if self.dist.is_main:
             split = self.data_.splits["train"]
             n = max(1, min(self.args.batch_size // self.dist.world, len(split)))
             x = torch.randn(n, self.data_.info.channels, *self.data_.info.image_size)
-            cache = use_inductor_cache(PROJECT_ROOT)[0] if self.device.type == "cpu" else None
+            cache = layout_records_dir(PROJECT_ROOT)
             layout, why = choose_memory_format(
                 model, x, split.labels[:n], self.task.loss, dtype=self.amp_dtype,
                 device=self.device, cache_dir=cache,
