@@ -48,7 +48,9 @@ def make_model(args, info):
         num_classes=info.num_classes,
         channels=info.channels,
         image_size=info.image_size,
-        width=args.width,
+        input_shape=info.input_shape,  # one sample: (C, H, W), (C, L), (L,), (T, F)
+        width=args.width,  # None for a model that takes none
+        **args.model_args,  # its own size arguments: --model-args, else its defaults
     )
 
 

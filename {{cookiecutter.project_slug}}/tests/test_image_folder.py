@@ -46,6 +46,8 @@ def test_mixed_folder_loads_in_memory_resized_and_converted(mixed_folder, tmp_pa
         "image_size": [12, 12],
         "class_names": list(CLASSES),
         "split_sizes": {"train": 22, "val": 2, "test": 6},  # recorded in config.json
+        "input_shape": [3, 12, 12],
+        "input": loaded.info.describe(),  # dtype and shape, normalisation, augmentation
     }
     splits = loaded.splits
     assert {k: len(v) for k, v in splits.items()} == {"train": 22, "val": 2, "test": 6}

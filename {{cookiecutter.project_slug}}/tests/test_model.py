@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from labrun.models import create_model
+from labrun.models import BUILT_IN, create_model
 from labrun.registry import declarations
 from {{ cookiecutter.package_name }}.model import ResidualBlock, build_model
 
@@ -39,36 +39,48 @@ def test_residual_blocks_start_as_identity():
 
 
 MODELS = sorted(declarations("register_model"))  # every --model of this project
+SIGNAL_MODELS = ("cnn1d",)  # they take signals (N, C, L); every other one images (N, C, H, W)
 
 
-def test_models_use_no_adaptive_pooling():
-    """--deterministic: adaptive pooling has no deterministic CUDA backward."""
+def sample(name, batch, channels, image_size, **kwargs):
+    """A random input of the kind model `name` takes: images, or signals of the last length."""
+    size = image_size[-1:] if name in SIGNAL_MODELS else image_size
+    return torch.randn(batch, channels, *size, **kwargs), size
+
+
+def test_built_in_models_use_no_adaptive_pooling():
+    """--deterministic: adaptive pooling has no deterministic CUDA backward. The template's
+    models only: a model of your own may use any op (README, "Use your own model")."""
     adaptive = (nn.AdaptiveMaxPool2d, nn.AdaptiveAvgPool2d)
-    for name in MODELS:
-        net = create_model(name, num_classes=3, channels=3, image_size=(64, 64), width=8)
+    for name in BUILT_IN:
+        size = sample(name, 1, 3, (64, 64))[1]
+        net = create_model(name, num_classes=3, channels=3, image_size=size, width=8)
         assert not [m for m in net.modules() if isinstance(m, adaptive)], name
 
 
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("channels, image_size", [(1, (20, 28)), (3, (64, 64))])
 def test_registered_models_adapt_to_the_data(name, channels, image_size):
-    model = create_model(name, num_classes=5, channels=channels, image_size=image_size, width=8)
-    x = torch.randn(2, channels, *image_size).contiguous(memory_format=torch.channels_last)
+    x, size = sample(name, 2, channels, image_size)
+    model = create_model(name, num_classes=5, channels=channels, image_size=size, width=8)
+    if x.ndim == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
     logits = model(x)
     assert logits.shape == (2, 5)
     logits.sum().backward()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", BUILT_IN)
 def test_backward_is_deterministic_on_cuda(name):
     torch.use_deterministic_algorithms(True)  # raises on any op without a deterministic kernel
     try:
         grads = []
         for _ in range(2):
             torch.manual_seed(0)
-            model = create_model(name, num_classes=3, channels=3, image_size=(32, 32), width=8)
-            model.cuda()(torch.randn(4, 3, 32, 32, device="cuda")).sum().backward()
+            x, size = sample(name, 4, 3, (32, 32), device="cuda")
+            model = create_model(name, num_classes=3, channels=3, image_size=size, width=8)
+            model.cuda()(x).sum().backward()
             grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
         assert torch.equal(*grads)
     finally:

@@ -1,14 +1,21 @@
 """The models (`--model`). A model is one decorated function:
 
-    @register_model("mlp", help="a two-layer perceptron")
-    def mlp(num_classes: int, channels: int, image_size: tuple[int, int], width: int):
-        height, w = image_size
-        return nn.Sequential(nn.Flatten(), nn.Linear(channels * height * w, width), nn.ReLU(),
-                             nn.Linear(width, num_classes))
+    @register_model("mlp", help="a perceptron with `depth` hidden layers")
+    def mlp(num_classes: int, input_shape: tuple, width: int, depth: int = 1):
+        layers, size = [nn.Flatten()], math.prod(input_shape)
+        for _ in range(depth):
+            layers += [nn.Linear(size, width), nn.ReLU()]
+            size = width
+        return nn.Sequential(*layers, nn.Linear(size, num_classes))
+
+It takes what it needs of the data by name (num_classes, channels, image_size, input_shape);
+its other parameters are its own size arguments: `width` from --width (64), the rest from
+`--model-args depth=2,...` or their defaults. Run names and tables show only those it takes.
 
 A model may also live in another module of the package (`mymodels.py`, `models/unet.py`):
-the library reads the names and help texts of the `@register_model(...)` lines of every module
-without importing them (so `--help` needs no torch): write them as plain string literals. The module is imported when a run asks for one of its models.
+the library reads the `@register_model(...)` lines and the function's parameters of every
+module without importing them (so `--help` needs no torch): write the name, the help and the
+defaults as plain literals. The module is imported when a run asks for one of its models.
 
 The default, `cnn` = `build_model()` (width 64, 3x32x32 input): stem 3->32 at 32x32, then three
 stages at 16x16 (64 ch), 8x8 (128 ch) and 4x4 (256 ch), each `maxpool -> conv-BN-ReLU -> residual
@@ -52,11 +59,11 @@ class ResidualBlock(nn.Module):
 
 
 class GlobalMaxPool(nn.Module):
-    """Max over height and width, as `amax`: unlike nn.AdaptiveMaxPool2d, its CUDA backward is
-    deterministic, so --deterministic (warn_only=False) can train this model on a GPU."""
+    """Max over height and width (or length), as `amax`: unlike nn.AdaptiveMaxPool2d, its CUDA
+    backward is deterministic, so --deterministic (warn_only=False) can train it on a GPU."""
 
     def forward(self, x):
-        return x.amax(dim=(2, 3), keepdim=True)
+        return x.amax(dim=tuple(range(2, x.ndim)), keepdim=True)
 
 
 def stage(in_channels: int, out_channels: int) -> nn.Sequential:
@@ -97,12 +104,26 @@ def build_model(num_classes: int = 10, width: int = 64, *, channels: int = 3) ->
 
 @register_model("cnn", help="small ResNet-style CNN for small images (the default)")
 def cnn(num_classes: int, channels: int, image_size: tuple[int, int], width: int) -> nn.Module:
-    if min(image_size) < 8:
+    if len(image_size) != 2 or min(image_size) < 8:
         raise ValueError(
-            f"--model cnn: images must be at least 8x8 (three 2x poolings), "
-            f"got {image_size[0]}x{image_size[1]}"
+            "--model cnn: needs images (N, C, H, W) of at least 8x8 (three 2x poolings), "
+            f"got {'x'.join(map(str, image_size)) or 'vectors'}"
         )
     return build_model(num_classes, width, channels=channels)
+
+
+@register_model("cnn1d", help="small 1-D CNN for signals (N, C, L)")
+def cnn1d(num_classes: int, channels: int, width: int, depth: int = 2, kernel: int = 5):
+    """`depth` conv-BN-ReLU layers of `width` channels, a global max over the length, a linear
+    classifier: it finds a pattern wherever it sits in the signal."""
+    layers = []
+    for i in range(depth):
+        layers += [  # no conv bias: the BatchNorm right after subtracts the mean
+            nn.Conv1d(width if i else channels, width, kernel, padding=kernel // 2, bias=False),
+            nn.BatchNorm1d(width),
+            nn.ReLU(inplace=True),
+        ]
+    return nn.Sequential(*layers, GlobalMaxPool(), nn.Flatten(), nn.Linear(width, num_classes))
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,4 +201,6 @@ class ResNet18(nn.Module):
 
 @register_model("resnet18", help="ResNet-18 (11 M parameters at width 64) for larger images")
 def resnet18(num_classes: int, channels: int, image_size: tuple[int, int], width: int) -> nn.Module:
+    if len(image_size) != 2:
+        raise ValueError("--model resnet18: needs images (N, C, H, W); try cnn1d for signals")
     return ResNet18(num_classes, channels, image_size, width)

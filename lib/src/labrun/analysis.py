@@ -462,7 +462,9 @@ def aggregate(runs: Iterable[Run]) -> Table:
     for members in groups.values():
         # The original (unhashed) values of the first member: a list stays a list for display.
         values = tuple(members[0].config.get(key_order[i]) for i in swept)
-        label = ", ".join(f"{k}={format_value(v)}" for k, v in zip(keys, values, strict=True))
+        # None: an argument this row's model does not take (logreg has no width): not shown.
+        shown = [(k, v) for k, v in zip(keys, values, strict=True) if v is not None]
+        label = ", ".join(f"{k}={format_value(v)}" for k, v in shown)
         members.sort(key=lambda r: _sort_key(r.config.get(SEED_KEY)))
         row = Row(values, label or "all runs", members)
         for m in metrics:

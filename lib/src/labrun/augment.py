@@ -1,24 +1,31 @@
 """What happens to a batch on the training device: augmentation and normalisation.
 
-Every loader (loaders.py) hands `DeviceTransform` a uint8 NHWC batch already on the device; it
-returns the model's input: float32, normalised, channels_last. It works on whole batches and
-draws from the device's default torch RNG, so a checkpoint's RNG state replays an epoch exactly.
-A new augmentation goes here, after the crop: it sees uint8 NHWC pixels of the whole batch.
+Every loader (loaders.py) hands `DeviceTransform` a batch already on the device, channel-last
+as stored (images NHWC, signals (N, L, C), sequences (N, T, F), vectors (N, L)) and in the
+stored dtype; it returns the model's input in the dataset's layout: images channels_last, the
+rest contiguous; float32, normalised (or the stored values, for data declared unnormalised). It
+works on whole batches and draws from the device's default torch RNG, so a checkpoint's RNG
+state replays an epoch exactly. A new augmentation goes here, after the crop.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-# CIFAR-10 channel statistics, used for every 3-channel dataset (their mean for 1 channel):
-# BatchNorm right after the first conv absorbs any remaining offset, and one constant keeps
-# train, val and test scaled alike.
+# CIFAR-10 channel statistics, used for every uint8 3-channel image dataset (their mean for 1
+# channel): BatchNorm right after the first conv absorbs any remaining offset, and one constant
+# keeps train, val and test scaled alike. Other data: the training split's own (data.py).
 MEAN = (0.4914 * 255, 0.4822 * 255, 0.4465 * 255)
 STD = (0.2470 * 255, 0.2435 * 255, 0.2616 * 255)
+# How each layout's axes are read; 2-D is "NL" (vectors), 3-D "NCL", 4-D "NCHW", 5-D "NCDHW".
+LAYOUTS = {2: "NL", 3: "NCL", 4: "NCHW", 5: "NCDHW"}
+DESCRIBED = {"NL": "vectors", "NCL": "signals", "NCHW": "images", "NCDHW": "volumes"}
+DESCRIBED["NTF"] = "sequences"
 
 
 def channel_stats(channels: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -32,50 +39,174 @@ def crop_padding(height: int, width: int) -> int:
     return max(1, min(height, width) // 8)
 
 
+def channel_last(layout: str, ndim: int) -> tuple[int, ...]:
+    """The permutation from `layout` to the stored channel-last order (N, *spatial, C)."""
+    if layout.startswith("NC") and ndim > 2:
+        return (0, *range(2, ndim), 1)
+    return tuple(range(ndim))
+
+
+def spatial_sizes(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
+    """The axes a crop or flip moves along: (H, W) of images, L of signals, T of sequences."""
+    if layout == "NTF":
+        return tuple(shape[:1])
+    return tuple(shape[1:]) if layout.startswith("NC") else ()
+
+
+def describe(shape: tuple[int, ...], layout: str, dtype) -> str:
+    """`float32 signals (N, 1, 40)`."""
+    kind = DESCRIBED.get(layout, "arrays")
+    dims = ", ".join(map(str, shape))
+    return f"{str(dtype).removeprefix('torch.')} {kind} (N, {dims})"
+
+
+@dataclass(frozen=True)
+class Normalization:
+    """x -> (x - mean) / std per channel; mean None: the stored values pass unchanged."""
+
+    mean: tuple[float, ...] | None
+    std: tuple[float, ...] | None
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class Augmentation:
+    """Random crop of the batch zero-padded by `padding` (rows, columns of the channel-last
+    batch seen as (N, H, W, C); a signal is one row) and a flip of its last spatial axis."""
+
+    padding: tuple[int, int] = (0, 0)
+    flip: bool = False
+    why: str = "off"
+
+    @property
+    def on(self) -> bool:
+        return self.flip or any(self.padding)
+
+
+def choose_augmentation(
+    shape: tuple[int, ...],
+    layout: str,
+    dtype,
+    requested: str = "auto",
+    declared: bool | None = None,
+    spatial_targets: bool = False,
+) -> Augmentation:
+    """What --augment `requested` means for data of this `shape` (one sample), with the
+    dataset's declaration (DatasetSplits.augment) and the task's targets; `why` says which and
+    why (run.log, config.json). Raises ValueError where `on` cannot work."""
+    data = describe(shape, layout, dtype)
+    if requested == "off":
+        return Augmentation(why="off (--augment off)")
+    if spatial_targets:
+        if requested == "on":
+            raise ValueError("--augment on: the task's per-pixel targets would not move along")
+        return Augmentation(why="off: per-pixel targets, which crop and flip would not move")
+    if requested == "on":
+        source = "--augment on"
+    elif declared is not None:
+        source = f"the dataset declares augment={declared}"
+        if not declared:
+            return Augmentation(why=f"off ({source})")
+    elif layout == "NCHW" and dtype == torch.uint8:
+        source = "auto: uint8 images"
+    else:
+        return Augmentation(
+            why=f"off (auto: only uint8 images (N, C, H, W) are augmented by default; these are "
+            f"{data}; --augment on to shift and flip them)"
+        )
+    spatial = spatial_sizes(shape, layout)
+    if len(spatial) not in (1, 2):
+        raise ValueError(
+            f"--augment: no augmentation is defined for {data} ({source}); crop and flip "
+            "need images, signals or sequences (write your own in labrun's augment.py)"
+        )
+    pad = crop_padding(*spatial) if len(spatial) == 2 else max(1, spatial[0] // 8)
+    kind = "crop + flip" if len(spatial) == 2 else "shift + flip along the length"
+    if 4 * pad > min(spatial):  # the crop would cover more than a quarter of an axis
+        skipped = (
+            f"a random crop padded by {pad} would leave up to {2 * pad} of {min(spatial)} "
+            f"values blank along an axis of {data}"
+        )
+        if source.startswith("auto"):
+            return Augmentation(why=f"off (auto: {skipped})")
+        return Augmentation(flip=True, why=f"flip only ({source}); crop skipped: {skipped}")
+    padding = (pad, pad) if len(spatial) == 2 else (0, pad)
+    return Augmentation(padding, True, f"{kind} (random, padding {pad}; {source})")
+
+
 class DeviceTransform:
-    """uint8 NHWC batch on the device -> (train: random crop + flip) -> normalised float32.
+    """Channel-last batch on the device -> (train: random crop + flip) -> the model's input.
 
-    Train crops are cut out of the batch zero-padded by `crop_padding` on every side, padded
-    here per batch: stored images need no margin, and a padded copy of a split would double the
-    memory it takes.
+    Train crops are cut out of the batch zero-padded on every side, padded here per batch:
+    stored arrays need no margin, and a padded copy of a split would double its memory.
+    `augmentation` None: none; `normalization` None: uint8 images' constants.
     """
 
-    def __init__(self, image_shape: tuple[int, int, int], *, train: bool, device):
-        channels, height, width = image_shape
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        *,
+        device,
+        layout: str | None = None,
+        augmentation: Augmentation | None = None,
+        normalization: Normalization | None = None,
+    ):
         self.device = torch.device(device)
-        self.padding = crop_padding(height, width) if train else 0
-        # (x - mean) / std = x * scale + shift, as full (1, C, H, W) channels_last tensors:
-        # broadcasting (1, 3, 1, 1) over an innermost dim of 3 takes a ~20x slower path on CPU.
-        mean, std = channel_stats(channels)
-        scale = 1 / torch.tensor(std, device=self.device)
-        shift = -torch.tensor(mean, device=self.device) * scale
-        shape = (1, height, width, channels)
-        self._scale = scale.expand(shape).contiguous().permute(0, 3, 1, 2)
-        self._shift = shift.expand(shape).contiguous().permute(0, 3, 1, 2)
+        self.layout = layout or LAYOUTS[len(shape) + 1]
+        self.augmentation = augmentation if augmentation and augmentation.on else None
+        order = channel_last(self.layout, len(shape) + 1)
+        self._to_layout = tuple(order.index(axis) for axis in range(len(order)))
+        # Images keep channels_last memory; other layouts are handed over contiguous.
+        self._contiguous = self.layout not in ("NCHW", "NCDHW")
+        if normalization is None:
+            normalization = Normalization(*channel_stats(shape[0]))
+        self._scale = self._shift = None
+        if normalization.mean is not None:
+            # (x - mean) / std = x * scale + shift, as full channel-last tensors permuted like
+            # the batch: broadcasting (1, 3, 1, 1) over an innermost dim of 3 takes a ~20x
+            # slower path on CPU.
+            stored = tuple(shape[axis - 1] for axis in order[1:])
+            scale = 1 / torch.tensor(normalization.std, device=self.device, dtype=torch.float32)
+            shift = -torch.tensor(normalization.mean, device=self.device) * scale
+            self._scale = scale.expand(1, *stored).contiguous().permute(self._to_layout)
+            self._shift = shift.float().expand(1, *stored).contiguous().permute(self._to_layout)
 
-    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
         with one_cpu_thread(self.device):
-            if self.padding:
-                p = self.padding
-                images = random_crop_flip(F.pad(images, (0, 0, p, p, p, p)), p)
-            # NHWC memory viewed as NCHW is exactly the channels_last layout, no copy needed;
-            # addcmul promotes uint8 to float32 and normalises in one call.
-            return torch.addcmul(self._shift, images.permute(0, 3, 1, 2), self._scale)
+            if self.augmentation is not None:
+                batch = self._augment(batch)
+            # Channel-last memory viewed in the dataset's layout: for images exactly the
+            # channels_last layout, no copy needed.
+            x = batch.permute(self._to_layout)
+            if self._scale is not None:  # addcmul promotes the stored dtype to float32
+                x = torch.addcmul(self._shift, x, self._scale)
+            return x.contiguous() if self._contiguous else x
+
+    def _augment(self, batch: torch.Tensor) -> torch.Tensor:
+        py, px = self.augmentation.padding
+        rows = batch if batch.ndim == 4 else batch.unsqueeze(1)  # a signal is one row
+        padded = F.pad(rows, (0, 0, px, px, py, py)) if py or px else rows
+        out = random_crop_flip(padded, (py, px), flip=self.augmentation.flip)
+        return out if batch.ndim == 4 else out.squeeze(1)
 
 
-def random_crop_flip(padded: torch.Tensor, padding: int) -> torch.Tensor:
-    """Per-sample random crop and horizontal flip of a zero-padded uint8 NHWC batch.
+def random_crop_flip(padded: torch.Tensor, padding, *, flip: bool = True) -> torch.Tensor:
+    """Per-sample random crop and horizontal flip of a zero-padded NHWC batch.
 
-    Offsets and flips come from the default RNG of the batch's device (so a checkpoint's RNG
-    state replays them exactly). Both ways of cutting give the same pixels (a test checks).
+    `padding`: one int for both axes, or (rows, columns). Offsets and flips come from the
+    default RNG of the batch's device (so a checkpoint's RNG state replays them exactly). Both
+    ways of cutting give the same pixels (a test checks).
     """
+    py, px = (padding, padding) if isinstance(padding, int) else padding
     n, hp, wp, c = padded.shape
     dev = padded.device
-    dy = torch.randint(0, 2 * padding + 1, (n,), device=dev)
-    dx = torch.randint(0, 2 * padding + 1, (n,), device=dev)
-    flip = torch.randint(0, 2, (n,), device=dev)
+    dy = torch.randint(0, 2 * py + 1, (n,), device=dev)
+    dx = torch.randint(0, 2 * px + 1, (n,), device=dev)
+    flips = torch.randint(0, 2, (n,), device=dev)
+    if not flip:
+        flips.zero_()
     cut = crop_flip_slices if dev.type == "cpu" else crop_flip_gather
-    return cut(padded, dy, dx, flip, (hp - 2 * padding, wp - 2 * padding))
+    return cut(padded, dy, dx, flips, (hp - 2 * py, wp - 2 * px))
 
 
 def crop_flip_gather(padded, dy, dx, flip, size) -> torch.Tensor:

@@ -23,7 +23,8 @@ from pathlib import Path
 
 from . import project
 from .dataversion import data_version
-from .registry import declarations
+from .models import WIDTH_DEFAULT, model_arguments, own_arguments, parse_model_args
+from .registry import REQUIRED, declarations
 
 # The project this process works for (project.py: its pyproject.toml's [tool.labrun]).
 PROJECT_ROOT = project.current().root
@@ -36,7 +37,8 @@ TRIALS_EXPERIMENT = f"{DEFAULT_EXPERIMENT}-trials"
 # `@register_model` lines of every module of the package, from their source (registry.py).
 DATASET_DECLARED = declarations("register_dataset")  # from any module of the package
 DATASET_CHOICES = tuple(DATASET_DECLARED)
-MODEL_CHOICES = {name: d.help for name, d in declarations("register_model").items()}
+MODEL_DECLARED = declarations("register_model")
+MODEL_CHOICES = {name: d.help for name, d in MODEL_DECLARED.items()}
 TASK_CHOICES = {name: d.help for name, d in declarations("register_task").items()}
 
 # How a run is executed, not what it computes: left out of the hash, so the same experiment run on
@@ -74,6 +76,10 @@ ADDED_DEFAULTS: dict[str, object] = {
     # on two versions of a folder never share a directory. None for the built-in array datasets,
     # whose released run names must not move (their content hash goes to config.json instead).
     "data_version": None,
+    "augment": "auto",
+    # The model's own size arguments other than width (models.model_arguments): the built-in
+    # models have none, so their run names stay.
+    "model_args": {},
 }
 MAX_READABLE = 80
 MAX_SEED = 2**32 - 1  # numpy's seed range; torch takes 64 bits, but one seed feeds both
@@ -163,6 +169,23 @@ def _image_size(text: str) -> tuple[int, int]:
     return height, width
 
 
+def _model_args(text: str) -> dict:
+    try:
+        return parse_model_args(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _model_help() -> str:
+    """Each model with its own size arguments: `cnn1d: a 1-D CNN (width, depth=2)`."""
+    described = {}
+    for name, declared in MODEL_DECLARED.items():
+        own = own_arguments(declared)
+        listed = ", ".join(k if v == REQUIRED else f"{k}={v!r}" for k, v in own.items())
+        described[name] = f"{declared.help} ({listed})" if listed else declared.help
+    return _choices_help(described)
+
+
 def _choices_help(entries: dict[str, str]) -> str:
     return "; ".join(f"{name}: {text}" for name, text in entries.items())
 
@@ -219,8 +242,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="resize images to N x N (or HxW); default: their own size",
     )
+    e.add_argument("--model", choices=tuple(MODEL_CHOICES), default="cnn", help=_model_help())
     e.add_argument(
-        "--model", choices=tuple(MODEL_CHOICES), default="cnn", help=_choices_help(MODEL_CHOICES)
+        "--model-args",
+        type=_model_args,
+        default={},
+        metavar="K=V,...",
+        help="the model's own size arguments (listed with --model, in parentheses), e.g. "
+        "depth=3,kernel=5; unset ones take the function's defaults. Run names show those "
+        "you set, tables the ones that vary",
     )
     e.add_argument(
         "--task",
@@ -248,7 +278,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.1,
         help="fraction of the training set held out for validation / early stopping",
     )
-    e.add_argument("--width", type=_positive_int, default=64, help="channels of the first stage")
+    e.add_argument(
+        "--width",
+        type=_positive_int,
+        default=WIDTH_DEFAULT,
+        help="size of models that take `width` (the built-ins: channels of the first stage); "
+        "a model without one ignores the default and refuses any other value",
+    )
     e.add_argument("--epochs", type=_positive_int, default=20, help="maximum number of epochs")
     e.add_argument(
         "--max-steps",
@@ -285,6 +321,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="early stopping counts no epoch up to this one (it never counts before the "
         "one-cycle LR peak, 15%% of the steps, either)",
+    )
+    e.add_argument(
+        "--augment",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="training augmentation; auto = random crop + flip for uint8 images (N, C, H, W), "
+        "none for other data (or as the dataset declares); on = crop + flip of images, shift + "
+        "flip along the length of signals and sequences; run.log says which and why",
     )
     e.add_argument(
         "--seed",
@@ -448,6 +492,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
             args.data_version = data_version(args.data_path, args.data_dir)
         except ValueError as exc:
             parser.error(str(exc))
+    try:  # the model's own size arguments, read from its function without importing it
+        given = None if args.width == WIDTH_DEFAULT else args.width
+        declared = MODEL_DECLARED[args.model]
+        args.width, args.model_args = model_arguments(declared, given, args.model_args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    clash = sorted(set(args.model_args) & set(vars(args)))
+    if clash:  # config.json holds them beside the flags: one name, one meaning
+        parser.error(f"--model: model {args.model!r} has argument(s) named like run.py's flags "
+                     f"({', '.join(clash)}); rename them in its function")  # fmt: skip
     if args.experiment is None:
         trial = args.results_dir.resolve() == TRIALS_DIR.resolve()
         args.experiment = TRIALS_EXPERIMENT if trial else DEFAULT_EXPERIMENT
@@ -492,6 +546,13 @@ def changed_args(
         if key in skip or key == "help" or not hasattr(args, key):
             continue
         value = getattr(args, key)
+        if key == "model_args":  # those set on the command line, each as its own part
+            defaults = MODEL_DECLARED[args.model].params if args.model in MODEL_DECLARED else {}
+            parts += [f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                      for k, v in value.items() if defaults.get(k, REQUIRED) != v]  # fmt: skip
+            continue
+        if value is None and action.default is not None:  # an argument the model does not take
+            continue
         if value != action.default:
             if isinstance(value, Path):  # the hash holds the full path; the name its folder
                 value = value.name
@@ -522,5 +583,8 @@ def resolved_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     cfg = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     cfg["run_name"] = run_name(args, parser)
     cfg["config_hash"] = config_hash(args)
-    cfg["experiment_keys"] = sorted(experiment_args(args))
+    # The model's own arguments as keys of their own, so tables and legends name them.
+    model_args = getattr(args, "model_args", None) or {}
+    cfg.update(model_args)
+    cfg["experiment_keys"] = sorted({*experiment_args(args), *model_args} - {"model_args"})
     return cfg

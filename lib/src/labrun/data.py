@@ -10,7 +10,11 @@ The data layer, by what changes together (no module imports one that imports it 
 - loaders.py, augment.py   batches on the device: the loaders, augmentation and normalisation;
 - data.py       this file: load_dataset, the split carving, the memory budget, the batch check.
 
-Images are held as uint8 (4x less memory and host->device transfer than float32). Two data
+Arrays are held as the dataset gives them (any numeric dtype and shape, float64 as float32;
+augment.LAYOUTS says how their axes are read): uint8 images take 4x less memory and
+host->device transfer than float32. They are normalised on the device: uint8 images with fixed
+constants, other data with the training split's per-channel statistics (or not, when the
+dataset says so); augmentation follows --augment (augment.choose_augmentation). Two data
 paths for image files, chosen by `load_dataset(mode=)`: "memory", the files decoded once into
 the memory-mapped cache (imagecache.py) and then only gathered; "stream", decoded again batch
 by batch every epoch in DataLoader workers. "auto" picks the cache wherever --data-dir can hold
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -31,15 +36,26 @@ import torch
 import torch.nn.functional as F
 
 from .arrays import CIFAR10_SHAPE, TEST_FRACTION, TEST_SPLIT_SEED
+from .augment import (
+    LAYOUTS,
+    Augmentation,
+    Normalization,
+    channel_last,
+    choose_augmentation,
+    describe,
+    spatial_sizes,
+)
 from .datasets import DATASETS, DataOptions, DatasetSplits, ImageFiles
 from .dataversion import data_version as files_version
 from .dataversion import forget
 from .imagecache import cache_fits, decode_cached
 from .imagefolder import UnreadableImage
-from .loaders import FileSplit, Split, build_loader
+from .loaders import FileSplit, Split, build_loader, own_normalization
 
 __all__ = [  # what callers import from here (the loaders' names have their home in loaders.py)
+    "Augmentation",
     "DatasetInfo",
+    "Normalization",
     "FileSplit",
     "LoadedDataset",
     "Split",
@@ -72,6 +88,13 @@ class DatasetInfo:
     # refused (dataversion.changed_data). Files: None (their version is in the run's identity).
     content: str | None = None
     split_sizes: dict[str, int] = field(default_factory=dict)  # images per split after carving
+    # One sample's shape as the dataset gives it ((C, H, W), (C, L), (L,), (T, F)), how its
+    # axes are read (augment.LAYOUTS), the stored dtype; image_size holds the spatial sizes.
+    input_shape: tuple[int, ...] = ()
+    layout: str = "NCHW"
+    dtype: str = "uint8"
+    normalization: Normalization | None = None  # None: uint8 images' constants
+    augmentation: Augmentation = field(default_factory=Augmentation)  # of the training split
 
     def as_config(self) -> dict:
         described = {
@@ -80,10 +103,22 @@ class DatasetInfo:
             "image_size": list(self.image_size),
             "class_names": list(self.class_names),
             "split_sizes": dict(self.split_sizes),
+            "input_shape": list(self.input_shape),
+            "input": self.describe(),
         }
         if self.content is not None:
             described["data_content"] = self.content
         return described
+
+    def describe(self) -> dict:
+        """What the data layer did with the inputs: run.log's `data:` lines, config.json."""
+        norm = self.normalization
+        fixed = "per channel, fixed constants of uint8 images (CIFAR-10's)"
+        return {
+            "data": describe(self.input_shape, self.layout, self.dtype),
+            "normalization": fixed if norm is None else norm.why,
+            "augmentation": self.augmentation.why,
+        }
 
 
 @dataclass
@@ -111,6 +146,8 @@ def load_dataset(
     workers: int | None = None,
     data_version: str | None = None,
     task: str = "classification",
+    augment: str = "auto",
+    spatial_targets: bool = False,
 ) -> LoadedDataset:
     """Load the registered dataset `name` as {"train", "val", "test"} splits and describe it.
 
@@ -121,8 +158,9 @@ def load_dataset(
     (the cache, unless `data_dir` lacks the disk space or the address-space limit cannot map
     it: then stream, with a note). `data_version`: the version of `data_path`
     (dataversion.data_version; computed when None). `workers`: processes that decode the cache
-    (None: every core; 0 or 1: this process). Raises ValueError with a one-line message for
-    every bad input.
+    (None: every core; 0 or 1: this process). `augment` (--augment auto/on/off) and
+    `spatial_targets` (the task's) decide the training augmentation, `info.augmentation`: pass
+    it to build_loader. Raises ValueError with a one-line message for every bad input.
     """
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
@@ -156,10 +194,12 @@ def load_dataset(
         for s in ("train", "val", "test")
         if getattr(raw, s) is not None
     }
-    shapes = {split.image_shape for split in splits.values()}
+    shapes = {(split.image_shape, split.layout, _dtype(split)) for split in splits.values()}
     if len(shapes) > 1:
-        raise ValueError(f"dataset {name!r}: splits differ in image shape {sorted(shapes)}")
-    ((channels, height, width),) = shapes
+        found = sorted(describe(*shape) for shape in shapes)
+        raise ValueError(f"dataset {name!r}: splits differ in shape or dtype: {found}")
+    ((input_shape, layout, dtype),) = shapes
+    channels = input_shape[-1] if layout == "NTF" else input_shape[0]
     if len(splits["train"]) == 0:
         raise ValueError(f"dataset {name!r}: the training split is empty")
     labels = torch.cat([split.labels for split in splits.values()])
@@ -220,8 +260,34 @@ def load_dataset(
     if len(splits["train"]) == 0 or len(splits["test"]) == 0:
         raise ValueError(f"dataset {name!r}: too few images to split into train and test")
     sizes = {k: len(splits[k]) for k in ("train", "val", "test")}
-    info = DatasetInfo(name, num_classes, channels, (height, width), class_names, content, sizes)
+    if not raw.normalize:
+        normalization = Normalization(None, None, "none (the dataset declares normalize=False)")
+    else:  # the training split's: val and test are scaled as the model saw train
+        normalization = own_normalization(splits["train"], "the training split")
+    for split in splits.values():
+        split.normalization = normalization
+    augmentation = choose_augmentation(
+        input_shape, layout, dtype, augment, raw.augment, spatial_targets
+    )
+    info = DatasetInfo(
+        name,
+        num_classes,
+        channels,
+        spatial_sizes(input_shape, layout),
+        class_names,
+        content,
+        sizes,
+        input_shape=input_shape,
+        layout=layout,
+        dtype=str(dtype).removeprefix("torch."),
+        normalization=normalization,
+        augmentation=augmentation,
+    )
     return LoadedDataset(splits, info, mode, notes)
+
+
+def _dtype(split: Split | FileSplit) -> torch.dtype:
+    return split.images.dtype if isinstance(split, Split) else torch.uint8
 
 
 @contextlib.contextmanager
@@ -269,15 +335,27 @@ def _as_split(raw, described: DatasetSplits, image_size, where: str) -> Split | 
     images = torch.as_tensor(np.asarray(images))
     labels = torch.as_tensor(np.asarray(labels))  # class ids -> int64, targets -> float32
     labels = labels.float() if labels.is_floating_point() else labels.long()
-    if images.dtype != torch.uint8 or images.ndim != 4:
+    if images.dtype == torch.bool:
+        images = images.to(torch.uint8)
+    if images.dtype == torch.float64:  # no model computes in float64: half the memory
+        images = images.float()
+    layout = described.layout or LAYOUTS.get(images.ndim)
+    if images.is_complex() or images.ndim < 2 or layout is None or len(layout) != images.ndim:
         raise ValueError(
-            f"{where}: expected uint8 images of shape (N, C, H, W), "
-            f"got {images.dtype} {tuple(images.shape)}"
+            f"{where}: expected inputs (N, ...) of a real dtype read as "
+            f"{' / '.join(sorted({*LAYOUTS.values(), 'NTF'}))}, got {images.dtype} "
+            f"{tuple(images.shape)}" + (f" as {layout}" if described.layout else "")
         )
     if labels.ndim == 0 or len(labels) != len(images):
         raise ValueError(f"{where}: expected {len(images)} labels, got {tuple(labels.shape)}")
     if image_size is not None and tuple(images.shape[2:]) != tuple(image_size):
-        need = len(images) * images.shape[1] * image_size[0] * image_size[1]
+        if layout != "NCHW":
+            raise ValueError(
+                f"--image-size: resizes images (N, C, H, W); {where} holds "
+                f"{describe(tuple(images.shape[1:]), layout, images.dtype)}"
+            )
+        need = len(images) * images[0].numel() * images.element_size()
+        need = need // images.shape[2] // images.shape[3] * image_size[0] * image_size[1]
         available = available_ram_bytes()
         if available is not None and need > MEMORY_FRACTION * available:
             h, w = image_size
@@ -287,16 +365,27 @@ def _as_split(raw, described: DatasetSplits, image_size, where: str) -> Split | 
                 f"{available / 2**30:.1f} GiB this job may use; choose a smaller --image-size"
             )
         images = _resize(images, image_size)
-    # channels_last once here: the loaders gather NHWC batches from it without another copy.
-    return Split(images.contiguous(memory_format=torch.channels_last), labels)
+    # Channel-last memory once here (channels_last for images): the loaders gather
+    # (N, *spatial, C) batches from it without another copy.
+    order = channel_last(layout, images.ndim)
+    return Split(_in_layout(images.permute(order).contiguous(), order), labels, layout=layout)
+
+
+def _in_layout(stored: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """Channel-last `stored` (permuted by `order`) viewed back in the dataset's layout."""
+    return stored.permute([order.index(axis) for axis in range(len(order))])
 
 
 def _resize(images: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    out = torch.empty(len(images), images.shape[1], *size, dtype=torch.uint8)
+    """uint8 images stay uint8; any other dtype is resized as float32."""
+    dtype = torch.uint8 if images.dtype == torch.uint8 else torch.float32
+    out = torch.empty(len(images), images.shape[1], *size, dtype=dtype)
     for start in range(0, len(images), 1024):  # in chunks: float temporaries stay small
         chunk = images[start : start + 1024].float()
         resized = F.interpolate(chunk, size=size, mode="bilinear", antialias=True)
-        out[start : start + 1024] = resized.round().clamp_(0, 255).to(torch.uint8)
+        if dtype == torch.uint8:
+            resized = resized.round().clamp_(0, 255)
+        out[start : start + 1024] = resized.to(dtype)
     return out
 
 
@@ -323,9 +412,10 @@ def _subset(split: Split | FileSplit, index: torch.Tensor) -> Split | FileSplit:
             split.value_ranges,
         )
     if split.rows is not None:  # rows of a shared cache: select, never copy the images
-        return Split(split.images, split.labels[index], split.rows[index])
-    nhwc = split.images.permute(0, 2, 3, 1).index_select(0, index)
-    return Split(nhwc.permute(0, 3, 1, 2), split.labels[index])
+        return Split(split.images, split.labels[index], split.rows[index], split.layout)
+    order = channel_last(split.layout, split.images.ndim)
+    stored = split.images.permute(order).index_select(0, index)
+    return Split(_in_layout(stored, order), split.labels[index], layout=split.layout)
 
 
 def available_ram_bytes() -> int | None:
@@ -416,8 +506,7 @@ def decoded_bytes(splits) -> int:
     """uint8 bytes of the splits once decoded, labels included."""
     total = 0
     for split in splits:
-        c, h, w = split.image_shape
-        total += len(split) * (c * h * w + 8)
+        total += len(split) * (math.prod(split.image_shape) + 8)
     return total
 
 
@@ -476,10 +565,12 @@ def fits_on_device(splits, device, *, max_fraction: float = 0.25) -> bool:
         splits = splits.values()
     needed = 0
     for split in splits:
-        count, (c, h, w) = (
-            (split, CIFAR10_SHAPE) if isinstance(split, int) else (len(split), split.image_shape)
-        )
-        needed += count * (c * h * w + 8)  # pixels + int64 label
+        if isinstance(split, int):
+            needed += split * (math.prod(CIFAR10_SHAPE) + 8)
+            continue
+        size = split.images.element_size() if isinstance(split, Split) else 1
+        label = split.labels[:1].numel() * split.labels.element_size()
+        needed += len(split) * (math.prod(split.image_shape) * size + label)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return needed <= max_fraction * free

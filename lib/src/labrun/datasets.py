@@ -12,12 +12,19 @@ data" in README.md); keep heavy imports inside the function:
         return DatasetSplits(train=(arrays["x_train"], arrays["y_train"]),
                              test=(arrays["x_test"], arrays["y_test"]))
 
-A split is `(images, labels)`: uint8 images (N, channels, height, width) and targets, or
-`ImageFiles` (paths + integer labels) that are decoded from disk. Targets pass through the loaders
-as they are (README, "Your own task"): integer class ids (N,) in 0..num_classes-1 for
-classification, float (N, k) for regression, float multi-hot (N, L) for multilabel, integer masks
-(N, H, W) for segmentation. The model's output width (DatasetInfo.num_classes) is the number of
-classes for integer targets (len(class_names), else the largest id + 1), else k or L.
+A split is `(inputs, targets)`: numpy arrays or tensors of any numeric dtype (uint8, integer,
+float; float64 is held as float32) and shape, one sample per row: (N, L) vectors, (N, C, L)
+signals, (N, C, H, W) images, (N, T, F) sequences (say `layout="NTF"`: 3-D arrays are read as
+(N, C, L) otherwise); or `ImageFiles` (paths + integer labels) decoded from disk. Inputs are kept
+as they are and normalised on the device: uint8 images with fixed constants (as always), any
+other data per channel (C; F of sequences; each feature of vectors) with the mean and std of
+the training split, or not at all with `normalize=False` (e.g. token ids for an embedding).
+Augmentation (--augment auto) crops and flips uint8 images only; `augment=True/False` declares
+it for your data. Targets pass through the loaders as they are (README, "Your own task"):
+integer class ids (N,) in 0..num_classes-1 for classification, float (N, k) for regression,
+float multi-hot (N, L) for multilabel, integer masks (N, H, W) for segmentation. The model's
+output width (DatasetInfo.num_classes) is the number of classes for integer targets
+(len(class_names), else the largest id + 1), else k or L.
 A missing test split is carved out of train with a fixed seed (it never changes with --seed);
 a missing val split is carved out of train with --seed and --val-fraction (data.load_dataset
 does both).
@@ -71,6 +78,11 @@ class DatasetSplits:
     # ImageFiles of more than 8 bits: {"int": (low, high), "float": (low, high)} mapped onto
     # 0..255 (imagefolder.decode_image); None: each mode's own range.
     value_ranges: dict | None = None
+    # Array splits: how to read their axes (None: by dimensions, 2 "NL", 3 "NCL", 4 "NCHW",
+    # 5 "NCDHW"; or "NTF"), whether to normalise them, and augmentation (None: --augment decides).
+    layout: str | None = None
+    normalize: bool = True
+    augment: bool | None = None
 
 
 @dataclass(frozen=True)

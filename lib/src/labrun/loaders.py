@@ -5,11 +5,12 @@
         loader.set_epoch(epoch)                         # shuffle order = f(seed, epoch)
         for x, y in loader: ...                         # float32, channels_last, on device
 
-A split is a `Split` (uint8 images in RAM or memory-mapped from the decoded cache) or a
-`FileSplit` (image files, decoded batch by batch in DataLoader worker processes). Workers only
-gather (or decode) uint8 NHWC batches; the batch crosses to the device as uint8 and
-augment.DeviceTransform turns it into the model's input there. The order of an epoch is a pure
-function of (seed, epoch), so a resumed run replays it exactly.
+A split is a `Split` (arrays of any dtype and shape in RAM, or uint8 images memory-mapped from
+the decoded cache) or a `FileSplit` (image files, decoded batch by batch in DataLoader worker
+processes). Workers only gather (or decode) channel-last batches in the stored dtype (uint8
+images cross the bus as uint8: 4x fewer bytes); augment.DeviceTransform turns them into the
+model's input on the device. The order of an epoch is a pure function of (seed, epoch), so a
+resumed run replays it exactly.
 """
 
 from __future__ import annotations
@@ -24,25 +25,46 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .augment import DeviceTransform, one_cpu_thread
+from .augment import (
+    LAYOUTS,
+    Augmentation,
+    DeviceTransform,
+    Normalization,
+    channel_last,
+    choose_augmentation,
+    one_cpu_thread,
+)
 from .imagefolder import UnreadableImage, decode_image
 
 
 @dataclass
 class Split:
-    """One split in memory: uint8 images (N, C, H, W) and int64 labels (N,), on the CPU.
+    """One split in memory: inputs `images` (uint8 images (N, C, H, W), or any numeric array
+    read as `layout`, augment.LAYOUTS) and targets `labels` (N, ...), on the CPU.
 
-    Images are stored channels_last (NHWC memory), the layout the loaders gather from. `rows`,
-    when set, makes the split `images[rows]` without copying them: the splits of one decoded
-    cache (decode_cached) are rows of one memory-mapped array, shared by every job on the node.
+    Inputs are stored channel-last in memory (NHWC for images), the order the loaders gather
+    from. `rows`, when set, makes the split `images[rows]` without copying them: the splits of
+    one decoded cache (decode_cached) are rows of one memory-mapped array, shared by every job
+    on the node. `normalization`: the training split's (data.load_dataset sets it on every
+    split); None: uint8 images' constants, other data this split's own statistics.
     """
 
     images: torch.Tensor
     labels: torch.Tensor
     rows: torch.Tensor | None = None
+    layout: str | None = None
+    normalization: Normalization | None = None
+
+    def __post_init__(self):
+        if self.layout is None:
+            self.layout = LAYOUTS.get(self.images.ndim, "NC")
 
     def __len__(self) -> int:
         return len(self.labels)
+
+    def channel_last(self) -> torch.Tensor:
+        """The stored inputs as (N, *spatial, C): a view, no copy (how Split keeps memory)."""
+        return self.images.permute(channel_last(self.layout, self.images.ndim))
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
@@ -57,6 +79,8 @@ class FileSplit:
     labels: torch.Tensor
     image_shape: tuple[int, int, int]  # (C, H, W) after conversion and resizing
     value_ranges: dict | None = None  # images of more than 8 bits (DatasetSplits.value_ranges)
+    layout = "NCHW"
+    normalization = None  # uint8 images: the fixed constants
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -177,7 +201,7 @@ class Loader:
         train: bool,
         device,
         seed: int,
-        augment: bool = True,
+        augment: bool | Augmentation = True,
         shard: tuple[int, int] = (0, 1),
     ):
         if batch_size < 1:
@@ -192,10 +216,16 @@ class Loader:
         self.epoch, self.skip_batches = 0, 0
         self._epoch_set = True
         # Augmentation and normalisation on the device (augment.py): the loaders only gather.
-        # augment=False (a task with per-pixel targets, which crop and flip would not move):
-        # normalised only.
+        # augment=True: --augment auto's choice for this data; False: normalised only.
+        if augment is True:
+            dtype = split.images.dtype if isinstance(split, Split) else torch.uint8
+            augment = choose_augmentation(split.image_shape, split.layout, dtype)
         self.transform = DeviceTransform(
-            split.image_shape, train=train and augment, device=self.device
+            split.image_shape,
+            device=self.device,
+            layout=split.layout,
+            augmentation=augment if train and augment else None,
+            normalization=split.normalization or own_normalization(split),
         )
 
     def __len__(self) -> int:
@@ -231,15 +261,41 @@ class Loader:
 
     @staticmethod
     def _stored_images(split: Split) -> torch.Tensor:
-        """The split's stored images as uint8 NHWC: a view, no copy (Split keeps NHWC memory)."""
-        return split.images.permute(0, 2, 3, 1).contiguous()
+        """The split's stored inputs channel-last: a view, no copy (Split keeps that memory)."""
+        return split.channel_last().contiguous()
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         raise NotImplementedError
 
 
+def own_normalization(split: Split | FileSplit, whose: str = "this split") -> Normalization | None:
+    """None for uint8 images (their constants); else per channel (the last stored axis) mean
+    and std of `split` itself: data.load_dataset gives the training split's to every split."""
+    if isinstance(split, FileSplit) or (
+        split.layout == "NCHW" and split.images.dtype == torch.uint8
+    ):
+        return None
+    stored = split.channel_last()
+    if split.rows is not None:
+        stored = stored.index_select(0, split.rows)
+    values = stored.reshape(-1, stored.shape[-1])
+    total = torch.zeros(values.shape[1], dtype=torch.float64)
+    squares = torch.zeros_like(total)
+    chunk_rows = 1 << 16  # in chunks: float64 temporaries stay small
+    for start in range(0, len(values), chunk_rows):
+        chunk = values[start : start + chunk_rows].double()
+        total += chunk.sum(0)
+        squares += chunk.square().sum(0)
+    count = max(len(values), 1)
+    mean = total / count
+    std = (squares / count - mean.square()).clamp_min(0).sqrt()
+    std = torch.where(std > 1e-12, std, torch.ones_like(std))  # a constant channel: shifted only
+    why = f"per channel ({len(mean)}), mean and std of {whose}"
+    return Normalization(tuple(mean.tolist()), tuple(std.tolist()), why)
+
+
 class _ArrayDataset(torch.utils.data.Dataset):
-    """The whole split as uint8 NHWC in RAM: no per-sample work."""
+    """The whole split channel-last in RAM: no per-sample work."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor | None):
         self.images, self.labels, self.rows = images, labels, rows
@@ -408,13 +464,15 @@ def build_loader(
     workers: int | None = None,
     gpu_resident: bool = False,
     seed: int = 0,
-    augment: bool = True,
+    augment: bool | Augmentation = True,
     shard: tuple[int, int] = (0, 1),
 ) -> Loader:
-    """Return a loader of `(x, y)` on `device`: x float32 normalised channels_last, y the labels.
+    """Return a loader of `(x, y)` on `device`: x the model's input (float32, normalised, in the
+    split's layout; images channels_last), y the labels.
 
-    Train loaders shuffle (order = f(seed, epoch)), augment (random crop + flip, unless
-    `augment=False`) and drop the last partial batch. `y` is the split's labels as they are.
+    Train loaders shuffle (order = f(seed, epoch)), augment (`augment`: an
+    augment.Augmentation, True for --augment auto's choice, False for none) and drop the last
+    partial batch. `y` is the split's labels as they are.
     `gpu_resident=True` keeps an in-memory split whole on `device` (see `fits_on_device`);
     otherwise a DataLoader with `workers` processes (None: `default_workers`). A `FileSplit`
     is always streamed. `shard=(rank, world)`: this rank's contiguous 1/world of every batch.

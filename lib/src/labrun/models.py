@@ -1,20 +1,34 @@
-"""The model registry (`--model`): `@register_model("name", help=...)` on a function
-`fn(num_classes, channels, image_size, width) -> nn.Module` in any module of the project's
-package. The names and help texts are read from the source without importing it (registry.py),
-so `--help` needs no torch: write them as plain string literals. The module is imported when a
+"""The model registry (`--model`): `@register_model("name", help=...)` on a function that
+returns an `nn.Module`, in any module of the project's package. The names and help texts, and
+the function's parameters, are read from the source without importing it (registry.py), so
+`--help` needs no torch: write them as plain string literals. The module is imported when a
 run asks for one of its models.
+
+A model function takes what it needs of the data by name: `num_classes`, `channels`,
+`image_size` ((H, W) of images, (L,) of signals) and `input_shape` (one sample's shape, as the
+dataset gives it: (C, H, W), (C, L), (L,), (T, F)). Its other parameters are its own size
+arguments: `width` comes from `--width` (64), any other from `--model-args k=v,...`, else its
+default. Only those it takes (and names in its body) go into the run's name and identity:
+
+    @register_model("mlp", help="a two-layer perceptron")
+    def mlp(num_classes, input_shape, width, depth=1): ...   # --width 32 --model-args depth=2
 """
 
 from __future__ import annotations
 
+import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .registry import Registry
+from .registry import REQUIRED, Declared, Registry
 
 MODELS: dict[str, ModelEntry] = Registry("register_model")  # imports other modules on demand
 # The template's models: held to deterministic CUDA kernels (no adaptive pooling) by the tests.
-BUILT_IN = ("cnn", "resnet18")
+BUILT_IN = ("cnn", "cnn1d", "resnet18")
+# What the data gives a model function (by parameter name); every other parameter is its own.
+DATA_PARAMS = ("num_classes", "channels", "image_size", "input_shape")
+WIDTH_DEFAULT = 64  # --width's default: the built-in models' run names depend on it
 
 
 @dataclass(frozen=True)
@@ -25,7 +39,7 @@ class ModelEntry:
 
 
 def register_model(name: str, *, help: str = ""):
-    """Decorator: register `fn(num_classes, channels, image_size, width) -> nn.Module`."""
+    """Decorator: register `fn(num_classes, channels, image_size, ...) -> nn.Module`."""
 
     def add(fn):
         MODELS.add(name, ModelEntry(name, fn, help))
@@ -34,12 +48,135 @@ def register_model(name: str, *, help: str = ""):
     return add
 
 
+def own_arguments(declared: Declared) -> dict:
+    """{name: default or REQUIRED} of a model function's own size arguments that it uses."""
+    return {
+        k: v
+        for k, v in declared.params.items()
+        if k not in DATA_PARAMS and k not in declared.unused
+    }
+
+
+def parse_model_args(text: str) -> dict:
+    """`k=v,k=v` -> {k: v} with numbers and true/false as such (typed later by the defaults)."""
+    found = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise ValueError(f"expected name=value pairs separated by commas, got {item!r}")
+        found[key.strip()] = value.strip()
+    return found
+
+
+def _typed(text: str, default, where: str):
+    """--model-args text as the type of the argument's default (no default: a guess)."""
+    default = None if default == REQUIRED else default
+    try:
+        if isinstance(default, bool) or (
+            not isinstance(default, int | float | str) and text.lower() in ("true", "false")
+        ):
+            if text.lower() not in ("true", "false"):
+                raise ValueError
+            return text.lower() == "true"
+        if isinstance(default, int | float | str):
+            value = type(default)(text)
+        else:
+            guesses = (_maybe(int, text), _maybe(float, text), text)
+            value = next(v for v in guesses if v is not None)
+    except ValueError:
+        raise ValueError(
+            f"{where}: expected a value like its default {default!r}, got {text!r}"
+        ) from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where}: must be a finite number, got {text}")
+    return value
+
+
+def _maybe(kind, text: str):
+    try:
+        return kind(text)
+    except ValueError:
+        return None
+
+
+def model_arguments(declared: Declared, width: int | None, given: dict) -> tuple:
+    """(width or None, {other own argument: value}) for the model `declared`.
+
+    `width`: --width (None: not given, 64 for a model that takes it); `given`: --model-args as
+    text. A model that does not take (or never names) `width` gets None. Raises ValueError
+    (`--flag: why`) for an argument the model does not take or a required one missing.
+    """
+    own = own_arguments(declared)
+    name = declared.name
+    listed = ", ".join(k if v == REQUIRED else f"{k}={v!r}" for k, v in own.items()) or "none"
+    given = dict(given)
+    if "width" in given:
+        if width is not None and str(width) != given["width"]:
+            raise ValueError("--model-args: width given twice (also --width); give it once")
+        width = _typed(given.pop("width"), 0, "--model-args width")
+    unknown = [k for k in given if k not in own]
+    if unknown:
+        raise ValueError(
+            f"--model-args: model {name!r} takes no {', '.join(map(repr, unknown))}; "
+            f"its own arguments: {listed}"
+        )
+    if "width" not in own:
+        if width is not None and width != WIDTH_DEFAULT:
+            raise ValueError(f"--width: model {name!r} takes no width; its arguments: {listed}")
+        width = None
+    elif width is None:
+        width = WIDTH_DEFAULT
+    values = {}
+    for key, default in own.items():
+        if key == "width":
+            continue
+        if key in given:
+            values[key] = _typed(given[key], default, f"--model-args {key}")
+        elif default == REQUIRED:
+            raise ValueError(f"--model-args: model {name!r} needs {key}=VALUE ({listed})")
+        else:
+            values[key] = default
+    return width, values
+
+
 def create_model(
-    name: str, *, num_classes: int, channels: int, image_size: tuple[int, int], width: int
+    name: str,
+    *,
+    num_classes: int,
+    channels: int,
+    image_size: tuple[int, ...],
+    width: int | None = WIDTH_DEFAULT,
+    input_shape: tuple[int, ...] | None = None,
+    **model_args,
 ):
-    """Build the registered model `name` for a dataset's shape and class count."""
+    """Build the registered model `name` for a dataset's shape and class count: the function
+    gets the data's values and the size arguments it names (`width`, `model_args`)."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
-    return MODELS[name].build(
-        num_classes=num_classes, channels=channels, image_size=tuple(image_size), width=width
+    build = MODELS[name].build
+    offered = {
+        "num_classes": num_classes,
+        "channels": channels,
+        "image_size": tuple(image_size),
+        "input_shape": tuple(input_shape) if input_shape is not None else None,
+        "width": width,
+        **model_args,
+    }
+    params = inspect.signature(build).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return build(**offered)
+    return build(**{k: v for k, v in offered.items() if k in params})
+
+
+def model_from_config(config: dict):
+    """The model of a run: `config` as config.json holds it (run.py's arguments and
+    DatasetInfo.as_config()), or a dict built the same way."""
+    return create_model(
+        config.get("model", "cnn"),
+        num_classes=config["num_classes"],
+        channels=config["channels"],
+        image_size=tuple(config.get("image_size") or ()),
+        input_shape=tuple(config.get("input_shape") or ()) or None,
+        width=config.get("width", WIDTH_DEFAULT),
+        **(config.get("model_args") or {}),
     )

@@ -6,8 +6,9 @@ data.py, a new file (`mymodels.py`) or a folder (`models/unet.py`, no `__init__.
 needed). config.py builds `--model`'s and `--dataset`'s choices and help from the
 `@register_model("name", help="...")` and `@register_dataset(...)` lines of every module, read
 from their source (the modules import torch, which `--help` must not wait for): write the name
-and the help as plain string literals. When a run asks for a name, the module that declares it is imported then
-(`Registry`), so its decorator registers the function.
+and the help as plain string literals (and a model function's parameter defaults: models.py).
+When a run asks for a name, the module that declares it is imported then (`Registry`), so its
+decorator registers the function.
 """
 
 from __future__ import annotations
@@ -32,6 +33,14 @@ class Declared:
     module: str  # dotted and absolute: "labrun.datasets", "lab_project.models.unet"
     where: str  # file:line, for error messages
     keywords: dict = field(default_factory=dict)  # the other literal keywords (needs_data_path)
+    # The function's parameters in order: name -> its literal default (REQUIRED: none). A model
+    # function's parameters that the data does not give are its own size arguments
+    # (models.model_arguments); `unused` are those its body never names (ignored, not shown).
+    params: dict = field(default_factory=dict)
+    unused: frozenset = frozenset()
+
+
+REQUIRED = "<required>"  # Declared.params: a parameter without a default
 
 
 def decorated_names(source: Path, decorator: str) -> dict[str, str]:
@@ -62,8 +71,32 @@ def _declared_in(source: Path, decorator: str, module: str) -> list[Declared]:
                     "(config.py reads them without importing the module)"
                 ) from e
             help_text = str(keywords.pop("help", ""))
-            found.append(Declared(name, help_text, module, where, keywords))
+            params, unused = _parameters(node, where)
+            found.append(Declared(name, help_text, module, where, keywords, params, unused))
     return found
+
+
+def _parameters(node: ast.FunctionDef, where: str) -> tuple[dict, frozenset]:
+    """{name: literal default or REQUIRED} of a function's parameters, and the ones its body
+    never names."""
+    positional = node.args.posonlyargs + node.args.args
+    defaults = [REQUIRED] * (len(positional) - len(node.args.defaults)) + node.args.defaults
+    pairs = list(zip(positional, defaults, strict=True))
+    pairs += zip(node.args.kwonlyargs, node.args.kw_defaults, strict=True)
+    params = {}
+    for arg, default in pairs:
+        if default is None or default == REQUIRED:
+            params[arg.arg] = REQUIRED
+            continue
+        try:
+            params[arg.arg] = ast.literal_eval(default)
+        except ValueError:
+            raise ValueError(
+                f"{where}: the default of {arg.arg!r} must be a literal "
+                "(config.py reads it without importing the module)"
+            ) from None
+    named = {n.id for stmt in node.body for n in ast.walk(stmt) if isinstance(n, ast.Name)}
+    return params, frozenset(params) - named
 
 
 def packages() -> list[tuple[str, Path]]:

@@ -173,6 +173,8 @@ class Run:
             workers=args.workers,
             data_version=args.data_version,  # the version in the run's identity
             task=args.task,  # datasets that offer several kinds of targets pick by it
+            augment=args.augment,  # images crop + flip, other data none, unless asked
+            spatial_targets=self.task.spatial_targets,  # crop/flip would not move the targets
         )
         splits = loaded.splits
         # Only decoded in-memory data can live on the GPU; streamed files come through workers.
@@ -188,7 +190,7 @@ class Run:
                 workers=args.workers,
                 gpu_resident=resident,
                 seed=args.seed,
-                augment=not self.task.spatial_targets,  # crop/flip would not move the targets
+                augment=loaded.info.augmentation,  # used by the training loader only
                 shard=self.dist.shard,
             )
             for name, split in splits.items()
@@ -202,8 +204,8 @@ class Run:
         # num_classes, channels, image_size, class names, split sizes, the arrays' content hash
         self.config.update(loaded.info.as_config())
         seed_everything(args.seed)
-        augmentation = "off: per-pixel targets" if self.task.spatial_targets else "crop + flip"
-        self._notes.append(("augmentation", augmentation))
+        # dtype and shape, normalisation, augmentation: what was done to the inputs, and why
+        self._notes += list(loaded.info.describe().items())
         train, val, test = (loaders[k] for k in ("train", "val", "test"))
         self.data_ = Data(splits, train, val, test, steps_per_epoch, loaded.info, loaded.notes)
         return self.data_
@@ -601,7 +603,7 @@ class Run:
                 amp_dtype=self.amp_dtype,
                 start=args.batch_size,
                 max_batch=len(data.splits["train"]),
-                input_shape=(info.channels, *info.image_size),
+                input_shape=info.input_shape,
                 loss_fn=self.task.loss,
                 targets=data.splits["train"].labels,
             )

@@ -213,7 +213,8 @@ def _try_batch(build_model_fn, batch: int, device, amp_dtype, input_shape, loss_
     # also holds for SGD with momentum.
     optimizer = torch.optim.AdamW(model.parameters())
     x = torch.randn(batch, *input_shape, device=device)
-    x = x.contiguous(memory_format=torch.channels_last)
+    if x.ndim == 4:  # images arrive channels_last; signals, vectors, sequences contiguous
+        x = x.contiguous(memory_format=torch.channels_last)
     y = targets[torch.arange(batch) % len(targets)].to(device)  # the task's targets, repeated
     with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
         loss = loss_fn(model(x), y)

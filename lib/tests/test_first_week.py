@@ -11,9 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY
-
-PACKAGE = "{{ cookiecutter.package_name }}"
+from conftest import PACKAGE, ROOT, TINY
 
 # A model in a new folder (no __init__.py) with adaptive pooling, which the built-ins avoid, and
 # a dataset in a new module: both as a user writes them after reading the README.
@@ -31,7 +29,7 @@ def pooled(num_classes, channels, image_size, width):
     )
 """
 DATASET_FILE = """
-from .datasets import DatasetSplits, register_dataset
+from labrun.datasets import DatasetSplits, register_dataset
 
 
 @register_dataset("stripes", help="horizontal or vertical stripes, 16x16")
@@ -62,6 +60,11 @@ def project_with_own_code(dest: Path) -> Path:
     return dest
 
 
+def own_project_env(env: dict | None = None) -> dict:
+    """The environment for run.py in a copied project: it finds itself, not the rendered one."""
+    return {k: v for k, v in (env or os.environ).items() if k != "LABRUN_PROJECT"}
+
+
 def test_own_model_and_dataset_in_new_files_appear_in_help_without_torch(tmp_path):
     project = project_with_own_code(tmp_path)
     code = (
@@ -72,8 +75,9 @@ def test_own_model_and_dataset_in_new_files_appear_in_help_without_torch(tmp_pat
         "assert 'torch' not in sys.modules\n"
     )
     result = subprocess.run(
-        [sys.executable, "-c", code], cwd=project, capture_output=True, text=True
-    )
+        [sys.executable, "-c", code], cwd=project, env=own_project_env(), capture_output=True,
+        text=True,
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     help_text = " ".join(result.stdout.split())
     assert "pooled: a conv and an adaptive average pool" in help_text
@@ -85,6 +89,7 @@ def test_own_model_and_dataset_in_new_files_train_and_keep_pytest_green(tmp_path
     project = project_with_own_code(tmp_path / "project")
     cmd = [sys.executable, "run.py", *TINY, "--model", "pooled", "--dataset", "stripes",
            "--epochs", "1", "--tracking", "off", "--data-dir", str(data_dir)]  # fmt: skip
+    env = own_project_env(env)
     result = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     [config] = (project / "results" / "trials").glob("*/config.json")
@@ -96,13 +101,20 @@ def test_own_model_and_dataset_in_new_files_train_and_keep_pytest_green(tmp_path
     assert result.returncode == 0, result.stdout[-3000:]
 
 
-def test_a_name_declared_twice_names_both_places(tmp_path):
-    from labrun.registry import declarations
+def test_a_name_declared_twice_names_both_places(tmp_path, monkeypatch):
+    from labrun import registry
 
     (tmp_path / "a.py").write_text('@register_model("twin")\ndef a(): ...\n')
     (tmp_path / "b.py").write_text('@register_model("twin")\ndef b(): ...\n')
-    with pytest.raises(ValueError, match=r"b.py:1: @register_model\('twin'\) is also at .*a.py:1"):
-        declarations("register_model", tmp_path)
+    monkeypatch.setattr(registry, "packages", lambda: [("pkg", tmp_path)])
+    registry.declarations.cache_clear()
+    try:
+        with pytest.raises(
+            ValueError, match=r"b.py:1: @register_model\('twin'\) is also at .*a.py:1"
+        ):
+            registry.declarations("register_model")
+    finally:
+        registry.declarations.cache_clear()
 
 
 def test_trial_runs_and_sweep_runs_go_to_their_own_experiments():

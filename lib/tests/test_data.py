@@ -41,6 +41,12 @@ def test_digits_loads_offline_with_fixed_splits(tmp_path):
         "image_size": [32, 32],
         "class_names": [str(d) for d in range(10)],
         "split_sizes": {"train": 1293, "val": 144, "test": 360},
+        "input_shape": [3, 32, 32],
+        "input": {  # what the data layer does with them, also in run.log
+            "data": "uint8 images (N, 3, 32, 32)",
+            "normalization": "per channel, fixed constants of uint8 images (CIFAR-10's)",
+            "augmentation": "crop + flip (random, padding 4; auto: uint8 images)",
+        },
     }
     # 1797 images: stratified 80/20 -> 1437 train pool / 360 test; 10 % of the pool is val.
     check_splits(splits, {"train": 1293, "val": 144, "test": 360})
