@@ -197,6 +197,7 @@ def loop(template: Path, repeats: int, batch: int = 128, width: int = 64, steps:
     with tempfile.TemporaryDirectory() as tmp:
         project = render(template, Path(tmp))
         os.environ["LABRUN_PROJECT"] = str(project)  # the project's models, as run.py finds them
+        sys.path.insert(0, str(project))
         from labrun import gpucheck
         from labrun.hardware import cpu_has_native_bf16
 

@@ -219,11 +219,15 @@ class Run:
 
         from .hardware import choose_memory_format, layout_records_dir
 
+        info = self.data_.info
+        shape = tuple(info.input_shape) or (info.channels, *info.image_size)
         choice, why = "channels_last", ""
-        if self.dist.is_main:
+        if len(shape) != 3 or info.layout != "NCHW":  # signals, sequences: no image layout
+            choice, why = "NCHW", "contiguous (the inputs are not images)"
+        elif self.dist.is_main:
             split = self.data_.splits["train"]
             n = max(1, min(self.args.batch_size // self.dist.world, len(split)))
-            x = torch.randn(n, self.data_.info.channels, *self.data_.info.image_size)
+            x = torch.randn(n, *shape)
             cache = layout_records_dir(PROJECT_ROOT)
             layout, why = choose_memory_format(
                 model, x, split.labels[:n], self.task.loss, dtype=self.amp_dtype,
