@@ -16,9 +16,10 @@ import tomllib
 import zipfile
 from pathlib import Path
 
-EXECUTABLES = ("run.sh", "scripts/sweep_lib.sh", "scripts/slurm_task.sh")
-# Files that exist only for an option; removed when the option is off.
-SLURM_FILES = ("scripts/slurm_task.sh", "tests/test_slurm.py")
+EXECUTABLES = ("run.sh",)
+# Files that exist only for an option; removed when the option is off. Slurm's task script and
+# its tests are labrun's (labrun/slurm_task.sh): use_slurm shapes the README only.
+SLURM_FILES = ()
 GITHUB_ACTIONS_FILES = (".github",)
 
 

@@ -174,13 +174,13 @@ def test_cli_refuses_an_existing_output_directory(template_copy, tmp_path):
 
 
 def test_post_gen_removes_what_options_exclude(tmp_path):
-    for name in ("scripts/slurm_task.sh", "tests/test_slurm.py", ".github/workflows/ci.yml",
-                 "run.sh", "scripts/sweep_lib.sh"):
+    # The Slurm task ships with the library (labrun/slurm_task.sh): use_slurm removes no file.
+    for name in (".github/workflows/ci.yml", "run.sh"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("#!/usr/bin/env bash\n")
     removed = post_gen.remove_excluded(tmp_path, use_slurm=False, use_github_actions=False)
-    assert sorted(removed) == [".github", "scripts/slurm_task.sh", "tests/test_slurm.py"]
-    assert (tmp_path / "run.sh").exists() and (tmp_path / "scripts/sweep_lib.sh").exists()
+    assert sorted(removed) == [".github"]
+    assert (tmp_path / "run.sh").exists()
     post_gen.make_executable(tmp_path)
     assert (tmp_path / "run.sh").stat().st_mode & 0o111
 
@@ -190,9 +190,8 @@ def test_post_gen_prints_the_next_commands_with_the_cpu_build_of_torch():
     assert lines[1] == "cd vision_lab"
     # A plain `pip install` would pull the CUDA build of torch (GBs) on a CPU-only machine.
     assert "download.pytorch.org/whl/cpu" in lines[2]
-    # uv's CPU path that needs no CUDA index (`uv sync` locks every extra: README.md, "Install").
-    assert lines[3].startswith("pip install -e '.[dev]'")
-    assert "uv pip install -r pyproject.toml --extra cpu" in lines[3]
+    # The library's wheel by its file name (a --find-links would replace pip's configured one).
+    assert lines[3].startswith("pip install wheels/labrun-*.whl -e '.[dev]'")
     # A git repository first: provenance records its commit, pre-commit needs one.
     assert lines[4].startswith("git init && git add -A && git commit")
     assert lines[5].startswith("pre-commit install") and lines[6].startswith("bash run.sh --quick")

@@ -6,9 +6,9 @@ and the sweep calls the latter for every job.
 Identity (README, "What a run writes"): the run directory is `<results-dir>/<readable>-<hash8>`,
 where the hash is sha256 over the sorted-key JSON of every *experiment-defining* argument, i.e.
 every argument except those in EXECUTION_KEYS. Add a flag to the parser and it joins the hash
-unless you also add it to EXECUTION_KEYS. A flag added after run directories exist goes into
-ADDED_DEFAULTS too: at that default it stays out of the hash, so every existing run keeps its
-directory (and is skipped when done) after the update; set to anything else, it is hashed.
+unless you also add it to EXECUTION_KEYS; at its default it stays out of the hash (only the
+first release's flags, FIRST_RELEASE_KEYS, are hashed at any value), so every existing run keeps
+its directory (and is skipped when done) after the update; set to anything else, it is hashed.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import os
 import re
 from pathlib import Path
 
-from . import project
+from . import project, runs
 from .dataversion import data_version
 from .models import WIDTH_DEFAULT, model_arguments, own_arguments, parse_model_args
 from .registry import REQUIRED, declarations
@@ -39,7 +39,9 @@ DATASET_DECLARED = declarations("register_dataset")  # from any module of the pa
 DATASET_CHOICES = tuple(DATASET_DECLARED)
 MODEL_DECLARED = declarations("register_model")
 MODEL_CHOICES = {name: d.help for name, d in MODEL_DECLARED.items()}
-TASK_CHOICES = {name: d.help for name, d in declarations("register_task").items()}
+TASK_DECLARED = declarations("register_task")
+TASK_CHOICES = {name: d.help for name, d in TASK_DECLARED.items()}
+TASKS_MODULE = f"{__package__}.tasks"  # the built-in tasks: which of them read which flag
 
 # How a run is executed, not what it computes: left out of the hash, so the same experiment run on
 # another GPU, with more workers or after a Ctrl-C lands in the same directory.
@@ -66,21 +68,31 @@ EXECUTION_KEYS = frozenset(
         "checkpoint_every",
     }
 )
-# Experiment-defining flags added after the first release, with their defaults: left out of the
-# hash while at that default, so an update does not move every finished run to a new directory.
-ADDED_DEFAULTS: dict[str, object] = {
-    "min_epochs": 0,
-    "task": "classification",
-    "monitor": None,
-    # The version of --data-path's files (dataversion.py), set by parse_args, not a flag: runs
-    # on two versions of a folder never share a directory. None for the built-in array datasets,
-    # whose released run names must not move (their content hash goes to config.json instead).
-    "data_version": None,
-    "augment": "auto",
-    # The model's own size arguments other than width (models.model_arguments): the built-in
-    # models have none, so their run names stay.
-    "model_args": {},
-}
+# The experiment-defining flags of the first release: always in the hash (their run names are
+# pinned by the tests). Every other experiment key (a flag added since, `data_version`) is hashed
+# only while it differs from its default: adding a flag with a default never moves a run.
+FIRST_RELEASE_KEYS = frozenset(
+    {
+        "batch_size",
+        "clip_grad",
+        "data_path",
+        "dataset",
+        "ema",
+        "epochs",
+        "grad_accum",
+        "image_size",
+        "label_smoothing",
+        "lr",
+        "max_steps",
+        "model",
+        "patience",
+        "seed",
+        "synthetic_size",
+        "val_fraction",
+        "weight_decay",
+        "width",
+    }
+)
 MAX_READABLE = 80
 MAX_SEED = 2**32 - 1  # numpy's seed range; torch takes 64 bits, but one seed feeds both
 MAX_EXPERIMENT_NAME = 500  # MLflow's limit (mlflow.utils.validation.MAX_EXPERIMENT_NAME_LENGTH)
@@ -483,8 +495,22 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     args = parser.parse_args(argv)
     if args.tracking not in ("on", "off"):  # argparse checks `choices` on the command line only
         parser.error(f"{TRACKING_ENV}={os.environ.get(TRACKING_ENV)!r}: expected on or off")
-    if DATASET_DECLARED[args.dataset].keywords.get("needs_data_path") and args.data_path is None:
+    dataset = DATASET_DECLARED[args.dataset]
+    reads_files = dataset.keywords.get("needs_data_path")
+    if reads_files and args.data_path is None:
         parser.error(f"--data-path: dataset {args.dataset!r} reads your files: give --data-path")
+    built_in = dataset.module == f"{__package__}.datasets"  # a dataset of yours may read it
+    if args.data_path is not None and built_in and not reads_files:
+        parser.error(
+            f"--data-path: --dataset {args.dataset} reads no files of yours; drop "
+            "--data-path, or use --dataset folder (or a dataset of your own)"
+        )
+    task_module = TASK_DECLARED[args.task].module if args.task in TASK_DECLARED else None
+    if args.label_smoothing and args.task != "classification" and task_module == TASKS_MODULE:
+        parser.error(
+            f"--label-smoothing: --task {args.task} has no class labels to smooth (only "
+            "--task classification uses it); drop it"
+        )
     args.data_version = None
     if args.data_path is not None:  # absolute: the same data named two ways is one experiment
         args.data_path = args.data_path.expanduser().resolve()
@@ -512,17 +538,56 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     return args, parser
 
 
+def check_model_fits(args: argparse.Namespace) -> None:
+    """Refuse an --image-size that --model cannot take before any image is read or decoded: the
+    model is built on torch's meta device (no memory, no compute), first at a size it surely
+    takes (so a model of another kind of input is left to its real build), then at this one.
+    UsageError (one line, exit 2) with the model's own message."""
+    if args.image_size is None:
+        return
+    import torch
+
+    from .models import create_model
+
+    def error(size, channels) -> Exception | None:
+        try:
+            with torch.device("meta"):
+                create_model(
+                    args.model,
+                    num_classes=10,
+                    channels=channels,
+                    image_size=size,
+                    input_shape=(channels, *size),
+                    width=args.width,
+                    **(getattr(args, "model_args", None) or {}),
+                )
+        except Exception as e:  # noqa: BLE001 (only a ValueError refuses, below)
+            return e
+        return None
+
+    for channels in (3, 1):
+        if error((256, 256), channels) is None:  # the model takes such images
+            misfit = error(tuple(args.image_size), channels)
+            if isinstance(misfit, ValueError):
+                raise UsageError(str(misfit))
+            return
+
+
 def experiment_args(args: argparse.Namespace) -> dict:
     """The arguments that define what is computed (everything but EXECUTION_KEYS)."""
     return {k: v for k, v in vars(args).items() if k not in EXECUTION_KEYS}
 
 
 def identity_args(args: argparse.Namespace) -> dict:
-    """What the hash covers: the experiment arguments, less added flags at their default."""
+    """What the hash covers: the experiment arguments of the first release, and any other one
+    that is not at its default. `data_version` (set by parse_args, not a flag; None for the
+    array datasets, whose released names must not move: their content hash goes to config.json)
+    counts like a flag added since."""
+    defaults = {a.dest: a.default for a in build_parser()._actions}
     return {
         k: v
         for k, v in experiment_args(args).items()
-        if not (k in ADDED_DEFAULTS and v == ADDED_DEFAULTS[k])
+        if k in FIRST_RELEASE_KEYS or v != defaults.get(k)
     }
 
 
@@ -587,4 +652,5 @@ def resolved_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     model_args = getattr(args, "model_args", None) or {}
     cfg.update(model_args)
     cfg["experiment_keys"] = sorted({*experiment_args(args), *model_args} - {"model_args"})
+    cfg["code"] = runs.code_version(PROJECT_ROOT)  # which code made it: never in the identity
     return cfg

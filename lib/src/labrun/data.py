@@ -51,6 +51,7 @@ from .dataversion import forget
 from .imagecache import cache_fits, decode_cached
 from .imagefolder import UnreadableImage
 from .loaders import FileSplit, Split, build_loader, own_normalization
+from .tasks import check_targets
 
 __all__ = [  # what callers import from here (the loaders' names have their home in loaders.py)
     "Augmentation",
@@ -194,6 +195,7 @@ def load_dataset(
         for s in ("train", "val", "test")
         if getattr(raw, s) is not None
     }
+    check_targets(splits, task, name)  # non-finite targets, a multilabel split without a label
     shapes = {(split.image_shape, split.layout, _dtype(split)) for split in splits.values()}
     if len(shapes) > 1:
         found = sorted(describe(*shape) for shape in shapes)
@@ -242,7 +244,9 @@ def load_dataset(
         try:
             with _data_dir_errors(data_dir):
                 splits = {
-                    k: decode_cached(s, data_dir, version=data_version, processes=processes)
+                    k: decode_cached(
+                        s, data_dir, version=data_version, processes=processes, notes=notes
+                    )
                     if isinstance(s, FileSplit)
                     else s
                     for k, s in splits.items()

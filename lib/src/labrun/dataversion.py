@@ -24,6 +24,7 @@ from pathlib import Path
 
 CACHE_PREFIX = "data-version-"
 VERSION_PREFIX = "files:"
+CHECK_PREFIX = "image-check-"  # imagefolder.py's cached check of every image, per version
 
 
 def is_hidden(name: str) -> bool:
@@ -72,12 +73,33 @@ def changed_since(before: dict, now: dict, run_dir: Path) -> str | None:
 
 
 def forget(root: Path | None, cache_dir: Path | None) -> None:
-    """Drop the cached fingerprint of `root`: the next check walks every file again (used when
-    a file fails to decode although the cheap check saw no change: it was rewritten in place)."""
+    """Drop the cached fingerprint of `root` and the cached check of its images (used when a
+    file fails to decode although the cheap check saw no change: it was rewritten in place, or
+    made unreadable). The next start walks every file again and, as a file damaged with its
+    size and mtime kept gives the same version, checks every image again: the file is then
+    skipped and listed instead of refused at every start."""
     cache = None if root is None else _cache_path(Path(root), cache_dir)
-    if cache is not None:
+    if cache is None:
+        return
+    cached = _read_cache(cache, Path(root))
+    checks = (
+        [check_cache_path(Path(root), cache_dir, cached["version"])]
+        if cached is not None
+        else list(Path(cache_dir).glob(f"{CHECK_PREFIX}{Path(root).name}-*.json"))
+    )
+    for path in [cache, *checks]:
         with contextlib.suppress(OSError):
-            cache.unlink()
+            path.unlink()
+
+
+def check_cache_path(root: Path, cache_dir: Path | None, version: str | None) -> Path | None:
+    """Where imagefolder.py caches the check of every image of `root` at `version`."""
+    if cache_dir is None or version is None:
+        return None
+    return (
+        Path(cache_dir)
+        / f"{CHECK_PREFIX}{Path(root).name}-{version.removeprefix(VERSION_PREFIX)}.json"
+    )
 
 
 def _cache_path(root: Path, cache_dir: Path | None) -> Path | None:

@@ -1,6 +1,6 @@
 """The decoded cache: a split of image files decoded once, by every core, memory-mapped.
 
-    split = decode_cached(file_split, data_dir, version=data_version)   # -> loaders.Split
+    split = decode_cached(file_split, data_dir, version=data_version, notes=notes)  # loaders.Split
 
 The images are decoded (imagefolder.decode_image: oriented, converted, resized to the training
 resolution) into `<data_dir>/decoded-<key>.npy`, uint8 (N, H, W, C), and read back memory-mapped:
@@ -12,22 +12,33 @@ crop margin: random crops pad with zeros on the device (augment.DeviceTransform)
 decoded shape and value ranges: another version of the folder or another --image-size is
 another cache. Decoding is split into chunks of CHUNK_IMAGES images decoded by a pool of
 processes, each writing its rows in place into `decoded-<key>.partial.npy`; a chunk counts as
-done once its byte in `decoded-<key>.chunks` is set, after its rows are flushed. A killed decode
-resumes at the next start with the chunks not done; the finished file is renamed into place.
-All of it under a file lock: jobs that start together decode once, the others wait and read.
-Delete the files `decoded-*` in --data-dir to free the space; the next start decodes again.
+done once its checksum is in `decoded-<key>.chunks`, after its rows are flushed. A killed decode
+resumes at the next start with the chunks not done; the finished file is renamed into place and
+the checksums become `decoded-<key>.sums`. All of it under a file lock: jobs that start together
+decode once, the others wait and read. Delete the files `decoded-*` in --data-dir to free the
+space; the next start decodes again.
+
+Trust (README, "Use your own data"): the key can be computed by anyone who can read the folder,
+so every file of the cache is created under a private random name (O_EXCL, no link followed) and
+renamed into place, and opened without following a link; one that is a link, another user's or
+hard-linked is not used (removed, named in `notes`, and decoded again). Every job checks the
+checksum of every chunk when it first maps the cache: a damaged cache (zeroed or random pixels)
+is decoded again, with a note, never trained on.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import multiprocessing
 import os
+import resource
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
@@ -37,12 +48,19 @@ import torch
 from .dataversion import file_lock
 from .imagefolder import UnreadableImage, decode_image
 from .loaders import FileSplit, Split, available_cpus, worker_init, workers_started_safely
+from .runs import FILE_MODE, open_own, size_text
 
-CHUNK_IMAGES = 256  # images per task of a decoding process (and per done-marker)
+CHUNK_IMAGES = 256  # images per task of a decoding process (and per checksum)
 PROGRESS_EVERY_S = 10.0  # the progress line, when not on a terminal: at most this often
 FORMAT = "nhwc-uint8-v1"  # in the key: change it when the layout of the file changes
+DIGEST_BYTES = 16  # sha256 per chunk, cut; all zeros in the .chunks file: the chunk is not done
 
 Progress = Callable[[int, int], None]  # (chunks done, chunks in all), after every chunk
+
+
+class DecodeWorkerDied(RuntimeError):
+    """A decoding process died (the OOM killer, most often): a failure of the machine, not bad
+    input (run.py: exit 1, not 2); the decode resumes with the chunks not done."""
 
 
 def cache_path(split: FileSplit, data_dir: Path, version: str | None = None) -> Path:
@@ -61,44 +79,54 @@ def decode_cached(
     version: str | None = None,
     processes: int | None = None,
     progress: Progress | None = None,
+    notes: list[str] | None = None,
 ) -> Split:
     """`split` decoded once into its cache (see the module's docstring), memory-mapped.
 
     `processes`: decoding processes (None: every core this process may use). `progress`:
-    called after every chunk (None: a progress line on stderr). Raises UnreadableImage naming
-    a file that does not decode, ValueError (one line) for a cache that cannot be written.
+    called after every chunk (None: a progress line on stderr). `notes`: gets one line per
+    cache file not used (a link, another user's, damaged), for run.log. Raises UnreadableImage
+    naming a file that does not decode, ValueError (one line) for a cache that cannot be
+    written, DecodeWorkerDied when a decoding process is killed.
     """
+    notes = [] if notes is None else notes
     cache = cache_path(split, data_dir, version)
     c, h, w = split.image_shape
     shape = (len(split), h, w, c)
     with file_lock(cache):
-        if not cache.exists():
-            _decode(split, cache, shape, processes or available_cpus(), progress)
-        try:
-            # Copy-on-write ("c"): pages are read from the shared page cache; a write (none is
-            # made) would stay private instead of faulting on a read-only mapping.
-            images = np.load(cache, mmap_mode="c")
-        except (OSError, ValueError) as e:
-            raise ValueError(f"decoded cache {cache} is unreadable ({e}); delete it") from e
-    if images.shape != shape:
-        raise ValueError(f"decoded cache {cache} has shape {images.shape}; delete it and rerun")
+        images, why = _map_verified(cache, shape)
+        if images is None:
+            if why is not None:  # never trained on: removed (the name only) and decoded again
+                notes.append(f"decoded cache {cache} {why}: not used, decoded again")
+                for path in (cache, _sums(cache)):
+                    _discard(path, why=why)
+            _decode(split, cache, shape, processes or available_cpus(), progress, notes)
+            images, why = _map_verified(cache, shape)
+            if images is None:
+                raise ValueError(f"decoded cache {cache} {why} right after its decode; delete it")
     nchw = torch.from_numpy(images).permute(0, 3, 1, 2)  # channels_last: no copy
     return Split(nchw, split.labels, torch.arange(len(split)))
 
 
 def cache_fits(split: FileSplit, data_dir: Path, version: str | None = None) -> str | None:
-    """Why `split`'s cache cannot be used here (None: it can): disk space, address space."""
+    """Why `split`'s cache cannot be used here (None: it can): disk space, file-size limit."""
     cache = cache_path(split, data_dir, version)
-    if cache.exists():
+    if cache.exists() and _untrusted(cache) is None:
         return None
     c, h, w = split.image_shape
     need = len(split) * c * h * w
+    limit, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if limit != resource.RLIM_INFINITY and need > limit:
+        return (
+            f"its decoded cache ({size_text(need)}) is larger than the file-size limit "
+            f"(ulimit -f: {size_text(limit)})"
+        )
     free = shutil.disk_usage(_existing_parent(cache)).free
     partial = _partial(cache)
-    if partial.exists():  # a decode to resume: its space is already taken
+    if partial.exists() and _untrusted(partial) is None:  # a decode to resume: space taken
         free += partial.stat().st_size
     if need > free:
-        return f"its decoded cache needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+        return f"its decoded cache needs {size_text(need)}, {size_text(free)} free"
     return None
 
 
@@ -112,61 +140,212 @@ def _partial(cache: Path) -> Path:
     return cache.with_name(cache.stem + ".partial.npy")
 
 
-def _decode(split: FileSplit, cache: Path, shape, processes: int, progress) -> None:
+def _sums(cache: Path) -> Path:
+    return cache.with_suffix(".sums")
+
+
+def _digest(rows: np.ndarray) -> bytes:
+    # sha256: hardware-accelerated on x86 (SHA-NI) and ARMv8, 2x blake2b's speed there.
+    return hashlib.sha256(np.ascontiguousarray(rows).data).digest()[:DIGEST_BYTES]
+
+
+def _map_npy(fd: int, shape, mode: str) -> np.memmap:
+    """The uint8 array of `shape` in the .npy file open at `fd`, mapped; ValueError if the
+    file holds anything else (another shape, a short file)."""
+    with os.fdopen(os.dup(fd), "rb") as f:
+        major, _ = np.lib.format.read_magic(f)
+        read = (
+            np.lib.format.read_array_header_1_0
+            if major == 1
+            else np.lib.format.read_array_header_2_0
+        )
+        found, fortran, dtype = read(f)
+        offset = f.tell()
+        size = os.fstat(fd).st_size
+        if tuple(found) != tuple(shape) or fortran or dtype != np.uint8:
+            raise ValueError(f"holds {dtype} {tuple(found)}, not uint8 {tuple(shape)}")
+        if size != offset + int(np.prod(shape)):
+            raise ValueError(f"is {size} bytes, not {offset + int(np.prod(shape))}")
+        # The mapping keeps its own reference to the file: the fd may be closed after this.
+        return np.memmap(f, dtype=np.uint8, mode=mode, shape=tuple(shape), offset=offset)
+
+
+def _map_verified(cache: Path, shape) -> tuple[np.ndarray | None, str | None]:
+    """(the cache mapped copy-on-write, None) when it is ours and every chunk matches its
+    checksum; (None, why not) otherwise; (None, None) when there is no cache."""
+    try:
+        fd = open_own(cache, os.O_RDONLY)
+    except FileNotFoundError:
+        return None, None
+    except OSError as e:
+        return None, _untrusted(cache) or f"cannot be opened ({e})"
+    try:
+        # Copy-on-write ("c"): pages are read from the shared page cache; a write (none is
+        # made) would stay private instead of faulting on a read-only mapping.
+        images = _map_npy(fd, shape, "c")
+    except (OSError, ValueError) as e:
+        return None, f"is unreadable ({e})"
+    finally:
+        os.close(fd)
+    chunks = -(-len(images) // CHUNK_IMAGES)
+    try:
+        fd = open_own(_sums(cache), os.O_RDONLY)
+        with os.fdopen(fd, "rb") as f:
+            sums = f.read()
+    except FileNotFoundError:
+        return None, f"has no checksums ({_sums(cache).name})"
+    except OSError as e:
+        why = _untrusted(_sums(cache)) or f"cannot be opened ({e})"
+        return None, f"has checksums {_sums(cache).name} that {why}"
+    if len(sums) != chunks * DIGEST_BYTES:
+        return None, f"has checksums of another size ({len(sums)} bytes)"
+
+    def damaged(i: int) -> bool:
+        rows = images[i * CHUNK_IMAGES : (i + 1) * CHUNK_IMAGES]
+        return _digest(rows) != sums[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES]
+
+    # hashlib releases the GIL on large buffers: the chunks are checked on every core.
+    with ThreadPoolExecutor(available_cpus()) as pool:
+        bad = [i for i, wrong in enumerate(pool.map(damaged, range(chunks))) if wrong]
+    if bad:
+        first = bad[0] * CHUNK_IMAGES
+        return None, (
+            f"does not match its checksums in {len(bad)} of {chunks} chunk(s) (first: images "
+            f"{first}-{min(first + CHUNK_IMAGES, len(images)) - 1}): damaged"
+        )
+    return images, None
+
+
+def _discard(path: Path, notes: list[str] | None = None, why: str | None = None) -> None:
+    """Remove the name `path` (a link is removed, never its target); ValueError if we may not."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise ValueError(
+            f"--data-dir: {path} {why or 'is not usable'} and cannot be removed ({e.strerror}); "
+            "remove it, or use another --data-dir"
+        ) from e
+    if notes is not None and why is not None:
+        notes.append(f"decoded cache file {path} {why}: removed")
+
+
+def _create(path: Path, fill: Callable[[int], None]) -> None:
+    """Create `path` under a private random name (O_EXCL, no link followed), fill it through its
+    fd, and rename it into place: nothing planted at `path` is ever written through."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fill(fd)
+        os.fchmod(fd, FILE_MODE)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, path)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+
+
+def _decode(split: FileSplit, cache: Path, shape, processes: int, progress, notes) -> None:
     partial, marks_path = _partial(cache), cache.with_suffix(".chunks")
     chunks = -(-len(split) // CHUNK_IMAGES)
-    marks = _resumable_marks(partial, marks_path, shape, chunks)
+    marks = _resumable_marks(partial, marks_path, shape, chunks, notes)
     if marks is None:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        _allocate(partial, shape)
-        marks = bytearray(chunks)
-        marks_path.write_bytes(marks)
-    todo = [i for i in range(chunks) if not marks[i]]
+        _create(partial, lambda fd: _allocate(fd, partial, shape))
+        marks = bytearray(chunks * DIGEST_BYTES)
+        _create(marks_path, lambda fd: os.write(fd, marks))
+    done = [any(marks[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES]) for i in range(chunks)]
+    todo = [i for i in range(chunks) if not done[i]]
     report = progress or _ProgressLine(len(split), cache, processes, chunks - len(todo))
     paths, decoded = list(split.paths), (split.image_shape, split.value_ranges)
     tasks = [
-        (str(partial), i, paths[i * CHUNK_IMAGES : (i + 1) * CHUNK_IMAGES], decoded) for i in todo
+        (str(partial), shape, i, paths[i * CHUNK_IMAGES : (i + 1) * CHUNK_IMAGES], decoded)
+        for i in todo
     ]
-    with open(marks_path, "r+b") as marks_file:
-        for i, unreadable in _run(tasks, min(processes, len(tasks))):
+    marks_fd = open_own(marks_path, os.O_RDWR)
+    try:
+        for i, unreadable, digest in _run(tasks, min(processes, len(tasks))):
             if unreadable is not None:  # the folder changed since its scan: the next start
                 partial.unlink()  # scans a new version, whose cache has another key
                 marks_path.unlink()
                 raise UnreadableImage(*unreadable)
-            # The chunk's rows are flushed (by its process) before its mark is set.
-            os.pwrite(marks_file.fileno(), b"\1", i)
-            marks[i] = 1
-            report(sum(marks), chunks)
+            # The chunk's rows are flushed (by its process) before its checksum is written.
+            os.pwrite(marks_fd, digest, i * DIGEST_BYTES)
+            done[i] = True
+            report(sum(done), chunks)
+        os.fsync(marks_fd)
+    finally:
+        os.close(marks_fd)
+    os.replace(marks_path, _sums(cache))  # the checksums first: a cache never lacks them
     os.replace(partial, cache)
-    marks_path.unlink()
 
 
-def _resumable_marks(partial: Path, marks_path: Path, shape, chunks: int) -> bytearray | None:
-    """The done-markers of an interrupted decode of this cache, or None (start afresh)."""
+def _resumable_marks(
+    partial: Path, marks_path: Path, shape, chunks: int, notes: list[str]
+) -> bytearray | None:
+    """The checksums of an interrupted decode of this cache, or None: start afresh, after
+    removing what is there (a link or someone else's file is named in `notes`)."""
     try:
-        marks = bytearray(marks_path.read_bytes())
-        same = np.load(partial, mmap_mode="r").shape == shape
-    except (OSError, ValueError):
+        fd = open_own(marks_path, os.O_RDONLY)
+        with os.fdopen(fd, "rb") as f:
+            marks = bytearray(f.read())
+        fd = open_own(partial, os.O_RDONLY)
+        try:
+            _map_npy(fd, shape, "r")
+        finally:
+            os.close(fd)
+        if len(marks) == chunks * DIGEST_BYTES:
+            return marks
+    except (OSError, ValueError):  # none, a link, not ours, another shape
+        pass
+    for path in (partial, marks_path):
+        _discard(path, notes, _untrusted(path))
+    return None
+
+
+def _untrusted(path: Path) -> str | None:
+    """Why the file at `path` must not be used (a link, another user's, hard-linked), or None."""
+    try:
+        st = os.lstat(path)
+    except OSError:
         return None
-    return marks if same and len(marks) == chunks else None
+    if os.path.islink(path):
+        return "is a symbolic link (a cache file is never read or written through a link)"
+    if st.st_uid != os.geteuid():
+        return f"belongs to uid {st.st_uid}, not to you"
+    if st.st_nlink != 1:
+        return f"has {st.st_nlink} hard links"
+    return None
 
 
-def _allocate(path: Path, shape) -> None:
+def _allocate(fd: int, path: Path, shape) -> None:
     """The .npy file at its full size, its blocks reserved: a full disk fails here, with a
     message, not later as SIGBUS in a process writing through the mapping."""
-    images = np.lib.format.open_memmap(path, mode="w+", dtype=np.uint8, shape=shape)
-    del images
-    with open(path, "r+b") as f:
+    header = {"descr": "|u1", "fortran_order": False, "shape": tuple(shape)}
+    need = int(np.prod(shape))
+    try:
+        with os.fdopen(os.dup(fd), "wb") as f:
+            np.lib.format.write_array_header_1_0(f, header)
+            size = f.tell() + need
         try:
-            os.posix_fallocate(f.fileno(), 0, os.fstat(f.fileno()).st_size)
+            os.posix_fallocate(fd, 0, size)
         except OSError as e:
-            if e.errno not in (95, 22):  # EOPNOTSUPP, EINVAL: the file system cannot reserve
-                path.unlink(missing_ok=True)
-                need = np.prod(shape) / 2**30
-                raise ValueError(
-                    f"--data-dir: cannot write the decoded cache {path} ({need:.1f} GiB): "
-                    f"{e.strerror}; free space, or use --data-mode stream"
-                ) from e
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # cannot reserve: sparse
+                raise
+            os.ftruncate(fd, size)
+    except OSError as e:
+        why, fix = e.strerror, "free space"
+        if e.errno == errno.EFBIG:
+            limit, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+            why = f"larger than the file-size limit (ulimit -f: {size_text(limit)})"
+            fix = "raise the limit"
+        raise ValueError(
+            f"--data-dir: cannot write the decoded cache {path} ({size_text(need)}): "
+            f"{why}; {fix}, or use --data-mode stream"
+        ) from e
 
 
 def _run(tasks, processes: int):
@@ -187,25 +366,31 @@ def _run(tasks, processes: int):
         for future in as_completed(futures):
             yield future.result()
     except BrokenProcessPool as e:
-        raise ValueError(
-            "a process decoding images died (killed, out of memory?); run again: the decode "
+        raise DecodeWorkerDied(
+            "a process decoding images died (killed: out of memory?); give the job more "
+            "memory or fewer --workers, or use --data-mode stream, and run again: the decode "
             "resumes with the chunks not done"
         ) from e
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _decode_chunk(task) -> tuple[int, tuple[str, str] | None]:
-    path, chunk, paths, ((channels, height, width), value_ranges) = task
-    images = np.load(path, mmap_mode="r+")
+def _decode_chunk(task) -> tuple[int, tuple[str, str] | None, bytes | None]:
+    """(chunk, None or (path, reason), checksum of its rows once flushed)."""
+    path, shape, chunk, paths, ((channels, height, width), value_ranges) = task
+    fd = open_own(Path(path), os.O_RDWR)
+    try:
+        images = _map_npy(fd, shape, "r+")
+    finally:
+        os.close(fd)
     start = chunk * CHUNK_IMAGES
     for row, file in enumerate(paths, start):
         try:
             images[row] = decode_image(file, (height, width), channels, value_ranges)
         except UnreadableImage as e:  # to the main process as a value: it names the file
-            return chunk, (e.path, e.reason)
+            return chunk, (e.path, e.reason), None
     images.flush()
-    return chunk, None
+    return chunk, None, _digest(images[start : start + len(paths)])
 
 
 class _ProgressLine:

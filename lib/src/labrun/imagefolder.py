@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
-from .dataversion import file_lock, is_hidden
+from .dataversion import check_cache_path, file_lock, is_hidden
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".webp", ".gif", ".bmp")
 SPLIT_DIRS = ("train", "val", "test")
@@ -167,6 +167,8 @@ def _list_images(root: Path, class_names: list[str]):
     files: dict[str, list[tuple[str, int]]] = {}
     others: Counter = Counter()
     owner: dict[str, str] = {}  # resolved image -> "split/class" that has it
+    # The same file under two names: a hard link (cp -al, DVC's cache) keeps no path in common.
+    owner_inode: dict[tuple[int, int], tuple[str, str]] = {}  # (st_dev, st_ino) -> (where, path)
     for split in SPLIT_DIRS:
         split_dir = root / split
         if not split_dir.is_dir():
@@ -218,7 +220,15 @@ def _list_images(root: Path, class_names: list[str]):
                         f"{owner[resolved]} ({resolved}): an image may be in one class "
                         "and one split only"
                     )
+                st = entry.stat()  # follows a symlink: its target's inode
+                same = owner_inode.get((st.st_dev, st.st_ino))
+                if same is not None:
+                    raise ValueError(
+                        f"--data-path: {entry.path} is the same file as {same[1]} in {same[0]} "
+                        "(a hard link): an image may be in one class and one split only"
+                    )
                 owner[resolved] = where
+                owner_inode[(st.st_dev, st.st_ino)] = (where, entry.path)
                 found.append((entry.path, label))
         files[split] = found
     return files, others
@@ -230,10 +240,7 @@ def _check_images(root: Path, files: dict, report_dir: Path | None, version: str
     Decodes every image fully once (im.load()): a file whose header reads but whose data is
     cut short fails here. Width and height are after EXIF orientation.
     """
-    cache = None
-    if report_dir is not None and version is not None:
-        key = version.removeprefix("files:")
-        cache = Path(report_dir) / f"image-check-{root.name}-{key}.json"
+    cache = check_cache_path(root, report_dir, version)
     paths = [path for found in files.values() for path, _ in found]
     with contextlib.ExitStack() as stack:
         if cache is not None:

@@ -195,6 +195,8 @@ def _claimed(args, out: Path, redo, stop: GracefulStop, run: Callable[[Claim], i
     done = f"already finished: {out} (metrics.json exists; --fresh starts over)"
     if skip and runs.is_done(out):
         print(done)
+        if note := runs.other_code_line(out, PROJECT_ROOT, "skipped"):
+            print(note)
         return EXIT_OK
     try:
         with claim(out) as held:  # one process per run directory, freed by the kernel on death

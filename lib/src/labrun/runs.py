@@ -18,9 +18,11 @@ from __future__ import annotations
 import contextlib
 import csv
 import errno
+import hashlib
 import io
 import json
 import logging
+import math
 import os
 import pwd
 import shutil
@@ -138,7 +140,7 @@ def check_ownership(run_dir: Path) -> None:
             )
 
 
-def _open_own(path: Path, flags: int, owner: int | None = None) -> int:
+def open_own(path: Path, flags: int, owner: int | None = None) -> int:
     """os.open without following a symlink (ELOOP) or blocking on a FIFO; the result must be a
     regular file owned by `owner` (default: this process's user) with one link, else
     ForeignFile. A hard link to someone's file is refused too (nlink > 1)."""
@@ -159,11 +161,19 @@ def _open_own(path: Path, flags: int, owner: int | None = None) -> int:
         raise
 
 
+def size_text(nbytes: float) -> str:
+    """`2.5 GiB`, `40.0 MiB`, `19.5 KiB`: a small size never reads `0.0 GiB`."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{int(nbytes)} bytes"
+
+
 def read_trusted(path: Path, max_bytes: int = 1 << 20) -> str:
     """The text of `path` if it is a regular file (not a link) owned by its directory's owner;
     OSError otherwise (ForeignFile for a foreign or linked file)."""
     path = Path(path)
-    fd = _open_own(path, os.O_RDONLY, owner=path.parent.stat().st_uid)
+    fd = open_own(path, os.O_RDONLY, owner=path.parent.stat().st_uid)
     with os.fdopen(fd, "rb") as f:
         return f.read(max_bytes).decode("utf-8")
 
@@ -199,7 +209,20 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def write_json(path: Path, obj: dict) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+    """`obj` as strict JSON: a NaN or infinite float becomes null (Python's NaN, Infinity are
+    not JSON; jq, JavaScript and most readers refuse them)."""
+    text = json.dumps(_finite_or_none(obj), indent=2, sort_keys=True, default=str, allow_nan=False)
+    atomic_write_text(path, text + "\n")
+
+
+def _finite_or_none(value: object) -> object:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_or_none(v) for v in value]
+    return value
 
 
 def read_json(path: Path) -> dict:
@@ -231,7 +254,7 @@ def try_write_status(run_dir: Path, status: str) -> bool:
     except OSError:
         pass
     try:
-        fd = _open_own(Path(run_dir) / STATUS, os.O_WRONLY | os.O_CREAT)
+        fd = open_own(Path(run_dir) / STATUS, os.O_WRONLY | os.O_CREAT)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.truncate()
             f.write(status + "\n")
@@ -259,12 +282,14 @@ def is_done(run_dir: Path) -> bool:
 
 
 def write_history(run_dir: Path, rows: list[dict]) -> None:
+    """history.csv: every column of every row (the task's, then any added later, in the order
+    they first appear: a value added in code survives a resume), empty where a row has none."""
     buf = io.StringIO()
-    fields = list(rows[0]) if rows else list(HISTORY_FIELDS)  # the task's columns, in order
-    writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
+    fields = list(dict.fromkeys(k for row in rows for k in row)) or list(HISTORY_FIELDS)
+    writer = csv.DictWriter(buf, fieldnames=fields, restval="", lineterminator="\n")
     writer.writeheader()
     for row in rows:
-        writer.writerow({k: _fmt(row[k]) for k in fields})
+        writer.writerow({k: _fmt(v) for k, v in row.items()})
     atomic_write_text(Path(run_dir) / HISTORY, buf.getvalue())
 
 
@@ -337,12 +362,119 @@ def git_state(root: Path) -> tuple[str | None, bool | None]:
         return None, None
 
 
+# What counts as the code of a project: its Python and configuration files, not its tests,
+# docs or outputs (a README edit must not make every finished run "made by other code").
+CODE_SUFFIXES = frozenset({".py", ".toml", ".cfg", ".yaml", ".yml"})
+CODE_SKIP_DIRS = frozenset(
+    {"tests", "docs", "results", "data", "figures", "logs", "wheels", "venv", "env", "__pycache__"}
+)
+
+
+def _is_code(relative: str) -> bool:
+    parts = Path(relative).parts
+    return Path(relative).suffix in CODE_SUFFIXES and not any(
+        part.startswith(".") or part in CODE_SKIP_DIRS for part in parts[:-1]
+    )
+
+
+def code_version(root: Path) -> dict[str, str]:
+    """Which code makes a run (recorded in config.json `code` and MLflow tags, never in its
+    identity): the project's git commit, a hash of its uncommitted diff, a hash of its code as
+    it is on disk (`project`: the files git tracks or would add that are code, _is_code; the
+    same code gives the same hash whatever was committed), and labrun's version and source."""
+    from . import __version__
+
+    root = Path(root)
+    commit, _ = git_state(root)
+    files = _git_lines(root, "ls-files", "-z", "--cached", "--others", "--exclude-standard")
+    if files is None:  # not in git: the files under root, skipped folders left unwalked
+        files = []
+        for folder, subfolders, names in os.walk(root):
+            subfolders[:] = [d for d in subfolders if _is_code(os.path.join(d, "x.py"))]
+            files += [os.path.relpath(os.path.join(folder, name), root) for name in names]
+    diff = _git_lines(root, "diff", "HEAD", "--binary", "--", ".", z=False)
+    library = Path(__file__).parent
+    return {
+        "git_commit": commit or "unknown",
+        "git_diff": "none" if diff == [] else _content_hash(diff) if diff else "unknown",
+        "project": _files_hash(root, [name for name in files if _is_code(name)]),
+        "labrun_version": __version__,
+        "labrun": _files_hash(library, sorted(p.name for p in library.glob("*.py"))),
+    }
+
+
+def other_code(run_dir: Path, now: dict[str, str]) -> str | None:
+    """A line when the run in `run_dir` was made by other code than `now` (code_version), else
+    None (also for a run made before code versions were recorded)."""
+    try:
+        before = json.loads(read_trusted(Path(run_dir) / CONFIG)).get("code")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(before, dict):
+        return None
+    changed = [
+        f"{key} {before.get(key)} -> {now[key]}"
+        for key in ("project", "labrun")
+        if before.get(key) != now[key]
+    ]
+    if not changed:
+        return None
+    commit = before.get("git_commit", "unknown")[:12]
+    return f"made by other code (commit {commit}, {'; '.join(changed)})"
+
+
+def other_code_line(run_dir: Path, root: Path, doing: str) -> str | None:
+    """The one line a skip or a resume of `run_dir` says when other code made it (README, "What
+    a run writes"): `doing` is "skipped" or "resuming"."""
+    other = other_code(run_dir, code_version(root))
+    if other is None:
+        return None
+    if doing == "skipped":
+        return (
+            f"note: {run_dir} was {other}: its numbers are that code's; --fresh retrains it "
+            "with this code"
+        )
+    return (
+        f"resuming under other code: {run_dir} was {other}: its epochs so far are that "
+        "code's; --fresh starts it over with this code"
+    )
+
+
+def _git_lines(root: Path, *command: str, z: bool = True) -> list[str] | None:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), *command],
+            capture_output=True,
+            timeout=30,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    text = out.decode("utf-8", "surrogateescape")
+    return [line for line in text.split("\0" if z else "\n") if line]
+
+
+def _content_hash(lines: list[str]) -> str:
+    return hashlib.sha256("\n".join(lines).encode("utf-8", "surrogateescape")).hexdigest()[:12]
+
+
+def _files_hash(root: Path, names: list[str]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(set(names)):
+        try:
+            content = hashlib.sha256((root / name).read_bytes()).hexdigest()
+        except OSError:  # deleted (still in git's index), or unreadable
+            content = "missing"
+        h.update(f"{name}\0{content}\n".encode("utf-8", "surrogateescape"))
+    return h.hexdigest()[:12]
+
+
 class NoFollowFileHandler(logging.FileHandler):
     """logging.FileHandler that appends only to a plain file of ours: never through a symlink
     or a hard link someone planted at the log's name (ForeignFile / ELOOP instead)."""
 
     def _open(self):
-        fd = _open_own(Path(self.baseFilename), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        fd = open_own(Path(self.baseFilename), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         return os.fdopen(fd, "a", encoding=self.encoding or "utf-8", errors=self.errors)
 
 

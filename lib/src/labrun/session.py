@@ -37,7 +37,14 @@ from typing import NamedTuple
 
 from . import distributed, jobs, runs
 from .claim import LostClaim
-from .config import PROJECT_ROOT, UsageError, parse_args, resolved_config, run_dir
+from .config import (
+    PROJECT_ROOT,
+    UsageError,
+    check_model_fits,
+    parse_args,
+    resolved_config,
+    run_dir,
+)
 from .jobs import EXIT_BUSY, EXIT_FAILED, EXIT_OK, EXIT_USAGE, Interrupted, error
 
 UNREADABLE_HINT = (
@@ -161,6 +168,7 @@ class Run:
         from .train import seed_everything
 
         args = self.args
+        check_model_fits(args)  # an --image-size the model cannot take: before any decoding
         loaded = load_dataset(
             args.dataset,
             args.data_dir,
@@ -325,6 +333,8 @@ class Run:
                 self.progress = self.state.progress
                 p = self.progress
                 self.log.info("resuming %s at epoch %d, step %d", out, p.epoch + 1, p.step)
+                if other := runs.other_code_line(out, PROJECT_ROOT, "resuming"):
+                    self.log.warning("%s", other)  # README, "What a run writes"
         except ckpt.CheckpointError as exc:  # refused for good: the planner must not say resumes
             self._refuse(f"cannot resume: {exc}")
         try:

@@ -146,8 +146,13 @@ def provenance(log: logging.Logger | None = None) -> dict[str, str]:
             "git_commit=unknown; make it one: git init && git add -A && git commit",
             PROJECT_ROOT,
         )
+    code = runs.code_version(PROJECT_ROOT)
     tags = {
         "git_commit": commit or "unknown",
+        "git_diff": code["git_diff"],  # a hash of the uncommitted diff ("none": clean)
+        "code_project": code["project"],  # the project's code as it was on disk
+        "labrun_version": code["labrun_version"],
+        "labrun_source": code["labrun"],
         "git_dirty": str(dirty).lower() if dirty is not None else "unknown",
         "command": shlex.join([sys.executable, *sys.argv]),
         "hostname": socket.gethostname(),

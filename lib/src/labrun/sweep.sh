@@ -1,11 +1,44 @@
-# shellcheck shell=bash disable=SC2153  # settings (PYTHON, SWEEP_NAME, ...) come from run.sh
-# The sweep engine behind run.sh. Sourced, never executed: run.sh sets the settings (all defaults
-# live there), lists the jobs in a function and calls `sweep_main THAT_FUNCTION "$@"`.
+# shellcheck shell=bash
+# labrun's sweep engine: the queue behind a project's run.sh. Sourced, never executed:
+#   source "$("${PYTHON:-python}" -m labrun sweep-lib)"
+#   sweep_main define_jobs "$@"     # define_jobs: run.sh's job list, one `job ARGS...` per job
+# Every setting is an environment variable with its default here; run.sh may set its own before
+# sweep_main. `bash run.sh --help` prints run.sh's header, then this list:
 #
+# Environment (defaults in brackets):
+#   PYTHON        interpreter that runs run.py [python]
+#   PRESET        quick: as --quick [empty: the sweep as listed]
+#   SWEEP_NAME    results go to results/SWEEP_NAME [sweep; quick with the quick preset]
+#   GPUS          GPU ids to use, e.g. "0 2" [all visible: CUDA_VISIBLE_DEVICES, else nvidia-smi;
+#                 none: run on CPU]
+#   JOBS_PER_GPU  jobs sharing one GPU, for small models [1]
+#   CPU_JOBS      jobs at a time when there is no GPU [auto: one per core, at most one per
+#                 job left and per CPU_JOB_MEM_GB of free memory]; the cores are shared
+#                 out as OMP_NUM_THREADS (cores / jobs) unless that is set
+#   CPU_JOB_MEM_GB  memory one CPU job needs, in GiB, for CPU_JOBS=auto [2]
+#   LOG_DIR       one log file per job [logs/SWEEP_NAME]
+#   STATUS_EVERY  seconds between status lines on a terminal [60]; STATUS_EVERY_LOG: when the
+#                 output goes to a file [600]; 0 = none
+#   run.sh --slurm: one array task per job (labrun's slurm_task.sh), one GPU each:
+#   SLURM_PARTITION     partition [empty: the cluster's default]
+#   SLURM_TIME          time limit per task [24:00:00]; near it a task checkpoints and requeues
+#   SLURM_MEM, SLURM_CPUS   memory and CPU cores per task [32G, 8]
+#   SLURM_GRES          GPUs per task [gpu:1], e.g. gpu:a100:1
+#   SLURM_MAX_PARALLEL  tasks running at once (be fair to the lab) [16]
+#   SLURM_SIGNAL_SECS   warning before the time limit, to checkpoint [300]
+#   SLURM_EXTRA         more sbatch options, e.g. "--account=mylab --qos=normal" [empty]
+#   SLURM_LOG_DIR       one folder per submission: arguments, task logs [logs/slurm]
+#   SWEEP_JOB_NAME      squeue's name for the array [the project folder's name]
+#   GPUS_PER_JOB        one job on several GPUs of a node, under torchrun; --batch-size stays
+#                       the job's global batch [1]
+#   NODES_PER_JOB       nodes of one job (> 1: srun + c10d rendezvous) [1]
+
 # How it works:
-#   1. plan:  run the job function; each `job ARGS...` call records one run.py invocation, to
-#             which `--results-dir results/SWEEP_NAME` is prepended; `job SCRIPT.py ARGS...`
-#             one of another script built on the package's jobs.py (e.g. analyze.py), as is.
+#   1. plan:  run the job function; each `job ARGS...` call records one run.py invocation:
+#             `--results-dir results/SWEEP_NAME`, the preset's arguments (QUICK_ARGS with
+#             --quick), the job's own, then those after `--` (the last of a flag wins);
+#             `job SCRIPT.py ARGS...` one of another script built on labrun's jobs.py (e.g.
+#             analyze.py), as is.
 #             ONE call of `SCRIPT --plan` per script (its own parser, no torch) gives every
 #             job's run directory and state: done (metrics.json parses), running (its claim is
 #             held: running elsewhere), stopping (its holder is checkpointing: waited for, up to
@@ -23,8 +56,8 @@
 #             exits 75); any later one SIGKILLs their process groups. Either way run.sh reaps
 #             every job, marks a killed job's status "interrupted" and prints the summary, then
 #             exits 128+first signal.
-#   4. --slurm: the pending jobs as one sbatch array (scripts/slurm_task.sh runs one task);
-#             tasks still queued or running from an earlier array are not submitted again.
+#   4. --slurm: the pending jobs as one sbatch array (slurm_task.sh, beside this file, runs one
+#             task); tasks still queued or running from an earlier array are not submitted again.
 # Needs bash >= 5.1 (`wait -n -p`).
 
 # All jobs, flattened: job I's run.py arguments are SWEEP_ARGV[SWEEP_START[I]] and the
@@ -34,6 +67,7 @@ SWEEP_START=()
 SWEEP_LEN=()
 SWEEP_SCRIPT=()     # per job: the script it runs (run.py unless its job line names one)
 SWEEP_EXTRA=()      # arguments after `--` on run.sh's command line, appended to every job
+SWEEP_PRESET_ARGS=()   # the preset's arguments (QUICK_ARGS), before every run.py job's own
 SWEEP_STATE=()      # per job: a state of SCRIPT --plan (plan.py), or duplicate, queued
 SWEEP_DIR=()        # per job: its run directory (from run.py --plan)
 SWEEP_RUN_NAME=()   # per job: basename of its run directory
@@ -47,10 +81,9 @@ readonly SWEEP_CGROUP="${SWEEP_CGROUP:-/sys/fs/cgroup}"   # cgroup v2 mount (tes
 readonly SWEEP_STOPPING_WAIT_S="${SWEEP_STOPPING_WAIT_S:-30}"
 JOB_ARGV=()            # filled by job_argv
 readonly SWEEP_EXIT_BUSY=73 SWEEP_EXIT_INTERRUPTED=75
-# Settings run.sh must define (their defaults are there, not here).
-readonly SWEEP_SETTINGS=(PYTHON SWEEP_NAME JOBS_PER_GPU CPU_JOBS CPU_JOB_MEM_GB LOG_DIR
-  STATUS_EVERY STATUS_EVERY_LOG SLURM_PARTITION SLURM_TIME SLURM_MEM SLURM_CPUS SLURM_GRES
-  SLURM_MAX_PARALLEL SLURM_SIGNAL_SECS SLURM_EXTRA SLURM_LOG_DIR SWEEP_JOB_NAME)
+# This file, and the Slurm task script beside it (sbatch copies it at submission).
+SWEEP_ENGINE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)/${BASH_SOURCE[0]##*/}"
+readonly SWEEP_ENGINE SWEEP_TASK_SCRIPT="${SWEEP_ENGINE%/*}/slurm_task.sh"
 
 #######################################
 # Add one job to the sweep; called from run.sh's job list.
@@ -70,13 +103,14 @@ die() { err "$@"; exit 2; }
 log() { printf '[%(%H:%M:%S)T] %s\n' -1 "$*"; }
 
 # job_argv I: set JOB_ARGV to job I's complete argument list. A run.py job gets the sweep's
-# results folder first, so a job (or `-- --results-dir X`) can still choose another, and the
-# arguments after `--` last; a job of another script gets its own arguments only.
+# results folder and the preset's arguments first, so that its own arguments and those after
+# `--` (last) win: argparse keeps the last value of a flag. A job of another script gets its
+# own arguments only.
 job_argv() {
   local k end=$(( SWEEP_START[$1] + SWEEP_LEN[$1] ))
   JOB_ARGV=()
   if [[ "${SWEEP_SCRIPT[$1]}" == run.py ]]; then
-    JOB_ARGV=(--results-dir "results/${SWEEP_NAME}")
+    JOB_ARGV=(--results-dir "results/${SWEEP_NAME}" "${SWEEP_PRESET_ARGS[@]}")
   fi
   # Element by element: bash finds the next element of an indexed array at once, while a slice
   # "${a[@]:off:n}" walks from the start: slicing every job would grow with jobs squared.
@@ -84,9 +118,11 @@ job_argv() {
   if [[ "${SWEEP_SCRIPT[$1]}" == run.py ]]; then JOB_ARGV+=("${SWEEP_EXTRA[@]}"); fi
 }
 
-# Print the header comment of run.sh (the usage text). run.sh has cd'ed to its own directory.
+# Print run.sh's header comment (its usage text), then the settings listed at the top of this
+# file. run.sh has cd'ed to its own directory.
 usage() {
   sed -n '2,/^$/{s/^# \{0,1\}//;p}' "${BASH_SOURCE[-1]##*/}"
+  sed -n '/^# Environment (defaults/,/^$/{s/^# \{0,1\}//;p}' "${SWEEP_ENGINE}"
 }
 
 #######################################
@@ -110,7 +146,7 @@ plan_jobs() {
       done | "${PYTHON}" "${script}" --plan
     )
     (( ${#fields[@]} == 3 * ${#mine[@]} )) || die "${script} --plan answered ${#fields[@]}" \
-      "fields for ${#mine[@]} jobs (is ${script} current, built on the package's jobs.py?)"
+      "fields for ${#mine[@]} jobs (is ${script} current, built on labrun's jobs.py?)"
     for ((k = 0; k < ${#mine[@]}; k++)); do
       i="${mine[k]}"
       SWEEP_STATE[i]="${fields[3 * k]}" SWEEP_DIR[i]="${fields[3 * k + 1]}"
@@ -676,7 +712,7 @@ mark_queued_in_slurm() {
 }
 
 #######################################
-# Submit the pending jobs as one Slurm job array (scripts/slurm_task.sh runs one task).
+# Submit the pending jobs as one Slurm job array (slurm_task.sh runs one task).
 #######################################
 submit_slurm() {
   local dry_run="$1" i n=0 dir python jobid
@@ -711,11 +747,11 @@ submit_slurm() {
   local multi=$(( job_gpus > 1 || job_nodes > 1 ))
   if (( multi )); then cmd+=(--nodes="${job_nodes}" --ntasks-per-node=1); fi
   read -ra extra <<<"${SLURM_EXTRA}"
-  cmd+=("${extra[@]}" scripts/slurm_task.sh "${dir}")
+  cmd+=("${extra[@]}" "${SWEEP_TASK_SCRIPT}" "${dir}")
   if (( dry_run )); then
     echo "would submit ${#pending[@]} job(s): ${cmd[*]}"
     if (( multi )); then
-      echo "  each job: $(bash scripts/slurm_task.sh --launch "${job_gpus}" "${job_nodes}") run.py ARGS"
+      echo "  each job: $(bash "${SWEEP_TASK_SCRIPT}" --launch "${job_gpus}" "${job_nodes}") run.py ARGS"
     fi
     return 0
   fi
@@ -745,29 +781,64 @@ submit_slurm() {
   echo "  logs:   ${dir}/${jobid}_<task>.out   (task -> run: ${dir}/tasks.tsv)"
 }
 
+# The settings (listed at the top of this file): what the environment or run.sh set, else the
+# defaults. The quick preset changes where results go, so PRESET comes first.
+sweep_settings() {
+  PYTHON="${PYTHON:-python}"
+  SWEEP_NAME="${SWEEP_NAME:-${PRESET:-sweep}}"
+  JOBS_PER_GPU="${JOBS_PER_GPU:-1}"
+  CPU_JOBS="${CPU_JOBS:-auto}"
+  CPU_JOB_MEM_GB="${CPU_JOB_MEM_GB:-2}"
+  LOG_DIR="${LOG_DIR:-logs/${SWEEP_NAME}}"
+  STATUS_EVERY="${STATUS_EVERY:-60}"
+  STATUS_EVERY_LOG="${STATUS_EVERY_LOG:-600}"
+  SLURM_PARTITION="${SLURM_PARTITION:-}"
+  SLURM_TIME="${SLURM_TIME:-24:00:00}"
+  SLURM_MEM="${SLURM_MEM:-32G}"
+  SLURM_CPUS="${SLURM_CPUS:-8}"
+  SLURM_GRES="${SLURM_GRES:-gpu:1}"
+  SLURM_MAX_PARALLEL="${SLURM_MAX_PARALLEL:-16}"
+  SLURM_SIGNAL_SECS="${SLURM_SIGNAL_SECS:-300}"
+  SLURM_EXTRA="${SLURM_EXTRA:-}"
+  SLURM_LOG_DIR="${SLURM_LOG_DIR:-logs/slurm}"
+  SWEEP_JOB_NAME="${SWEEP_JOB_NAME:-}"
+  GPUS_PER_JOB="${GPUS_PER_JOB:-1}"
+  NODES_PER_JOB="${NODES_PER_JOB:-1}"
+}
+
 #######################################
 # Entry point, called by run.sh.
 # Arguments: the name of the function that lists the jobs, then run.sh's arguments.
+# Globals read: QUICK_ARGS, the quick preset's run.py arguments (run.sh's).
 #######################################
 sweep_main() {
-  local define_jobs="$1" dry_run=0 slurm=0 setting
+  local define_jobs="$1" dry_run=0 slurm=0
   shift
   if (( BASH_VERSINFO[0] < 5 || (BASH_VERSINFO[0] == 5 && BASH_VERSINFO[1] < 1) )); then
     die "needs bash >= 5.1 (this is ${BASH_VERSION}); on macOS: brew install bash"
   fi
-  for setting in "${SWEEP_SETTINGS[@]}"; do
-    [[ -n "${!setting+set}" ]] || die "run.sh must set ${setting} before sweep_main"
-  done
+  PRESET="${PRESET:-}"
   while (( $# > 0 )); do
     case "$1" in
       --dry-run) dry_run=1 ;;
       --slurm) slurm=1 ;;
+      --quick) PRESET=quick ;;
       -h | --help) usage; exit 0 ;;
       --) shift; SWEEP_EXTRA=("$@"); break ;;
       *) usage >&2; die "unknown option: $1" ;;
     esac
     shift
   done
+  sweep_settings
+  case "${PRESET}" in
+    "") ;;
+    quick)
+      SWEEP_PRESET_ARGS=("${QUICK_ARGS[@]}")
+      echo "run.sh: quick preset: ${QUICK_ARGS[*]} first on every job," \
+        "results in results/${SWEEP_NAME}/"
+      ;;
+    *) die "PRESET must be quick or empty, got '${PRESET}'" ;;
+  esac
   [[ "${JOBS_PER_GPU}" =~ ^[1-9][0-9]*$ ]] || die "JOBS_PER_GPU must be a positive integer"
   [[ "${CPU_JOBS}" =~ ^([1-9][0-9]*|auto)$ ]] || die "CPU_JOBS must be a positive integer or auto"
   [[ "${CPU_JOB_MEM_GB}" =~ ^[1-9][0-9]*$ ]] \
@@ -779,10 +850,6 @@ sweep_main() {
   command -v "${PYTHON}" >/dev/null 2>&1 \
     || die "PYTHON=${PYTHON} not found (activate the project's venv, or set PYTHON)"
   [[ -f run.py ]] || die "run.py not found in ${PWD}"
-  if (( slurm )) && [[ ! -f scripts/slurm_task.sh ]]; then
-    die "--slurm is not available: scripts/slurm_task.sh is missing (this project was" \
-      "generated with use_slurm=false)"
-  fi
   SWEEP_HAVE_SETSID=0 SWEEP_GUARD=()
   if command -v setsid >/dev/null 2>&1; then SWEEP_HAVE_SETSID=1; fi
   # PR_SET_PDEATHSIG (Linux, util-linux setpriv): the kernel sends each job SIGTERM when run.sh

@@ -15,6 +15,7 @@ import argparse
 import io
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -22,18 +23,18 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import plot
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, mlflow_run, read_metrics, run_dir_of, temp_files
+from conftest import LIB, PACKAGE, ROOT, mlflow_run, read_metrics, run_dir_of, temp_files
 
-import plot
 from labrun.analysis import aggregate, load_runs
 from labrun.arrays import synthetic_targets
 from labrun.data import Split, build_loader
+from labrun.state import TrainSums
 from labrun.stopping import EarlyStopping
-from labrun.tasks import AP_BINS, create_task
-from labrun.train import Trainer
+from labrun.tasks import ap_bins, create_task
 
 RELEASED = Path(__file__).with_name("released_run")
 REFERENCE = (  # with the tiny settings of conftest.TINY
@@ -182,7 +183,7 @@ def test_unknown_monitor_is_one_error_line(main_in_process, tmp_path, capsys):
 
 
 def in_batches(task_, outputs, targets, sizes):
-    """The task's metrics from per-batch sums, as the Trainer and evaluate add them up."""
+    """The task's metrics from per-batch sums, as the training step and evaluate add them up."""
     total, start = None, 0
     for size in sizes:
         part = task_.sums(outputs[start : start + size], targets[start : start + size])
@@ -222,16 +223,17 @@ def test_multilabel_f1_and_map_equal_sklearn():
     truth = y.numpy().astype(int)
     f1 = f1_score(truth, (scores >= 0.5).astype(int), average="macro", zero_division=0)
     assert got["f1"] == pytest.approx(f1, abs=1e-12)
-    # The histogram's AP is sklearn's AP of the scores rounded to their bins, exactly ...
-    binned = np.clip((torch.sigmoid(logits) * AP_BINS).long().numpy(), 0, AP_BINS - 1)
+    # The histogram's AP is sklearn's AP of the logits replaced by their bins, exactly ...
+    binned = ap_bins(logits).numpy()
     present = truth.sum(0) > 0
     exact_binned = np.mean([average_precision_score(truth[:, k], binned[:, k])
                             for k in np.flatnonzero(present)])  # fmt: skip
     assert got["map"] == pytest.approx(exact_binned, abs=1e-12)
-    # ... and within 0.01 of the AP of the unrounded scores (ties inside a bin only).
+    # ... and close to the AP of the logits (ties inside a bin only; 500 samples: one tie
+    # moves it by ~1e-3; on 4000 x 20 within 1e-3: test_trust.py).
     exact = np.mean([average_precision_score(truth[:, k], scores[:, k])
                      for k in np.flatnonzero(present)])  # fmt: skip
-    assert abs(got["map"] - exact) < 0.01
+    assert abs(got["map"] - exact) < 2e-3
 
 
 def test_classification_sums_equal_a_direct_count():
@@ -271,18 +273,23 @@ def test_runs_written_before_tasks_load_and_plot_as_classification(tmp_path, cap
     assert "error: --curve: val_r2 is not a history column" in capsys.readouterr().err
 
 
+IMPORTS = """import torch.nn.functional as F
+
+from labrun.tasks import Task, cross_entropy, register_task, summed
+"""
+
+
 def test_readme_segmentation_task_works_as_written(tmp_path):
-    """README, "Your own task": its code appended to tasks.py of a copy of the project is in
+    """labrun's README, its own task: the code, in tasks.py of a copy of the project, is in
     --help, and its mean IoU (from sums over two batches) is the directly computed one."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Your own task") :]
-    code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
+    readme = (LIB / "README.md").read_text()
+    code = re.search(r'```python\n(@register_task\("segmentation".*?)```', readme, re.DOTALL)[1]
     copy = tmp_path / "project"
     shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns("results", "data", "figures", "*.db",
                                                               ".git", "__pycache__"))  # fmt: skip
-    package = copy / "{{ cookiecutter.package_name }}"
+    package = copy / PACKAGE
     with open(package / "tasks.py", "a") as f:
-        f.write("\n\n" + code)
+        f.write(IMPORTS + "\n\n" + code)  # a module of the project's package, as README says
     check = """
 import argparse, numpy as np, torch, torch.nn.functional as F
 from labrun.tasks import create_task
@@ -301,45 +308,40 @@ torch.testing.assert_close(task.loss(logits, masks), F.cross_entropy(logits, mas
 assert task.spatial_targets and task.monitor == "val_miou"
 print("ok")
 """
-    result = subprocess.run([sys.executable, "-c", check], cwd=copy, capture_output=True, text=True)
+    here = {**os.environ, "LABRUN_PROJECT": str(copy)}  # the copy, not conftest's project
+    result = subprocess.run(
+        [sys.executable, "-c", check], cwd=copy, env=here, capture_output=True, text=True
+    )
     assert result.stdout.strip() == "ok", result.stderr
-    helped = subprocess.run([sys.executable, "run.py", "--help"], cwd=copy, capture_output=True,
-                            text=True)  # fmt: skip
+    helped = subprocess.run([sys.executable, "run.py", "--help"], cwd=copy, env=here,
+                            capture_output=True, text=True)  # fmt: skip
     assert "--task {classification,regression,multilabel,segmentation}" in helped.stdout
 
 
-def small_trainer(task_, outputs: int):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, outputs))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    return Trainer(model, optimizer, scheduler, device=CPU, dtype=None, task=task_)
-
-
 def test_task_sums_resume_exactly_mid_epoch():
+    """The epoch's running sums (state.TrainSums) go through a checkpoint unchanged."""
     logits, y = multilabel_data(n=32, labels=4)
-    x = torch.randn(32, 3, 2, 2, generator=torch.Generator().manual_seed(1))
-    batches = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 32, 8)]
-    straight = small_trainer(task("multilabel"), 4)
-    for step, batch in enumerate(batches, 1):
-        straight.step([batch], step)
-    first = small_trainer(task("multilabel"), 4)
-    for step, batch in enumerate(batches[:2], 1):
-        first.step([batch], step)
+    batches = [(logits[i : i + 8], y[i : i + 8]) for i in range(0, 32, 8)]
+    multilabel = task("multilabel")
+    loss = torch.tensor(0.25)
+    straight = TrainSums(multilabel, CPU)
+    for outputs, targets in batches:
+        straight.add(loss, outputs, targets)
+    first = TrainSums(multilabel, CPU)
+    for outputs, targets in batches[:2]:
+        first.add(loss, outputs, targets)
     buffer = io.BytesIO()
     torch.save(first.state_dict(), buffer)  # mid-epoch: the sums are in the checkpoint
     buffer.seek(0)
-    resumed = small_trainer(task("multilabel"), 4)
+    resumed = TrainSums(multilabel, CPU)
     resumed.load_state_dict(torch.load(buffer, weights_only=True))
-    for step, batch in enumerate(batches[2:], 3):
-        resumed.step([batch], step)
-    assert straight.take_sums() == resumed.take_sums()
+    for outputs, targets in batches[2:]:
+        resumed.add(loss, outputs, targets)
+    assert straight.take() == resumed.take()
 
 
 def test_a_checkpoint_from_before_tasks_resumes_its_running_sums():
     """The released Trainer saved {loss_sum, correct, seen}; its count becomes the sums."""
-    trainer = small_trainer(task("classification"), 3)
-    state = trainer.state_dict()
-    state["sums"] = {"loss_sum": torch.tensor(6.5), "correct": torch.tensor(3), "seen": 4}
-    trainer.load_state_dict(state)
-    assert trainer.take_sums() == ({"loss": 6.5 / 4, "acc": 3 / 4}, 4)
+    sums = TrainSums(task("classification"), CPU)
+    sums.load_state_dict({"loss_sum": torch.tensor(6.5), "correct": torch.tensor(3), "seen": 4})
+    assert sums.take() == ({"loss": 6.5 / 4, "acc": 3 / 4}, 4)

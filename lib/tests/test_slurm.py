@@ -1,4 +1,5 @@
-"""run.sh --slurm against a real Slurm scheduler (skipped where there is none).
+"""run.sh --slurm (labrun's sweep engine and slurm_task.sh) against a real Slurm scheduler
+(skipped where there is none).
 
 CI brings up a single-node cluster with two fake GPUs first (.ci/slurm-up.sh in the template
 repository), so `--gres=gpu:1` gives each array task CUDA_VISIBLE_DEVICES 0 or 1. The jobs are
@@ -9,7 +10,6 @@ under it, so every test checks the results the tasks wrote, not only what Slurm 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -22,6 +22,7 @@ from test_sweep import (
     attempts,
     copy_real_project,
     make_project,
+    real_env,
     run_dirs,
     run_sweep,
     wait_for,
@@ -173,11 +174,11 @@ REAL = [
 
 
 def real_project(tmp_path: Path, args: list[str] = REAL) -> tuple[Path, dict]:
-    """A copy of the real project (run.py, package, run.sh, scripts) with one real job."""
+    """A copy of the real project (run.py, package, run.sh) with one real job."""
     project = copy_real_project(tmp_path / "project", [" ".join(args)])
     # 10-minute limit, warning 60 s before it: no USR1 unless a test shortens the limit.
     env = {
-        **os.environ,
+        **real_env(),
         "PYTHON": sys.executable,
         "LAB_TRACKING": "off",
         "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",

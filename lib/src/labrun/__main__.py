@@ -1,0 +1,48 @@
+"""labrun's command line: where the library's shell parts are installed.
+
+    python -m labrun sweep-lib     # the sweep engine a project's run.sh sources
+    python -m labrun slurm-task    # the script of one Slurm array task (run.sh --slurm submits it)
+
+run.sh finds its engine with `source "$("${PYTHON}" -m labrun sweep-lib)"`, so the engine is the
+one of the labrun installed in the project's environment, the version its pyproject.toml pins.
+Imports no torch: it answers in the time Python takes to start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from labrun import __version__
+
+# Package data installed beside this file (lib/pyproject.toml ships *.sh).
+SHELL_FILES = {
+    "sweep-lib": ("sweep.sh", "print the path of the sweep engine that run.sh sources"),
+    "slurm-task": ("slurm_task.sh", "print the path of the Slurm array task script"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m labrun", description="labrun's command line (the library's shell files)."
+    )
+    parser.add_argument("--version", action="version", version=f"labrun {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (_, help_text) in SHELL_FILES.items():
+        commands.add_parser(name, help=help_text, description=help_text + ".")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    path = Path(__file__).resolve().with_name(SHELL_FILES[args.command][0])
+    if not path.is_file():  # a broken install: say so instead of letting `source ""` fail
+        print(f"error: {path} is missing (reinstall labrun)", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
