@@ -29,7 +29,10 @@ from conftest import (
     wait_while_running,
 )
 
+import labrun
+
 HERE = Path(__file__).resolve().parent
+SLURM_TASK = Path(labrun.__file__).with_name("slurm_task.sh")
 TIMINGS = {"wall_time_s", "train_time_s", "samples_per_sec", "peak_mem_bytes", "mlflow_run_id"}
 
 
@@ -238,7 +241,7 @@ def test_a_batch_that_does_not_divide_is_refused_on_every_rank(tmp_path, env, da
 def _sweep_helpers():
     """test_sweep's project stand-in (the sweep's own tests); skipped without --slurm."""
     sweep = pytest.importorskip("test_sweep")
-    if not (ROOT / "scripts" / "slurm_task.sh").exists():
+    if "slurm" not in (ROOT / "run.sh").read_text().lower():
         pytest.skip("generated with use_slurm=false: no run.sh --slurm")
     return sweep.make_project, sweep.run_sweep
 
@@ -278,7 +281,7 @@ def test_slurm_task_under_torchrun_reads_75_from_the_run_directory(tmp_path, env
     task_env = {**env, "SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_JOB_ID": "1"}
     task_env["PATH"] = "/usr/bin:/bin"  # no squeue / scontrol here: the requeue is only logged
     task = subprocess.Popen(
-        ["bash", "scripts/slurm_task.sh", str(submit)],
+        ["bash", str(SLURM_TASK), str(submit)],
         cwd=ROOT,
         env=task_env,
         stdout=subprocess.PIPE,
