@@ -33,15 +33,15 @@ def test_the_faster_layout_on_this_cpu_wins_and_is_recorded(tmp_path, monkeypatc
         model, x, y, F.cross_entropy, dtype=None, device=cpu, cache_dir=tmp_path
     )
     assert layout == torch.contiguous_format and why.startswith("NCHW on this CPU"), why
-    assert "10.0 ms vs 12.0 ms channels_last (measured now)" in why
+    assert "10.0 ms vs 12.0 ms channels_last (measured now; NCHW when >= 10 % faster)" in why
     assert len(probed) == 2 * hardware.LAYOUT_ROUNDS
     # The next job on this machine reads the record: no probe, the same choice, said where.
     again, why = hardware.choose_memory_format(
         model, x, y, F.cross_entropy, dtype=None, device=cpu, cache_dir=tmp_path
     )
     assert again == layout and len(probed) == 2 * hardware.LAYOUT_ROUNDS and "recorded" in why
-    # Another machine (here: where channels_last wins) measures for itself.
-    timings = {torch.channels_last: 0.008, torch.contiguous_format: 0.010}
+    # Another machine (here: a near tie, which keeps the loaders' layout) measures for itself.
+    timings = {torch.channels_last: 0.0105, torch.contiguous_format: 0.010}
     monkeypatch.setattr(hardware, "_cpu_model_name", lambda: "another CPU")
     other, why = hardware.choose_memory_format(
         model, x, y, F.cross_entropy, dtype=None, device=cpu, cache_dir=tmp_path

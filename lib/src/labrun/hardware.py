@@ -405,6 +405,9 @@ def choose_gpu_resident(flag: str, device: torch.device, splits: dict) -> bool:
 # ---- the CPU's memory layout, chosen by measurement (issue 28.9) --------------------------------
 LAYOUT_ROUNDS = 2  # interleaved rounds of the probe: the best of each layout counts
 LAYOUT_STEPS = 2  # timed forward + backward passes per layout and round
+# NCHW only when clearly faster: the loaders deliver channels_last (NCHW costs a copy per batch),
+# and a near tie decided by timing noise would change a run's numbers between machines for nothing
+LAYOUT_MARGIN = 1.1
 
 
 def _layout_step_s(model, x, y, loss_fn, dtype, layout) -> float:
@@ -476,12 +479,13 @@ def choose_memory_format(
                 write_json(path, {"key": key, "step_s": times, "when": when})
             except OSError:  # a read-only cache folder: the next job measures again
                 pass
-    name = min(times, key=times.get)
+    name = "NCHW" if times["channels_last"] > LAYOUT_MARGIN * times["NCHW"] else "channels_last"
     layout = torch.channels_last if name == "channels_last" else torch.contiguous_format
     other = "NCHW" if name == "channels_last" else "channels_last"
     return layout, (
         f"{name} on this CPU: forward + backward {1e3 * times[name]:.1f} ms vs "
-        f"{1e3 * times[other]:.1f} ms {other} ({source})"
+        f"{1e3 * times[other]:.1f} ms {other} ({source}; NCHW when >= "
+        f"{100 * (LAYOUT_MARGIN - 1):.0f} % faster)"
     )
 
 
