@@ -197,3 +197,49 @@ def wait_while_running(predicate, proc, timeout: float = 120.0) -> None:
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "no progress in time"
         time.sleep(0.02)
+
+
+def signal_self_after(monkeypatch, step_to_stop: int, *signums: int, pause: float = 0.0) -> None:
+    """Real signals (default SIGTERM) to this process right after optimizer step `step_to_stop`
+    of run.py's loop (counted from 1), before the loop looks for a stop."""
+    import signal
+    import time
+
+    from labrun.session import Run
+
+    original = Run.batches
+
+    def batches(self, loader):
+        for micro_batches in original(self, loader):
+            yield micro_batches
+            if self.progress.step + 1 == step_to_stop:  # the step just done
+                for signum in signums or (signal.SIGTERM,):
+                    os.kill(os.getpid(), signum)
+                    time.sleep(pause)
+
+    monkeypatch.setattr(Run, "batches", batches)
+
+
+def capture_step(monkeypatch, data_dir, results_dir, *args: str, model=None, amp_dtype="auto"):
+    """run.py's train() as far as its step, training nothing (labrun.session.capture_step):
+    run, model, optimizer, scheduler, step. `model` replaces --model's network (any module: the
+    step is called with the test's own batches); `amp_dtype` replaces the autocast dtype
+    hardware.choose_precision would pick (fp16 turns the GradScaler on, also on CPU)."""
+    import signal
+
+    from labrun import hardware
+    from labrun.session import capture_step as capture
+    from labrun.stopping import STOP_SIGNALS
+
+    module = load_run_py()
+    if model is not None:
+        monkeypatch.setattr(module, "make_model", lambda args, info: model)
+    if amp_dtype != "auto":
+        monkeypatch.setattr(hardware, "choose_precision", lambda device, amp: (amp_dtype, "test"))
+    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    argv = [*TINY, "--data-dir", str(data_dir), "--results-dir", str(results_dir)]
+    try:
+        return capture(module.main, [*argv, "--tracking", "off", *args])
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)

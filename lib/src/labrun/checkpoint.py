@@ -1,10 +1,10 @@
 """Full-state checkpoints: written atomically, checked before they are trusted.
 
-A checkpoint holds everything needed to continue as if never stopped: the Trainer's state
-(model, optimizer, scheduler, GradScaler and the precision it ran under, EMA, the partial epoch's
-running sums), early-stopping state with the best weights, RNG states (python, numpy, torch CPU
-and the training GPU's, if any), epoch / step / batch-in-epoch, history so far, the MLflow run id
-and the config hash. It is loaded with
+A checkpoint holds everything needed to continue as if never stopped: every object run.py gave
+`run.restore()` by its state_dict (model, optimizer, scheduler, GradScaler and the precision it
+ran under, EMA; under "trainer"), the partial epoch's running sums, early-stopping state with the
+best weights, RNG states (python, numpy, torch CPU and the training GPU's, if any), epoch / step /
+batch-in-epoch, history so far, the MLflow run id and the config hash. It is loaded with
 `weights_only=True` (no pickled code runs), so everything in it is tensors, numbers, strings,
 lists and dicts. `best_model.pt` is different: a plain `state_dict` (`save_weights`), so
 `model.load_state_dict(torch.load(path))` works as documented.
@@ -20,7 +20,7 @@ import torch
 
 from .runs import atomic_path
 
-FORMAT_VERSION = 2  # 2: the Trainer's state_dict, one CUDA RNG state
+FORMAT_VERSION = 2  # 2: the objects' state_dicts under "trainer", one CUDA RNG state
 
 
 class CheckpointError(RuntimeError):

@@ -877,3 +877,30 @@ class RunRecord:
     def close(self) -> None:
         self.tracker.close()
         runs.close_logging(self.log)
+
+
+def capture_step(main, argv: list[str]):
+    """Run a project's run.py `main(argv)` as far as its step, training nothing: a namespace of
+    what `Run.tools` gets (run, model, optimizer, scheduler, step), for tools that drive the
+    project's own step (gpucheck, benchmarks, tests). In this process, as a tool run (nothing
+    is resumed or recorded, also when the run is done); works under torchrun (each rank gets
+    its own; `run.ddp` says whether the step's module is in DDP). `run` is the live Run
+    (device, amp_dtype, train_sums, state, data_, peek_batch, warm_up...)."""
+    import types
+
+    global is_tool
+    captured: dict = {}
+    original_tools, original_is_tool = Run.tools, is_tool
+
+    def tools(self, **kwargs) -> int:
+        captured.update(kwargs, run=self)
+        return EXIT_OK
+
+    Run.tools, is_tool = tools, lambda args: True
+    try:
+        code = main(list(argv))
+    finally:
+        Run.tools, is_tool = original_tools, original_is_tool
+    if not captured:
+        raise RuntimeError(f"run.py did not reach its step (exit {code})")
+    return types.SimpleNamespace(**captured)

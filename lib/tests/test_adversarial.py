@@ -1,0 +1,422 @@
+"""The run-directory contract under attack (issue 20 of the template): links and foreign files in
+a shared results folder, a directory deleted under a training job, hang-ups and late signals, a
+shared MLflow DB, a tracker outage at the end, `tracking sync` beside a live job, bad settings."""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import re
+import signal
+import sqlite3
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import (
+    mlflow_run,
+    popen_cli,
+    read_metrics,
+    run_dir_of,
+    wait_while_running,
+)
+
+from labrun import runs
+
+QUICK = ("--epochs", "1", "--max-steps", "3")
+IS_ROOT = os.geteuid() == 0
+ATTACK = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIattacker attacker@evil"
+
+
+def _nobody() -> int:
+    return pwd.getpwnam("nobody").pw_uid
+
+
+def _run_dir(main_in_process, results: Path, capsys, *args: str) -> Path:
+    assert main_in_process(*args, "--results-dir", str(results), "--print-run-dir") == 0
+    out = Path(capsys.readouterr().out.strip())
+    out.mkdir(parents=True)
+    return out
+
+
+def _history_epochs(uri: str, run_id: str, key: str = "val_acc") -> list[int]:
+    from mlflow.tracking import MlflowClient
+
+    return sorted(m.step for m in MlflowClient(tracking_uri=uri).get_metric_history(run_id, key))
+
+
+def _runs_named(uri: str, name: str) -> list:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    found = []
+    for experiment in client.search_experiments():
+        found += client.search_runs(
+            [experiment.experiment_id], filter_string=f"attributes.run_name = '{name}'"
+        )
+    return found
+
+
+# ---- no write through a link, no trust in foreign files ---
+@pytest.mark.parametrize("owner", ["me", "nobody"])
+def test_a_planted_run_log_link_is_refused_and_nothing_is_written_through_it(
+    main_in_process, tmp_path, capsys, owner
+):
+    if owner == "nobody" and not IS_ROOT:
+        pytest.skip("planting a file owned by another user needs root")
+    victim = tmp_path / "home" / "authorized_keys"
+    victim.parent.mkdir()
+    victim.write_text("ssh-ed25519 AAAA mine@laptop\n")
+    before = victim.read_bytes()
+    out = _run_dir(main_in_process, tmp_path / "results", capsys, *QUICK)
+    (out / "run.log").symlink_to(victim)
+    if owner == "nobody":
+        os.lchown(out / "run.log", _nobody(), _nobody())
+    code = main_in_process(*QUICK, "--results-dir", str(tmp_path / "results"))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "run.log" in err, err
+    assert "symbolic link" in err
+    assert victim.read_bytes() == before
+    assert {p.name for p in out.iterdir()} <= {"run.log", ".lock"}  # nothing else written
+
+
+def test_the_log_is_never_appended_through_a_link(tmp_path):
+    # The check at the start has a window; the log file itself refuses a link too.
+    victim = tmp_path / "victim"
+    victim.write_text("x\n")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "run.log").symlink_to(victim)
+    with pytest.raises(OSError):
+        runs.setup_logging(tmp_path / "run", "linked")
+    os.link(victim, tmp_path / "run" / "hard.log")  # a hard link: the same file, two names
+    with pytest.raises(runs.ForeignFile):
+        runs.NoFollowFileHandler(tmp_path / "run" / "hard.log")
+    assert victim.read_text() == "x\n"
+
+
+@pytest.mark.slow  # trains and tracks for real
+def test_a_crafted_tracking_json_is_ignored_not_logged(main_in_process, tmp_path, capsys, env):
+    # The issue's attack: run.log a link into ~/.ssh, and a run id that carries a key.
+    out = _run_dir(main_in_process, tmp_path / "results", capsys, *QUICK)
+    crafted = {"run_id": f"0123\n{ATTACK}\n", "sent_rows": 0, "ended": None}
+    (out / "tracking.json").write_text(json.dumps(crafted))
+    assert main_in_process(*QUICK, "--results-dir", str(tmp_path / "results")) == 0
+    err = capsys.readouterr().err
+    log = (out / "run.log").read_text()
+    assert "tracking.json ignored: its run_id is not 32 hex digits" in log
+    for text in (err, log):
+        assert not any(line.startswith("ssh-ed25519") for line in text.splitlines()), text
+        assert "attacker" not in text
+    state = json.loads((out / "tracking.json").read_text())
+    assert len(state["run_id"]) == 32 and state["sent_rows"] == 1  # a fresh, real MLflow run
+    assert mlflow_run(env["MLFLOW_TRACKING_URI"], state["run_id"]).info.status == "FINISHED"
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        {"run_id": "A" * 32},
+        {"run_id": "0" * 31},
+        {"run_id": 12},
+        {"run_id": "0" * 32, "sent_rows": "3"},
+        {"run_id": "0" * 32, "sent_rows": -1},
+        {"run_id": "0" * 32, "sent_rows": True},
+        {"run_id": "0" * 32, "ended": "DONE\nx"},
+        ["0" * 32],
+    ],
+)
+def test_tracking_json_values_are_checked(tmp_path, state, caplog):
+    from labrun.tracking import _read_state
+
+    (tmp_path / "tracking.json").write_text(json.dumps(state))
+    assert _read_state(tmp_path, __import__("logging").getLogger("t")) == {}
+    assert "ignored" in caplog.text
+    (tmp_path / "tracking.json").write_text(json.dumps({"run_id": "0" * 32, "sent_rows": 3}))
+    assert _read_state(tmp_path)["sent_rows"] == 3
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="files owned by another user need root to make")
+def test_foreign_files_are_not_trusted(main_in_process, tmp_path, capsys):
+    out = _run_dir(main_in_process, tmp_path / "results", capsys, *QUICK)
+    (out / "metrics.json").write_text('{"test_acc": 0.99}')
+    os.chown(out / "metrics.json", _nobody(), _nobody())
+    assert not runs.is_done(out)  # a result someone else put there is no result
+    code = main_in_process(*QUICK, "--results-dir", str(tmp_path / "results"))
+    err = capsys.readouterr().err
+    assert code == 2 and "metrics.json" in err and "belongs to nobody" in err, err
+    (out / "metrics.json").unlink()
+    os.chown(out, _nobody(), _nobody())  # a colleague's run directory
+    code = main_in_process(*QUICK, "--results-dir", str(tmp_path / "results"))
+    err = capsys.readouterr().err
+    assert code == 2 and "the run directory" in err and "belongs to nobody" in err, err
+    assert not (out / "config.json").exists()
+
+
+# ---- one owner, even when the directory is deleted ---
+@pytest.mark.slow
+def test_a_run_directory_deleted_while_training_gets_one_owner(env, data_dir, tmp_path):
+    results, uri = tmp_path / "results", env["MLFLOW_TRACKING_URI"]
+    args = ("--epochs", "40", "--checkpoint-every", "0")
+    first = popen_cli(*args, results_dir=results, data_dir=data_dir, env=env)
+    history = lambda: list(results.glob("*/history.csv"))  # noqa: E731
+    wait_while_running(lambda: history() and history()[0].read_text().count("\n") >= 2, first)
+    run_dir = run_dir_of(results)
+    subprocess.run(["rm", "-rf", str(run_dir)], check=True)  # "rm -rf it and start again"
+    second = popen_cli(*args, results_dir=results, data_dir=data_dir, env=env)
+    _, err1 = first.communicate(timeout=300)
+    _, err2 = second.communicate(timeout=300)
+    assert first.returncode == 73, err1
+    assert err1.strip().splitlines()[-1].startswith("error: lost the claim on "), err1
+    assert "Traceback" not in err1
+    assert second.returncode == 0, err2
+    n = read_metrics(run_dir)["epochs_run"]  # early stopping may end it before 40
+    epochs = [line.split(",")[0] for line in (run_dir / "history.csv").read_text().splitlines()]
+    assert epochs == ["epoch", *map(str, range(1, n + 1))]
+    assert (run_dir / "run.log").read_text().count("finished (") == 1
+    mine = read_metrics(run_dir)["mlflow_run_id"]
+    assert _history_epochs(uri, mine) == list(range(1, n + 1))  # one set of epochs, each once
+    others = [r for r in _runs_named(uri, run_dir.name) if r.info.run_id != mine]
+    assert [r.info.status for r in others] == ["FAILED"]  # the first job's run, closed
+    assert "lost the claim" in others[0].data.tags["error"]
+
+
+# ---- stop signals ---
+def _start_and_wait_for_the_loop(env, data_dir, results: Path, *args: str) -> subprocess.Popen:
+    proc = popen_cli(*args, results_dir=results, data_dir=data_dir, env=env)
+    wait_while_running(
+        lambda: any("steps/epoch" in p.read_text() for p in results.glob("*/run.log")), proc
+    )
+    return proc
+
+
+@pytest.mark.slow
+def test_sighup_checkpoints_and_exits_75(env, data_dir, tmp_path):
+    proc = _start_and_wait_for_the_loop(env, data_dir, tmp_path, "--epochs", "50")
+    proc.send_signal(signal.SIGHUP)  # the terminal closed, the ssh session dropped
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err
+    run_dir = run_dir_of(tmp_path)
+    assert (run_dir / "status").read_text() == "interrupted\n"
+    assert (run_dir / "checkpoint.pt").exists()
+    assert "interrupted by SIGHUP" in (run_dir / "run.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_stop_signal_after_the_checkpoint_still_ends_in_75(env, data_dir, tmp_path):
+    env = {**env, "LAB_TRACKING": "off"}
+    proc = _start_and_wait_for_the_loop(env, data_dir, tmp_path, "--epochs", "50")
+    status = run_dir_of(tmp_path) / "status"
+    proc.send_signal(signal.SIGUSR1)
+    wait_while_running(lambda: status.read_text() == "interrupted\n", proc)
+    while proc.poll() is None:  # TERM after TERM while main() returns and Python exits
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.002)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 75, err
+
+
+def test_a_job_started_under_nohup_keeps_ignoring_sighup():
+    from labrun.stopping import GracefulStop
+
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what nohup does
+    stop = GracefulStop()
+    try:
+        with stop:
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) == stop._handle
+    finally:
+        stop.restore()
+        signal.signal(signal.SIGHUP, old)
+
+
+# ---- the shared MLflow DB ---
+def test_the_mlflow_db_and_its_journal_follow_the_umask(tmp_path, monkeypatch):
+    from labrun import tracking
+
+    db = tmp_path / "shared" / "mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
+    old = os.umask(0o002)
+    try:
+        tracking.init("umask")
+        with sqlite3.connect(db, isolation_level=None) as con:  # a write keeps a journal open
+            con.execute("BEGIN IMMEDIATE")
+            con.execute("CREATE TABLE probe (x)")
+            con.execute("INSERT INTO probe VALUES (1)")
+            journal = Path(f"{db}-journal")
+            journal_mode = stat.S_IMODE(journal.stat().st_mode) if journal.exists() else None
+            con.execute("COMMIT")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(db.stat().st_mode) == 0o664
+    assert journal_mode in (None, 0o664), oct(journal_mode)
+
+
+@pytest.mark.slow
+def test_a_deleted_mlflow_db_is_one_warning_not_a_flood(env, data_dir, tmp_path, monkeypatch):
+    from labrun import tracking
+
+    db = tmp_path / "mlflow.db"
+    env = {**env, "MLFLOW_TRACKING_URI": f"sqlite:///{db}"}
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", env["MLFLOW_TRACKING_URI"])
+    tracking.init()
+    proc = _start_and_wait_for_the_loop(env, data_dir, tmp_path / "results", "--epochs", "6")
+    db.unlink()
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err, err
+    ours = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (INFO|WARNING) ")
+    assert [line for line in err.splitlines() if not ours.match(line)] == [], err
+    # At most one tracker warning (the project may warn once more, e.g. that it is no git repo).
+    assert err.count(" WARNING MLflow") <= 1, err
+
+
+# ---- the end is always reported ---
+LOCKER = """
+import sqlite3, sys, time
+con = sqlite3.connect(sys.argv[1], isolation_level=None)
+con.execute("BEGIN EXCLUSIVE")
+print("locked", flush=True)
+sys.stdin.readline()
+con.execute("ROLLBACK")
+"""
+
+
+def _lock_db(db: Path) -> subprocess.Popen:
+    """Another process holding the DB's write lock: every write times out (a tracker outage)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LOCKER, str(db)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert proc.stdout.readline().strip() == b"locked"
+    return proc
+
+
+def _unlock(locker: subprocess.Popen) -> None:
+    locker.communicate(b"\n", timeout=30)
+
+
+@pytest.mark.slow
+def test_a_short_outage_near_the_end_still_reports_the_end(env, data_dir, tmp_path):
+    uri = env["MLFLOW_TRACKING_URI"]
+    db = Path(uri.removeprefix("sqlite:///"))
+    results = tmp_path / "results"
+    proc = popen_cli("--epochs", "8", results_dir=results, data_dir=data_dir, env=env)
+    history = lambda: list(results.glob("*/history.csv"))  # noqa: E731
+    wait_while_running(lambda: history() and history()[0].read_text().count("\n") >= 2, proc)
+    locker = _lock_db(db)
+    log = run_dir_of(results) / "run.log"
+    try:
+        wait_while_running(lambda: "training goes on" in log.read_text(), proc)
+    finally:
+        _unlock(locker)  # back within seconds: well inside the 60 s back-off
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    run_dir = run_dir_of(results)
+    run = mlflow_run(uri, read_metrics(run_dir)["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    assert _history_epochs(uri, run.info.run_id) == list(range(1, 9))
+    assert run.data.metrics["test_acc"] == pytest.approx(read_metrics(run_dir)["test_acc"])
+    assert "missing" not in json.loads((run_dir / "tracking.json").read_text())
+
+
+@pytest.mark.slow
+def test_an_outage_through_the_end_is_written_down_and_sync_completes_it(
+    env, data_dir, tmp_path, monkeypatch
+):
+    from labrun import tracking
+
+    uri = env["MLFLOW_TRACKING_URI"]
+    results = tmp_path / "results"
+    proc = popen_cli("--epochs", "3", results_dir=results, data_dir=data_dir, env=env)
+    history = lambda: list(results.glob("*/history.csv"))  # noqa: E731
+    wait_while_running(lambda: history() and history()[0].read_text().count("\n") >= 2, proc)
+    locker = _lock_db(Path(uri.removeprefix("sqlite:///")))
+    try:
+        _, err = proc.communicate(timeout=300)
+    finally:
+        _unlock(locker)
+    assert proc.returncode == 0, err
+    run_dir = run_dir_of(results)
+    state = json.loads((run_dir / "tracking.json").read_text())
+    assert state["missing"] == ["history rows 2-3", "end FINISHED"], state
+    assert mlflow_run(uri, state["run_id"]).info.status == "RUNNING"
+    assert tracking.main(["sync", str(results)]) == 0
+    run = mlflow_run(uri, state["run_id"])
+    assert run.info.status == "FINISHED" and _history_epochs(uri, state["run_id"]) == [1, 2, 3]
+    assert json.loads((run_dir / "tracking.json").read_text())["missing"] == []
+
+
+# ---- tracking sync beside a live job ---
+@pytest.mark.slow
+def test_sync_beside_a_live_job_sends_every_row_once_to_one_run(env, data_dir, tmp_path):
+    from labrun import tracking
+
+    uri, results = env["MLFLOW_TRACKING_URI"], tmp_path / "results"
+    proc = popen_cli("--epochs", "12", results_dir=results, data_dir=data_dir, env=env)
+    wait_while_running(lambda: any(results.glob("*/config.json")), proc)
+    syncs = 0
+    while proc.poll() is None:  # before the job reaches MLflow, and at every epoch after
+        tracking.main(["sync", str(results)])
+        syncs += 1
+    _, err = proc.communicate()
+    assert proc.returncode == 0, err
+    assert tracking.main(["sync", str(results)]) == 0
+    run_dir = run_dir_of(results)
+    found = _runs_named(uri, run_dir.name)
+    assert len(found) == 1, [r.info.run_id for r in found]
+    n = read_metrics(run_dir)["epochs_run"]
+    assert _history_epochs(uri, found[0].info.run_id) == list(range(1, n + 1)), syncs
+    assert found[0].info.status == "FINISHED"
+
+
+# ---- settings from the environment, and flags ---
+def test_a_bad_stop_grace_is_one_line(main_in_process, monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("LAB_STOP_GRACE_S", "abc")
+    assert main_in_process("--results-dir", str(tmp_path), "--print-run-dir") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: LAB_STOP_GRACE_S=") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(("value", "expected"), [("OFF", "off"), (" On ", "on"), ("", "on")])
+def test_lab_tracking_is_case_insensitive(monkeypatch, value, expected):
+    from labrun.config import parse_args
+
+    monkeypatch.setenv("LAB_TRACKING", value)
+    assert parse_args([])[0].tracking == expected
+
+
+def test_a_bad_lab_tracking_is_refused(monkeypatch, capsys):
+    from labrun.config import parse_args
+
+    monkeypatch.setenv("LAB_TRACKING", "no")
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args([])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.startswith("error: LAB_TRACKING=") and err.count("\n") == 1, err
+
+
+def test_width_1_names_the_flag(main_in_process, tmp_path, capsys):
+    assert main_in_process(*QUICK, "--width", "1", "--results-dir", str(tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --width: ") and err.count("\n") == 1, err
+    assert not list(tmp_path.iterdir())
+
+
+def test_claim_knows_when_its_directory_is_gone(tmp_path):
+    from labrun.claim import LostClaim, claim
+
+    held = claim(tmp_path / "run")
+    assert held.still_ours()
+    subprocess.run(["rm", "-rf", str(tmp_path / "run")], check=True)
+    assert not held.still_ours()
+    with claim(tmp_path / "run") as second:  # a new process would get the path
+        assert second.still_ours() and not held.still_ours()
+        with pytest.raises(LostClaim, match="now held by pid"):
+            held.check()
+        held.discard()  # must not remove the new owner's lock
+        assert (tmp_path / "run" / ".lock").exists()

@@ -1,0 +1,331 @@
+"""Compile when it pays: the decision by measured work (CUDA patched in on CPU), the record of
+compile costs, the project's inductor cache, and the warm-up on a real batch (graphs counted with
+a counting torch.compile backend: no inductor, no C++ compiler, fast)."""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, load_run_py, run_dir_of
+from image_folders import make_folder
+from lab_project.model import build_model
+
+from labrun import hardware
+from labrun.hardware import CompileCost, CompileRecord, choose_compile
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+
+
+def priors():
+    return hardware.prior_costs()
+
+
+def never(*_):
+    raise AssertionError("measured although the answer needs no measurement")
+
+
+# ---- the decision --------------------------------------------------------------------------
+def test_short_run_stays_eager_and_says_why_with_its_numbers():
+    mode, why = choose_compile(CUDA, "auto", 200, measure=lambda: (0.0041, priors()))
+    assert mode is None
+    assert why.startswith("eager: 200 steps x 1 micro-batch x 4.1 ms = 0.8 s eager")
+    assert "compile of ~60 s (prior)" in why and "no compile of this model recorded" in why
+
+
+def test_the_issue_run_is_not_given_max_autotune_for_seconds_of_work():
+    """The default CIFAR run: 7,020 steps of ~0.2 ms. The old rule gave it max-autotune."""
+    assert choose_compile(CUDA, "auto", 7020, measure=lambda: (0.0002, priors()))[0] is None
+
+
+def test_long_run_compiles_in_the_mode_that_saves_most():
+    # 100k steps x 50 ms = 5000 s eager: default saves 1000 s (> 2 x 60 s); max-autotune
+    # saves 1500 s - 600 s = 900 s net < default's 940 s net.
+    mode, why = choose_compile(CUDA, "auto", 100_000, measure=lambda: (0.05, priors()))
+    assert mode == "default" and "pays" in why
+    # Ten times the work: max-autotune's 15,000 s saving beats default's net.
+    assert choose_compile(CUDA, "auto", 10**6, measure=lambda: (0.05, priors()))[0] == (
+        "max-autotune"
+    )
+
+
+def test_a_measured_cheap_compile_turns_a_medium_run_compiled():
+    measured = {
+        **priors(),
+        "default": CompileCost(compile_s=3.0, ratio=0.5, source="measured 2026-01-01 00:00 UTC"),
+    }
+    # 2000 steps x 2 micro-batches x 10 ms = 40 s eager: saves 20 s >= 2 x 3 s.
+    mode, why = choose_compile(
+        CUDA, "auto", 2000, micro_batches=2, measure=lambda: (0.01, measured)
+    )
+    assert mode == "default" and "2 micro-batches" in why and "measured 2026" in why
+    assert (
+        choose_compile(CUDA, "auto", 2000, micro_batches=2, measure=lambda: (0.01, priors()))[0]
+        is None
+    )
+
+
+def test_overrides_and_cpu_measure_nothing_where_the_answer_is_known():
+    assert choose_compile(CUDA, "off", 10**6, measure=never) == (None, "eager (--compile off)")
+    assert choose_compile(CUDA, "auto", 10**6, deterministic=True, measure=never)[0] is None
+    assert choose_compile(CUDA, "on", 10**6, deterministic=True, measure=never)[0] is None
+    assert choose_compile(CPU, "auto", 10**6, measure=never)[0] is None  # costs nothing on CPU
+    # on: compiled however short; on CPU only "default" (CUDA graphs need a GPU).
+    assert choose_compile(CUDA, "on", 10, measure=lambda: (0.001, priors()))[0] == "default"
+    assert choose_compile(CPU, "on", 10**7, measure=lambda: (1.0, priors()))[0] == "default"
+
+
+# ---- the record and the cache folder -------------------------------------------------------
+def test_compile_record_round_trip_and_key(tmp_path):
+    model, x = build_model(width=8), torch.zeros(4, 3, 32, 32)
+    record = CompileRecord(tmp_path, model, x, None, CPU)
+    assert record.costs() == priors()
+    record.save("default", compile_s=12.5, eager_step_s=0.02, compiled_step_s=0.015)
+    again = CompileRecord(tmp_path, build_model(width=8), torch.ones(4, 3, 32, 32), None, CPU)
+    cost = again.costs()["default"]
+    assert cost.compile_s == 12.5 and cost.ratio == pytest.approx(0.75)
+    assert cost.source.startswith("measured ") and again.costs()["max-autotune"].source == "prior"
+    # Another input layout, width or precision is another record.
+    for other in (
+        CompileRecord(tmp_path, model, x.contiguous(memory_format=torch.channels_last), None, CPU),
+        CompileRecord(tmp_path, build_model(width=16), x, None, CPU),
+        CompileRecord(tmp_path, model, x, torch.bfloat16, CPU),
+    ):
+        assert other.path != record.path and other.costs() == priors()
+
+
+def test_inductor_cache_is_the_projects_unless_set(tmp_path, monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv(hardware.INDUCTOR_CACHE_ENV, raising=False)
+    path, source = hardware.use_inductor_cache(tmp_path)
+    assert path == tmp_path / ".cache" / "inductor" and source == "the project's folder"
+    assert cache_dir() == str(path)  # where inductor itself will write
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    monkeypatch.setenv(hardware.INDUCTOR_CACHE_ENV, str(tmp_path / "lab"))
+    assert hardware.use_inductor_cache(tmp_path)[0] == tmp_path / "lab"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert hardware.use_inductor_cache(tmp_path) == (tmp_path / "mine", "TORCHINDUCTOR_CACHE_DIR")
+    assert cache_dir() == str(tmp_path / "mine")
+
+
+def test_inductor_cache_survives_torchs_own_default(tmp_path, monkeypatch):
+    """`import torch._dynamo` writes /tmp/torchinductor_<user> into the environment: that is
+    torch's default, not the user's choice, and must not keep the project off its cache."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv(hardware.INDUCTOR_CACHE_ENV, raising=False)
+    code = "import os, torch._dynamo; print(os.environ.get('TORCHINDUCTOR_CACHE_DIR'))"
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    written = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+    ).stdout.strip()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", written)
+    assert hardware.use_inductor_cache(tmp_path)[0] == tmp_path / ".cache" / "inductor"
+
+
+def test_generated_gitignore_ignores_the_cache():
+    assert ".cache/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+# ---- the warm-up: real batch, no recompile, numbers unchanged ------------------------------
+@pytest.fixture
+def counted_compile(monkeypatch, tmp_path):
+    """torch.compile with a backend that counts the graphs it is given and runs them as they
+    are (so compiled and eager runs compute the same numbers); the inductor cache in tmp."""
+    graphs: list[str] = []
+    real = torch.compile
+
+    def counting(gm, example_inputs):
+        graphs.append(str([tuple(t.stride()) for t in example_inputs if hasattr(t, "stride")]))
+        return gm.forward
+
+    def compile_counted(fn, mode=None, **kwargs):
+        return real(fn, backend=counting)
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch, "compile", compile_counted)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("LAB_TRACKING", "off")
+    yield graphs
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def grey_folder(tmp_path):
+    return make_folder(tmp_path / "grey", {"train": 16, "test": 2}, size=(12, 12), modes=("L",))
+
+
+def graphs_after_warm_up(monkeypatch, graphs) -> list[int]:
+    from labrun.session import Run
+
+    seen, original = [], Run.warm_up
+
+    def warm_up(self, *args, **kwargs):
+        net = original(self, *args, **kwargs)
+        seen.append(len(graphs))
+        return net
+
+    monkeypatch.setattr(Run, "warm_up", warm_up)
+    return seen
+
+
+def test_warm_up_on_a_real_batch_leaves_no_recompile(
+    counted_compile, grey_folder, tmp_path, monkeypatch, data_dir
+):
+    """1-channel images: a channels_last batch of zeros has other strides than the loader's
+    (784, 784, 28, 1 against 784, 1, 28, 1 at 28 px), and the first real batch recompiled."""
+    run = load_run_py()
+    after_warm_up = graphs_after_warm_up(monkeypatch, counted_compile)
+    argv = [
+        *("--device", "cpu", "--width", "8", "--batch-size", "8", "--progress", "off"),
+        *("--dataset", "folder", "--data-path", str(grey_folder), "--workers", "0"),
+        *("--epochs", "2", "--compile", "on", "--data-dir", str(data_dir)),
+        *("--results-dir", str(tmp_path / "r")),
+    ]
+    assert run.main(argv) == 0
+    assert after_warm_up[0] >= 1, "the warm-up compiled nothing"
+    assert len(counted_compile) == after_warm_up[0], counted_compile  # nothing after warm-up
+    log = (run_dir_of(tmp_path / "r") / "run.log").read_text()
+    assert "compile: default (--compile on): " in log and "ms = " in log
+    assert "inductor cache: " in log and "compiled (default) in " in log
+    assert list((tmp_path / "inductor" / hardware.RECORDS).glob("*.json"))  # costs recorded
+
+
+def history(run_dir):
+    with open(run_dir / "history.csv", newline="") as f:
+        return [
+            {k: v for k, v in row.items() if not k.endswith(("time_s", "per_sec"))}
+            for row in csv.DictReader(f)
+        ]
+
+
+def test_compiling_with_a_peeked_batch_changes_no_number(
+    counted_compile, main_in_process, tmp_path
+):
+    """The warm-up takes a real batch and times passes on it: the run's history must equal an
+    eager run's (the counting backend computes what eager computes)."""
+    rows = {}
+    for flag in ("on", "off"):
+        out = tmp_path / flag
+        assert main_in_process("--epochs", "2", "--compile", flag, "--results-dir", str(out)) == 0
+        rows[flag] = history(run_dir_of(out))
+    assert counted_compile, "--compile on compiled nothing"
+    assert rows["on"] == rows["off"]
+
+
+def test_decide_compile_measures_a_real_batch_only_where_it_can_compile(tmp_path):
+    model = build_model(width=8)
+    batch = (torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3]))
+    log = logging.getLogger("test_compile")
+    calls = []
+
+    def peek():
+        calls.append(1)
+        return batch
+
+    common = dict(
+        loss_fn=torch.nn.functional.cross_entropy, dtype=None, steps=10, micro_batches=1,
+        deterministic=False, project_root=tmp_path, log=log,
+    )  # fmt: skip
+    assert hardware.decide_compile(model, peek, flag="auto", **common) == (None, 0.0, None)
+    assert calls == []  # CPU auto: nothing run
+    mode, eager_s, record = hardware.decide_compile(model, peek, flag="on", **common)
+    assert mode == "default" and eager_s > 0 and calls == [1]
+    assert record.key["input"][0] == [4, 3, 32, 32]
+    assert all(p.grad is None for p in model.parameters())  # its passes left nothing behind
+
+
+def test_grad_accumulation_never_gets_cuda_graphs():
+    """Issue 28.8: max-autotune's CUDA graphs with --grad-accum > 1: the no-graphs variant."""
+    long = dict(measure=lambda: (0.05, priors()))
+    assert choose_compile(CUDA, "auto", 10**6, **long)[0] == "max-autotune"
+    mode, why = choose_compile(CUDA, "auto", 10**6, micro_batches=2, **long)
+    assert mode == "max-autotune-no-cudagraphs" and "--grad-accum 2" in why
+    for flag in ("on", "auto"):
+        for steps in (10, 10**5, 10**7):
+            mode, _ = choose_compile(CUDA, flag, steps, micro_batches=4, **long)
+            assert mode != "max-autotune"
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_compile_decision_is_rank_0s_on_every_rank(monkeypatch, rank):
+    """Issue 28.7: rank 0 measures and decides; the others take its decision (no measuring)."""
+    import types
+
+    from labrun.session import Run
+
+    measured, shared = [], []
+
+    def decide_compile(*args, **kwargs):
+        measured.append(1)
+        return "default", 0.01, None
+
+    def decide(value):  # Dist.decide: rank 0's value on every rank (a broadcast)
+        shared.append(value)
+        return "default"
+
+    monkeypatch.setattr(hardware, "decide_compile", decide_compile)
+    run = types.SimpleNamespace(
+        _open=lambda model: None,
+        dist=types.SimpleNamespace(is_main=rank == 0, decide=decide),
+        peek_batch=None,
+        task=types.SimpleNamespace(loss=None),
+        amp_dtype=None,
+        total_steps=10,
+        progress=types.SimpleNamespace(step=0),
+        args=types.SimpleNamespace(grad_accum=1, compile="on", deterministic=False),
+        log=logging.getLogger("test_compile"),
+    )
+    assert Run.compile_mode(run, torch.nn.Linear(2, 2)) == "default"
+    assert measured == ([1] if rank == 0 else [])
+    assert shared == ["default" if rank == 0 else None]
+
+
+# ---- the batch-size rule -------------------------------------------------------------------
+def test_default_batch_size_is_one_on_every_device():
+    """The batch size is part of the run's identity: the same command names the same run
+    directory on a CPU and on a GPU machine (the GPU's batch is a recommendation)."""
+    dirs = {
+        device: subprocess.run(
+            [sys.executable, "run.py", "--device", device, "--print-run-dir"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "LAB_TRACKING": "off"},
+        ).stdout
+        for device in ("cpu", "cuda", "auto")
+    }
+    assert len(set(dirs.values())) == 1, dirs
+    assert hardware.recommended_batch_size(CUDA) == hardware.CUDA_BATCH_SIZE
+    assert hardware.recommended_batch_size(CPU) == hardware.BASE_BATCH_SIZE == 128
+
+
+@pytest.mark.slow
+def test_real_compile_uses_the_lab_cache_and_the_next_job_its_record(run_cli, tmp_path):
+    """Two real jobs with inductor (a C++ compiler on CPU): both use $LAB_INDUCTOR_CACHE_DIR
+    (although `import torch._dynamo` writes torch's default into the environment first), and
+    the second decides from the first one's measured compile, not from the priors."""
+    cache = tmp_path / "lab-cache"
+    extra = {"LAB_INDUCTOR_CACHE_DIR": str(cache), "LAB_TRACKING": "off"}
+    logs = []
+    for _ in range(2):
+        result = run_cli(
+            *("--compile", "on", "--max-steps", "2", "--epochs", "1", "--fresh"),
+            results_dir=tmp_path / "r",
+            extra_env=extra,  # TORCHINDUCTOR_CACHE_DIR: unset, or torch's default from here
+            timeout=900,
+        )
+        assert result.returncode == 0, result.stderr
+        logs.append((run_dir_of(tmp_path / "r") / "run.log").read_text())
+    assert all(f"inductor cache: {cache} ({hardware.INDUCTOR_CACHE_ENV})" in log for log in logs)
+    assert "(prior)" in logs[0] and "compiled (default) in " in logs[0]
+    assert "(prior)" not in logs[1].split("compile: ")[1].split("\n")[0]
+    assert "measured " in logs[1] and list((cache / hardware.RECORDS).glob("*.json"))
+    assert (cache / "fxgraph").is_dir()

@@ -1,0 +1,266 @@
+"""run.py's step on CPU (taken from its train() by conftest.capture_step): GradScaler with clipping
+and accumulation, a skipped step, the epoch's sums, the state that resumes it exactly; EMA, the
+loss; the compile warm-up (Run.warm_up) and its fallback. Tiny models."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import capture_step
+from torch import nn
+from torch._dynamo.exc import InternalTorchDynamoError
+
+from labrun.tasks import cross_entropy
+from labrun.train import EMA
+
+CPU = torch.device("cpu")
+
+
+def small_net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1, bias=False),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 3),
+    )
+
+
+def batches(n: int, size: int = 4, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(size, 3, 4, 4, generator=gen), torch.randint(0, 3, (size,), generator=gen))
+        for _ in range(n)
+    ]
+
+
+@pytest.fixture
+def step_of(monkeypatch, data_dir, tmp_path):
+    """step_of(model, *args, amp_dtype=...) -> run.py's pieces around `model` (capture_step)."""
+    count = iter(range(100))
+
+    def capture(model, *args, amp_dtype="auto"):
+        out = tmp_path / f"r{next(count)}"
+        return capture_step(monkeypatch, data_dir, out, *args, model=model, amp_dtype=amp_dtype)
+
+    return capture
+
+
+def warm_up_ema_fn(decay: float):
+    """AveragedModel's multi_avg_fn for the timm/TensorFlow warm-up, written from the formula:
+    AveragedModel copies on its first update and calls this with n = updates so far."""
+
+    def average(ema, current, n):
+        d = min(decay, (1 + int(n)) / (10 + int(n)))
+        for e, c in zip(ema, current, strict=True):
+            e.copy_(d * e + (1 - d) * c)
+
+    return average
+
+
+def test_ema_matches_averaged_model_with_the_warm_up():
+    from torch.optim.swa_utils import AveragedModel
+
+    model = small_net()
+    ours = EMA(model, 0.75)
+    theirs = AveragedModel(model, multi_avg_fn=warm_up_ema_fn(0.75), use_buffers=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    decays = []
+    for x, y in batches(30):
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        decays.append(ours.current_decay())
+        ours.update()
+        theirs.update_parameters(model)
+    # A copy, then the warm-up (2/11, 3/12, ...), capped at 0.75 from n = 26 (27/36 = 0.75).
+    assert decays[:3] == [0.0, 2 / 11, 3 / 12] and decays[25] < 0.75 == decays[26] == decays[-1]
+    ours_state, theirs_state = ours.module.state_dict(), theirs.module.state_dict()
+    floats = [k for k, v in ours_state.items() if v.is_floating_point()]
+    assert len(floats) == 7  # conv; BN weight, bias, mean, var; linear weight, bias: all compared
+    for key in floats:
+        torch.testing.assert_close(ours_state[key], theirs_state[key], rtol=1e-6, atol=1e-7)
+    # Integer buffers: copied, where AveragedModel averaged a counter into a meaningless value.
+    assert ours_state["1.num_batches_tracked"] == model[1].num_batches_tracked == 30
+    assert not any(t.requires_grad for t in ours.module.parameters())
+
+
+def test_ema_of_a_short_run_holds_little_of_the_initial_weights():
+    """The issue's case in numbers: 200 updates at decay 0.999. Without a warm-up 0.999**199 =
+    82 % of the initial weights stay in the EMA; with it, under 1 %."""
+    model = nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)  # the "initial weights"
+    ema = EMA(model, 0.999)
+    ema.update()  # the first update copies
+    with torch.no_grad():
+        model.weight.fill_(0.0)  # every later weight: 0, so what is left of the 1 is the share
+    for _ in range(199):
+        ema.update()
+    assert ema.module.weight.item() < 0.01
+
+
+def test_gather_cross_entropy_equals_torch_with_and_without_smoothing():
+    logits = torch.randn(6, 5, requires_grad=True)
+    target = torch.randint(0, 5, (6,))
+    for smoothing in (0.0, 0.1):
+        ours = cross_entropy(logits, target, smoothing)
+        reference = F.cross_entropy(logits, target, label_smoothing=smoothing)
+        torch.testing.assert_close(ours, reference)
+        (g1,) = torch.autograd.grad(ours, logits)
+        (g2,) = torch.autograd.grad(reference, logits)
+        torch.testing.assert_close(g1, g2)
+
+
+def sgd_instead_of_adamw(monkeypatch):
+    """run.py's step with plain SGD (its first step: p -= lr * grad, whatever the momentum)."""
+    monkeypatch.setattr(torch.optim, "AdamW", lambda groups, lr, fused: torch.optim.SGD(groups, lr))
+
+
+def test_grad_scaler_on_cpu_unscales_before_clipping_and_accumulates(step_of, monkeypatch):
+    # Small inputs: the scaled fp16 gradients (x 65536) stay finite, so the step is not skipped;
+    # clip at 0.01, below the true gradient norm, so clipping acts.
+    sgd_instead_of_adamw(monkeypatch)
+    x, y = torch.randn(8, 8) * 0.1, torch.randint(0, 3, (8,))
+    torch.manual_seed(0)
+    scaled = step_of(nn.Linear(8, 3), "--clip-grad", "0.01", amp_dtype=torch.float16)
+    assert scaled.run.state.precision() == {"autocast": "fp16", "grad_scaler": True}
+    lr = scaled.optimizer.param_groups[0]["lr"]
+    start = [p.detach().clone() for p in scaled.model.parameters()]
+    scaled.step([(x[:4], y[:4]), (x[4:], y[4:])])
+    # Reference: the same fp16 autocast forward, one big batch, no scaler, clip, SGD.
+    torch.manual_seed(0)
+    reference = nn.Linear(8, 3)
+    with torch.autocast("cpu", dtype=torch.float16):
+        logits = reference(x)
+    F.cross_entropy(logits.float(), y).backward()
+    assert nn.utils.clip_grad_norm_(reference.parameters(), 0.01) > 0.01  # clipping acted
+    with torch.no_grad():
+        for p in reference.parameters():
+            p -= lr * p.grad
+    for p, q, p0 in zip(scaled.model.parameters(), reference.parameters(), start, strict=True):
+        assert not torch.equal(p, p0)  # the step was taken, not skipped
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-3)
+    assert scaled.run.state.state_dict()["trainer"]["scaler"]["scale"] == 65536.0
+    metrics, seen = scaled.run.train_sums.take()
+    assert seen == 8 and 0 <= metrics["acc"] <= 1  # both micro-batches counted, once
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+def test_grad_scaler_skips_a_step_with_inf_gradients_and_halves_the_scale(step_of):
+    c = step_of(nn.Linear(8, 3), "--clip-grad", "1", amp_dtype=torch.float16)
+    before = [p.detach().clone() for p in c.model.parameters()]
+    x = torch.full((4, 8), float("inf"))
+    c.step([(x, torch.zeros(4, dtype=torch.long))])
+    assert c.run.state.state_dict()["trainer"]["scaler"]["scale"] == 32768.0
+    for p, q in zip(c.model.parameters(), before, strict=True):
+        assert torch.equal(p, q)
+
+
+def test_grad_accumulation_equals_one_big_batch(step_of, monkeypatch):
+    sgd_instead_of_adamw(monkeypatch)
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    big, small = nn.Linear(5, 3), nn.Linear(5, 3)
+    small.load_state_dict(big.state_dict())
+    step_of(big).step([(x, y)])
+    accumulating = step_of(small, "--grad-accum", "2")
+    accumulating.step([(x[:4], y[:4]), (x[4:], y[4:])])
+    for p, q in zip(big.parameters(), small.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+    metrics, seen = accumulating.run.train_sums.take()
+    assert seen == 8 and metrics["loss"] == metrics["loss"] and 0 <= metrics["acc"] <= 1
+
+
+class _FailInBackward(torch.autograd.Function):
+    """Identity whose backward fails like a lazily compiled backward graph that cannot compile."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise InternalTorchDynamoError("simulated: backward graph failed to compile")
+
+
+class Compiled(nn.Module):
+    """A stand-in for torch.compile's module: counts its calls; fails like a compiler on call
+    `fail_on` (in forward or in backward), or with `error`."""
+
+    def __init__(self, model, fail_in="none", fail_on=0, error=InternalTorchDynamoError):
+        super().__init__()
+        self.model, self.fail_in, self.fail_on, self.error, self.calls = (
+            model, fail_in, fail_on, error, 0,
+        )  # fmt: skip
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.fail_on and self.fail_in == "forward":
+            raise self.error("simulated: forward graph failed to compile")
+        out = self.model(x)
+        return _FailInBackward.apply(out) if self.calls == self.fail_on else out
+
+
+def warm(c, net):
+    """Run.warm_up as after a decision to compile (mode "default", nothing recorded)."""
+    c.run.compiled, c.run._compile = "default", ("default", 0.01, None)
+    return c.run.warm_up(net, eager=c.model)
+
+
+def test_warm_up_runs_what_the_step_calls_and_leaves_no_trace(step_of):
+    c = step_of(small_net())
+    monkeypatch_batch(c)
+    net = Compiled(c.model)
+    state = {k: v.clone() for k, v in c.model.state_dict().items()}
+    rng = torch.get_rng_state()
+    assert warm(c, net) is net and net.calls == 4  # untimed, then 3 timed passes
+    for key, value in c.model.state_dict().items():
+        assert torch.equal(value, state[key]), key  # BatchNorm statistics put back
+    assert all(p.grad is None for p in c.model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng) and c.run.train_sums.seen == 0
+    assert c.run.progress.compile_time_s >= 0
+
+
+@pytest.mark.parametrize("fail_in", ["forward", "backward"])
+def test_warm_up_falls_back_to_eager_when_compiling_fails(step_of, fail_in, capfd):
+    c = step_of(small_net())
+    monkeypatch_batch(c)
+    assert warm(c, Compiled(c.model, fail_in, fail_on=1)) is c.model
+    assert all(p.grad is None for p in c.model.parameters()) and c.run.compiled is None
+    assert "torch.compile failed" in capfd.readouterr().err  # run.log's logger, closed now
+    with pytest.raises(RuntimeError, match="simulated"):  # not a compiler error: a bug
+        warm(c, Compiled(c.model, "forward", fail_on=1, error=RuntimeError))
+
+
+def monkeypatch_batch(c):
+    """The warm-up's batch: the tests' small images, not digits."""
+    c.run.peek_batch = lambda: batches(1)[0]
+
+
+def test_the_state_resumes_the_step_exactly(step_of):
+    data = batches(4)
+    straight = step_of(small_net(0), "--clip-grad", "1", "--ema", "0.5")
+    for batch in data:
+        straight.step([batch])
+    first = step_of(small_net(0), "--clip-grad", "1", "--ema", "0.5")
+    for batch in data[:2]:
+        first.step([batch])
+    buffer = io.BytesIO()
+    torch.save(first.run.state.state_dict()["trainer"], buffer)
+    buffer.seek(0)
+    resumed = step_of(small_net(7), "--clip-grad", "1", "--ema", "0.5")  # all must be loaded
+    resumed.run.state.load_objects(torch.load(buffer, weights_only=True))
+    for batch in data[2:]:
+        resumed.step([batch])
+    for name in ("model", "ema"):
+        a, b = (c.run.objects[name].state_dict() for c in (straight, resumed))
+        a, b = (s.get("module", s) for s in (a, b))  # EMA: its module's weights
+        for key, value in a.items():
+            assert torch.equal(value, b[key]), key
+    assert straight.run.train_sums.take() == resumed.run.train_sums.take()
+    assert straight.scheduler.get_last_lr() == resumed.scheduler.get_last_lr()
