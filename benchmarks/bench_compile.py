@@ -1,7 +1,7 @@
 """What the compile decision costs, and what the project's inductor cache saves, on this machine.
 
 (1) decision: run.py's warm_up, before compiling, peeks a real batch from the loader
-    (run.peek_batch) and times forward + backward on it (Trainer.time_forward_backward: one
+    (Run.peek_batch) and times forward + backward on it (hardware.time_forward_backward: one
     untimed pass + 3 timed ones). That is what --compile on (and auto on CUDA) pays before it
     decides; compared with one optimizer step of the same job. --compile auto on CPU decides
     without measuring: hardware.choose_compile's own time is reported too.
@@ -40,42 +40,39 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def decision_overhead(project: Path, pkg, args) -> dict:
+    """What `--compile auto` adds before the first step (a batch peeked, eager forward+backward
+    timed on it), against one optimizer step of the project's own run.py, on the same batch size."""
     import importlib.util
 
     import torch
+    from labrun.hardware import time_forward_backward
+    from labrun.session import capture_step
 
     spec = importlib.util.spec_from_file_location("run_bench", project / "run.py")
-    run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run)
+    run_py = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_py)
     work = Path(tempfile.mkdtemp(prefix="bench_compile_"))
     argv = ["--dataset", "synthetic", "--synthetic-size", "4000", "--device", "cpu"]
     argv += ["--batch-size", str(args.batch_size), "--width", str(args.width)]
     argv += ["--data-dir", str(work / "data"), "--results-dir", str(work / "r")]
-    run_args, _ = pkg.config.parse_args(argv)
-    device = torch.device("cpu")
-    data = run.build_data(run_args, device)
-    model = run.make_model(run_args, data.info).to(device, memory_format=torch.channels_last)
-    trainer = pkg.train.build_trainer(
-        model, run_args, device=device, dtype=None, compile_mode=None,
-        total_steps=run.total_steps(run_args, data.steps_per_epoch), log=None,
-    )
+    argv += ["--tracking", "off", "--progress", "off"]
+    captured = capture_step(run_py.main, argv)  # run.py up to its step: model, optimizer, step
+    run, device = captured.run, torch.device("cpu")
     now = pkg.hardware.timed(device)
-    loader = data.loaders["train"]
     decide, choose, steps = [], [], []
     for _ in range(args.repeats):
         start = now()
-        x, y = run.peek_batch(loader, 0, device)
-        trainer.time_forward_backward(x, y, now)
+        x, y = run.peek_batch()
+        time_forward_backward(captured.model, x, y, run.task.loss, None, now)
         decide.append(now() - start)
         start = time.perf_counter()
         pkg.hardware.choose_compile(device, "auto", 7020, measure=None)
         choose.append(time.perf_counter() - start)
-    loader.set_epoch(0)
-    batches = iter(loader)
-    trainer.step([next(batches)], 1)  # untimed
-    for i in range(args.repeats):
+    batches = iter(run.data_.train)
+    captured.step([next(batches)])  # untimed
+    for _ in range(args.repeats):
         start = now()
-        trainer.step([next(batches)], i + 2)
+        captured.step([next(batches)])
         steps.append(now() - start)
     return {"decide": decide, "choose": choose, "step": steps}
 

@@ -103,11 +103,15 @@ def synchronize(device) -> None:
 
 
 def import_package(project: Path):
+    """labrun as the rendered project uses it (its models and datasets found through
+    LABRUN_PROJECT), with the modules the benchmarks call imported: (labrun, "labrun")."""
     import importlib
 
-    package = next(p.parent.name for p in project.glob("*/model.py"))
+    os.environ["LABRUN_PROJECT"] = str(project)
     sys.path.insert(0, str(project))
-    return importlib.import_module(package), package
+    for module in ("config", "data", "hardware", "train", "models", "gpucheck"):
+        importlib.import_module(f"labrun.{module}")
+    return importlib.import_module("labrun"), "labrun"
 
 
 def main(argv=None) -> int:
@@ -123,8 +127,6 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench_train_"))
     project = render_project(work)
     pkg, package = import_package(project)
-    for module in ("data", "model", "train", "hardware", "gpucheck"):
-        __import__(f"{package}.{module}")
     data_dir, results_dir = work / "data", work / "results"
     results_dir.mkdir()
     # Same cached file for all three: the job reads what this process generated.

@@ -122,8 +122,8 @@ def build_wheel(lib_dir: Path, out_dir: Path) -> Path:
     ]
     files[f"{dist_info}/METADATA"] = ("\n".join(metadata) + "\n").encode()
     files[f"{dist_info}/WHEEL"] = (
-        "Wheel-Version: 1.0\nGenerator: lab-template\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
-    ).encode()
+        b"Wheel-Version: 1.0\nGenerator: lab-template\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    )
     scripts = meta.get("scripts", {})
     if scripts:
         lines = ["[console_scripts]", *(f"{k} = {v}" for k, v in scripts.items())]

@@ -150,6 +150,7 @@ def project_on_fake_indexes(project, tmp_path, unreachable=()) -> Path:
     work = tmp_path / "project"
     work.mkdir()
     (work / "pyproject.toml").write_text(text)
+    shutil.copytree(project / "wheels", work / "wheels")  # [tool.uv] find-links: labrun's wheel
     return work
 
 

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 from conftest import PACKAGE, ROOT, RUN_PY
-
 from labrun import config, datasets
 from labrun.analysis import Run, aggregate
 from labrun.augment import choose_augmentation
@@ -160,7 +159,7 @@ def test_a_model_takes_its_own_size_arguments(tmp_path, monkeypatch):
     for model, width in (("logreg", None), ("cnn1d", 64), ("cnn1d", 16)):
         cfg = {"model": model, "width": width, "seed": 0, "experiment_keys": ["model", "width"]}
         runs.append(Run(model, cfg, {"test_acc": 0.5}, {}))
-    labels = [row.label for row in aggregate(runs).rows]
+    labels = list(aggregate(runs).stats.index)  # one row per configuration, by its label
     assert sorted(labels) == ["model=cnn1d, width=16", "model=cnn1d, width=64", "model=logreg"]
 
 
@@ -210,7 +209,6 @@ def test_signals_with_augmentation_resume_exactly(main_in_process, tmp_path, mon
     import signal
 
     import pandas as pd
-
     from labrun.state import TrainSums
 
     argv = ["--dataset", "signals", "--model", "cnn1d", "--augment", "on", "--epochs", "2",

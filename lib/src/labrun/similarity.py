@@ -14,6 +14,7 @@ when a layer has more features than there are images), in float64.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -43,6 +44,73 @@ def describe(found: dict[str, nn.Module]) -> str:
     return ", ".join(f"{name} ({type(module).__name__})" for name, module in found.items())
 
 
+def choose_layer(model: nn.Module, layer: str | None, which: str) -> str:
+    """`layer` of `model` (None: its last hidden layer); ValueError listing every layer."""
+    found = layers(model)
+    chosen = layer or default_layer(list(found))
+    if chosen not in found:
+        raise ValueError(f"--layer: {chosen!r} is not a layer of {which}'s model; choose one of "
+                         f"{describe(found)}")  # fmt: skip
+    return chosen
+
+
+def test_inputs(config: dict, count: int, seed: int, batch_size: int, device, data_dir=None):
+    """`count` inputs of the test split a run was tested on (rebuilt from its config.json; a
+    seeded choice, in order), in batches on `device`."""
+    from .data import FileSplit, build_loader, load_dataset
+
+    loaded = load_dataset(
+        config["dataset"], data_dir or config["data_dir"], data_path=config.get("data_path"),
+        image_size=tuple(config["image_size"]) if config.get("image_size") else None,
+        val_fraction=config.get("val_fraction", 0.1), seed=config.get("seed", 0),
+        synthetic_size=config.get("synthetic_size", 10_000), workers=0,
+        data_version=config.get("data_version"), task=config.get("task", "classification"),
+    )  # fmt: skip
+    test = loaded.splits["test"]
+    generator = torch.Generator().manual_seed(seed)
+    chosen = torch.randperm(len(test), generator=generator)[:count].sort().values
+    # replace(): the split keeps its layout and the training split's normalisation
+    if isinstance(test, FileSplit):
+        test = replace(test, paths=[test.paths[i] for i in chosen], labels=test.labels[chosen])
+    elif test.rows is not None:  # rows of a shared decoded cache
+        test = replace(test, rows=test.rows[chosen], labels=test.labels[chosen])
+    else:
+        test = replace(test, images=test.images[chosen], labels=test.labels[chosen])
+    loader = build_loader(test, batch_size, train=False, device=device, workers=0)
+    return [x for x, _ in loader]
+
+
+def first_tensor(output, batch: int) -> torch.Tensor:
+    """What a layer's output stands for, as (batch, features): the first tensor, depth first (a
+    tuple's or list's first element that holds one, a dict's first such value: GRU and LSTM give
+    `(output, h_n)`, MultiheadAttention `(output, weights)`), a PackedSequence padded to (batch,
+    time, features), sequence-first outputs (time, batch, ...) turned batch-first. ValueError
+    when the output holds no tensor with a dimension of `batch` inputs."""
+    if isinstance(output, nn.utils.rnn.PackedSequence):
+        output = nn.utils.rnn.pad_packed_sequence(output, batch_first=True)[0]
+    elif isinstance(output, dict):
+        output = next((v for v in output.values() if _holds_tensor(v)), None)
+    elif isinstance(output, tuple | list):
+        output = next((v for v in output if _holds_tensor(v)), None)
+    if output is not None and not isinstance(output, torch.Tensor):
+        return first_tensor(output, batch)
+    if not isinstance(output, torch.Tensor):
+        raise ValueError("its output holds no tensor")
+    if output.dim() > 1 and output.shape[0] != batch and output.shape[1] == batch:
+        output = output.transpose(0, 1)  # (time, batch, ...): an RNN without batch_first
+    if output.dim() == 0 or output.shape[0] != batch:
+        raise ValueError(f"its output {tuple(output.shape)} has no dimension of {batch} inputs")
+    return output.reshape(batch, -1)
+
+
+def _holds_tensor(value) -> bool:
+    if isinstance(value, torch.Tensor | nn.utils.rnn.PackedSequence):
+        return True
+    if isinstance(value, dict):
+        value = list(value.values())
+    return isinstance(value, tuple | list) and any(_holds_tensor(v) for v in value)
+
+
 @torch.no_grad()
 def activations(
     model: nn.Module, batches: Iterable[torch.Tensor], names: list[str], on_batch=None
@@ -50,22 +118,30 @@ def activations(
     """Each named layer's outputs for every input, flattened per input: {name: (n, features)}.
 
     Forward hooks record the layers while the model runs once per batch, in eval mode (BatchNorm
-    uses its running statistics, as at test time). `on_batch()` runs after each batch (e.g. to
-    honour a stop request)."""
+    uses its running statistics, as at test time); a layer's output is read by first_tensor().
+    `on_batch()` runs after each batch (e.g. to honour a stop request). ValueError names a layer
+    whose output cannot be read."""
     modules = dict(layers(model))
     out: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    batch = 0
 
     def hook(name):
-        # A copy: a later in-place op (ReLU(inplace=True)) must not change what was recorded.
-        return lambda _module, _inputs, output: out[name].append(
-            output.detach().flatten(1).to("cpu", torch.float32, copy=True)
-        )
+        def record(_module, _inputs, output):
+            try:
+                features = first_tensor(output, batch)
+            except ValueError as exc:
+                raise ValueError(f"layer {name!r} ({type(_module).__name__}): {exc}") from None
+            # A copy: a later in-place op (ReLU(inplace=True)) must not change what was recorded.
+            out[name].append(features.detach().to("cpu", torch.float32, copy=True))
+
+        return record
 
     handles = [modules[name].register_forward_hook(hook(name)) for name in names]
     was_training = model.training
     model.eval()
     try:
         for x in batches:
+            batch = len(x)
             model(x)
             if on_batch is not None:
                 on_batch()

@@ -1,4 +1,5 @@
-"""analyze.py and similarity.py: linear CKA, its properties, and the job on two real runs.
+"""analyze.py and labrun.similarity: linear CKA, its properties, layers whatever they return,
+and the job on two real runs of run.py.
 
 The properties are the ones a wrong formula breaks: without centring, X and X + offset are not
 at 1; a normalisation by the wrong norms leaves [0, 1] or breaks the scale invariance; any
@@ -8,6 +9,7 @@ whitening would make every invertible linear map look identical.
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import os
 import shutil
@@ -18,12 +20,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
+from conftest import ROOT, TINY, load_run_py
 from labrun import runs
-from labrun.models import create_model
-from labrun.similarity import default_layer, layers, linear_cka
-
-ROOT = Path(__file__).resolve().parent.parent
+from labrun.models import create_model, register_model
+from labrun.similarity import activations, default_layer, first_tensor, layers, linear_cka
+from torch import nn
 
 
 def random_features(n=64, p=20, seed=0) -> torch.Tensor:
@@ -112,31 +113,200 @@ def test_help_and_print_run_dir_import_neither_torch_nor_mlflow(tmp_path):
     )
 
 
-# ---- the job, end to end, on two real runs of run.py -------------------------------------------
-@pytest.fixture(scope="module")
-def two_runs(tmp_path_factory) -> tuple[Path, Path, dict]:
-    base = tmp_path_factory.mktemp("cka")
-    env = {**os.environ, "LAB_TRACKING": "off", "OMP_NUM_THREADS": "1"}
-    dirs = []
-    for seed in ("0", "1"):
-        argv = [sys.executable, str(ROOT / "run.py"), "--device", "cpu", "--width", "8",
-                "--epochs", "1", "--seed", seed, "--progress", "off", "--results-dir",
-                str(base / "runs"), "--data-dir", str(base / "data")]  # fmt: skip
-        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
-        dirs.append(Path(subprocess.run([*argv, "--print-run-dir"], env=env, capture_output=True,
-                                        text=True).stdout.strip()))  # fmt: skip
-    return dirs[0], dirs[1], env
+# ---- layers that return tuples, dicts or packed sequences (issue 30.5) -------------------------
+class Rows(nn.Module):
+    """Images (N, C, H, W) as sequences of H rows of W features."""
+
+    def forward(self, x):
+        return x.float().mean(1)
 
 
-def analyze(*args, results: Path, env: dict):
-    return subprocess.run(
-        [sys.executable, str(ROOT / "analyze.py"), *map(str, args), "--results-dir", str(results)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+class Packed(nn.Module):
+    def forward(self, x):
+        return nn.utils.rnn.pack_padded_sequence(x, [x.shape[1]] * len(x), batch_first=True)
+
+
+class Keyed(nn.Module):
+    def forward(self, x):
+        return {"weights": None, "output": (x, x.sum())}
+
+
+class Attend(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(width, 1, batch_first=True)
+
+    def forward(self, x):
+        return self.attention(x, x, x)  # (output, attention weights)
+
+
+class Last(nn.Module):
+    def forward(self, x):
+        x = x[0] if isinstance(x, tuple) else x
+        x = nn.utils.rnn.pad_packed_sequence(x, batch_first=True)[0] if isinstance(
+            x, nn.utils.rnn.PackedSequence) else x  # fmt: skip
+        return x[:, -1]
+
+
+class LastOfTimeFirst(nn.Module):
+    def forward(self, x):
+        return x[0][-1]
+
+
+class Pick(nn.Module):
+    def forward(self, x):
+        return x["output"][0]
+
+
+class TimeFirst(nn.Module):
+    def forward(self, x):
+        return x.transpose(0, 1)
+
+
+def sequence_model(width: int = 6, classes: int = 3, features: int = 5) -> nn.Sequential:
+    return nn.Sequential(
+        nn.GRU(features, width, batch_first=True),  # (output, h_n)
+        Last(),
+        nn.Linear(width, width),
+        nn.Unflatten(1, (1, width)),
+        Packed(),  # a PackedSequence
+        nn.LSTM(width, width, batch_first=True),  # (PackedSequence, (h_n, c_n))
+        Last(),
+        nn.Unflatten(1, (1, width)),
+        Attend(width),  # (output, attention weights)
+        Last(),
+        nn.Unflatten(1, (1, width)),
+        Keyed(),  # a dict whose first value holds no tensor
+        Pick(),
+        TimeFirst(),
+        nn.GRU(width, width),  # sequence-first: (time, batch, features)
+        LastOfTimeFirst(),
+        nn.Linear(width, classes),
     )
+
+
+def test_layers_returning_tuples_dicts_and_packed_sequences_are_read():
+    model = sequence_model()
+    batches = [torch.randn(4, 7, 5), torch.randn(3, 7, 5)]
+    names = list(layers(model))
+    got = activations(model, batches, names)
+    assert all(v.shape[0] == 7 for v in got.values()), {k: v.shape for k, v in got.items()}
+    assert got["0"].shape == (7, 7 * 6)  # the GRU's output (batch, time, width), not h_n
+    assert got["5"].shape == (7, 6) and got["8"].shape == (7, 6)  # LSTM padded; attention output
+    assert got["11"].shape == (7, 6)  # the dict's first value that holds a tensor
+    assert got["13"].shape == got["14"].shape == (7, 6)  # (time, batch, width) read batch first
+    with torch.no_grad():
+        expected = model[0](batches[0])[0].flatten(1)
+    assert torch.allclose(got["0"][:4], expected)
+    assert linear_cka(got["0"], got["0"]) == pytest.approx(1.0)
+
+
+def test_an_output_without_the_batch_is_named():
+    with pytest.raises(ValueError, match=r"no dimension of 4 inputs"):
+        first_tensor(torch.zeros(3, 5), 4)
+    with pytest.raises(ValueError, match="holds no tensor"):
+        first_tensor(("text", None), 4)
+    assert first_tensor([{"a": torch.ones(4, 2, 3)}], 4).shape == (4, 6)
+
+
+# ---- the job, on two real runs of run.py --------------------------------------------------------
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory) -> tuple[Path, Path]:
+    base = tmp_path_factory.mktemp("cka")
+    run = load_run_py()
+    where = ["--results-dir", str(base / "runs"), "--data-dir", str(base / "data")]
+    for seed in ("0", "1"):
+        assert run.main([*TINY, *where, "--epochs", "1", "--seed", seed, "--tracking", "off",
+                         "--image-size", "16"]) == 0  # fmt: skip
+    a, b = sorted((base / "runs").iterdir(), key=lambda p: "seed=1" in p.name)
+    return a, b
+
+
+def analyze(*args, results: Path, env: dict | None = None):
+    env = env or {**os.environ, "LAB_TRACKING": "off"}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "analyze.py"), *map(str, args), "--results-dir", str(results),
+         "--device", "cpu"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def load_analyze():
+    spec = importlib.util.spec_from_file_location("analyze_under_test", ROOT / "analyze.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@register_model("rowgru", help="a GRU over image rows (tests)")
+def rowgru(num_classes, channels, image_size, width):
+    return nn.Sequential(Rows(), nn.GRU(image_size[1], width, batch_first=True), Last(),
+                         nn.Linear(width, num_classes))  # fmt: skip
+
+
+def test_a_model_with_a_gru_is_analysed(two_runs, tmp_path, capsys):
+    """Issue 30.5: analyze.py on a model whose layer returns a tuple (today: AttributeError in
+    the hook, exit 1, status failed)."""
+    a, _ = two_runs
+    gru = tmp_path / "runs" / a.name
+    shutil.copytree(a, gru)
+    config = json.loads((gru / "config.json").read_text())
+    config["model"] = "rowgru"
+    (gru / "config.json").write_text(json.dumps(config))
+    model = rowgru(config["num_classes"], config["channels"], config["image_size"], 8)
+    torch.save(model.state_dict(), gru / "best_model.pt")
+    results = tmp_path / "analysis"
+    args = [str(gru), str(gru), "--layer", "1", "--images", "50", "--results-dir", str(results),
+            "--device", "cpu", "--tracking", "off"]  # fmt: skip
+    assert load_analyze().main(args) == 0, capsys.readouterr().err
+    (out,) = results.iterdir()
+    assert runs.read_status(out) == "finished"
+    assert runs.read_metrics(out)["cka"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_a_failure_is_one_line_status_failed_and_mlflow_failed(two_runs, tmp_path, env, capsys,
+                                                              monkeypatch):  # fmt: skip
+    """Issue 30.5: whatever fails inside the job ends it `failed`, in run.log, in one `error:`
+    line and in MLflow (not left RUNNING)."""
+    import labrun.similarity
+    from mlflow.tracking import MlflowClient
+
+    def broken(*_):
+        raise RuntimeError("the CKA went wrong\nand a second line of detail")
+
+    monkeypatch.setattr(labrun.similarity, "cka_matrix", broken)
+    a, b = two_runs
+    results = tmp_path / "analysis"
+    experiment = f"cka-{tmp_path.name}"
+    args = [str(a), str(b), "--images", "20", "--results-dir", str(results), "--device", "cpu"]
+    code = load_analyze().main([*args, "--tracking", "on", "--experiment", experiment])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert [ln for ln in err.splitlines() if ln.startswith("error:")] == [
+        "error: RuntimeError: the CKA went wrong"]  # fmt: skip
+    (out,) = results.iterdir()
+    assert runs.read_status(out) == "failed" and not (out / "metrics.json").exists()
+    assert "the CKA went wrong" in (out / "run.log").read_text()
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    (found,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert found.info.status == "FAILED"
+
+
+def test_a_crafted_weights_file_is_refused_in_one_line(two_runs, tmp_path):
+    """Issue 29.10: a best_model.pt that would run code when unpickled is refused by torch's
+    weights_only loader; analyze.py says so in one line, without torch's advice to load it
+    anyway (today: 6 lines ending in advice that does not apply)."""
+    a, b = two_runs
+    crafted = tmp_path / "runs" / a.name
+    shutil.copytree(a, crafted)
+    torch.save({"weight": os.system}, crafted / "best_model.pt")  # a pickled callable
+    refused = analyze(crafted, b, results=tmp_path / "analysis")
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.splitlines() == [
+        f"error: RUN_A: {crafted / 'best_model.pt'} is not weights of this run's model "
+        "(UnpicklingError); train the run again"
+    ]
+    assert not (tmp_path / "analysis").exists() or not any((tmp_path / "analysis").iterdir())
 
 
 def read_table(path: Path) -> tuple[list[str], list[str], np.ndarray]:
@@ -146,9 +316,9 @@ def read_table(path: Path) -> tuple[list[str], list[str], np.ndarray]:
 
 @pytest.mark.slow
 def test_analyze_two_runs_end_to_end(two_runs, tmp_path):
-    a, b, env = two_runs
+    a, b = two_runs
     results = tmp_path / "analysis"
-    first = analyze(a, b, results=results, env=env)
+    first = analyze(a, b, results=results)
     assert first.returncode == 0, first.stderr
     (out,) = results.iterdir()
     assert out.name.startswith(f"cka_{a.name}") and runs.read_status(out) == "finished"
@@ -159,13 +329,13 @@ def test_analyze_two_runs_end_to_end(two_runs, tmp_path):
     assert metrics["images"] == 360  # digits' whole test split: fewer than --images 500
     assert metrics["cka"] == pytest.approx(table[5, 5], abs=1e-6)
     assert ((table >= 0) & (table <= 1)).all() and 0 < metrics["cka"] < 0.999
-    again = analyze(a, b, results=results, env=env)
+    again = analyze(a, b, results=results)
     assert again.returncode == 0 and again.stdout.startswith(f"already finished: {out}")
 
     # A run with itself: every layer with itself is 1 (the same images, the same weights).
-    itself = analyze(a, a, "--images", "100", results=results, env=env)
+    itself = analyze(a, a, "--images", "100", results=results)
     assert itself.returncode == 0, itself.stderr
-    where = analyze(a, a, "--images", "100", "--print-run-dir", results=results, env=env)
+    where = analyze(a, a, "--images", "100", "--print-run-dir", results=results)
     same = Path(where.stdout.strip())
     assert runs.read_metrics(same)["cka"] == pytest.approx(1.0, abs=1e-5)
     assert np.allclose(np.diagonal(read_table(same / "cka_layers.csv")[2]), 1.0, atol=1e-5)
@@ -175,7 +345,7 @@ def test_analyze_two_runs_end_to_end(two_runs, tmp_path):
     drawn = subprocess.run(
         [sys.executable, str(ROOT / "plot.py"), "--analysis", str(results), "--out",
          str(figures), "--formats", "pdf", "png"],
-        env=env, capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert drawn.returncode == 0, drawn.stderr
     assert sorted(p.name for p in figures.iterdir()) == sorted(
@@ -187,11 +357,11 @@ def test_analyze_two_runs_end_to_end(two_runs, tmp_path):
 
 @pytest.mark.slow
 def test_analyze_identity_and_refusals(two_runs, tmp_path):
-    a, b, env = two_runs
+    a, b = two_runs
     results = tmp_path / "analysis"
 
     def where(*args):
-        return analyze(*args, "--print-run-dir", results=results, env=env).stdout.strip()
+        return analyze(*args, "--print-run-dir", results=results).stdout.strip()
 
     # The identity is the runs' config hashes (not their paths), the layer and the image count.
     moved = tmp_path / "elsewhere" / a.name
@@ -202,7 +372,7 @@ def test_analyze_identity_and_refusals(two_runs, tmp_path):
         == 4
     )
 
-    bad = analyze(a, b, "--layer", "nope", results=results, env=env)
+    bad = analyze(a, b, "--layer", "nope", results=results)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert (
         bad.stderr.startswith("error: --layer: 'nope' is not a layer")
@@ -213,11 +383,11 @@ def test_analyze_identity_and_refusals(two_runs, tmp_path):
     unfinished = tmp_path / "unfinished" / a.name
     shutil.copytree(a, unfinished)
     (unfinished / "metrics.json").unlink()
-    refused = analyze(a, unfinished, results=results, env=env)
+    refused = analyze(a, unfinished, results=results)
     assert refused.returncode == 2 and refused.stderr.startswith("error: RUN_B: ")
     assert "not finished" in refused.stderr
     (moved / "best_model.pt").unlink()
-    refused = analyze(moved, b, results=results, env=env)
+    refused = analyze(moved, b, results=results)
     assert refused.returncode == 2 and "has no best_model.pt" in refused.stderr
 
 
@@ -225,7 +395,7 @@ def test_analyze_identity_and_refusals(two_runs, tmp_path):
 def test_analyze_is_tracked_in_mlflow(two_runs, tmp_path, env):
     from mlflow.tracking import MlflowClient
 
-    a, b, _ = two_runs
+    a, b = two_runs
     results = tmp_path / "analysis"
     done = analyze(a, b, "--images", "50", "--tracking", "on", results=results, env=env)
     assert done.returncode == 0, done.stderr
@@ -243,20 +413,20 @@ def test_analyze_is_tracked_in_mlflow(two_runs, tmp_path, env):
 def test_a_run_trained_again_is_analysed_again(tmp_path):
     """--fresh retrains a run in place (same directory, new weights): the CKA computed on the old
     weights must not be reported as the new run's ("already finished"), and stays as it was."""
-    env = {**os.environ, "LAB_TRACKING": "off", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "LAB_TRACKING": "off"}
     argv = [sys.executable, str(ROOT / "run.py"), "--device", "cpu", "--width", "8", "--epochs",
             "1", "--progress", "off", "--results-dir", str(tmp_path / "runs"), "--data-dir",
             str(tmp_path / "data")]  # fmt: skip
     assert subprocess.run(argv, env=env, capture_output=True, timeout=300).returncode == 0
     run = next((tmp_path / "runs").iterdir())
     results = tmp_path / "analysis"
-    first = analyze(run, run, "--images", "50", results=results, env=env)
+    first = analyze(run, run, "--images", "50", results=results)
     assert first.returncode == 0, first.stderr
     (old,) = results.iterdir()
     old_metrics = (old / runs.METRICS).read_bytes()
     again = subprocess.run([*argv, "--fresh"], env=env, capture_output=True, timeout=300)
     assert again.returncode == 0
-    second = analyze(run, run, "--images", "50", results=results, env=env)
+    second = analyze(run, run, "--images", "50", results=results)
     assert second.returncode == 0 and not second.stdout.startswith("already finished")
     assert len(list(results.iterdir())) == 2
     assert (old / runs.METRICS).read_bytes() == old_metrics

@@ -1,0 +1,109 @@
+"""What every figure of plot.py shares: colours and markers per configuration, labels wrapped
+at the font's real width (never cut off), legends that fit the page, atomic saves. The figures
+themselves, their sizes and the rcParams live in the project's plot.py."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.font_manager import FontProperties
+from matplotlib.textpath import TextToPath
+
+from .analysis import Table, format_value
+from .runs import atomic_path
+
+MARKERS = "osD^vP<X>*"
+GID = "config:"  # the gid of every artist that stands for a configuration (tests read it)
+MAX_SHOWN = 24  # configurations a figure draws (a legend must fit the page); a note says so
+
+
+def text_width(text: str, size: float) -> float:
+    """Width of `text` at `size` pt in inches, from the font's own metrics."""
+    return (
+        TextToPath().get_text_width_height_descent(text, FontProperties(size=size), False)[0] / 72
+    )
+
+
+def wrap(text, width: float, size: float = 8) -> str:
+    """`text` in lines at most `width` inches wide at `size` pt: broken after spaces, `_`, `,`,
+    `=`, `-` or `/`, inside a word only where one is wider than the line (never cut off)."""
+    lines: list[str] = []
+    for piece in re.split(r"(?<=[ _,=/-])", str(text)):
+        if lines and text_width(lines[-1] + piece, size) <= width:
+            lines[-1] += piece
+            continue
+        lines.append("")
+        for char in piece:  # a piece wider than the line: broken where it must be
+            if lines[-1] and text_width(lines[-1] + char, size) > width:
+                lines.append("")
+            lines[-1] += char
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def shown(table: Table) -> tuple[list[str], str]:
+    """The configurations a figure draws (the first MAX_SHOWN), and the note naming the rest."""
+    configs = list(table.stats.index)
+    if len(configs) <= MAX_SHOWN:
+        return configs, ""
+    return configs[:MAX_SHOWN], f"first {MAX_SHOWN} of {len(configs)} (all in aggregate.csv)"
+
+
+def title(table: Table, note: str = "") -> str:
+    """A legend's title: the swept keys its labels give the values of, then the note."""
+    return "; ".join(filter(None, [", ".join(table.keys), note]))
+
+
+def looks(table: Table | Sequence[str], gid: str = GID) -> dict[str, dict]:
+    """Line2D keywords per configuration (or any names, in order): the i-th gets the i-th tab10
+    colour and marker (beyond 10, a colormap's shades), the same in every figure, distinct in
+    greyscale too; `gid` + name tags its artists."""
+    names = list(table.stats.index) if isinstance(table, Table) else list(table)
+    colours = matplotlib.colormaps["tab10"](range(10))
+    if len(names) > 10:
+        colours = matplotlib.colormaps["turbo"](np.linspace(0.05, 0.95, len(names)))
+    return {name: {"color": colours[i], "marker": MARKERS[i % len(MARKERS)], "gid": gid + name}
+            for i, name in enumerate(names)}  # fmt: skip
+
+
+def label(table: Table, config: str, metric: str | None = None) -> str:
+    """A configuration's values ("0.01, 64": the keys are in the legend's title), with its n
+    where it has fewer seeds than the others, or fewer finite values of `metric` than seeds."""
+    row = table.stats.loc[config]
+    # None or NaN (v != v): an argument this configuration's model does not take (logreg: width)
+    values = [row[k] for k in table.keys]
+    text = ", ".join(format_value(v) for v in values if v is not None and v == v) or config
+    n = int(row[f"{metric}_n"]) if metric else row.n
+    return f"{text} (n={n})" if n < row.n or row.fewer_seeds else text
+
+
+def legend(fig: Figure, handles, labels, width: float, title: str = "") -> float:
+    """A legend below the axes, in as many columns as fit `width` inches, its labels wrapped to
+    fit; returns the height in inches it needs (add it to the figure's)."""
+    labels, title = [wrap(s, width - 0.5) for s in labels], wrap(title, width - 0.1, 9)
+    widest = max(text_width(line, 8) for s in labels for line in s.split("\n")) + 0.4
+    ncols = max(1, min(len(labels), int((width - 0.1) // widest)))
+    lines = max(sum(s.count("\n") + 1 for s in labels[i::ncols]) for i in range(ncols))
+    fig.legend(handles, labels, loc="outside lower center", ncols=ncols, title=title or None)
+    return 0.15 + 0.155 * lines + (0.19 * (title.count("\n") + 1) if title else 0)
+
+
+def time_unit(seconds: float) -> tuple[float, str]:
+    """(seconds per unit, unit) for an axis of durations up to `seconds`."""
+    return (3600, "h") if seconds >= 7200 else (60, "min") if seconds >= 120 else (1, "s")
+
+
+def save(fig: Figure, name: str, out: Path, formats=("pdf", "png")) -> list[Path]:
+    """out/<name>.<fmt> for each format, written atomically (a LaTeX preview never sees half a
+    PDF); the PDF carries no date, so a re-run without changes gives the same bytes."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{name}.{fmt}" for fmt in formats]
+    for path in paths:
+        with atomic_path(path) as tmp:
+            metadata = {"CreationDate": None} if path.suffix == ".pdf" else None
+            fig.savefig(tmp, format=path.suffix[1:], metadata=metadata)
+    return paths
