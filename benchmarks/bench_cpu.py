@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/bench_cpu.py sweep               # ~10 min: CPU_JOBS settings
     .venv/bin/python benchmarks/bench_cpu.py default-sweep       # ~15 min on 2 cores
     .venv/bin/python benchmarks/bench_cpu.py startup --template DIR   # another checkout (before)
+    .venv/bin/python benchmarks/bench_cpu.py loop                # ~5 min: job vs a plain loop
 
 startup: a freshly rendered project; `run.py` with one optimizer step (digits, width 16), so what
   is left is the fixed cost every job pays: interpreter, imports, data, model, MLflow, the files.
@@ -14,6 +15,11 @@ startup: a freshly rendered project; `run.py` with one optimizer step (digits, w
   budgets for.
 sweep: the demo's sweep (9 jobs: 3 lr x 3 seeds, digits, width 16, 6 epochs) under each CPU_JOBS
   / OMP_NUM_THREADS setting, each into its own SWEEP_NAME: wall time of `bash run.sh`.
+loop: issue 28.9, side by side on this CPU (named from /proc/cpuinfo), OMP_NUM_THREADS as set:
+  the plain PyTorch loop (gpucheck.plain_loop_rate: fp32, NCHW, per-sample augmentation),
+  run.py on the same model, data and batch (its metrics.json samples/s, steps only), and the
+  step itself in each candidate habit (NCHW / channels_last x fp32 / bf16 autocast where the CPU
+  has native bf16): which habit costs here. Interleaved, --repeats each, the best reported.
 default-sweep: the generated run.sh as it is (9 jobs, width 64, up to 20 epochs with early
   stopping), CPU_JOBS at its default: what "bash run.sh" costs on this machine.
 """
@@ -153,9 +159,84 @@ def default_sweep(template: Path) -> None:
         print(f"| CPU_JOBS at its default (load before {load:.1f}) | {row} |")
 
 
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+def habit_rate(layout, bf16: bool, batch: int, width: int, steps: int = 8) -> float:
+    """samples/s of forward + backward + AdamW of the default model on random images."""
+    import torch
+    import torch.nn.functional as F
+    from labrun.gpucheck import default_model
+
+    model = default_model(width).to(memory_format=layout)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(batch, 3, 32, 32).contiguous(memory_format=layout)
+    y = torch.randint(0, 10, (batch,))
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    started = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return steps * batch / (time.perf_counter() - started)
+
+
+def loop(template: Path, repeats: int, batch: int = 128, width: int = 64, steps: int = 30) -> None:
+    import torch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        project = render(template, Path(tmp))
+        os.environ["LABRUN_PROJECT"] = str(project)  # the project's models, as run.py finds them
+        sys.path.insert(0, str(project))
+        from labrun import gpucheck
+        from labrun.hardware import cpu_has_native_bf16
+
+        rates: dict[str, list[float]] = {}
+        candidates = [("NCHW fp32", torch.contiguous_format, False),
+                      ("channels_last fp32", torch.channels_last, False)]
+        if cpu_has_native_bf16():
+            candidates += [("NCHW bf16", torch.contiguous_format, True),
+                           ("channels_last bf16", torch.channels_last, True)]
+        cpu = torch.device("cpu")
+        split = gpucheck.synthetic_split(10_000)
+        layout_line = ""
+        for i in range(repeats):
+            rates.setdefault("plain loop", []).append(gpucheck.plain_loop_rate(
+                split, cpu, batch_size=batch, steps=steps, warmup=3, tracking_dir=Path(tmp),
+                width=width))
+            metrics = gpucheck.job_rate(
+                cpu, batch_size=batch, steps=steps, synthetic_size=10_000,
+                data_dir=Path(tmp) / "data", results_dir=Path(tmp) / f"results{i}",
+                extra_args=("--tracking", "off", "--progress", "off"), width=width)
+            rates.setdefault("run.py", []).append(metrics["samples_per_sec"])
+            log = next((Path(tmp) / f"results{i}").glob("*/run.log")).read_text()
+            layout_line = next((x for x in log.splitlines() if "layout: " in x), layout_line)
+            for name, layout, bf16 in candidates:
+                rates.setdefault(f"step only, {name}", []).append(
+                    habit_rate(layout, bf16, batch, width))
+    plain = max(rates["plain loop"])
+    print(f"- CPU: {cpu_name()}; torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"native bf16: {cpu_has_native_bf16()}; batch {batch}, width {width}, {steps} steps")
+    print(f"- run.py's layout line: {layout_line.split('INFO ')[-1] or '(none)'}\n")
+    print("| variant | samples/s (best) | all | vs plain loop |\n|---|---:|---|---:|")
+    for name, values in rates.items():
+        listed = ", ".join(f"{v:.0f}" for v in values)
+        print(f"| {name} | {max(values):.0f} | {listed} | {max(values) / plain:.2f}x |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=["startup", "sweep", "default-sweep"])
+    parser.add_argument("part", choices=["startup", "sweep", "default-sweep", "loop"])
     parser.add_argument("--template", type=Path, default=TEMPLATE,
                         help="template checkout to render (default: this one)")
     parser.add_argument("--repeats", type=int, default=5, help="startup: jobs per row")
@@ -166,7 +247,8 @@ def main() -> int:
     print(f"- command: `python benchmarks/bench_cpu.py {args.part}`\n")
     {"startup": lambda: startup(args.template, args.repeats),
      "sweep": lambda: sweep(args.template),
-     "default-sweep": lambda: default_sweep(args.template)}[args.part]()
+     "default-sweep": lambda: default_sweep(args.template),
+     "loop": lambda: loop(args.template, min(args.repeats, 3))}[args.part]()
     print(f"\n- load average (1 min) after: {os.getloadavg()[0]:.2f}")
     return 0
 

@@ -1,7 +1,7 @@
 """One job on two processes (torchrun + DDP, gloo on CPU): what a step costs against one process.
 
-Renders the template, then times the default model's training step (`Trainer.step`, random
-images already in memory, no data loading) with the generated package's
+Renders the template, then times the default model's training step (run.py's step, random
+images already in memory, no data loading, in the precision run.py picks) with labrun's
 `distributed.measure_step`, the function `gpucheck`'s DDP check runs:
   one, B      one process, the global batch B
   two, B/2    torchrun, 2 processes, B/2 each: the same run (`--batch-size B`) on two processes
@@ -48,23 +48,29 @@ def render(out_dir: Path) -> Path:
 
 
 def step_ms(project: Path, nproc: int, batch: int, args, work: Path) -> float:
-    package = next(p.parent.name for p in project.glob("*/distributed.py"))
     out = work / f"{nproc}-{batch}.json"
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd = [
         sys.executable,
         *(launcher if nproc > 1 else []),
         "-m",
-        f"{package}.distributed",
+        "labrun.distributed",  # measure_step: run.py's step (precision, layout), no data
         "cpu",
         str(batch),
         str(args.steps),
         str(args.width),
         str(out),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LABRUN_PROJECT": str(project)}
     subprocess.run(cmd, cwd=project, env=env, check=True, capture_output=True)
     return 1000 * json.loads(out.read_text())["step_s"]
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
 
 
 def main(argv=None) -> int:
@@ -80,7 +86,7 @@ def main(argv=None) -> int:
             for name, (nproc, batch) in settings.items():
                 best[name] = min(best[name], step_ms(project, nproc, batch, args, Path(work)))
     print(
-        f"machine: {os.cpu_count()} cores, no GPU, torch {torch.__version__}, "
+        f"machine: {cpu_name()}, {os.cpu_count()} cores, no GPU, torch {torch.__version__}, "
         f"python {platform.python_version()}; model cnn width {args.width}, B = {b}, "
         f"{args.steps} timed steps, best of {args.repeats}\n"
     )

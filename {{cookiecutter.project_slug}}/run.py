@@ -88,8 +88,10 @@ def train(run: labrun.Run) -> None:
     model = make_model(args, data.info)
     # torchrun: SyncBatchNorm on CUDA, and each rank its own augmentation stream.
     model = run.dist.prepare(model, args.seed)
-    # channels_last (NHWC) is the layout tensor cores convolve in: no transposes per layer.
-    model = model.to(device, memory_format=torch.channels_last)
+    # channels_last (NHWC) is the layout tensor cores convolve in: no transposes per layer. On a
+    # CPU it is measured: oneDNN's NHWC kernels win on some x86 CPUs, NCHW on others (run.log).
+    layout = run.memory_format(model)
+    model = model.to(device, memory_format=layout)
 
     # ---- optimizer and schedule: swap them here (README, "Another optimizer") -------------------
     # AdamW, fused into one kernel on CUDA (which also does GradScaler's inf check on the device).
@@ -132,6 +134,8 @@ def train(run: labrun.Run) -> None:
         """Gradients of the mean loss over the micro-batches (summed into .grad)."""
         total = 0.0
         for i, (x, y) in enumerate(micro_batches):
+            if layout == torch.contiguous_format:  # a CPU faster in NCHW: the loaders give NHWC
+                x = x.contiguous()
             # DDP all-reduces the gradients once, on the last micro-batch, not on each.
             final = i == len(micro_batches) - 1
             with contextlib.nullcontext() if final or not run.ddp else net.no_sync():

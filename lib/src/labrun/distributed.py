@@ -32,6 +32,10 @@ from collections.abc import Iterator
 from .runs import CHECKPOINT
 
 EXIT_FAILED = 1
+EXIT_INTERRUPTED = 75
+TIMEOUT_ENV = "LAB_DIST_TIMEOUT_S"  # how long any collective or the rendezvous may wait
+DEFAULT_TIMEOUT_S = 600.0  # longer than a checkpoint write or a compile; torch's gloo waits 30 min
+FAILURE_KEY = "labrun/failed/"  # + rank: a rank's traceback, in torchrun's store
 STOP_EVERY = 10  # steps between stop polls: a stop waits at most this many steps
 SCALING_MIN = 0.8  # gpucheck's ddp check: weak-scaling efficiency below this is a FAIL
 
@@ -46,6 +50,75 @@ def _env_int(name: str, default: int) -> int:
 def follower() -> bool:
     """True in a rank other than 0 of a torchrun job (read from the environment, no torch)."""
     return _env_int("WORLD_SIZE", 1) > 1 and _env_int("RANK", 0) != 0
+
+
+class JoinFailed(RuntimeError):
+    """This rank could not join the job's process group (the others never came): exit 1."""
+
+
+def timeout_from_env() -> float:
+    """LAB_DIST_TIMEOUT_S as seconds > 0 (default 600): no rank waits longer than this in the
+    rendezvous or in a collective; then it fails (status failed) instead of hanging."""
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    try:
+        value = float(text) if text else DEFAULT_TIMEOUT_S
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        from .config import UsageError
+
+        raise UsageError(f"{TIMEOUT_ENV}={text!r}: expected a number of seconds > 0")
+    return value
+
+
+def launch_problem() -> str | None:
+    """Why this environment is not a job torchrun started (one line), or None. A WORLD_SIZE
+    left in a shell without MASTER_ADDR would otherwise end in torch's 20-line traceback."""
+    if _env_int("WORLD_SIZE", 1) <= 1:
+        return None
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:
+        return (
+            f"WORLD_SIZE={os.environ['WORLD_SIZE']} but no {' or '.join(missing)}: start several "
+            "processes with torchrun (run.sh --gpus N), or unset WORLD_SIZE for one process"
+        )
+    try:
+        timeout_from_env()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def code_version() -> str:
+    """A hash of the code this process runs: labrun's sources, the entry script and the
+    project's package (two checkouts that differ in one line differ here)."""
+    import hashlib
+    from pathlib import Path
+
+    from .project import current
+
+    files = sorted(Path(__file__).parent.glob("*.py"))
+    package = current().package_dir
+    if package is not None and package.is_dir():
+        files += sorted(package.rglob("*.py"))
+    script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    if script is not None and script.is_file():
+        files.append(script)
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def experiment_identity(args, out) -> dict:
+    """What every rank of one job must share: every argument (the experiment, its data path
+    and data version), the run directory, the code, the world size."""
+    identity = {f"--{k.replace('_', '-')}": str(v) for k, v in sorted(vars(args).items())}
+    identity["run directory"] = str(out)
+    identity["code version"] = code_version()
+    identity["world size"] = os.environ.get("WORLD_SIZE", "1")
+    return identity
 
 
 class Dist:
@@ -68,17 +141,23 @@ class Dist:
 
     # ---- start and end ---------------------------------------------------------------------
     def start(self, device: str) -> None:
-        """Join the job's process group: NCCL on CUDA (this rank's GPU), gloo on CPU."""
+        """Join the job's process group: NCCL on CUDA (this rank's GPU), gloo on CPU. Joining
+        and every collective wait at most LAB_DIST_TIMEOUT_S, then raise (nothing hangs)."""
+        import datetime
+
         import torch
         import torch.distributed as td
 
+        timeout = datetime.timedelta(seconds=timeout_from_env())
         self.cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
         if self.cuda:
             torch.cuda.set_device(self.local_rank)
-            td.init_process_group("nccl", device_id=torch.device("cuda", self.local_rank))
-            self.cpu_group = td.new_group(backend="gloo")
+            td.init_process_group(
+                "nccl", device_id=torch.device("cuda", self.local_rank), timeout=timeout
+            )
+            self.cpu_group = td.new_group(backend="gloo", timeout=timeout)
         else:
-            td.init_process_group("gloo")
+            td.init_process_group("gloo", timeout=timeout)
             self.cpu_group = td.group.WORLD
         if not self.is_main:  # one voice: rank 0 prints; the others' warnings go to stderr
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
@@ -116,6 +195,53 @@ class Dist:
         td.broadcast_object_list(box, src=0, group=self.cpu_group)
         return box[0]
 
+    def agree_on(self, identity: dict) -> str | None:
+        """None when every rank runs the same experiment (`identity`: experiment_identity, or
+        the data's content hash once loaded); else one line naming the first rank and argument
+        that differ from rank 0, the same line on every rank (one all_gather: call it on every
+        rank, before anything is written)."""
+        if not self.active:
+            return None
+        import torch.distributed as td
+
+        everyone: list = [None] * self.world
+        td.all_gather_object(everyone, identity, group=self.cpu_group)
+        for rank, theirs in enumerate(everyone[1:], start=1):
+            for key in [*everyone[0], *(k for k in theirs if k not in everyone[0])]:
+                ours, other = everyone[0].get(key), theirs.get(key)
+                if ours != other:
+                    return (
+                        f"torchrun: rank {rank} runs another experiment than rank 0: {key} is "
+                        f"{other} there, {ours} on rank 0; start every process with the same "
+                        "arguments, code and data"
+                    )
+        return None
+
+    def settle(self, code: int | None, stop=None, why: str = "") -> int | None:
+        """One collective for every way a rank may leave here: the first code in rank order
+        (a refusal or failure on any rank ends every rank with it), else EXIT_INTERRUPTED when
+        a stop signal reached any rank (`stop.requested`), else None (go on). Every rank calls
+        it at the same point, whatever it found: one collective shape on every path. `why`:
+        the refusal's line, printed by rank 0 when another rank refused (rank 0 printed its
+        own already)."""
+        stopping = stop is not None and stop.requested is not None
+        if not self.active:
+            return code if code is not None else (EXIT_INTERRUPTED if stopping else None)
+        import torch.distributed as td
+
+        votes: list = [None] * self.world
+        td.all_gather_object(votes, (code, stopping, why), group=self.cpu_group)
+        votes = [v if isinstance(v, tuple) else (v, False, "") for v in votes]  # from agree()
+        first = next((rank for rank, vote in enumerate(votes) if vote[0] is not None), None)
+        if first is None:
+            if any(vote[1] for vote in votes):
+                self._stop = True
+                return EXIT_INTERRUPTED
+            return None
+        if first != 0 and votes[first][2] and self.is_main:  # rank 0 is the one voice
+            print(f"error: rank {first}: {votes[first][2]}", file=sys.stderr)
+        return votes[first][0]
+
     def agree(self, code: int | None) -> int | None:
         """The first non-None code in rank order, on every rank (a refusal anywhere ends all)."""
         if not self.active:
@@ -140,7 +266,35 @@ class Dist:
             self._stop = bool(flag.item())
         return self._stop
 
+    # ---- a rank that fails: its cause reaches rank 0 (run.log, MLflow) ------------------------
+    def report_failure(self, text: str) -> None:
+        """Leave this rank's traceback in torchrun's store (not a collective: the others may
+        be anywhere), where rank 0 reads it when its own collective breaks."""
+        if not self.active:
+            return
+        with contextlib.suppress(Exception):  # the store may be gone: stderr still has it
+            store = _store()
+            if store is not None:
+                store.set(f"{FAILURE_KEY}{self.rank}", text)
+
+    def peer_failures(self, wait_s: float = 2.0) -> list[tuple[int, str]]:
+        return peer_failures(wait_s) if self.active else []
+
     # ---- model, data, metrics --------------------------------------------------------------
+    def check_splits(self, sizes: dict) -> None:
+        """Refuse a split with fewer samples than processes: a rank with nothing to evaluate
+        would report nan and the others could not tell (UsageError, exit 2 on every rank)."""
+        if not self.active:
+            return
+        from .config import UsageError
+
+        for name, size in sizes.items():
+            if size < self.world:
+                raise UsageError(
+                    f"the {name} split has {size} sample(s), fewer than the {self.world} "
+                    "processes that would share it; use more data or fewer processes"
+                )
+
     def check(self, args) -> None:
         """Refuse what cannot run on several processes (UsageError: exit 2 on every rank)."""
         if not self.active:
@@ -172,14 +326,17 @@ class Dist:
         came from the common seed, and DDP starts every rank from rank 0's weights anyway)."""
         if not self.active:
             return model
+        import random
+
         import numpy as np
         import torch
 
-        from .train import seed_everything
-
         if self.cuda:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        seed_everything(int(np.random.SeedSequence([seed, self.rank]).generate_state(1)[0]))
+        own = int(np.random.SeedSequence([seed, self.rank]).generate_state(1)[0])
+        random.seed(own)
+        np.random.seed(own)
+        torch.manual_seed(own)  # also seeds every CUDA device
         return model
 
     def describe(self) -> str:
@@ -266,8 +423,8 @@ class Follower:
     """What a rank other than 0 does where rank 0 keeps the run's record: nothing but its part
     of the collective checkpoint."""
 
-    def __init__(self, out, log: logging.Logger) -> None:
-        self.out, self.log = out, log
+    def __init__(self, out, log: logging.Logger, dist: Dist | None = None) -> None:
+        self.out, self.log, self.dist = out, log, dist
 
     def tracker_line(self) -> str:
         return ""
@@ -295,11 +452,53 @@ class Follower:
         pass
 
     def failed(self, state, exc: BaseException, args) -> int:
-        self.log.error("failed", exc_info=exc)
+        import traceback
+
+        text = "".join(traceback.format_exception(exc))
+        self.log.error("failed:\n%s", text)
+        if self.dist is not None:  # rank 0 writes it into run.log and MLflow
+            self.dist.report_failure(text)
         return EXIT_FAILED
 
     def close(self) -> None:
         pass
+
+
+def peer_failures(wait_s: float = 2.0) -> list[tuple[int, str]]:
+    """[(rank, traceback)] of the other ranks that reported a failure (report_failure); waits
+    up to `wait_s` for one: a peer's exit breaks this rank's collective a moment before its
+    report lands. [] outside a process group."""
+    import time
+
+    import torch.distributed as td
+
+    if not td.is_initialized():
+        return []
+    found: list[tuple[int, str]] = []
+    deadline = time.monotonic() + wait_s
+    with contextlib.suppress(Exception):
+        store = _store()
+        me = td.get_rank()
+        keys = [f"{FAILURE_KEY}{r}" for r in range(td.get_world_size()) if r != me]
+        while store is not None and not found:
+            found = [
+                (int(k.removeprefix(FAILURE_KEY)), store.get(k).decode(errors="replace"))
+                for k in keys
+                if store.check([k])
+            ]
+            if found or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    return found
+
+
+def _store():
+    """torchrun's key-value store of this job (None outside a process group)."""
+    import torch.distributed as td
+
+    if not td.is_initialized():
+        return None
+    return td.distributed_c10d._get_default_store()
 
 
 @contextlib.contextmanager
@@ -310,7 +509,18 @@ def session(device: str) -> Iterator[Dist]:
     if not dist.active:
         yield dist
         return
-    dist.start(device)
+    try:
+        dist.start(device)
+    except Exception as exc:  # a peer that never came, a port taken: one line, not 40
+        import torch.distributed as td
+
+        if td.is_initialized():
+            td.destroy_process_group()
+        cause = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise JoinFailed(
+            f"torchrun: rank {dist.rank} could not join the {dist.world} processes of the job "
+            f"(waited at most {TIMEOUT_ENV}={timeout_from_env():.0f}s): {cause}"
+        ) from exc
     try:
         yield dist
     finally:
@@ -322,39 +532,51 @@ def session(device: str) -> Iterator[Dist]:
 # ---- the cost of DDP: step time on 1 and N processes (gpucheck, benchmarks/) ---------------------
 def measure_step(device_name: str, batch: int, steps: int, width: int) -> dict:
     """Seconds per optimizer step of the default model on `batch` random images per process,
-    in this process's job (run it under torchrun for N processes); the slowest rank's time."""
+    in this process's job (run it under torchrun for N processes); the slowest rank's time.
+    The step is run.py's: channels_last, autocast in the precision run.py picks here (bf16 on
+    recent GPUs: timing fp32 would overstate the all-reduce's share), AdamW, DDP."""
     import torch
     import torch.distributed as td
+    import torch.nn.functional as F
 
-    from .hardware import timed
+    from .config import build_parser
+    from .hardware import choose_precision, timed
     from .models import create_model
-    from .train import Trainer, build_optimizer, build_scheduler
 
     with session(device_name) as dist:
         device = dist.place(torch.device(device_name))
-        model = create_model("cnn", num_classes=10, channels=3, image_size=(32, 32), width=width)
+        dtype, _ = choose_precision(device, "auto")
+        name = build_parser().get_default("model")
+        model = create_model(name, num_classes=10, channels=3, image_size=(32, 32), width=width)
         model = dist.prepare(model, 0).to(device, memory_format=torch.channels_last)
-        optimizer = build_optimizer(model, 1e-3, 0.0, device)
-        trainer = Trainer(
-            model, optimizer, build_scheduler(optimizer, 1e-3, steps + 5), device=device, dtype=None
-        )
-        trainer.ddp = dist.ddp(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        net = dist.ddp(model) or model
         x = torch.randn(batch, 3, 32, 32, device=device).contiguous(
             memory_format=torch.channels_last
         )
         y = torch.randint(0, 10, (batch,), device=device)
+
+        def step() -> None:
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
         now = timed(device)
-        for step in range(1, 6):  # warm-up: allocator, cuDNN autotune, DDP buckets
-            trainer.step([(x, y)], step)
+        for _ in range(5):  # warm-up: allocator, cuDNN autotune, DDP buckets
+            step()
         now()
         dist.agree(None)  # start together
         started = now()
-        for step in range(6, 6 + steps):
-            trainer.step([(x, y)], step)
+        for _ in range(steps):
+            step()
         seconds = torch.tensor([now() - started])
         if dist.active:
             td.all_reduce(seconds, op=td.ReduceOp.MAX, group=dist.cpu_group)
-        return {"world": dist.world, "batch": batch, "step_s": seconds.item() / steps}
+        precision = str(dtype).removeprefix("torch.") if dtype else "fp32"
+        result = {"world": dist.world, "batch": batch, "step_s": seconds.item() / steps}
+        return {**result, "precision": precision}
 
 
 def check_scaling(
@@ -368,9 +590,10 @@ def check_scaling(
     import tempfile
     from pathlib import Path
 
-    package = __package__ or "lab_project"
-    bench = ["-m", f"{package}.distributed", device, str(batch), str(steps), str(width)]
-    root = Path(__file__).resolve().parent.parent
+    from .project import current
+
+    bench = ["-m", "labrun.distributed", device, str(batch), str(steps), str(width)]
+    root = current().root  # the project: its models
     times = {}
     with tempfile.TemporaryDirectory(prefix="ddpcheck_") as work:
         for n in (1, nproc):
@@ -380,11 +603,13 @@ def check_scaling(
             done = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
             if done.returncode != 0 or not out.exists():
                 return False, f"{n} process(es) failed: {done.stderr.strip()[-300:]}"
-            times[n] = json.loads(out.read_text())["step_s"]
+            measured = json.loads(out.read_text())
+            times[n] = measured["step_s"]
     efficiency = times[1] / times[nproc]
     return efficiency >= threshold, (
         f"step {1000 * times[1]:.1f} ms on 1 process, {1000 * times[nproc]:.1f} ms on {nproc} "
-        f"({batch} samples each): scaling efficiency {100 * efficiency:.0f} % "
+        f"({batch} samples each, {measured['precision']}): scaling efficiency "
+        f"{100 * efficiency:.0f} % "
         f"(FAIL below {100 * threshold:.0f} %)"
     )
 

@@ -1,68 +1,72 @@
-"""Prove the GPU claims on the machine at hand: `python -m labrun.gpucheck`.
+"""Prove the GPU claims on the machine at hand: `python -m labrun.gpucheck` (from a project).
 
-Builds run.py's jobs in this process with run.py's own functions (build_data, make_model,
-train.build_trainer, warm_up with its compile decision, train_epoch) and run.py's defaults, then
-checks each claim against a stated threshold. Exit status 0: no check FAILed (checks that cannot
-run here say "not checked" and why); 1: at least one FAIL.
+Every job it judges is the project's own `run.py`, run as a user runs it (a subprocess, or
+torchrun for the DDP checks), on run.py's defaults plus the flags the check names; the verdicts
+come from what run.py leaves behind (metrics.json, history.csv, run.log) and from torch's own
+logs of it (TORCH_LOGS=recompiles). Each check states its threshold; exit status 0: no check
+FAILed (checks that cannot run here say "not checked" and why); 1: at least one FAIL.
   torch build  a machine whose nvidia-smi lists GPUs runs a CUDA build of torch that sees them
   precision    the autocast dtype's matmul peak is >= PRECISION_MIN_GAIN x fp32's (CUDA)
-  compile      run.py's decision for the default run (logged with its numbers); where it
-               compiles: no fallback to eager, and compiled forward + backward <= eager's
-  feed         the job's loop (run.train_epoch, the real loader) reaches >= FEED_MIN of the
-               step's ceiling (the same steps on batches already on the device): once for
-               the default run, once for a streamed image folder at 224 px with ResNet-18
-               (JPEGs written to a temp folder; DataLoader workers, pinned memory)
-  plain        the job is >= PLAIN_MIN x the textbook loop (CUDA: its syncs cost there)
-  sync         no host sync inside the step and the loader's batches, under
-               `torch.cuda.set_sync_debug_mode("error")`: run.py's defaults, --ema, --clip-grad,
-               --grad-accum and fp16 autocast + GradScaler (CUDA)
-  recompiles   none across train, eval, checkpoint and resume after the warm-up
-  layout       every conv activation is channels_last
-  resume       exact: with --deterministic, k steps + checkpoint + resume + k steps gives
-               bitwise the weights of 2k straight steps
-  ddp          with several GPUs: the step on 1 and on all of them (torchrun + DDP, --batch-size
-               per GPU), weak-scaling efficiency >= distributed.SCALING_MIN
-`--device cpu` runs what can run on a CPU (feed, recompiles, layout, resume): a dry run of this
-script, not a GPU claim. Checks are functions in CHECKS (each returns its Result lines): a new
-claim (the DDP case: distributed.py) appends its own.
-The lab template's benchmarks/bench_train.py imports the measuring functions below
-(`plain_loop_rate`, `ceiling_rate`, `job_rate`, `train_flops_per_sample`, `matmul_peak`).
+  decision     run.py's compile decision for the default run, as run.log states it (info)
+  plain        the default job is >= PLAIN_MIN x the textbook loop on the same data (CPU too:
+               the CPU path must not be slower than a plain loop on any x86 CPU)
+  feed         the job's loader keeps up: with the data streamed from the host, the job
+               reaches >= FEED_MIN of the same job with the data resident on the GPU; and a
+               folder of JPEGs streamed through workers reaches >= FEED_MIN of the same
+               images decoded in memory (ResNet-18 at 224 px by default)
+  sync         no host sync inside run.py's training step (torch's sync debug mode, CUDA)
+  recompiles   a compiled run (--compile on) trains, evaluates (compiled), checkpoints and
+               resumes without one recompile (TORCH_LOGS=recompiles)
+  ddp compile  the same on 2 processes under torchrun: DDP around the compiled module, the
+               warm-up through the object the step calls: no recompile in the loop
+  accum        a compiled run with --grad-accum 2 (max-autotune where run.py picks it, CUDA)
+               learns what the eager run learns: its losses within ACCUM_RTOL
+  layout       the memory layout run.py trains in (channels_last on CUDA: every conv output)
+  resume       exact: with --deterministic, a run stopped after epoch 1 and resumed ends with
+               the numbers of the straight run
+  ddp          several GPUs: run.py's step on 1 and on all of them (torchrun + DDP, the batch
+               per GPU fixed), in the run's precision: weak-scaling efficiency >= SCALING_MIN
+`--device cpu` runs what can run on a CPU: a dry run of this script, not a GPU claim. Checks are
+functions in CHECKS (each returns its Result lines). benchmarks/bench_train.py imports the
+measuring functions (`plain_loop_rate`, `job_rate`, `train_flops_per_sample`, `matmul_peak`).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import io
+import contextlib
+import csv
 import json
 import logging
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # Thresholds: each check FAILs below (or above) its own.
 FEED_MIN = 0.9  # job / ceiling: the loader and the loop cost at most 10 % of the step's rate
 PLAIN_MIN = 1.0  # job / textbook loop: the job's design must not be slower than the naive loop
 PRECISION_MIN_GAIN = 1.3  # autocast matmul / fp32 (TF32) matmul: the low precision must pay
-COMPILED_MAX_RATIO = 1.0  # compiled / eager forward + backward: a compile must not slow it
+ACCUM_RTOL = 0.05  # compiled vs eager training loss with --grad-accum 2 (float reordering only)
 INSTALL_CUDA = (
     "pip install torch --index-url https://download.pytorch.org/whl/cu128   "
     "(or: uv sync --extra cu128 --extra dev; README, Install)"
 )
 PASS, FAIL, NOT_CHECKED, INFO = "PASS", "FAIL", "not checked", "info"
+RECOMPILE = re.compile(r"^.*Recompiling function.*$", re.MULTILINE)
+GRAPH_BREAK = re.compile(r"Graph break", re.IGNORECASE)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog=f"python -m {__package__}.gpucheck", description=__doc__.splitlines()[0]
+        prog="python -m labrun.gpucheck", description=__doc__.splitlines()[0]
     )
     p.add_argument(
         "--device",
@@ -75,20 +79,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--synthetic-size",
         type=int,
         default=50_000,
-        help="images of the default job's synthetic data (50000: CIFAR-10's 7,020 steps)",
-    )
-    p.add_argument(
-        "--mode",
-        choices=("run", "default", "max-autotune", "eager"),
-        default="run",
-        help="compile mode of the checked step: run = what run.py decides for the default run",
+        help="images of the default job's synthetic data (50000: CIFAR-10's size)",
     )
     p.add_argument("--width", type=int, default=64, help="model width (run.py's --width)")
     p.add_argument("--batch-size", type=int, default=128, help="run.py's --batch-size")
     p.add_argument("--stream-size", type=int, default=224, help="streamed case: image size (px)")
     p.add_argument("--stream-model", default="resnet18", help="streamed case: run.py's --model")
     p.add_argument(
-        "--skip", nargs="*", default=[], help="names of checks to leave out (e.g. stream plain)"
+        "--skip",
+        nargs="*",
+        default=[],
+        help="names of checks to leave out (e.g. stream plain recompiles ddp-compile)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=1800, help="seconds any one run.py job may take"
     )
     return p.parse_args(argv)
 
@@ -108,108 +112,118 @@ class Context:
     device: object
     work: Path
     log: logging.Logger
-    lines: list[str] = field(default_factory=list)  # run.py's log lines (compile decisions)
-    mode: str | None = None  # the compile mode of the default job, for the other checks
+    root: Path = field(default_factory=lambda: project_root())
+    runs: int = 0  # jobs started: each gets its own results folder
+
+
+def project_root() -> Path:
+    """The project whose run.py is checked: the one this process finds (labrun/project.py)."""
+    from .project import current
+
+    return current().root
 
 
 # --------------------------------------------------------------------------------------------
-# run.py's jobs, built in this process with run.py's own functions
-
-
-def run_module():
-    """run.py itself (imported from the project root): the code path under test."""
-    spec = importlib.util.spec_from_file_location("run_checked", PROJECT_ROOT / "run.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+# run.py's jobs, run as a user runs them
 
 
 @dataclass
 class Job:
-    run: types.ModuleType
-    args: argparse.Namespace
-    data: object  # run.Data
-    state: object  # state.TrainingState
-    eager_s: float  # forward + backward of one micro-batch, before the warm-up
-    compiled_s: float | None  # the same after it, where it compiled
+    """What one run.py job left: its exit code, files and logs."""
+
+    code: int
+    run_dir: Path | None
+    stderr: str
 
     @property
-    def trainer(self):
-        return self.state.trainer
+    def metrics(self) -> dict:
+        return json.loads((self.run_dir / "metrics.json").read_text())
+
+    @property
+    def log(self) -> str:
+        path = self.run_dir / "run.log" if self.run_dir else None
+        return path.read_text() if path and path.exists() else ""
+
+    def history(self) -> list[dict]:
+        with open(self.run_dir / "history.csv") as f:
+            return list(csv.DictReader(f))
+
+    def line(self, prefix: str) -> str:
+        """run.log's last line whose message starts with `prefix` ('' if none)."""
+        found = re.findall(rf"(?m)\b{re.escape(prefix)}.*$", self.log)
+        return found[-1] if found else ""
+
+    def failure(self) -> str:
+        lines = [x for x in self.stderr.splitlines() if x.strip()]
+        errors = [x for x in lines if x.startswith("error:")]
+        return (errors or lines or [f"exit {self.code}"])[-1][:300]
 
 
-def build_job(ctx: Context, *flags: str, dtype=None, mode: str | None = "run") -> Job:
-    """One run.py job as run.train() builds it, up to and including the warm-up: the same
-    config, data, model, Trainer and compile decision (mode "run"; or a forced mode, compiled
-    by the same Trainer.warm_up on run.py's peeked batch). `dtype` forces an autocast dtype."""
-    import torch
-
-    from .config import parse_args as run_args
-    from .hardware import choose_precision, setup_backends, timed
-    from .state import TrainingState
-    from .stopping import EarlyStopping
-    from .tasks import create_task
-    from .train import build_trainer, seed_everything
-
-    run = run_module()
-    args, _ = run_args(
-        [
-            *("--device", ctx.device.type, "--tracking", "off", "--progress", "off"),
-            *("--results-dir", str(ctx.work / "results"), "--data-dir", str(ctx.work / "data")),
-            *("--width", str(ctx.options.width), "--batch-size", str(ctx.options.batch_size)),
-            *flags,
-        ]
+def run_job(
+    ctx: Context,
+    *flags: str,
+    nproc: int = 1,
+    env: dict | None = None,
+    results: Path | None = None,
+    stop_after_epoch: int = 0,
+) -> Job:
+    """run.py with run.py's defaults, this check's size options and `flags`; under torchrun
+    with `nproc` > 1. `stop_after_epoch`: SIGTERM once history.csv holds that many epochs."""
+    options = ctx.options
+    if results is None:
+        ctx.runs += 1
+        results = ctx.work / f"results{ctx.runs}"
+    args = [
+        *("--device", ctx.device.type, "--tracking", "off", "--progress", "off"),
+        *("--width", str(options.width), "--batch-size", str(options.batch_size)),
+        *("--data-dir", str(ctx.work / "data"), "--results-dir", str(results)),
+        *flags,
+    ]
+    launcher = []
+    if nproc > 1:
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    environ = {**os.environ, **(env or {})}
+    plan = subprocess.run(
+        [sys.executable, "run.py", *args, "--print-run-dir"],
+        cwd=ctx.root,
+        env=environ,
+        capture_output=True,
+        text=True,
     )
-    device = ctx.device
-    chosen, _ = choose_precision(device, args.amp)
-    setup_backends(device, args.deterministic)
-    task = create_task(args.task, args, args.monitor)
-    data = run.build_data(args, device, task)
-    seed_everything(args.seed)
-    model = run.make_model(args, data.info).to(device, memory_format=torch.channels_last)
-    trainer = build_trainer(
-        model,
-        args,
-        device=device,
-        dtype=dtype or chosen,
-        compile_mode=None,
-        total_steps=run.total_steps(args, data.steps_per_epoch),
-        log=ctx.log,
-        task=task,
+    run_dir = Path(plan.stdout.strip()) if plan.returncode == 0 else None
+    proc = subprocess.Popen(
+        [sys.executable, *launcher, "run.py", *args],
+        cwd=ctx.root,
+        env=environ,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a stop or a timeout reaches torchrun and its workers
     )
-    state = TrainingState(trainer, EarlyStopping(args.patience), device=device, config_hash="-")
-    now = timed(device)
-    x, y = run.peek_batch(data.loaders["train"], 0, device)
-    eager_s = trainer.time_forward_backward(x, y, now)
-    if mode == "run":
-        run.warm_up(state, data, args, ctx.log)
-    elif mode not in (None, "eager"):
-        trainer.compile(mode)
-        trainer.warm_up(x, y)
-    compiled_s = trainer.time_forward_backward(x, y, now) if trainer.compiled else None
-    return Job(run, args, data, state, eager_s, compiled_s)
+    try:
+        if stop_after_epoch and run_dir is not None:
+            while proc.poll() is None and _epochs_done(run_dir) < stop_after_epoch:
+                time.sleep(0.05)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=options.timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+        err += f"\nerror: gpucheck stopped the job after {options.timeout:.0f} s"
+    return Job(proc.returncode, run_dir, err + plan.stderr)
 
 
-def job_and_ceiling(job: Job, steps: int, warmup: int = 5) -> tuple[float, float]:
-    """samples/s of run.py's loop (train_epoch over the real loader) and of the same Trainer's
-    steps on batches already on the device (the ceiling the loader must not pull down)."""
-    run, args, p = job.run, job.args, job.state.progress
-    loader, per_epoch = job.data.loaders["train"], job.data.steps_per_epoch
-    steps = min(steps, per_epoch - warmup)
-    if steps < 1:
-        raise ValueError(f"{per_epoch} steps per epoch: too few for {warmup} + 1 steps")
-    from .distributed import Dist  # one process: gpucheck's jobs are not under torchrun
+def _epochs_done(run_dir: Path) -> int:
+    try:
+        return max(len((run_dir / "history.csv").read_text().splitlines()) - 1, 0)
+    except OSError:
+        return 0
 
-    never = types.SimpleNamespace(requested=None)
-    args.max_steps = warmup  # untimed: cuDNN autotuning, allocator growth, worker start
-    run.train_epoch(job.state, loader, per_epoch, args, never, Dist())
-    args.max_steps = warmup + steps
-    seconds = run.train_epoch(job.state, loader, per_epoch, args, never, Dist())
-    samples = steps * args.batch_size * args.grad_accum
-    loader.set_epoch(0)
-    batches = [b for _, b in zip(range(8), loader, strict=False)]
-    ceiling = ceiling_rate(job.trainer, batches, steps, warmup, p.step)
-    return samples / seconds, ceiling
+
+def failed(name: str, job: Job) -> Result:
+    return Result(name, FAIL, f"run.py exited {job.code}: {job.failure()}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -234,64 +248,13 @@ def synthetic_split(n: int, seed: int = 0):
     return Split(images, torch.randint(0, 10, (n,), generator=gen))
 
 
-def build_trainer(
-    device,
-    *,
-    batch_size: int,
-    total_steps: int,
-    width: int = 64,
-    compile_mode: str | None = None,
-    grad_accum: int = 1,
-):
-    """A default-model Trainer with run.py's optimizer, schedule and precision (for the
-    benchmarks and the resume check; the other checks build whole jobs: build_job)."""
-    import torch
-
-    from . import hardware, train
+def default_model(width: int):
+    """The project's default model on CIFAR-shaped inputs (run.py's --model default)."""
+    from .config import build_parser
     from .models import create_model
 
-    model = create_model("cnn", num_classes=10, channels=3, image_size=(32, 32), width=width)
-    model = model.to(device, memory_format=torch.channels_last)
-    lr = hardware.default_lr(batch_size)
-    optimizer = train.build_optimizer(model, lr, 5e-4, device)
-    scheduler = train.build_scheduler(optimizer, lr, total_steps)
-    dtype, _ = hardware.choose_precision(device, "auto")
-    return train.Trainer(
-        model,
-        optimizer,
-        scheduler,
-        device=device,
-        dtype=dtype,
-        grad_accum=grad_accum,
-        compile_mode=compile_mode,
-    )
-
-
-def warm_up(trainer, batch) -> float:
-    """The explicit compile warm-up; returns its seconds (0 when eager)."""
-    from .hardware import timed
-
-    now = timed(trainer.device)
-    start = now()
-    trainer.warm_up(*batch)
-    return now() - start
-
-
-def ceiling_rate(trainer, batches: list, steps: int, warmup: int, first: int = 0) -> float:
-    """samples/s of `steps` optimizer steps alone, on batches already on the device."""
-    n = trainer.grad_accum
-
-    def step(i: int) -> None:
-        trainer.step([batches[(i * n + k) % len(batches)] for k in range(n)], first + i + 1)
-
-    for i in range(warmup):
-        step(i)
-    synchronize(trainer.device)
-    start = time.perf_counter()
-    for i in range(steps):
-        step(warmup + i)
-    synchronize(trainer.device)
-    return steps * n * batches[0][1].shape[0] / (time.perf_counter() - start)
+    name = build_parser().get_default("model")
+    return create_model(name, num_classes=10, channels=3, image_size=(32, 32), width=width)
 
 
 def plain_loop_rate(
@@ -305,7 +268,6 @@ def plain_loop_rate(
     import torch.nn.functional as F
 
     from .augment import MEAN, STD
-    from .models import create_model
 
     class PerSampleDataset(torch.utils.data.Dataset):
         def __init__(self, images, labels):
@@ -325,38 +287,34 @@ def plain_loop_rate(
                 image = image.flip(2)
             return (image - self.mean) / self.std, self.labels[i]  # "Normalize"
 
-    torch.manual_seed(0)
     loader = torch.utils.data.DataLoader(
-        PerSampleDataset(split.images, split.labels),
+        PerSampleDataset(split.images.contiguous(), split.labels),
         batch_size=batch_size,
         shuffle=True,
         num_workers=0,
         drop_last=True,
     )
-    model = create_model("cnn", num_classes=10, channels=3, image_size=(32, 32), width=width)
-    model = model.to(device)
+    model = default_model(width).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=5e-4)
     mlflow.set_tracking_uri(f"sqlite:///{tracking_dir / 'plain.db'}")
     mlflow.set_experiment("bench-plain")
-
-    def batches():
-        while True:
-            yield from loader
-
-    start = time.perf_counter()
+    batches = iter(loader)
     with mlflow.start_run():
-        for step, (x, y) in enumerate(batches()):
-            if step == warmup:
+        for i in range(warmup + steps):
+            if i == warmup:
                 synchronize(device)
                 start = time.perf_counter()
-            elif step == warmup + steps:
-                break
+            try:
+                x, y = next(batches)
+            except StopIteration:
+                batches = iter(loader)
+                x, y = next(batches)
             x, y = x.to(device), y.to(device)
             loss = F.cross_entropy(model(x), y)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            mlflow.log_metric("train_loss", loss.item(), step=step)  # sync + a DB write
+            mlflow.log_metric("loss", loss.item(), step=i)
         synchronize(device)
     return steps * batch_size / (time.perf_counter() - start)
 
@@ -374,47 +332,17 @@ def job_rate(
     width: int = 64,
 ) -> dict:
     """run.py itself in a subprocess; its metrics.json (samples_per_sec: the step loop only)."""
-    command = [
-        sys.executable,
-        "run.py",
-        "--dataset",
-        "synthetic",
-        "--synthetic-size",
-        str(synthetic_size),
-        "--max-steps",
-        str(steps),
-        "--epochs",
-        "1000",
-        "--batch-size",
-        str(batch_size),
-        "--width",
-        str(width),
-        "--device",
-        device.type,
-        "--data-dir",
-        str(data_dir),
-        "--results-dir",
-        str(results_dir),
-        "--progress",
-        "off",
-        "--fresh",
-        *extra_args,
-    ]
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{results_dir / 'mlflow.db'}"}
+    options = argparse.Namespace(width=width, batch_size=batch_size, timeout=3600)
+    ctx = Context(options, device, Path(data_dir).parent, logging.getLogger(__name__))
+    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{Path(results_dir) / 'mlflow.db'}"}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)  # torch's intra-op pool size at start-up
-    run_dir = subprocess.run(
-        [*command, "--print-run-dir"],
-        cwd=PROJECT_ROOT,
-        env=env,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-    done = subprocess.run(command, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"run.py failed ({done.returncode}):\n{done.stderr[-2000:]}")
-    metrics = json.loads((Path(run_dir) / "metrics.json").read_text())
+    flags = ("--dataset", "synthetic", "--synthetic-size", str(synthetic_size))
+    flags += ("--max-steps", str(steps), "--epochs", "1000", "--data-dir", str(data_dir))
+    job = run_job(ctx, *flags, *extra_args, env=env, results=Path(results_dir))
+    if job.code != 0:
+        raise RuntimeError(f"run.py failed ({job.code}):\n{job.stderr[-2000:]}")
+    metrics = job.metrics
     if metrics["steps"] != steps:
         raise RuntimeError(f"run.py ran {metrics['steps']} steps, expected {steps}")
     return metrics
@@ -426,10 +354,7 @@ def train_flops_per_sample(width: int, device) -> float:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from .models import create_model
-
-    model = create_model("cnn", num_classes=10, channels=3, image_size=(32, 32), width=width)
-    model = model.to(device)
+    model = default_model(width).to(device)
     x = torch.randn(2, 3, 32, 32, device=device)
     with FlopCounterMode(display=False) as counter:
         model(x).sum().backward()
@@ -520,79 +445,68 @@ def check_precision(ctx: Context) -> list[Result]:
     ]
 
 
+def speed_flags(ctx: Context, steps: int) -> tuple[str, ...]:
+    size = ("--dataset", "synthetic", "--synthetic-size", str(ctx.options.synthetic_size))
+    return (*size, "--max-steps", str(steps), "--epochs", "1000")
+
+
 def check_default_job(ctx: Context) -> list[Result]:
-    """run.py's defaults on CIFAR-sized synthetic data: compile decision, feed, plain, sync,
-    recompiles, layout, MFU."""
+    """run.py's defaults on CIFAR-sized synthetic data: the decision, plain, feed, MFU."""
     import torch
 
     options, device = ctx.options, ctx.device
-    flags = ("--dataset", "synthetic", "--synthetic-size", str(options.synthetic_size))
-    job = build_job(ctx, *flags, mode=options.mode)
-    trainer = job.trainer
-    ctx.mode = trainer.compile_mode
-    decision = next((line for line in reversed(ctx.lines) if line.startswith("compile: ")), "")
-    if options.mode == "run":
-        results = [Result("decision", INFO, f"run.py's {decision}")]
-        wanted = not decision.startswith("compile: eager")
-    else:
-        results = [Result("decision", INFO, f"forced: --mode {options.mode}")]
-        wanted = options.mode != "eager"
-    if wanted and not trainer.compiled:
-        results.append(Result("compile", FAIL, "compiling fell back to eager (see the log)"))
-    elif trainer.compiled:
-        ratio = job.compiled_s / job.eager_s
-        results.append(
-            Result(
-                "compile",
-                PASS if ratio <= COMPILED_MAX_RATIO else FAIL,
-                f"{ctx.mode}: forward + backward {1e3 * job.compiled_s:.2f} ms vs eager "
-                f"{1e3 * job.eager_s:.2f} ms = {ratio:.2f}x (threshold <= {COMPILED_MAX_RATIO})",
-            )
-        )
-    else:
-        results.append(Result("compile", NOT_CHECKED, "eager: nothing compiled"))
-    job_rate_, ceiling = job_and_ceiling(job, options.steps)
-    results.append(feed_result("feed", job_rate_, ceiling))
-    if "plain" in options.skip:
-        pass
-    elif device.type != "cuda":
-        results.append(Result("plain", NOT_CHECKED, "no CUDA (the plain loop's syncs cost there)"))
-    else:
+    job = run_job(ctx, *speed_flags(ctx, options.steps))
+    if job.code != 0:
+        return [failed("default job", job)]
+    rate = job.metrics["samples_per_sec"]
+    results = [Result("decision", INFO, f"run.py's {job.line('compile: ') or 'compile: ?'}")]
+    if layout := job.line("layout: "):
+        results.append(Result("layout choice", INFO, f"run.py's {layout}"))
+    if "plain" not in options.skip:
         plain = plain_loop_rate(
-            job.data.splits["train"],
+            synthetic_split(max(options.synthetic_size, 8 * options.batch_size)),
             device,
-            batch_size=job.args.batch_size,
+            batch_size=options.batch_size,
             steps=min(options.steps, 100),
             warmup=5,
             tracking_dir=ctx.work,
             width=options.width,
         )
-        results.append(
-            Result(
-                "plain",
-                PASS if job_rate_ >= PLAIN_MIN * plain else FAIL,
-                f"job {job_rate_:.0f} vs textbook loop {plain:.0f} samples/s = "
-                f"{job_rate_ / plain:.2f}x (threshold {PLAIN_MIN}x)",
-            )
-        )
-    results.append(sync_result("sync", job, options.steps))
-    results.append(check_no_recompiles(job))
-    batch = job.run.peek_batch(job.data.loaders["train"], 0, device)
-    ok, detail = check_channels_last(trainer, batch)
-    results.append(Result("layout", PASS if ok else FAIL, detail))
+        results.append(plain_result(rate, plain))
+    if device.type != "cuda":
+        results.append(Result("feed", NOT_CHECKED, "no CUDA: the data already is where it is used"))
+    else:
+        resident = run_job(ctx, *speed_flags(ctx, options.steps), "--gpu-resident", "on")
+        streamed = run_job(ctx, *speed_flags(ctx, options.steps), "--gpu-resident", "off")
+        if resident.code or streamed.code:
+            results.append(failed("feed", resident if resident.code else streamed))
+        else:
+            ceiling = resident.metrics["samples_per_sec"]
+            results.append(feed_result("feed", streamed.metrics["samples_per_sec"], ceiling))
+    from .hardware import choose_precision
+
+    dtype, _ = choose_precision(device, "auto")
     flops = train_flops_per_sample(options.width, device)
-    dtype = trainer.dtype or torch.float32
-    peak = matmul_peak(device, trainer.dtype)
+    peak = matmul_peak(device, dtype)
     results.append(
         Result(
             "MFU",
             INFO,
-            f"{job_rate_ * flops / 1e12:.3f} TFLOP/s of the job ({flops / 1e9:.2f} GFLOP/sample)"
-            f" vs measured matmul peak {peak / 1e12:.1f} TFLOP/s ({dtype}): "
-            f"{100 * job_rate_ * flops / peak:.1f} %",
+            f"{rate * flops / 1e12:.3f} TFLOP/s of the job ({flops / 1e9:.2f} GFLOP/sample)"
+            f" vs measured matmul peak {peak / 1e12:.1f} TFLOP/s ({dtype or torch.float32}): "
+            f"{100 * rate * flops / peak:.1f} %",
         )
     )
     return results
+
+
+def plain_result(job: float, plain: float) -> Result:
+    return Result(
+        "plain",
+        PASS if job >= PLAIN_MIN * plain else FAIL,
+        f"job {job:.0f} vs textbook loop {plain:.0f} samples/s = {job / plain:.2f}x "
+        f"(threshold {PLAIN_MIN}x)",
+    )
 
 
 def feed_result(name: str, job: float, ceiling: float) -> Result:
@@ -605,74 +519,31 @@ def feed_result(name: str, job: float, ceiling: float) -> Result:
     )
 
 
-def sync_result(name: str, job: Job, steps: int) -> Result:
-    """`steps` optimizer steps of run.py's Trainer on the loader's batches, with any blocking
-    device->host operation an error. The epoch's first batch is taken before (an epoch start
-    may copy its order to the device once); the rest come from the loader under the check."""
-    import torch
-
-    if job.trainer.device.type != "cuda":
-        return Result(name, NOT_CHECKED, "no CUDA")
-    trainer, n = job.trainer, job.args.grad_accum
-    loader = job.data.loaders["train"]
-    loader.set_epoch(0)
-    batches = iter(loader)
-    first = next(batches)
-    steps = min(steps, len(loader) // n - 1)
-    synchronize(trainer.device)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        trainer.step([first, *(next(batches) for _ in range(n - 1))], 10_000)
-        for i in range(steps - 1):
-            trainer.step([next(batches) for _ in range(n)], 10_001 + i)
-    except RuntimeError as exc:
-        return Result(name, FAIL, f"host sync: {str(exc).splitlines()[0]}")
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-        getattr(batches, "close", lambda: None)()
-    return Result(name, PASS, f"{steps} steps, 0 host syncs (threshold 0)")
-
-
-def check_sync_variants(ctx: Context) -> list[Result]:
-    """The sync check under the flags that add work to the step, in the default job's mode."""
-    import torch
-
-    variants = {
-        "sync --ema": ("--ema", "0.999"),
-        "sync --clip-grad": ("--clip-grad", "1.0"),
-        "sync --grad-accum": ("--grad-accum", "2"),
-        "sync fp16": (),
-    }
-    if ctx.device.type != "cuda":
-        return [Result(name, NOT_CHECKED, "no CUDA") for name in variants]
-    size = ("--dataset", "synthetic", "--synthetic-size", str(40 * ctx.options.batch_size))
-    results = []
-    for name, flags in variants.items():
-        dtype = torch.float16 if name == "sync fp16" else None
-        job = build_job(ctx, *size, *flags, dtype=dtype, mode=ctx.mode)
-        results.append(sync_result(name, job, 20))
-    return results
-
-
 def check_streamed_folder(ctx: Context) -> list[Result]:
     """Image files streamed through run.py's loader (workers, pinned memory on CUDA) into
-    ResNet-18 at 224 px: JPEGs of 500x375 written to a temp folder."""
+    ResNet-18 at 224 px, against the same images decoded in memory: JPEGs of 500x375 written
+    to a temp folder. Each job is run.py's own (a subprocess): no loader of this process is
+    reused once its workers are gone."""
     options = ctx.options
     if "stream" in options.skip:
         return []
-    warmup, steps = 5, max(options.steps // 2, 5)
-    per_class = -(-(warmup + steps + 2) * options.batch_size // 3) + 1
+    steps = max(options.steps // 2, 5)
+    per_class = -(-(steps + 2) * options.batch_size // 3) + 1
     folder = write_jpegs(ctx.work / "jpegs", per_class)
     flags = (
-        *("--dataset", "folder", "--data-path", str(folder), "--data-mode", "stream"),
+        *("--dataset", "folder", "--data-path", str(folder)),
         *("--image-size", str(options.stream_size), "--model", options.stream_model),
-        *("--val-fraction", "0.01"),
+        *("--val-fraction", "0.01", "--max-steps", str(steps), "--epochs", "1000"),
     )
-    job = build_job(ctx, *flags, mode=ctx.mode)
-    job_rate_, ceiling = job_and_ceiling(job, steps, warmup)
-    workers = getattr(job.data.loaders["train"], "workers", "?")
-    result = feed_result(f"feed stream {options.stream_size}px", job_rate_, ceiling)
-    result.detail += f"; {options.stream_model}, {workers} workers"
+    name = f"feed stream {options.stream_size}px"
+    streamed = run_job(ctx, *flags, "--data-mode", "stream")
+    memory = run_job(ctx, *flags, "--data-mode", "memory")
+    if streamed.code or memory.code:
+        return [failed(name, streamed if streamed.code else memory)]
+    result = feed_result(
+        name, streamed.metrics["samples_per_sec"], memory.metrics["samples_per_sec"]
+    )
+    result.detail += f"; {options.stream_model}, streamed vs decoded in memory"
     return [result]
 
 
@@ -684,7 +555,7 @@ def write_jpegs(root: Path, per_class: int, size=(500, 375), classes: int = 3) -
 
     rng = np.random.default_rng(0)
     for label in range(classes):
-        for split, count in (("train", per_class), ("test", 1)):
+        for split, count in (("train", per_class), ("test", 2)):
             folder = root / split / f"class{label}"
             folder.mkdir(parents=True, exist_ok=True)
             for i in range(count):
@@ -694,57 +565,199 @@ def write_jpegs(root: Path, per_class: int, size=(500, 375), classes: int = 3) -
     return root
 
 
-def check_no_recompiles(job: Job) -> Result:
+def recompile_result(name: str, job: Job, what: str) -> Result:
+    """From a run under TORCH_LOGS=recompiles,graph_breaks: FAIL on any recompile."""
+    if job.code != 0:
+        return failed(name, job)
+    text = job.stderr + job.log
+    recompiles = RECOMPILE.findall(text)
+    breaks = len(GRAPH_BREAK.findall(text))
+    if not job.line("compiled") and "compile" not in job.line("compile: "):
+        return Result(name, NOT_CHECKED, "run.py did not compile")
+    detail = f"{len(recompiles)} recompiles across {what} (threshold 0); {breaks} graph breaks"
+    if recompiles:
+        detail += f": {recompiles[0].strip()[:160]}"
+    return Result(name, FAIL if recompiles else PASS, detail)
+
+
+COMPILE_LOGS = {"TORCH_LOGS": "recompiles,graph_breaks"}
+
+
+def small_flags(ctx: Context, epochs: int = 2) -> tuple[str, ...]:
+    size = str(max(40 * ctx.options.batch_size, 400))
+    return ("--dataset", "synthetic", "--synthetic-size", size, "--epochs", str(epochs))
+
+
+def check_recompiles(ctx: Context) -> list[Result]:
+    """--compile on: 2 epochs (train, compiled evaluation, checkpoint), then a third epoch on
+    resume: run.py must never recompile after its warm-up."""
+    if "recompiles" in ctx.options.skip:
+        return []
+    results, flags = ctx.work / "recompiles", (*small_flags(ctx), "--compile", "on")
+    first = run_job(ctx, *flags, env=COMPILE_LOGS, results=results, stop_after_epoch=1)
+    if first.code not in (0, 75):
+        return [failed("recompiles", first)]
+    resumed = run_job(ctx, *flags, env=COMPILE_LOGS, results=results)  # from the checkpoint
+    both = Job(resumed.code, resumed.run_dir, first.stderr + resumed.stderr)
+    return [recompile_result("recompiles", both, "train, evaluation, checkpoint, resume")]
+
+
+def check_ddp_compile(ctx: Context) -> list[Result]:
+    """DDP around the compiled module on 2 processes (gloo on CPU, NCCL on 2 GPUs)."""
     import torch
-    import torch._dynamo
 
-    from .train import evaluate
+    if "ddp-compile" in ctx.options.skip:
+        return []
+    if ctx.device.type == "cuda" and torch.cuda.device_count() < 2:
+        return [Result("ddp compile", NOT_CHECKED, "1 GPU: needs 2")]
+    job = run_job(ctx, *small_flags(ctx), "--compile", "on", nproc=2, env=COMPILE_LOGS)
+    return [recompile_result("ddp compile", job, "2 ranks' training and evaluation")]
 
-    trainer = job.trainer
-    if not trainer.compiled:
-        return Result("recompiles", NOT_CHECKED, "eager (nothing compiled)")
-    loader = job.data.loaders["train"]
-    loader.set_epoch(0)
-    batches = [b for _, b in zip(range(4 * trainer.grad_accum), loader, strict=False)]
-    counters = torch._dynamo.utils.counters
-    graphs_before = counters["stats"]["unique_graphs"]
-    n = trainer.grad_accum
-    torch._dynamo.config.error_on_recompile = True
-    try:
-        trainer.step(batches[:n], 20_000)
-        evaluate(trainer.model, job.data.loaders["val"], device=trainer.device, dtype=trainer.dtype)
-        buffer = io.BytesIO()
-        torch.save(trainer.state_dict(), buffer)  # checkpoint
-        buffer.seek(0)
-        trainer.load_state_dict(torch.load(buffer, weights_only=True))  # resume
-        for i in range(1, 4):
-            trainer.step(batches[i * n : (i + 1) * n], 20_000 + i)
-        synchronize(trainer.device)
-    except Exception as exc:  # RecompileError, or what recompiling broke
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return Result("recompiles", FAIL, f"{type(exc).__name__}: {text}")
-    finally:
-        torch._dynamo.config.error_on_recompile = False
-    new = counters["stats"]["unique_graphs"] - graphs_before
+
+def check_accumulation(ctx: Context) -> list[Result]:
+    """--grad-accum 2 compiled (max-autotune where run.py picks it: CUDA graphs must not
+    overwrite the accumulated gradients) against eager: the same losses within ACCUM_RTOL."""
+    if ctx.device.type != "cuda":
+        return [Result("accum", NOT_CHECKED, "no CUDA (no CUDA graphs)")]
+    flags = (*small_flags(ctx, 2), "--grad-accum", "2", "--seed", "3")
+    compiled = run_job(ctx, *flags, "--compile", "on")
+    eager = run_job(ctx, *flags, "--compile", "off")
+    if compiled.code or eager.code:
+        return [failed("accum", compiled if compiled.code else eager)]
+    return [accumulation_result(compiled, eager)]
+
+
+def accumulation_result(compiled: Job, eager: Job) -> Result:
+    a = [float(r["train_loss"]) for r in compiled.history()]
+    b = [float(r["train_loss"]) for r in eager.history()]
+    worst = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
+    mode = compiled.line("compile: ") or "compile: ?"
     return Result(
-        "recompiles",
-        PASS if new == 0 else FAIL,
-        f"{new} new graphs across train, eval, checkpoint, resume (threshold 0)",
+        "accum",
+        PASS if worst <= ACCUM_RTOL else FAIL,
+        f"--grad-accum 2, run.py's {mode[:80]}: train loss {a[-1]:.4g} vs eager {b[-1]:.4g}, "
+        f"largest difference {100 * worst:.1f} % (threshold {100 * ACCUM_RTOL:.0f} %)",
     )
 
 
-def check_resume(ctx: Context) -> list[Result]:
-    from .hardware import setup_backends
+def check_sync(ctx: Context) -> list[Result]:
+    """run.py's default job in this process under torch's sync debug mode: a synchronizing
+    CUDA call whose stack passes through run.py's step is a FAIL."""
+    if ctx.device.type != "cuda":
+        return [Result("sync", NOT_CHECKED, "no CUDA")]
+    import torch
 
-    split = synthetic_split(16 * 64)
+    from .jobs import EXIT_OK
+
+    run = run_module(ctx.root)
+    seen = sync_points(
+        lambda: run.main(
+            [
+                *("--device", "cuda", "--tracking", "off", "--progress", "off"),
+                *("--width", str(ctx.options.width), "--batch-size", str(ctx.options.batch_size)),
+                *("--data-dir", str(ctx.work / "data"), "--results-dir", str(ctx.work / "sync")),
+                *speed_flags(ctx, 20),
+            ]
+        ),
+        torch,
+        EXIT_OK,
+    )
+    return [sync_result(seen)]
+
+
+def sync_points(call: Callable[[], int], torch, ok: int) -> list[str]:
+    """The stack of each synchronizing CUDA call `call()` makes inside run.py's step."""
+    import traceback
+    import warnings
+
+    found: list[str] = []
+    show = warnings.showwarning
+
+    def record(message, *args, **kwargs):
+        if "synchroniz" in str(message):
+            stack = traceback.extract_stack()
+            if any(Path(f.filename).name == "run.py" and "step" in f.name for f in stack):
+                found.append(str(message).splitlines()[0])
+
+    warnings.showwarning = record
+    torch.cuda.set_sync_debug_mode("warn")
     try:
-        ok, detail = check_exact_resume(ctx.device, split, batch_size=64, width=ctx.options.width)
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            code = call()
     finally:
-        setup_backends(ctx.device, deterministic=False)
-    return [Result("resume", PASS if ok else FAIL, detail)]
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = show
+    if code != ok:
+        found.append(f"run.py exited {code}")
+    return found
 
 
-# The checks, in order. A new claim appends its function (the DDP case: distributed.py).
+def sync_result(found: list[str]) -> Result:
+    if found:
+        return Result("sync", FAIL, f"{len(found)} host syncs in the step: {found[0][:160]}")
+    return Result("sync", PASS, "0 host syncs inside run.py's step (threshold 0)")
+
+
+def check_layout(ctx: Context) -> list[Result]:
+    """The layout run.py's model trains in: on CUDA every conv output is channels_last."""
+    import torch
+    from torch import nn
+
+    if ctx.device.type != "cuda":
+        return [Result("layout", NOT_CHECKED, "CPU: measured per machine (run.log's layout)")]
+    model = default_model(ctx.options.width).to(ctx.device, memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 32, 32, device=ctx.device).contiguous(memory_format=torch.channels_last)
+    outputs = []
+    hooks = [
+        m.register_forward_hook(lambda _m, _i, out: outputs.append(out))
+        for m in model.modules()
+        if isinstance(m, nn.Conv2d)
+    ]
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        model(x)
+    for hook in hooks:
+        hook.remove()
+    good = sum(o.is_contiguous(memory_format=torch.channels_last) for o in outputs)
+    return [
+        Result(
+            "layout",
+            PASS if good == len(outputs) else FAIL,
+            f"{good}/{len(outputs)} conv outputs channels_last",
+        )
+    ]
+
+
+def check_resume(ctx: Context) -> list[Result]:
+    """--deterministic: stopped by SIGTERM after epoch 1, resumed: the straight run's numbers."""
+    flags = (*small_flags(ctx, 2), "--deterministic", "--checkpoint-every", "0")
+    straight = run_job(ctx, *flags)
+    results = ctx.work / "resumed"
+    stopped = run_job(ctx, *flags, results=results, stop_after_epoch=1)
+    if straight.code:
+        return [failed("resume", straight)]
+    if stopped.code not in (0, 75):
+        return [failed("resume", stopped)]
+    resumed = run_job(ctx, *flags, results=results)
+    if resumed.code:
+        return [failed("resume", resumed)]
+    return [resume_result(straight, resumed, interrupted=stopped.code == 75)]
+
+
+def resume_result(straight: Job, resumed: Job, *, interrupted: bool) -> Result:
+    timing = ("epoch_time_s", "samples_per_sec")
+    a = [{k: v for k, v in r.items() if k not in timing} for r in straight.history()]
+    b = [{k: v for k, v in r.items() if k not in timing} for r in resumed.history()]
+    how = "stopped after epoch 1 and resumed" if interrupted else "ended before the stop"
+    same = a == b
+    return Result(
+        "resume",
+        PASS if same else FAIL,
+        f"{len(a)} epochs straight vs {how}: " + ("equal histories" if same else "differ"),
+    )
+
+
 def check_ddp(ctx: Context) -> list[Result]:
     """One job on every visible GPU: DDP's scaling (distributed.check_scaling)."""
     import torch
@@ -760,136 +773,67 @@ def check_ddp(ctx: Context) -> list[Result]:
     return [Result("ddp", PASS if ok else FAIL, detail)]
 
 
+def run_module(root: Path):
+    """The project's run.py, imported (the sync check runs its main() in this process)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_checked", root / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# The checks, in order. A new claim appends its function.
 CHECKS: list[Callable[[Context], list[Result]]] = [
     check_torch_build,
     check_precision,
     check_default_job,
-    check_sync_variants,
+    check_sync,
     check_streamed_folder,
+    check_recompiles,
+    check_ddp_compile,
+    check_accumulation,
+    check_layout,
     check_resume,
     check_ddp,
 ]
-
-
-def check_channels_last(trainer, batch) -> tuple[bool, str]:
-    import torch
-    from torch import nn
-
-    outputs = []
-    hooks = [
-        m.register_forward_hook(lambda _m, _i, out: outputs.append(out))
-        for m in trainer.model.modules()
-        if isinstance(m, nn.Conv2d)
-    ]
-    try:
-        with (
-            torch.no_grad(),
-            torch.autocast(
-                trainer.device.type, dtype=trainer.dtype, enabled=trainer.dtype is not None
-            ),
-        ):
-            trainer.model(batch[0])
-    finally:
-        for hook in hooks:
-            hook.remove()
-    good = sum(o.is_contiguous(memory_format=torch.channels_last) for o in outputs)
-    return good == len(outputs), f"{good}/{len(outputs)} conv outputs channels_last"
-
-
-def check_exact_resume(
-    device, split, *, batch_size: int, width: int, steps: int = 6
-) -> tuple[bool, str]:
-    """run.py's resume path in miniature: Trainer.state_dict + checkpoint.rng_state + the
-    loader's skip_batches, under --deterministic's backends."""
-    import torch
-
-    from . import checkpoint, hardware
-    from .data import build_loader
-    from .train import seed_everything
-
-    statement = hardware.setup_backends(device, deterministic=True)
-    half = steps // 2
-
-    def fresh():
-        seed_everything(0)
-        trainer = build_trainer(device, batch_size=batch_size, total_steps=steps, width=width)
-        loader = build_loader(split, batch_size, train=True, device=device, seed=0)
-        return trainer, loader
-
-    def run(trainer, loader, first: int, last: int):
-        loader.set_epoch(0, skip_batches=first)
-        for number, batch in zip(range(first + 1, last + 1), loader, strict=False):
-            trainer.step([batch], number)
-
-    straight, loader = fresh()
-    run(straight, loader, 0, steps)
-    first, loader = fresh()
-    run(first, loader, 0, half)
-    buffer = io.BytesIO()
-    torch.save({"trainer": first.state_dict(), "rng": checkpoint.rng_state(device)}, buffer)
-    buffer.seek(0)
-    state = torch.load(buffer, weights_only=True)
-    resumed, loader = fresh()
-    resumed.load_state_dict(state["trainer"])
-    checkpoint.set_rng_state(state["rng"], device)
-    run(resumed, loader, half, steps)
-    a, b = straight.model.state_dict(), resumed.model.state_dict()
-    same = all(torch.equal(a[k], b[k]) for k in a)
-    return same, f"{steps} straight vs {half}+checkpoint+{steps - half}: " + (
-        "bitwise equal" if same else "weights differ"
-    ) + f" ({statement.split(':')[0]})"
 
 
 def main(argv=None) -> int:
     options = parse_args(argv)
     import torch
 
-    from .hardware import setup_backends
-
     device = torch.device(options.device)
     cuda_missing = device.type == "cuda" and not torch.cuda.is_available()
-    if not cuda_missing:
-        setup_backends(device, deterministic=False)  # run.py's fast kernels (TF32 on CUDA)
-    log = logging.getLogger(f"{__package__}.gpucheck")
-    log.setLevel(logging.INFO)
-    log.propagate = False
+    log = logging.getLogger("labrun.gpucheck")
     with tempfile.TemporaryDirectory(prefix="gpucheck_") as work:
         ctx = Context(options, device, Path(work), log)
-        log.addHandler(_Lines(ctx.lines))
-        print(f"gpucheck on {options.device}, torch {torch.__version__}, run.py's defaults")
+        print(f"gpucheck on {options.device}, torch {torch.__version__}, {ctx.root / 'run.py'}")
         results: list[Result] = []
         for check in CHECKS:
+            name = check.__name__.removeprefix("check_").replace("_", " ")
             if cuda_missing and check is not check_torch_build:
-                name = check.__name__.removeprefix("check_").replace("_", " ")
                 results.append(Result(name, NOT_CHECKED, "no CUDA"))
                 continue
             print(f"  running {check.__name__} ...", file=sys.stderr, flush=True)
-            results.extend(check(ctx))
+            try:
+                results.extend(check(ctx))
+            except Exception as exc:  # a check that breaks is a FAIL of its own, not a crash
+                first = (str(exc).strip().splitlines() or [""])[0][:200]
+                results.append(Result(name, FAIL, f"{type(exc).__name__}: {first}"))
     print()
     column = max(len(r.name) for r in results)
     for r in results:
         print(r.name.ljust(column), r.status.ljust(len(NOT_CHECKED)), r.detail, sep="  ")
-    failed = [r.name for r in results if r.status == FAIL]
+    failed_ = [r.name for r in results if r.status == FAIL]
     unchecked = [r.name for r in results if r.status == NOT_CHECKED]
-    if failed:
-        print(f"FAILED: {', '.join(failed)}")
+    if failed_:
+        print(f"FAILED: {', '.join(failed_)}")
     else:
         print(
             "no check failed" + (f"; not checked here: {', '.join(unchecked)}" if unchecked else "")
         )
-    return 1 if failed else 0
-
-
-class _Lines(logging.Handler):
-    """Keeps run.py's log lines (the compile decision) for the report."""
-
-    def __init__(self, lines: list[str]) -> None:
-        super().__init__()
-        self.lines = lines
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-        print(f"  | {record.getMessage()}", file=sys.stderr, flush=True)
+    return 1 if failed_ else 0
 
 
 if __name__ == "__main__":

@@ -400,3 +400,111 @@ def choose_gpu_resident(flag: str, device: torch.device, splits: dict) -> bool:
     if flag != "auto" or device.type != "cuda":
         return flag == "on" and device.type == "cuda"
     return fits_on_device(splits, device)
+
+
+# ---- the CPU's memory layout, chosen by measurement (issue 28.9) --------------------------------
+LAYOUT_ROUNDS = 2  # interleaved rounds of the probe: the best of each layout counts
+LAYOUT_STEPS = 2  # timed forward + backward passes per layout and round
+# NCHW only when clearly faster: the loaders deliver channels_last (NCHW costs a copy per batch),
+# and a near tie decided by timing noise would change a run's numbers between machines for nothing
+LAYOUT_MARGIN = 1.1
+
+
+def _layout_step_s(model, x, y, loss_fn, dtype, layout) -> float:
+    """Best seconds of one forward + backward of a copy of `model` in `layout` (CPU)."""
+    x = x.contiguous(memory_format=layout)
+    model = model.to(memory_format=layout)
+    best = float("inf")
+    for step in range(LAYOUT_STEPS + 1):  # the first: oneDNN's primitive cache, allocations
+        started = time.perf_counter()
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            loss = loss_fn(model(x), y)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        if step:
+            best = min(best, time.perf_counter() - started)
+    return best
+
+
+def choose_memory_format(
+    model, x: torch.Tensor, y: torch.Tensor, loss_fn, *, dtype, device, cache_dir: Path | None
+) -> tuple[torch.memory_format, str]:
+    """channels_last or NCHW for this model's training step: channels_last on CUDA (tensor
+    cores want it); on CPU measured, not assumed from the vendor: oneDNN's channels_last
+    kernels beat NCHW on some x86 CPUs and lose on others (a Xeon trained at 0.89x a plain NCHW
+    loop, an EPYC at 1.13x). A short probe on the real first batch times a copy of the model in
+    both layouts (interleaved, best of LAYOUT_ROUNDS); the result is recorded per machine, model
+    and input like the compile record, so later jobs on this machine skip the probe. The
+    probe leaves the model, its gradients and the random streams as they were."""
+    import copy
+
+    if device.type != "cpu":
+        return torch.channels_last, "channels_last (tensor cores)"
+    if x.dim() != 4:
+        return torch.contiguous_format, "NCHW (inputs are not images)"
+    key = {
+        "model": f"{type(model).__module__}.{type(model).__qualname__}",
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "input": list(x.shape),
+        "autocast": str(dtype),
+        "device": device_name(device),
+        "cpu": _cpu_model_name(),
+        "torch": torch.__version__,
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(cache_dir) / RECORDS / f"layout-{digest}.json" if cache_dir else None
+    try:
+        seen = json.loads(path.read_text(encoding="utf-8")) if path else {}
+    except (OSError, ValueError):
+        seen = {}
+    if seen.get("key") == key:
+        times, source = seen["step_s"], f"recorded {seen['when']} in {path}"
+    else:
+        rng = torch.get_rng_state()
+        probe = copy.deepcopy(model).train()
+        times = {"channels_last": float("inf"), "NCHW": float("inf")}
+        for _ in range(LAYOUT_ROUNDS):
+            for name, layout in (("NCHW", torch.contiguous_format), ("channels_last", None)):
+                layout = layout or torch.channels_last
+                step_s = _layout_step_s(probe, x, y, loss_fn, dtype, layout)
+                times[name] = min(times[name], step_s)
+        torch.set_rng_state(rng)  # dropout in the probe must not shift the run's stream
+        source = "measured now"
+        if path is not None:
+            from .runs import write_json
+
+            when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                write_json(path, {"key": key, "step_s": times, "when": when})
+            except OSError:  # a read-only cache folder: the next job measures again
+                pass
+    name = "NCHW" if times["channels_last"] > LAYOUT_MARGIN * times["NCHW"] else "channels_last"
+    layout = torch.channels_last if name == "channels_last" else torch.contiguous_format
+    other = "NCHW" if name == "channels_last" else "channels_last"
+    return layout, (
+        f"{name} on this CPU: forward + backward {1e3 * times[name]:.1f} ms vs "
+        f"{1e3 * times[other]:.1f} ms {other} ({source}; NCHW when >= "
+        f"{100 * (LAYOUT_MARGIN - 1):.0f} % faster)"
+    )
+
+
+def _cpu_model_name() -> str:
+    """The CPU's marketing name (/proc/cpuinfo), e.g. 'AMD EPYC 9R14'; '' where unknown."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor()
+
+
+def layout_records_dir(project_root: Path) -> Path:
+    """Where choose_memory_format keeps its records: the folder use_inductor_cache picks
+    ($LAB_INDUCTOR_CACHE_DIR, else <project>/.cache/inductor), found without importing
+    inductor (seconds, on a CPU run that never compiles)."""
+    lab = os.environ.get(INDUCTOR_CACHE_ENV)
+    return (Path(lab).expanduser() if lab else project_root / ".cache" / "inductor").resolve()

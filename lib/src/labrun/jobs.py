@@ -162,18 +162,31 @@ def lifecycle(
             return _claimed(
                 args, out, redo, stop, lambda held: body(args, parser_, out, stop, held)
             )
-        with distributed.session(args.device) as dist:  # torchrun: N processes, one job
-            if not dist.is_main:  # the others run when rank 0 does, else leave with its code
-                code = dist.verdict(None)
-                if code is None:
-                    code = body(args, parser_, out, stop, None, dist)
-                return dist.finish(code)
+        if problem := distributed.launch_problem():  # a stray WORLD_SIZE, say
+            return error(problem, EXIT_USAGE)
+        try:
+            return _ranked(args, parser_, out, redo, stop, body)
+        except distributed.JoinFailed as exc:
+            return error(str(exc), EXIT_FAILED)
 
-            def run_all(held) -> int:
-                dist.verdict(None)  # torchrun: the other ranks run too
-                return body(args, parser_, out, stop, held, dist)
 
-            return dist.finish(_claimed(args, out, redo, stop, run_all))
+def _ranked(args, parser_, out: Path, redo, stop: GracefulStop, body) -> int:
+    """lifecycle under torchrun: every rank agrees on the experiment, rank 0 claims."""
+    with distributed.session(args.device) as dist:  # torchrun: N processes, one job
+        # Before anything is written: the same arguments, code, data and run directory.
+        if differs := dist.agree_on(distributed.experiment_identity(args, out)):
+            return error(differs, EXIT_USAGE)
+        if not dist.is_main:  # the others run when rank 0 does, else leave with its code
+            code = dist.verdict(None)
+            if code is None:
+                code = body(args, parser_, out, stop, None, dist)
+            return dist.finish(code)
+
+        def run_all(held) -> int:
+            dist.verdict(None)  # torchrun: the other ranks run too
+            return body(args, parser_, out, stop, held, dist)
+
+        return dist.finish(_claimed(args, out, redo, stop, run_all))
 
 
 def _claimed(args, out: Path, redo, stop: GracefulStop, run: Callable[[Claim], int]) -> int:

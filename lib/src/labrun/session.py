@@ -89,8 +89,8 @@ def _body(train, args, parser, out, stop, held, dist) -> int:
         return jobs.EXIT_INTERRUPTED
     except (UsageError, ValueError, OSError) as exc:
         if run is None or not run.opened:  # bad input, found before any file of the run
-            if run is None or not run._agreed:
-                dist.agree(EXIT_USAGE)  # torchrun: the ranks still starting end too
+            if run is None or not run._agreed:  # torchrun: the ranks still starting end too
+                dist.settle(EXIT_USAGE, why=str(exc) or type(exc).__name__)
             return error(str(exc) or type(exc).__name__, EXIT_USAGE)
         return run._failed(exc)
     except LostClaim as exc:
@@ -203,6 +203,8 @@ class Run:
             )
             for name, split in splits.items()
         }
+        # torchrun: a rank with no sample of a split would skip its final all-reduce
+        self.dist.check_splits({name: len(split) for name, split in splits.items()})
         steps_per_epoch = len(loaders["train"]) // args.grad_accum
         check_batch_size(len(splits["train"]), args.batch_size, args.grad_accum)  # small data
         if len(splits["val"]) == 0:
@@ -215,6 +217,40 @@ class Run:
         train, val, test = (loaders[k] for k in ("train", "val", "test"))
         self.data_ = Data(splits, train, val, test, steps_per_epoch, loaded.info, loaded.notes)
         return self.data_
+
+    def memory_format(self, model):
+        """The memory layout to train `model` in: channels_last on CUDA; on a CPU the faster of
+        channels_last and NCHW on this machine (hardware.choose_memory_format: a short probe on
+        random inputs of the run's shape, recorded per machine). Rank 0 decides; run.log says
+        which and why."""
+        import torch
+
+        from .hardware import choose_memory_format, layout_records_dir
+
+        info = self.data_.info
+        shape = tuple(info.input_shape) or (info.channels, *info.image_size)
+        choice, why = "channels_last", ""
+        if len(shape) != 3 or info.layout != "NCHW":  # signals, sequences: no image layout
+            choice, why = "NCHW", "contiguous (the inputs are not images)"
+        elif self.args.deterministic and self.device.type == "cpu":
+            why = "channels_last (--deterministic: not chosen by a timing)"
+        elif self.dist.is_main:
+            split = self.data_.splits["train"]
+            n = max(1, min(self.args.batch_size // self.dist.world, len(split)))
+            x = torch.randn(n, *shape, generator=torch.Generator().manual_seed(0))  # not ours
+            cache = layout_records_dir(PROJECT_ROOT)
+            try:  # the mean of the outputs: the same convolutions backward, any targets
+                layout, why = choose_memory_format(
+                    model, x, None, lambda out, _: out.float().mean(), dtype=self.amp_dtype,
+                    device=self.device, cache_dir=cache,
+                )  # fmt: skip
+                choice = "channels_last" if layout == torch.channels_last else "NCHW"
+            except Exception as exc:  # a model the probe cannot drive: the loaders' layout
+                why = f"channels_last (not measured: {type(exc).__name__}: {exc}"[:160] + ")"
+        choice = self.dist.decide(choice)
+        self._notes.append(("layout", why or choice))
+        self.layout = torch.channels_last if choice == "channels_last" else torch.contiguous_format
+        return self.layout
 
     @property
     def total_steps(self) -> int:
@@ -229,16 +265,17 @@ class Run:
         if self.opened:
             return
         args, out, dist = self.args, self.out, self.dist
-        code = None
+        code, why = None, ""
         try:
             if dist.is_main:
                 runs.ensure_writable(out, need_bytes=checkpoint_bytes(model, args.ema))
         except OSError as exc:  # not writable, or no room for a checkpoint: before any work
-            code = error(f"--results-dir: {exc.strerror or exc}", EXIT_USAGE)
-        if code is None and dist.stopped(self.stop):
-            code = jobs.EXIT_INTERRUPTED  # stopped while starting: nothing of this run exists
+            why = f"--results-dir: {exc.strerror or exc}"
+            code = error(why, EXIT_USAGE)
         self._agreed = True
-        if (code := dist.agree(code)) is not None:
+        # torchrun: one collective whatever each rank found (a refusal, a stop while starting:
+        # nothing of this run exists yet), so that no rank waits in another one (issue 28.2)
+        if (code := dist.settle(code, self.stop, why)) is not None:
             raise _Exit(code)
         if dist.is_main:  # one writer
             out.mkdir(parents=True, exist_ok=True)
@@ -309,7 +346,7 @@ class Run:
             self.record = (
                 RunRecord(out, self.config, args, self.device, self.amp_dtype, self.log, self.held)
                 if dist.is_main
-                else distributed.Follower(out, self.log)
+                else distributed.Follower(out, self.log, dist)
             )
         except OSError as exc:  # e.g. the disk filled since the start-up check
             if isinstance(exc, LostClaim):
@@ -414,7 +451,9 @@ class Run:
         loader.set_epoch(self.progress.epoch)
         batches = iter(loader)
         try:
-            return next(batches)
+            x, y = next(batches)
+            layout = getattr(self, "layout", None)  # the step's layout: no recompile after
+            return (x.contiguous(memory_format=layout) if layout and x.dim() == 4 else x), y
         finally:
             getattr(batches, "close", lambda: None)()  # a generator: stop its workers now
             set_rng_state(saved, self.device)
@@ -807,6 +846,10 @@ class RunRecord:
             self.tracker.abandon(message)
             return error(message, EXIT_BUSY)
         text = traceback.format_exc()
+        message = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        for rank, theirs in distributed.peer_failures():  # torchrun: the cause, from its rank
+            text += f"\nthe cause, on rank {rank}:\n{theirs}"
+            message = f"rank {rank} failed: {theirs.strip().splitlines()[-1]}"
         self.log.error("run failed:\n%s", text)
         runs.try_write_status(self.out, "failed")
         history = state.progress.history if state is not None else []
@@ -815,7 +858,6 @@ class RunRecord:
 
         from .imagefolder import UnreadableImage
 
-        message = f"{type(exc).__name__}: {exc}".splitlines()[0]
         if isinstance(exc, UnreadableImage):  # changed since the scan: bad input, not a retry
             from .dataversion import forget
 

@@ -15,6 +15,11 @@ and ignored, except
 - a second Ctrl-C (SIGINT) while run.py runs in a terminal: the person asked twice, exit at once;
 - any signal more than `LAB_STOP_GRACE_S` seconds (default 120) after the first: writing a
   checkpoint takes far less, so the job is stuck; exit at once.
+A process whose main thread waits in C++ (a collective of torchrun whose peer is gone, the
+rendezvous, a stuck read) runs no Python handler at all: a watchdog thread sees every signal
+through `signal.set_wakeup_fd` and applies the same rules from outside the main thread; a stop
+request the main thread has not taken up `LAB_STOP_GRACE_S` seconds after it came (at least
+HANDLER_LATENCY_S) means it is blocked: exit at once too.
 An exit at once writes status `interrupted` and exits 130; the last checkpoint (end of the previous
 epoch, or the one being written, which is atomic) is still there, so re-running resumes.
 Handlers are installed in the first lines of run.py's main(), before anything slow, and stay
@@ -25,10 +30,14 @@ written) cannot turn exit 75 (or 0) into death by that signal.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
+import select
 import signal
+import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -41,6 +50,7 @@ EXIT_FORCED = 130
 GRACE_ENV = "LAB_STOP_GRACE_S"
 DEFAULT_GRACE_S = 120.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
+HANDLER_LATENCY_S = 2.0  # a main thread that runs Python takes up a signal far sooner
 
 
 class BadGrace(ValueError):
@@ -84,27 +94,38 @@ class GracefulStop:
         self.on_force_exit: Callable[[], None] | None = None  # e.g. mark the status file
         self.on_request: Callable[[], None] | None = None  # at the first request (claim note)
         self._first_at = 0.0
+        self._seen = 0  # the first stop signal the watchdog saw (0: none yet)
         self._ignored = 0
         self._old: dict = {}
 
     def _handle(self, signum: int, _frame) -> None:
+        """The main thread's handler: the first stop request. Later signals are the watchdog's
+        (it sees each one, also while this thread waits in C++ and runs no handler)."""
         name = signal.Signals(signum).name
         if self.requested is None:
-            self.requested, self._first_at = name, time.monotonic()
+            self.requested = name
+            self._first_at = self._first_at or time.monotonic()
             self.log.warning(
                 "%s received: finishing the current step, then checkpoint and exit", name
             )
             if self.on_request is not None:
                 self.on_request()
+        if not _WATCHDOG.running:  # no wakeup fd (not the main thread): decide here
+            self._arrived(signum)
+
+    def _arrived(self, signum: int) -> None:
+        """Every stop signal, in order (from the watchdog thread): a second Ctrl-C in a
+        terminal, or any signal later than the grace after the first, exits at once."""
+        now = time.monotonic()
+        if not self._seen:
+            self._seen, self._first_at = signum, self._first_at or now
             return
-        late = time.monotonic() - self._first_at > self.grace_s
+        name = signal.Signals(signum).name
+        late = now - self._first_at > self.grace_s
         if (signum == signal.SIGINT and self.interactive) or late:
-            why = f"{name} {self.grace_s:.0f}s after {self.requested}" if late else "second Ctrl-C"
-            self.log.warning("%s: exiting now; the last checkpoint is kept", why)
-            if self.on_force_exit is not None:
-                self.on_force_exit()
-            logging.shutdown()
-            os._exit(EXIT_FORCED)
+            first = signal.Signals(self._seen).name
+            why = f"{name} {self.grace_s:.0f}s after {first}" if late else "second Ctrl-C"
+            self.force_exit(why)
         self._ignored += 1
         if self._ignored == 1:  # one line, however long the burst
             self.log.info(
@@ -113,11 +134,28 @@ class GracefulStop:
                 self.grace_s,
             )
 
+    def _overdue(self) -> float | None:
+        """Seconds until a stop request the main thread never took up counts as a hang (None:
+        nothing pending); at 0 the main thread is blocked in C++ and the watchdog exits."""
+        if not self._seen or self.requested is not None:
+            return None
+        return self._first_at + max(self.grace_s, HANDLER_LATENCY_S) - time.monotonic()
+
+    def force_exit(self, why: str) -> None:
+        """Exit 130 now, from any thread: status `interrupted` (on_force_exit), run.log."""
+        self.log.warning("%s: exiting now; the last checkpoint is kept", why)
+        if self.on_force_exit is not None:
+            with contextlib.suppress(Exception):  # the exit must happen whatever fails here
+                self.on_force_exit()
+        logging.shutdown()
+        os._exit(EXIT_FORCED)
+
     def __enter__(self) -> GracefulStop:
         for sig in STOP_SIGNALS:
             if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
                 continue  # started under nohup: a hang-up is to be ignored, not obeyed
             self._old[sig] = signal.signal(sig, self._handle)
+        _WATCHDOG.watch(self)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -134,6 +172,51 @@ class GracefulStop:
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
         self._old.clear()
+
+
+class _Watchdog:
+    """One thread per process that reads the signal numbers Python's C-level handler writes to
+    its wakeup fd: it runs while the main thread is blocked in C++, where no Python handler
+    can (a gloo or NCCL collective, the rendezvous)."""
+
+    def __init__(self) -> None:
+        self.stop: GracefulStop | None = None
+        self.running = False
+        self._reader: socket.socket | None = None
+
+    def watch(self, stop: GracefulStop) -> None:
+        self.stop = stop
+        if self.running:
+            return
+        try:
+            reader, writer = socket.socketpair()
+            writer.setblocking(False)
+            signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        except (OSError, ValueError):  # not the main thread: the handler decides alone
+            return
+        self._reader, self._writer = reader, writer  # kept open for the life of the process
+        self.running = True
+        threading.Thread(target=self._run, name="stop-watchdog", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            stop = self.stop
+            wait = stop._overdue() if stop is not None else None
+            if wait is not None and wait <= 0:
+                stop.force_exit(
+                    f"{signal.Signals(stop._seen).name} not taken up in "
+                    f"{max(stop.grace_s, HANDLER_LATENCY_S):.0f}s (the process is blocked)"
+                )
+            ready, _, _ = select.select([self._reader], [], [], wait)
+            if not ready:
+                continue
+            for signum in self._reader.recv(64):
+                stop = self.stop  # only while its handler is the one installed for signum
+                if stop is not None and signal.getsignal(signum) == stop._handle:
+                    stop._arrived(signum)
+
+
+_WATCHDOG = _Watchdog()
 
 
 def _ignore_stop_signals() -> None:

@@ -10,9 +10,11 @@ import contextlib
 import csv
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -26,8 +28,11 @@ from conftest import (
     temp_files,
     wait_while_running,
 )
-from test_sweep import make_project, needs_slurm_option, run_sweep
 
+import labrun
+
+HERE = Path(__file__).resolve().parent
+SLURM_TASK = Path(labrun.__file__).with_name("slurm_task.sh")
 TIMINGS = {"wall_time_s", "train_time_s", "samples_per_sec", "peak_mem_bytes", "mlflow_run_id"}
 
 
@@ -88,8 +93,7 @@ def test_ddp_steps_equal_one_process_on_the_global_batch(tmp_path, env):
     the non-final micro-step give the one-process step. Without BatchNorm and augmentation the
     only difference is float summation order (gloo adds the ranks' gradients, then DDP divides):
     weights agree to 1e-6 relative after 4 AdamW steps, and the epoch sums are the same."""
-    worker = ROOT / "tests" / "ddp_worker.py"
-    env = {**env, "PYTHONPATH": str(ROOT)}  # the worker imports the package, as run.py does
+    worker = HERE / "ddp_worker.py"
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
     single = run([sys.executable, str(worker), str(one), "2"], env)
     assert single.returncode == 0, single.stderr
@@ -181,7 +185,7 @@ def test_sigterm_burst_stops_all_ranks_at_one_step_and_resumes_exactly(
     assert log.count("interrupted by") == 1, log
     if who == "rank 1":  # torchrun reports its workers' codes (not when it was signalled)
         assert err.count("exitcode  : 75") == 2, err
-        assert "interrupted by a stop signal to another process" in log
+        assert "interrupted by a stop signal to another rank" in log
 
     # Another world size would not continue exactly: refused, the checkpoint kept.
     alone = run([sys.executable, *run_py(*args, results_dir=results, data_dir=data_dir)], env)
@@ -234,10 +238,16 @@ def test_a_batch_that_does_not_divide_is_refused_on_every_rank(tmp_path, env, da
 
 
 # ---- run.sh --slurm: one job on several GPUs ----------------------------------------------------
+def _sweep_helpers():
+    """test_sweep's project stand-in (the sweep's own tests); skipped without --slurm."""
+    sweep = pytest.importorskip("test_sweep")
+    if "slurm" not in (ROOT / "run.sh").read_text().lower():
+        pytest.skip("generated with use_slurm=false: no run.sh --slurm")
+    return sweep.make_project, sweep.run_sweep
 
 
-@needs_slurm_option
 def test_slurm_dry_run_gives_each_job_its_gpus_and_nodes(tmp_path):
+    make_project, run_sweep = _sweep_helpers()
     project = make_project(tmp_path, ["--tag a"])
     result = run_sweep(project, "--slurm", "--dry-run", GPUS_PER_JOB="4", NODES_PER_JOB="2")
     assert result.returncode == 0, result.stderr
@@ -256,9 +266,9 @@ def test_slurm_dry_run_gives_each_job_its_gpus_and_nodes(tmp_path):
 
 
 @pytest.mark.slow  # torchrun: two training processes
-@needs_slurm_option
 def test_slurm_task_under_torchrun_reads_75_from_the_run_directory(tmp_path, env, data_dir):
     """torchrun exits 1 when its workers exit 75: the task must still see 75 and requeue."""
+    _sweep_helpers()
     args = run_py("--epochs", "4", results_dir=tmp_path / "results", data_dir=data_dir)[1:]
     plan = run([sys.executable, str(RUN_PY), *args, "--print-run-dir"], env)
     run_dir = plan.stdout.strip()
@@ -271,7 +281,7 @@ def test_slurm_task_under_torchrun_reads_75_from_the_run_directory(tmp_path, env
     task_env = {**env, "SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_JOB_ID": "1"}
     task_env["PATH"] = "/usr/bin:/bin"  # no squeue / scontrol here: the requeue is only logged
     task = subprocess.Popen(
-        ["bash", "scripts/slurm_task.sh", str(submit)],
+        ["bash", str(SLURM_TASK), str(submit)],
         cwd=ROOT,
         env=task_env,
         stdout=subprocess.PIPE,
@@ -329,3 +339,148 @@ def test_one_process_needs_no_process_group_and_no_torch(monkeypatch):
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+# ---- issue 28: one job that can never hang or disagree (real torchrun, gloo, 2 processes) ------
+def faulty(*args: str, results_dir, data_dir) -> list[str]:
+    """torchrun of run.py through rank_faults.py: LABRUN_FAULT changes one rank."""
+    return torchrun(
+        str(HERE / "rank_faults.py"), *run_py(*args, results_dir=results_dir, data_dir=data_dir)
+    )
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+@pytest.mark.slow  # torchrun: two processes
+def test_ranks_that_run_another_experiment_are_refused_before_anything_is_written(
+    tmp_path, env, data_dir
+):
+    """28.1: `--lr 1` on rank 1 only trained a run named lr=0.001 to a test loss of 8e21."""
+    fault = {**env, "LABRUN_FAULT": "args:--lr 1", "LABRUN_FAULT_RANK": "1"}
+    result = run(faulty("--epochs", "1", results_dir=tmp_path, data_dir=data_dir), fault, 120)
+    assert error_lines(result.stderr) == [
+        "error: torchrun: rank 1 runs another experiment than rank 0: --lr is 1.0 there, 0.01 "
+        "on rank 0; start every process with the same arguments, code and data"
+    ], result.stderr
+    assert result.stderr.count("exitcode  : 2") == 2, result.stderr  # both ranks
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.slow  # torchrun: two processes
+def test_a_refusal_on_rank_0_alone_ends_every_rank(tmp_path, env, data_dir):
+    """28.2: rank 0's results folder is full (ENOSPC), rank 1's check passes: both hung."""
+    fault = {**env, "LABRUN_FAULT": "enospc:labrun.runs:ensure_writable", "LABRUN_FAULT_RANK": "0"}
+    result = run(faulty("--epochs", "1", results_dir=tmp_path, data_dir=data_dir), fault, 120)
+    [line] = error_lines(result.stderr)
+    assert line.startswith("error: --results-dir: ") and "No space left" in line, line
+    assert result.stderr.count("exitcode  : 2") == 2, result.stderr
+    assert not any(tmp_path.glob("*/status"))
+
+
+@pytest.mark.slow  # torchrun: two training processes
+def test_a_failure_on_rank_1_alone_ends_every_rank_with_its_cause_recorded(
+    tmp_path, env, data_dir, mlflow_uri
+):
+    """28.2 and 28.5: rank 1's loss raises mid-epoch; rank 0 saw only "Connection closed by
+    peer": run.log, the error line and MLflow now name rank 1 and its cause."""
+    fault = {**env, "LABRUN_FAULT": "fail:labrun.tasks:cross_entropy:5", "LABRUN_FAULT_RANK": "1"}
+    result = run(faulty("--epochs", "2", results_dir=tmp_path, data_dir=data_dir), fault, 180)
+    assert result.returncode != 0
+    run_dir = run_dir_of(tmp_path)
+    assert (run_dir / "status").read_text() == "failed\n"
+    log = (run_dir / "run.log").read_text()
+    assert "the cause, on rank 1:" in log and "injected failure on rank 1" in log, log
+    [line] = error_lines(result.stderr)
+    assert "rank 1 failed: RuntimeError: injected failure on rank 1" in line, result.stderr
+    [tracked] = runs_tagged(mlflow_uri, run_dir)
+    assert tracked.info.status == "FAILED"
+
+
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def rank_0_of_two(env: dict, **more: str) -> dict:
+    """The environment of rank 0 of a 2-process job whose rank 1 never comes."""
+    return {
+        **env,
+        "WORLD_SIZE": "2",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": free_port(),
+        **more,
+    }
+
+
+def test_a_stray_world_size_is_one_line_and_exit_2(tmp_path, env, data_dir):
+    """28.3: WORLD_SIZE left in a shell, no MASTER_ADDR: was a 20-line traceback, exit 1."""
+    stray = {k: v for k, v in env.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    result = run(
+        [sys.executable, *run_py(results_dir=tmp_path, data_dir=data_dir)],
+        {**stray, "WORLD_SIZE": "2"},
+        60,
+    )
+    assert result.returncode == 2, result.stderr
+    assert error_lines(result.stderr) == [result.stderr.strip()], result.stderr
+    assert "WORLD_SIZE=2 but no MASTER_ADDR or MASTER_PORT" in result.stderr
+
+
+@pytest.mark.slow  # waits for a process group that never forms
+def test_a_rank_waiting_for_its_peers_stops_on_a_second_signal_and_times_out(
+    tmp_path, env, data_dir
+):
+    """28.3: waiting in the rendezvous (C++), TERM TERM was ignored, also with grace 0; and
+    nothing waits longer than LAB_DIST_TIMEOUT_S."""
+    waiting = start(
+        [sys.executable, *run_py(results_dir=tmp_path, data_dir=data_dir)],
+        rank_0_of_two(env, LAB_STOP_GRACE_S="0"),
+    )
+    time.sleep(8)  # imports, then the wait for rank 1
+    assert waiting.poll() is None, waiting.communicate()
+    for _ in range(2):
+        waiting.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+    _, err = waiting.communicate(timeout=30)
+    assert waiting.returncode == 130, err
+    assert not any(tmp_path.glob("*/status"))
+
+    started = time.monotonic()
+    alone = run(
+        [sys.executable, *run_py(results_dir=tmp_path, data_dir=data_dir)],
+        rank_0_of_two(env, LAB_DIST_TIMEOUT_S="3"),
+        120,
+    )
+    assert alone.returncode == 1 and time.monotonic() - started < 60, alone.stderr
+    [line] = error_lines(alone.stderr)
+    assert line.startswith("error: torchrun: rank 0 could not join the 2 processes"), line
+
+
+@pytest.mark.slow  # torchrun: two processes
+def test_a_split_smaller_than_the_world_is_refused_on_every_rank(tmp_path, env, data_dir):
+    """28.4: one validation sample for two ranks: rank 1 skipped the final all-reduce."""
+    cmd = torchrun(*run_py("--val-fraction", "0.0007", results_dir=tmp_path, data_dir=data_dir))
+    result = run(cmd, env, 120)
+    assert error_lines(result.stderr) == [
+        "error: the val split has 1 sample(s), fewer than the 2 processes that would share it; "
+        "use more data or fewer processes"
+    ], result.stderr
+    assert result.stderr.count("exitcode  : 2") == 2, result.stderr
+    assert not any(tmp_path.glob("*/status"))
+
+
+def test_every_rank_leaves_where_one_refuses_with_one_collective():
+    """28.2 without torchrun: settle() is one vote, whatever each rank found."""
+    from labrun.distributed import EXIT_INTERRUPTED, Dist
+
+    class Stop:
+        requested = "SIGTERM"
+
+    alone = Dist()
+    assert alone.settle(None) is None and alone.settle(2, Stop()) == 2
+    assert alone.settle(None, Stop()) == EXIT_INTERRUPTED
+    assert alone.agree_on({"--lr": "1"}) is None and alone.peer_failures() == []
