@@ -69,6 +69,7 @@ def identity(args) -> dict:
 def load_model(run: Path, config: dict, which: str, device):
     """The run's model with its best weights; bad or crafted weights: one UsageError line."""
     import torch
+
     from run import make_model  # the model as run.py builds it, from the run's own flags
 
     args = SimpleNamespace(**{"model_args": {}, "input_shape": None, **config})

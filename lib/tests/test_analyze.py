@@ -21,10 +21,11 @@ import numpy as np
 import pytest
 import torch
 from conftest import ROOT, TINY, load_run_py
+from torch import nn
+
 from labrun import runs
 from labrun.models import create_model, register_model
 from labrun.similarity import activations, default_layer, first_tensor, layers, linear_cka
-from torch import nn
 
 
 def random_features(n=64, p=20, seed=0) -> torch.Tensor:
@@ -238,13 +239,23 @@ def load_analyze():
     return module
 
 
-@register_model("rowgru", help="a GRU over image rows (tests)")
 def rowgru(num_classes, channels, image_size, width):
     return nn.Sequential(Rows(), nn.GRU(image_size[1], width, batch_first=True), Last(),
                          nn.Linear(width, num_classes))  # fmt: skip
 
 
-def test_a_model_with_a_gru_is_analysed(two_runs, tmp_path, capsys):
+@pytest.fixture
+def registered_rowgru():
+    """`rowgru` registered for one test only: a registration at import would stay in the
+    registry for every later test of the process (test_model compares it with the sources)."""
+    from labrun.models import MODELS
+
+    register_model("rowgru", help="a GRU over image rows (tests)")(rowgru)
+    yield
+    dict.pop(MODELS, "rowgru", None)
+
+
+def test_a_model_with_a_gru_is_analysed(two_runs, tmp_path, capsys, registered_rowgru):
     """Issue 30.5: analyze.py on a model whose layer returns a tuple (today: AttributeError in
     the hook, exit 1, status failed)."""
     a, _ = two_runs
@@ -268,8 +279,9 @@ def test_a_failure_is_one_line_status_failed_and_mlflow_failed(two_runs, tmp_pat
                                                               monkeypatch):  # fmt: skip
     """Issue 30.5: whatever fails inside the job ends it `failed`, in run.log, in one `error:`
     line and in MLflow (not left RUNNING)."""
-    import labrun.similarity
     from mlflow.tracking import MlflowClient
+
+    import labrun.similarity
 
     def broken(*_):
         raise RuntimeError("the CKA went wrong\nand a second line of detail")

@@ -22,9 +22,10 @@ import numpy as np
 import pandas as pd
 import pytest
 from conftest import ROOT, load_run_py
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+
 from labrun import figures as F
 from labrun.analysis import aggregate, by_monitor, comparison, curves, load_runs
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 LRS = {0.003: 3, 0.01: 3, 0.03: 2}  # lr -> seeds
 TINY_RUN = ["--device", "cpu", "--width", "8", "--batch-size", "64", "--progress", "off",

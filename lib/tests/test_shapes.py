@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import PACKAGE, ROOT, RUN_PY
+
 from labrun import config, datasets
 from labrun.analysis import Run, aggregate
 from labrun.augment import choose_augmentation
@@ -209,6 +210,7 @@ def test_signals_with_augmentation_resume_exactly(main_in_process, tmp_path, mon
     import signal
 
     import pandas as pd
+
     from labrun.state import TrainSums
 
     argv = ["--dataset", "signals", "--model", "cnn1d", "--augment", "on", "--epochs", "2",

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from torch import nn
-
 from labrun.models import BUILT_IN, create_model
 from labrun.registry import declarations
+from torch import nn
+
 from {{ cookiecutter.package_name }}.model import ResidualBlock, build_model
 
 

@@ -10,7 +10,6 @@ import sys
 import pandas as pd
 import torch
 from conftest import ROOT, RUN_PY, load_run_py
-
 from labrun.state import TrainSums
 
 EPOCHS = ("--epochs", "3")
