@@ -9,10 +9,11 @@ and number of timed steps:
   (b) plain    the textbook loop: fp32, NCHW, DataLoader with num_workers=0 over a Dataset that
                converts and augments one sample at a time, `loss.item()` and a synchronous
                `mlflow.log_metric` every step, no compile
-  (c) ceiling  the job's own training step (`Trainer.step`, same precision and compile choice)
-               on batches already on the device: nothing but compute
-All three come from the generated package's `gpucheck` module (`job_rate`, `plain_loop_rate`,
-`ceiling_rate`), the code `python -m <package>.gpucheck` runs on a GPU. (b) and (c) run in this
+  (c) ceiling  the job's own training step (run.py's `step`, reached with
+               labrun.session.capture_step: same precision, layout and compile choice) on
+               batches already on the device: nothing but compute
+(a) and (b) come from labrun's `gpucheck` module (`job_rate`, `plain_loop_rate`), the code
+`python -m labrun.gpucheck` runs on a GPU. (b) and (c) run in this
 process after `--warmup` untimed steps; the device is synchronised before the clock stops. Each
 variant runs `--repeats` times, interleaved, and the best run is reported (the least disturbed by
 other load on the machine). Achieved GFLOP/s = samples/s x training FLOPs per sample
@@ -35,6 +36,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 TEMPLATE_ROOT = Path(__file__).resolve().parent.parent
@@ -77,6 +79,15 @@ def render_project(out_dir: Path) -> Path:
     )
     (project,) = [p for p in out_dir.iterdir() if p.is_dir()]
     return project
+
+
+def load_run_py(project: Path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_bench", project / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def device_name(device) -> str:
@@ -147,13 +158,29 @@ def main(argv=None) -> int:
             threads=args.threads, width=args.width)
         return metrics["samples_per_sec"]
 
+    run_py = load_run_py(project)
+    ceiling_argv = [
+        "--dataset", "synthetic", "--synthetic-size", str(args.synthetic_size),
+        "--device", device.type, "--batch-size", str(args.batch_size), "--width", str(args.width),
+        "--compile", "on" if args.compile == "on" else "off", "--tracking", "off",
+        "--data-dir", str(data_dir), "--results-dir", str(results_dir / "ceiling"),
+    ]  # fmt: skip
+
     def ceiling() -> float:
+        """The job's own step (run.py's, via capture_step: same precision, layout and compile
+        choice) on batches already on the device: nothing but compute."""
+        from labrun.session import capture_step
+
         torch.manual_seed(0)
-        trainer = check.build_trainer(device, batch_size=args.batch_size, width=args.width,
-                                      total_steps=args.warmup + args.steps,
-                                      compile_mode="default" if args.compile == "on" else None)
-        check.warm_up(trainer, batches[0])
-        return check.ceiling_rate(trainer, batches, args.steps, args.warmup)
+        captured = capture_step(run_py.main, ceiling_argv)
+        for i in range(args.warmup):
+            captured.step([batches[i % len(batches)]])
+        synchronize(device)
+        start = time.perf_counter()
+        for i in range(args.steps):
+            captured.step([batches[i % len(batches)]])
+        synchronize(device)
+        return args.batch_size * args.steps / (time.perf_counter() - start)
 
     runners = {
         "job": job,
