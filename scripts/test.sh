@@ -54,8 +54,8 @@ main() {
   run_part template . -p no:cacheprovider "$@" || template_rc=$?
 
   echo
-  echo "[test] failures of both parts (none listed: none failed)"
-  grep -hE '^(FAILED|ERROR) ' "${LOGS}"/*.log || true
+  echo "[test] failures of both parts:"
+  grep -hE '^(FAILED|ERROR) ' "${LOGS}"/*.log || echo "none"
   echo "[test] library: exit ${lib_rc}; template: exit ${template_rc}"
   echo "$(count passed) passed, $(( $(count failed) + $(count errors) )) failed, $(count skipped) skipped"
   if (( lib_rc != 0 || template_rc != 0 )); then

@@ -50,6 +50,19 @@ TINY = ["--device", "cpu", "--width", "8", "--batch-size", "64", "--lr", "0.01"]
 TINY += ["--progress", "off"]
 
 
+@pytest.fixture(autouse=True)
+def _inductor_cache_left_as_found():
+    """A compile in this process (main_in_process, capture_step) points TORCHINDUCTOR_CACHE_DIR
+    at its project's cache (hardware.use_inductor_cache writes the environment): put it back, or
+    every later test's subprocess would inherit it, in whatever order xdist runs them."""
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    yield
+    if before is None:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    else:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+
+
 @pytest.fixture(scope="session")
 def project() -> Path:
     """The rendered project's root (run.py, run.sh, plot.py, the package)."""

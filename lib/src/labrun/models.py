@@ -158,7 +158,9 @@ def create_model(
         "num_classes": num_classes,
         "channels": channels,
         "image_size": tuple(image_size),
-        "input_shape": tuple(input_shape) if input_shape is not None else None,
+        # The data's shape per sample; a caller that gives none (a test, a notebook) means
+        # channel-first data of this size, what run.py passes for signals and images.
+        "input_shape": tuple(input_shape or (channels, *image_size)),
         "width": width,
         **model_args,
     }
