@@ -35,6 +35,7 @@ so a refused job leaves nothing behind. Imports neither torch nor mlflow.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import traceback
@@ -170,23 +171,51 @@ def lifecycle(
             return error(str(exc), EXIT_FAILED)
 
 
+# A torchrun rank leaves with os._exit once its process group is gone (see _leave); False for
+# callers that go on in the same process after run.py's main() (session.capture_step).
+LEAVE_AT_ONCE = True
+
+
 def _ranked(args, parser_, out: Path, redo, stop: GracefulStop, body) -> int:
     """lifecycle under torchrun: every rank agrees on the experiment, rank 0 claims."""
     with distributed.session(args.device) as dist:  # torchrun: N processes, one job
-        # Before anything is written: the same arguments, code, data and run directory.
-        if differs := dist.agree_on(distributed.experiment_identity(args, out)):
-            return error(differs, EXIT_USAGE)
-        if not dist.is_main:  # the others run when rank 0 does, else leave with its code
-            code = dist.verdict(None)
-            if code is None:
-                code = body(args, parser_, out, stop, None, dist)
-            return dist.finish(code)
+        code = _ranked_in(dist, args, parser_, out, redo, stop, body)
+    if dist.active and LEAVE_AT_ONCE:
+        _leave(code)
+    return code
 
-        def run_all(held) -> int:
-            dist.verdict(None)  # torchrun: the other ranks run too
-            return body(args, parser_, out, stop, held, dist)
 
-        return dist.finish(_claimed(args, out, redo, stop, run_all))
+def _leave(code: int) -> None:
+    """A torchrun rank whose exit code every rank agreed and whose process group is destroyed
+    leaves now, without Python's finalization: torchrun sends SIGTERM to a rank still exiting
+    when another has exited, and a rank hit while finalization tears down gloo's C++ threads
+    aborts (`terminate called without an active exception`, SIGABRT, exit -6 instead of the
+    agreed code; pytorch PR 179291; 1 run in 4 here with both cores busy). Nothing is left to
+    finalize: the run's files, its MLflow run and run.log are closed by now."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _ranked_in(dist, args, parser_, out: Path, redo, stop: GracefulStop, body) -> int:
+    """Inside the process group: the experiment agreed, then rank 0 claims and decides."""
+    # Before anything is written: the same arguments, code, data and run directory.
+    if differs := dist.agree_on(distributed.experiment_identity(args, out)):
+        return error(differs, EXIT_USAGE)
+    if not dist.is_main:  # the others run when rank 0 does, else leave with its code
+        code = dist.verdict(None)
+        if code is None:
+            code = body(args, parser_, out, stop, None, dist)
+        return dist.finish(code)
+
+    def run_all(held) -> int:
+        dist.verdict(None)  # torchrun: the other ranks run too
+        return body(args, parser_, out, stop, held, dist)
+
+    return dist.finish(_claimed(args, out, redo, stop, run_all))
 
 
 def _claimed(args, out: Path, redo, stop: GracefulStop, run: Callable[[Claim], int]) -> int:

@@ -899,11 +899,15 @@ def capture_step(main, argv: list[str]):
         captured.update(kwargs, run=self)
         return EXIT_OK
 
+    from . import jobs
+
     Run.tools, is_tool = tools, lambda args: True
+    jobs.LEAVE_AT_ONCE = False  # this process goes on after main(): no os._exit under torchrun
     try:
         code = main(list(argv))
     finally:
         Run.tools, is_tool = original_tools, original_is_tool
+        jobs.LEAVE_AT_ONCE = True
     if not captured:
         raise RuntimeError(f"run.py did not reach its step (exit {code})")
     return types.SimpleNamespace(**captured)
