@@ -291,7 +291,7 @@ class Run:
         for note in self.data_.notes:  # e.g. skipped unreadable images
             self.log.warning("data: %s", note)
         version = self.config["data_version"] or self.config.get("data_content")
-        self.log.info("data: %s images (train/val/test) | %s", self.config["split_sizes"], version)
+        self.log.info("data: %s samples (train/val/test) | %s", self.config["split_sizes"], version)
         for what, why in self._notes:
             self.log.info("%s: %s", what, why)
         if dist.active:
