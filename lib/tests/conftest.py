@@ -256,3 +256,26 @@ def capture_step(monkeypatch, data_dir, results_dir, *args: str, model=None, amp
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+def wait_for_handler(proc, signum: int, timeout: float = 60.0) -> None:
+    """Wait until `proc` has installed a handler for `signum` (its SigCgt mask in /proc): a signal
+    sent earlier meets Python's default action (death by that signal), which no job can change,
+    and a fixed sleep races the interpreter's start-up on a loaded machine."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    bit = 1 << (signum - 1)
+    while True:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"no handler for signal {signum} in time"
+        try:
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+        except OSError:
+            status = ""
+        caught = next(
+            (line.split()[1] for line in status.splitlines() if line.startswith("SigCgt")), "0"
+        )
+        if int(caught, 16) & bit:
+            return
+        time.sleep(0.01)

@@ -24,6 +24,7 @@ from conftest import (
     read_metrics,
     run_dir_of,
     signal_self_after,
+    wait_for_handler,
     wait_while_running,
 )
 
@@ -345,7 +346,9 @@ def test_a_forced_exit_130_leaves_status_interrupted(env, data_dir, tmp_path):
 @pytest.mark.slow
 def test_a_stop_signal_during_start_up_exits_75(env, data_dir, tmp_path):
     proc = popen_cli(*QUICK, results_dir=tmp_path, data_dir=data_dir, env=env)
-    time.sleep(0.5)  # importing torch: long before the training loop
+    # As soon as the job can take it: it is then importing torch and loading data, long before
+    # the training loop.
+    wait_for_handler(proc, signal.SIGUSR1)
     proc.send_signal(signal.SIGUSR1)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 75, err
