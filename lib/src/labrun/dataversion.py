@@ -157,18 +157,23 @@ def _digest(files: list[tuple[str, int, int]]) -> str:
     return VERSION_PREFIX + h.hexdigest()[:16]
 
 
-def _read_cache(cache: Path | None, root: Path) -> dict | None:
-    if cache is None:
-        return None
+def read_json(path: Path) -> dict | None:
+    """A JSON object of data/ read without following a link; None when it is missing, unreadable,
+    a link, not JSON or not an object (a cache is then made again)."""
     try:
-        fd = os.open(cache, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         with os.fdopen(fd, encoding="utf-8") as f:
-            cached = json.load(f)
+            content = json.load(f)
     except (OSError, ValueError):
         return None
+    return content if isinstance(content, dict) else None
+
+
+def _read_cache(cache: Path | None, root: Path) -> dict | None:
+    if cache is None or (cached := read_json(cache)) is None:
+        return None
     valid = (
-        isinstance(cached, dict)
-        and cached.get("root") == str(root)
+        cached.get("root") == str(root)
         and isinstance(cached.get("version"), str)
         and cached["version"].startswith(VERSION_PREFIX)
         and isinstance(cached.get("dirs"), dict)

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
-from .dataversion import check_cache_path, file_lock, is_hidden
+from .dataversion import check_cache_path, file_lock, is_hidden, read_json
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".webp", ".gif", ".bmp")
 SPLIT_DIRS = ("train", "val", "test")
@@ -246,7 +246,7 @@ def _check_images(root: Path, files: dict, report_dir: Path | None, version: str
         if cache is not None:
             with contextlib.suppress(OSError):  # a read-only --data-dir: check without caching
                 stack.enter_context(file_lock(cache))
-            cached = _read_json(cache)
+            cached = read_json(cache)
             if cached is not None and all(os.path.relpath(p, root) in cached for p in paths):
                 return {k: v if isinstance(v, str) else tuple(v) for k, v in cached.items()}
         checked = {os.path.relpath(p, root): _inspect(p) for p in paths}
@@ -269,16 +269,6 @@ def _inspect(path: str) -> tuple | str:
             return (width, height, image.mode, float(low), float(high))
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         return f"{type(e).__name__}: {e}"
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        with os.fdopen(fd, encoding="utf-8") as f:
-            content = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return content if isinstance(content, dict) else None
 
 
 def _write_unreadable_list(root: Path, lines: list[str], report_dir: Path | None) -> Path:
