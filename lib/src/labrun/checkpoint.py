@@ -83,15 +83,18 @@ def save_weights(path: Path, state_dict: dict) -> None:
 def _save(obj, path: Path) -> None:
     """Atomically, and a full disk is an OSError naming `path` (the run's disk message): given
     a path, torch.save reports it as `RuntimeError: [enforce fail at inline_container.cc]`;
-    given a Python file, the file's own OSError comes through."""
+    given a Python file, the file's own OSError is that RuntimeError's context, or raised."""
     with atomic_path(path) as tmp:
         try:
             with open(tmp, "wb") as f:
                 torch.save(obj, f)
                 f.flush()
                 os.fsync(f.fileno())  # the space is taken now, not at some later writeback
-        except OSError as exc:
-            raise OSError(exc.errno, exc.strerror, str(path)) from exc
+        except (OSError, RuntimeError) as exc:
+            cause = exc if isinstance(exc, OSError) else exc.__context__
+            if not isinstance(cause, OSError):
+                raise
+            raise OSError(cause.errno, cause.strerror, str(path)) from exc
 
 
 def load(path: Path, *, config_hash: str, map_location: torch.device | str = "cpu") -> dict:

@@ -190,7 +190,6 @@ def load_dataset(
         raw = entry.load(options)
     if not isinstance(raw, DatasetSplits) or raw.train is None:
         raise ValueError(f"dataset {name!r}: its function must return DatasetSplits(train=...)")
-    content = None if data_path is not None else content_hash(raw)
     splits = {
         s: _as_split(getattr(raw, s), raw, image_size, f"{name}/{s}")
         for s in ("train", "val", "test")
@@ -199,6 +198,7 @@ def load_dataset(
     for where, split in splits.items():
         if len(split) == 0:  # a dataset's own empty split (ImageFiles of no file)
             raise ValueError(f"{name}/{where}: {EMPTY_SPLIT}")
+    content = None if data_path is not None else content_hash(raw)  # of splits checked above
     check_targets(splits, task, name)  # non-finite targets, a multilabel split without a label
     shapes = {(split.image_shape, split.layout, _dtype(split)) for split in splits.values()}
     if len(shapes) > 1:
