@@ -102,7 +102,7 @@ def check_memory(args, info, device, amp_dtype, *, micro_batch: int) -> str:
                 image_size=info.image_size,
                 input_shape=info.input_shape,
                 width=args.width,
-                **args.model_args,
+                **_own(args),
             )
     except ValueError:
         raise  # a misfit of the model's own arguments: bad input as run.py's build says it
@@ -138,9 +138,13 @@ def check_memory(args, info, device, amp_dtype, *, micro_batch: int) -> str:
     return f"training needs about {size_text(total)} ({needs.parts(host_copy=True)})"
 
 
+def _own(args) -> dict:
+    return getattr(args, "model_args", None) or {}  # --model-args, as config.py parsed them
+
+
 def _sizes(args) -> str:
     width = f" --width {args.width}" if args.width is not None else ""
-    own = ",".join(f"{k}={v}" for k, v in args.model_args.items())
+    own = ",".join(f"{k}={v}" for k, v in _own(args).items())
     return width + (f" --model-args {own}" if own else "")
 
 
@@ -150,7 +154,7 @@ def _advice(args, needs: Needs) -> str:
     flags = []
     if args.width is not None:
         flags.append("a smaller --width")
-    if args.model_args:
+    if _own(args):
         flags.append("smaller --model-args")
     if not flags:
         flags.append("a smaller --model")
