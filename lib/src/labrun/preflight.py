@@ -65,24 +65,28 @@ def estimate(model, batch_shape: tuple[int, ...], *, ema: bool, half: bool) -> N
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    kept = [0]
+    outputs: dict[int, torch.Tensor] = {}  # by identity: an in-place ReLU's output is its input
 
     def count(_module, _inputs, output) -> None:
         for t in output if isinstance(output, list | tuple) else (output,):
             if isinstance(t, torch.Tensor):
-                kept[0] += t.numel() * (2 if half and t.is_floating_point() else t.element_size())
+                outputs[id(t)] = t  # held: no id is reused during the pass
 
     leaves = [m for m in model.modules() if not any(True for _ in m.children())]
     hooks = [m.register_forward_hook(count) for m in leaves]
     try:
         model(torch.empty(batch_shape, device="meta"))
     except Exception:  # noqa: BLE001 (the forward's own errors are forward_problem's to report)
-        kept[0] = 0
+        outputs.clear()
     finally:
         for hook in hooks:
             hook.remove()
+    kept = sum(
+        t.numel() * (2 if half and t.is_floating_point() else t.element_size())
+        for t in outputs.values()
+    )
     weights = params + buffers
-    return Needs(weights, 3 * trainable, weights if ema else 0, weights, kept[0])
+    return Needs(weights, 3 * trainable, weights if ema else 0, weights, kept)
 
 
 def check_memory(args, info, device, amp_dtype, *, micro_batch: int) -> str:
