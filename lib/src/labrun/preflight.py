@@ -167,7 +167,7 @@ def _advice(args, needs: Needs) -> str:
     return "choose " + " or ".join(flags)
 
 
-def forward_problem(model, batch, loss_fn, *, dtype) -> str | None:
+def forward_problem(model, batch, loss_fn, dtype) -> str | None:
     """Why `model` cannot train on this data and task (one forward pass and the loss on two
     samples of the real `batch`), or None. Eval mode, no gradients: nothing of the run moves."""
     import torch

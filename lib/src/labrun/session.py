@@ -284,9 +284,9 @@ class Run:
         code, why = None, ""
         try:
             # one forward pass and the loss on a real batch: a misfit of model, data and task
-            if problem := forward_problem(
-                model, self.peek_batch(), self.task.loss, dtype=self.amp_dtype
-            ):
+            # (not for tools: capture_step drives the step with its caller's own batches)
+            batch = None if self.tool else self.peek_batch()
+            if batch and (problem := forward_problem(model, batch, self.task.loss, self.amp_dtype)):
                 why = (
                     f"--model {args.model} cannot train on --dataset {args.dataset} under "
                     f"--task {args.task} ({problem}); choose another --model, --task or --dataset"
