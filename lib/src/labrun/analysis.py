@@ -57,7 +57,7 @@ from .runs import (
 # metrics.json's keys that every task writes; a table lists the task's own first.
 METRIC_NAMES = (
     "best_epoch", "epochs_run", "steps", "wall_time_s", "train_time_s", "compile_time_s",
-    "samples_per_sec", "peak_mem_bytes",
+    "samples_per_sec", "peak_mem_bytes", "tested_epoch",
 )  # fmt: skip
 SEED_KEY = "seed"
 DEFAULT_MONITOR = "val_acc"  # runs written before tasks: classification, early-stopped on it
