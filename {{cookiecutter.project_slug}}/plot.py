@@ -74,7 +74,7 @@ def plot_learning_curves(table: A.Table, page, metric: str, curve: str) -> Figur
     ax, handles, labels = fig.add_subplot(), [], []
     for i, config in enumerate(configs):
         c = data[data.config == config].sort_values("epoch")
-        full = c.n.to_numpy() >= table.stats.n[config]
+        full = c.runs.to_numpy() >= table.stats.n[config]
         dashed = ~full | np.r_[~full[1:], False]  # from the last point with every seed
         z = 3 - i / len(configs)  # the first (the baseline, in the sweep's order) on top
         every = F.mark_every(len(c), i, len(configs))
@@ -85,7 +85,7 @@ def plot_learning_curves(table: A.Table, page, metric: str, curve: str) -> Figur
                 zorder=z)  # fmt: skip
         band = (c["mean"] - c.se, c["mean"] + c.se)
         ax.fill_between(c.epoch, *band, color=look[config]["color"], alpha=0.25, lw=0, zorder=1)
-        fewer = f" (n={int(c.n.max())}→{int(c.n.min())})" if not full.all() else ""
+        fewer = f" (n={int(c.runs.max())}→{int(c.runs.min())})" if not full.all() else ""
         labels.append(F.label(table, config) + fewer)
     F.references(ax, references(curve))
     ax.set(xlabel="epoch", ylabel=A.readable(curve, LABELS))
@@ -145,36 +145,41 @@ def plot_final_vs_hparam(table: A.Table, page, metric: str, curve: str) -> Figur
 
 def plot_comparison(table: A.Table, page, metric: str, curve: str) -> Figure | None:
     """`metric` as model x condition: a group per model, its conditions side by side, mean +-
-    SE over seeds (hollow markers: every error bar shows)."""
+    SE over seeds (hollow markers: every error bar shows). Models whose names do not fit under
+    the axis whole (wrapped between words) become rows, named at the left: no name is split."""
     if (found := A.comparison(table, metric)) is None:
         return None
     row_key, wide = found
     conditions = list(dict.fromkeys(c for c, _ in wide.columns))  # at most 10: one colour each
     note = f"first 10 of {len(conditions)} (all in comparison.csv)" * (len(conditions) > 10)
     conditions = conditions[:10]
-    fig = Figure(figsize=page, layout="constrained")
-    ax, step, look = fig.add_subplot(), 0.8 / len(conditions), F.looks(conditions, "condition:")
-    for i, condition in enumerate(conditions):
-        x = np.arange(len(wide)) - 0.4 + step * (i + 0.5)
-        ax.errorbar(x, wide[(condition, "mean")], wide[(condition, "se")], ls="none", mfc="none",
-                    label=condition, **look[condition])  # fmt: skip
-    F.references(ax, references(metric))
     slot = (page[0] - 0.8) / len(wide)  # inches per model along x
     names = [F.wrap(v, slot - 0.1, 9) for v in wide.index]
-    if all(F.fits(n, slot - 0.05, 9) for n in names):
+    across = all(F.fits(n, slot - 0.05, 9) for n in names)
+    if not across:  # rows: the names get half the width, wrapped between words
+        names = [F.wrap(v, 0.5 * page[0], 9) for v in wide.index]
+    per_row = 0.155 * max(n.count("\n") + 1 for n in names) + 0.05  # inches a row's name needs
+    height = page[1] if across else max(page[1], 0.8 + per_row * len(names))
+    fig = Figure(figsize=(page[0], height), layout="constrained")
+    ax, step, look = fig.add_subplot(), 0.8 / len(conditions), F.looks(conditions, "condition:")
+    for i, condition in enumerate(conditions):
+        at = np.arange(len(wide)) - 0.4 + step * (i + 0.5)
+        mean, se = wide[(condition, "mean")], wide[(condition, "se")]
+        xy = (at, mean, se) if across else (mean, at, None, se)
+        ax.errorbar(*xy, ls="none", mfc="none", label=condition, **look[condition])
+    F.references(ax, references(metric), across=across)
+    label, limits = A.readable(metric, LABELS), (-0.5, len(wide) - 0.5)
+    if across:
         ax.set_xticks(range(len(wide)), names)
-        extra = 0.15 * max(n.count("\n") for n in names)
-    else:  # a word wider than its slot: whole names, slanted (vertical when very narrow)
-        angle = 35 if slot >= 0.25 else 90
-        ax.set_xticks(range(len(wide)), wide.index, rotation=angle, ha="right",
-                      rotation_mode="anchor")  # fmt: skip
-        widest = max(F.text_width(str(v), 9) for v in wide.index)
-        extra = widest * math.sin(math.radians(angle)) - 0.1
-    ax.set(xlabel=row_key, ylabel=A.readable(metric, LABELS), xlim=(-0.5, len(wide) - 0.5))
+        ax.set(xlabel=row_key, ylabel=label, xlim=limits)
+        height += 0.15 * max(n.count("\n") for n in names)
+    else:
+        ax.set_yticks(range(len(wide)), names)
+        ax.set(ylabel=row_key, xlabel=label, ylim=limits[::-1])  # the first row on top
     room = 0.0
-    if conditions != [metric] or note:  # one unnamed condition: the y-label says it all
+    if conditions != [metric] or note:  # one unnamed condition: the axis label says it all
         room = F.legend(fig, *ax.get_legend_handles_labels(), page[0], note)
-    fig.set_figheight(page[1] + room + extra)
+    fig.set_figheight(height + room)
     return fig
 
 

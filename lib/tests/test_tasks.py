@@ -276,7 +276,7 @@ def test_runs_written_before_tasks_load_and_plot_as_classification(tmp_path, cap
     out = tmp_path / "figures"
     assert plot.main(["--results", str(results), "--out", str(out), "--formats", "png"]) == 0
     assert (out / "learning_curves.png").is_file()
-    assert "best\\_val\\_acc" in (out / "aggregate.tex").read_text()
+    assert "test accuracy" in (out / "aggregate.tex").read_text()  # the default: test metrics
     assert plot.main(["--results", str(results), "--out", str(out), "--curve", "val_r2"]) == 2
     assert "error: --curve: val_r2 is not a history column" in capsys.readouterr().err
 

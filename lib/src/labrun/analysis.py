@@ -474,17 +474,19 @@ def in_order(table: Table, order: Sequence) -> Table:
 
 def curves(table: Table, column: str) -> pd.DataFrame:
     """Mean, se and n of a history column per configuration and epoch (columns config, epoch,
-    mean, se, n). Seeds that stopped early drop out of the later epochs, so n can shrink."""
+    mean, se, n: the finite values; runs: the seeds that trained the epoch). Seeds that stopped
+    early drop out of the later epochs, so runs can shrink; a NaN (an eval that diverged)
+    lowers only n."""
     parts = [
         pd.DataFrame({"epoch": r.history["epoch"], "value": r.history[column], "config": c})
         for r, c in zip(table.runs, table.configs, strict=True)
         if column in r.history
     ]
     if not parts:
-        return pd.DataFrame(columns=["config", "epoch", "mean", "se", "n"])
+        return pd.DataFrame(columns=["config", "epoch", "mean", "se", "n", "runs"])
     long = pd.concat(parts).replace([np.inf, -np.inf], np.nan)
     grouped = long.groupby(["config", "epoch"], sort=False)["value"]
-    return grouped.agg(mean="mean", se="sem", n="count").reset_index()
+    return grouped.agg(mean="mean", se="sem", n="count", runs="size").reset_index()
 
 
 def comparison(table: Table, metric: str) -> tuple[str, pd.DataFrame] | None:
@@ -543,8 +545,9 @@ def format_mean_se(mean: float, se: float) -> str:
 
 
 def _latex(cells: pd.DataFrame, notes: Sequence[str]) -> str:
-    """A booktabs tabular (\\usepackage{booktabs}) of ready-made LaTeX cells, with notes."""
-    body = cells.style.hide(axis="index").format_index(escape="latex", axis=1)
+    """A booktabs tabular (\\usepackage{booktabs}) of ready-made LaTeX cells and headers, with
+    notes."""
+    body = cells.style.hide(axis="index")
     align = "".join("l" if cells[c].map(lambda x: "$" not in x).all() else "r" for c in cells)
     tex = body.to_latex(hrules=True, column_format=align)
     rows = "".join(f"\\multicolumn{{{cells.shape[1]}}}{{l}}{{\\footnotesize {n}}} \\\\\n"
@@ -572,6 +575,7 @@ def table_latex(table: Table, labels: dict[str, str] | None = None) -> str:
     ($^\\dagger$: fewer seeds; $^\\ddagger$: over the finite values only)."""
     s = table.stats
     cells = s[table.keys].map(lambda v: latex_escape(format_value(v)))
+    cells.columns = [latex_escape(k) for k in table.keys]
     cells["n"] = [f"{n}" + "$^\\dagger$" * f for n, f in zip(s["n"], s["fewer_seeds"], strict=True)]
     for m in table.columns:
         cells[latex_label(m, labels)] = [
@@ -599,10 +603,12 @@ def write_tables(
         row_key, wide = found
         flat = wide.set_axis([f"{c} {s}" for c, s in wide.columns], axis=1)
         texts["comparison.csv"] = flat.rename_axis(row_key).to_csv(float_format="%.12g")
-        cells = pd.DataFrame({row_key: [latex_escape(v) for v in wide.index]})
+        cells = pd.DataFrame({latex_escape(row_key): [latex_escape(v) for v in wide.index]})
         for condition in dict.fromkeys(c for c, _ in wide.columns):
             means, ses = wide[(condition, "mean")], wide[(condition, "se")]
-            cells[condition] = [format_mean_se(m, e) for m, e in zip(means, ses, strict=True)]
+            cells[latex_escape(condition)] = [
+                format_mean_se(m, e) for m, e in zip(means, ses, strict=True)
+            ]
         texts["comparison.tex"] = _latex(
             cells, [f"{latex_label(metric, labels)}, n seeds: comparison.csv"]
         )

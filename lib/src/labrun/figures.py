@@ -58,14 +58,21 @@ def mark_every(points: int, index: int, count: int) -> int | tuple[int, int]:
     return (index * every // max(count, 1)) % every, every
 
 
-def references(ax, lines: dict[str, float]) -> None:
-    """Horizontal reference lines (chance, a paper's number): dotted grey, named at the right
-    end above the line, inside the axes."""
-    for name, y in lines.items():
-        ax.axhline(y, color="0.45", ls=":", lw=0.9, zorder=1)
-        ax.annotate(name, (1, y), xycoords=("axes fraction", "data"), xytext=(-2, 1.5),
-                    textcoords="offset points", ha="right", va="bottom", fontsize=8,
-                    color="0.35")  # fmt: skip
+def references(ax, lines: dict[str, float], across: bool = True) -> None:
+    """Reference lines (chance, a paper's number), dotted grey, named inside the axes:
+    horizontal at the right end (`across`: the values are on the y axis), else vertical at
+    the bottom."""
+    for name, value in lines.items():
+        if across:
+            ax.axhline(value, color="0.45", ls=":", lw=0.9, zorder=1)
+            ax.annotate(name, (1, value), xycoords=("axes fraction", "data"), xytext=(-2, 1.5),
+                        textcoords="offset points", ha="right", va="bottom", fontsize=8,
+                        color="0.35")  # fmt: skip
+        else:
+            ax.axvline(value, color="0.45", ls=":", lw=0.9, zorder=1)
+            ax.annotate(name, (value, 0), xycoords=("data", "axes fraction"), xytext=(2, 2),
+                        textcoords="offset points", ha="left", va="bottom", fontsize=8,
+                        color="0.35", rotation=90)  # fmt: skip
 
 
 def shown(table: Table) -> tuple[list[str], str]:
