@@ -19,7 +19,6 @@ comparison.csv/.tex; several tasks get a figure set each.
 
 import argparse
 import math
-import re
 import sys
 from pathlib import Path
 
@@ -58,12 +57,6 @@ REFERENCES: dict[str, dict[str, float]] = {}
 LABELS: dict[str, str] = {}
 
 
-def references(column: str) -> dict[str, float]:
-    """REFERENCES of `column`: its own, else those of its name without the split's prefix."""
-    bare = re.sub(r"^(best_val|train|val|test)_", "", column)
-    return REFERENCES.get(column) or REFERENCES.get(bare, {})
-
-
 def plot_learning_curves(table: A.Table, page, metric: str, curve: str) -> Figure:
     """History column `curve` per epoch: mean over seeds, band +-SE (a note when the bands are
     thinner than the lines); dashed where seeds have stopped early (a mean over fewer of them:
@@ -87,25 +80,13 @@ def plot_learning_curves(table: A.Table, page, metric: str, curve: str) -> Figur
         ax.fill_between(c.epoch, *band, color=look[config]["color"], alpha=0.25, lw=0, zorder=1)
         fewer = f" (n={int(c.runs.max())}→{int(c.runs.min())})" if not full.all() else ""
         labels.append(F.label(table, config) + fewer)
-    F.references(ax, references(curve))
+    F.references(ax, REFERENCES, curve)
     ax.set(xlabel="epoch", ylabel=A.readable(curve, LABELS))
     ax.xaxis.get_major_locator().set_params(integer=True)
-    note = "; ".join(filter(None, [note, band_note(ax, data, page)]))
+    note = "; ".join(filter(None, [note, F.band_note(ax, data.se, page[1])]))
     if len(configs) > 1 or note:
         fig.set_figheight(page[1] + F.legend(fig, handles, labels, page[0], F.title(table, note)))
     return fig
-
-
-def band_note(ax, data, page) -> str:
-    """What the figure cannot show of the SE: one seed (no band), or bands thinner than the
-    lines (the axes' height estimated from the page's)."""
-    if data.se.notna().sum() == 0:
-        return "one seed: no SE band"
-    low, high = ax.get_ylim()
-    widest = 2 * data.se.max() / (high - low) * (page[1] - 0.55) * 72  # points
-    if widest < 2 * matplotlib.rcParams["lines.linewidth"]:
-        return "SE bands narrower than the lines"
-    return ""
 
 
 def plot_final_vs_hparam(table: A.Table, page, metric: str, curve: str) -> Figure | None:
@@ -135,7 +116,7 @@ def plot_final_vs_hparam(table: A.Table, page, metric: str, curve: str) -> Figur
         ax.minorticks_off()
         ax.set_xlabel(key)
     for ax in axes:
-        F.references(ax, references(metric))
+        F.references(ax, REFERENCES, metric)
     axes[0].set_ylabel(A.readable(metric, LABELS))
     handles = [matplotlib.lines.Line2D([], [], ls="none", mfc="none", **look[c]) for c in configs]
     labels = [F.label(table, c, metric) for c in configs]  # n: the finite values of `metric`
@@ -167,7 +148,7 @@ def plot_comparison(table: A.Table, page, metric: str, curve: str) -> Figure | N
         mean, se = wide[(condition, "mean")], wide[(condition, "se")]
         xy = (at, mean, se) if across else (mean, at, None, se)
         ax.errorbar(*xy, ls="none", mfc="none", label=condition, **look[condition])
-    F.references(ax, references(metric), across=across)
+    F.references(ax, REFERENCES, metric, across=across)
     label, limits = A.readable(metric, LABELS), (-0.5, len(wide) - 0.5)
     if across:
         ax.set_xticks(range(len(wide)), names)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import matplotlib
 import numpy as np
+from matplotlib import rcParams
 from matplotlib.figure import Figure
 from matplotlib.font_manager import FontProperties
 from matplotlib.textpath import TextToPath
@@ -58,11 +59,24 @@ def mark_every(points: int, index: int, count: int) -> int | tuple[int, int]:
     return (index * every // max(count, 1)) % every, every
 
 
-def references(ax, lines: dict[str, float], across: bool = True) -> None:
-    """Reference lines (chance, a paper's number), dotted grey, named inside the axes:
-    horizontal at the right end (`across`: the values are on the y axis), else vertical at
-    the bottom."""
-    for name, value in lines.items():
+def band_note(ax, se, height: float) -> str:
+    """What a figure of curves cannot show of their SE (`se`: every point's): one seed (no
+    band), or bands thinner than the lines (the axes' height estimated from the figure's
+    `height` in inches, less its labels)."""
+    if se.notna().sum() == 0:
+        return "one seed: no SE band"
+    low, high = ax.get_ylim()
+    widest = 2 * se.max() / (high - low) * (height - 0.55) * 72  # points
+    return "SE bands narrower than the lines" if widest < 2 * rcParams["lines.linewidth"] else ""
+
+
+def references(ax, references: dict[str, dict], column: str, across: bool = True) -> None:
+    """plot.py's REFERENCES of `column` (its own, else those of its name without the split's
+    prefix: "acc" for train_acc, val_acc, test_acc, best_val_acc) as dotted grey lines named
+    inside the axes: horizontal at the right end (`across`: the values are on the y axis),
+    else vertical at the bottom."""
+    bare = re.sub(r"^(best_val|train|val|test)_", "", column)
+    for name, value in (references.get(column) or references.get(bare, {})).items():
         if across:
             ax.axhline(value, color="0.45", ls=":", lw=0.9, zorder=1)
             ax.annotate(name, (1, value), xycoords=("axes fraction", "data"), xytext=(-2, 1.5),
