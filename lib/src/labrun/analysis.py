@@ -578,12 +578,15 @@ def table_latex(table: Table, labels: dict[str, str] | None = None) -> str:
     cells.columns = [latex_escape(k) for k in table.keys]
     cells["n"] = [f"{n}" + "$^\\dagger$" * f for n, f in zip(s["n"], s["fewer_seeds"], strict=True)]
     for m in table.columns:
+        never = (s[f"{m}_n"] == 0) & is_crossing(m)  # no run reached it: a word, not a number
         cells[latex_label(m, labels)] = [
-            format_mean_se(a, b) + "$^\\ddagger$" * (k < n)
-            for a, b, k, n in zip(s[f"{m}_mean"], s[f"{m}_se"], s[f"{m}_n"], s["n"], strict=True)
+            "never" if no else format_mean_se(a, b) + "$^\\ddagger$" * (k < n)
+            for a, b, k, n, no in zip(
+                s[f"{m}_mean"], s[f"{m}_se"], s[f"{m}_n"], s["n"], never, strict=True
+            )
         ]
     notes = ["$^\\dagger$ fewer seeds than the other configurations"] * bool(s["fewer_seeds"].any())
-    if any((s[f"{m}_n"] < s["n"]).any() for m in table.columns):
+    if any(cell.endswith("$^\\ddagger$") for cell in cells.to_numpy().ravel()):
         notes.append("$^\\ddagger$ over the runs with a finite value (first epochs: that reached "
                      "it) only; their n: table.csv")  # fmt: skip
     return _latex(cells, notes)

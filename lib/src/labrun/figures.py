@@ -61,32 +61,33 @@ def mark_every(points: int, index: int, count: int) -> int | tuple[int, int]:
 
 def band_note(ax, se, height: float) -> str:
     """What a figure of curves cannot show of their SE (`se`: every point's): one seed (no
-    band), or bands thinner than the lines (the axes' height estimated from the figure's
-    `height` in inches, less its labels)."""
+    band), or bands mostly thinner than the lines (the median band; the axes' height estimated
+    from the figure's `height` in inches, less its labels)."""
     if se.notna().sum() == 0:
         return "one seed: no SE band"
     low, high = ax.get_ylim()
-    widest = 2 * se.max() / (high - low) * (height - 0.55) * 72  # points
-    return "SE bands narrower than the lines" if widest < 2 * rcParams["lines.linewidth"] else ""
+    typical = 2 * se.median() / (high - low) * (height - 0.55) * 72  # points
+    thin = typical < 2 * rcParams["lines.linewidth"]
+    return "SE bands mostly narrower than the lines" if thin else ""
 
 
 def references(ax, references: dict[str, dict], column: str, across: bool = True) -> None:
     """plot.py's REFERENCES of `column` (its own, else those of its name without the split's
-    prefix: "acc" for train_acc, val_acc, test_acc, best_val_acc) as dotted grey lines named
-    inside the axes: horizontal at the right end (`across`: the values are on the y axis),
-    else vertical at the bottom."""
+    prefix: "acc" for train_acc, val_acc, test_acc, best_val_acc) as dotted grey lines, named
+    outside the axes where no data can hide the name: at the right end (`across`: the values
+    are on the y axis), else above the top."""
     bare = re.sub(r"^(best_val|train|val|test)_", "", column)
     for name, value in (references.get(column) or references.get(bare, {})).items():
         if across:
             ax.axhline(value, color="0.45", ls=":", lw=0.9, zorder=1)
-            ax.annotate(name, (1, value), xycoords=("axes fraction", "data"), xytext=(-2, 1.5),
-                        textcoords="offset points", ha="right", va="bottom", fontsize=8,
+            ax.annotate(name, (1, value), xycoords=("axes fraction", "data"), xytext=(3, 0),
+                        textcoords="offset points", ha="left", va="center", fontsize=8,
                         color="0.35")  # fmt: skip
         else:
             ax.axvline(value, color="0.45", ls=":", lw=0.9, zorder=1)
-            ax.annotate(name, (value, 0), xycoords=("data", "axes fraction"), xytext=(2, 2),
-                        textcoords="offset points", ha="left", va="bottom", fontsize=8,
-                        color="0.35", rotation=90)  # fmt: skip
+            ax.annotate(name, (value, 1), xycoords=("data", "axes fraction"), xytext=(0, 2),
+                        textcoords="offset points", ha="center", va="bottom", fontsize=8,
+                        color="0.35")  # fmt: skip
 
 
 def shown(table: Table) -> tuple[list[str], str]:
