@@ -415,6 +415,9 @@ def test_from_mlflow_plots_what_run_py_tracked(run_cli, env, tmp_path):
     client.set_terminated(crashed.info.run_id, "FAILED")
     run_dir = next((tmp_path / "results").iterdir())
     run_id = json.loads((run_dir / "metrics.json").read_text())["mlflow_run_id"]
+    tracked = client.get_run(run_id).data  # which weights the test numbers come from
+    assert tracked.tags["test_weights"] == tracked.params["test_weights"] == "best"
+    assert tracked.metrics["tested_epoch"] == tracked.metrics["best_epoch"]
     series = system_series(1)
     client.log_batch(run_id, metrics=[
         Metric(f"system/{name}", float(v), 1_700_000_000_000 + int(t * 1000), i)
