@@ -50,7 +50,7 @@ TABLE: list[str] = []
 # [] or a value not named: the sweep's order (run.sh's job order), then the values' own order
 ORDER: list = []
 # Dotted reference lines per column, or per column name without train_/val_/test_/best_val_
-# ("acc": every accuracy), e.g. {"acc": {"chance": 0.1, "Smith et al. 2024": 0.93}}
+# ("acc": every accuracy), e.g. dict(acc={"chance": 0.1, "Smith et al. 2024": 0.93})
 REFERENCES: dict[str, dict[str, float]] = {}
 # Axis and table labels: derived from the column's name (train_acc -> "train accuracy",
 # wall_time_s -> "wall time (s)"); a name here wins, e.g. {"test_r2": "test $R^2$"}
