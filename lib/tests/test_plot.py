@@ -629,21 +629,32 @@ def test_order_set_in_plot_py_wins(tmp_path, monkeypatch):
                                            "shuffled-pixels", NEWCOMER[-1]]  # fmt: skip
 
 
-def test_duplicates_equal_collapse_different_are_left_out(tmp_path, capsys):
-    """Issue 37: duplicates are compared by their numbers, never settled by name order."""
+def test_duplicates_are_compared_by_their_numbers(tmp_path, capsys):
+    """Issue 37: equal numbers collapse to one; different numbers are reported, and kept only
+    for the run directory at its own name (run.py's record), never settled by name order."""
     sweep = write_sweep(tmp_path / "sweep", NEWCOMER[:2], epochs=5)
     shutil.copytree(sweep / "baseline-seed0", sweep / "copy-of-baseline-seed0")
     runs, skipped = load_runs(sweep)
     assert skipped == [("copy-of-baseline-seed0", "duplicate of baseline-seed0")]
-    shutil.copytree(sweep / "baseline-seed1", sweep / "rerun-of-baseline-seed1")
-    metrics = json.loads((sweep / "rerun-of-baseline-seed1" / "metrics.json").read_text())
-    metrics["test_acc"] += 0.01
-    (sweep / "rerun-of-baseline-seed1" / "metrics.json").write_text(json.dumps(metrics))
+
+    def other_numbers(run: str, copy: str) -> None:
+        shutil.copytree(sweep / run, sweep / copy)
+        metrics = json.loads((sweep / copy / "metrics.json").read_text())
+        metrics["test_acc"] += 0.01
+        (sweep / copy / "metrics.json").write_text(json.dumps(metrics))
+
+    other_numbers("baseline-seed1", "another-machine-baseline-seed1")
     runs, skipped = load_runs(sweep)
-    conflicts = sorted(s for s in skipped if s[1].startswith("conflicts with"))
-    assert [where for where, _ in conflicts] == ["baseline-seed1", "rerun-of-baseline-seed1"]
-    assert "test_acc" in conflicts[0][1] and " vs " in conflicts[0][1]
-    assert sorted(r.config["seed"] for r in runs if r.config["dataset"] == "baseline") == [0, 2]
+    (reason,) = [r for where, r in skipped if where == "another-machine-baseline-seed1"]
+    assert reason.startswith("duplicate of baseline-seed1 with other numbers (test_acc ")
+    assert "baseline-seed1" in [r.where for r in runs]
+    # two copies and no record at the run's own name: neither is chosen
+    other_numbers("baseline-seed2", "copy-a-baseline-seed2")
+    (sweep / "baseline-seed2").rename(sweep / "copy-b-baseline-seed2")
+    runs, skipped = load_runs(sweep)
+    conflicts = sorted(where for where, r in skipped if r.startswith("conflicts with"))
+    assert conflicts == ["copy-a-baseline-seed2", "copy-b-baseline-seed2"]
+    assert sorted(r.config["seed"] for r in runs if r.config["dataset"] == "baseline") == [0, 1]
     code, err = draw(["--results", str(sweep), "--out", str(tmp_path / "f")], capsys)
     assert code == 0 and "conflicts with" in err and "fewer seeds" in err
 

@@ -15,10 +15,12 @@ or an MLflow experiment (`load_runs_from_mlflow`). A run is *done* iff its metri
 a non-empty JSON object. Every run left out is returned in `skipped` with its reason:
 - `unfinished`, `failed` (no metrics.json), `corrupt` (a file missing or unparsable);
 - a config.json without `experiment_keys`: we cannot tell which keys define the experiment;
-- duplicates (same experiment keys *and* seed, e.g. a copied run directory) count once when their
-  numbers (metrics.json's results) are equal: the one whose directory name is its run name (else
-  the first) stays, the others are `duplicate of ...`; duplicates whose numbers differ are all
-  left out, `conflicts with ...` naming the first difference: neither is chosen.
+- duplicates (same experiment keys *and* seed, e.g. a copied run directory) count once. Their
+  numbers (metrics.json's results) are compared: equal, the one whose directory name is its run
+  name (else the first) stays, the others are `duplicate of ...`; different, the run directory
+  at its own name (the record run.py keeps) stays and the others are `duplicate of ... with
+  other numbers (test_acc 0.91 vs 0.93)`, and without exactly one such record none is chosen:
+  all are left out, `conflicts with ...`.
 A key that older runs lack (a flag added since) takes its default from run.py's current parser,
 so those runs join the configuration they belong to (`Run.defaulted`).
 
@@ -195,15 +197,18 @@ def settle(runs: Sequence[Run]) -> tuple[list[Run], list[tuple[str, str]]]:
         by_identity.setdefault(identity, []).append(run)
     dropped: set[int] = set()
     for same in by_identity.values():
-        keeper = next((r for r in same if r.where == r.name), same[0])  # a copy has another name
+        owners = [r for r in same if r.where == r.name]  # at the path run.py gives its identity
+        keeper = owners[0] if owners else same[0]
         conflicts = [(r, d) for r in same if (d := differences(keeper, r))]
-        if conflicts:  # which one is right cannot be told from here: none counts
+        if conflicts and len(owners) != 1:  # no record to prefer: which is right is unknown
             other, first = conflicts[0]
             skipped += [(keeper.where, f"conflicts with {other.where} ({first})")]
             skipped += [(r.where, f"conflicts with {keeper.where} ({d})") for r, d in conflicts]
             dropped |= {id(r) for r in same}
             continue
-        skipped += [(r.where, f"duplicate of {keeper.where}") for r in same if r is not keeper]
+        other = dict((id(r), f" with other numbers ({d})") for r, d in conflicts)
+        skipped += [(r.where, f"duplicate of {keeper.where}{other.get(id(r), '')}")
+                    for r in same if r is not keeper]  # fmt: skip
         dropped |= {id(r) for r in same if r is not keeper}
     return [run for run in kept if id(run) not in dropped], skipped
 
