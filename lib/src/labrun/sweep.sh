@@ -347,9 +347,10 @@ size_slots() {
 # Without a GPU: one "" slot per CPU job. CPU_JOBS=auto runs one job per core (the demo's sweep
 # on 2 cores: 78 s, against 94 s for one job at a time with both cores' threads; the lab
 # template's benchmarks/RESULTS.md, "Jobs at a time"), but no more than the sweep has jobs (a
-# short sweep on a big machine gets more threads per job instead), than the free memory holds
-# at CPU_JOB_MEM_GB each, or than the cores hold at a thread count the user set; and no more
-# slots than jobs are left (the threads stay).
+# short sweep on a big machine gets more threads per job instead) or than the cores hold at a
+# thread count the user set. Each job's share of the cores follows from that alone: the free
+# memory (CPU_JOB_MEM_GB per job) and the jobs left only take slots away, so that the same job
+# computes with the same threads whatever else the machine runs.
 # Arguments: cores, jobs of the sweep, jobs left to run.
 #######################################
 cpu_slots() {
@@ -357,11 +358,6 @@ cpu_slots() {
   if [[ "${CPU_JOBS}" == auto ]]; then
     width="${cores}" reason="${cores} core(s)"
     if (( jobs < width )); then width="${jobs}" reason="${jobs} job(s)"; fi
-    mib=$(available_mib)
-    if [[ -n "${mib}" ]] && (( mib / (CPU_JOB_MEM_GB * 1024) < width )); then
-      width=$(( mib / (CPU_JOB_MEM_GB * 1024) ))
-      reason="$(( mib / 1024 )) GiB free / CPU_JOB_MEM_GB=${CPU_JOB_MEM_GB}"
-    fi
     if [[ "${OMP_NUM_THREADS:-}" =~ ^[1-9][0-9]*$ ]] && (( cores / OMP_NUM_THREADS < width )); then
       width=$(( cores / OMP_NUM_THREADS )) reason="${cores} core(s) / OMP_NUM_THREADS"
     fi
@@ -374,8 +370,13 @@ cpu_slots() {
   SWEEP_JOB_CPUS=$(( cores / width > 0 ? cores / width : 1 ))
   SWEEP_THREADS="${OMP_NUM_THREADS:-${SWEEP_JOB_CPUS}}"
   slots="${width}"
-  if [[ "${CPU_JOBS}" == auto ]] && (( left > 0 && left < slots )); then
-    slots="${left}" reason+="; ${left} job(s) left"
+  if [[ "${CPU_JOBS}" == auto ]]; then
+    mib=$(available_mib)
+    if [[ -n "${mib}" ]] && (( mib / (CPU_JOB_MEM_GB * 1024) < slots )); then
+      slots=$(( mib / (CPU_JOB_MEM_GB * 1024) > 0 ? mib / (CPU_JOB_MEM_GB * 1024) : 1 ))
+      reason+="; $(( mib / 1024 )) GiB free / CPU_JOB_MEM_GB=${CPU_JOB_MEM_GB}"
+    fi
+    if (( left > 0 && left < slots )); then slots="${left}" reason+="; ${left} job(s) left"; fi
   fi
   SLOTS=()
   for ((i = 0; i < slots; i++)); do SLOTS+=(""); done
