@@ -572,6 +572,18 @@ def fake_gpu_box(tmp_path: Path, cores: int, free_mib: int) -> tuple[Path, Path]
     return bin_dir, calls
 
 
+def test_a_jobs_cores_are_its_slots_share(monkeypatch):
+    # run.sh's LAB_JOB_CPUS caps what the job sizes its loader workers from, never raises it.
+    from labrun.loaders import available_cpus
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LAB_JOB_CPUS", "1")
+    assert available_cpus() == 1
+    for ignored in ("0", "x", "-1", str(cores + 7)):
+        monkeypatch.setenv("LAB_JOB_CPUS", ignored)
+        assert available_cpus() == cores
+
+
 def test_jobs_per_gpu_auto_measures_a_first_job_then_fills_the_gpu(tmp_path):
     # 16 cores, 1 GPU with 10000 MiB free, 9 jobs of 2000 MiB peak: 8 slots by the cores (2
     # each), 2 by memory (90 % of 10000 / (2000 + 1024 context)); one until a job measured it.
@@ -1254,5 +1266,6 @@ def test_an_interrupted_and_resumed_sweep_ends_with_the_uninterrupted_numbers(tm
     for name, (metrics, config) in resumed.items():
         expected, expected_config = uninterrupted[name]
         assert config["torch_threads"] == expected_config["torch_threads"] == 1
+        assert config["job_cpus"] == expected_config["job_cpus"] == 1
         for key in ("test_acc", "test_loss", f"best_{metrics['monitor']}", "epochs_run"):
             assert metrics[key] == pytest.approx(expected[key], rel=1e-6, abs=1e-9), (name, key)
