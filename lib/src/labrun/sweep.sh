@@ -90,8 +90,8 @@ SWEEP_GPU_WHY=""       # why SWEEP_GPU_WIDTH (gpu_slots)
 # CUDA MPS would run the slots' kernels side by side; not measured to help yet (no GPU at hand
 # when this was written), so it stays off.
 readonly SWEEP_MPS="; CUDA MPS off (not measured to help)"
-# GPU memory of one job beyond its peak allocation: the CUDA context and the caching allocator's
-# slack (an estimate; waits for a GPU to be measured).
+# GPU memory of one job beyond 1.25 x its peak allocation (the caching allocator holds more than
+# it hands out): the CUDA context (an estimate; waits for a GPU to be measured).
 readonly SWEEP_CUDA_CONTEXT_MIB="${SWEEP_CUDA_CONTEXT_MIB:-1024}"
 readonly SWEEP_CGROUP="${SWEEP_CGROUP:-/sys/fs/cgroup}"   # cgroup v2 mount (tests point it away)
 # How long to wait for jobs whose holder is checkpointing and exiting (plan state "stopping").
@@ -461,9 +461,9 @@ gpu_free_mib() {
 }
 
 #######################################
-# JOBS_PER_GPU=auto: open as many of the SWEEP_GPU_WIDTH slots per GPU as the GPU's free memory
-# holds at the largest peak a job of the sweep measured (plus SWEEP_CUDA_CONTEXT_MIB, and a
-# tenth of the memory kept free); until a job has measured it, one per GPU.
+# JOBS_PER_GPU=auto: open as many of the SWEEP_GPU_WIDTH slots per GPU as 90 % of the GPU's
+# free memory holds at 1.25 x the largest peak a job of the sweep measured plus
+# SWEEP_CUDA_CONTEXT_MIB; until a job has measured it, one per GPU.
 #######################################
 gpu_fit() {
   local peak free fit
@@ -481,11 +481,12 @@ gpu_fit() {
     add_gpu_slots 1
     return 0
   fi
-  fit=$(( free * 9 / 10 / (peak + SWEEP_CUDA_CONTEXT_MIB) ))
+  fit=$(( free * 9 / 10 / (peak * 5 / 4 + SWEEP_CUDA_CONTEXT_MIB) ))
   if (( fit < 1 )); then fit=1; fi
   if (( fit > SWEEP_GPU_WIDTH )); then fit="${SWEEP_GPU_WIDTH}"; fi
-  SWEEP_SLOT_REASON="${SWEEP_GPU_WHY}, ${fit} in 90 % of ${free} MiB free at a measured peak of"
-  SWEEP_SLOT_REASON+=" ${peak} MiB + ${SWEEP_CUDA_CONTEXT_MIB} MiB context per job${SWEEP_MPS}"
+  SWEEP_SLOT_REASON="${SWEEP_GPU_WHY}, ${fit} in 90 % of ${free} MiB free at 1.25 x a measured"
+  SWEEP_SLOT_REASON+=" peak of ${peak} MiB + ${SWEEP_CUDA_CONTEXT_MIB} MiB context per job"
+  SWEEP_SLOT_REASON+="${SWEEP_MPS}"
   add_gpu_slots "${fit}"
 }
 
