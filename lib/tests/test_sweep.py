@@ -586,7 +586,8 @@ def test_a_jobs_cores_are_its_slots_share(monkeypatch):
 
 def test_jobs_per_gpu_auto_measures_a_first_job_then_fills_the_gpu(tmp_path):
     # 16 cores, 1 GPU with 10000 MiB free, 9 jobs of 2000 MiB peak: 8 slots by the cores (2
-    # each), 2 by memory (90 % of 10000 / (1.25 x 2000 + 1024 context)); one until a job measured it.
+    # each), 2 by memory (90 % of 10000 / (1.25 x 2000 + 1024 context)); one until a job has
+    # measured it.
     bin_dir, calls = fake_gpu_box(tmp_path, cores=16, free_mib=10000)
     project = make_project(
         tmp_path / "p", [f"--sleep 0.6 --peak-mib 2000 --tag {i}" for i in range(9)]
