@@ -751,7 +751,7 @@ others_pending() {
 # Returns: 0 if every job is done, 1 otherwise.
 #######################################
 run_queue() {
-  local i s pid rc next=0 planned=0
+  local i s pid rc next=0 planned=0 tracking=0
   local -a queue=()
   declare -gA SWEEP_RUNNING=() SWEEP_SLOT_OF=() SWEEP_T0=()
   declare -ga SWEEP_GROUPS=() SLOT_BUSY=() SWEEP_RESULT=() SWEEP_TOOK=() SWEEP_TAKEN=()
@@ -783,6 +783,7 @@ run_queue() {
     log "${#queue[@]} job(s) to run, $(( ${#SWEEP_START[@]} - ${#queue[@]} )) done or skipped;" \
       "$(describe_slots); logs in ${LOG_DIR}/"
     init_tracking "${queue[0]}"
+    tracking=1
     start_ticker
   fi
   while true; do
@@ -805,7 +806,11 @@ run_queue() {
       if [[ -z "${SWEEP_STOP_SIGNAL}" ]] && (( ! planned )) && others_pending; then
         replan
         planned=1
-        if (( next < ${#queue[@]} )); then continue; fi
+        if (( next < ${#queue[@]} )); then
+          # All were elsewhere at the start: nothing has created the MLflow database yet.
+          if (( ! tracking )); then init_tracking "${queue[next]}"; tracking=1; fi
+          continue
+        fi
       fi
       break
     fi
