@@ -61,12 +61,17 @@ def directory_view(run_dir: Path) -> dict:
 
 
 def mlflow_runs_of(uri: str, run_dir: Path) -> list:
-    """The active MLflow runs tagged with this run directory."""
+    """The active MLflow runs tagged with this run directory (as its job named it)."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
     ids = [e.experiment_id for e in client.search_experiments()]
-    return client.search_runs(ids, filter_string=f"tags.run_dir = '{run_dir}'")
+    tag = str(run_dir)
+    if (run_dir / "tracking.json").exists():
+        tag = (
+            json.loads((run_dir / "tracking.json").read_text()).get("tags", {}).get("run_dir", tag)
+        )
+    return client.search_runs(ids, filter_string=f"tags.run_dir = '{tag}'")
 
 
 def mlflow_view(uri: str, run_dir: Path) -> dict:
@@ -434,3 +439,40 @@ def test_sweep_mode_mirrors_what_live_tracking_records(env, data_dir, tmp_path):
     names = lambda run: sorted(f.path for f in client.list_artifacts(run.info.run_id))  # noqa: E731
     assert names(a) == names(b) == ["best_model.pt", "config.json", "history.csv"]
     assert (a.info.start_time < a.info.end_time) and (b.info.start_time < b.info.end_time)
+
+
+@pytest.mark.slow
+def test_a_sweep_killed_with_kill_9_loses_nothing_the_next_sweep_recovers(tmp_path):
+    from test_sweep import copy_real_project, real_env
+
+    from labrun.claim import holder
+
+    tiny = "--dataset digits --epochs 3 --width 8 --workers 0 --compile off --progress off"
+    copy_real_project(tmp_path, [f"{tiny} --seed 0", f"{tiny} --seed 1"])
+    env = real_env(PYTHON=sys.executable, GPUS="", CPU_JOBS="1")  # one job after the other
+    env.pop("MLFLOW_TRACKING_URI", None)  # the project's own mlflow.db
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    sweep = subprocess.Popen(
+        ["bash", "sweep.sh"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    results = tmp_path / "results" / "sweep"
+    done = lambda: list(results.glob("*/metrics.json"))  # noqa: E731
+    started = lambda: len(list(results.glob("*/history.csv")))  # noqa: E731
+    wait_while_running(lambda: done() and started() == 2, sweep, 600)  # one done, one training
+    sweep.kill()  # kill -9 run.sh: its jobs and its follower get SIGTERM from the kernel
+    sweep.communicate()
+    run_dirs = sorted(p for p in results.iterdir() if p.is_dir())
+    deadline = time.monotonic() + 300
+    while any(holder(d) for d in run_dirs):  # the stopped job checkpoints and exits
+        assert time.monotonic() < deadline, "the killed sweep's job did not exit"
+        time.sleep(0.1)
+    again = subprocess.run(
+        ["bash", "sweep.sh"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert again.returncode == 0, again.stdout + again.stderr
+    for run_dir in run_dirs:
+        assert_mirrors(uri, run_dir)

@@ -704,11 +704,15 @@ def _row_time(state: dict, step: int) -> int:
 def _current_run(client, run_dir: Path, state: dict, changes: list[str]):
     """The live MLflow run of this directory: tracking.json's, else one tagged with its path (a
     lost tracking.json), else None."""
+    from mlflow.exceptions import MlflowException
+
     run_id = state.get("run_id")
     if run_id:
         try:
             run = client.get_run(run_id)
-        except Exception:
+        except MlflowException as exc:  # gone, or unreachable (raised: nothing is changed)
+            if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
             run = None
         if run is not None and run.info.lifecycle_stage == "active":
             return run
@@ -863,12 +867,13 @@ def mlflow_run_id(run_dir: Path) -> str | None:
 
 
 # ---- sync and the sweep's follower -------------------------------------------------------------
-def sync(run_dir: Path, log: logging.Logger, client=None) -> bool | None:
+def sync(run_dir: Path, log: logging.Logger, clients: dict | None = None) -> bool | None:
     """Make MLflow mirror a run directory, saying each change; True if it does now, False if
     it could not be reached, None if a live job holds the directory (its job mirrors it).
 
     Holds the run's claim while it works, like a training job: no job starts meanwhile, and no
-    second sync, so the directory keeps one MLflow run."""
+    second sync, so the directory keeps one MLflow run. `clients`: a dict that keeps the MLflow
+    client between calls (the follower's)."""
     from .claim import Busy, claim
 
     try:
@@ -886,9 +891,11 @@ def sync(run_dir: Path, log: logging.Logger, client=None) -> bool | None:
             with contextlib.suppress(OSError):
                 runs.write_json(run_dir / STATE_FILE, state)
 
+        clients = {} if clients is None else clients
         try:
-            client = client or _client()
-            changes = mirror(client, run_dir, state, save=save)
+            if "client" not in clients:
+                clients["client"] = _client()
+            changes = mirror(clients["client"], run_dir, state, save=save)
         except Exception as exc:
             first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
             log.warning("%s: not mirrored: %s: %s", run_dir, type(exc).__name__, first_line)
@@ -954,7 +961,8 @@ def follow(roots: list[Path], log: logging.Logger, stdin=None) -> int:
     about to start."""
     stdin = sys.stdin if stdin is None else stdin
     closed, stopping = threading.Event(), threading.Event()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not stdin.isatty():  # under run.sh; at a terminal, Ctrl-C stops it as usual
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: (stopping.set(), closed.set()))
 
     def read_to_end() -> None:
@@ -964,7 +972,7 @@ def follow(roots: list[Path], log: logging.Logger, stdin=None) -> int:
         closed.set()
 
     threading.Thread(target=read_to_end, daemon=True).start()
-    sampler, client, failed = None, None, 0
+    sampler, clients, unreached = None, {}, {}  # unreached: run dir -> fingerprint tried
     seen = {d: fingerprint(d, _read_state(d)) for d in _run_dirs(roots, with_state=True)}
     first = True
     while not stopping.is_set():
@@ -981,16 +989,19 @@ def follow(roots: list[Path], log: logging.Logger, stdin=None) -> int:
                 continue
             if not final and not _ended_meanwhile(run_dir, seen.get(run_dir) != now, first):
                 continue
-            client = client or _client()
-            done = sync(run_dir, log, client)
-            failed += done is False
+            if not final and unreached.get(run_dir) == now:  # failed: again when it changes
+                continue
+            if sync(run_dir, log, clients) is False:
+                unreached[run_dir] = now
+            else:
+                unreached.pop(run_dir, None)
         first = False
         if final:
             break
         closed.wait(FOLLOW_POLL_S)
     if sampler is not None:
         sampler.stopped.set()
-    return 1 if failed else 0
+    return 1 if unreached else 0
 
 
 def _ended_meanwhile(run_dir: Path, changed: bool, first: bool) -> bool:
