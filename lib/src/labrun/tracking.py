@@ -917,19 +917,24 @@ class Sampler(threading.Thread):
     def __init__(self, path: Path) -> None:
         super().__init__(daemon=True, name="system-metrics")
         self.path, self.stopped = path, threading.Event()
-
-    def run(self) -> None:
+        # Imported here, in the caller's thread: two threads importing mlflow at once break it.
         try:
+            import mlflow.tracking  # noqa: F401
             import psutil  # noqa: F401  (MLflow's monitors need it)
+            from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
+            from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
+            from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-            monitors = SystemMetricsMonitor.__new__(SystemMetricsMonitor)
-            monitors.monitors = _machine_monitors(monitors)
+            gpu = SystemMetricsMonitor._initialize_gpu_monitor(None)
+            self.monitors = [CPUMonitor(), DiskMonitor(), NetworkMonitor(), *([gpu] if gpu else [])]
         except Exception:  # no psutil: no system metrics, as a live job would have none
-            return
-        while not self.stopped.is_set():
+            self.monitors = []
+
+    def run(self) -> None:
+        while self.monitors and not self.stopped.is_set():
             values = {}
-            for monitor in monitors.monitors:
+            for monitor in self.monitors:
                 with contextlib.suppress(Exception):
                     monitor.collect_metrics()
                     values.update(monitor.aggregate_metrics())
@@ -938,16 +943,6 @@ class Sampler(threading.Thread):
             with contextlib.suppress(OSError), open(self.path, "a", encoding="utf-8") as f:
                 f.write(line + "\n")
             self.stopped.wait(SYSTEM_METRICS_INTERVAL_S)
-
-
-def _machine_monitors(monitor) -> list:
-    from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
-    from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
-    from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
-
-    found = [CPUMonitor(), DiskMonitor(), NetworkMonitor()]
-    gpu = monitor._initialize_gpu_monitor()
-    return found + ([gpu] if gpu else [])
 
 
 def follow(roots: list[Path], log: logging.Logger, stdin=None) -> int:
