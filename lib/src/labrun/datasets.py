@@ -100,7 +100,7 @@ def register_dataset(name: str, *, help: str = "", needs_data_path: bool = False
     """Decorator: register `fn(options: DataOptions) -> DatasetSplits` as dataset `name`."""
 
     def add(fn: Callable[[DataOptions], DatasetSplits]):
-        DATASETS.add(name, DatasetEntry(name, fn, help, needs_data_path))
+        DATASETS.add(name, DatasetEntry(name, fn, help, needs_data_path), fn)
         return fn
 
     return add

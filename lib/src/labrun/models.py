@@ -42,7 +42,7 @@ def register_model(name: str, *, help: str = ""):
     """Decorator: register `fn(num_classes, channels, image_size, ...) -> nn.Module`."""
 
     def add(fn):
-        MODELS.add(name, ModelEntry(name, fn, help))
+        MODELS.add(name, ModelEntry(name, fn, help), fn)
         return fn
 
     return add

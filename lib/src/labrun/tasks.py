@@ -11,7 +11,8 @@ importing it (so `--help` needs no torch): write them as plain string literals.
 
 The contract (README, "Your own task"; docs/design.md, "Metric names"):
 - `loss(outputs, targets)`: the mean loss the optimizer minimises, fp32 (outputs may be bf16/fp16
-  under autocast). `eval_loss` is what val_loss/test_loss report (default: `loss`).
+  under autocast). run.py hands the loss its step trains on to `run.use_loss`: val_loss and
+  test_loss report that same loss (with --label-smoothing: the smoothed cross-entropy).
 - `sums(outputs, targets)`: a 1-d tensor of per-batch *sums* of fixed length and order. The
   training step and `evaluate` add them up on the device (no host sync); the epoch's total is read
   once and given to `finish(total, n)` (a float64 numpy array and the sample count), which returns
@@ -48,7 +49,6 @@ class Task:
     finish: Callable[[np.ndarray, int], dict[str, float]]
     metrics: dict[str, str]
     monitor: str | None = None  # None: val_<first metric>
-    eval_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     spatial_targets: bool = False
     name: str = ""
     directions: dict[str, str] = field(init=False)
@@ -79,7 +79,7 @@ def register_task(name: str, *, help: str = ""):
     """Decorator: register `fn(args) -> Task` as task `name` (args: run.py's arguments)."""
 
     def add(fn):
-        TASKS.add(name, TaskEntry(name, fn, help))
+        TASKS.add(name, TaskEntry(name, fn, help), fn)
         return fn
 
     return add
@@ -157,11 +157,10 @@ def cross_entropy(
 
 @register_task("classification", help="cross-entropy on class ids; acc (the default)")
 def classification(args) -> Task:
-    """Training loss with --label-smoothing; val/test loss without (the plain cross-entropy)."""
+    """Cross-entropy with --label-smoothing."""
     smoothing = getattr(args, "label_smoothing", 0.0)
     return Task(
         loss=lambda logits, y: cross_entropy(logits, y, smoothing),
-        eval_loss=cross_entropy,
         sums=lambda logits, y: summed((logits.argmax(1) == y).sum()),
         finish=lambda s, n: {"acc": s[0] / max(n, 1)},
         metrics={"acc": "max"},
