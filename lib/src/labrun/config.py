@@ -445,14 +445,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=_non_negative_int,
         default=5,
         help="early stopping: epochs without a better --monitor value (0 = off); counted "
-        "only after the LR peak and after --min-epochs",
+        "only after --min-epochs (and after the peak of a OneCycleLR schedule)",
     )
     e.add_argument(
         "--min-epochs",
         type=_non_negative_int,
         default=0,
-        help="early stopping counts no epoch up to this one (it never counts before the "
-        "one-cycle LR peak, 15%% of the steps, either)",
+        help="early stopping counts no epoch up to this one (nor any before the peak of a "
+        "OneCycleLR schedule)",
     )
     e.add_argument(
         "--augment",

@@ -1,8 +1,9 @@
 """`Run`: everything around a project's training loop, so that run.py keeps only the method.
 
-run.py's `main()` is `labrun.lifecycle(argv, train)`; `train(run)` gets a `Run` and calls, in
-order (README, "What a run writes"):
+run.py's `main()` is `labrun.lifecycle(argv, train, Config)`; `train(run)` gets a `Run` and
+calls, in order (README, "What a run writes"):
 
+    loss_fn = run.use_loss(run.task.loss)   # the one loss: the step's, evaluate's, the tools'
     data = run.data()                       # splits + loaders (batches arrive on run.device)
     ...model, optimizer, scheduler, scaler, EMA...
     run.restore(model=..., optimizer=..., scheduler=..., scaler=..., ema=...)  # resume or start

@@ -6,8 +6,7 @@ decorated function that returns a `Task`: its loss, its metrics as sums, and whi
         return Task(loss=mse, sums=regression_sums, finish=regression_metrics,
                     metrics={"mse": "min", "mae": "min", "r2": "max"})
 
-config.py reads the names and help texts of the `@register_task(...)` lines of this file without
-importing it (so `--help` needs no torch): write them as plain string literals.
+`--help` lists the names and help texts without importing torch (registry.py).
 
 The contract (README, "Your own task"; docs/design.md, "Metric names"):
 - `loss(outputs, targets)`: the mean loss the optimizer minimises, fp32 (outputs may be bf16/fp16
