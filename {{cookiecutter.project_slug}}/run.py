@@ -85,9 +85,9 @@ def train(run: labrun.Run) -> None:
     import torch
 
     args, device = run.args, run.device
-    # The one loss: the step trains on it, and run.evaluate (val/test loss, early stopping), the
-    # compile probe and --find-lr use the same. Another loss: change this line.
-    loss_fn = run.use_loss(run.task.loss)
+    # The loss the step trains on (the compile probe and --find-lr use it too), and the one
+    # run.evaluate reports as val/test loss (the task's: without --label-smoothing).
+    loss_fn = run.use_loss(run.task.loss, report=run.task.eval_loss)
 
     # ---- the hardware's fast paths --------------------------------------------------------------
     # cuDNN tries each convolution algorithm once for our fixed shapes and keeps the fastest.

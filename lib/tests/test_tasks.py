@@ -100,6 +100,8 @@ def test_classification_task_is_the_released_loss_and_count_bit_for_bit():
         assert torch.equal(classification.loss(logits, y), nll.mean())
         correct = (logits.argmax(1) == y).sum()
         assert classification.sums(logits, y).tolist() == [float(correct)]
+        # val/test loss: the plain cross-entropy, whatever the smoothing (as released)
+        assert torch.equal(classification.eval_loss(logits, y), plain.mean())
 
 
 def run_task(main_in_process, results: Path, *args: str) -> tuple[Path, dict]:

@@ -3,7 +3,7 @@
 run.py's `main()` is `labrun.lifecycle(argv, train, Config)`; `train(run)` gets a `Run` and
 calls, in order (README, "What a run writes"):
 
-    loss_fn = run.use_loss(run.task.loss)   # the one loss: the step's, evaluate's, the tools'
+    loss_fn = run.use_loss(run.task.loss, report=run.task.eval_loss)  # the step's, evaluate's
     data = run.data()                       # splits + loaders (batches arrive on run.device)
     ...model, optimizer, scheduler, scaler, EMA...
     run.restore(model=..., optimizer=..., scheduler=..., scaler=..., ema=...)  # resume or start
@@ -162,13 +162,13 @@ class Run:
 
             start_memory_history(self.device)
         self.train_sums = TrainSums(self.task, self.device)
-        self.loss = self.task.loss  # until run.py says which loss it trains on (use_loss)
+        self.use_loss(self.task.loss, report=self.task.eval_loss)  # until run.py says
 
-    def use_loss(self, loss_fn):
-        """`loss_fn(outputs, targets)`: the loss run.py's step trains on, and the one evaluate
-        reports (val/test loss, early stopping), the compile probe times and --find-lr sweeps.
-        Returns it."""
-        self.loss = loss_fn
+    def use_loss(self, loss_fn, report=None):
+        """`loss_fn(outputs, targets)`: the loss run.py's step trains on, which the compile probe
+        times and --find-lr sweeps; `report` (default: the same) is the loss evaluate reports as
+        val/test loss (classification: without label smoothing). Returns `loss_fn`."""
+        self.loss, self.report_loss = loss_fn, report or loss_fn
         return loss_fn
 
     # ---- data ----------------------------------------------------------------------------------
@@ -546,7 +546,7 @@ class Run:
             device=self.device,
             dtype=self.amp_dtype,
             task=self.task,
-            loss_fn=self.loss,
+            loss_fn=self.report_loss,
             reduce=self.dist.sum,
         )
 

@@ -10,8 +10,9 @@ decorated function that returns a `Task`: its loss, its metrics as sums, and whi
 
 The contract (README, "Your own task"; docs/design.md, "Metric names"):
 - `loss(outputs, targets)`: the mean loss the optimizer minimises, fp32 (outputs may be bf16/fp16
-  under autocast). run.py hands the loss its step trains on to `run.use_loss`: val_loss and
-  test_loss report that same loss (with --label-smoothing: the smoothed cross-entropy).
+  under autocast). `eval_loss` is what val_loss/test_loss report (default: `loss`). run.py
+  hands both to `run.use_loss(loss, report=eval_loss)`: what its step trains on and what
+  evaluation reports are the two losses named on that line.
 - `sums(outputs, targets)`: a 1-d tensor of per-batch *sums* of fixed length and order. The
   training step and `evaluate` add them up on the device (no host sync); the epoch's total is read
   once and given to `finish(total, n)` (a float64 numpy array and the sample count), which returns
@@ -48,6 +49,7 @@ class Task:
     finish: Callable[[np.ndarray, int], dict[str, float]]
     metrics: dict[str, str]
     monitor: str | None = None  # None: val_<first metric>
+    eval_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     spatial_targets: bool = False
     name: str = ""
     directions: dict[str, str] = field(init=False)
@@ -156,10 +158,11 @@ def cross_entropy(
 
 @register_task("classification", help="cross-entropy on class ids; acc (the default)")
 def classification(args) -> Task:
-    """Cross-entropy with --label-smoothing."""
+    """Training loss with --label-smoothing; val/test loss without (the plain cross-entropy)."""
     smoothing = getattr(args, "label_smoothing", 0.0)
     return Task(
         loss=lambda logits, y: cross_entropy(logits, y, smoothing),
+        eval_loss=cross_entropy,
         sums=lambda logits, y: summed((logits.argmax(1) == y).sum()),
         finish=lambda s, n: {"acc": s[0] / max(n, 1)},
         metrics={"acc": "max"},
