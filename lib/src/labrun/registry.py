@@ -10,7 +10,7 @@ be registered by a decorator or by a call, in a loop as well:
 
 `--help` and the sweep's planning need every name, its help and a model function's parameters,
 but must not wait for torch, which the registering modules import. So the registrations are
-listed once by running them, in a child process (`collect`: it imports every module of the
+listed once by running them, in a child process (listing.py: it imports every module of the
 package that names a register function), and kept in `<project>/.cache/registry.json` with a
 hash of those modules' sources: while no source changes, reading the names costs a file read and
 the hashes (measured: benchmarks/RESULTS.md); after an edit, the first command pays one import
@@ -29,8 +29,7 @@ import os
 import subprocess
 import sys
 import tempfile
-import textwrap
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import project
@@ -38,7 +37,7 @@ from . import project
 LIBRARY_DIR = Path(__file__).resolve().parent
 DECORATORS = ("register_model", "register_dataset", "register_task")
 # The library's modules whose code makes the listing (the built-ins, the register functions).
-LISTING_INPUTS = ("datasets.py", "tasks.py", "models.py", "registry.py")
+LISTING_INPUTS = ("datasets.py", "tasks.py", "models.py", "registry.py", "listing.py")
 CACHE = Path(".cache") / "registry.json"  # under the project's root (.gitignore: .cache/)
 # Set in the child that lists: there the listing is empty (labrun.config, imported by the
 # registering modules, asks for it at import), never listed again in a grandchild.
@@ -205,7 +204,7 @@ def _list_in_child() -> dict:
     env = {**os.environ, "LABRUN_PROJECT": str(root), "PYTHONPATH": os.pathsep.join(paths)}
     env[LISTING_ENV] = "1"
     done = subprocess.run(
-        [sys.executable, "-c", "from labrun.registry import main; main()"],
+        [sys.executable, "-m", "labrun.listing"],
         cwd=root,
         env=env,
         capture_output=True,
@@ -215,91 +214,6 @@ def _list_in_child() -> dict:
         lines = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]
         raise ValueError(f"listing the registered names: {lines[-1].removeprefix('error: ')}")
     return json.loads(done.stdout)
-
-
-def main() -> None:
-    """The child of _list_in_child: the listing as JSON on stdout, or one `error:` line."""
-    try:
-        listed = collect()
-    except Exception as exc:  # noqa: BLE001 (any import failure is the user's to read)
-        print(f"error: {type(exc).__name__}: {exc}".splitlines()[0], file=sys.stderr)
-        sys.exit(2)
-    json.dump(listed, sys.stdout)
-
-
-def collect() -> dict:
-    """Import the library's registries (their modules register the built-ins) and every module
-    of the project's package that names a register function; {decorator: {name: stored
-    Declared}} of what each registered."""
-    from .datasets import DATASETS
-    from .models import MODELS
-    from .tasks import TASKS
-
-    registries = {"register_model": MODELS, "register_dataset": DATASETS, "register_task": TASKS}
-    listed: dict = {d: {} for d in DECORATORS}
-
-    def take(module_of) -> None:
-        """Store what was registered since the last call, by the module module_of(entry)."""
-        for decorator, registry in registries.items():
-            for name, entry in registry.items():
-                if name not in listed[decorator]:
-                    stored = _stored(decorator, name, entry, module_of(entry), registry)
-                    listed[decorator][name] = stored
-
-    take(lambda entry: (getattr(entry, "load", None) or entry.build).__module__)  # built-ins
-    for module, path in _modules():
-        if any(d in path.read_text(encoding="utf-8") for d in DECORATORS):
-            importlib.import_module(module)
-            take(lambda entry, module=module: module)
-    return listed
-
-
-def _stored(decorator: str, name: str, entry, module: str, registry: Registry) -> dict:
-    fn = entry.load if decorator == "register_dataset" else entry.build
-    keywords = {"needs_data_path": entry.needs_data_path} if decorator == "register_dataset" else {}
-    declared = describe(name, fn, entry.help, module, registry.where[name], keywords)
-    stored = asdict(declared)
-    stored["params"] = {k: v if v == REQUIRED else repr(v) for k, v in declared.params.items()}
-    stored["unused"] = sorted(declared.unused)
-    return stored
-
-
-def describe(name: str, fn, help: str = "", module: str = "", where: str = "", keywords=None):
-    """The Declared of function `fn` registered as `name`."""
-    where = where or _where(fn)
-    params, unused = _parameters(fn, where)
-    return Declared(name, help, module, where, keywords or {}, params, unused)
-
-
-def _parameters(fn, where: str) -> tuple[dict, frozenset]:
-    """{name: literal default or REQUIRED} of a function's parameters, and the ones its body
-    never names (read from its source; none when it has no source, e.g. a lambda's)."""
-    params = {}
-    for param in inspect.signature(fn).parameters.values():
-        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            continue
-        default = param.default
-        if default is param.empty:
-            params[param.name] = REQUIRED
-            continue
-        try:  # a literal, so that the listing can hold it (and --model-args type by it)
-            ast.literal_eval(repr(default))
-        except (ValueError, SyntaxError):
-            raise ValueError(
-                f"{where}: the default of {param.name!r} must be a literal, got {default!r}"
-            ) from None
-        params[param.name] = default
-    try:
-        source = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(fn))))
-    except (OSError, TypeError, SyntaxError):
-        return params, frozenset()
-    functions = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
-    node = next((n for n in ast.walk(source) if isinstance(n, functions)), None)
-    if node is None:
-        return params, frozenset()
-    body = node.body if isinstance(node.body, list) else [node.body]
-    named = {n.id for stmt in body for n in ast.walk(stmt) if isinstance(n, ast.Name)}
-    return params, frozenset(params) - named
 
 
 def declarations(decorator: str) -> dict[str, Declared]:
