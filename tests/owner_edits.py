@@ -11,12 +11,12 @@ SECTION = "### Another optimizer"
 
 def optimizer_blocks(project: Path) -> list[str]:
     """The ```python blocks of the README's "Another optimizer" section, in order: SGD's Config
-    lines, SGD's opt/sched, LBFGS's Config line, LBFGS's opt/sched, LBFGS's closure step."""
+    lines, SGD's opt/sched, LBFGS's Config line, LBFGS's opt/sched, layout and closure step."""
     readme = (project / "README.md").read_text()
     start = readme.index(SECTION)
     section = readme[start : readme.index("\n## ", start)]
     blocks = re.findall(r"```python\n(.*?)```", section, re.S)
-    assert len(blocks) == 5, blocks
+    assert len(blocks) == 6, blocks
     return blocks
 
 
@@ -62,8 +62,9 @@ def sgd_edit(project: Path) -> None:
 
 
 def lbfgs_edit(project: Path) -> None:
-    *_, config, optimizer, step = optimizer_blocks(project)
+    *_, config, optimizer, layout, step = optimizer_blocks(project)
     run_py = project / "run.py"
     text = replace_fields(run_py.read_text(), ("lr", "weight_decay", "warm_up"), config)
     text = replace_statements(text, ("opt", "sched"), optimizer)
+    text = replace_line(text, "layout = run.memory_format(model)", layout)
     run_py.write_text(replace_line(text, "scaler.step(opt)", step))
