@@ -114,7 +114,7 @@ def check_memory(args, info, device, amp_dtype, *, micro_batch: int) -> str:
         return f"not estimated ({type(exc).__name__} on the meta device)"
     shape = (micro_batch, *info.input_shape)
     half = amp_dtype is not None and amp_dtype != torch.float32
-    needs = estimate(model, shape, ema=args.ema > 0, half=half)
+    needs = estimate(model, shape, ema=getattr(args, "ema", 0) > 0, half=half)  # run.py's flag
     on_gpu = device.type == "cuda"
     host_need = needs.best + (0 if on_gpu else needs.on_device())
     host_free = available_ram_bytes()
