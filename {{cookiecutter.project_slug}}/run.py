@@ -131,8 +131,9 @@ def train(run: labrun.Run) -> None:
 
     # ---- the training step ------------------------------------------------------------------
     def forward_backward(micro_batches, sums: bool = True):
-        """Gradients of the mean loss over the micro-batches (summed into .grad)."""
-        total = 0.0
+        """Gradients of the mean loss over the micro-batches (summed into .grad); returns the
+        micro-batches' losses (LBFGS's closure reads them: README, "Another optimizer")."""
+        losses = []
         for i, (x, y) in enumerate(micro_batches):
             if layout == torch.contiguous_format:  # a CPU faster in NCHW: the loaders give NHWC
                 x = x.contiguous()
@@ -145,11 +146,14 @@ def train(run: labrun.Run) -> None:
                 scaler.scale(loss / len(micro_batches)).backward()
             if sums:  # the epoch's loss and metric sums stay on the device: no host sync
                 run.train_sums.add(loss, outputs, y)
-            total = total + loss.detach() / len(micro_batches)
-        return total
+            losses.append(loss)
+        # Only a closure asks for the mean: the default step launches nothing for it.
+        return losses[0] if len(losses) == 1 else torch.stack(losses).mean()
 
     def step(micro_batches) -> None:
         """One optimizer step over --grad-accum micro-batches. Nothing here waits for the GPU."""
+        if run.cuda_graphs:  # this step's replay may now reuse the memory of the last one's
+            torch.compiler.cudagraph_mark_step_begin()
         forward_backward(micro_batches)
         if args.clip_grad > 0:
             scaler.unscale_(opt)  # clip the true gradients, not the scaled ones

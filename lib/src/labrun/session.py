@@ -390,10 +390,30 @@ class Run:
                 deterministic=self.args.deterministic,
                 project_root=PROJECT_ROOT,
                 log=self.log,
+                ddp=self.dist.active,
             )
         mode = self.dist.decide(self._compile[0])  # torchrun: rank 0's decision on every rank
         self.compiled = mode
+        if self.cuda_graphs:
+            import torch._inductor.config
+
+            # A batch of another shape (a model whose shapes change per batch) runs its
+            # recompiled graph without CUDA graphs instead of recording a graph per shape.
+            torch._inductor.config.triton.cudagraph_skip_dynamic_graphs = True
+            self.log.info(
+                "CUDA graphs: the step replays captured kernels; a batch of another shape "
+                "runs without them (cudagraph_skip_dynamic_graphs)"
+            )
         return mode
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """True when the step's module replays CUDA graphs: each step must then mark its
+        start (torch.compiler.cudagraph_mark_step_begin) so that a replay may reuse the last
+        step's memory."""
+        from .hardware import WITHOUT_GRAPHS
+
+        return self.device.type == "cuda" and getattr(self, "compiled", None) in WITHOUT_GRAPHS
 
     def distributed(self, module):
         """`module` in DistributedDataParallel under torchrun (gradients all-reduced over the
@@ -407,14 +427,17 @@ class Run:
         it; returns `net`, or `eager` (in DDP where it applies) when the compiler fails. Puts
         back all it touches (BatchNorm statistics, gradients, RNG). Compile time is summed over
         resumes: every compile of the run was paid for."""
-        from .hardware import time_forward_backward, timed
+        from .hardware import compiled_from_cache, time_forward_backward, timed
         from .train import compiler_errors
 
         if not getattr(self, "compiled", None):
             return net
+        from torch._dynamo.utils import counters
+
         mode, eager_s, record = self._compile
         now = timed(self.device)
         x, y = self.peek_batch()
+        before = dict(counters["inductor"])
         started = now()
         try:
             compiled_s = time_forward_backward(net, x, y, self.task.loss, self.amp_dtype, now)
@@ -428,12 +451,16 @@ class Run:
         spent = now() - started - 4 * compiled_s  # the compile, without the timed passes
         self.progress.compile_time_s += spent
         if record is not None:
-            record.save(mode, compile_s=spent, eager_step_s=eager_s, compiled_step_s=compiled_s)
+            warm = compiled_from_cache(before)
+            record.save(
+                mode, compile_s=spent, warm=warm, eager_step_s=eager_s, compiled_step_s=compiled_s
+            )
             self.log.info(
-                "compiled (%s) in %.1f s; forward + backward %.1f ms (eager %.1f ms); "
-                "recorded in %s",
+                "compiled (%s) in %.1f s (%s inductor cache); forward + backward %.1f ms "
+                "(eager %.1f ms); recorded in %s",
                 mode,
                 spent,
+                "warm" if warm else "cold",
                 1e3 * compiled_s,
                 1e3 * eager_s,
                 record.path,
