@@ -16,9 +16,7 @@ EPOCHS = ("--epochs", "3")
 TIMES = ("epoch_time_s", "samples_per_sec")  # measured, not computed: never compared
 
 # The README's optimizer swaps ("Another optimizer"): exact text replacements in run.py.
-ADAMW = """    opt = torch.optim.AdamW(
-        param_groups(model, args.weight_decay), lr=args.lr, fused=device.type == "cuda"
-    )
+ADAMW = """    opt = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, fused=True)
     # One-cycle (Smith & Topin): the LR climbs over the first 15 % of the steps to --lr, then
     # anneals (cosine) to ~0 at the last one; AdamW's beta1 cycles 0.95 -> 0.85 -> 0.95.
     sched = torch.optim.lr_scheduler.OneCycleLR(
