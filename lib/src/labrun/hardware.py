@@ -593,3 +593,111 @@ def layout_records_dir(project_root: Path) -> Path:
     inductor (seconds, on a CPU run that never compiles)."""
     lab = os.environ.get(INDUCTOR_CACHE_ENV)
     return (Path(lab).expanduser() if lab else project_root / ".cache" / "inductor").resolve()
+
+
+# ---- speed you can see: MFU and the share of the step the GPU was busy (issue 33.4) ------------
+PEAK_MATMUL_SIZE = 8192  # square matmuls big enough to reach a GPU's tensor-core peak
+PEAK_REPEATS = 10
+BUSY_FIRST, BUSY_STEPS = 5, 10  # profile steps 5..14 of the first epoch: after cuDNN's search
+LAUNCH_BOUND = 0.5  # a GPU busy less than half the step waits on the host's kernel launches
+
+
+def flops_per_sample(model, x, y, loss_fn, dtype) -> float:
+    """FLOPs of one training sample's forward + backward (torch.utils.flop_counter on a real
+    batch, the optimizer not counted: the convention of MFU). Puts back what it touched."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with put_back(model, x.device), FlopCounterMode(display=False) as counter:
+        forward_backward(model, x, y, loss_fn, dtype)
+    return counter.get_total_flops() / len(x)
+
+
+def matmul_peak(device: torch.device, dtype, cache_dir: Path) -> tuple[float, str]:
+    """(FLOP/s, where from): the best of PEAK_REPEATS square matmuls in the run's precision
+    (fp32 as the backends allow: TF32 on Ampere+), measured once per machine, precision and
+    torch version and recorded beside the compile records. A measured peak, not the data
+    sheet's: MFU then says how far the job is from what this GPU does."""
+    from .runs import write_json
+
+    key = {
+        "device": device_name(device),
+        "dtype": str(dtype or torch.float32),
+        "tf32": torch.backends.cuda.matmul.allow_tf32,
+        "torch": torch.__version__,
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(cache_dir) / RECORDS / f"peak-{digest}.json"
+    try:
+        seen = json.loads(path.read_text(encoding="utf-8"))
+        if seen.get("key") == key:
+            return seen["flops"], f"measured {seen['when']}"
+    except (OSError, ValueError):
+        pass
+    n = PEAK_MATMUL_SIZE
+    a = torch.randn(n, n, device=device, dtype=dtype or torch.float32)
+    b = torch.randn(n, n, device=device, dtype=dtype or torch.float32)
+    now = timed(device)
+    best = float("inf")
+    for _ in range(PEAK_REPEATS + 1):  # the first: cuBLAS's heuristics, allocation
+        start = now()
+        torch.mm(a, b)
+        best = min(best, now() - start)
+    del a, b
+    flops = 2 * n**3 / best
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, {"key": key, "flops": flops, "when": when})
+    except OSError:  # a read-only cache folder: the next job measures again
+        pass
+    return flops, "measured now"
+
+
+class GpuBusy:
+    """The share of the step the GPU was busy: the CUDA kernels' time (torch.profiler) over the
+    wall time of BUSY_STEPS real steps of the first epoch (fewer in a short epoch). Call
+    `at(step)` before each step of the epoch and `close(steps)` after it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.share, self.step_s = device, None, None
+        self._profile = self._started = None
+
+    def at(self, step: int) -> None:
+        if step == BUSY_FIRST:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._profile = profile(activities=[ProfilerActivity.CUDA])
+            self._profile.start()
+            self._started = timed(self.device)()
+        elif step == BUSY_FIRST + BUSY_STEPS:
+            self.close(step)
+
+    def close(self, steps: int) -> None:
+        """Ends the profile, if one runs, after `steps` steps of the epoch."""
+        if self._profile is None:
+            return
+        wall = timed(self.device)() - self._started
+        self._profile.stop()
+        busy_us = sum(e.self_device_time_total for e in self._profile.key_averages())
+        self._profile = None
+        self.share = min(1.0, busy_us / 1e6 / wall)
+        self.step_s = wall / (steps - BUSY_FIRST)
+
+
+def busy_line(share: float, step_s: float, batch_size: int) -> str:
+    """run.log's line on the GPU's busy share; under LAUNCH_BOUND, what a larger batch gives.
+    The estimate: the host's launches take the same time at any batch size, the GPU's work
+    grows with it, so a step of k x the batch takes max(step, k x busy) (a floor: larger
+    kernels also run more efficiently)."""
+    busy_s = share * step_s
+    line = f"GPU busy {100 * share:.0f} % of the step ({1e3 * busy_s:.2f} of {1e3 * step_s:.2f} ms)"
+    if share >= LAUNCH_BOUND:
+        return line
+    k = 2 ** math.ceil(math.log2(step_s / max(busy_s, 1e-12)))
+    estimate = k * batch_size / max(step_s, k * busy_s)
+    return (
+        f"{line}: under {100 * LAUNCH_BOUND:.0f} %, the step waits on kernel launches; "
+        f"--batch-size {k * batch_size} would give >= {estimate:,.0f} samples/s (now "
+        f"{batch_size / step_s:,.0f}) where it fits (--find-batch-size), or --compile "
+        "reduce-overhead (CUDA graphs: one launch per step)"
+    )

@@ -138,6 +138,7 @@ class Run:
         self.log = self.record = self.state = self.data_ = None
         self.objects: dict = {}
         self._compile_s = 0.0
+        self.speed: dict = {}  # CUDA: flops_per_sample, peak_flops, gpu_busy (metrics.json)
         self.progress = Progress()
         # ---- config: every bad input is found before a file of the run is written ----
         self.config = config = resolved_config(args, parser)
@@ -394,6 +395,8 @@ class Run:
             )
         mode = self.dist.decide(self._compile[0])  # torchrun: rank 0's decision on every rank
         self.compiled = mode
+        if self.device.type == "cuda" and self.dist.is_main:
+            self._measure_speed_scale(model)
         if self.cuda_graphs:
             import torch._inductor.config
 
@@ -405,6 +408,32 @@ class Run:
                 "runs without them (cudagraph_skip_dynamic_graphs)"
             )
         return mode
+
+    def _measure_speed_scale(self, model) -> None:
+        """What MFU needs (CUDA): the FLOPs of one sample's forward + backward on a real batch
+        and this GPU's measured matmul peak in the run's precision. Never fails the run."""
+        from .hardware import flops_per_sample, layout_records_dir, matmul_peak
+
+        try:
+            x, y = self.peek_batch()
+            self.speed["flops_per_sample"] = flops_per_sample(
+                model, x, y, self.task.loss, self.amp_dtype
+            )
+            records = layout_records_dir(PROJECT_ROOT)  # beside the compile records
+            peak, source = matmul_peak(self.device, self.amp_dtype, records)
+        except Exception as exc:  # an op the counter cannot run, no memory for the matmuls
+            self.log.warning("MFU not measured (%s: %s)", type(exc).__name__, exc)
+            self.speed.pop("flops_per_sample", None)
+            return
+        self.speed["peak_flops"] = peak
+        self.log.info(
+            "MFU scale: %.3g GFLOP per training sample (forward + backward); matmul peak %.0f "
+            "TFLOP/s in %s (%s)",
+            self.speed["flops_per_sample"] / 1e9,
+            peak / 1e12,
+            str(self.amp_dtype or "fp32").removeprefix("torch."),
+            source,
+        )
 
     @property
     def cuda_graphs(self) -> bool:
@@ -513,10 +542,17 @@ class Run:
         loader.set_epoch(p.epoch, skip_batches=p.batch)
         source = iter(loader)
         bar = self._progress_bar() if dist.is_main else None
-        t0 = now()
+        busy = None
+        if self.device.type == "cuda" and dist.is_main and "gpu_busy" not in self.speed:
+            from .hardware import GpuBusy
+
+            busy = GpuBusy(self.device)  # profiles a few steps of this epoch
+        t0, started = now(), p.step
         while p.batch < self.data_.steps_per_epoch * accum and p.step < last:
             if dist.stopped(self.stop, p.step):
                 break
+            if busy is not None:
+                busy.at(p.step - started)
             yield [next(source) for _ in range(accum)]
             p.step, p.batch = p.step + 1, p.batch + accum
             if bar is not None:
@@ -524,6 +560,13 @@ class Run:
         train_s = now() - t0
         if bar is not None:
             bar.close()
+        if busy is not None:
+            busy.close(p.step - started)
+        if busy is not None and busy.share is not None:
+            from .hardware import busy_line
+
+            self.speed["gpu_busy"] = busy.share
+            self.log.info("%s", busy_line(busy.share, busy.step_s, args.batch_size))
         getattr(source, "close", lambda: None)()
         p.train_time_s += train_s
         p.epoch_time_s = train_s + (p.epoch_time_s if resumed_in_epoch else 0.0)
@@ -609,7 +652,7 @@ class Run:
     def finish(self, test: dict[str, float]) -> None:
         """Checkpoint, metrics.json (last: the run is done), MLflow FINISHED."""
         self.record.checkpoint(self.state)
-        self.record.finished(self.state, self.task, test, self.stop_reason())
+        self.record.finished(self.state, self.task, test, self.stop_reason(), self.speed)
         self._done = True
 
     def stop_reason(self) -> str:
@@ -793,7 +836,7 @@ class RunRecord:
         runs.write_history(self.out, p.history)
         self.tracker.log_history(p.history)
         self.log.info(
-            "epoch %d/%d step %d | lr %.2e | train %s | val %s%s | %.1fs %.0f img/s",
+            "epoch %d/%d step %d | lr %.2e | train %s | val %s%s | %.1fs %.0f samples/s",
             p.epoch,
             self.epochs,
             p.step,
@@ -820,10 +863,16 @@ class RunRecord:
         if self.claim.still_ours() and not runs.is_done(self.out):
             runs.try_write_status(self.out, "interrupted")
 
-    def finished(self, state, task, test: dict[str, float], reason: str) -> None:
+    def finished(self, state, task, test: dict[str, float], reason: str, speed: dict) -> None:
         from .hardware import peak_memory_bytes
 
         p, stopper = state.progress, state.stopper
+        samples_per_sec = p.samples / max(p.train_time_s, 1e-9)
+        mfu = {}
+        if "peak_flops" in speed:  # CUDA: the model's FLOPs at the run's rate / the GPU's peak
+            flops = speed["flops_per_sample"]
+            mfu = {"flops_per_sample": flops, "mfu": flops * samples_per_sec / speed["peak_flops"]}
+        busy = {"gpu_busy_share": speed["gpu_busy"]} if "gpu_busy" in speed else {}
         metrics = {
             f"best_{task.monitor}": stopper.best_score,
             **{f"test_{name}": test[name] for name in (*task.metrics, "loss")},
@@ -835,7 +884,9 @@ class RunRecord:
             "wall_time_s": p.wall_time_s,
             "train_time_s": p.train_time_s,
             "compile_time_s": p.compile_time_s,
-            "samples_per_sec": p.samples / max(p.train_time_s, 1e-9),
+            "samples_per_sec": samples_per_sec,
+            **mfu,
+            **busy,
             "peak_mem_bytes": peak_memory_bytes(self.device),
             "device": str(self.device),
             "stop_reason": reason,
@@ -855,12 +906,14 @@ class RunRecord:
         runs.write_status(self.out, "finished")
         runs.write_json(self.out / runs.METRICS, metrics)  # last: its existence means "done"
         self.log.info(
-            "finished (%s): best %s %.4g at epoch %d | test %s | %s",
+            "finished (%s): best %s %.4g at epoch %d | test %s | %.0f samples/s%s | %s",
             reason,
             task.monitor,
             stopper.best_score,
             stopper.best_epoch,
             metrics_line(metrics, "test_"),
+            samples_per_sec,
+            f", MFU {100 * mfu['mfu']:.1f} %" if mfu else "",
             self.out,
         )
 
