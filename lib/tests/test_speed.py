@@ -117,3 +117,16 @@ def test_run_log_and_metrics_give_samples_per_sec_and_on_cuda_mfu(
     assert metrics["gpu_busy_share"] == 0.186 and metrics["flops_per_sample"] == 4.28e8
     assert f"MFU {100 * metrics['mfu']:.1f} %" in finished
     json.dumps(metrics)  # plain numbers
+
+
+def test_profile_counts_each_steps_kernels_and_the_gpus_busy_time():
+    """--profile on CUDA (the profiler's events patched in): gpu.md's default step at 128."""
+    from torch.autograd import DeviceType
+
+    from labrun.tuning import launches_per_step
+
+    kernel = types.SimpleNamespace(device_type=DeviceType.CUDA, self_device_time_total=1410 / 243)
+    host = types.SimpleNamespace(device_type=DeviceType.CPU, self_device_time_total=0.0)
+    prof = types.SimpleNamespace(events=lambda: [kernel] * 243 * 2 + [host] * 100)
+    line = launches_per_step(prof, 2, 0.00759, on_cuda=True)
+    assert line == "per step: 243 kernels, GPU busy 1.41 of 7.59 ms (19 %)"
