@@ -130,8 +130,8 @@ def train(run: labrun.Run) -> None:
 
     # ---- the training step ------------------------------------------------------------------
     def forward_backward(micro_batches, sums: bool = True):
-        """Gradients of the mean loss over the micro-batches (summed into .grad); returns the
-        micro-batches' losses (LBFGS's closure reads them: README, "Another optimizer")."""
+        """Gradients of the mean loss over the micro-batches (summed into .grad); returns that
+        mean (LBFGS's closure reads it: README, "Another optimizer")."""
         losses = []
         for i, (x, y) in enumerate(micro_batches):
             if layout == torch.contiguous_format:  # a CPU faster in NCHW: the loaders give NHWC
@@ -147,7 +147,7 @@ def train(run: labrun.Run) -> None:
             if sums:  # the epoch's loss and metric sums stay on the device: no host sync
                 run.train_sums.add(loss, outputs, y)
             losses.append(loss)
-        # Only a closure asks for the mean: the default step launches nothing for it.
+        # One micro-batch (the default): its loss is the mean, no kernel launched for it.
         return losses[0] if len(losses) == 1 else torch.stack(losses).mean()
 
     def step(micro_batches) -> None:
