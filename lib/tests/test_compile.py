@@ -386,7 +386,11 @@ def test_real_compile_uses_the_lab_cache_and_the_next_job_its_record(run_cli, tm
         assert result.returncode == 0, result.stderr
         logs.append((run_dir_of(tmp_path / "r") / "run.log").read_text())
     assert all(f"inductor cache: {cache} ({hardware.INDUCTOR_CACHE_ENV})" in log for log in logs)
-    assert "(prior)" in logs[0] and "compiled (default) in " in logs[0]
-    assert "(prior)" not in logs[1].split("compile: ")[1].split("\n")[0]
-    assert "measured " in logs[1] and list((cache / hardware.RECORDS).glob("*.json"))
+    decisions = [log.split("compile: ")[1].split("\n")[0] for log in logs]
+    assert "%, prior) for ~16 s (cold)" in decisions[0]
+    assert "compiled (default) in " in logs[0] and "(cold inductor cache)" in logs[0]
+    # The second job: the first one's measured ratio, and the warm cache's cost expected
+    assert "prior" not in decisions[1] and "%, measured " in decisions[1], decisions[1]
+    assert "(warm)" in decisions[1] and "(warm inductor cache)" in logs[1], logs[1]
+    assert list((cache / hardware.RECORDS).glob("*.json"))
     assert (cache / "fxgraph").is_dir()

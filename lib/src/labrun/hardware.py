@@ -311,14 +311,19 @@ class CompileRecord:
             pass
 
 
-def compiled_from_cache(before: dict) -> bool:
-    """True when every graph compiled since `before` (a copy of inductor's counters) came from
-    the FX graph cache: a warm compile, whose cost is recorded apart from cold ones."""
+def compile_cache_counts() -> tuple[int, int]:
+    """(hits, misses) of inductor's FX graph cache and AOTAutograd's cache so far in this
+    process: a compile between two counts with hits and no miss was warm (its cost is recorded
+    apart from cold ones)."""
     from torch._dynamo.utils import counters
 
-    hits = counters["inductor"]["fxgraph_cache_hit"] - before.get("fxgraph_cache_hit", 0)
-    misses = counters["inductor"]["fxgraph_cache_miss"] - before.get("fxgraph_cache_miss", 0)
-    return hits > 0 and misses == 0
+    hits = (
+        counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+    )
+    misses = (
+        counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"]
+    )
+    return hits, misses
 
 
 @contextlib.contextmanager

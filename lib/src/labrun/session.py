@@ -456,17 +456,15 @@ class Run:
         it; returns `net`, or `eager` (in DDP where it applies) when the compiler fails. Puts
         back all it touches (BatchNorm statistics, gradients, RNG). Compile time is summed over
         resumes: every compile of the run was paid for."""
-        from .hardware import compiled_from_cache, time_forward_backward, timed
+        from .hardware import compile_cache_counts, time_forward_backward, timed
         from .train import compiler_errors
 
         if not getattr(self, "compiled", None):
             return net
-        from torch._dynamo.utils import counters
-
         mode, eager_s, record = self._compile
         now = timed(self.device)
         x, y = self.peek_batch()
-        before = dict(counters["inductor"])
+        hits, misses = compile_cache_counts()
         started = now()
         try:
             compiled_s = time_forward_backward(net, x, y, self.task.loss, self.amp_dtype, now)
@@ -480,7 +478,8 @@ class Run:
         spent = now() - started - 4 * compiled_s  # the compile, without the timed passes
         self.progress.compile_time_s += spent
         if record is not None:
-            warm = compiled_from_cache(before)
+            now_hits, now_misses = compile_cache_counts()
+            warm = now_hits > hits and now_misses == misses  # every graph from the cache
             record.save(
                 mode, compile_s=spent, warm=warm, eager_step_s=eager_s, compiled_step_s=compiled_s
             )
