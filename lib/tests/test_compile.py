@@ -337,7 +337,7 @@ def test_the_compile_decision_is_rank_0s_on_every_rank(monkeypatch, rank):
         cuda_graphs=False,
         device=CPU,
         peek_batch=None,
-        task=types.SimpleNamespace(loss=None),
+        loss=None,
         amp_dtype=None,
         total_steps=10,
         progress=types.SimpleNamespace(step=0),
