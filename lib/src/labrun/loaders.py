@@ -331,11 +331,14 @@ class _FileDataset(torch.utils.data.Dataset):
     def __getitems__(self, indices: list[int]):
         channels, height, width = self.shape
         batch = np.empty((len(indices), height, width, channels), dtype=np.uint8)
-        for row, i in enumerate(indices):
-            try:
-                batch[row] = decode_image(self.paths[i], (height, width), channels, self.ranges)
-            except UnreadableImage as e:  # to the main process as a value: it names the file
-                return _Unreadable(e.path, e.reason), None
+        # One thread: a worker has one anyway; without workers (or in a peek) the main
+        # process's pool would spin over each image's small resize (8 vs 1.3 ms per image).
+        with one_cpu_thread(torch.device("cpu")):
+            for row, i in enumerate(indices):
+                try:
+                    batch[row] = decode_image(self.paths[i], (height, width), channels, self.ranges)
+                except UnreadableImage as e:  # to the main process as a value: it names the file
+                    return _Unreadable(e.path, e.reason), None
         return torch.from_numpy(batch), self.labels[torch.as_tensor(indices)]
 
 
