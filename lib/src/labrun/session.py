@@ -443,19 +443,18 @@ class Run:
     def peek_batch(self):
         """A training batch exactly as the loop gets it (shape, dtype, strides), without
         shifting the run: the loader's order is f(seed, epoch) and `batches` sets the epoch
-        again; the RNG draws of the augmentation are put back."""
+        again; the RNG draws of the augmentation are put back. Read in this process
+        (Loader.peek): no loader worker is started for it."""
         from .checkpoint import rng_state, set_rng_state
 
         loader = self.data_.train
         saved = rng_state(self.device)
         loader.set_epoch(self.progress.epoch)
-        batches = iter(loader)
         try:
-            x, y = next(batches)
+            x, y = loader.peek()
             layout = getattr(self, "layout", None)  # the step's layout: no recompile after
             return (x.contiguous(memory_format=layout) if layout and x.dim() == 4 else x), y
         finally:
-            getattr(batches, "close", lambda: None)()  # a generator: stop its workers now
             set_rng_state(saved, self.device)
 
     # ---- the loop ----------------------------------------------------------------------------
