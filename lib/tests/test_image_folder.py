@@ -438,3 +438,20 @@ def test_streaming_workers_use_every_core_the_job_may_use_but_one(monkeypatch):
     assert loaders.default_workers(torch.device("cuda"), streaming=True) == 15
     monkeypatch.setattr(loaders, "available_cpus", lambda: 1)
     assert loaders.default_workers(torch.device("cpu"), streaming=True) == 1
+
+
+def test_run_log_says_memory_disk_cache_or_stream_and_why(mixed_folder, tmp_path, monkeypatch):
+    def source(**kwargs):
+        loaded = load(mixed_folder, tmp_path, image_size=(12, 12), workers=0, **kwargs)
+        return loaded.mode, loaded.info.describe()["images from"]
+
+    mode, why = source()
+    assert mode == "memory" and why.startswith("memory: decoded once into") and "fits" in why
+    monkeypatch.setattr(data, "available_ram_bytes", lambda: 1000)  # less than the cache
+    mode, why = source()
+    assert mode == "memory" and why.startswith("disk cache: ") and "1000 bytes of RAM" in why
+    mode, why = source(mode="stream")
+    assert mode == "stream" and why.startswith("stream: ") and "--data-mode stream" in why
+    monkeypatch.setattr(data, "cache_fits", lambda *args: "no space")
+    mode, why = source()
+    assert mode == "stream" and "--data-mode auto: no space in --data-dir" in why
