@@ -154,6 +154,9 @@ def load_dataset(
     task: str = "classification",
     augment: str = "auto",
     spatial_targets: bool = False,
+    crop: str = "pad",
+    crop_scale: tuple[float, float] | None = None,
+    crop_ratio: tuple[float, float] | None = None,
 ) -> LoadedDataset:
     """Load the registered dataset `name` as {"train", "val", "test"} splits and describe it.
 
@@ -166,7 +169,8 @@ def load_dataset(
     (dataversion.data_version; computed when None). `workers`: processes that decode the cache
     (None: every core; 0 or 1: this process). `augment` (--augment auto/on/off) and
     `spatial_targets` (the task's) decide the training augmentation, `info.augmentation`: pass
-    it to build_loader. Raises ValueError with a one-line message for every bad input.
+    it to build_loader; `crop`, `crop_scale`, `crop_ratio` (--crop ...) the images' crop.
+    Raises ValueError with a one-line message for every bad input.
     """
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
@@ -282,8 +286,9 @@ def load_dataset(
     for split in splits.values():
         split.normalization = normalization
     augmentation = choose_augmentation(
-        input_shape, layout, dtype, augment, raw.augment, spatial_targets
-    )
+        input_shape, layout, dtype, augment, raw.augment, spatial_targets,
+        crop=crop, crop_scale=crop_scale, crop_ratio=crop_ratio,
+    )  # fmt: skip
     info = DatasetInfo(
         name,
         num_classes,

@@ -182,6 +182,9 @@ class Run:
             data_version=args.data_version,  # the version in the run's identity
             task=args.task,  # datasets that offer several kinds of targets pick by it
             augment=args.augment,  # images crop + flip, other data none, unless asked
+            crop=args.crop,  # pad (small images) or a random resized crop (photos)
+            crop_scale=args.crop_scale,
+            crop_ratio=args.crop_ratio,
             spatial_targets=self.task.spatial_targets,  # crop/flip would not move the targets
         )
         splits = loaded.splits
