@@ -93,7 +93,6 @@ def per_image_s(paths, decode, repeats: int) -> list[float]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
-
     from labrun.imagefolder import decode_image
 
     torch.set_num_threads(1)  # per core: a loader worker has one thread
@@ -106,8 +105,8 @@ def main(argv=None) -> int:
         rng = random.Random(0)
         ours, theirs = [], []
         for _ in range(args.repeats):  # interleaved: a load spike hits both alike
-            ours += per_image_s(paths, lambda p: decode_image(p, (args.size, args.size), 3), 1)
-            theirs += per_image_s(paths, lambda p: torchvision_path(p, args.size, rng), 1)
+            ours += per_image_s(paths, lambda p: decode_image(p, (args.size,) * 2, 3), 1)
+            theirs += per_image_s(paths, lambda p, r=rng: torchvision_path(p, args.size, r), 1)
         rows.append((source, min(ours), min(theirs), ours, theirs))
     print("```")
     print(f"- device: {platform.processor() or platform.machine()}, "
@@ -124,7 +123,8 @@ def main(argv=None) -> int:
           "(labrun / torchvision) |")
     print("|---|---:|---:|---:|---|")
     for source, ours, theirs, all_ours, all_theirs in rows:
-        runs = ", ".join(f"{1e3 * a:.2f}/{1e3 * b:.2f}" for a, b in zip(all_ours, all_theirs))
+        pairs = zip(all_ours, all_theirs, strict=True)
+        runs = ", ".join(f"{1e3 * a:.2f}/{1e3 * b:.2f}" for a, b in pairs)
         print(f"| {source} | {1e3 * ours:.2f} | {1e3 * theirs:.2f} | {ours / theirs:.2f}x "
               f"| {runs} |")
     return 0
