@@ -27,7 +27,16 @@ from labrun.imagefolder import UnreadableImage, decode_image
 from labrun.loaders import FileSplit
 
 PACKAGE = Path(imagecache.__file__).parent  # labrun's own modules
-DATA_LAYER = ("data", "datasets", "arrays", "imagefolder", "imagecache", "loaders", "augment")
+DATA_LAYER = (
+    "data",
+    "datasets",
+    "arrays",
+    "imagefolder",
+    "imagecache",
+    "gpudecode",
+    "loaders",
+    "augment",
+)
 
 
 def package_imports() -> dict[str, set[str]]:

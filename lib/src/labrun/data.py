@@ -6,7 +6,8 @@
 The data layer, by what changes together (no module imports one that imports it back):
 - datasets.py   the registry: DatasetSplits, one function per dataset (arrays.py: the array
                 datasets' downloads and .npz caches; imagefolder.py: the folder scan);
-- imagefolder.py, imagecache.py   how an image file becomes pixels, and the decoded cache;
+- imagefolder.py, imagecache.py, gpudecode.py   how an image file becomes pixels, the decoded
+                cache, and streamed JPEGs decoded on the GPU;
 - loaders.py, augment.py   batches on the device: the loaders, augmentation and normalisation;
 - data.py       this file: load_dataset, the split carving, the memory budget, the batch check.
 

@@ -351,12 +351,18 @@ def _cover(image: Image.Image, width: int, height: int) -> np.ndarray:
     h, w = pixels.shape[:2]
     if (w, h) == (width, height):
         return pixels
-    scale = max(width / w, height / h)
-    crop_w, crop_h = min(round(width / scale), w), min(round(height / scale), h)
-    left, top = (w - crop_w) // 2, (h - crop_h) // 2
+    left, top, crop_w, crop_h = cover_box(w, h, width, height)
     with warnings.catch_warnings():  # read-only pixels: torch warns, and only reads them
         warnings.simplefilter("ignore", UserWarning)
         window = torch.from_numpy(pixels[top : top + crop_h, left : left + crop_w])
     nchw = window.permute(2, 0, 1).unsqueeze(0)  # a channels_last view: no copy
     resized = F.interpolate(nchw, size=(height, width), mode="bilinear", antialias=True)
     return resized[0].permute(1, 2, 0).numpy()
+
+
+def cover_box(w: int, h: int, width: int, height: int) -> tuple[int, int, int, int]:
+    """(left, top, crop width, crop height): the centered part of a w x h image with the aspect
+    ratio of width x height (the CPU and the GPU decode cut the same)."""
+    scale = max(width / w, height / h)
+    crop_w, crop_h = min(round(width / scale), w), min(round(height / scale), h)
+    return (w - crop_w) // 2, (h - crop_h) // 2, crop_w, crop_h

@@ -329,11 +329,13 @@ class _ArrayDataset(torch.utils.data.Dataset):
 
 
 class _FileDataset(torch.utils.data.Dataset):
-    """Image files decoded on demand (in the worker processes): disk -> uint8 NHWC batch."""
+    """Image files decoded on demand (in the worker processes): disk -> uint8 NHWC batch; with
+    `gpu_jpegs`, the JPEGs' bytes for the GPU and the rest decoded (gpudecode.EncodedBatch)."""
 
-    def __init__(self, split: FileSplit):
+    def __init__(self, split: FileSplit, gpu_jpegs: bool = False):
         self.paths, self.labels, self.shape = split.paths, split.labels, split.image_shape
         self.ranges = split.value_ranges
+        self.gpu_jpegs = gpu_jpegs
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -343,6 +345,14 @@ class _FileDataset(torch.utils.data.Dataset):
 
     def __getitems__(self, indices: list[int]):
         channels, height, width = self.shape
+        labels = self.labels[torch.as_tensor(indices)]
+        if self.gpu_jpegs:
+            from .gpudecode import read_batch
+
+            try:
+                return read_batch([self.paths[i] for i in indices], self.shape, self.ranges), labels
+            except UnreadableImage as e:
+                return _Unreadable(e.path, e.reason), None
         batch = np.empty((len(indices), height, width, channels), dtype=np.uint8)
         # One thread: a worker has one anyway; without workers (or in a peek) the main
         # process's pool would spin over each image's small resize (8 vs 1.3 ms per image).
@@ -352,7 +362,7 @@ class _FileDataset(torch.utils.data.Dataset):
                     batch[row] = decode_image(self.paths[i], (height, width), channels, self.ranges)
                 except UnreadableImage as e:  # to the main process as a value: it names the file
                     return _Unreadable(e.path, e.reason), None
-        return torch.from_numpy(batch), self.labels[torch.as_tensor(indices)]
+        return torch.from_numpy(batch), labels
 
 
 @dataclass
@@ -391,8 +401,13 @@ class DataLoaderLoader(Loader):
             default_workers(self.device, streaming=streaming) if workers is None else workers
         )
         _fix_malloc_mmap_threshold()  # batch-sized buffers, freed, must not fragment the heap
+        self.image_shape = split.image_shape
+        self.gpu_jpegs, self.decoder = False, ""  # decoder: run.log's `decode:` (streaming)
         if streaming:
-            dataset = _FileDataset(split)
+            from .gpudecode import choose_gpu_decode
+
+            self.gpu_jpegs, self.decoder = choose_gpu_decode(self.device)
+            dataset = _FileDataset(split, self.gpu_jpegs)
         else:
             dataset = _ArrayDataset(self._stored_images(split), split.labels, split.rows)
         self._on_cuda = self.device.type == "cuda"
@@ -416,17 +431,24 @@ class DataLoaderLoader(Loader):
 
     def __iter__(self):
         for images, labels in self.raw_batches():
-            # uint8 crosses the bus (4x fewer bytes than float32); non_blocking lets the copy
-            # overlap with the GPU still computing the previous step.
-            images = images.to(self.device, non_blocking=self._on_cuda)
-            labels = labels.to(self.device, non_blocking=self._on_cuda)
+            images, labels = self._to_device(images, labels)
             yield self.transform(images), labels
+
+    def _to_device(self, images, labels):
+        if self.gpu_jpegs:  # JPEG bytes to nvJPEG, the rows decoded by a worker copied
+            from .gpudecode import decode_batch
+
+            images = decode_batch(images, self.image_shape, self.device)
+        # uint8 crosses the bus (4x fewer bytes than float32); non_blocking lets the copy
+        # overlap with the GPU still computing the previous step.
+        images = images.to(self.device, non_blocking=self._on_cuda)
+        return images, labels.to(self.device, non_blocking=self._on_cuda)
 
     def _gather(self, index):
         images, labels = self._loader.dataset.__getitems__(index.tolist())
         if isinstance(images, _Unreadable):
             raise UnreadableImage(images.path, images.reason)
-        return images.to(self.device), labels.to(self.device)
+        return self._to_device(images, labels)
 
     def raw_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This epoch's batches as the workers give them: uint8 NHWC and labels, on the CPU.

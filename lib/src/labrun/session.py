@@ -217,6 +217,8 @@ class Run:
         seed_everything(args.seed)
         # dtype and shape, normalisation, augmentation: what was done to the inputs, and why
         self._notes += list(loaded.info.describe().items())
+        if getattr(loaders["train"], "decoder", ""):  # streamed files: on the GPU or the CPU
+            self._notes.append(("decode", loaders["train"].decoder))
         train, val, test = (loaders[k] for k in ("train", "val", "test"))
         self.data_ = Data(splits, train, val, test, steps_per_epoch, loaded.info, loaded.notes)
         return self.data_
