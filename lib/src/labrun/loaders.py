@@ -451,7 +451,8 @@ class DataLoaderLoader(Loader):
         return self._to_device(images, labels)
 
     def raw_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """This epoch's batches as the workers give them: uint8 NHWC and labels, on the CPU.
+        """This epoch's batches as the workers give them: uint8 NHWC (gpudecode.EncodedBatch
+        where JPEGs are decoded on the GPU) and labels, on the CPU.
 
         An image that fails to decode raises UnreadableImage (naming it). On any error the
         workers are shut down here, at once: a live iterator kept alive by the exception's
