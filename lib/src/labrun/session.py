@@ -128,7 +128,10 @@ class Run:
     """
 
     def __init__(self, args, parser, out, stop, held, dist) -> None:
+        import torch
+
         from .hardware import choose_precision, resolve_device, setup_backends
+        from .loaders import available_cpus
         from .state import Progress, TrainSums
         from .tasks import create_task
 
@@ -142,6 +145,9 @@ class Run:
         # ---- config: every bad input is found before a file of the run is written ----
         self.config = config = resolved_config(args, parser)
         config["world_size"] = dist.world  # processes of this job (torchrun), not of its identity
+        # The CPU share it computes with (its numbers depend on the thread count): run.sh gives
+        # a resumed job the same again.
+        config.update(torch_threads=torch.get_num_threads(), job_cpus=available_cpus())
         runs.check_ownership(out)  # a colleague's run directory, or files planted in ours
         self.task = create_task(args.task, args, args.monitor)  # loss, metrics, the monitored one
         config.update(monitored=self.task.monitor, metric_directions=self.task.directions)
