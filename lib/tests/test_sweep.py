@@ -790,11 +790,14 @@ def test_second_signal_kills_jobs_that_ignore_the_first(tmp_path):
 # ---- many processes, one results folder; planning; GPUs; status -----------------------
 
 
+FOLLOWER = "-m labrun.tracking follow"  # the sweep's MLflow follower: no job
+
+
 def script_calls(project: Path) -> list[str]:
     """The script command lines run through $PYTHON (not run.sh's `-m labrun sweep-lib`)."""
     log = project / "python-calls.log"
     lines = log.read_text().splitlines() if log.exists() else []
-    return [x for x in lines if x != "-m labrun sweep-lib"]
+    return [x for x in lines if x != "-m labrun sweep-lib" and not x.startswith(FOLLOWER)]
 
 
 def job_calls(project: Path) -> list[str]:

@@ -776,6 +776,8 @@ class RunRecord:
     def tracker_line(self) -> str:
         if not self.tracker.enabled:
             return "MLflow off"
+        if self.tracker.deferred:
+            return "MLflow: the sweep's follower mirrors this run once it ends"
         return f"MLflow run {self.tracker.run_id or 'not reached (continuing without)'}"
 
     def checkpoint_due(self, args) -> bool:
@@ -859,6 +861,7 @@ class RunRecord:
             tags={"stop_reason": reason, "test_weights": weights},
             artifacts=[self.out / name for name in (runs.CONFIG, runs.HISTORY, runs.BEST_MODEL)],
         )
+        metrics["mlflow_run_id"] = self.tracker.run_id  # the end may rebuild the MLflow run
         self.claim.check()  # again: the tracker's end may have taken a while
         runs.write_status(self.out, "finished")
         runs.write_json(self.out / runs.METRICS, metrics)  # last: its existence means "done"
