@@ -201,6 +201,9 @@ class Run:
             data_version=args.data_version,  # the version in the run's identity
             task=args.task,  # datasets that offer several kinds of targets pick by it
             augment=args.augment,  # images crop + flip, other data none, unless asked
+            crop=args.crop,  # pad (small images) or a random resized crop (photos)
+            crop_scale=args.crop_scale,
+            crop_ratio=args.crop_ratio,
             spatial_targets=self.task.spatial_targets,  # crop/flip would not move the targets
         )
         splits = loaded.splits
@@ -233,6 +236,8 @@ class Run:
         seed_everything(args.seed)
         # dtype and shape, normalisation, augmentation: what was done to the inputs, and why
         self._notes += list(loaded.info.describe().items())
+        if getattr(loaders["train"], "decoder", ""):  # streamed files: on the GPU or the CPU
+            self._notes.append(("decode", loaders["train"].decoder))
         train, val, test = (loaders[k] for k in ("train", "val", "test"))
         self.data_ = Data(splits, train, val, test, steps_per_epoch, loaded.info, loaded.notes)
         return self.data_
@@ -462,19 +467,18 @@ class Run:
     def peek_batch(self):
         """A training batch exactly as the loop gets it (shape, dtype, strides), without
         shifting the run: the loader's order is f(seed, epoch) and `batches` sets the epoch
-        again; the RNG draws of the augmentation are put back."""
+        again; the RNG draws of the augmentation are put back. Read in this process
+        (Loader.peek): no loader worker is started for it."""
         from .checkpoint import rng_state, set_rng_state
 
         loader = self.data_.train
         saved = rng_state(self.device)
         loader.set_epoch(self.progress.epoch)
-        batches = iter(loader)
         try:
-            x, y = next(batches)
+            x, y = loader.peek()
             layout = getattr(self, "layout", None)  # the step's layout: no recompile after
             return (x.contiguous(memory_format=layout) if layout and x.dim() == 4 else x), y
         finally:
-            getattr(batches, "close", lambda: None)()  # a generator: stop its workers now
             set_rng_state(saved, self.device)
 
     # ---- the loop ----------------------------------------------------------------------------
