@@ -74,7 +74,7 @@ def lifecycle(argv: list[str] | None, train) -> int:
     """run.py's main(): --plan, --print-run-dir, skip when done, the claim (exit 73), torchrun's
     ranks (rank 0 writes); then `train(Run)` with every failure mapped to its exit code."""
     body = functools.partial(_body, train)
-    return jobs.lifecycle(argv, parse_args, run_dir, body, redo=is_tool, ranks=True)
+    return jobs.lifecycle(argv, parse_args, run_dir, body, redo=is_tool, ranks=True, program=train)
 
 
 def _body(train, args, parser, out, stop, held, dist) -> int:
@@ -659,6 +659,9 @@ class Run:
         return self.record.failed(self.state, exc, self.args)
 
     def _close(self) -> None:
+        # However the run ended: its loaders' workers end now, not in the interpreter's exit.
+        for loader in self.data_[1:4] if self.data_ is not None else ():
+            loader.close()
         if self.record is not None:
             self.record.close()
         elif self.log is not None:
