@@ -660,7 +660,8 @@ class Run:
 
     def _close(self) -> None:
         # However the run ended: its loaders' workers end now, not in the interpreter's exit.
-        for loader in self.data_[1:4] if self.data_ is not None else ():
+        data = self.data_
+        for loader in (data.train, data.val, data.test) if data is not None else ():
             loader.close()
         if self.record is not None:
             self.record.close()
