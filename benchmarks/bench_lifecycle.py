@@ -16,9 +16,10 @@ Every job is tiny (digits, width 8, 3 optimizer steps): what is measured is star
 shared-DB path, not training.
 
 Issue 34, "Leave at once" and "Start in seconds" (`--lib DIR`: another checkout's lib/src first
-on PYTHONPATH, e.g. the template before the change, on the same rendered project):
+on PYTHONPATH, e.g. the template before the change, on the same rendered project; `--before DIR`:
+that one and this one, interleaved):
 
-    .venv/bin/python benchmarks/bench_lifecycle.py quick [--repeats 3] [--lib DIR]
+    .venv/bin/python benchmarks/bench_lifecycle.py quick [--repeats 3] [--lib DIR] [--before DIR]
     .venv/bin/python benchmarks/bench_lifecycle.py exit [--workers 0 2 8] [--lib DIR]
 
 quick: the README's quick job, `run.py --epochs 6 --width 16` on digits (data cached, MLflow DB
@@ -144,32 +145,34 @@ def job_env(lib: str | None) -> dict:
     return env
 
 
-def quick_job(project: Path, repeats: int, lib: str | None) -> dict:
-    """Phases of `run.py --epochs 6 --width 16` with MLflow on and off (medians, seconds)."""
-    env = job_env(lib)
-    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{project / 'mlflow.db'}"
+def quick_job(project: Path, repeats: int, libs: dict[str, str | None]) -> dict:
+    """Phases of `run.py --epochs 6 --width 16` with MLflow on and off, for each labrun in
+    `libs` (label -> lib/src, None: this one), interleaved; medians in seconds."""
+    env = {**job_env(None), "MLFLOW_TRACKING_URI": f"sqlite:///{project / 'mlflow.db'}"}
     subprocess.run([sys.executable, "run.py", "--init-tracking"], cwd=project, env=env,
                    check=True, capture_output=True)
     subprocess.run([sys.executable, "run.py", "--max-steps", "1", "--tracking", "off",
                     "--results-dir", str(project / "warm")], cwd=project, env=env, check=True,
                    capture_output=True)  # digits decoded into data/ once, files in the cache
-    phases: dict[str, dict[str, list[float]]] = {"on": {}, "off": {}}
+    phases: dict[tuple[str, str], dict[str, list[float]]] = {}
     for i in range(repeats):
         for tracking in ("on", "off"):
-            cmd = [sys.executable, "run.py", "--epochs", "6", "--width", "16", "--progress",
-                   "off", "--tracking", tracking, "--results-dir", str(project / f"q{i}")]
-            code, lines, wall = stamped_run(cmd, project, env)
-            assert code == 0, lines[-5:]
-            opened, run = first(lines, "INFO data:"), first(lines, "INFO run ")
-            decided, last_epoch = first(lines, "INFO compile:"), first(lines, " INFO epoch ", True)
-            finished = first(lines, "INFO finished")
-            for name, value in (("start to first line", opened), ("MLflow run", run - opened),
-                                ("compile decision", decided - run),
-                                ("6 epochs", last_epoch - decided),
-                                ("test, MLflow end", finished - last_epoch),
-                                ("exit after `finished`", wall - finished), ("wall", wall)):
-                phases[tracking].setdefault(name, []).append(value)
-    return {t: {k: statistics.median(v) for k, v in p.items()} for t, p in phases.items()}
+            for label, lib in libs.items():
+                results = project / f"q{i}{tracking}{label}"  # tracking is no part of the identity
+                cmd = [sys.executable, "run.py", "--epochs", "6", "--width", "16", "--progress",
+                       "off", "--tracking", tracking, "--results-dir", str(results)]
+                code, lines, wall = stamped_run(cmd, project, {**env, **job_env(lib)})
+                assert code == 0, lines[-5:]
+                opened, run = first(lines, "INFO data:"), first(lines, "INFO run ")
+                decided, finished = first(lines, "INFO compile:"), first(lines, "INFO finished")
+                last_epoch = first(lines, " INFO epoch ", True)
+                for name, value in (("start to first line", opened), ("MLflow run", run - opened),
+                                    ("compile decision", decided - run),
+                                    ("6 epochs", last_epoch - decided),
+                                    ("test, MLflow end", finished - last_epoch),
+                                    ("exit after `finished`", wall - finished), ("wall", wall)):
+                    phases.setdefault((label, tracking), {}).setdefault(name, []).append(value)
+    return {key: {k: statistics.median(v) for k, v in p.items()} for key, p in phases.items()}
 
 
 def exit_delay(project: Path, workers: list[int], lib: str | None) -> dict:
@@ -208,17 +211,23 @@ def main() -> int:
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2, 8],
                         help="exit: DataLoader workers per loader")
     parser.add_argument("--lib", help="quick, exit: this labrun (a lib/src) instead")
+    parser.add_argument("--before", help="quick: also this labrun (a lib/src), interleaved")
     args = parser.parse_args()
     if args.check == "quick":
+        libs = {"before": args.before, "after": args.lib} if args.before else {"": args.lib}
         with tempfile.TemporaryDirectory() as tmp:
             before = os.getloadavg()[0]
-            phases = quick_job(render(Path(tmp)), args.repeats, args.lib)
+            phases = quick_job(render(Path(tmp)), args.repeats, libs)
         print(machine_line() + f" (at the start {before:.2f})")
         print(f"- command: `python benchmarks/bench_lifecycle.py quick --repeats {args.repeats}"
+              f"{' --before ' + args.before if args.before else ''}"
               f"{' --lib ' + args.lib if args.lib else ''}`\n")
-        print("| phase (median, s) | MLflow on | MLflow off |\n|---|---:|---:|")
-        for name in phases["on"]:
-            print(f"| {name} | {phases['on'][name]:.2f} | {phases['off'][name]:.2f} |")
+        columns = [(label, t) for t in ("on", "off") for label in libs]
+        print("| phase (median, s) | " + " | ".join(f"MLflow {t} {label}".strip()
+                                                    for label, t in columns) + " |")
+        print("|---|" + "---:|" * len(columns))
+        for name in phases[columns[0]]:
+            print(f"| {name} | " + " | ".join(f"{phases[c][name]:.2f}" for c in columns) + " |")
         return 0
     if args.check == "exit":
         with tempfile.TemporaryDirectory() as tmp:
