@@ -1,7 +1,9 @@
-"""Benchmark: planning a large sweep, `bash run.sh --dry-run` with 1000 jobs (target: < 5 s).
+"""Benchmark: planning a large sweep, `bash run.sh --dry-run` with 1000 jobs (target: < 5 s);
+with --quick, the README's first sweep: `bash run.sh --quick` (9 real jobs) end to end.
 
     .venv/bin/python benchmarks/bench_sweep.py                 # 1000 jobs, 3 timed repeats
     .venv/bin/python benchmarks/bench_sweep.py --jobs 200 --per-job 20
+    .venv/bin/python benchmarks/bench_sweep.py --quick         # wall time, slots, load
 
 Renders the template into a temporary directory, replaces run.sh's job list by JOBS jobs
 (lr x seed), marks a quarter of them done (a metrics.json that parses) and a few failed or
@@ -35,14 +37,16 @@ def render(out: Path) -> Path:
 
 
 def set_jobs(project: Path, n_jobs: int) -> list[list[str]]:
-    """Rewrite run.sh's sweep section to N jobs: 100 learning rates x N/100 seeds."""
+    """Rewrite run.sh's job list to N jobs: 100 learning rates x N/100 seeds."""
     seeds = max(1, n_jobs // 100)
     lrs = [f"{1e-4 * (i + 1):.4g}" for i in range(n_jobs // seeds)]
     text = (project / "run.sh").read_text()
-    text = text.replace("readonly LRS=(1e-3 3e-3 1e-2)", f"readonly LRS=({' '.join(lrs)})")
-    seed_list = " ".join(map(str, range(seeds)))
-    text = text.replace("readonly SEEDS=(0 1 2)", f"readonly SEEDS=({seed_list})")
-    (project / "run.sh").write_text(text)
+    start = text.index("define_jobs() {")
+    end = text.index("\n}\n", start) + 3
+    loops = (f"define_jobs() {{\n  local lr seed\n  for lr in {' '.join(lrs)}; do\n"
+             f"    for seed in {' '.join(map(str, range(seeds)))}; do\n"
+             '      job --lr "${lr}" --seed "${seed}"\n    done\n  done\n}\n')
+    (project / "run.sh").write_text(text[:start] + loops + text[end:])
     return [["--results-dir", "results/sweep", "--lr", lr, "--seed", str(s)]
             for lr in lrs for s in range(seeds)]
 
@@ -70,14 +74,43 @@ def timed(cmd: list[str], cwd: Path, env: dict) -> float:
     return time.perf_counter() - t0
 
 
+def quick_sweep(env: dict) -> int:
+    """`bash run.sh --quick` in a fresh render, as the README's first sweep runs it: its wall
+    time, the slots line run.sh prints, and the load before and after (the machine may be
+    shared). The digits cache is built by an untimed one-job warm-up."""
+    with tempfile.TemporaryDirectory() as tmp:
+        project = render(Path(tmp))
+        subprocess.run([sys.executable, "run.py", "--epochs", "1", "--width", "8",
+                        "--tracking", "off", "--results-dir", "results/warmup"], cwd=project,
+                       env=env, check=True, capture_output=True)
+        load = os.getloadavg()[0]
+        t0 = time.perf_counter()
+        out = subprocess.run(["bash", "run.sh", "--quick"], cwd=project, env=env, check=True,
+                             capture_output=True, text=True).stdout
+        wall = time.perf_counter() - t0
+    slots = next(line for line in out.splitlines() if "slot(s)" in line).split("; ", 1)[1]
+    print(f"- machine: {platform.processor() or platform.machine()}, "
+          f"{len(os.sched_getaffinity(0))} cores, Python {platform.python_version()}, "
+          f"{time.strftime('%Y-%m-%d %H:%M')}")
+    print(f"- command: `python benchmarks/bench_sweep.py --quick`; load average (1 min) "
+          f"before / after: {load:.2f} / {os.getloadavg()[0]:.2f}\n")
+    print("| sweep | wall (s) | slots, as run.sh prints them |\n|---|---:|---|")
+    print(f"| `bash run.sh --quick` (9 jobs) | {wall:.0f} | {slots.split('; logs in')[0]} |")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=1000)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--per-job", type=int, default=20,
                     help="jobs to time the old one-interpreter-per-job planning on")
+    ap.add_argument("--quick", action="store_true",
+                    help="time the 9-job quick sweep instead (real training)")
     args = ap.parse_args()
     env = {**os.environ, "PYTHON": sys.executable, "GPUS": "", "LC_ALL": "C"}
+    if args.quick:
+        return quick_sweep(env)
     with tempfile.TemporaryDirectory() as tmp:
         project = render(Path(tmp))
         jobs = set_jobs(project, args.jobs)

@@ -5,12 +5,16 @@
     python plot.py --width double      # for the full text width of a two-column paper
     python plot.py --from-mlflow       # the runs of the MLflow experiment instead
     python plot.py --curve val_loss --metric test_loss    # other columns than the monitored one
+    python plot.py --table test_acc train_acc@final "train_acc>=0.99"   # aggregate.tex's columns
     python plot.py --system RUN        # GPU/CPU utilisation over time of one run (MLflow)
     python plot.py --analysis          # a CKA heat map per analyze.py result
 
 Style in code: PAGES in inches (a PDF page is that size: include it at 100 %), STYLE's 10 pt text.
-One function per figure over the aggregate table (add yours to FIGURES). A swept category (model,
-dataset) adds `comparison` + comparison.csv/.tex; several tasks get a figure set each.
+What a paper needs of this experiment, each in one line below: TABLE (the columns of the paper's
+table), ORDER (the legends' order, else the sweep's), REFERENCES (chance, a published number),
+LABELS (a name the automatic labels get wrong). One function per figure over the aggregate table
+(add yours to FIGURES). A swept category (model, dataset) adds `comparison` +
+comparison.csv/.tex; several tasks get a figure set each.
 """
 
 import argparse
@@ -38,28 +42,49 @@ STYLE = {  # 10 pt text, 8 pt the minimum; TrueType fonts: journals refuse Type 
     "lines.markersize": 4, "errorbar.capsize": 2.5, "legend.frameon": False,
     "legend.handlelength": 1.2, "legend.columnspacing": 0.9, "legend.labelspacing": 0.25,
 }  # fmt: skip
-LABELS = {"test_acc": "test accuracy", "val_acc": "val. accuracy", "test_loss": "test loss"}
+# aggregate.tex and table.csv: mean +- SE of these columns, per configuration: metrics.json names
+# (test_acc), a history column at the final or best epoch (train_acc@final, train_acc@best) or
+# the first epoch it crosses a threshold (train_acc>=0.99, val_loss<=0.2); [] = test metrics, time
+TABLE: list[str] = []
+# Legends, tables and comparison in this order of swept values (e.g. ["baseline", "noisy-labels"]);
+# [] or a value not named: the sweep's order (run.sh's job order), then the values' own order
+ORDER: list = []
+# Dotted reference lines per column, or per column name without train_/val_/test_/best_val_
+# ("acc": every accuracy), e.g. dict(acc={"chance": 0.1, "Smith et al. 2024": 0.93})
+REFERENCES: dict[str, dict[str, float]] = {}
+# Axis and table labels: derived from the column's name (train_acc -> "train accuracy",
+# wall_time_s -> "wall time (s)"); a name here wins, e.g. {"test_r2": "test $R^2$"}
+LABELS: dict[str, str] = {}
 
 
 def plot_learning_curves(table: A.Table, page, metric: str, curve: str) -> Figure:
-    """History column `curve` per epoch: mean over seeds, band +-SE; dashed where seeds have
-    stopped early (a mean over fewer of them: `n=3→1` in the legend)."""
+    """History column `curve` per epoch: mean over seeds, band +-SE (a note when the bands are
+    thinner than the lines); dashed where seeds have stopped early (a mean over fewer of them:
+    `n=3→1` in the legend). The first configuration is drawn on top; long curves carry a few
+    staggered markers, short ones one per epoch."""
     data, (configs, note), look = A.curves(table, curve), F.shown(table), F.looks(table)
     fig = Figure(figsize=page, layout="constrained")
     ax, handles, labels = fig.add_subplot(), [], []
-    for config in configs:
+    for i, config in enumerate(configs):
         c = data[data.config == config].sort_values("epoch")
-        full = c.n.to_numpy() >= table.stats.n[config]
+        full = c.runs.to_numpy() >= table.stats.n[config]
         dashed = ~full | np.r_[~full[1:], False]  # from the last point with every seed
-        handles += ax.plot(c.epoch, c["mean"].where(full), **look[config])
-        ax.plot(c.epoch, c["mean"].where(dashed), color=look[config]["color"], ls="--", lw=0.9)
+        z = 3 - i / len(configs)  # the first (the baseline, in the sweep's order) on top
+        every = F.mark_every(len(c), i, len(configs))
+        handles += ax.plot(
+            c.epoch, c["mean"].where(full), markevery=every, zorder=z, **look[config]
+        )
+        ax.plot(c.epoch, c["mean"].where(dashed), color=look[config]["color"], ls="--", lw=0.9,
+                zorder=z)  # fmt: skip
         band = (c["mean"] - c.se, c["mean"] + c.se)
-        ax.fill_between(c.epoch, *band, color=look[config]["color"], alpha=0.2, lw=0)
-        fewer = f" (n={int(c.n.max())}→{int(c.n.min())})" if not full.all() else ""
+        ax.fill_between(c.epoch, *band, color=look[config]["color"], alpha=0.25, lw=0, zorder=1)
+        fewer = f" (n={int(c.runs.max())}→{int(c.runs.min())})" if not full.all() else ""
         labels.append(F.label(table, config) + fewer)
-    ax.set(xlabel="epoch", ylabel=LABELS.get(curve, curve))
+    F.references(ax, REFERENCES, curve)
+    ax.set(xlabel="epoch", ylabel=A.readable(curve, LABELS))
     ax.xaxis.get_major_locator().set_params(integer=True)
-    if len(configs) > 1:
+    note = "; ".join(filter(None, [note, F.band_note(ax, data.se, page[1])]))
+    if len(configs) > 1 or note:
         fig.set_figheight(page[1] + F.legend(fig, handles, labels, page[0], F.title(table, note)))
     return fig
 
@@ -90,7 +115,9 @@ def plot_final_vs_hparam(table: A.Table, page, metric: str, curve: str) -> Figur
         ax.set_xticks(values, [A.format_value(v) for v in values])
         ax.minorticks_off()
         ax.set_xlabel(key)
-    axes[0].set_ylabel(LABELS.get(metric, metric))
+    for ax in axes:
+        F.references(ax, REFERENCES, metric)
+    axes[0].set_ylabel(A.readable(metric, LABELS))
     handles = [matplotlib.lines.Line2D([], [], ls="none", mfc="none", **look[c]) for c in configs]
     labels = [F.label(table, c, metric) for c in configs]  # n: the finite values of `metric`
     fig.set_figheight(page[1] + F.legend(fig, handles, labels, page[0], F.title(table, note)))
@@ -99,25 +126,41 @@ def plot_final_vs_hparam(table: A.Table, page, metric: str, curve: str) -> Figur
 
 def plot_comparison(table: A.Table, page, metric: str, curve: str) -> Figure | None:
     """`metric` as model x condition: a group per model, its conditions side by side, mean +-
-    SE over seeds (hollow markers: every error bar shows)."""
+    SE over seeds (hollow markers: every error bar shows). Models whose names do not fit under
+    the axis whole (wrapped between words) become rows, named at the left: no name is split."""
     if (found := A.comparison(table, metric)) is None:
         return None
     row_key, wide = found
     conditions = list(dict.fromkeys(c for c, _ in wide.columns))  # at most 10: one colour each
     note = f"first 10 of {len(conditions)} (all in comparison.csv)" * (len(conditions) > 10)
     conditions = conditions[:10]
-    fig = Figure(figsize=page, layout="constrained")
-    ax, step, look = fig.add_subplot(), 0.8 / len(conditions), F.looks(conditions, "condition:")
-    for i, condition in enumerate(conditions):
-        x = np.arange(len(wide)) - 0.4 + step * (i + 0.5)
-        ax.errorbar(x, wide[(condition, "mean")], wide[(condition, "se")], ls="none", mfc="none",
-                    label=condition, **look[condition])  # fmt: skip
     slot = (page[0] - 0.8) / len(wide)  # inches per model along x
     names = [F.wrap(v, slot - 0.1, 9) for v in wide.index]
-    ax.set_xticks(range(len(wide)), names, rotation=0 if slot > 0.45 else 90)
-    ax.set(xlabel=row_key, ylabel=LABELS.get(metric, metric), xlim=(-0.5, len(wide) - 0.5))
-    room = F.legend(fig, *ax.get_legend_handles_labels(), page[0], note)  # what each look is
-    fig.set_figheight(page[1] + room + 0.15 * max(n.count("\n") for n in names))
+    across = all(F.fits(n, slot - 0.05, 9) for n in names)
+    if not across:  # rows: the names get half the width, wrapped between words
+        names = [F.wrap(v, 0.5 * page[0], 9) for v in wide.index]
+    per_row = 0.155 * max(n.count("\n") + 1 for n in names) + 0.05  # inches a row's name needs
+    height = page[1] if across else max(page[1], 0.8 + per_row * len(names))
+    fig = Figure(figsize=(page[0], height), layout="constrained")
+    ax, step, look = fig.add_subplot(), 0.8 / len(conditions), F.looks(conditions, "condition:")
+    for i, condition in enumerate(conditions):
+        at = np.arange(len(wide)) - 0.4 + step * (i + 0.5)
+        mean, se = wide[(condition, "mean")], wide[(condition, "se")]
+        xy = (at, mean, se) if across else (mean, at, None, se)
+        ax.errorbar(*xy, ls="none", mfc="none", label=condition, **look[condition])
+    F.references(ax, REFERENCES, metric, across=across)
+    label, limits = A.readable(metric, LABELS), (-0.5, len(wide) - 0.5)
+    if across:
+        ax.set_xticks(range(len(wide)), names)
+        ax.set(xlabel=row_key, ylabel=label, xlim=limits)
+        height += 0.15 * max(n.count("\n") for n in names)
+    else:
+        ax.set_yticks(range(len(wide)), names)
+        ax.set(ylabel=row_key, xlabel=label, ylim=limits[::-1])  # the first row on top
+    room = 0.0
+    if conditions != [metric] or note:  # one unnamed condition: the axis label says it all
+        room = F.legend(fig, *ax.get_legend_handles_labels(), page[0], note)
+    fig.set_figheight(height + room)
     return fig
 
 
@@ -216,6 +259,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "comparison; default: the monitored metric's test value (test_acc)")
     p.add_argument("--curve", metavar="COLUMN", help="history.csv column of the learning "
                    "curves; default: the monitored one (val_acc)")
+    p.add_argument("--table", nargs="+", metavar="COLUMN", help="columns of aggregate.tex and "
+                   "table.csv instead of TABLE's: a metrics.json name, COLUMN@final, "
+                   "COLUMN@best, COLUMN>=X or COLUMN<=X of a history column")
     return p.parse_args(argv)
 # fmt: on
 
@@ -252,7 +298,8 @@ def main(argv=None) -> int:
         warn(f"note: runs of {len(groups)} monitored metrics, a figure set each: {sets}")
     drawn = 0
     for monitor, group in groups.items():
-        table, out = A.aggregate(group), args.out / monitor if len(groups) > 1 else args.out
+        table = A.in_order(A.aggregate(group, args.table or TABLE), ORDER)
+        out = args.out / monitor if len(groups) > 1 else args.out
         metric, curve = args.metric or A.final_metric(monitor), args.curve or monitor
         if problem := A.unknown_columns(table, metric, curve):
             if len(groups) == 1:
@@ -267,7 +314,7 @@ def main(argv=None) -> int:
             if (fig := draw(table, page, metric, curve)) is not None:
                 written.append(draw.__name__.removeprefix("plot_"))
                 F.save(fig, written[-1], out, args.formats)
-        tables = [p.name for p in A.write_tables(table, out, metric)]
+        tables = [p.name for p in A.write_tables(table, out, metric, LABELS)]
         print(f"{out}/: {', '.join(written + tables)} from {len(group)} runs in "
               f"{len(table.stats)} configurations")  # fmt: skip
         drawn += 1

@@ -177,8 +177,8 @@ def train(run: labrun.Run) -> None:
         # counts only after the LR peak and --min-epochs.
         run.epoch_end(run.evaluate(eval_model, data.val), eval_model)
 
-    # ---- test once, with the best weights; save -------------------------------------------------
-    run.restore_best(eval_model)
+    # ---- test once, with the weights --test-weights names (best epoch's or final); save --------
+    run.restore_tested(eval_model)
     run.finish(test=run.evaluate(eval_model, data.test))  # metrics.json, written last
 
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# run.sh: the sweep. Runs run.py once per job listed below, one job per GPU, until all are done.
+# run.sh: the sweep. Runs run.py once per job listed below, until all are done: as many jobs
+# per GPU as its cores and memory hold (JOBS_PER_GPU=auto), a job per core without a GPU.
 #
 # Usage: bash run.sh [--dry-run] [--slurm] [--quick] [-h|--help] [-- EXTRA_RUN_PY_ARGS...]
 #   --dry-run   list every job and its state (done / pending / interrupted / failed / running

@@ -24,6 +24,7 @@ import pytest
 from conftest import ROOT, load_run_py
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
+from labrun import analysis as A
 from labrun import figures as F
 from labrun.analysis import aggregate, by_monitor, comparison, curves, load_runs
 
@@ -414,6 +415,9 @@ def test_from_mlflow_plots_what_run_py_tracked(run_cli, env, tmp_path):
     client.set_terminated(crashed.info.run_id, "FAILED")
     run_dir = next((tmp_path / "results").iterdir())
     run_id = json.loads((run_dir / "metrics.json").read_text())["mlflow_run_id"]
+    tracked = client.get_run(run_id).data  # which weights the test numbers come from
+    assert tracked.tags["test_weights"] == tracked.params["test_weights"] == "best"
+    assert tracked.metrics["tested_epoch"] == tracked.metrics["best_epoch"]
     series = system_series(1)
     client.log_batch(run_id, metrics=[
         Metric(f"system/{name}", float(v), 1_700_000_000_000 + int(t * 1000), i)
@@ -431,3 +435,243 @@ def test_from_mlflow_plots_what_run_py_tracked(run_cli, env, tmp_path):
          "--tracking-uri", env["MLFLOW_TRACKING_URI"], "--out", str(out), "--formats", "png"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120).stderr  # fmt: skip
     assert (out / f"system_{run_dir.name}.png").is_file()
+
+
+# ---- Issue 38: figures and tables a paper takes, for any condition names and any metric --------
+
+NEWCOMER = ["baseline", "gaussian-noise", "random-labels", "shuffled-pixels",
+            "label-smoothing-with-heavy-mixup-augmentation"]  # fmt: skip
+START = 1_790_000_000  # run.log's first line: the sweep started its jobs in NEWCOMER's order
+
+
+def write_sweep(root: Path, conditions, seeds=(0, 1, 2), epochs=60, nan_epochs=(), spread=0.02):
+    """Run directories as run.py writes them (config.json, history.csv, metrics.json, run.log,
+    status), one per condition x seed, without training: train_acc rises towards a ceiling
+    that differs per condition; `nan_epochs` are NaN in every seed (a diverged eval)."""
+    import time
+
+    rng = np.random.default_rng(0)
+    for i, condition in enumerate(conditions):
+        for seed in seeds:
+            out = root / f"{condition}-seed{seed}"
+            out.mkdir(parents=True)
+            epoch = np.arange(1, epochs + 1)
+            ceiling = 0.98 - 0.06 * i
+            acc = ceiling * (1 - np.exp(-epoch / (3 + i))) + spread * rng.standard_normal(epochs)
+            val = acc - 0.05
+            history = pd.DataFrame({"epoch": epoch, "step": 10 * epoch, "lr": 0.01,
+                                    "train_loss": 1 - acc, "train_acc": acc, "val_loss": 1 - val,
+                                    "val_acc": val, "epoch_time_s": 1.0})  # fmt: skip
+            history.loc[history.epoch.isin(nan_epochs), ["train_acc", "val_acc"]] = math.nan
+            history.to_csv(out / "history.csv", index=False)
+            best = int(history.val_acc.idxmax()) + 1
+            config = {
+                "dataset": condition,
+                "seed": seed,
+                "lr": 0.01,
+                "run_name": out.name,
+                "monitored": "val_acc",
+                "experiment_keys": ["dataset", "lr", "seed"],
+            }
+            (out / "config.json").write_text(json.dumps(config))
+            metrics = {"best_val_acc": float(history.val_acc.max()), "best_epoch": best,
+                       "test_acc": float(acc[best - 1] - 0.03), "test_loss": 0.5,
+                       "tested_epoch": best, "test_weights": "best", "epochs_run": epochs,
+                       "steps": 10 * epochs, "wall_time_s": 100.0 + i + seed}  # fmt: skip
+            (out / "metrics.json").write_text(json.dumps(metrics))
+            (out / "status").write_text("finished\n")
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(START + 10 * i + seed))
+            (out / "run.log").write_text(f"{stamp} INFO run {out.name}\n")
+    return root
+
+
+WORD = re.compile(r"[^ _,=/\n-]+")  # the pieces between the places a label may break
+
+
+def drawn_words(fig) -> set[str]:
+    return {w for t in visible_texts(fig) for w in WORD.findall(t.get_text())}
+
+
+def assert_no_word_split(fig, names, what: str) -> None:
+    """Every word of every name is drawn whole in some text (a split word shows as two)."""
+    words = drawn_words(fig)
+    missing = {w for name in names for w in WORD.findall(name)} - words
+    assert not missing, (what, missing)
+
+
+@pytest.mark.parametrize("case", ["newcomer", "twelve", "nan-epochs", "one-seed"])
+def test_awkward_sweeps_stay_on_the_page_with_every_word_whole(tmp_path, case):
+    conditions = {"twelve": [f"condition-number-{i}-with-a-long-name" for i in range(12)]}.get(
+        case, NEWCOMER)  # fmt: skip
+    seeds = (0,) if case == "one-seed" else (0, 1, 2)
+    nan_epochs = (5, 6, 30) if case == "nan-epochs" else ()
+    write_sweep(tmp_path / "sweep", conditions, seeds, nan_epochs=nan_epochs)
+    runs, skipped = load_runs(tmp_path / "sweep")
+    assert not skipped
+    table = aggregate(runs)
+    assert list(table.stats.dataset) == conditions, "the sweep's order, not the alphabet's"
+    with matplotlib.rc_context(plot.STYLE):  # as plot.py draws them
+        check_awkward(table, case, conditions, tmp_path)
+
+
+def check_awkward(table, case, conditions, tmp_path):
+    for width, page in plot.PAGES.items():
+        for name in ("plot_learning_curves", "plot_comparison", "plot_throughput"):
+            fig = getattr(plot, name)(table, page, "test_acc", "train_acc")
+            FigureCanvasAgg(fig).draw()
+            assert_on_the_page(fig, f"{case}/{name} ({width})")
+            assert_no_word_split(fig, conditions, f"{case}/{name} ({width})")
+            texts = " ".join(t.get_text() for t in visible_texts(fig))
+            if name == "plot_learning_curves":
+                ax = fig.axes[0]
+                assert ax.get_ylabel() == "train accuracy"
+                legend = [t.get_text().replace("\n", "") for t in fig.legends[0].get_texts()]
+                assert legend == conditions[: len(legend)], "legend in the sweep's order"
+                for line in ax.get_lines():  # 60 epochs: a few markers a line, not 60
+                    if line.get_marker() not in ("None", "", None) and line.get_gid():
+                        assert line.get_markevery()[1] >= 8, (case, line.get_markevery())
+                if case == "one-seed":
+                    assert "one seed: no SE band" in texts.replace("\n", " ")
+            if name == "plot_comparison":
+                assert not fig.legends, "one condition: no legend entry repeating the y-label"
+                ax = fig.axes[0]
+                assert "test accuracy" in (ax.get_xlabel(), ax.get_ylabel())
+    if case == "newcomer":  # kept for a look: pytest's tmp_path of this test
+        for name in ("plot_learning_curves", "plot_comparison"):
+            fig = getattr(plot, name)(table, plot.PAGES["single"], "test_acc", "train_acc")
+            F.save(fig, name, tmp_path / "figures", ["png"])
+
+
+def test_wrap_breaks_only_between_words():
+    assert F.wrap("shuffled-pixels", 0.3, 9) == "shuffled-\npixels"
+    assert F.wrap("gaussian", 0.1, 9) == "gaussian" and not F.fits("gaussian", 0.1, 9)
+    assert F.wrap("a b c", 5) == "a b c"
+
+
+@pytest.mark.parametrize(("name", "label"), [
+    ("train_acc", "train accuracy"), ("val_loss", "val. loss"), ("wall_time_s", "wall time (s)"),
+    ("samples_per_sec", "samples / s"), ("test_r2", "test R²"), ("my_new_metric", "my new metric"),
+    ("train_acc@final", "train accuracy (final epoch)"),
+    ("train_acc>=0.99", "first epoch train accuracy ≥ 0.99"),
+])  # fmt: skip
+def test_every_column_has_a_readable_label(name, label):
+    assert A.readable(name) == label
+    assert A.readable(name, {name: "mine"}) == "mine"
+
+
+def test_bands_thinner_than_the_lines_are_said_and_references_drawn(tmp_path, monkeypatch):
+    write_sweep(tmp_path / "sweep", NEWCOMER[:2], epochs=8, spread=1e-5)
+    table = aggregate(load_runs(tmp_path / "sweep")[0])
+    monkeypatch.setattr(plot, "REFERENCES", {"acc": {"chance": 0.2, "Smith et al.": 0.9}})
+    fig = plot.plot_learning_curves(table, plot.PAGES["single"], "test_acc", "train_acc")
+    FigureCanvasAgg(fig).draw()
+    texts = [t.get_text() for t in visible_texts(fig)]
+    assert "SE bands mostly narrower than the lines" in " ".join(texts).replace("\n", " ")
+    assert {"chance", "Smith et al."} <= set(texts)
+    heights = {tuple(line.get_ydata()) for line in fig.axes[0].get_lines()}
+    assert (0.2, 0.2) in heights and (0.9, 0.9) in heights
+    assert all(line.get_markevery() == 1 for line in fig.axes[0].get_lines()[:1]), "8 epochs"
+    assert_on_the_page(fig, "references")
+
+
+def test_the_paper_table_has_just_the_named_columns(tmp_path, capsys):
+    write_sweep(tmp_path / "sweep", NEWCOMER, epochs=20)
+    columns = ["test_acc", "train_acc@final", "train_acc@best", "train_acc>=0.9", "wall_time_s"]
+    out = tmp_path / "figures"
+    code, err = draw(["--results", str(tmp_path / "sweep"), "--out", str(out), "--curve",
+                      "train_acc", "--table", *columns], capsys)  # fmt: skip
+    assert code == 0, err
+    runs, _ = load_runs(tmp_path / "sweep")
+    table = pd.read_csv(out / "table.csv")
+    assert list(table.columns) == ["dataset", "n"] + [f"{c}_{p}" for c in columns
+                                                      for p in ("mean", "se", "n")]  # fmt: skip
+    assert list(table.dataset) == NEWCOMER
+    for condition, row in table.set_index("dataset").iterrows():
+        mine = [r for r in runs if r.config["dataset"] == condition]
+        final = [r.history["train_acc"][-1] for r in mine]
+        best = [r.history["train_acc"][int(r.metrics["best_epoch"]) - 1] for r in mine]
+        first = [next((e for e, a in zip(r.history["epoch"], r.history["train_acc"], strict=True)
+                       if a >= 0.9), math.nan) for r in mine]  # fmt: skip
+        for column, values in (("train_acc@final", final), ("train_acc@best", best),
+                               ("train_acc>=0.9", first)):  # fmt: skip
+            finite = [v for v in values if math.isfinite(v)]
+            assert row[f"{column}_n"] == len(finite), (condition, column)
+            if finite:
+                assert row[f"{column}_mean"] == pytest.approx(np.mean(finite)), (condition, column)
+    never = table.set_index("dataset").loc[NEWCOMER[-1], "train_acc>=0.9_n"]
+    assert never == 0 and "never reached train_acc>=0.9" in err
+    tex = (out / "aggregate.tex").read_text()
+    header = next(line for line in tex.splitlines() if line.startswith("dataset &"))
+    assert header == ("dataset & n & test accuracy & train accuracy (final epoch) & train "
+                      "accuracy (best epoch) & first epoch train accuracy $\\geq$ 0.9 & wall "
+                      "time (s) \\\\")  # fmt: skip
+    assert "\\toprule" in tex and "test\\_loss" not in tex
+    code, err = draw(["--results", str(tmp_path / "sweep"), "--out", str(out), "--table",
+                      "train_acc@last"], capsys)  # fmt: skip
+    assert code == 2 and err.startswith("error: --table: train_acc@last is neither")
+
+
+def test_the_default_table_is_test_metrics_and_time(tmp_path, capsys):
+    write_sweep(tmp_path / "sweep", NEWCOMER[:2], epochs=5)
+    code, err = draw(["--results", str(tmp_path / "sweep"), "--out", str(tmp_path / "f")], capsys)
+    assert code == 0, err
+    header = pd.read_csv(tmp_path / "f" / "table.csv").columns
+    assert [c.removesuffix("_mean") for c in header if c.endswith("_mean")] == [
+        "test_acc", "test_loss", "wall_time_s"]  # fmt: skip
+
+
+def test_order_set_in_plot_py_wins(tmp_path, monkeypatch):
+    write_sweep(tmp_path / "sweep", NEWCOMER, epochs=5)
+    table = aggregate(load_runs(tmp_path / "sweep")[0])
+    monkeypatch.setattr(plot, "ORDER", ["random-labels", "baseline"])
+    ordered = A.in_order(table, plot.ORDER)
+    assert list(ordered.stats.dataset) == ["random-labels", "baseline", "gaussian-noise",
+                                           "shuffled-pixels", NEWCOMER[-1]]  # fmt: skip
+
+
+def test_duplicates_are_compared_by_their_numbers(tmp_path, capsys):
+    """Issue 37: equal numbers collapse to one; different numbers are reported, and kept only
+    for the run directory at its own name (run.py's record), never settled by name order."""
+    sweep = write_sweep(tmp_path / "sweep", NEWCOMER[:2], epochs=5)
+    shutil.copytree(sweep / "baseline-seed0", sweep / "copy-of-baseline-seed0")
+    runs, skipped = load_runs(sweep)
+    assert skipped == [("copy-of-baseline-seed0", "duplicate of baseline-seed0")]
+
+    def other_numbers(run: str, copy: str) -> None:
+        shutil.copytree(sweep / run, sweep / copy)
+        metrics = json.loads((sweep / copy / "metrics.json").read_text())
+        metrics["test_acc"] += 0.01
+        (sweep / copy / "metrics.json").write_text(json.dumps(metrics))
+
+    other_numbers("baseline-seed1", "another-machine-baseline-seed1")
+    runs, skipped = load_runs(sweep)
+    (reason,) = [r for where, r in skipped if where == "another-machine-baseline-seed1"]
+    assert reason.startswith("duplicate of baseline-seed1 with other numbers (test_acc ")
+    assert "baseline-seed1" in [r.where for r in runs]
+    # two copies and no record at the run's own name: neither is chosen
+    other_numbers("baseline-seed2", "copy-a-baseline-seed2")
+    (sweep / "baseline-seed2").rename(sweep / "copy-b-baseline-seed2")
+    runs, skipped = load_runs(sweep)
+    conflicts = sorted(where for where, r in skipped if r.startswith("conflicts with"))
+    assert conflicts == ["copy-a-baseline-seed2", "copy-b-baseline-seed2"]
+    assert sorted(r.config["seed"] for r in runs if r.config["dataset"] == "baseline") == [0, 1]
+    code, err = draw(["--results", str(sweep), "--out", str(tmp_path / "f")], capsys)
+    assert code == 0 and "conflicts with" in err and "fewer seeds" in err
+
+
+def test_test_weights_final_is_recorded_and_best_keeps_the_identity(tmp_path):
+    from labrun.config import identity_args, parse_args
+
+    args, _ = parse_args(["--lr", "0.01"])
+    assert args.test_weights == "best" and "test_weights" not in identity_args(args)
+    final, _ = parse_args(["--lr", "0.01", "--test-weights", "final"])
+    assert identity_args(final)["test_weights"] == "final"
+    run = load_run_py()
+    where = ["--results-dir", str(tmp_path / "r"), "--data-dir", str(tmp_path / "data")]
+    for weights in ("best", "final"):
+        assert run.main([*TINY_RUN, *where, "--epochs", "3", "--test-weights", weights]) == 0
+    done = {json.loads((p.parent / "config.json").read_text())["test_weights"]:
+            json.loads(p.read_text()) for p in (tmp_path / "r").glob("*/metrics.json")}  # fmt: skip
+    assert done["best"]["test_weights"] == "best"
+    assert done["best"]["tested_epoch"] == done["best"]["best_epoch"]
+    assert done["final"]["test_weights"] == "final" and done["final"]["tested_epoch"] == 3

@@ -69,6 +69,9 @@ def parser():
                    help="on a stop signal, checkpoint for this long before exiting 75")
     p.add_argument("--interrupt-once", action="store_true",
                    help="the first attempt exits 75 as if stopped; the next one finishes")
+    p.add_argument("--peak-mib", type=int, default=0,
+                   help="record this peak GPU memory in metrics.json, as a CUDA run.py does")
+    p.add_argument("--wait-for", default=None, help="finish only once this file exists")
     p.add_argument("--results-dir", default=str(ROOT / "results"))
     p.add_argument("--print-run-dir", action="store_true")
     p.add_argument("--init-tracking", action="store_true")
@@ -121,6 +124,7 @@ def main() -> int:
         "pid": os.getpid(),
         "cvd": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "threads": os.environ.get("OMP_NUM_THREADS"),
+        "job_cpus": os.environ.get("LAB_JOB_CPUS"),
         "task": os.environ.get("SLURM_ARRAY_TASK_ID"),
         "wrapper": os.environ.get("STANDIN_WRAPPER"),
         # When the wrapper started: a job's duration includes its interpreter's start-up.
@@ -128,7 +132,11 @@ def main() -> int:
         "start": start,
     }
     (run_dir / "status").write_text("running\n")
-    (run_dir / "config.json").write_text(json.dumps({"epochs": 3}, indent=2))
+    config = {"epochs": 3}
+    if os.environ.get("OMP_NUM_THREADS", "").isdecimal():  # what run.py records as it starts
+        config.update(torch_threads=int(os.environ["OMP_NUM_THREADS"]),
+                      job_cpus=int(os.environ.get("LAB_JOB_CPUS") or 1))
+    (run_dir / "config.json").write_text(json.dumps(config, indent=2))
     (run_dir / "history.csv").write_text("epoch,val_acc\n1,0.5\n")
     if args.child:
         record["child_pid"] = subprocess.Popen(["sleep", "300"]).pid
@@ -157,13 +165,18 @@ def main() -> int:
         return 75
     first = args.first_sleep is not None and attempt == 1
     time.sleep(args.first_sleep if first else args.sleep)
+    while args.wait_for and not os.path.exists(args.wait_for):
+        time.sleep(0.05)
     end = time.time()
     if args.fail:
         (run_dir / "status").write_text("failed\n")
         write_record(end=end, rc=1)
         print("stand-in: failing on purpose", file=sys.stderr)
         return 1
-    (run_dir / "metrics.json").write_text(json.dumps({"test_acc": 1.0}))
+    metrics = {"test_acc": 1.0}
+    if args.peak_mib:
+        metrics.update(device="cuda:0", peak_mem_bytes=args.peak_mib * 2**20)
+    (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
     (run_dir / "status").write_text("finished\n")
     write_record(end=end, rc=0)
     return 0
@@ -428,13 +441,16 @@ def test_cpu_jobs_auto_runs_a_job_per_core_with_the_cores_shared_out(tmp_path):
     runs = attempts(tmp_path / "two")
     assert max_overlap([(r["start"], r["end"]) for r in runs]) == 2
     assert {r["threads"] for r in runs} == {"1"}
-    # Fewer jobs left than cores: the left-over cores become threads.
+    # Fewer jobs left than cores: fewer slots, each job's share of the cores as in the whole
+    # sweep (a job's numbers depend on its threads: the same job, the same numbers).
     one = make_project(tmp_path / "one", ["--tag a", "--tag b"])
     run_sweep(one, GPUS="", CPU_JOBS="1")  # both done; then one of them is to run again
     shutil.rmtree(run_dirs(one)[0])
     result = cpu_sweep(one, cores=2)
-    assert "1 CPU slot(s), 2 thread(s) each (CPU_JOBS=auto: 1 job(s) left)" in result.stdout
-    assert max(attempts(one), key=lambda r: r["start"])["threads"] == "2"
+    assert (
+        "1 CPU slot(s), 1 thread(s) each (CPU_JOBS=auto: 2 core(s); 1 job(s) left)" in result.stdout
+    )
+    assert max(attempts(one), key=lambda r: r["start"])["threads"] == "1"
     # Memory for fewer jobs than cores; a thread count the user set is kept.
     project = make_project(tmp_path / "memory", ["--sleep 0.2 --tag a", "--sleep 0.2 --tag b"])
     result = cpu_sweep(project, cores=2, CPU_JOB_MEM_GB="100000", OMP_NUM_THREADS="3")
@@ -453,14 +469,170 @@ def test_cpu_jobs_auto_runs_a_job_per_core_with_the_cores_shared_out(tmp_path):
     (cgroup / "memory.max").write_text(f"{4 * 2**30}\n")
     (cgroup / "memory.current").write_text(f"{2**30}\n")
     result = cpu_sweep(project, cores=2, SWEEP_CGROUP=str(cgroup), SWEEP_NAME="limit")
-    assert "(CPU_JOBS=auto: 3 GiB free / CPU_JOB_MEM_GB=2)" in result.stdout, result.stdout
+    assert (
+        "1 thread(s) each (CPU_JOBS=auto: 2 core(s); 3 GiB free / CPU_JOB_MEM_GB=2)"
+        in result.stdout
+    ), result.stdout
     # An explicit CPU_JOBS shares the cores out too; bad values are refused before any work.
     project = make_project(tmp_path / "explicit", ["--tag a"])
     result = cpu_sweep(project, cores=2, CPU_JOBS="2")
     assert "2 CPU slot(s), 1 thread(s) each (CPU_JOBS=2)" in result.stdout
     for name, bad in (("CPU_JOBS", "0"), ("CPU_JOBS", "all"), ("CPU_JOB_MEM_GB", "1.5")):
         result = cpu_sweep(project, cores=2, **{name: bad})
-        assert result.returncode == 2 and f"{name} must be a positive integer" in result.stderr
+        assert result.returncode == 2
+        assert result.stderr.startswith(f"error: {name} must be a positive integer")
+
+
+@pytest.mark.skipif(
+    not shutil.which("taskset") or len(os.sched_getaffinity(0)) < 2, reason="needs taskset, 2 CPUs"
+)
+def test_omp_num_threads_in_the_environment_does_not_shrink_the_slots(tmp_path):
+    # nproc obeys OMP_NUM_THREADS: a cluster's OMP_NUM_THREADS=1 made one slot of any node.
+    project = make_project(tmp_path, [f"--sleep 0.5 --tag {i}" for i in range(2)])
+    result = cpu_sweep(project, cores=2, OMP_NUM_THREADS="1", OMP_THREAD_LIMIT="1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 CPU slot(s), 1 thread(s) each (CPU_JOBS=auto: 2 core(s))" in result.stdout
+    events = [line.split()[1] for line in result.stdout.splitlines() if "  (" in line]
+    assert events[:2] == ["start", "start"], result.stdout  # both slots filled at once
+
+
+@pytest.mark.parametrize(
+    ("name", "bad"),
+    [(n, b) for n in ("JOBS_PER_GPU", "CPU_JOBS") for b in ("0", "-1", "x", "1.5")]
+    + [("GPUS", "-1"), ("GPUS", "x")],
+)
+def test_bad_slot_settings_are_one_error_line_and_exit_2(tmp_path, name, bad):
+    project = make_project(tmp_path, ["--tag a"])
+    result = run_sweep(project, **{name: bad})
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {name}"), result.stderr
+    assert not script_calls(project)  # refused before any work
+    assert not (project / "results").exists()
+
+
+@pytest.mark.skipif(
+    not shutil.which("taskset") or len(os.sched_getaffinity(0)) < 2, reason="needs taskset, 2 CPUs"
+)
+def test_a_resumed_job_keeps_the_threads_it_started_with(tmp_path):
+    # On 2 cores, 3 jobs: a job per core, 1 thread each. Job a is interrupted; the re-run has
+    # one job left, and a thread count set meanwhile: a resumes with its 1 thread, a job never
+    # started gets the new count, and every job's share comes from the whole sweep.
+    jobs = ["--interrupt-once --tag a", "--tag b", "--tag c"]
+    project = make_project(tmp_path, jobs)
+    first = cpu_sweep(project, cores=2)
+    assert first.returncode == 1, first.stdout + first.stderr
+    assert "2 CPU slot(s), 1 thread(s) each (CPU_JOBS=auto: 2 core(s))" in first.stdout
+    assert {r["threads"] for r in attempts(project)} == {"1"}
+    (project / "jobs.txt").write_text("".join(f"{j}\n" for j in [*jobs, "--tag d"]))
+    again = cpu_sweep(project, cores=2, OMP_NUM_THREADS="2")
+    assert again.returncode == 0, again.stdout + again.stderr
+    a = next(d.name for d in run_dirs(project) if "tag_a" in d.name)
+    assert f"start    {a}  (CPU, slot 0, 1 thread(s), as when it started)" in again.stdout
+    latest = {r["name"].rsplit("-", 1)[0]: r for r in attempts(project)}  # each job's last
+    assert (latest[a.rsplit("-", 1)[0]]["threads"], latest["tag_d"]["threads"]) == ("1", "2")
+    assert latest[a.rsplit("-", 1)[0]]["job_cpus"] == "1"
+    starts = [x for x in (project / "logs/sweep" / f"{a}.log").read_text().splitlines()]
+    assert "OMP_NUM_THREADS=1 LAB_JOB_CPUS=1 " in [x for x in starts if x.startswith("===")][-1]
+
+
+def test_a_job_whose_holder_stops_is_taken_over(tmp_path):
+    # Job a is held by another process when the sweep plans; that holder stops (exit 75: status
+    # interrupted, claim released) while the sweep runs b. When b ends, the sweep plans again
+    # and runs a itself, instead of reporting it running elsewhere.
+    release = tmp_path / "released"
+    project = make_project(tmp_path / "p", ["--tag a", f"--wait-for {release} --tag b"])
+    run_dir = project / "results" / "sweep" / run_sweep(project, "--dry-run").stdout.split()[1]
+    with claim(run_dir):
+        (run_dir / "status").write_text("running\n")
+        proc = start_sweep(project, GPUS="0")
+        wait_for(lambda: any("--tag b" in c for c in job_calls(project)), 60, "job b to start")
+        (run_dir / "status").write_text("interrupted\n")  # the holder checkpointed and left
+    release.touch()
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert re.search(r"taking +tag_a-\w+ +\(its holder let go: interrupted\)", out), out
+    assert "2 done (2 ran now, 0 skipped: already done), 0 failed" in out
+    assert "running elsewhere" not in out.split("---")[-1]
+    assert (run_dir / "metrics.json").exists()
+
+
+def fake_gpu_box(tmp_path: Path, cores: int, free_mib: int) -> tuple[Path, Path]:
+    """A bin folder with an nvidia-smi for one GPU with `free_mib` MiB free and an nproc of
+    `cores` (the patched device queries), and the log of nvidia-smi's calls."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "nvidia-smi.calls"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "nvidia-smi").write_text(
+        f'#!/bin/sh\necho "$*" >>{calls}\n'
+        f'case "$*" in *memory.free*) echo "0, GPU-fake0, {free_mib}" ;; *) echo 0 ;; esac\n'
+    )
+    (bin_dir / "nproc").write_text(f"#!/bin/sh\necho {cores}\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    return bin_dir, calls
+
+
+def test_a_jobs_cores_are_its_slots_share(monkeypatch):
+    # run.sh's LAB_JOB_CPUS caps what the job sizes its loader workers from, never raises it.
+    from labrun.loaders import available_cpus
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LAB_JOB_CPUS", "1")
+    assert available_cpus() == 1
+    for ignored in ("0", "x", "-1", str(cores + 7)):
+        monkeypatch.setenv("LAB_JOB_CPUS", ignored)
+        assert available_cpus() == cores
+
+
+def test_jobs_per_gpu_auto_measures_a_first_job_then_fills_the_gpu(tmp_path):
+    # 16 cores, 1 GPU with 10000 MiB free, 9 jobs of 2000 MiB peak: 8 slots by the cores (2
+    # each), 2 by memory (90 % of 10000 / (1.25 x 2000 + 1024 context)); one until a job has
+    # measured it.
+    bin_dir, calls = fake_gpu_box(tmp_path, cores=16, free_mib=10000)
+    project = make_project(
+        tmp_path / "p", [f"--sleep 0.6 --peak-mib 2000 --tag {i}" for i in range(9)]
+    )
+    # OMP_NUM_THREADS empty: the tests' 1 (conftest) would win over the share, as a user's does.
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "GPUS": "0", "CUDA_VISIBLE_DEVICES": "0"}
+    env["OMP_NUM_THREADS"] = ""
+    result = run_sweep(project, timeout=120, **env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    why = "JOBS_PER_GPU=auto: 16 core(s) -> 8 per GPU"
+    assert (
+        f"1 slot(s) on GPU(s) 0, 2 thread(s) each ({why}, 1 until a job has measured its peak "
+        "memory; CUDA MPS off (not measured to help))" in result.stdout
+    ), result.stdout
+    assert (
+        f"slots now: 2 slot(s) on GPU(s) 0 0, 2 thread(s) each ({why}, 2 in 90 % of 10000 MiB "
+        "free at 1.25 x a measured peak of 2000 MiB + 1024 MiB context per job" in result.stdout
+    ), result.stdout
+    runs = sorted(attempts(project), key=lambda r: r["start"])
+    assert runs[1]["start"] >= runs[0]["end"]  # the first job ran alone, measuring
+    assert max_overlap([(r["start"], r["end"]) for r in runs]) == 2
+    assert {(r["threads"], r["job_cpus"]) for r in runs} == {("2", "2")}  # 2 x 8 slots <= 16
+    memory_queries = [c for c in calls.read_text().splitlines() if "memory.free" in c]
+    assert len(memory_queries) == 1  # queried once, when a peak was known
+    # A re-run finds the peak recorded: both slots at once. An explicit number still wins.
+    for d in run_dirs(project)[:4]:
+        shutil.rmtree(d)
+    again = run_sweep(project, timeout=120, **env)
+    assert (
+        "4 job(s) to run, 5 done or skipped; 2 slot(s) on GPU(s) 0 0, 2 thread(s)" in again.stdout
+    )
+    explicit = run_sweep(project, "--dry-run", JOBS_PER_GPU="3", **env)
+    assert "would run on 3 slot(s) on GPU(s) 0 0 0, 5 thread(s) each (JOBS_PER_GPU=3" in (
+        explicit.stdout
+    )
+    # Too little free memory for two: one slot, and the line says why.
+    small = make_project(tmp_path / "small", ["--peak-mib 2000 --tag a", "--tag b"])
+    run_sweep(small, **env)
+    shutil.rmtree(run_dirs(small)[1])
+    bin_small, _ = fake_gpu_box(tmp_path / "smallbox", cores=16, free_mib=3000)
+    tight = run_sweep(small, "--dry-run", **{**env, "PATH": f"{bin_small}:{os.environ['PATH']}"})
+    assert (
+        "1 slot(s) on GPU(s) 0, 8 thread(s) each (JOBS_PER_GPU=auto: 2 job(s) -> 2 per GPU, "
+        "1 in 90 % of 3000 MiB free" in tight.stdout
+    ), tight.stdout
 
 
 # ---- failures, resume, dry run -----------------------------------------------------------------
@@ -1031,3 +1203,70 @@ def test_real_two_job_sweep_then_plot(tmp_path):
     )
     assert plot.returncode == 0, plot.stdout + plot.stderr
     assert list(tmp_path.glob("figures/*.png"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not shutil.which("taskset") or len(os.sched_getaffinity(0)) < 2, reason="needs taskset, 2 CPUs"
+)
+def test_an_interrupted_and_resumed_sweep_ends_with_the_uninterrupted_numbers(tmp_path):
+    # Two real jobs on 2 cores: a job per core, 1 thread each. Stopped once the short job is
+    # done and the long one has trained an epoch, the re-run has one job left: it must resume
+    # with its 1 thread (not both cores') and end with the uninterrupted sweep's numbers.
+    tiny = "--dataset digits --width 8 --workers 0 --compile off --progress off"
+    copy_real_project(tmp_path, [f"{tiny} --epochs 1 --seed 0", f"{tiny} --epochs 3 --seed 1"])
+    env = real_env(PYTHON=sys.executable, GPUS="", LAB_TRACKING="off")
+    env.pop("OMP_NUM_THREADS", None)  # the sweep shares the cores out
+    cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))[:2]))
+
+    def sweep(name: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            ["taskset", "-c", cpus, "bash", "sweep.sh"],
+            cwd=tmp_path,
+            env={**env, "SWEEP_NAME": name},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    def results(name: str) -> dict[str, tuple[dict, dict]]:
+        return {
+            d.name: (
+                json.loads((d / "metrics.json").read_text()),
+                json.loads((d / "config.json").read_text()),
+            )
+            for d in (tmp_path / "results" / name).iterdir()
+        }
+
+    whole = sweep("whole")
+    out, _ = whole.communicate(timeout=900)
+    assert whole.returncode == 0, out
+    cut = sweep("cut")
+    folder = tmp_path / "results" / "cut"
+
+    def stop_point() -> bool:
+        dirs = list(folder.glob("*")) if folder.exists() else []
+        done = [d for d in dirs if (d / "metrics.json").exists()]
+        epochs = [
+            len((d / "history.csv").read_text().splitlines()) - 1
+            for d in dirs
+            if d not in done and (d / "history.csv").exists()
+        ]
+        return len(done) == 1 and any(e >= 1 for e in epochs)
+
+    wait_for(stop_point, 600, "the short job done and an epoch of the long one")
+    cut.send_signal(signal.SIGTERM)
+    out, _ = cut.communicate(timeout=300)
+    assert "1 interrupted" in out, out  # the long job was stopped mid-way
+    again = sweep("cut")
+    out, _ = again.communicate(timeout=900)
+    assert again.returncode == 0, out
+    assert "1 thread(s), as when it started)" in out, out
+    uninterrupted, resumed = results("whole"), results("cut")
+    assert uninterrupted.keys() == resumed.keys()
+    for name, (metrics, config) in resumed.items():
+        expected, expected_config = uninterrupted[name]
+        assert config["torch_threads"] == expected_config["torch_threads"] == 1
+        assert config["job_cpus"] == expected_config["job_cpus"] == 1
+        for key in ("test_acc", "test_loss", f"best_{metrics['monitor']}", "epochs_run"):
+            assert metrics[key] == pytest.approx(expected[key], rel=1e-6, abs=1e-9), (name, key)

@@ -53,6 +53,8 @@ def test_every_figure_and_table_of_a_sweep(results, capsys):
         assert (out / f"{name}.png").stat().st_size > 1000, name
     table = pd.read_csv(out / "aggregate.csv")
     assert len(table) == len(JOBS) and set(table.n) == {1}
+    paper = pd.read_csv(out / "table.csv")  # plot.py's TABLE (default: test metrics and time)
+    assert len(paper) == len(JOBS) and "\\toprule" in (out / "aggregate.tex").read_text()
     comparison = pd.read_csv(out / "comparison.csv").set_index("dataset")
     assert sorted(comparison.index) == ["digits", "synthetic"]
     assert "\\begin{tabular}" in (out / "comparison.tex").read_text()

@@ -15,13 +15,20 @@ or an MLflow experiment (`load_runs_from_mlflow`). A run is *done* iff its metri
 a non-empty JSON object. Every run left out is returned in `skipped` with its reason:
 - `unfinished`, `failed` (no metrics.json), `corrupt` (a file missing or unparsable);
 - a config.json without `experiment_keys`: we cannot tell which keys define the experiment;
-- duplicates (same experiment keys *and* seed, e.g. a copied run directory) count once: the one
-  whose directory name is its run name (else the first) stays, the others are `duplicate of ...`.
+- duplicates (same experiment keys *and* seed, e.g. a copied run directory) count once. Their
+  numbers (metrics.json's results) are compared: equal, the one whose directory name is its run
+  name (else the first) stays, the others are `duplicate of ...`; different, the run directory
+  at its own name (the record run.py keeps) stays and the others are `duplicate of ... with
+  other numbers (test_acc 0.91 vs 0.93)`, and without exactly one such record none is chosen:
+  all are left out, `conflicts with ...`.
 A key that older runs lack (a flag added since) takes its default from run.py's current parser,
 so those runs join the configuration they belong to (`Run.defaulted`).
 
 Statistics: a *configuration* is the tuple of experiment keys except `seed`; its runs are its
-seeds. Per metric: mean, SE = s / sqrt(n) (sample standard deviation, ddof=1: pandas' `sem`) and
+seeds. Rows come in the sweep's order (of each configuration's first start: run.log's first line,
+MLflow's start time; run.sh starts its jobs in its job order), ties by the swept values. Per
+metric (and per derived column: `train_acc@final`, `train_acc@best`, `train_acc>=0.9`, see
+`column_value`): mean, SE = s / sqrt(n) (sample standard deviation, ddof=1: pandas' `sem`) and
 n = the number of *finite* values: a NaN or inf of a diverged seed is never averaged nor counted,
 and is listed in `Table.dropped`. With n = 1 the SE is NaN (an empty CSV cell, no error bar),
 never a misleading 0. A configuration with fewer seeds than the most any has is `fewer_seeds`.
@@ -30,6 +37,7 @@ never a misleading 0. A configuration with fewer seeds than the most any has is 
 from __future__ import annotations
 
 import ast
+import datetime
 import io
 import json
 import math
@@ -47,6 +55,7 @@ from .runs import (
     CONFIG,
     HISTORY,
     HISTORY_FIELDS,
+    LOG,
     METRICS,
     STATUS,
     atomic_write_text,
@@ -57,11 +66,12 @@ from .runs import (
 # metrics.json's keys that every task writes; a table lists the task's own first.
 METRIC_NAMES = (
     "best_epoch", "epochs_run", "steps", "wall_time_s", "train_time_s", "compile_time_s",
-    "samples_per_sec", "peak_mem_bytes",
+    "samples_per_sec", "peak_mem_bytes", "tested_epoch",
 )  # fmt: skip
 SEED_KEY = "seed"
 DEFAULT_MONITOR = "val_acc"  # runs written before tasks: classification, early-stopped on it
-LATEX_METRICS = ("epochs_run", "wall_time_s")  # with the task's metrics in aggregate.tex
+RESULT_NAMES = ("best_epoch", "tested_epoch", "epochs_run", "steps")  # compared in duplicates
+TIME_METRIC = "wall_time_s"  # with the test metrics in the default table
 CKA_TABLE = "cka_layers.csv"  # analyze.py's table of every layer pair
 
 
@@ -85,6 +95,7 @@ class Run:
     history: dict[str, np.ndarray]  # history.csv column -> values, one per epoch
     source: str = ""  # run directory or MLflow run id
     defaulted: dict = field(default_factory=dict)  # keys this run lacked -> the parser's default
+    started: float = math.nan  # when it first started (s since the epoch): the sweep's order
 
     @property
     def experiment_keys(self) -> list[str]:
@@ -137,9 +148,20 @@ def load_runs(results_dir: str | os.PathLike) -> tuple[list[Run], list[tuple[str
             skipped.append((path.name, "corrupt"))
             continue
         name = str(config.get("run_name") or path.name)
-        runs.append(Run(name, config, _numeric(metrics), history, source=str(path)))
+        started = first_log_time(path / LOG)
+        runs.append(Run(name, config, _numeric(metrics), history, str(path), started=started))
     runs, unsettled = settle(runs)
     return runs, skipped + unsettled
+
+
+def first_log_time(log: Path) -> float:
+    """When run.log's first line was written (its run's first start), NaN when unreadable."""
+    try:
+        with open(log, "rb") as f:
+            stamp = f.read(19).decode()
+        return datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S").timestamp()
+    except (OSError, ValueError):
+        return math.nan
 
 
 def read_history(text: str) -> dict[str, np.ndarray]:
@@ -175,10 +197,31 @@ def settle(runs: Sequence[Run]) -> tuple[list[Run], list[tuple[str, str]]]:
         by_identity.setdefault(identity, []).append(run)
     dropped: set[int] = set()
     for same in by_identity.values():
-        keeper = next((r for r in same if r.where == r.name), same[0])  # a copy has another name
-        skipped += [(r.where, f"duplicate of {keeper.where}") for r in same if r is not keeper]
+        owners = [r for r in same if r.where == r.name]  # at the path run.py gives its identity
+        keeper = owners[0] if owners else same[0]
+        conflicts = [(r, d) for r in same if (d := differences(keeper, r))]
+        if conflicts and len(owners) != 1:  # no record to prefer: which is right is unknown
+            other, first = conflicts[0]
+            skipped += [(keeper.where, f"conflicts with {other.where} ({first})")]
+            skipped += [(r.where, f"conflicts with {keeper.where} ({d})") for r, d in conflicts]
+            dropped |= {id(r) for r in same}
+            continue
+        other = dict((id(r), f" with other numbers ({d})") for r, d in conflicts)
+        skipped += [(r.where, f"duplicate of {keeper.where}{other.get(id(r), '')}")
+                    for r in same if r is not keeper]  # fmt: skip
         dropped |= {id(r) for r in same if r is not keeper}
     return [run for run in kept if id(run) not in dropped], skipped
+
+
+def differences(a: Run, b: Run) -> str:
+    """The first result of metrics.json in which two runs differ (`test_acc 0.91 vs 0.93`), ""
+    when all are equal (times, memory and ids are the machine's, not results)."""
+    for name in sorted({*a.metrics, *b.metrics}):
+        x, y = a.metrics.get(name), b.metrics.get(name)
+        same = x == y or (x is not None and y is not None and math.isnan(x) and math.isnan(y))
+        if (is_task_metric(name) or name in RESULT_NAMES) and not same:
+            return f"{name} {x:.6g} vs {y:.6g}" if None not in (x, y) else f"{name} in one only"
+    return ""
 
 
 def _numeric(metrics: dict) -> dict[str, float]:
@@ -220,9 +263,9 @@ def load_runs_from_mlflow(tracking_uri: str, experiment: str) -> tuple[list[Run]
         metrics = {m: float(v) for m, v in logged.items() if m in METRIC_NAMES or is_task_metric(m)}
         columns = [c for c in logged if c in HISTORY_FIELDS or c.startswith(("train_", "val_"))]
         history = _mlflow_history(client, mr.info.run_id, columns)
-        runs.append(
-            Run(str(config.get("run_name", name)), config, metrics, history, mr.info.run_id)
-        )
+        started = mr.info.start_time / 1000 if mr.info.start_time else math.nan
+        runs.append(Run(str(config.get("run_name", name)), config, metrics, history,
+                        mr.info.run_id, started=started))  # fmt: skip
     runs, unsettled = settle(runs)
     return runs[::-1], skipped + unsettled
 
@@ -296,6 +339,61 @@ def is_numeric(values: Iterable) -> bool:
     return all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
 
 
+# A column of a table: a metrics.json name, or a history column at an epoch (`train_acc@final`,
+# `train_acc@best`: at metrics.json's best_epoch), or the first epoch where it crosses a threshold
+# (`train_acc>=0.99`, `val_loss<=0.1`: NaN for a run that never does).
+DERIVED = re.compile(r"(?P<column>\w+)(?:@(?P<at>final|best)|(?P<op>>=|<=)(?P<threshold>.+))")
+
+
+def column_value(run: Run, spec: str) -> float:
+    """A derived column's value for one run (see DERIVED); NaN where its history lacks it."""
+    found = DERIVED.fullmatch(spec)
+    values, epochs = run.history.get(found["column"]), run.history.get("epoch")
+    if values is None or epochs is None or not len(values):
+        return math.nan
+    if found["at"] == "final":
+        return float(values[-1])
+    if found["at"] == "best":
+        at = values[epochs == run.metrics.get("best_epoch", math.nan)]
+        return float(at[0]) if len(at) else math.nan
+    threshold = float(found["threshold"])
+    crossed = values >= threshold if found["op"] == ">=" else values <= threshold
+    return float(epochs[crossed][0]) if crossed.any() else math.nan
+
+
+def is_crossing(spec: str) -> bool:
+    """`train_acc>=0.99`: NaN means "never reached", not a diverged value."""
+    return bool((found := DERIVED.fullmatch(spec)) and found["op"])
+
+
+def default_columns(metrics: Sequence[str]) -> list[str]:
+    """What a table shows unless the owner names its columns: the test metrics and the time."""
+    return [m for m in metrics if m.startswith("test_")] + [TIME_METRIC] * (TIME_METRIC in metrics)
+
+
+def readable(name: str, labels: dict[str, str] | None = None) -> str:
+    """An axis or table label for any column: `labels` (plot.py's LABELS) where it has one,
+    else derived from the name: train_acc -> "train accuracy", wall_time_s -> "wall time (s)",
+    train_acc@final -> "train accuracy (final epoch)", train_acc>=0.9 -> "first epoch train
+    accuracy ≥ 0.9"."""
+    if labels and name in labels:
+        return labels[name]
+    if found := DERIVED.fullmatch(name):
+        column = readable(found["column"], labels)
+        if found["at"]:
+            return f"{column} ({found['at']} epoch)"
+        return f"first epoch {column} {'≥' if found['op'] == '>=' else '≤'} {found['threshold']}"
+    words = [w for w in name.split("_") if w]
+    unit = UNITS.get(words[-1]) if len(words) > 1 else None
+    words = [WORDS.get(w, w) for w in (words[:-1] if unit else words)]
+    return " ".join(words + [unit] * bool(unit)) or name
+
+
+WORDS = {"acc": "accuracy", "val": "val.", "lr": "learning rate", "mse": "MSE", "mae": "MAE",
+         "rmse": "RMSE", "r2": "R²", "per": "/", "sec": "s", "mem": "memory"}  # fmt: skip
+UNITS = {"s": "(s)", "bytes": "(bytes)", "pct": "(%)"}
+
+
 @dataclass
 class Table:
     """The aggregate: `stats` has one row per configuration (index: its label, sorted by the
@@ -309,6 +407,8 @@ class Table:
     constant: dict = field(default_factory=dict)  # experiment keys shared by every run
     dropped: list[tuple[str, str, float]] = field(default_factory=list)  # (run, metric, value)
     monitor: str = DEFAULT_MONITOR
+    columns: list[str] = field(default_factory=list)  # the paper table's (aggregate.tex)
+    never: list[tuple[str, str]] = field(default_factory=list)  # (run, crossing never reached)
 
     @property
     def categorical(self) -> list[str]:
@@ -320,8 +420,9 @@ class Table:
         return pd.Series([r.metrics.get(metric, math.nan) for r in self.runs], self.configs)
 
 
-def aggregate(runs: Iterable[Run]) -> Table:
-    """Group runs by configuration (every experiment key but seed); mean, SE and n per metric."""
+def aggregate(runs: Iterable[Run], columns: Sequence[str] = ()) -> Table:
+    """Group runs by configuration (every experiment key but seed); mean, SE and n per metric
+    and per derived column of `columns` (the paper table's: default_columns() when empty)."""
     runs = list(runs)
     order = list(dict.fromkeys(k for r in runs for k in r.experiment_keys if k != SEED_KEY))
     keyed = pd.DataFrame([[_hashable(r.config.get(k)) for k in order] for r in runs], columns=order)
@@ -335,10 +436,16 @@ def aggregate(runs: Iterable[Run]) -> Table:
                      key=lambda m: (not m.startswith("best_"), m == "test_loss", m))  # fmt: skip
     metrics += [m for m in METRIC_NAMES if m in present]
     metrics += sorted(present - set(metrics))
-    values = pd.DataFrame([r.metrics for r in runs], columns=metrics, dtype=float)
+    columns = list(columns) or default_columns(metrics)
+    derived = [c for c in columns if c not in metrics and DERIVED.fullmatch(c)]
+    rows = [r.metrics | {c: column_value(r, c) for c in derived} for r in runs]
+    metrics += derived
+    values = pd.DataFrame(rows, columns=metrics, dtype=float)
     finite = values.where(np.isfinite(values))
-    dropped = [(r.where, m, r.metrics[m]) for r in runs for m in metrics
-               if m in r.metrics and not math.isfinite(r.metrics[m])]  # fmt: skip
+    never = [(r.where, c) for r, row in zip(runs, rows, strict=True) for c in derived
+             if is_crossing(c) and math.isnan(row[c])]  # fmt: skip
+    dropped = [(r.where, m, row[m]) for r, row in zip(runs, rows, strict=True) for m in metrics
+               if m in row and not math.isfinite(row[m]) and (r.where, m) not in never]  # fmt: skip
     stats = finite.groupby(configs, sort=False).agg(["mean", "sem", "count"])
     stats.columns = [f"{m}_{ {'sem': 'se', 'count': 'n'}.get(s, s) }" for m, s in stats.columns]
     groups = keyed.assign(seed=[r.config.get(SEED_KEY) for r in runs]).groupby(configs, sort=False)
@@ -350,27 +457,41 @@ def aggregate(runs: Iterable[Run]) -> Table:
     )
     head["fewer_seeds"] = head["n"] < head["n"].max()
     stats = pd.concat([head, stats], axis=1)
-    order_rows = sorted(
-        stats.index, key=lambda c: [_sort_key(_hashable(stats.at[c, k])) for k in keys]
-    )
+    # the sweep's order: each configuration's first start (unknown: last), then its values
+    started = pd.Series([r.started for r in runs]).groupby(configs, sort=False).min()
+    order_rows = sorted(stats.index, key=lambda c: [
+        started[c] if math.isfinite(started[c]) else math.inf,
+        *(_sort_key(_hashable(stats.at[c, k])) for k in keys)])  # fmt: skip
     stats = stats.loc[order_rows]
     monitor = Counter(r.monitor for r in runs).most_common(1)[0][0] if runs else DEFAULT_MONITOR
-    return Table(keys, metrics, stats, runs, configs, constant, dropped, monitor)
+    return Table(keys, metrics, stats, runs, configs, constant, dropped, monitor, columns, never)
+
+
+def in_order(table: Table, order: Sequence) -> Table:
+    """`table` with the configurations that have a value named in `order` first, in its order
+    (plot.py's ORDER); the others after them, as they were (the sweep's order)."""
+    named = {format_value(v): i for i, v in enumerate(order)}
+    rank = {c: min((named.get(format_value(table.stats.at[c, k]), len(named)) for k in table.keys),
+                   default=len(named)) for c in table.stats.index}  # fmt: skip
+    table.stats = table.stats.loc[sorted(table.stats.index, key=rank.get)]  # stable: ties kept
+    return table
 
 
 def curves(table: Table, column: str) -> pd.DataFrame:
     """Mean, se and n of a history column per configuration and epoch (columns config, epoch,
-    mean, se, n). Seeds that stopped early drop out of the later epochs, so n can shrink."""
+    mean, se, n: the finite values; runs: the seeds that trained the epoch). Seeds that stopped
+    early drop out of the later epochs, so runs can shrink; a NaN (an eval that diverged)
+    lowers only n."""
     parts = [
         pd.DataFrame({"epoch": r.history["epoch"], "value": r.history[column], "config": c})
         for r, c in zip(table.runs, table.configs, strict=True)
         if column in r.history
     ]
     if not parts:
-        return pd.DataFrame(columns=["config", "epoch", "mean", "se", "n"])
+        return pd.DataFrame(columns=["config", "epoch", "mean", "se", "n", "runs"])
     long = pd.concat(parts).replace([np.inf, -np.inf], np.nan)
     grouped = long.groupby(["config", "epoch"], sort=False)["value"]
-    return grouped.agg(mean="mean", se="sem", n="count").reset_index()
+    return grouped.agg(mean="mean", se="sem", n="count", runs="size").reset_index()
 
 
 def comparison(table: Table, metric: str) -> tuple[str, pd.DataFrame] | None:
@@ -429,8 +550,9 @@ def format_mean_se(mean: float, se: float) -> str:
 
 
 def _latex(cells: pd.DataFrame, notes: Sequence[str]) -> str:
-    """A booktabs tabular (\\usepackage{booktabs}) of ready-made LaTeX cells, with notes."""
-    body = cells.style.hide(axis="index").format_index(escape="latex", axis=1)
+    """A booktabs tabular (\\usepackage{booktabs}) of ready-made LaTeX cells and headers, with
+    notes."""
+    body = cells.style.hide(axis="index")
     align = "".join("l" if cells[c].map(lambda x: "$" not in x).all() else "r" for c in cells)
     tex = body.to_latex(hrules=True, column_format=align)
     rows = "".join(f"\\multicolumn{{{cells.shape[1]}}}{{l}}{{\\footnotesize {n}}} \\\\\n"
@@ -439,40 +561,64 @@ def _latex(cells: pd.DataFrame, notes: Sequence[str]) -> str:
     return head + tex.replace("\\end{tabular}", rows + "\\end{tabular}")
 
 
-def table_latex(table: Table) -> str:
-    """aggregate.tex: keys, n, mean +- SE of the task's metrics and LATEX_METRICS ($^\\dagger$:
-    fewer seeds; $^\\ddagger$: over the finite values only)."""
-    metrics = [m for m in table.metrics if is_task_metric(m) or m in LATEX_METRICS]
+def table_csv_columns(table: Table) -> str:
+    """table.csv: the paper table's numbers: swept keys, n, then mean, se, n of each column."""
+    fields = [f"{c}_{part}" for c in table.columns for part in ("mean", "se", "n")]
+    stats = table.stats[[*table.keys, "n", *fields]]
+    stats = stats.map(lambda v: json.dumps(v) if isinstance(v, list | dict) else v)
+    return stats.to_csv(index=False, float_format="%.12g", lineterminator="\n")
+
+
+def latex_label(name: str, labels: dict[str, str] | None = None) -> str:
+    """readable(name) for a LaTeX header: escaped, its ≥ ≤ ² in math mode."""
+    text = latex_escape(readable(name, labels))
+    return text.replace("≥", "$\\geq$").replace("≤", "$\\leq$").replace("²", "$^2$")
+
+
+def table_latex(table: Table, labels: dict[str, str] | None = None) -> str:
+    """aggregate.tex: keys, n, mean +- SE of the table's columns under readable headers
+    ($^\\dagger$: fewer seeds; $^\\ddagger$: over the finite values only)."""
     s = table.stats
     cells = s[table.keys].map(lambda v: latex_escape(format_value(v)))
+    cells.columns = [latex_escape(k) for k in table.keys]
     cells["n"] = [f"{n}" + "$^\\dagger$" * f for n, f in zip(s["n"], s["fewer_seeds"], strict=True)]
-    for m in metrics:
-        cells[m] = [
-            format_mean_se(a, b) + "$^\\ddagger$" * (k < n)
-            for a, b, k, n in zip(s[f"{m}_mean"], s[f"{m}_se"], s[f"{m}_n"], s["n"], strict=True)
+    for m in table.columns:
+        never = (s[f"{m}_n"] == 0) & is_crossing(m)  # no run reached it: a word, not a number
+        cells[latex_label(m, labels)] = [
+            "never" if no else format_mean_se(a, b) + "$^\\ddagger$" * (k < n)
+            for a, b, k, n, no in zip(
+                s[f"{m}_mean"], s[f"{m}_se"], s[f"{m}_n"], s["n"], never, strict=True
+            )
         ]
     notes = ["$^\\dagger$ fewer seeds than the other configurations"] * bool(s["fewer_seeds"].any())
-    if any((s[f"{m}_n"] < s["n"]).any() for m in metrics):
-        notes.append("$^\\ddagger$ over the finite values only (their n: aggregate.csv)")
+    if any(cell.endswith("$^\\ddagger$") for cell in cells.to_numpy().ravel()):
+        notes.append("$^\\ddagger$ over the runs with a finite value (first epochs: that reached "
+                     "it) only; their n: table.csv")  # fmt: skip
     return _latex(cells, notes)
 
 
-def write_tables(table: Table, out_dir: str | os.PathLike, metric: str) -> list[Path]:
-    """aggregate.csv/.tex, and comparison.csv/.tex (the model x condition pivot of `metric`)
-    when a categorical key is swept; written atomically."""
+def write_tables(
+    table: Table, out_dir: str | os.PathLike, metric: str, labels: dict[str, str] | None = None
+) -> list[Path]:
+    """aggregate.csv (every number), table.csv and aggregate.tex (the table's columns), and
+    comparison.csv/.tex (the model x condition pivot of `metric`) when a categorical key is
+    swept; written atomically."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    texts = {"aggregate.csv": table_csv(table), "aggregate.tex": table_latex(table)}
+    texts = {"aggregate.csv": table_csv(table), "table.csv": table_csv_columns(table),
+             "aggregate.tex": table_latex(table, labels)}  # fmt: skip
     if found := comparison(table, metric):
         row_key, wide = found
         flat = wide.set_axis([f"{c} {s}" for c, s in wide.columns], axis=1)
         texts["comparison.csv"] = flat.rename_axis(row_key).to_csv(float_format="%.12g")
-        cells = pd.DataFrame({row_key: [latex_escape(v) for v in wide.index]})
+        cells = pd.DataFrame({latex_escape(row_key): [latex_escape(v) for v in wide.index]})
         for condition in dict.fromkeys(c for c, _ in wide.columns):
             means, ses = wide[(condition, "mean")], wide[(condition, "se")]
-            cells[condition] = [format_mean_se(m, e) for m, e in zip(means, ses, strict=True)]
+            cells[latex_escape(condition)] = [
+                format_mean_se(m, e) for m, e in zip(means, ses, strict=True)
+            ]
         texts["comparison.tex"] = _latex(
-            cells, [f"{latex_escape(metric)}, n seeds: comparison.csv"]
+            cells, [f"{latex_label(metric, labels)}, n seeds: comparison.csv"]
         )
     for name, text in texts.items():
         atomic_write_text(out / name, text)
@@ -542,19 +688,40 @@ def load_runs_from(results: Path, from_mlflow: bool, experiment: str, uri: str |
 
 
 def unknown_columns(table: Table, metric: str, curve: str) -> str | None:
-    """Why --metric or --curve cannot be drawn from these runs (None: they can)."""
+    """Why --metric, --curve or a table column cannot be drawn from these runs (None: they can)."""
     columns = sorted({c for r in table.runs for c in r.history} - {"epoch", "step"})
     if curve not in columns:
         return f"--curve: {curve} is not a history column of the runs: {', '.join(columns)}"
     if metric not in table.metrics:
         return f"--metric: {metric} is not among the runs' metrics: {', '.join(table.metrics)}"
+    for column in table.columns:
+        found = DERIVED.fullmatch(column)
+        if found and found["column"] in columns and _threshold_ok(found):
+            continue
+        if not found and column in table.metrics:
+            continue
+        return (f"--table: {column} is neither a metric ({', '.join(table.metrics)}) nor "
+                f"COLUMN@final, COLUMN@best, COLUMN>=X or COLUMN<=X of a history column "
+                f"({', '.join(columns)})")  # fmt: skip
     return None
+
+
+def _threshold_ok(found: re.Match) -> bool:
+    try:
+        return not found["op"] or math.isfinite(float(found["threshold"]))
+    except ValueError:
+        return False
 
 
 def notes(table: Table) -> list[str]:
     """The lines that name what the numbers leave out or assume: non-finite values dropped,
     configurations with fewer seeds, keys older runs lacked (taken at today's defaults)."""
     lines = [dropped_line(table)] if table.dropped else []
+    for column in dict.fromkeys(c for _, c in table.never):
+        never = [where for where, c in table.never if c == column]
+        lines.append(f"note: {len(never)} run{'s' * (len(never) != 1)} never reached {column} "
+                     f"(the first epoch's mean is over the others): " + ", ".join(never[:5])
+                     + (f", +{len(never) - 5} more" if len(never) > 5 else ""))  # fmt: skip
     s = table.stats
     if s.fewer_seeds.any():
         few = "; ".join(f"{c} (n={n})" for c, n in s.n[s.fewer_seeds].items())

@@ -328,6 +328,14 @@ def build_parser() -> argparse.ArgumentParser:
         "only after the LR peak and after --min-epochs",
     )
     e.add_argument(
+        "--test-weights",
+        choices=("best", "final"),
+        default="best",
+        help="the weights the test split is evaluated with: the best --monitor epoch's, or "
+        "the last epoch's (fitting experiments); metrics.json's test_weights and "
+        "tested_epoch say which",
+    )
+    e.add_argument(
         "--min-epochs",
         type=_non_negative_int,
         default=0,

@@ -1,5 +1,6 @@
 """What every figure of plot.py shares: colours and markers per configuration, labels wrapped
-at the font's real width (never cut off), legends that fit the page, atomic saves. The figures
+at the font's real width between words (never cut off, never split inside one), legends that fit
+the page, markers spaced along long curves, reference lines, atomic saves. The figures
 themselves, their sizes and the rcParams live in the project's plot.py."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import matplotlib
 import numpy as np
+from matplotlib import rcParams
 from matplotlib.figure import Figure
 from matplotlib.font_manager import FontProperties
 from matplotlib.textpath import TextToPath
@@ -30,19 +32,62 @@ def text_width(text: str, size: float) -> float:
 
 
 def wrap(text, width: float, size: float = 8) -> str:
-    """`text` in lines at most `width` inches wide at `size` pt: broken after spaces, `_`, `,`,
-    `=`, `-` or `/`, inside a word only where one is wider than the line (never cut off)."""
+    """`text` in lines at most `width` inches wide at `size` pt, broken only after spaces, `_`,
+    `,`, `=`, `-` or `/`: never inside a word, so a word wider than the line stays whole and
+    sticks out (`fits` tells; the caller rotates or widens)."""
     lines: list[str] = []
     for piece in re.split(r"(?<=[ _,=/-])", str(text)):
         if lines and text_width(lines[-1] + piece, size) <= width:
             lines[-1] += piece
-            continue
-        lines.append("")
-        for char in piece:  # a piece wider than the line: broken where it must be
-            if lines[-1] and text_width(lines[-1] + char, size) > width:
-                lines.append("")
-            lines[-1] += char
+        else:
+            lines.append(piece)
     return "\n".join(line.rstrip() for line in lines)
+
+
+def fits(text: str, width: float, size: float = 8) -> bool:
+    """Every line of `text` at most `width` inches wide at `size` pt."""
+    return all(text_width(line, size) <= width for line in str(text).split("\n"))
+
+
+def mark_every(points: int, index: int, count: int) -> int | tuple[int, int]:
+    """Line2D `markevery` for the `index`-th of `count` curves of `points` points: a marker on
+    each up to 12 points, else about 6 per curve, staggered so that no two curves put theirs on
+    the same epoch (markers tell overlapping curves apart, in greyscale too)."""
+    if points <= 12:
+        return 1
+    every = max(1, round(points / 6))
+    return (index * every // max(count, 1)) % every, every
+
+
+def band_note(ax, se, height: float) -> str:
+    """What a figure of curves cannot show of their SE (`se`: every point's): one seed (no
+    band), or bands mostly thinner than the lines (the median band; the axes' height estimated
+    from the figure's `height` in inches, less its labels)."""
+    if se.notna().sum() == 0:
+        return "one seed: no SE band"
+    low, high = ax.get_ylim()
+    typical = 2 * se.median() / (high - low) * (height - 0.55) * 72  # points
+    thin = typical < 2 * rcParams["lines.linewidth"]
+    return "SE bands mostly narrower than the lines" if thin else ""
+
+
+def references(ax, references: dict[str, dict], column: str, across: bool = True) -> None:
+    """plot.py's REFERENCES of `column` (its own, else those of its name without the split's
+    prefix: "acc" for train_acc, val_acc, test_acc, best_val_acc) as dotted grey lines, named
+    outside the axes where no data can hide the name: at the right end (`across`: the values
+    are on the y axis), else above the top."""
+    bare = re.sub(r"^(best_val|train|val|test)_", "", column)
+    for name, value in (references.get(column) or references.get(bare, {})).items():
+        if across:
+            ax.axhline(value, color="0.45", ls=":", lw=0.9, zorder=1)
+            ax.annotate(name, (1, value), xycoords=("axes fraction", "data"), xytext=(3, 0),
+                        textcoords="offset points", ha="left", va="center", fontsize=8,
+                        color="0.35")  # fmt: skip
+        else:
+            ax.axvline(value, color="0.45", ls=":", lw=0.9, zorder=1)
+            ax.annotate(name, (value, 1), xycoords=("data", "axes fraction"), xytext=(0, 2),
+                        textcoords="offset points", ha="center", va="bottom", fontsize=8,
+                        color="0.35")  # fmt: skip
 
 
 def shown(table: Table) -> tuple[list[str], str]:
@@ -83,7 +128,8 @@ def label(table: Table, config: str, metric: str | None = None) -> str:
 
 def legend(fig: Figure, handles, labels, width: float, title: str = "") -> float:
     """A legend below the axes, in as many columns as fit `width` inches, its labels wrapped to
-    fit; returns the height in inches it needs (add it to the figure's)."""
+    fit, in the order given (the sweep's); returns the height in inches it needs (add it to the
+    figure's)."""
     labels, title = [wrap(s, width - 0.5) for s in labels], wrap(title, width - 0.1, 9)
     widest = max(text_width(line, 8) for s in labels for line in s.split("\n")) + 0.4
     ncols = max(1, min(len(labels), int((width - 0.1) // widest)))

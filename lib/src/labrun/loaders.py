@@ -88,10 +88,13 @@ class FileSplit:
 
 
 def available_cpus() -> int:
-    """Cores this process may run on (a Slurm or taskset mask, not the machine's count)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+    """Cores this process may run on (a Slurm or taskset mask, not the machine's count); in a
+    sweep, its slot's share of them (LAB_JOB_CPUS, set by run.sh), so the slots' loader workers
+    never outnumber the cores."""
+    affinity = getattr(os, "sched_getaffinity", None)  # not on macOS
+    cpus = len(affinity(0)) if affinity else os.cpu_count() or 1
+    share = os.environ.get("LAB_JOB_CPUS", "")
+    return min(cpus, int(share)) if share.isdecimal() and int(share) > 0 else cpus
 
 
 def default_workers(device: torch.device, *, streaming: bool = False) -> int:

@@ -14,7 +14,7 @@ order (README, "What a run writes"):
         for micro_batches in run.batches(data.train):   # a stop signal: checkpoint, exit 75
             step(micro_batches)                         # adds to run.train_sums on the device
         run.epoch_end(run.evaluate(eval_model, data.val), eval_model)   # early stopping
-    run.restore_best(eval_model)
+    run.restore_tested(eval_model)                  # --test-weights: best (default) or final
     run.finish(test=run.evaluate(eval_model, data.test))
 
 What it owns: config.json, run.log, status, history.csv, checkpoint.pt (every object given to
@@ -128,7 +128,10 @@ class Run:
     """
 
     def __init__(self, args, parser, out, stop, held, dist) -> None:
+        import torch
+
         from .hardware import choose_precision, resolve_device, setup_backends
+        from .loaders import available_cpus
         from .state import Progress, TrainSums
         from .tasks import create_task
 
@@ -142,6 +145,9 @@ class Run:
         # ---- config: every bad input is found before a file of the run is written ----
         self.config = config = resolved_config(args, parser)
         config["world_size"] = dist.world  # processes of this job (torchrun), not of its identity
+        # The CPU share it computes with (its numbers depend on the thread count): run.sh gives
+        # a resumed job the same again.
+        config.update(torch_threads=torch.get_num_threads(), job_cpus=available_cpus())
         runs.check_ownership(out)  # a colleague's run directory, or files planted in ours
         self.task = create_task(args.task, args, args.monitor)  # loss, metrics, the monitored one
         config.update(monitored=self.task.monitor, metric_directions=self.task.directions)
@@ -568,6 +574,12 @@ class Run:
         if self.dist.stopped(self.stop) and not self.finished():
             self._interrupt()
 
+    def restore_tested(self, model) -> None:
+        """The weights --test-weights names into `model`: the best epoch's (restore_best), or
+        the final ones it already holds."""
+        if self.args.test_weights == "best":
+            self.restore_best(model)
+
     def restore_best(self, model) -> None:
         """The best epoch's weights into `model` (to test once); RunFailed when the monitored
         metric was never finite (nothing to test)."""
@@ -582,7 +594,9 @@ class Run:
     def finish(self, test: dict[str, float]) -> None:
         """Checkpoint, metrics.json (last: the run is done), MLflow FINISHED."""
         self.record.checkpoint(self.state)
-        self.record.finished(self.state, self.task, test, self.stop_reason())
+        self.record.finished(
+            self.state, self.task, test, self.stop_reason(), self.args.test_weights
+        )
         self._done = True
 
     def stop_reason(self) -> str:
@@ -797,7 +811,7 @@ class RunRecord:
         if self.claim.still_ours() and not runs.is_done(self.out):
             runs.try_write_status(self.out, "interrupted")
 
-    def finished(self, state, task, test: dict[str, float], reason: str) -> None:
+    def finished(self, state, task, test: dict[str, float], reason: str, weights: str) -> None:
         from .hardware import peak_memory_bytes
 
         p, stopper = state.progress, state.stopper
@@ -807,6 +821,9 @@ class RunRecord:
             "task": task.name,
             "monitor": task.monitor,
             "best_epoch": stopper.best_epoch,
+            # what the test_* numbers describe (--test-weights): best_* stay the monitor's record
+            "test_weights": weights,
+            "tested_epoch": stopper.best_epoch if weights == "best" else p.epoch,
             "epochs_run": p.epoch,
             "steps": p.step,
             "wall_time_s": p.wall_time_s,
@@ -825,18 +842,19 @@ class RunRecord:
             "FINISHED",
             p.history,
             metrics={k: v for k, v in metrics.items() if v is not None},
-            tags={"stop_reason": reason},
+            tags={"stop_reason": reason, "test_weights": weights},
             artifacts=[self.out / name for name in (runs.CONFIG, runs.HISTORY, runs.BEST_MODEL)],
         )
         self.claim.check()  # again: the tracker's end may have taken a while
         runs.write_status(self.out, "finished")
         runs.write_json(self.out / runs.METRICS, metrics)  # last: its existence means "done"
         self.log.info(
-            "finished (%s): best %s %.4g at epoch %d | test %s | %s",
+            "finished (%s): best %s %.4g at epoch %d | test (%s weights) %s | %s",
             reason,
             task.monitor,
             stopper.best_score,
             stopper.best_epoch,
+            weights,
             metrics_line(metrics, "test_"),
             self.out,
         )

@@ -11,10 +11,15 @@
 #   SWEEP_NAME    results go to results/SWEEP_NAME [sweep; quick with the quick preset]
 #   GPUS          GPU ids to use, e.g. "0 2" [all visible: CUDA_VISIBLE_DEVICES, else nvidia-smi;
 #                 none: run on CPU]
-#   JOBS_PER_GPU  jobs sharing one GPU, for small models [1]
+#   JOBS_PER_GPU  jobs sharing one GPU [auto: one per 2 cores of the GPU's share and per job,
+#                 as many as the GPU's free memory holds at the largest peak a finished job
+#                 of the sweep recorded; one per GPU until a job has measured it]
 #   CPU_JOBS      jobs at a time when there is no GPU [auto: one per core, at most one per
-#                 job left and per CPU_JOB_MEM_GB of free memory]; the cores are shared
-#                 out as OMP_NUM_THREADS (cores / jobs) unless that is set
+#                 job and per CPU_JOB_MEM_GB of free memory]
+#                 Either way each job gets its share of the cores: OMP_NUM_THREADS (unless
+#                 set) and LAB_JOB_CPUS, from which run.py sizes its loader workers. A resumed
+#                 job keeps the threads it started with (config.json), so it ends with the
+#                 numbers it would have had uninterrupted.
 #   CPU_JOB_MEM_GB  memory one CPU job needs, in GiB, for CPU_JOBS=auto [2]
 #   LOG_DIR       one log file per job [logs/SWEEP_NAME]
 #   STATUS_EVERY  seconds between status lines on a terminal [60]; STATUS_EVERY_LOG: when the
@@ -46,8 +51,8 @@
 #             checkpoint: not re-run until --fresh), pending, waiting (an input, such as a run
 #             it analyses, is not finished: planned again whenever a job of the sweep ends,
 #             and queued once its inputs are done), invalid.
-#   2. queue: one slot per GPU (JOBS_PER_GPU slots per GPU; without a GPU CPU_JOBS slots, by
-#             default one per core: see cpu_slots). Every job runs in its own process group
+#   2. queue: JOBS_PER_GPU slots per GPU (gpu_slots); without a GPU CPU_JOBS slots, by
+#             default one per core (cpu_slots). Every job runs in its own process group
 #             with CUDA_VISIBLE_DEVICES set to its slot's GPU, under `setpriv --pdeathsig TERM`,
 #             so it is told to stop if run.sh dies, even by SIGKILL. `wait -n -p` says which
 #             job ended; its slot takes the next pending job.
@@ -74,8 +79,20 @@ SWEEP_RUN_NAME=()   # per job: basename of its run directory
 SWEEP_NOTE=()       # per job: detail shown by --dry-run and the summary
 SWEEP_STOP_SIGNAL=""   # set by the first INT/TERM/HUP
 SWEEP_TICKER=""        # pid of the timer child that wakes the queue for a status line
-SLOTS=()               # per slot: its GPU, or "" for a CPU slot (make_slots, cpu_slots)
-SWEEP_CPU_REASON=""    # why the CPU slots are as many as they are (cpu_slots)
+SLOTS=()               # per slot: its GPU, or "" for a CPU slot (size_slots)
+SWEEP_GPUS=()          # the GPUs the sweep uses (choose_gpus); none: CPU slots
+SWEEP_SLOT_REASON=""   # why the slots are as many as they are (size_slots), for the start line
+SWEEP_THREADS=""       # OMP_NUM_THREADS of a job that starts afresh (size_slots)
+SWEEP_JOB_CPUS=""      # cores of one slot (LAB_JOB_CPUS): its threads and loader workers
+SWEEP_GPU_WIDTH=0      # JOBS_PER_GPU=auto: slots per GPU the cores and jobs allow
+SWEEP_GPU_MEASURE=0    # 1 while JOBS_PER_GPU=auto waits for a job's measured peak memory
+SWEEP_GPU_WHY=""       # why SWEEP_GPU_WIDTH (gpu_slots)
+# CUDA MPS would run the slots' kernels side by side; not measured to help yet (no GPU at hand
+# when this was written), so it stays off.
+readonly SWEEP_MPS="; CUDA MPS off (not measured to help)"
+# GPU memory of one job beyond 1.25 x its peak allocation (the caching allocator holds more than
+# it hands out): the CUDA context (an estimate; waits for a GPU to be measured).
+readonly SWEEP_CUDA_CONTEXT_MIB="${SWEEP_CUDA_CONTEXT_MIB:-1024}"
 readonly SWEEP_CGROUP="${SWEEP_CGROUP:-/sys/fs/cgroup}"   # cgroup v2 mount (tests point it away)
 # How long to wait for jobs whose holder is checkpointing and exiting (plan state "stopping").
 readonly SWEEP_STOPPING_WAIT_S="${SWEEP_STOPPING_WAIT_S:-30}"
@@ -100,6 +117,7 @@ job() {
 
 err() { echo "run.sh: $*" >&2; }
 die() { err "$@"; exit 2; }
+bad_setting() { echo "error: $*" >&2; exit 2; }
 log() { printf '[%(%H:%M:%S)T] %s\n' -1 "$*"; }
 
 # job_argv I: set JOB_ARGV to job I's complete argument list. A run.py job gets the sweep's
@@ -243,11 +261,11 @@ visible_gpus() {
 }
 
 #######################################
-# Fill SLOTS with one device per slot: "0 0 1 1" for GPUS="0 1" JOBS_PER_GPU=2; "" per CPU slot.
-# GPUS is checked against the visible devices: `error: GPUS: ...` and exit 2 otherwise.
+# Set SWEEP_GPUS to the GPUs of the sweep: GPUS, checked against the visible devices
+# (`error: GPUS: ...` and exit 2 otherwise), else every visible one. size_slots makes the slots.
 #######################################
-make_slots() {
-  local dev k
+choose_gpus() {
+  local dev
   local -a gpus=() visible=() listed=()
   read -ra visible <<<"$(visible_gpus)"
   if [[ -n "${GPUS+set}" ]]; then
@@ -271,18 +289,16 @@ make_slots() {
   else
     gpus=("${visible[@]}")
   fi
-  SLOTS=()
-  for dev in "${gpus[@]}"; do
-    for ((k = 0; k < JOBS_PER_GPU; k++)); do SLOTS+=("${dev}"); done
-  done
-  # No GPU: the CPU slots are sized by cpu_slots once the plan says how many jobs are left.
+  SWEEP_GPUS=("${gpus[@]}")
 }
 
 # The cores this process may use: its CPU affinity (taskset, a Slurm allocation), capped by a
 # cgroup v2 CPU quota (a container's --cpus), which nproc does not see.
 cpu_cores() {
   local cores quota period
-  cores=$(nproc 2>/dev/null) || cores=1
+  # nproc also obeys OMP_NUM_THREADS and OMP_THREAD_LIMIT: a cluster's OMP_NUM_THREADS=1 made
+  # one slot of a 64-core node. Asked without them, it counts the affinity mask alone.
+  cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null) || cores=1
   if read -r quota period 2>/dev/null <"${SWEEP_CGROUP}/cpu.max" \
     && [[ "${quota}" =~ ^[0-9]+$ && "${period}" =~ ^[1-9][0-9]*$ ]]; then
     quota=$(( (quota + period - 1) / period ))
@@ -306,48 +322,183 @@ available_mib() {
 }
 
 #######################################
-# Without a GPU: fill SLOTS with one "" per CPU job and give each job an equal share of the
-# cores (OMP_NUM_THREADS, unless set). CPU_JOBS=auto runs one job per core (the demo's sweep on
-# 2 cores: 78 s, against 94 s for one job at a time with both cores' threads; the lab
-# template's benchmarks/RESULTS.md, "Jobs at a time"), but no more jobs than are left to run (a
-# short sweep on a big machine gets more threads per job instead) nor than the free memory
-# holds at CPU_JOB_MEM_GB each.
+# Size the slots once the plan says how many jobs the sweep has: SLOTS (one entry per slot: its
+# GPU, or "" on the CPU), each job's share of the cores (SWEEP_JOB_CPUS, SWEEP_THREADS) and
+# SWEEP_SLOT_REASON. The share follows from all the sweep's jobs, never from the jobs left, so a
+# job that a re-run of an interrupted sweep starts computes with the threads it would have had
+# in the uninterrupted sweep (the numbers of a CPU job depend on its thread count).
+#######################################
+size_slots() {
+  local cores i jobs=0 left=0
+  cores=$(cpu_cores)
+  for ((i = 0; i < ${#SWEEP_START[@]}; i++)); do
+    case "${SWEEP_STATE[i]}" in duplicate | invalid) continue ;; esac
+    jobs=$(( jobs + 1 ))
+    if is_runnable "${i}"; then left=$(( left + 1 )); fi
+  done
+  if (( ${#SWEEP_GPUS[@]} )); then
+    gpu_slots "${cores}" "${jobs}"
+  else
+    cpu_slots "${cores}" "${jobs}" "${left}"
+  fi
+}
+
+#######################################
+# Without a GPU: one "" slot per CPU job. CPU_JOBS=auto runs one job per core (the demo's sweep
+# on 2 cores: 78 s, against 94 s for one job at a time with both cores' threads; the lab
+# template's benchmarks/RESULTS.md, "Jobs at a time"), but no more than the sweep has jobs (a
+# short sweep on a big machine gets more threads per job instead) or than the cores hold at a
+# thread count the user set. Each job's share of the cores follows from that alone: the free
+# memory (CPU_JOB_MEM_GB per job) and the jobs left only take slots away, so that the same job
+# computes with the same threads whatever else the machine runs.
+# Arguments: cores, jobs of the sweep, jobs left to run.
 #######################################
 cpu_slots() {
-  local cores slots i left=0 mib reason
-  cores=$(cpu_cores)
+  local cores="$1" jobs="$2" left="$3" width mib reason i slots
   if [[ "${CPU_JOBS}" == auto ]]; then
-    for ((i = 0; i < ${#SWEEP_START[@]}; i++)); do
-      if is_runnable "${i}"; then left=$(( left + 1 )); fi
-    done
-    slots="${cores}" reason="${cores} core(s)"
-    if (( left < slots )); then slots="${left}" reason="${left} job(s) left"; fi
-    mib=$(available_mib)
-    if [[ -n "${mib}" ]] && (( mib / (CPU_JOB_MEM_GB * 1024) < slots )); then
-      slots=$(( mib / (CPU_JOB_MEM_GB * 1024) ))
-      reason="$(( mib / 1024 )) GiB free / CPU_JOB_MEM_GB=${CPU_JOB_MEM_GB}"
+    width="${cores}" reason="${cores} core(s)"
+    if (( jobs < width )); then width="${jobs}" reason="${jobs} job(s)"; fi
+    if [[ "${OMP_NUM_THREADS:-}" =~ ^[1-9][0-9]*$ ]] && (( cores / OMP_NUM_THREADS < width )); then
+      width=$(( cores / OMP_NUM_THREADS )) reason="${cores} core(s) / OMP_NUM_THREADS"
     fi
-    if (( slots < 1 )); then slots=1; fi
+    if (( width < 1 )); then width=1; fi
     reason="CPU_JOBS=auto: ${reason}"
   else
-    slots="${CPU_JOBS}" reason="CPU_JOBS=${CPU_JOBS}"
+    width="${CPU_JOBS}" reason="CPU_JOBS=${CPU_JOBS}"
   fi
   # Never more threads than cores: oversubscribed, the same sweep took 3.8x as long.
-  if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
-    export OMP_NUM_THREADS=$(( cores / slots > 0 ? cores / slots : 1 ))
+  SWEEP_JOB_CPUS=$(( cores / width > 0 ? cores / width : 1 ))
+  SWEEP_THREADS="${OMP_NUM_THREADS:-${SWEEP_JOB_CPUS}}"
+  slots="${width}"
+  if [[ "${CPU_JOBS}" == auto ]]; then
+    mib=$(available_mib)
+    if [[ -n "${mib}" ]] && (( mib / (CPU_JOB_MEM_GB * 1024) < slots )); then
+      slots=$(( mib / (CPU_JOB_MEM_GB * 1024) > 0 ? mib / (CPU_JOB_MEM_GB * 1024) : 1 ))
+      reason+="; $(( mib / 1024 )) GiB free / CPU_JOB_MEM_GB=${CPU_JOB_MEM_GB}"
+    fi
+    if (( left > 0 && left < slots )); then slots="${left}" reason+="; ${left} job(s) left"; fi
   fi
   SLOTS=()
   for ((i = 0; i < slots; i++)); do SLOTS+=(""); done
-  SWEEP_CPU_REASON="${reason}"
+  SWEEP_SLOT_REASON="${reason}"
 }
 
-# "2 CPU slots, 1 thread each (CPU_JOBS=auto: 2 core(s))" or "4 slot(s) on GPU(s) 0 0 1 1".
+#######################################
+# Slots on the GPUs: JOBS_PER_GPU per GPU, or for auto one per 2 of the GPU's cores (a job's
+# main process and one loader worker) and per job, as many of those as the GPU's free memory
+# holds (gpu_fit). Each slot gets an equal share of the cores.
+# Arguments: cores, jobs of the sweep.
+#######################################
+gpu_slots() {
+  local cores="$1" jobs="$2" n_gpus="${#SWEEP_GPUS[@]}" width why per_gpu
+  if [[ "${JOBS_PER_GPU}" == auto ]]; then
+    width=$(( cores / n_gpus / 2 )) why="${cores} core(s)"
+    per_gpu=$(( (jobs + n_gpus - 1) / n_gpus ))
+    if (( per_gpu < width )); then width="${per_gpu}" why="${jobs} job(s)"; fi
+    if (( width < 1 )); then width=1; fi
+    SWEEP_GPU_WHY="JOBS_PER_GPU=auto: ${why} -> ${width} per GPU"
+  else
+    width="${JOBS_PER_GPU}" SWEEP_GPU_WHY="JOBS_PER_GPU=${JOBS_PER_GPU}"
+  fi
+  SWEEP_JOB_CPUS=$(( cores / (n_gpus * width) > 0 ? cores / (n_gpus * width) : 1 ))
+  SWEEP_THREADS="${OMP_NUM_THREADS:-${SWEEP_JOB_CPUS}}"
+  SWEEP_GPU_WIDTH="${width}" SLOTS=()
+  if [[ "${JOBS_PER_GPU}" == auto ]] && (( width > 1 )); then
+    gpu_fit
+  else
+    add_gpu_slots "${width}"
+    SWEEP_SLOT_REASON="${SWEEP_GPU_WHY}${SWEEP_MPS}"
+  fi
+}
+
+# JOBS_PER_GPU=auto, after a job ended: once a finished job has recorded its peak memory, open
+# the slots its memory leaves room for, and say so.
+grow_gpu_slots() {
+  gpu_fit
+  if (( ! SWEEP_GPU_MEASURE )); then log "slots now: $(describe_slots)"; fi
+}
+
+# add_gpu_slots N: grow SLOTS (and SLOT_BUSY, in the queue) to N slots on each GPU.
+add_gpu_slots() {
+  local dev k have
+  for dev in "${SWEEP_GPUS[@]}"; do
+    have=0
+    for k in "${SLOTS[@]}"; do [[ "${k}" != "${dev}" ]] || have=$(( have + 1 )); done
+    for ((k = have; k < $1; k++)); do
+      SLOTS+=("${dev}")
+      SLOT_BUSY[${#SLOTS[@]} - 1]=0
+    done
+  done
+}
+
+# The largest peak GPU memory, in MiB, that a finished job of the sweep recorded (metrics.json:
+# peak_mem_bytes on a CUDA device); empty when none has.
+measured_peak_mib() {
+  local i file line peak=0
+  for ((i = 0; i < ${#SWEEP_START[@]}; i++)); do
+    file="${SWEEP_DIR[i]}/metrics.json"
+    [[ -n "${SWEEP_DIR[i]}" && -f "${file}" ]] || continue
+    grep -q '"device": *"cuda' "${file}" || continue
+    line="$(grep -m1 -o '"peak_mem_bytes": *[0-9]*' "${file}")" || continue
+    line="${line##*[ :]}"
+    if (( line > peak )); then peak="${line}"; fi
+  done
+  if (( peak > 0 )); then echo $(( (peak + 1048575) / 1048576 )); fi
+}
+
+# The least free memory, in MiB, of the sweep's GPUs, from one nvidia-smi query; empty if unknown.
+gpu_free_mib() {
+  local index uuid free least=""
+  command -v nvidia-smi >/dev/null 2>&1 || return 0
+  while IFS=', ' read -r index uuid free; do
+    [[ "${free}" =~ ^[0-9]+$ ]] || continue
+    [[ " ${SWEEP_GPUS[*]} " == *" ${index} "* || " ${SWEEP_GPUS[*]} " == *" ${uuid} "* ]] \
+      || continue
+    if [[ -z "${least}" ]] || (( free < least )); then least="${free}"; fi
+  done < <(nvidia-smi --query-gpu=index,uuid,memory.free --format=csv,noheader,nounits \
+    2>/dev/null || true)
+  echo "${least}"
+}
+
+#######################################
+# JOBS_PER_GPU=auto: open as many of the SWEEP_GPU_WIDTH slots per GPU as 90 % of the GPU's
+# free memory holds at 1.25 x the largest peak a job of the sweep measured plus
+# SWEEP_CUDA_CONTEXT_MIB; until a job has measured it, one per GPU.
+#######################################
+gpu_fit() {
+  local peak free fit
+  peak="$(measured_peak_mib)"
+  if [[ -z "${peak}" ]]; then
+    SWEEP_GPU_MEASURE=1
+    SWEEP_SLOT_REASON="${SWEEP_GPU_WHY}, 1 until a job has measured its peak memory${SWEEP_MPS}"
+    add_gpu_slots 1
+    return 0
+  fi
+  SWEEP_GPU_MEASURE=0
+  free="$(gpu_free_mib)"
+  if [[ -z "${free}" ]]; then
+    SWEEP_SLOT_REASON="${SWEEP_GPU_WHY}, 1: free GPU memory unknown (no nvidia-smi)${SWEEP_MPS}"
+    add_gpu_slots 1
+    return 0
+  fi
+  fit=$(( free * 9 / 10 / (peak * 5 / 4 + SWEEP_CUDA_CONTEXT_MIB) ))
+  if (( fit < 1 )); then fit=1; fi
+  if (( fit > SWEEP_GPU_WIDTH )); then fit="${SWEEP_GPU_WIDTH}"; fi
+  SWEEP_SLOT_REASON="${SWEEP_GPU_WHY}, ${fit} in 90 % of ${free} MiB free at 1.25 x a measured"
+  SWEEP_SLOT_REASON+=" peak of ${peak} MiB + ${SWEEP_CUDA_CONTEXT_MIB} MiB context per job"
+  SWEEP_SLOT_REASON+="${SWEEP_MPS}"
+  add_gpu_slots "${fit}"
+}
+
+# "2 CPU slot(s), 1 thread(s) each (CPU_JOBS=auto: 2 core(s))" or "4 slot(s) on GPU(s) 0 0 1 1,
+# 4 thread(s) each (JOBS_PER_GPU=2; ...)".
 describe_slots() {
   if [[ -z "${SLOTS[0]}" ]]; then
-    printf '%d CPU slot(s), %s thread(s) each (%s)' "${#SLOTS[@]}" "${OMP_NUM_THREADS}" \
-      "${SWEEP_CPU_REASON}"
+    printf '%d CPU slot(s), %s thread(s) each (%s)' "${#SLOTS[@]}" "${SWEEP_THREADS}" \
+      "${SWEEP_SLOT_REASON}"
   else
-    printf '%d slot(s) on GPU(s) %s' "${#SLOTS[@]}" "${SLOTS[*]}"
+    printf '%d slot(s) on GPU(s) %s, %s thread(s) each (%s)' "${#SLOTS[@]}" "${SLOTS[*]}" \
+      "${SWEEP_THREADS}" "${SWEEP_SLOT_REASON}"
   fi
 }
 
@@ -373,29 +524,49 @@ on_signal() {
   fi
 }
 
+# recorded_threads DIR: "THREADS CPUS" that the run in DIR recorded when it started (run.py's
+# config.json: torch_threads, job_cpus); nothing for a run that never started.
+recorded_threads() {
+  local line threads cpus=""
+  line="$(grep -m1 -o '"torch_threads": *[0-9]*' "$1/config.json" 2>/dev/null)" || return 0
+  threads="${line##*[ :]}"
+  if line="$(grep -m1 -o '"job_cpus": *[0-9]*' "$1/config.json")"; then cpus="${line##*[ :]}"; fi
+  echo "${threads} ${cpus:-${threads}}"
+}
+
 # launch I SLOT: start job I in the background, in a process group of its own.
 launch() {
-  local i="$1" slot="$2" dev="${SLOTS[$2]}" pid
+  local i="$1" slot="$2" dev="${SLOTS[$2]}" pid threads="" cpus="" how=""
   local log_file="${LOG_DIR}/${SWEEP_RUN_NAME[$1]}.log"
   job_argv "${i}"
-  printf '=== %(%F %T)T  CUDA_VISIBLE_DEVICES=%s  %s %s %s\n' -1 "${dev}" "${PYTHON}" \
-    "${SWEEP_SCRIPT[i]}" "${JOB_ARGV[*]}" >>"${log_file}"
+  # A job that started before (interrupted, failed) keeps its threads: its numbers depend on them.
+  read -r threads cpus <<<"$(recorded_threads "${SWEEP_DIR[i]}")"
+  if [[ -n "${threads}" ]]; then
+    how=", as when it started"
+  else
+    threads="${SWEEP_THREADS}" cpus="${SWEEP_JOB_CPUS}"
+  fi
+  printf '=== %(%F %T)T  CUDA_VISIBLE_DEVICES=%s OMP_NUM_THREADS=%s LAB_JOB_CPUS=%s  %s %s %s\n' \
+    -1 "${dev}" "${threads}" "${cpus}" "${PYTHON}" "${SWEEP_SCRIPT[i]}" "${JOB_ARGV[*]}" \
+    >>"${log_file}"
   # setsid: its own process group (pgid = pid), so stopping it reaches its children too, and
   # Ctrl-C in the terminal reaches run.sh only, which then stops every job the same way.
   if (( SWEEP_HAVE_SETSID )); then
-    CUDA_VISIBLE_DEVICES="${dev}" setsid "${SWEEP_GUARD[@]}" "${PYTHON}" "${SWEEP_SCRIPT[i]}" \
-      "${JOB_ARGV[@]}" </dev/null >>"${log_file}" 2>&1 &
+    CUDA_VISIBLE_DEVICES="${dev}" OMP_NUM_THREADS="${threads}" LAB_JOB_CPUS="${cpus}" \
+      setsid "${SWEEP_GUARD[@]}" "${PYTHON}" "${SWEEP_SCRIPT[i]}" "${JOB_ARGV[@]}" \
+      </dev/null >>"${log_file}" 2>&1 &
   else   # no setsid (macOS): job control gives the job its own process group
     set -m
-    CUDA_VISIBLE_DEVICES="${dev}" "${PYTHON}" "${SWEEP_SCRIPT[i]}" "${JOB_ARGV[@]}" \
-      </dev/null >>"${log_file}" 2>&1 &
+    CUDA_VISIBLE_DEVICES="${dev}" OMP_NUM_THREADS="${threads}" LAB_JOB_CPUS="${cpus}" \
+      "${PYTHON}" "${SWEEP_SCRIPT[i]}" "${JOB_ARGV[@]}" </dev/null >>"${log_file}" 2>&1 &
     set +m
   fi
   pid=$!
   SWEEP_RUNNING[${pid}]="${i}" SWEEP_SLOT_OF[${pid}]="${slot}" SWEEP_T0[${pid}]="${EPOCHSECONDS}"
   SWEEP_GROUPS+=("${pid}")
   SLOT_BUSY[slot]=1
-  log "start    ${SWEEP_RUN_NAME[i]}  (${dev:+GPU }${dev:-CPU}, slot ${slot})"
+  log "start    ${SWEEP_RUN_NAME[i]}  (${dev:+GPU }${dev:-CPU}, slot ${slot}," \
+    "${threads} thread(s)${how})"
   # A signal that arrived while this job was being started missed it.
   if [[ -n "${SWEEP_STOP_SIGNAL}" ]]; then kill -TERM "${pid}" 2>/dev/null || true; fi
 }
@@ -540,18 +711,38 @@ start_ticker() {
 }
 
 #######################################
-# After a job ended: plan again, and queue the jobs that were waiting for inputs (runs of this
-# sweep) that have finished meanwhile. Appends to run_queue's local `queue`.
+# Plan again (after a job ended, or before the queue ends) and queue the jobs that can run now:
+# those waiting for inputs (runs of this sweep) that have finished meanwhile, and, once each,
+# those running elsewhere whose holder has let go of the claim since (it stopped: exit 75, or
+# died); one finished elsewhere meanwhile is skipped. Appends to run_queue's local `queue`.
 #######################################
-wake_waiting() {
+replan() {
   local i
   plan_jobs
   for ((i = 0; i < ${#SWEEP_START[@]}; i++)); do
-    if [[ "${SWEEP_RESULT[i]:-}" == "waiting" ]] && is_runnable "${i}"; then
-      SWEEP_RESULT[i]="" queue+=("${i}")
-      log "ready    ${SWEEP_RUN_NAME[i]}  (its inputs have finished)"
-    fi
+    case "${SWEEP_RESULT[i]:-}" in
+      waiting)
+        if is_runnable "${i}"; then
+          SWEEP_RESULT[i]="" queue+=("${i}")
+          log "ready    ${SWEEP_RUN_NAME[i]}  (its inputs have finished)"
+        fi
+        ;;
+      elsewhere)
+        if [[ "${SWEEP_STATE[i]}" == "done" ]]; then
+          SWEEP_RESULT[i]="skipped"
+          log "skipped  ${SWEEP_RUN_NAME[i]}  (finished meanwhile by another process)"
+        elif is_runnable "${i}" && [[ -z "${SWEEP_TAKEN[i]:-}" ]]; then
+          SWEEP_RESULT[i]="" SWEEP_TAKEN[i]=1 queue+=("${i}")
+          log "taking   ${SWEEP_RUN_NAME[i]}  (its holder let go: ${SWEEP_STATE[i]})"
+        fi
+        ;;
+    esac
   done
+}
+
+# True if a job waits for inputs or runs elsewhere: planning again may free it.
+others_pending() {
+  [[ " ${SWEEP_RESULT[*]} " == *" waiting "* || " ${SWEEP_RESULT[*]} " == *" elsewhere "* ]]
 }
 
 #######################################
@@ -560,10 +751,10 @@ wake_waiting() {
 # Returns: 0 if every job is done, 1 otherwise.
 #######################################
 run_queue() {
-  local i s pid rc next=0
+  local i s pid rc next=0 planned=0 tracking=0
   local -a queue=()
   declare -gA SWEEP_RUNNING=() SWEEP_SLOT_OF=() SWEEP_T0=()
-  declare -ga SWEEP_GROUPS=() SLOT_BUSY=() SWEEP_RESULT=() SWEEP_TOOK=()
+  declare -ga SWEEP_GROUPS=() SLOT_BUSY=() SWEEP_RESULT=() SWEEP_TOOK=() SWEEP_TAKEN=()
   for ((i = 0; i < ${#SWEEP_START[@]}; i++)); do
     if is_runnable "${i}"; then queue+=("${i}"); continue; fi
     case "${SWEEP_STATE[i]}" in
@@ -576,7 +767,10 @@ run_queue() {
   done
   for s in "${!SLOTS[@]}"; do SLOT_BUSY[s]=0; done
   # The jobs that share this node's memory: run.py's --data-mode auto divides its budget by it.
-  export LAB_JOBS_PER_NODE="${LAB_JOBS_PER_NODE:-${#SLOTS[@]}}"
+  # (JOBS_PER_GPU=auto may open more slots once a job has measured its memory: count them all.)
+  s="${#SLOTS[@]}"
+  if (( ${#SWEEP_GPUS[@]} )); then s=$(( ${#SWEEP_GPUS[@]} * SWEEP_GPU_WIDTH )); fi
+  export LAB_JOBS_PER_NODE="${LAB_JOBS_PER_NODE:-${s}}"
   mkdir -p "${LOG_DIR}"
   # Installed for the rest of run.sh: however many signals come, the summary is printed.
   trap 'on_signal INT || true' INT
@@ -589,6 +783,7 @@ run_queue() {
     log "${#queue[@]} job(s) to run, $(( ${#SWEEP_START[@]} - ${#queue[@]} )) done or skipped;" \
       "$(describe_slots); logs in ${LOG_DIR}/"
     init_tracking "${queue[0]}"
+    tracking=1
     start_ticker
   fi
   while true; do
@@ -602,11 +797,23 @@ run_queue() {
         done
         if (( SLOT_BUSY[s] == 0 && next < ${#queue[@]} )); then
           launch "${queue[next]}" "${s}"
-          next=$(( next + 1 ))
+          next=$(( next + 1 )) planned=0
         fi
       done
     fi
-    (( ${#SWEEP_RUNNING[@]} > 0 )) || break
+    if (( ${#SWEEP_RUNNING[@]} == 0 )); then
+      # Nothing runs here any more: one last look at the jobs held elsewhere before the end.
+      if [[ -z "${SWEEP_STOP_SIGNAL}" ]] && (( ! planned )) && others_pending; then
+        replan
+        planned=1
+        if (( next < ${#queue[@]} )); then
+          # All were elsewhere at the start: nothing has created the MLflow database yet.
+          if (( ! tracking )); then init_tracking "${queue[next]}"; tracking=1; fi
+          continue
+        fi
+      fi
+      break
+    fi
     pid="" rc=0
     wait -n -p pid || rc=$?
     if [[ -n "${pid:-}" && "${pid}" == "${SWEEP_TICKER}" ]]; then
@@ -617,8 +824,10 @@ run_queue() {
     # No pid: a trapped signal interrupted the wait (or it was not one of ours).
     elif [[ -n "${pid:-}" && -n "${SWEEP_RUNNING[${pid}]+set}" ]]; then
       finish "${pid}" "${rc}"
-      if [[ -z "${SWEEP_STOP_SIGNAL}" && " ${SWEEP_RESULT[*]} " == *" waiting "* ]]; then
-        wake_waiting
+      if [[ -z "${SWEEP_STOP_SIGNAL}" ]]; then
+        # JOBS_PER_GPU=auto: the first job to finish has measured its peak memory.
+        if (( SWEEP_GPU_MEASURE )); then grow_gpu_slots; fi
+        if others_pending; then replan; planned=1; fi
       fi
     fi
     reap_lost
@@ -636,8 +845,12 @@ summarize() {
   if [[ " ${SWEEP_RESULT[*]} " == *" elsewhere "* ]]; then
     plan_jobs
     for ((i = 0; i < ${#SWEEP_START[@]}; i++)); do
-      if [[ "${SWEEP_RESULT[i]:-}" == "elsewhere" && "${SWEEP_STATE[i]}" == "done" ]]; then
-        SWEEP_RESULT[i]="skipped"
+      if [[ "${SWEEP_RESULT[i]:-}" == "elsewhere" ]]; then
+        case "${SWEEP_STATE[i]}" in
+          done) SWEEP_RESULT[i]="skipped" ;;
+          interrupted) SWEEP_RESULT[i]="interrupted" ;;   # its holder stopped: re-run resumes it
+          pending | failed) SWEEP_RESULT[i]="" ;;         # not started here
+        esac
       fi
     done
   fi
@@ -786,7 +999,7 @@ submit_slurm() {
 sweep_settings() {
   PYTHON="${PYTHON:-python}"
   SWEEP_NAME="${SWEEP_NAME:-${PRESET:-sweep}}"
-  JOBS_PER_GPU="${JOBS_PER_GPU:-1}"
+  JOBS_PER_GPU="${JOBS_PER_GPU:-auto}"
   CPU_JOBS="${CPU_JOBS:-auto}"
   CPU_JOB_MEM_GB="${CPU_JOB_MEM_GB:-2}"
   LOG_DIR="${LOG_DIR:-logs/${SWEEP_NAME}}"
@@ -839,10 +1052,13 @@ sweep_main() {
       ;;
     *) die "PRESET must be quick or empty, got '${PRESET}'" ;;
   esac
-  [[ "${JOBS_PER_GPU}" =~ ^[1-9][0-9]*$ ]] || die "JOBS_PER_GPU must be a positive integer"
-  [[ "${CPU_JOBS}" =~ ^([1-9][0-9]*|auto)$ ]] || die "CPU_JOBS must be a positive integer or auto"
+  [[ "${JOBS_PER_GPU}" =~ ^([1-9][0-9]*|auto)$ ]] \
+    || bad_setting "JOBS_PER_GPU must be a positive integer or auto, got '${JOBS_PER_GPU}'"
+  [[ "${CPU_JOBS}" =~ ^([1-9][0-9]*|auto)$ ]] \
+    || bad_setting "CPU_JOBS must be a positive integer or auto, got '${CPU_JOBS}'"
   [[ "${CPU_JOB_MEM_GB}" =~ ^[1-9][0-9]*$ ]] \
-    || die "CPU_JOB_MEM_GB must be a positive integer (GiB one CPU job needs)"
+    || bad_setting "CPU_JOB_MEM_GB must be a positive integer (GiB one CPU job needs)," \
+      "got '${CPU_JOB_MEM_GB}'"
   [[ "${STATUS_EVERY}" =~ ^[0-9]+$ && "${STATUS_EVERY_LOG}" =~ ^[0-9]+$ ]] \
     || die "STATUS_EVERY and STATUS_EVERY_LOG must be whole seconds (0 = off)"
   [[ "${SWEEP_NAME}" =~ ^[A-Za-z0-9._-]+$ && "${SWEEP_NAME}" != "." && "${SWEEP_NAME}" != ".." ]] \
@@ -857,13 +1073,13 @@ sweep_main() {
   if setpriv --pdeathsig TERM -- true 2>/dev/null; then
     SWEEP_GUARD=(setpriv --pdeathsig TERM --)
   fi
-  if (( ! slurm )); then make_slots; fi   # bad GPUS: refused before any work
+  if (( ! slurm )); then choose_gpus; fi   # bad GPUS: refused before any work
 
   "${define_jobs}"
   (( ${#SWEEP_START[@]} > 0 )) || die "the sweep has no jobs"
   plan_jobs
   if (( ! dry_run )); then wait_for_stopping; fi
-  if (( ! slurm )) && (( ${#SLOTS[@]} == 0 )); then cpu_slots; fi
+  if (( ! slurm )); then size_slots; fi
   if (( slurm )); then
     mark_queued_in_slurm
     if (( dry_run )); then print_plan; fi
