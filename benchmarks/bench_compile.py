@@ -63,7 +63,7 @@ def decision_overhead(project: Path, pkg, args) -> dict:
     for _ in range(args.repeats):
         start = now()
         x, y = run.peek_batch()
-        time_forward_backward(captured.model, x, y, run.task.loss, None, now)
+        time_forward_backward(captured.model, x, y, run.loss, None, now)
         decide.append(now() - start)
         start = time.perf_counter()
         pkg.hardware.choose_compile(device, "auto", 7020, measure=None)

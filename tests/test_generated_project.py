@@ -4,7 +4,7 @@ The project's tests check its own code (a run end to end, exact resume, the opti
 models, the figures, run.sh --dry-run); the machinery's are labrun's (lib/tests). Which renders:
 every switch on and every switch off (every switch value is tested; the license changes only
 LICENSE and one pyproject.toml line, checked in test_render.py), and a default render after its
-owner edited it as the README says (a new job list, a new model, another warm-up in run.py),
+owner edited it as the README says (a new job list, a new model, SGD with a --momentum flag),
 started under nohup, whose ignored SIGHUP its processes inherit.
 
 The nested suite's output streams to the terminal while it runs (no minutes of silence), and its
@@ -15,6 +15,8 @@ import os
 import re
 import subprocess
 import sys
+
+from owner_edits import sgd_edit
 
 from conftest import BIN, record_generated_skips
 
@@ -69,12 +71,12 @@ def test_project_without_options_passes_its_suite(bake, capsys):
     assert returncode == 0, output[-6000:]
 
 
-# The owner's edits, as the README invites them: the job list rewritten, a model added, a
-# default of the method changed.
+# The owner's edits, as the README invites them: the job list rewritten (sweeping the new
+# flag), a model added, the optimizer swapped for SGD with a --momentum flag.
 JOBS = """define_jobs() {
   local width
   for width in 8 16; do
-    job --model mlp --width "${width}" --lr 3e-3 --seed 4
+    job --model mlp --width "${width}" --lr 3e-3 --momentum 0.8 --seed 4
   done
 }
 """
@@ -99,10 +101,7 @@ def test_project_edited_by_its_owner_passes_its_suite_under_nohup(bake, capsys):
     run_sh.write_text(text[:start] + JOBS + text[end + 3:])
     model = next(project.glob("*/model.py"))
     model.write_text(model.read_text() + MLP)
-    run_py = project / "run.py"
-    method = run_py.read_text()
-    assert "WARM_UP_FRACTION = 0.15" in method
-    run_py.write_text(method.replace("WARM_UP_FRACTION = 0.15", "WARM_UP_FRACTION = 0.3"))
+    sgd_edit(project)
     returncode, output = run_project_tests(project, "-v", "-rs", capsys=capsys, nohup=True,
                                            label="edited by its owner, under nohup")
     assert returncode == 0, output[-6000:]
@@ -110,7 +109,7 @@ def test_project_edited_by_its_owner_passes_its_suite_under_nohup(bake, capsys):
     dry = subprocess.run(["bash", "run.sh", "--dry-run"], cwd=project, capture_output=True,
                          text=True, env={**os.environ, "PYTHON": sys.executable})  # fmt: skip
     assert dry.returncode == 0, dry.stdout + dry.stderr
-    assert dry.stdout.count("model=mlp") == 2, dry.stdout
+    assert dry.stdout.count("model=mlp") == dry.stdout.count("momentum=0.8") == 2, dry.stdout
 
 
 def test_skip_summary_counts_tests_as_pytest_does(tmp_path):

@@ -31,25 +31,3 @@ def test_readme_options_table_lists_every_option():
     for key in options:
         if not key.startswith("_"):
             assert f"`{key}`" in README, f"{key} missing from the README's options table"
-
-
-def test_project_readme_shows_the_optimizer_edits_its_tests_make(bake):
-    """README "Another optimizer" shows SGD and LBFGS as edits of run.py; the project's
-    tests/test_run.py makes exactly those edits and trains with them: the same text."""
-    import ast
-
-    project = bake()
-    readme = (project / "README.md").read_text()
-    tree = ast.parse((project / "tests" / "test_run.py").read_text())
-    snippets = {
-        node.targets[0].id: node.value.value
-        for node in tree.body
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
-        and isinstance(node.targets[0], ast.Name)
-        and node.targets[0].id in ("SGD", "LBFGS", "LBFGS_STEP")
-    }  # fmt: skip
-    assert len(snippets) == 3
-    for name, text in snippets.items():
-        assert text in readme, f"README lacks the {name} edit as tests/test_run.py makes it"
-    run_py = (project / "run.py").read_text()
-    assert "scaler.step(opt)  # fp16: skipped if a gradient overflowed" in run_py

@@ -21,22 +21,37 @@ Stop signals (SIGTERM, SIGINT, SIGUSR1, SIGHUP, in any number): finish the step,
 75. A run whose directory is deleted (or its .lock replaced) while it trains stops at its next
 epoch end with one `error:` line, writes nothing more and exits 73: the path may be another's now.
 
-The flags and their defaults: `python run.py --help` (labrun/config.py). The machinery (run
-directory, checkpoints, exact resume, MLflow, signals, torchrun) is labrun's `Run`; what is
-trained, and how, is this file.
+The method's hyperparameters are `Config` below: one line a flag (`--lr`, `--weight-decay`...),
+each in the run's identity unless it says execution=True. The options every project shares
+(data, model, epochs, device, tracking...) are labrun's; `python run.py --help` lists both. The
+machinery (run directory, checkpoints, exact resume, MLflow, signals, torchrun) is labrun's `Run`;
+what is trained, and how, is this file.
 """
 
 import sys
+from dataclasses import dataclass
 
 import labrun
+from labrun import flag
 
-WARM_UP_FRACTION = 0.15  # of the optimizer steps: the one-cycle LR climbs, then anneals
+
+@dataclass
+class Config:
+    """The method's hyperparameters: a new one is a new line here (README, "The method")."""
+
+    lr: float = flag(3e-3, "peak learning rate of the one-cycle schedule", above=0)
+    weight_decay: float = flag(5e-4, "AdamW weight decay (of weights, not biases)", at_least=0)
+    warm_up: float = flag(0.15, "fraction of the steps the LR climbs to --lr", above=0, below=1)
+    clip_grad: float = flag(0.0, "clip the gradients' global norm to this (0 = off)", at_least=0)
+    # EMA averages over ~1/(1 - decay) steps after a warm-up (timm's): 0.99 suits the default
+    # digits run (200 steps), 0.999 runs of a few thousand steps.
+    ema: float = flag(0.0, "EMA decay of the weights evaluated (0 = off)", at_least=0, below=1)
 
 
 def main(argv: list[str] | None = None) -> int:
     # The contract every job shares: --plan, --print-run-dir, skip when done, the claim (exit
     # 73); torchrun: one job in N processes, rank 0 alone writes. Then train() below.
-    return labrun.lifecycle(argv, train)
+    return labrun.lifecycle(argv, train, Config)
 
 
 def make_model(args, info):
@@ -69,7 +84,10 @@ def train(run: labrun.Run) -> None:
 
     import torch
 
-    args, device, task = run.args, run.device, run.task
+    args, device = run.args, run.device
+    # The loss the step trains on (the compile probe and --find-lr use it too), and the one
+    # run.evaluate reports as val/test loss (the task's: without --label-smoothing).
+    loss_fn = run.use_loss(run.task.loss, report=run.task.eval_loss)
 
     # ---- the hardware's fast paths --------------------------------------------------------------
     # cuDNN tries each convolution algorithm once for our fixed shapes and keeps the fastest.
@@ -98,13 +116,13 @@ def train(run: labrun.Run) -> None:
     opt = torch.optim.AdamW(
         param_groups(model, args.weight_decay), lr=args.lr, fused=device.type == "cuda"
     )
-    # One-cycle (Smith & Topin): the LR climbs over the first 15 % of the steps to --lr, then
-    # anneals (cosine) to ~0 at the last one; AdamW's beta1 cycles 0.95 -> 0.85 -> 0.95.
+    # One-cycle (Smith & Topin): the LR climbs over the first --warm-up of the steps to --lr,
+    # then anneals (cosine) to ~0 at the last one; AdamW's beta1 cycles 0.95 -> 0.85 -> 0.95.
     sched = torch.optim.lr_scheduler.OneCycleLR(
         opt,
         max_lr=args.lr,
         total_steps=max(run.total_steps, 1),
-        pct_start=WARM_UP_FRACTION,
+        pct_start=args.warm_up,
         anneal_strategy="cos",
         cycle_momentum=True,
         base_momentum=0.85,
@@ -141,7 +159,7 @@ def train(run: labrun.Run) -> None:
             with contextlib.nullcontext() if final or not run.ddp else net.no_sync():
                 with torch.autocast(device.type, run.amp_dtype, enabled=run.amp_dtype is not None):
                     outputs = net(x)
-                loss = task.loss(outputs, y)  # fp32, on the (bf16/fp16) outputs
+                loss = loss_fn(outputs, y)  # fp32, on the (bf16/fp16) outputs
                 scaler.scale(loss / len(micro_batches)).backward()
             if sums:  # the epoch's loss and metric sums stay on the device: no host sync
                 run.train_sums.add(loss, outputs, y)

@@ -275,7 +275,7 @@ def test_the_compile_decision_is_rank_0s_on_every_rank(monkeypatch, rank):
         _open=lambda model: None,
         dist=types.SimpleNamespace(is_main=rank == 0, decide=decide),
         peek_batch=None,
-        task=types.SimpleNamespace(loss=None),
+        loss=None,
         amp_dtype=None,
         total_steps=10,
         progress=types.SimpleNamespace(step=0),

@@ -42,6 +42,21 @@ def stripes(options):
     images[labels == 0, :, ::2, :] = 255
     images[labels == 1, :, :, ::2] = 255
     return DatasetSplits(train=(images, labels))
+
+
+def shifted(by):
+    def load(options):
+        import numpy as np
+
+        images, labels = stripes(options).train
+        return DatasetSplits(train=(np.roll(images, by, axis=-1), labels))
+
+    return load
+
+
+# A paper's variants, registered in a loop: as visible as a decorated function.
+for by in (1, 2, 3):
+    register_dataset(f"stripes-{by}", help=f"stripes shifted by {by} px")(shifted(by))
 """
 
 
@@ -82,39 +97,41 @@ def test_own_model_and_dataset_in_new_files_appear_in_help_without_torch(tmp_pat
     help_text = " ".join(result.stdout.split())
     assert "pooled: a conv and an adaptive average pool" in help_text
     assert "stripes: horizontal or vertical stripes, 16x16" in help_text
+    assert "stripes-2: stripes shifted by 2 px" in help_text  # registered in a loop
 
 
 @pytest.mark.slow  # a training run and the model tests, in subprocesses
 def test_own_model_and_dataset_in_new_files_train_and_keep_pytest_green(tmp_path, env, data_dir):
     project = project_with_own_code(tmp_path / "project")
-    cmd = [sys.executable, "run.py", *TINY, "--model", "pooled", "--dataset", "stripes",
+    cmd = [sys.executable, "run.py", *TINY, "--model", "pooled", "--dataset", "stripes-3",
            "--epochs", "1", "--tracking", "off", "--data-dir", str(data_dir)]  # fmt: skip
     env = own_project_env(env)
     result = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     [config] = (project / "results" / "trials").glob("*/config.json")
     config = json.loads(config.read_text())
-    assert (config["model"], config["dataset"]) == ("pooled", "stripes")
+    assert (config["model"], config["dataset"]) == ("pooled", "stripes-3")
     tests = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "-q",
              "tests/test_model.py", "-k", "adaptive_pooling or help_names"]  # fmt: skip
     result = subprocess.run(tests, cwd=project, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:]
 
 
-def test_a_name_declared_twice_names_both_places(tmp_path, monkeypatch):
-    from labrun import registry
+def test_a_name_registered_twice_names_both_places(tmp_path, monkeypatch):
+    from labrun import listing, models, registry
 
-    (tmp_path / "a.py").write_text('@register_model("twin")\ndef a(): ...\n')
-    (tmp_path / "b.py").write_text('@register_model("twin")\ndef b(): ...\n')
-    monkeypatch.setattr(registry, "packages", lambda: [("pkg", tmp_path)])
-    registry.declarations.cache_clear()
-    try:
-        with pytest.raises(
-            ValueError, match=r"b.py:1: @register_model\('twin'\) is also at .*a.py:1"
-        ):
-            registry.declarations("register_model")
-    finally:
-        registry.declarations.cache_clear()
+    package = tmp_path / "pkg"
+    package.mkdir()
+    for name in ("a", "b"):
+        (package / f"{name}.py").write_text(
+            'from labrun.models import register_model\n\n\n@register_model("twin")\n'
+            f"def {name}(): ...\n"
+        )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "packages", lambda: [("pkg", package)])
+    monkeypatch.setattr(models, "MODELS", registry.Registry("register_model"))  # ours alone
+    with pytest.raises(ValueError, match=r"b.py:4: @register_model\('twin'\) is also at .*a.py:4"):
+        listing.collect()
 
 
 def test_trial_runs_and_sweep_runs_go_to_their_own_experiments():

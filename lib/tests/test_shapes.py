@@ -2,6 +2,8 @@
 statistics, augmentation as an explicit data-aware choice, models with their own size
 arguments, and the project's 1-D example trained end to end against a plain PyTorch loop."""
 
+import importlib.util
+import inspect
 import json
 import subprocess
 import sys
@@ -15,7 +17,7 @@ from labrun import config, datasets
 from labrun.analysis import Run, aggregate
 from labrun.augment import choose_augmentation
 from labrun.data import Split, build_loader, load_dataset
-from labrun.registry import _declared_in
+from labrun.listing import describe
 
 
 @pytest.fixture
@@ -124,9 +126,15 @@ def test_signal_augmentation_shifts_and_flips_and_resumes_exactly():
 
 
 def declared_model(tmp_path, source: str):
+    """The registry's description of the model function in `source` (not registered)."""
     (tmp_path / "m.py").write_text(source)
-    [declared] = _declared_in(tmp_path / "m.py", "register_model", "m")
-    return declared
+    spec = importlib.util.spec_from_file_location("m", tmp_path / "m.py")
+    module = importlib.util.module_from_spec(spec)
+    module.register_model = lambda name, help="": lambda fn: fn
+    spec.loader.exec_module(module)
+    [(name, fn)] = [(k, v) for k, v in vars(module).items()
+                    if inspect.isfunction(v) and k != "register_model"]  # fmt: skip
+    return describe(name, fn, module="m")
 
 
 def test_a_model_takes_its_own_size_arguments(tmp_path, monkeypatch):

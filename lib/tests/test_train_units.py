@@ -4,6 +4,7 @@ compile fallback, state) is in test_step.py, the device policy in test_hardware.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import types
 
@@ -72,7 +73,7 @@ def test_patience_starts_after_the_lr_peak_and_beta1_cycles_as_documented(total,
         optimizer,
         max_lr=0.01,
         total_steps=total,
-        pct_start=run_py.WARM_UP_FRACTION,
+        pct_start=run_py.Config().warm_up,
         anneal_strategy="cos",
         cycle_momentum=True,
         base_momentum=0.85,
@@ -220,6 +221,56 @@ def test_updates_keep_existing_run_directories(monkeypatch):
     assert config.config_hash(args) == before
     args.newflag = "other"
     assert config.config_hash(args) != before
+
+
+def test_flags_now_in_run_pys_config_keep_their_run_names():
+    """--lr, --weight-decay, --clip-grad and --ema moved from labrun to run.py's Config: mixed
+    with labrun's flags, a command line names the same directory as the release before did
+    (names computed with that release)."""
+    released = {
+        ("--clip-grad", "1", "--seed", "2", "--label-smoothing", "0.1", "--lr", "0.02",
+         "--batch-size", "32"): "digits_batch_size=32_lr=0.02_seed=2_clip_grad=1_"
+        "label_smoothing=0.1-a304a79d",
+        ("--ema", "0.99", "--weight-decay", "0", "--patience", "3", "--grad-accum", "2"):
+            "digits_weight_decay=0_patience=3_grad_accum=2_ema=0.99-39f9f381",
+        ("--model", "cnn1d", "--dataset", "signals", "--lr", "0.1", "--clip-grad", "0.5",
+         "--epochs", "4"): "signals_model=cnn1d_epochs=4_lr=0.1_clip_grad=0.5-81abad26",
+    }  # fmt: skip
+    for argv, name in released.items():
+        args, parser = config.parse_args([*argv, "--results-dir", "/r"])
+        assert config.run_dir(args, parser).name == name, argv
+
+
+def test_a_config_field_is_a_typed_flag_in_the_identity_unless_execution(monkeypatch, capsys):
+    """One line of run.py's Config: a flag with its help, bounds, identity and config.json."""
+    run_py = load_run_py()
+
+    @dataclasses.dataclass
+    class Config(run_py.Config):
+        momentum: float = config.flag(0.9, "SGD momentum, 5% less is ok", at_least=0, below=1)
+        log_every: int = config.flag(50, "steps between log lines", execution=True, above=0)
+        nesterov: bool = config.flag(False, "Nesterov's momentum")
+
+    monkeypatch.setattr(config, "_config", Config)
+    help_text = " ".join(config.build_parser().format_help().split())
+    assert "--momentum MOMENTUM SGD momentum, 5% less is ok (default: 0.9)" in help_text
+    args, parser = config.parse_args(["--results-dir", "/r"])
+    assert config.run_dir(args, parser).name == "digits-07ad383c"  # all at their defaults
+    args, parser = config.parse_args(["--momentum", "0.5", "--nesterov", "--results-dir", "/r"])
+    assert config.run_dir(args, parser).name.startswith("digits_momentum=0.5_nesterov=True-")
+    resolved = config.resolved_config(args, parser)
+    assert resolved["momentum"] == 0.5 and "momentum" in resolved["experiment_keys"]
+    same, _ = config.parse_args(["--momentum", "0.5", "--nesterov", "--log-every", "7"])
+    assert config.config_hash(same) == config.config_hash(args)  # execution-only
+    assert "log_every" not in config.resolved_config(same, parser)["experiment_keys"]
+    for argv, message in (
+        (["--momentum", "1"], "--momentum: must be in [0, 1), got 1"),
+        (["--log-every", "0"], "--log-every: must be positive, got 0"),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            config.parse_args(argv)
+        assert exited.value.code == 2
+        assert capsys.readouterr().err.startswith(f"error: {message}")  # fmt: skip
 
 
 def test_history_file_has_the_documented_header(tmp_path):

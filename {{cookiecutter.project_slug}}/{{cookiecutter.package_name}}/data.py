@@ -5,8 +5,8 @@ A split is `(inputs, targets)`, arrays of any numeric dtype and shape: (N, L) ve
 keeps them as they are, normalises each channel with the training split's mean and std (uint8
 images: fixed constants; `normalize=False`: not at all), augments uint8 images only unless
 --augment or `augment=` says otherwise, and carves val and test out of train where missing.
-The library's own: digits, cifar10, synthetic, folder (labrun.datasets). Keep heavy imports
-inside the function: `--help` reads the decorator lines without importing this module.
+The library's own: digits, cifar10, synthetic, folder (labrun.datasets). A loop may register
+variants: `register_dataset(name, help=...)(function)`. Keep heavy imports inside the function.
 """
 
 from labrun.datasets import DataOptions, DatasetSplits, register_dataset

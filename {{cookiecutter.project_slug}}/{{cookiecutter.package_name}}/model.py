@@ -12,10 +12,10 @@ It takes what it needs of the data by name (num_classes, channels, image_size, i
 its other parameters are its own size arguments: `width` from --width (64), the rest from
 `--model-args depth=2,...` or their defaults. Run names and tables show only those it takes.
 
-A model may also live in another module of the package (`mymodels.py`, `models/unet.py`):
-the library reads the `@register_model(...)` lines and the function's parameters of every
-module without importing them (so `--help` needs no torch): write the name, the help and the
-defaults as plain literals. The module is imported when a run asks for one of its models.
+A model may also live in another module of the package (`mymodels.py`, `models/unet.py`),
+and be registered by a call (`register_model(name, help=...)(fn)`, in a loop as well). `--help`
+lists them without importing torch (labrun's registry: once per edit, in a child process); the
+defaults must be literals. The module is imported when a run asks for one of its models.
 
 The default, `cnn` = `build_model()` (width 64, 3x32x32 input): stem 3->32 at 32x32, then three
 stages at 16x16 (64 ch), 8x8 (128 ch) and 4x4 (256 ch), each `maxpool -> conv-BN-ReLU -> residual

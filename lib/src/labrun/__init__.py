@@ -6,8 +6,9 @@ exact resume, stop signals, MLflow tracking, the sweep engine and Slurm, the dat
 device / precision / compile policy, torchrun, results tables and gpucheck. Importing labrun
 imports no torch: `--help` stays instant (the names below load their module on first use).
 
-run.py's API: `labrun.lifecycle(argv, train)` calls `train(run)` with a `labrun.Run`
-(session.py); `labrun.EMA` (train.py); `labrun.Interrupted`, `labrun.RunFailed`.
+run.py's API: `labrun.lifecycle(argv, train, Config)` calls `train(run)` with a `labrun.Run`
+(session.py); `labrun.flag` types a field of run.py's Config (config.py); `labrun.EMA`
+(train.py); `labrun.Interrupted`, `labrun.RunFailed`.
 """
 
 __version__ = "0.1.0"
@@ -18,6 +19,7 @@ _LAZY = {
     "RunFailed": "session",
     "EMA": "train",
     "Interrupted": "jobs",
+    "flag": "config",
 }
 
 

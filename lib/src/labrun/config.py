@@ -3,6 +3,12 @@
 Imports no torch and no mlflow: `run.py --help` and `run.py --print-run-dir` must answer at once,
 and the sweep calls the latter for every job.
 
+The method's hyperparameters are run.py's: its `Config` dataclass, one `flag(default, help)` line
+a field, given to `labrun.lifecycle(argv, train, Config)`. Each field becomes a flag (`lr` ->
+`--lr`, typed by its annotation), joins the identity, config.json and the MLflow params, unless
+the field says `execution=True`. The options every project shares (data, model, task, epochs,
+device, tracking, results dir...) are this module's.
+
 Identity (README, "What a run writes"): the run directory is `<results-dir>/<readable>-<hash8>`,
 where the hash is sha256 over the sorted-key JSON of every *experiment-defining* argument, i.e.
 every argument except those in EXECUTION_KEYS. Add a flag to the parser and it joins the hash
@@ -14,11 +20,15 @@ its directory (and is skipped when done) after the update; set to anything else,
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import hashlib
+import importlib.util
 import json
 import math
 import os
 import re
+import typing
 from pathlib import Path
 
 from . import project, runs
@@ -93,6 +103,33 @@ FIRST_RELEASE_KEYS = frozenset(
         "width",
     }
 )
+# The readable part of a run's name lists its changed flags in the first release's parser order
+# (names are pinned by the tests), then any other in the order of --help.
+NAME_ORDER = (
+    "dataset",
+    "data_path",
+    "image_size",
+    "model",
+    "model_args",
+    "task",
+    "monitor",
+    "synthetic_size",
+    "val_fraction",
+    "width",
+    "epochs",
+    "max_steps",
+    "batch_size",
+    "lr",
+    "weight_decay",
+    "patience",
+    "min_epochs",
+    "augment",
+    "seed",
+    "grad_accum",
+    "clip_grad",
+    "ema",
+    "label_smoothing",
+)
 MAX_READABLE = 80
 MAX_SEED = 2**32 - 1  # numpy's seed range; torch takes 64 bits, but one seed feeds both
 MAX_EXPERIMENT_NAME = 500  # MLflow's limit (mlflow.utils.validation.MAX_EXPERIMENT_NAME_LENGTH)
@@ -158,13 +195,6 @@ def _seed(text: str) -> int:
     return value
 
 
-def _positive_float(text: str) -> float:
-    value = _finite(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
-
-
 def _non_negative_float(text: str) -> float:
     value = _finite(text)
     if value < 0:
@@ -226,6 +256,106 @@ def _directory(text: str) -> Path:
                 f"allow {MAX_NAME_BYTES} bytes"
             )
     return path.resolve()
+
+
+# ---- run.py's Config: the method's hyperparameters ------------------------------------------
+def flag(
+    default,
+    help: str,
+    *,
+    execution: bool = False,
+    choices: tuple | None = None,
+    above: float | None = None,
+    at_least: float | None = None,
+    below: float | None = None,
+):
+    """One field of run.py's Config: `lr: float = flag(3e-3, "peak learning rate", above=0)`.
+
+    The annotation types the flag (float, int, str, bool: --x / --no-x); `choices`, `above`,
+    `at_least` and `below` refuse other values with one `error:` line. `execution=True`: how the
+    run is executed, not what it computes (left out of the run's identity and name)."""
+    bounds = {"above": above, "at_least": at_least, "below": below}
+    meta = {"help": help, "execution": execution, "choices": choices, "bounds": bounds}
+    return dataclasses.field(default=default, metadata=meta)
+
+
+_config: type | None = None  # run.py's Config, given to lifecycle (use_config)
+
+
+def use_config(config: type) -> None:
+    """Make `config` (run.py's Config dataclass) the method's flags of this process."""
+    if not dataclasses.is_dataclass(config):
+        raise TypeError(f"labrun.lifecycle: Config must be a dataclass, got {config!r}")
+    global _config
+    _config = config
+
+
+@functools.cache
+def _project_config() -> type | None:
+    """The Config of the project's run.py, for callers that are not run.py (plot.py, tools,
+    tests): run.py's module level imports no torch, so reading it is cheap."""
+    path = PROJECT_ROOT / "run.py"
+    if not path.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location("_labrun_project_run", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, "Config", None)
+
+
+def method_fields() -> list[tuple[dataclasses.Field, type]]:
+    """(field, type) of each hyperparameter of run.py's Config, in its order."""
+    config = _config or _project_config()
+    if config is None:
+        return []
+    hints = typing.get_type_hints(config)
+    return [(f, hints[f.name]) for f in dataclasses.fields(config)]
+
+
+def execution_keys() -> frozenset:
+    """EXECUTION_KEYS and the Config fields marked execution=True."""
+    own = {f.name for f, _ in method_fields() if f.metadata.get("execution")}
+    return EXECUTION_KEYS | own
+
+
+def _bounded(parse, above, at_least, below):
+    """`parse` (text -> number) that refuses values outside the bounds, as the shared flags do."""
+    if above == 0 and below is None:
+        why = "must be positive"
+    elif at_least is not None and below is not None:
+        why = f"must be in [{at_least:g}, {below:g})"
+    elif at_least is not None:
+        why = f"must be >= {at_least:g}"
+    else:
+        low = f"({above:g}" if above is not None else "(-inf"
+        why = f"must be in {low}, {below:g})" if below is not None else f"must be > {above:g}"
+
+    def check(text: str):
+        value = parse(text)
+        if (
+            (above is not None and value <= above)
+            or (at_least is not None and value < at_least)
+            or (below is not None and value >= below)
+        ):
+            raise argparse.ArgumentTypeError(f"{why}, got {text}")
+        return value
+
+    return check
+
+
+def _add_field(group, field: dataclasses.Field, kind: type) -> None:
+    """`--name` for one Config field, typed by its annotation."""
+    meta, name = field.metadata, "--" + field.name.replace("_", "-")
+    help_text = meta.get("help") or "(no help: give the field flag(default, help))"
+    options = {"default": field.default, "help": help_text.replace("%", "%%")}
+    if kind is bool:
+        group.add_argument(name, action=argparse.BooleanOptionalAction, **options)
+        return
+    parse = {float: _finite, int: _int}.get(kind, kind)
+    bounds = meta.get("bounds") or {}
+    if any(v is not None for v in bounds.values()):
+        parse = _bounded(parse, **bounds)
+    group.add_argument(name, type=parse, choices=meta.get("choices"), **options)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -311,21 +441,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="micro-batch size; effective batch = batch size x --grad-accum",
     )
     e.add_argument(
-        "--lr",
-        type=_positive_float,
-        default=3e-3,
-        help="peak learning rate of the one-cycle schedule (up over 15%% of the steps, then "
-        "cosine down to ~0); it also cycles AdamW's beta1 0.95 -> 0.85 -> 0.95",
-    )
-    e.add_argument(
-        "--weight-decay", type=_non_negative_float, default=5e-4, help="AdamW weight decay"
-    )
-    e.add_argument(
         "--patience",
         type=_non_negative_int,
         default=5,
         help="early stopping: epochs without a better --monitor value (0 = off); counted "
-        "only after the LR peak and after --min-epochs",
+        "only after --min-epochs (and after the peak of a OneCycleLR schedule)",
     )
     e.add_argument(
         "--test-weights",
@@ -339,8 +459,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--min-epochs",
         type=_non_negative_int,
         default=0,
-        help="early stopping counts no epoch up to this one (it never counts before the "
-        "one-cycle LR peak, 15%% of the steps, either)",
+        help="early stopping counts no epoch up to this one (nor any before the peak of a "
+        "OneCycleLR schedule)",
     )
     e.add_argument(
         "--augment",
@@ -360,26 +480,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--grad-accum", type=_positive_int, default=1, help="micro-batches per optimizer step"
     )
     e.add_argument(
-        "--clip-grad",
-        type=_non_negative_float,
-        default=0.0,
-        help="clip the global gradient norm to this value (0 = off)",
-    )
-    e.add_argument(
-        "--ema",
-        type=_fraction,
-        default=0.0,
-        help="EMA decay of the weights, evaluated instead of them (0 = off); it averages "
-        "over ~1/(1 - decay) steps after a warm-up (timm's): e.g. 0.99 for the default "
-        "digits run (200 steps), 0.999 from a few thousand steps",
-    )
-    e.add_argument(
         "--label-smoothing",
         type=_fraction,
         default=0.0,
         help="label smoothing of the cross-entropy loss (--task classification)",
     )
 
+    # run.py's Config fields: added below, once every group exists (--help shows groups in order)
+    m = p.add_argument_group("method: run.py's Config (these define the run directory's hash)")
     x = p.add_argument_group("execution (not part of the hash)")
     x.add_argument(
         "--device",
@@ -494,6 +602,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="create the MLflow DB and experiment, then exit (sweeps call it once)",
     )
+    for field, kind in method_fields():
+        _add_field(x if field.metadata.get("execution") else m, field, kind)
     return p
 
 
@@ -540,9 +650,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
         trial = args.results_dir.resolve() == TRIALS_DIR.resolve()
         args.experiment = TRIALS_EXPERIMENT if trial else DEFAULT_EXPERIMENT
     out = run_dir(args, parser)
-    for path, flag in ((args.results_dir, "--results-dir"), (out, "--results-dir")):
+    for path in (args.results_dir, out):
         if path.exists() and not path.is_dir():
-            parser.error(f"{flag}: {path} exists and is not a directory")
+            parser.error(f"--results-dir: {path} exists and is not a directory")
     return args, parser
 
 
@@ -582,8 +692,8 @@ def check_model_fits(args: argparse.Namespace) -> None:
 
 
 def experiment_args(args: argparse.Namespace) -> dict:
-    """The arguments that define what is computed (everything but EXECUTION_KEYS)."""
-    return {k: v for k, v in vars(args).items() if k not in EXECUTION_KEYS}
+    """The arguments that define what is computed (everything but execution_keys())."""
+    return {k: v for k, v in vars(args).items() if k not in execution_keys()}
 
 
 def identity_args(args: argparse.Namespace) -> dict:
@@ -610,11 +720,19 @@ def short_hash(identity: dict) -> str:
 
 
 def changed_args(
-    args: argparse.Namespace, parser: argparse.ArgumentParser, skip: frozenset | set = frozenset()
+    args: argparse.Namespace,
+    parser: argparse.ArgumentParser,
+    skip: frozenset | set = frozenset(),
+    order: tuple = (),
 ) -> list[str]:
-    """`key=value` for every argument not at its default, in parser order (stable names)."""
+    """`key=value` for every argument not at its default: those named in `order` first, in its
+    order, then the others in parser order (stable names)."""
     parts = []
-    for action in parser._actions:
+    actions = sorted(
+        parser._actions,
+        key=lambda a: order.index(a.dest) if a.dest in order else len(order),
+    )  # a stable sort: the unnamed keep their parser order
+    for action in actions:
         key = action.dest
         if key in skip or key == "help" or not hasattr(args, key):
             continue
@@ -643,7 +761,7 @@ def readable_name(parts: list[str], identity: dict) -> str:
 
 def run_name(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
     """`<dataset>_key=value_...-<hash8>`: readable part lists the non-default experiment args."""
-    parts = changed_args(args, parser, skip=EXECUTION_KEYS | {"dataset"})
+    parts = changed_args(args, parser, skip=execution_keys() | {"dataset"}, order=NAME_ORDER)
     return readable_name([str(args.dataset), *parts], identity_args(args))
 
 

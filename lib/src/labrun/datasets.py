@@ -1,9 +1,9 @@
 """The dataset registry: one decorated function per dataset. Imports neither torch nor numpy.
 
 `run.py --dataset NAME` calls the function registered as NAME, here or in any other module of
-the package (registry.py: the command line's choices and `--help` are read from the
-`@register_dataset` lines of every module, without importing them). Add a dataset ("Use your own
-data" in README.md); keep heavy imports inside the function:
+the package, by a decorator or a call (in a loop as well: registry.py lists the registrations
+once, in a child process, so `--help` waits for no import). Add a dataset ("Use your own data"
+in README.md); keep heavy imports inside the function:
 
     @register_dataset("mydata", help="my lab's images as arrays")
     def mydata(options: DataOptions) -> DatasetSplits:
@@ -100,7 +100,7 @@ def register_dataset(name: str, *, help: str = "", needs_data_path: bool = False
     """Decorator: register `fn(options: DataOptions) -> DatasetSplits` as dataset `name`."""
 
     def add(fn: Callable[[DataOptions], DatasetSplits]):
-        DATASETS.add(name, DatasetEntry(name, fn, help, needs_data_path))
+        DATASETS.add(name, DatasetEntry(name, fn, help, needs_data_path), fn)
         return fn
 
     return add

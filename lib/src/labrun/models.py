@@ -1,8 +1,8 @@
 """The model registry (`--model`): `@register_model("name", help=...)` on a function that
-returns an `nn.Module`, in any module of the project's package. The names and help texts, and
-the function's parameters, are read from the source without importing it (registry.py), so
-`--help` needs no torch: write them as plain string literals. The module is imported when a
-run asks for one of its models.
+returns an `nn.Module` (or `register_model(name, help=...)(fn)`, in a loop as well), in any module
+of the project's package. The names, help texts and the function's parameters are listed once
+by running the registrations in a child process (registry.py), so `--help` needs no torch; the
+defaults must be literals. The module is imported when a run asks for one of its models.
 
 A model function takes what it needs of the data by name: `num_classes`, `channels`,
 `image_size` ((H, W) of images, (L,) of signals) and `input_shape` (one sample's shape, as the
@@ -42,7 +42,7 @@ def register_model(name: str, *, help: str = ""):
     """Decorator: register `fn(num_classes, channels, image_size, ...) -> nn.Module`."""
 
     def add(fn):
-        MODELS.add(name, ModelEntry(name, fn, help))
+        MODELS.add(name, ModelEntry(name, fn, help), fn)
         return fn
 
     return add

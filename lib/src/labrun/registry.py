@@ -1,38 +1,58 @@
-"""Registries of models, datasets and tasks declared in the library or anywhere in the project's
-package (project.py), read without importing them.
+"""Registries of models, datasets and tasks registered in the library or anywhere in the project's
+package (project.py), listed without importing torch in the asking process.
 
 A model or dataset of your own may live in any module of the project's package: model.py,
-data.py, a new file (`mymodels.py`) or a folder (`models/unet.py`, no `__init__.py`
-needed). config.py builds `--model`'s and `--dataset`'s choices and help from the
-`@register_model("name", help="...")` and `@register_dataset(...)` lines of every module, read
-from their source (the modules import torch, which `--help` must not wait for): write the name
-and the help as plain string literals (and a model function's parameter defaults: models.py).
-When a run asks for a name, the module that declares it is imported then (`Registry`), so its
-decorator registers the function.
+data.py, a new file (`mymodels.py`) or a folder (`models/unet.py`, no `__init__.py` needed), and
+be registered by a decorator or by a call, in a loop as well:
+
+    for name, variant in VARIANTS.items():
+        register_dataset(name, help=f"the paper's {name} variant")(variant)
+
+`--help` and the sweep's planning need every name, its help and a model function's parameters,
+but must not wait for torch, which the registering modules import. So the registrations are
+listed once by running them, in a child process (listing.py: it imports every module of the
+package that names a register function), and kept in `<project>/.cache/registry.json` with a
+hash of those modules' sources: while no source changes, reading the names costs a file read and
+the hashes (measured: benchmarks/RESULTS.md); after an edit, the first command pays one import
+of the package. A run that asks for a name imports the module that registered it (`Registry`).
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+import hashlib
 import importlib
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import project
 
 LIBRARY_DIR = Path(__file__).resolve().parent
+DECORATORS = ("register_model", "register_dataset", "register_task")
+# The library's modules whose code makes the listing (the built-ins, the register functions).
+LISTING_INPUTS = ("datasets.py", "tasks.py", "models.py", "registry.py", "listing.py")
+CACHE = Path(".cache") / "registry.json"  # under the project's root (.gitignore: .cache/)
+# Set in the child that lists: there the listing is empty (labrun.config, imported by the
+# registering modules, asks for it at import), never listed again in a grandchild.
+LISTING_ENV = "LABRUN_LISTING"
 
 
 @dataclass(frozen=True)
 class Declared:
-    """One `@decorator("name", ...)` line: where it is and its literal arguments."""
+    """One registration: its name, help, where it is, and what a run needs to know of it."""
 
     name: str
     help: str
     module: str  # dotted and absolute: "labrun.datasets", "lab_project.models.unet"
     where: str  # file:line, for error messages
-    keywords: dict = field(default_factory=dict)  # the other literal keywords (needs_data_path)
+    keywords: dict = field(default_factory=dict)  # the other keywords (needs_data_path)
     # The function's parameters in order: name -> its literal default (REQUIRED: none). A model
     # function's parameters that the data does not give are its own size arguments
     # (models.model_arguments); `unused` are those its body never names (ignored, not shown).
@@ -43,104 +63,15 @@ class Declared:
 REQUIRED = "<required>"  # Declared.params: a parameter without a default
 
 
-def decorated_names(source: Path, decorator: str) -> dict[str, str]:
-    """{name: help} of every `@decorator("name", help="...")` on a top-level function."""
-    return {d.name: d.help for d in _declared_in(Path(source), decorator, module="")}
-
-
-def _declared_in(source: Path, decorator: str, module: str) -> list[Declared]:
-    found = []
-    for node in ast.parse(source.read_text(encoding="utf-8")).body:
-        if not isinstance(node, ast.FunctionDef):
-            continue
-        for deco in node.decorator_list:
-            if not (
-                isinstance(deco, ast.Call)
-                and isinstance(deco.func, ast.Name)
-                and deco.func.id == decorator
-                and deco.args
-            ):
-                continue
-            where = f"{source}:{deco.lineno}"
-            try:
-                name = ast.literal_eval(deco.args[0])
-                keywords = {k.arg: ast.literal_eval(k.value) for k in deco.keywords}
-            except ValueError as e:
-                raise ValueError(
-                    f"{where}: @{decorator} needs literal arguments "
-                    "(config.py reads them without importing the module)"
-                ) from e
-            help_text = str(keywords.pop("help", ""))
-            params, unused = _parameters(node, where)
-            found.append(Declared(name, help_text, module, where, keywords, params, unused))
-    return found
-
-
-def _parameters(node: ast.FunctionDef, where: str) -> tuple[dict, frozenset]:
-    """{name: literal default or REQUIRED} of a function's parameters, and the ones its body
-    never names."""
-    positional = node.args.posonlyargs + node.args.args
-    defaults = [REQUIRED] * (len(positional) - len(node.args.defaults)) + node.args.defaults
-    pairs = list(zip(positional, defaults, strict=True))
-    pairs += zip(node.args.kwonlyargs, node.args.kw_defaults, strict=True)
-    params = {}
-    for arg, default in pairs:
-        if default is None or default == REQUIRED:
-            params[arg.arg] = REQUIRED
-            continue
-        try:
-            params[arg.arg] = ast.literal_eval(default)
-        except ValueError:
-            raise ValueError(
-                f"{where}: the default of {arg.arg!r} must be a literal "
-                "(config.py reads it without importing the module)"
-            ) from None
-    named = {n.id for stmt in node.body for n in ast.walk(stmt) if isinstance(n, ast.Name)}
-    return params, frozenset(params) - named
-
-
-def packages() -> list[tuple[str, Path]]:
-    """(import name, folder) of the packages searched: the library's, then the project's."""
-    found = [(__package__, LIBRARY_DIR)]
-    here = project.current()
-    if here.package and here.package_dir.is_dir():
-        found.append((here.package, here.package_dir))
-    return found
-
-
-@functools.cache
-def declarations(decorator: str) -> dict[str, Declared]:
-    """{name: Declared} of every `@decorator(...)` in every module of the library and of the
-    project's package (sorted by path; model.py and data.py first). A name declared twice is an
-    error naming both."""
-    found: dict[str, Declared] = {}
-    for package, package_dir in packages():
-        modules = sorted(
-            (p for p in package_dir.rglob("*.py") if "__pycache__" not in p.parts),
-            key=lambda p: (p.name not in ("model.py", "data.py"), p.relative_to(package_dir)),
-        )
-        for path in modules:
-            parts = path.relative_to(package_dir).with_suffix("").parts
-            if any(part.startswith(".") for part in parts):
-                continue
-            module = ".".join((package, *(parts[:-1] if parts[-1] == "__init__" else parts)))
-            for d in _declared_in(path, decorator, module):
-                if d.name in found:
-                    raise ValueError(
-                        f"{d.where}: @{decorator}({d.name!r}) is also at {found[d.name].where}"
-                    )
-                found[d.name] = d
-    return found
-
-
 class Registry(dict):
-    """name -> entry, filled by the decorator as modules are imported. Asking for a name that
-    another module of the package declares (`name in registry`, `registry[name]`) imports that
-    module first, so a model in `models/unet.py` is found like one in model.py."""
+    """name -> entry, filled by the register functions as modules are imported. Asking for a
+    name that another module of the package registers (`name in registry`, `registry[name]`)
+    imports that module first, so a model in `models/unet.py` is found like one in model.py."""
 
     def __init__(self, decorator: str) -> None:
         super().__init__()
         self.decorator = decorator
+        self.where: dict[str, str] = {}
 
     def _import_declaring(self, name) -> None:
         declared = declarations(self.decorator).get(name)
@@ -158,8 +89,134 @@ class Registry(dict):
             return super().__getitem__(name)
         raise KeyError(name)
 
-    def add(self, name: str, entry) -> None:
-        """What the decorator calls: a name registered twice is an error."""
+    def add(self, name: str, entry, fn) -> None:
+        """What the register function calls: a name registered twice is an error naming both."""
+        where = _where(fn)
         if super().__contains__(name):
-            raise ValueError(f"{self.decorator}: {name!r} is registered twice")
-        self[name] = entry
+            raise ValueError(f"{where}: @{self.decorator}({name!r}) is also at {self.where[name]}")
+        self[name], self.where[name] = entry, where
+
+
+def _where(fn) -> str:
+    """file:line of a registered function (of the function a functools.partial wraps)."""
+    fn = inspect.unwrap(getattr(fn, "func", fn))
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return repr(fn)
+    return f"{code.co_filename}:{code.co_firstlineno}"
+
+
+def packages() -> list[tuple[str, Path]]:
+    """(import name, folder) of the project's package, where registrations are looked for."""
+    here = project.current()
+    if here.package and here.package_dir.is_dir():
+        return [(here.package, here.package_dir)]
+    return []
+
+
+def _modules() -> list[tuple[str, Path]]:
+    """(dotted name, path) of every module of the project's package, model.py and data.py
+    first, then by path."""
+    found = []
+    for package, package_dir in packages():
+        paths = sorted(
+            (p for p in package_dir.rglob("*.py") if "__pycache__" not in p.parts),
+            key=lambda p: (p.name not in ("model.py", "data.py"), p.relative_to(package_dir)),
+        )
+        for path in paths:
+            parts = path.relative_to(package_dir).with_suffix("").parts
+            if any(part.startswith(".") for part in parts):
+                continue
+            found.append((".".join((package, *(p for p in parts if p != "__init__"))), path))
+    return found
+
+
+def _fingerprint(sources: dict[str, bytes]) -> str:
+    digest = hashlib.sha256()
+    for where, text in sorted(sources.items()):
+        digest.update(f"{where}\0{len(text)}\0".encode())
+        digest.update(text)
+    return digest.hexdigest()
+
+
+def _sources() -> dict[str, bytes]:
+    """The texts the listing depends on: the project's modules and the library's own."""
+    sources = {str(path): path.read_bytes() for _, path in _modules()}
+    for name in LISTING_INPUTS:
+        sources[f"labrun/{name}"] = (LIBRARY_DIR / name).read_bytes()
+    return sources
+
+
+@functools.cache
+def _listing() -> dict[str, dict[str, Declared]]:
+    """{decorator: {name: Declared}}: from the cache while the sources hash the same, else
+    listed again in a child process and cached."""
+    if os.environ.get(LISTING_ENV):
+        return {decorator: {} for decorator in DECORATORS}
+    sources = _sources()
+    fingerprint = _fingerprint(sources)
+    cache = project.current().root / CACHE
+    try:
+        listed = json.loads(cache.read_text(encoding="utf-8"))
+        if listed.get("fingerprint") != fingerprint:
+            listed = None
+    except (OSError, ValueError):
+        listed = None
+    if listed is None:
+        listed = {"fingerprint": fingerprint, **_list_in_child()}
+        _write(cache, listed)
+    return {
+        decorator: {name: _declared(d) for name, d in listed[decorator].items()}
+        for decorator in DECORATORS
+    }
+
+
+def _declared(stored: dict) -> Declared:
+    params = {k: v if v == REQUIRED else ast.literal_eval(v) for k, v in stored["params"].items()}
+    return Declared(
+        stored["name"],
+        stored["help"],
+        stored["module"],
+        stored["where"],
+        stored["keywords"],
+        params,
+        frozenset(stored["unused"]),
+    )
+
+
+def _write(path: Path, listed: dict) -> None:
+    """Atomically (concurrent jobs may list at once); a read-only project lists every time."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            json.dump(listed, f)
+        os.replace(f.name, path)
+    except OSError:
+        return
+
+
+def _list_in_child() -> dict:
+    """`collect()` in a child process (it imports torch), in this project and with this
+    labrun; ValueError with the child's message when a module cannot be imported or registers
+    a name twice."""
+    root = project.current().root
+    paths = [str(root), str(LIBRARY_DIR.parent), *sys.path]
+    env = {**os.environ, "LABRUN_PROJECT": str(root), "PYTHONPATH": os.pathsep.join(paths)}
+    env[LISTING_ENV] = "1"
+    done = subprocess.run(
+        [sys.executable, "-m", "labrun.listing"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]
+        raise ValueError(f"listing the registered names: {lines[-1].removeprefix('error: ')}")
+    return json.loads(done.stdout)
+
+
+def declarations(decorator: str) -> dict[str, Declared]:
+    """{name: Declared} of every registration by `decorator` in the library and the project's
+    package. A name registered twice is an error naming both places."""
+    return _listing()[decorator]

@@ -1,8 +1,9 @@
 """`Run`: everything around a project's training loop, so that run.py keeps only the method.
 
-run.py's `main()` is `labrun.lifecycle(argv, train)`; `train(run)` gets a `Run` and calls, in
-order (README, "What a run writes"):
+run.py's `main()` is `labrun.lifecycle(argv, train, Config)`; `train(run)` gets a `Run` and
+calls, in order (README, "What a run writes"):
 
+    loss_fn = run.use_loss(run.task.loss, report=run.task.eval_loss)  # the step's, evaluate's
     data = run.data()                       # splits + loaders (batches arrive on run.device)
     ...model, optimizer, scheduler, scaler, EMA...
     run.restore(model=..., optimizer=..., scheduler=..., scaler=..., ema=...)  # resume or start
@@ -44,6 +45,7 @@ from .config import (
     parse_args,
     resolved_config,
     run_dir,
+    use_config,
 )
 from .jobs import EXIT_BUSY, EXIT_FAILED, EXIT_OK, EXIT_USAGE, Interrupted, error
 
@@ -70,9 +72,12 @@ def is_tool(args) -> bool:
     return bool(args.find_lr or args.find_batch_size or args.profile)
 
 
-def lifecycle(argv: list[str] | None, train) -> int:
+def lifecycle(argv: list[str] | None, train, config: type | None = None) -> int:
     """run.py's main(): --plan, --print-run-dir, skip when done, the claim (exit 73), torchrun's
-    ranks (rank 0 writes); then `train(Run)` with every failure mapped to its exit code."""
+    ranks (rank 0 writes); then `train(Run)` with every failure mapped to its exit code.
+    `config`: run.py's Config dataclass, the method's flags (config.flag)."""
+    if config is not None:
+        use_config(config)
     body = functools.partial(_body, train)
     return jobs.lifecycle(argv, parse_args, run_dir, body, redo=is_tool, ranks=True, program=train)
 
@@ -163,6 +168,14 @@ class Run:
 
             start_memory_history(self.device)
         self.train_sums = TrainSums(self.task, self.device)
+        self.use_loss(self.task.loss, report=self.task.eval_loss)  # until run.py says
+
+    def use_loss(self, loss_fn, report=None):
+        """`loss_fn(outputs, targets)`: the loss run.py's step trains on, which the compile probe
+        times and --find-lr sweeps; `report` (default: the same) is the loss evaluate reports as
+        val/test loss (classification: without label smoothing). Returns `loss_fn`."""
+        self.loss, self.report_loss = loss_fn, report or loss_fn
+        return loss_fn
 
     # ---- data ----------------------------------------------------------------------------------
     def data(self) -> Data:
@@ -265,7 +278,7 @@ class Run:
         return min(steps, self.args.max_steps) if self.args.max_steps else steps
 
     # ---- the run directory: opened once the model exists ----------------------------------------
-    def _open(self, model) -> None:
+    def _open(self, model, ema=None) -> None:
         """Refusals that need the model (no room for a checkpoint), then the run directory and
         run.log; a refusal on any rank ends all (torchrun)."""
         if self.opened:
@@ -274,7 +287,7 @@ class Run:
         code, why = None, ""
         try:
             if dist.is_main:
-                runs.ensure_writable(out, need_bytes=checkpoint_bytes(model, args.ema))
+                runs.ensure_writable(out, need_bytes=checkpoint_bytes(model, ema))
         except OSError as exc:  # not writable, or no room for a checkpoint: before any work
             why = f"--results-dir: {exc.strerror or exc}"
             code = error(why, EXIT_USAGE)
@@ -317,7 +330,7 @@ class Run:
         args, out, dist = self.args, self.out, self.dist
         self.objects = objects
         model = next(iter(objects.values()))
-        self._open(model)
+        self._open(model, objects.get("ema"))
         # Patience counts only after the LR peak and --min-epochs: no stop during the warm-up.
         peak = lr_peak_step(objects.get("scheduler"))
         patience_from = max(args.min_epochs, peak_epoch(peak, self.data_.steps_per_epoch))
@@ -388,7 +401,7 @@ class Run:
             self._compile = decide_compile(
                 model,
                 self.peek_batch,
-                loss_fn=self.task.loss,
+                loss_fn=self.loss,
                 dtype=self.amp_dtype,
                 steps=self.total_steps - self.progress.step,
                 micro_batches=self.args.grad_accum,
@@ -423,7 +436,7 @@ class Run:
         x, y = self.peek_batch()
         started = now()
         try:
-            compiled_s = time_forward_backward(net, x, y, self.task.loss, self.amp_dtype, now)
+            compiled_s = time_forward_backward(net, x, y, self.loss, self.amp_dtype, now)
         except compiler_errors() as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             self.log.warning(
@@ -539,6 +552,7 @@ class Run:
             device=self.device,
             dtype=self.amp_dtype,
             task=self.task,
+            loss_fn=self.report_loss,
             reduce=self.dist.sum,
         )
 
@@ -621,7 +635,7 @@ class Run:
             lr = find_lr(
                 model,
                 data.train,
-                self.task.loss,
+                self.loss,
                 optimizer,
                 device=device,
                 amp_dtype=self.amp_dtype,
@@ -637,7 +651,7 @@ class Run:
                 start=args.batch_size,
                 max_batch=len(data.splits["train"]),
                 input_shape=info.input_shape,
-                loss_fn=self.task.loss,
+                loss_fn=self.loss,
                 targets=data.splits["train"].labels,
             )
             batch, lr = recommend_batch_size(size, device)
@@ -698,11 +712,11 @@ def changed_data(out, config: dict) -> str | None:
     return changed_since(before, config, out)
 
 
-def checkpoint_bytes(model, ema: float) -> int:
-    """Disk a run needs: checkpoint (weights, two AdamW moments, EMA, best weights) twice during
-    its atomic replace, plus best_model.pt."""
+def checkpoint_bytes(model, ema=None) -> int:
+    """Disk a run needs: checkpoint (weights, two AdamW moments, `ema`'s copy if any, best
+    weights) twice during its atomic replace, plus best_model.pt."""
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    return weights * (2 * (4 + (ema > 0)) + 1)
+    return weights * (2 * (4 + (ema is not None)) + 1)
 
 
 def metrics_line(row: dict, prefix: str) -> str:

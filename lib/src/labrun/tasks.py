@@ -6,12 +6,13 @@ decorated function that returns a `Task`: its loss, its metrics as sums, and whi
         return Task(loss=mse, sums=regression_sums, finish=regression_metrics,
                     metrics={"mse": "min", "mae": "min", "r2": "max"})
 
-config.py reads the names and help texts of the `@register_task(...)` lines of this file without
-importing it (so `--help` needs no torch): write them as plain string literals.
+`--help` lists the names and help texts without importing torch (registry.py).
 
 The contract (README, "Your own task"; docs/design.md, "Metric names"):
 - `loss(outputs, targets)`: the mean loss the optimizer minimises, fp32 (outputs may be bf16/fp16
-  under autocast). `eval_loss` is what val_loss/test_loss report (default: `loss`).
+  under autocast). `eval_loss` is what val_loss/test_loss report (default: `loss`). run.py
+  hands both to `run.use_loss(loss, report=eval_loss)`: what its step trains on and what
+  evaluation reports are the two losses named on that line.
 - `sums(outputs, targets)`: a 1-d tensor of per-batch *sums* of fixed length and order. The
   training step and `evaluate` add them up on the device (no host sync); the epoch's total is read
   once and given to `finish(total, n)` (a float64 numpy array and the sample count), which returns
@@ -79,7 +80,7 @@ def register_task(name: str, *, help: str = ""):
     """Decorator: register `fn(args) -> Task` as task `name` (args: run.py's arguments)."""
 
     def add(fn):
-        TASKS.add(name, TaskEntry(name, fn, help))
+        TASKS.add(name, TaskEntry(name, fn, help), fn)
         return fn
 
     return add

@@ -117,10 +117,12 @@ def evaluate(
     device: torch.device,
     dtype: torch.dtype | None,
     task: Task | None = None,
+    loss_fn=None,
     reduce=None,
 ) -> dict[str, float]:
     """{loss, metric...} of `task` over a loader, in eval mode; one host sync at the end.
-    `reduce` sums the sums over ranks (torchrun: each rank evaluated its shard)."""
+    `loss_fn`: the loss to report (default: the task's eval_loss, else its loss); `reduce` sums
+    the sums over ranks (torchrun: each rank evaluated its shard)."""
     task = task or default_task()
     was_training = model.training
     model.eval()
@@ -128,7 +130,7 @@ def evaluate(
     for x, y in loader:
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
             outputs = model(x)
-        loss_sum += (task.eval_loss or task.loss)(outputs, y) * y.shape[0]
+        loss_sum += (loss_fn or task.eval_loss or task.loss)(outputs, y) * y.shape[0]
         batch_sums = task.sums(outputs, y)
         sums = batch_sums if sums is None else sums.add_(batch_sums)
         seen += y.shape[0]
