@@ -19,6 +19,7 @@ import contextlib
 import os
 import signal
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -283,6 +284,10 @@ class Loader:
     def _gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def close(self) -> None:
+        """End this loader's worker processes now (a run calls it when it ends); iterating
+        again starts new ones. Nothing to end for a loader without workers."""
+
 
 def own_normalization(split: Split | FileSplit, whose: str = "this split") -> Normalization | None:
     """None for uint8 images (their constants); else per channel (the last stored axis) mean
@@ -431,6 +436,7 @@ class DataLoaderLoader(Loader):
             # the global torch RNG, shifting the augmentation stream a resumed run must replay.
             generator=torch.Generator().manual_seed(self.seed),
         )
+        self._batches = None  # the iterator that holds the workers (a weak reference)
 
     def __iter__(self):
         for images, labels in self.raw_batches():
@@ -464,17 +470,30 @@ class DataLoaderLoader(Loader):
         self._next_epoch()
         with workers_started_safely():
             batches = iter(self._loader)  # forks the workers (CPU: every epoch)
+        self._batches = weakref.ref(batches)
         try:
             for images, labels in batches:
                 if isinstance(images, _Unreadable):
                     raise UnreadableImage(images.path, images.reason)
                 yield images, labels
         except Exception:
-            shutdown = getattr(batches, "_shutdown_workers", None)
-            if shutdown is not None:
-                shutdown()
-                self._loader._iterator = None  # persistent workers: a fresh set next epoch
+            self.close()
             raise
+
+    def close(self) -> None:
+        """Shut the workers down now, as torch does when an iterator is exhausted or freed.
+
+        Persistent workers (CUDA) live in the DataLoader until this is called: left to the
+        interpreter's exit, torch <= 2.12 joins each for 5 s in an atexit hook (pytorch issue
+        81794: 19 s after `finished` with 2 workers per loader; benchmarks/RESULTS.md, "Leave at
+        once"); joined here, they end at once and that hook finds them gone.
+        """
+        batches = self._batches() if self._batches is not None else None
+        self._batches = None
+        self._loader._iterator = None  # persistent workers: a fresh set if iterated again
+        shutdown = getattr(batches, "_shutdown_workers", None)  # none without workers
+        if shutdown is not None:
+            shutdown()
 
 
 class DeviceResidentLoader(Loader):

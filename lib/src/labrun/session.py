@@ -79,7 +79,7 @@ def lifecycle(argv: list[str] | None, train, config: type | None = None) -> int:
     if config is not None:
         use_config(config)
     body = functools.partial(_body, train)
-    return jobs.lifecycle(argv, parse_args, run_dir, body, redo=is_tool, ranks=True)
+    return jobs.lifecycle(argv, parse_args, run_dir, body, redo=is_tool, ranks=True, program=train)
 
 
 def _body(train, args, parser, out, stop, held, dist) -> int:
@@ -691,6 +691,10 @@ class Run:
         return self.record.failed(self.state, exc, self.args)
 
     def _close(self) -> None:
+        # However the run ended: its loaders' workers end now, not in the interpreter's exit.
+        data = self.data_
+        for loader in (data.train, data.val, data.test) if data is not None else ():
+            loader.close()
         if self.record is not None:
             self.record.close()
         elif self.log is not None:
