@@ -738,7 +738,7 @@ def notes(table: Table) -> list[str]:
 
 def load_system_run(target: str, uri: str | None) -> tuple[dict, str]:
     """--system RUN (a run directory or an MLflow run id): its system metrics and its name."""
-    from .tracking import tracking_uri
+    from .tracking import mlflow_run_id, tracking_uri
 
     run_id = name = target
     if Path(target).is_dir():
@@ -746,6 +746,7 @@ def load_system_run(target: str, uri: str | None) -> tuple[dict, str]:
             run_id = read_json(Path(target) / METRICS).get("mlflow_run_id")
         except (OSError, ValueError, AttributeError):
             run_id = None
+        run_id = run_id or mlflow_run_id(Path(target))  # a sweep's run: its follower's
         if not run_id:
             raise NoResults(
                 f"--system: {target} has no MLflow run id in its {METRICS} "

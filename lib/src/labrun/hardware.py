@@ -452,8 +452,9 @@ def setup_backends(device: torch.device, deterministic: bool) -> str:
             "another GPU model, driver, torch version or thread count"
         )
     # Undo a --deterministic run earlier in this process (a notebook, the tests): the switches
-    # below are process-wide.
-    torch.use_deterministic_algorithms(False)
+    # below are process-wide. Only if one was: the call imports torch._inductor.
+    if torch.are_deterministic_algorithms_enabled():
+        torch.use_deterministic_algorithms(False)
     torch.backends.cudnn.deterministic = False
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest conv once

@@ -79,7 +79,7 @@ def lifecycle(argv: list[str] | None, train, config: type | None = None) -> int:
     if config is not None:
         use_config(config)
     body = functools.partial(_body, train)
-    return jobs.lifecycle(argv, parse_args, run_dir, body, redo=is_tool, ranks=True)
+    return jobs.lifecycle(argv, parse_args, run_dir, body, redo=is_tool, ranks=True, program=train)
 
 
 def _body(train, args, parser, out, stop, held, dist) -> int:
@@ -202,6 +202,9 @@ class Run:
             data_version=args.data_version,  # the version in the run's identity
             task=args.task,  # datasets that offer several kinds of targets pick by it
             augment=args.augment,  # images crop + flip, other data none, unless asked
+            crop=args.crop,  # pad (small images) or a random resized crop (photos)
+            crop_scale=args.crop_scale,
+            crop_ratio=args.crop_ratio,
             spatial_targets=self.task.spatial_targets,  # crop/flip would not move the targets
         )
         splits = loaded.splits
@@ -234,6 +237,8 @@ class Run:
         seed_everything(args.seed)
         # dtype and shape, normalisation, augmentation: what was done to the inputs, and why
         self._notes += list(loaded.info.describe().items())
+        if getattr(loaders["train"], "decoder", ""):  # streamed files: on the GPU or the CPU
+            self._notes.append(("decode", loaders["train"].decoder))
         train, val, test = (loaders[k] for k in ("train", "val", "test"))
         self.data_ = Data(splits, train, val, test, steps_per_epoch, loaded.info, loaded.notes)
         return self.data_
@@ -517,19 +522,18 @@ class Run:
     def peek_batch(self):
         """A training batch exactly as the loop gets it (shape, dtype, strides), without
         shifting the run: the loader's order is f(seed, epoch) and `batches` sets the epoch
-        again; the RNG draws of the augmentation are put back."""
+        again; the RNG draws of the augmentation are put back. Read in this process
+        (Loader.peek): no loader worker is started for it."""
         from .checkpoint import rng_state, set_rng_state
 
         loader = self.data_.train
         saved = rng_state(self.device)
         loader.set_epoch(self.progress.epoch)
-        batches = iter(loader)
         try:
-            x, y = next(batches)
+            x, y = loader.peek()
             layout = getattr(self, "layout", None)  # the step's layout: no recompile after
             return (x.contiguous(memory_format=layout) if layout and x.dim() == 4 else x), y
         finally:
-            getattr(batches, "close", lambda: None)()  # a generator: stop its workers now
             set_rng_state(saved, self.device)
 
     # ---- the loop ----------------------------------------------------------------------------
@@ -756,6 +760,10 @@ class Run:
         return self.record.failed(self.state, exc, self.args)
 
     def _close(self) -> None:
+        # However the run ended: its loaders' workers end now, not in the interpreter's exit.
+        data = self.data_
+        for loader in (data.train, data.val, data.test) if data is not None else ():
+            loader.close()
         if self.record is not None:
             self.record.close()
         elif self.log is not None:
@@ -841,6 +849,8 @@ class RunRecord:
     def tracker_line(self) -> str:
         if not self.tracker.enabled:
             return "MLflow off"
+        if self.tracker.deferred:
+            return "MLflow: the sweep's follower mirrors this run once it ends"
         return f"MLflow run {self.tracker.run_id or 'not reached (continuing without)'}"
 
     def checkpoint_due(self, args) -> bool:
@@ -934,6 +944,7 @@ class RunRecord:
             tags={"stop_reason": reason, "test_weights": weights},
             artifacts=[self.out / name for name in (runs.CONFIG, runs.HISTORY, runs.BEST_MODEL)],
         )
+        metrics["mlflow_run_id"] = self.tracker.run_id  # the end may rebuild the MLflow run
         self.claim.check()  # again: the tracker's end may have taken a while
         runs.write_status(self.out, "finished")
         runs.write_json(self.out / runs.METRICS, metrics)  # last: its existence means "done"

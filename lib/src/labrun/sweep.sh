@@ -250,6 +250,27 @@ init_tracking() {
     || die "could not create the MLflow database (${SWEEP_SCRIPT[$1]} --init-tracking failed)"
 }
 
+# ---- MLflow follower (helper "mlflow"; labrun/tracking.py's `follow`) ----------------------
+# Jobs do not talk to MLflow (LAB_TRACKING_FOLLOWER=1): one follower per sweep mirrors each run
+# directory into MLflow once its job has ended, samples system metrics once for the machine, and
+# mirrors what is left when its stdin closes (stop_follower). Killed with run.sh, it loses
+# nothing: the next sweep's follower, or `python -m labrun.tracking sync`, mirrors the rest.
+# Its stdin is a pipe whose write end jobs inherit too: it closes once every job is gone.
+start_follower() {
+  export LAB_TRACKING_FOLLOWER=1
+  exec {SWEEP_FOLLOWER_FD}> >(exec "${SWEEP_GUARD[@]}" "${PYTHON}" -m labrun.tracking follow \
+    "results/${SWEEP_NAME}" >>"${LOG_DIR}/mlflow-follower.out" 2>&1)
+  SWEEP_FOLLOWER_PID=$!
+}
+
+stop_follower() {
+  exec {SWEEP_FOLLOWER_FD}>&-
+  wait "${SWEEP_FOLLOWER_PID}" \
+    || err "MLflow follower failed (${LOG_DIR}/mlflow-follower.out); python -m labrun.tracking" \
+      "sync results/${SWEEP_NAME} mirrors what it missed"
+}
+# ---- end of the MLflow follower -------------------------------------------------------------
+
 # The devices jobs may use: CUDA_VISIBLE_DEVICES's entries when it is set (jobs stay inside it),
 # else what nvidia-smi lists; printed space-separated.
 visible_gpus() {
@@ -772,6 +793,7 @@ run_queue() {
   if (( ${#SWEEP_GPUS[@]} )); then s=$(( ${#SWEEP_GPUS[@]} * SWEEP_GPU_WIDTH )); fi
   export LAB_JOBS_PER_NODE="${LAB_JOBS_PER_NODE:-${s}}"
   mkdir -p "${LOG_DIR}"
+  start_follower   # MLflow follower (helper "mlflow")
   # Installed for the rest of run.sh: however many signals come, the summary is printed.
   trap 'on_signal INT || true' INT
   trap 'on_signal TERM || true' TERM
@@ -834,6 +856,7 @@ run_queue() {
   done
   if [[ -n "${SWEEP_TICKER}" ]]; then kill "${SWEEP_TICKER}" 2>/dev/null || true; fi
   reap_groups
+  stop_follower   # MLflow follower (helper "mlflow"): mirrors what is left, then ends
   summarize
 }
 

@@ -1,5 +1,21 @@
-"""MLflow tracking that never stops training: one run per run directory, sent when it can be.
+"""MLflow, a mirror of the run directory: one MLflow run per run directory, built from its files.
 
+The run directory (config.json, status, history.csv, metrics.json) is the record; MLflow shows it.
+- Interactive (`python run.py`): the job sends each epoch live and, at its end, checks the MLflow
+  run against its files and repairs it (`mirror`).
+- In a sweep (run.sh sets `LAB_TRACKING_FOLLOWER=1`): jobs never talk to MLflow. The sweep's one
+  follower (`python -m <package>.tracking follow RESULTS`) mirrors each run as soon as its job
+  has released the run's claim (finished, failed, interrupted), samples the machine's system
+  metrics once for all jobs, and at the sweep's end mirrors everything left. A sweep killed with
+  -9 loses nothing: the next sweep's follower, or `python -m <package>.tracking sync`, mirrors
+  what was not.
+- `mirror` makes the MLflow run equal the directory: status, params, every per-epoch metric
+  (history.csv, compared at its 6 significant digits), the summaries (metrics.json, at step
+  `steps`), tags, artifacts. MLflow cannot delete a metric row, so a run holding rows the
+  directory does not (a lost attempt's epochs, a summary logged twice) is rebuilt: a new MLflow
+  run with the same name, start time, tags, system metrics and the directory's numbers, tagged
+  `labrun_replaces=<old id>`, and the old run deleted (MLflow's UI lists it under "Deleted" until
+  `mlflow gc` purges it). `sync` prints every change it makes.
 - Tracking URI: `MLFLOW_TRACKING_URI` if set, else an absolute `sqlite:///<project root>/mlflow.db`
   (absolute, so it does not depend on the directory you start from). Artifacts go next to the
   database, in `mlruns/`.
@@ -10,16 +26,15 @@
   `MLFLOW_HTTP_REQUEST_TIMEOUT` x (`MLFLOW_HTTP_REQUEST_MAX_RETRIES` + 1) seconds; this module
   sets those to 5 s and 1 retry unless you set them yourself.
 - Never fatal: when the tracker cannot be reached or errors, the job warns once and keeps
-  training; the run directory (history.csv, metrics.json, status) stays the record. What was not
-  sent is sent at the next epoch that reaches the tracker, at the end (tried once more whatever
-  the back-off), when the run is resumed, or with `python -m <package>.tracking sync
-  RESULTS_OR_RUN_DIR...`. `tracking.json` in the run directory says which MLflow run it is, how
-  much of the history it holds and, when the end could not be sent, what is `missing`. It is
-  checked before use (a run id is 32 hex digits, counts are integers): a bad one is a warning and
-  a fresh MLflow run.
-- One sender per run directory: a training job holds the run's claim (claim.py), and `sync`
-  takes it too, skipping directories a live job holds: rows are never sent twice, and a
-  directory never gets two MLflow runs.
+  training; what was not sent is sent at the next epoch that reaches the tracker, at the end
+  (tried once more whatever the back-off), when the run is resumed, or by `sync`.
+  `tracking.json` in the run directory says which MLflow run it is, what only the job knew
+  (params, tags, start and end times, the error) and, when the end could not be sent, what is
+  `missing`. It is checked before use (a run id is 32 hex digits, counts are integers...): a bad
+  one is a warning and a fresh MLflow run.
+- One writer per run directory: a training job holds the run's claim (claim.py), and `sync` and
+  the follower take it too, skipping directories a live job holds: a directory never gets two
+  MLflow runs.
 - The sqlite DB is created with the umask's permissions (like every other file), so a group
   can share it; SQLite gives its journal the database's permissions.
 - `--tracking off` (or `LAB_TRACKING=off`) runs without MLflow at all.
@@ -30,16 +45,24 @@ Imports neither torch nor mlflow at module level (mlflow costs ~1.5 s to import)
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
+import csv
 import fcntl
+import hashlib
+import io
 import json
 import logging
+import math
 import os
 import platform
 import re
 import shlex
+import signal
 import socket
+import stat
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,6 +74,10 @@ STATE_FILE = "tracking.json"
 RETRY_AFTER_S = 60.0  # after a failure, try the tracker again at the next epoch this much later
 ARTIFACT_MAX_BYTES = 200 * 2**20  # larger best_model.pt files stay in the run directory only
 SYSTEM_METRICS_INTERVAL_S = 10.0  # CPU/RAM (psutil) and GPU (nvidia-ml-py) sampling period
+FOLLOWER_ENV = "LAB_TRACKING_FOLLOWER"  # "1" (run.sh): the sweep's follower mirrors this job
+SAMPLES_FILE = ".system_metrics.jsonl"  # the follower's machine samples, beside the run dirs
+FOLLOW_POLL_S = 1.0  # how often the follower looks for runs whose job has ended
+MAX_ERROR_CHARS = 20000  # a traceback kept in tracking.json for traceback.txt
 HTTP_DEFAULTS = {
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
@@ -175,11 +202,12 @@ def run_params(config: dict) -> dict:
 
 
 class Tracker:
-    """The MLflow side of one run directory; every call is guarded and none raises.
+    """The MLflow side of one job's run directory; every call is guarded and none raises.
 
-    `tracking.json` (in the run directory) holds the MLflow run id, how many history rows the run
-    has received and whether its end was recorded, so a resumed job or `sync` continues the same
-    MLflow run and sends each row once.
+    `tracking.json` (in the run directory) holds the MLflow run id, what this job knows that its
+    files do not (params, tags, start and end times, the error), and which history rows the run
+    has received, so a resumed job, the follower or `sync` continues the same MLflow run.
+    Deferred (`LAB_TRACKING_FOLLOWER=1`, set by run.sh): tracking.json only, no MLflow at all.
     """
 
     def __init__(
@@ -193,21 +221,31 @@ class Tracker:
         params: dict | None = None,
         tags: dict | None = None,
         system_metrics: bool = True,
-        training: bool = True,
     ) -> None:
         self.run_dir, self.log, self.enabled = Path(run_dir), log, enabled
-        self.training = training  # False for sync: an ended MLflow run stays as it ended
-        self.experiment, self.run_name = experiment, run_name
-        self.params, self.tags = params or {}, tags or {}
+        self.deferred = enabled and os.environ.get(FOLLOWER_ENV) == "1"
         self.state = _read_state(self.run_dir, log)
         self.client = self.monitor = None
         self._failed_at: float | None = None
         self._warned = False
         self._frozen = False  # abandon(): the run directory is no longer ours to write
-        if self.enabled:
-            self._guard("open the MLflow run", self._open)
-            if system_metrics and self.ready:
-                self._guard("start system metrics", self._start_monitor)
+        if not self.enabled:
+            return
+        # What only this process knows, for whoever mirrors the directory later.
+        self.state.setdefault("started_at", time.time())
+        self.state.update(
+            experiment=experiment,
+            run_name=run_name,
+            params=_texts(params or {}, 6000),
+            tags=_texts(tags or {}, 8000),
+        )
+        self.state.pop("ended_at", None)
+        self._save_state()
+        if self.deferred:
+            return
+        self._guard("open the MLflow run", self._open)
+        if system_metrics and self.ready:
+            self._guard("start system metrics", self._start_monitor)
 
     @property
     def run_id(self) -> str | None:
@@ -221,7 +259,7 @@ class Tracker:
     def _guard(self, what: str, fn, *args, force: bool = False):
         """Run fn unless tracking is off or failed recently (`force`: whatever the back-off, for
         the run's end); a failure warns once, never raises."""
-        if not self.enabled:
+        if not self.enabled or self.deferred:
             return None
         recent = self._failed_at is not None and time.monotonic() - self._failed_at < RETRY_AFTER_S
         if recent and not force:
@@ -251,16 +289,13 @@ class Tracker:
         return result
 
     def _open(self) -> None:
-        from mlflow.entities import Param, RunTag
+        from mlflow.entities import Param
 
         if self.client is None:
             self.client = _client()
         if self.run_id is not None:
             try:  # resume: the same run, back to RUNNING
-                if self.training:
-                    self.client.update_run(self.run_id, status="RUNNING")
-                else:
-                    self.client.get_run(self.run_id)  # it exists
+                self.client.update_run(self.run_id, status="RUNNING")
                 return
             except Exception as exc:  # e.g. another MLFLOW_TRACKING_URI than the first attempt
                 self.log.warning(
@@ -268,15 +303,14 @@ class Tracker:
                     self.run_id,
                     str(exc).splitlines()[0][:200],
                 )
-                self.state = {}
-        experiment_id = init(self.experiment, self.client)
-        run_id = self.client.create_run(experiment_id, run_name=self.run_name).info.run_id
-        self.client.log_batch(
-            run_id,
-            params=[Param(k, str(v)[:6000]) for k, v in sorted(self.params.items())],
-            tags=[RunTag(k, str(v)[:8000]) for k, v in self.tags.items()],
-        )
-        self.state = {"run_id": run_id, "sent_rows": 0, "ended": None}
+                self.state = _without_run(self.state)
+        experiment_id = init(self.state["experiment"], self.client)
+        run_id = self.client.create_run(
+            experiment_id, run_name=self.state["run_name"], tags=self.state["tags"]
+        ).info.run_id
+        params = [Param(k, v) for k, v in sorted(self.state["params"].items())]
+        self.client.log_batch(run_id, params=params)
+        self.state.update(run_id=run_id, sent_rows=0, rows=[], ended=None)
         self._save_state()
 
     def _start_monitor(self) -> None:
@@ -312,7 +346,7 @@ class Tracker:
     # ---- what run.py calls ----------------------------------------------------------------------
     def log_history(self, history: list[dict], *, force: bool = False) -> None:
         """Send every history row the MLflow run has not received yet (one log_batch call)."""
-        if self.enabled and not self.ready:
+        if self.enabled and not self.deferred and not self.ready:
             self._guard("open the MLflow run", self._open, force=force)
         if self.ready:
             self._guard("log metrics", self._send_rows, history, force=force)
@@ -321,8 +355,16 @@ class Tracker:
         from mlflow.entities import Metric
 
         self._reread_state()
-        start = self.state.get("sent_rows", 0)
-        if start >= len(history):
+        digests = [_row_digest(row) for row in history]
+        sent = self.state.get("rows")
+        if sent is None:  # written before rows were recorded: trust the count
+            sent = digests[: self.state.get("sent_rows", 0)]
+        # A resume from an older checkpoint replays epochs MLflow already has from the lost
+        # attempt: those rows go again now (the live curve), and the end's mirror rebuilds.
+        start = 0
+        while start < min(len(sent), len(digests)) and sent[start] == digests[start]:
+            start += 1
+        if start >= len(history) and len(sent) == len(history):
             return
         now = int(time.time() * 1000)
         batch = [
@@ -332,7 +374,7 @@ class Tracker:
             if k not in ("epoch", "step") and v is not None
         ]
         self.client.log_batch(self.run_id, metrics=batch)
-        self.state["sent_rows"] = len(history)
+        self.state.update(sent_rows=len(history), rows=digests)
         self._save_state()
 
     def end(
@@ -345,70 +387,69 @@ class Tracker:
         artifacts: list[Path] = (),
         error: str | None = None,
     ) -> None:
-        """Send what is missing, attach files, end the MLflow run: FINISHED, KILLED or FAILED.
+        """Record how the run ended (tracking.json), then make the MLflow run equal the run
+        directory (`mirror`): FINISHED, KILLED or FAILED. Deferred: the follower does that.
 
         Tried once more whatever the retry back-off (a short outage near the end must not leave
         the run RUNNING with half its epochs); what still did not arrive is written to
         tracking.json as `missing`, for `sync` (or the next resume) to send."""
-        self.log_history(history, force=True)
-        if self.ready:
-            self._guard(
-                "end the MLflow run",
-                self._end,
-                status,
-                metrics or {},
-                tags or {},
-                list(artifacts),
-                error,
-                force=True,
-            )
         if self.enabled:
-            sent, missing = self.state.get("sent_rows", 0), []
-            if sent < len(history):
-                missing.append(f"history rows {sent + 1}-{len(history)}")
-            if self.state.get("ended") != status:
-                missing.append(f"end {status}")
-            if missing or self.state.get("missing"):
+            self.state.update(
+                ended_at=time.time(),
+                end_tags=_texts(tags or {}, 8000),
+                artifacts=[p.name for p in artifacts if Path(p).parent == self.run_dir],
+            )
+            self.state.pop("error", None)
+            if error:
+                self.state["error"] = error[-MAX_ERROR_CHARS:]
+            self._save_state()
+        if self.enabled and not self.deferred:
+            if self.client is None or self.run_id is None:
+                self._guard("open the MLflow run", self._open, force=True)
+            # The directory's files, not `history`: a row a full disk kept out of history.csv
+            # is no part of the record.
+            mirrored = self.ready and self._guard(
+                "end the MLflow run", self._mirror, status, metrics, list(artifacts), force=True
+            )
+            if not mirrored:
+                sent, missing = self.state.get("sent_rows", 0), []
+                if sent < len(history):
+                    missing.append(f"history rows {sent + 1}-{len(history)}")
+                if self.state.get("ended") != status:
+                    missing.append(f"end {status}")
                 self.state = {"run_id": None, "sent_rows": 0, "ended": None, **self.state}
                 self.state["missing"] = missing
                 self._save_state()
         self.close()
+
+    def _mirror(self, status: str, metrics: dict | None, artifacts: list) -> bool:
+        changes = mirror(
+            self.client,
+            self.run_dir,
+            self.state,
+            status=status,
+            summary=metrics or {},
+            artifacts=artifacts,
+            save=self._save_state,
+        )
+        for change in changes:  # a rebuild is news; the usual end (rows, files, status) is not
+            if change.startswith(("replaced", "MLflow run")):
+                self.log.warning("MLflow: %s", change)
+        return True
 
     def abandon(self, reason: str) -> None:
         """The run directory is another's now (claim.LostClaim): end this MLflow run FAILED with
         `reason`, and write nothing more to the directory (not even tracking.json)."""
         self._frozen = True
         if self.ready:
-            self._guard("end the MLflow run", self._end, "FAILED", {}, {}, [], reason, force=True)
+            self._guard("end the MLflow run", self._abandon, reason, force=True)
         self.close()
 
-    def _end(
-        self, status: str, metrics: dict, tags: dict, artifacts: list[Path], error: str | None
-    ) -> None:
-        from mlflow.entities import Metric, RunTag
+    def _abandon(self, reason: str) -> None:
+        from mlflow.entities import RunTag
 
-        if self.state.get("ended") == status:
-            return
-        step = int(metrics.get("steps", 0))
-        now = int(time.time() * 1000)
-        numbers = [
-            Metric(k, float(v), now, step)
-            for k, v in metrics.items()
-            if isinstance(v, int | float) and not isinstance(v, bool)
-        ]
-        if error:
-            tags = {**tags, "error": error.strip().splitlines()[-1][:4000]}
-        self.client.log_batch(
-            self.run_id, metrics=numbers, tags=[RunTag(k, str(v)[:8000]) for k, v in tags.items()]
-        )
-        for path in artifacts:
-            if path.is_file() and path.stat().st_size <= ARTIFACT_MAX_BYTES:
-                self.client.log_artifact(self.run_id, str(path))
-        if error:
-            self.client.log_text(self.run_id, error, "traceback.txt")
-        self.client.set_terminated(self.run_id, status=status)
-        self.state["ended"] = status
-        self._save_state()
+        self.client.log_batch(self.run_id, tags=[RunTag("error", reason[:4000])])
+        self.client.set_terminated(self.run_id, status="FAILED")
 
     def close(self) -> None:
         if self.monitor is not None:
@@ -417,8 +458,353 @@ class Tracker:
             self.monitor = None
 
 
+def _texts(values: dict, limit: int) -> dict[str, str]:
+    """Params and tags as MLflow stores them: strings, cut to its limits."""
+    return {str(k): str(v)[:limit] for k, v in values.items()}
+
+
+def _number_text(value: float) -> str:
+    """A metric as history.csv writes it (6 significant digits): equal here means equal there."""
+    return f"{float(value):.6g}"
+
+
+def _row_digest(row: dict) -> str:
+    text = json.dumps({k: _number_text(v) for k, v in row.items() if v is not None}, sort_keys=True)
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def _without_run(state: dict) -> dict:
+    """The state with no MLflow run: what the job knew stays, what was sent is forgotten."""
+    gone = ("run_id", "sent_rows", "rows", "ended", "missing", "mirrored", "replaces")
+    return {k: v for k, v in state.items() if k not in gone}
+
+
+# ---- the mirror --------------------------------------------------------------------------------
+MLFLOW_STATUS = {"finished": "FINISHED", "interrupted": "KILLED", "failed": "FAILED"}
+
+
+def expected_metrics(history: list[dict], summary: dict | None) -> dict[str, list]:
+    """Every metric row the MLflow run of these files holds: {key: [(step, value)]}: one per
+    history row and column (step = epoch), and one per number of metrics.json (step = steps)."""
+    rows: dict[str, list] = {}
+    for row in history:
+        for key, value in row.items():
+            if key not in ("epoch", "step") and value is not None:
+                rows.setdefault(key, []).append((int(row["epoch"]), float(value)))
+    summary = summary or {}
+    step = summary.get("steps", 0)
+    step = int(step) if isinstance(step, int | float) and math.isfinite(step) else 0
+    for key, value in summary.items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            rows.setdefault(key, []).append((step, float(value)))
+    return rows
+
+
+def _counts(rows) -> collections.Counter:
+    return collections.Counter((step, _number_text(value)) for step, value in rows)
+
+
+def logged_metrics(client, run) -> dict[str, list]:
+    """The run's metric rows, system metrics apart: {key: [(step, value)]}."""
+    return {
+        key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
+        for key in run.data.metrics
+        if not key.startswith("system/")
+    }
+
+
+def _history_rows(run_dir: Path) -> list[dict]:
+    """history.csv as rows of numbers; an empty cell (a value a row did not have) is left out,
+    as run.py never sent it."""
+    try:
+        text = runs.read_trusted(Path(run_dir) / runs.HISTORY, max_bytes=1 << 30)
+    except (OSError, ValueError):
+        return []
+    rows = []
+    for record in csv.DictReader(io.StringIO(text)):
+        try:
+            row = {k: float(v) for k, v in record.items() if k and v not in ("", None)}
+        except ValueError:
+            continue
+        if "epoch" in row:
+            rows.append(row)
+    return rows
+
+
+def _file_status(run_dir: Path) -> str:
+    """The MLflow status the directory's status means; a run still "running" whose claim we
+    hold has lost its job (killed): KILLED, as the sweep would have marked it."""
+    return MLFLOW_STATUS.get(runs.read_status(run_dir) or "", "KILLED")
+
+
+def _artifact_files(run_dir: Path, state: dict, status: str) -> list[Path]:
+    """The files to attach, from the run directory only, plain files of its owner (a
+    tracking.json that names anything else uploads nothing)."""
+    names = state.get("artifacts")
+    if names is None:  # a directory tracking.json does not describe: what run.py attaches
+        names = [runs.CONFIG, runs.HISTORY] + ([runs.BEST_MODEL] if status == "FINISHED" else [])
+    found = []
+    for name in names:
+        path = Path(run_dir) / name
+        try:
+            info = path.lstat()
+        except OSError:
+            continue
+        mine = stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid()
+        if mine and info.st_size <= ARTIFACT_MAX_BYTES:
+            found.append(path)
+    return found
+
+
+def fingerprint(run_dir: Path, state: dict) -> str:
+    """What the mirror reads, as a short hash of file sizes and times and of the job's own
+    notes: when it is unchanged since the last mirror, MLflow needs nothing."""
+    parts = []
+    for name in (runs.CONFIG, runs.STATUS, runs.HISTORY, runs.METRICS, runs.BEST_MODEL):
+        try:
+            info = (Path(run_dir) / name).stat()
+            parts.append(f"{name}:{info.st_size}:{info.st_mtime_ns}")
+        except OSError:
+            parts.append(f"{name}:-")
+    notes = ("params", "tags", "end_tags", "artifacts", "error", "started_at", "ended_at")
+    parts.append(json.dumps({k: state.get(k) for k in notes}, sort_keys=True))
+    return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def mirror(
+    client,
+    run_dir: Path,
+    state: dict,
+    *,
+    status: str | None = None,
+    history: list[dict] | None = None,
+    summary: dict | None = None,
+    artifacts: list[Path] | None = None,
+    save=None,
+) -> list[str]:
+    """Make the MLflow run of `run_dir` equal the directory; return what was changed.
+
+    status, history and summary default to the directory's files (status, history.csv,
+    metrics.json); the job passes what it is about to write. `state` (tracking.json) is updated
+    in place and saved through `save` after each step that must not be repeated. Missing rows
+    are added; a run that holds rows, params or a name the directory does not is rebuilt (MLflow
+    has no delete for them). Each step is idempotent, so a kill anywhere is repaired by the next
+    mirror."""
+    from mlflow.entities import Metric, Param, RunTag
+
+    run_dir = Path(run_dir)
+    save = save or (lambda: None)
+    status = status or _file_status(run_dir)
+    history = _history_rows(run_dir) if history is None else history
+    if summary is None:
+        summary = runs.read_metrics(run_dir) or {}
+    params = state.get("params")
+    if params is None:  # no job noted them (tracking was never on here): the config's
+        config = json.loads(runs.read_trusted(run_dir / runs.CONFIG))
+        params = _texts(run_params(config), 6000)
+        state.setdefault("experiment", config.get("experiment", DEFAULT_EXPERIMENT))
+    tags = {"run_dir": str(run_dir), **state.get("tags", {}), **state.get("end_tags", {})}
+    if isinstance(summary.get("stop_reason"), str):
+        tags["stop_reason"] = summary["stop_reason"]
+    error = state.get("error")
+    if error and status == "FAILED":
+        tags["error"] = error.strip().splitlines()[-1][:4000]
+    expected = expected_metrics(history, summary)
+    changes: list[str] = []
+
+    run = _current_run(client, run_dir, state, changes)
+    conflicts = []
+    if run is not None:
+        logged = logged_metrics(client, run)
+        for key in sorted(logged):
+            extra = _counts(logged[key]) - _counts(expected.get(key, []))
+            if extra:
+                steps = sorted({step for step, _ in extra})
+                conflicts.append(f"{key} has rows the run directory does not (steps {steps})")
+        for key, value in run.data.params.items():
+            if params.get(key, value) != value or key not in params:
+                conflicts.append(f"param {key} is {value!r}, the directory's {params.get(key)!r}")
+        if run.info.run_name != state.get("run_name", run_dir.name):
+            conflicts.append(f"its name is {run.info.run_name!r}")
+    if run is None or conflicts:
+        old = run
+        run = _new_run(client, run_dir, state, old)
+        state.update(run_id=run.info.run_id)
+        if old is not None:
+            state["replaces"] = old.info.run_id
+            changes.append(
+                f"replaced MLflow run {old.info.run_id} by {run.info.run_id} (the old one is "
+                f"deleted): {'; '.join(conflicts)}"
+            )
+        else:
+            changes.append(f"created MLflow run {run.info.run_id}")
+        state.update(sent_rows=0, rows=[], ended=None)
+        save()
+        logged = {}
+    run_id = state["run_id"] = run.info.run_id
+    if state.get("replaces"):  # the rebuilt run exists; the one it replaces goes
+        with contextlib.suppress(Exception):
+            if client.get_run(state["replaces"]).info.lifecycle_stage == "active":
+                client.delete_run(state["replaces"])
+        state.pop("replaces")
+        save()
+
+    new_params = [Param(k, v) for k, v in sorted(params.items()) if k not in run.data.params]
+    new_tags = [RunTag(k, v) for k, v in tags.items() if run.data.tags.get(k) != v]
+    new_rows = []
+    for key, rows in expected.items():
+        wanted = _counts(rows) - _counts(logged.get(key, []))
+        for step, value in rows:
+            if wanted[(step, _number_text(value))] > 0:
+                wanted[(step, _number_text(value))] -= 1
+                new_rows.append(Metric(key, value, _row_time(state, step), step))
+    if new_params or new_tags or new_rows:  # one transaction: all of it arrives, or none
+        client.log_batch(run_id, metrics=new_rows, params=new_params, tags=new_tags)
+        what = [f"{len(new_params)} params"] if new_params else []
+        what += [f"{len(new_rows)} metric rows"] if new_rows else []
+        what += [f"{len(new_tags)} tags"] if new_tags else []
+        changes.append("sent " + ", ".join(what))
+    state.update(sent_rows=len(history), rows=[_row_digest(row) for row in history])
+    save()
+
+    changes += _mirror_system_metrics(client, run, run_dir, state)
+    files = _artifact_files(run_dir, state, status) if artifacts is None else list(artifacts)
+    have = {f.path: f.file_size for f in client.list_artifacts(run_id)}
+    for path in files:
+        path = Path(path)
+        if not path.is_file() or path.stat().st_size > ARTIFACT_MAX_BYTES:
+            continue
+        if new_rows or have.get(path.name) != path.stat().st_size:
+            client.log_artifact(run_id, str(path))
+            changes.append(f"attached {path.name}")
+    if error and status == "FAILED" and "traceback.txt" not in have:
+        client.log_text(run_id, error, "traceback.txt")
+        changes.append("attached traceback.txt")
+
+    if run.info.status != status:
+        ended_at = state.get("ended_at")
+        end_ms = int(ended_at * 1000) if isinstance(ended_at, int | float) else None
+        client.set_terminated(run_id, status=status, end_time=end_ms)
+        changes.append(f"status {run.info.status} -> {status}")
+    state["ended"] = status
+    if "missing" in state:
+        state["missing"] = []
+    state["mirrored"] = fingerprint(run_dir, state)
+    save()
+    return changes
+
+
+def _row_time(state: dict, step: int) -> int:
+    """A metric row's timestamp when it is sent after the fact: the run's start (MLflow's x axis
+    is the step; this keeps "relative time" plots within the run)."""
+    started = state.get("started_at")
+    return int((started if isinstance(started, int | float) else time.time()) * 1000)
+
+
+def _current_run(client, run_dir: Path, state: dict, changes: list[str]):
+    """The live MLflow run of this directory: tracking.json's, else one tagged with its path (a
+    lost tracking.json), else None."""
+    from mlflow.exceptions import MlflowException
+
+    run_id = state.get("run_id")
+    if run_id:
+        try:
+            run = client.get_run(run_id)
+        except MlflowException as exc:  # gone, or unreachable (raised: nothing is changed)
+            if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            run = None
+        if run is not None and run.info.lifecycle_stage == "active":
+            return run
+        changes.append(f"MLflow run {run_id} is gone")
+        state.update(_without_run(state) | {"run_id": None})
+    experiment = client.get_experiment_by_name(state.get("experiment", DEFAULT_EXPERIMENT))
+    if experiment is None:
+        return None
+    where = state.get("tags", {}).get("run_dir", str(run_dir))  # as its job wrote it
+    if "'" in where:
+        return None
+    found = client.search_runs(
+        [experiment.experiment_id], filter_string=f"tags.run_dir = '{where}'", max_results=2
+    )
+    if found:
+        changes.append(f"found MLflow run {found[0].info.run_id} by its run_dir tag")
+        return found[0]
+    return None
+
+
+def _new_run(client, run_dir: Path, state: dict, old):
+    """A new MLflow run for the directory, with the old one's start, tags and system metrics."""
+    from mlflow.entities import Metric
+
+    experiment_id = init(state.get("experiment", DEFAULT_EXPERIMENT), client)
+    started = state.get("started_at")
+    start_ms = int(started * 1000) if isinstance(started, int | float) else None
+    tags = dict(state.get("tags", {}))
+    if old is not None:
+        experiment_id, start_ms = old.info.experiment_id, old.info.start_time
+        kept = {k: v for k, v in old.data.tags.items() if not k.startswith("mlflow.")}
+        tags = {**kept, **tags, "labrun_replaces": old.info.run_id}
+    run = client.create_run(
+        experiment_id,
+        start_time=start_ms,
+        tags=tags,
+        run_name=state.get("run_name", run_dir.name),
+    )
+    if old is not None:
+        system = [
+            Metric(m.key, m.value, m.timestamp, m.step)
+            for key in old.data.metrics
+            if key.startswith("system/")
+            for m in client.get_metric_history(old.info.run_id, key)
+        ]
+        if system:
+            client.log_batch(run.info.run_id, metrics=system)
+    return client.get_run(run.info.run_id)
+
+
+def _mirror_system_metrics(client, run, run_dir: Path, state: dict) -> list[str]:
+    """The follower's machine samples over the job's lifetime, as MLflow's own monitor would
+    have logged them (system/<name> at steps 0, 1, ...); once, and only for a run without."""
+    from mlflow.entities import Metric
+
+    if any(key.startswith("system/") for key in run.data.metrics):
+        return []
+    started, ended = state.get("started_at"), state.get("ended_at")
+    if not isinstance(started, int | float):
+        return []
+    if not isinstance(ended, int | float):  # killed: its files' last change is its end
+        ended = max((p.stat().st_mtime for p in Path(run_dir).iterdir() if p.is_file()), default=0)
+    samples = _read_samples(Path(run_dir).parent / SAMPLES_FILE, started, ended)
+    rows = [
+        Metric(f"system/{key}", float(value), int(t * 1000), step)
+        for step, (t, values) in enumerate(samples)
+        for key, value in values.items()
+    ]
+    if not rows:
+        return []
+    client.log_batch(run.info.run_id, metrics=rows)
+    return [f"sent {len(samples)} system-metric samples"]
+
+
+def _read_samples(path: Path, start: float, end: float) -> list[tuple[float, dict]]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        with contextlib.suppress(ValueError, TypeError, KeyError):
+            sample = json.loads(line)
+            t, values = float(sample["t"]), sample["metrics"]
+            if start <= t <= end and isinstance(values, dict):
+                found.append((t, {str(k): float(v) for k, v in values.items()}))
+    return found
+
+
 RUN_ID = re.compile(r"[0-9a-f]{32}")  # MLflow's run ids (uuid4().hex)
 ENDED = (None, "FINISHED", "KILLED", "FAILED")
+TEXT_MAPS = ("params", "tags", "end_tags")
 
 
 def _state_problem(state: object) -> str | None:
@@ -428,13 +814,31 @@ def _state_problem(state: object) -> str | None:
     run_id, sent, ended = state.get("run_id"), state.get("sent_rows", 0), state.get("ended")
     if run_id is not None and not (isinstance(run_id, str) and RUN_ID.fullmatch(run_id)):
         return "its run_id is not 32 hex digits"
+    replaces = state.get("replaces")
+    if replaces is not None and not (isinstance(replaces, str) and RUN_ID.fullmatch(replaces)):
+        return "its replaces is not 32 hex digits"
     if not isinstance(sent, int) or isinstance(sent, bool) or sent < 0:
         return "its sent_rows is not a count"
     if ended not in ENDED:
         return "its ended is not an MLflow end status"
-    missing = state.get("missing", [])
-    if not (isinstance(missing, list) and all(isinstance(m, str) for m in missing)):
-        return "its missing is not a list of notes"
+    for key in ("missing", "rows", "artifacts"):
+        value = state.get(key, [])
+        if not (isinstance(value, list) and all(isinstance(m, str) for m in value)):
+            return f"its {key} is not a list of strings"
+    names = state.get("artifacts", [])
+    if any(Path(name).name != name or name in ("", ".", "..") for name in names):
+        return "its artifacts are not file names of the run directory"
+    for key in TEXT_MAPS:
+        value = state.get(key, {})
+        if not (isinstance(value, dict) and all(isinstance(v, str) for v in value.values())):
+            return f"its {key} is not a map of strings"
+    for key in ("started_at", "ended_at"):
+        value = state.get(key, 0.0)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            return f"its {key} is not a time"
+    for key in ("experiment", "run_name", "error", "mirrored"):
+        if not isinstance(state.get(key, ""), str):
+            return f"its {key} is not a string"
     return None
 
 
@@ -457,78 +861,151 @@ def _read_state(run_dir: Path, log: logging.Logger | None = None) -> dict:
     return {}
 
 
-def _history_rows(run_dir: Path) -> list[dict]:
-    """history.csv as the rows run.py kept in memory (read by analysis.py, the one reader)."""
-    from .analysis import read_history
-
-    try:
-        columns = read_history((run_dir / runs.HISTORY).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return []
-    names = list(columns)
-    return [
-        dict(zip(names, map(float, values), strict=True))
-        for values in zip(*columns.values(), strict=True)
-    ]
+def mlflow_run_id(run_dir: Path) -> str | None:
+    """The MLflow run that mirrors `run_dir` (tracking.json's), or None."""
+    return _read_state(Path(run_dir)).get("run_id")
 
 
-MLFLOW_STATUS = {"finished": "FINISHED", "interrupted": "KILLED", "failed": "FAILED"}
-
-
-def sync(run_dir: Path, log: logging.Logger) -> bool | None:
-    """Send to MLflow what a run directory holds and its tracker missed; True if all arrived,
-    None if a live job holds the directory (it sends its own metrics: skipped).
+# ---- sync and the sweep's follower -------------------------------------------------------------
+def sync(run_dir: Path, log: logging.Logger, clients: dict | None = None) -> bool | None:
+    """Make MLflow mirror a run directory, saying each change; True if it does now, False if
+    it could not be reached, None if a live job holds the directory (its job mirrors it).
 
     Holds the run's claim while it works, like a training job: no job starts meanwhile, and no
-    second sync, so each row is sent once and the directory has one MLflow run."""
+    second sync, so the directory keeps one MLflow run. `clients`: a dict that keeps the MLflow
+    client between calls (the follower's)."""
     from .claim import Busy, claim
 
     try:
         held = claim(run_dir)
     except Busy as exc:
-        log.info("skipped %s: %s (that job sends its own metrics)", run_dir, exc)
+        log.info("skipped %s: %s (that job mirrors it)", run_dir, exc)
         return None
     except OSError as exc:  # e.g. a colleague's directory without a .lock: cannot claim it
         log.warning("skipped %s: cannot claim it (%s)", run_dir, exc.strerror or exc)
         return False
     with held:
-        return _sync_held(run_dir, log)
+        state = _read_state(run_dir, log)
+
+        def save() -> None:
+            with contextlib.suppress(OSError):
+                runs.write_json(run_dir / STATE_FILE, state)
+
+        clients = {} if clients is None else clients
+        try:
+            if "client" not in clients:
+                clients["client"] = _client()
+            changes = mirror(clients["client"], run_dir, state, save=save)
+        except Exception as exc:
+            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            log.warning("%s: not mirrored: %s: %s", run_dir, type(exc).__name__, first_line)
+            return False
+    for change in changes:
+        log.info("%s: %s", run_dir, change)
+    return True
 
 
-def _sync_held(run_dir: Path, log: logging.Logger) -> bool:
-    try:
-        config = json.loads(runs.read_trusted(run_dir / runs.CONFIG))
-    except (OSError, ValueError) as exc:
-        log.warning("skipped %s: config.json unreadable (%s)", run_dir, type(exc).__name__)
+def _run_dirs(roots: list[Path], with_state: bool) -> list[Path]:
+    name = STATE_FILE if with_state else runs.CONFIG
+    return sorted({c.parent for root in roots if root.is_dir() for c in root.rglob(name)})
+
+
+class Sampler(threading.Thread):
+    """The machine's system metrics, sampled once for every job of the sweep (MLflow's own
+    monitors: CPU, memory, disk, network, GPU), appended to SAMPLES_FILE."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(daemon=True, name="system-metrics")
+        self.path, self.stopped = path, threading.Event()
+        # Imported here, in the caller's thread: two threads importing mlflow at once break it.
+        try:
+            import mlflow.tracking  # noqa: F401
+            import psutil  # noqa: F401  (MLflow's monitors need it)
+            from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
+            from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
+            from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            gpu = SystemMetricsMonitor._initialize_gpu_monitor(None)
+            self.monitors = [CPUMonitor(), DiskMonitor(), NetworkMonitor(), *([gpu] if gpu else [])]
+        except Exception:  # no psutil: no system metrics, as a live job would have none
+            self.monitors = []
+
+    def run(self) -> None:
+        while self.monitors and not self.stopped.is_set():
+            values = {}
+            for monitor in self.monitors:
+                with contextlib.suppress(Exception):
+                    monitor.collect_metrics()
+                    values.update(monitor.aggregate_metrics())
+                    monitor.clear_metrics()
+            line = json.dumps({"t": time.time(), "metrics": values})
+            with contextlib.suppress(OSError), open(self.path, "a", encoding="utf-8") as f:
+                f.write(line + "\n")
+            self.stopped.wait(SYSTEM_METRICS_INTERVAL_S)
+
+
+def follow(roots: list[Path], log: logging.Logger, stdin=None) -> int:
+    """The sweep's follower: mirror each run directory under `roots` once its job has ended,
+    until `stdin` closes (run.sh's end), then mirror every one left and return.
+
+    Ctrl-C is run.sh's to handle (it stops the jobs, then closes stdin); SIGTERM (run.sh died:
+    setpriv's death signal) ends it after the directory at hand: what it did not mirror, the
+    next sweep or `sync` does. During the sweep it touches only directories that changed since
+    it started and whose status is no longer `running`, so it never claims a run the sweep is
+    about to start."""
+    stdin = sys.stdin if stdin is None else stdin
+    closed, stopping = threading.Event(), threading.Event()
+    if not stdin.isatty():  # under run.sh; at a terminal, Ctrl-C stops it as usual
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: (stopping.set(), closed.set()))
+
+    def read_to_end() -> None:
+        with contextlib.suppress(Exception):
+            while stdin.read(4096):
+                pass
+        closed.set()
+
+    threading.Thread(target=read_to_end, daemon=True).start()
+    sampler, clients, unreached = None, {}, {}  # unreached: run dir -> fingerprint tried
+    seen = {d: fingerprint(d, _read_state(d)) for d in _run_dirs(roots, with_state=True)}
+    first = True
+    while not stopping.is_set():
+        final = closed.is_set()
+        for run_dir in _run_dirs(roots, with_state=True):
+            if stopping.is_set():
+                break
+            state = _read_state(run_dir)
+            now = fingerprint(run_dir, state)
+            if sampler is None and roots and not final:
+                sampler = Sampler(roots[0] / SAMPLES_FILE)  # once a job is tracked
+                sampler.start()
+            if state.get("mirrored") == now:
+                continue
+            if not final and not _ended_meanwhile(run_dir, seen.get(run_dir) != now, first):
+                continue
+            if not final and unreached.get(run_dir) == now:  # failed: again when it changes
+                continue
+            if sync(run_dir, log, clients) is False:
+                unreached[run_dir] = now
+            else:
+                unreached.pop(run_dir, None)
+        first = False
+        if final:
+            break
+        closed.wait(FOLLOW_POLL_S)
+    if sampler is not None:
+        sampler.stopped.set()
+    return 1 if unreached else 0
+
+
+def _ended_meanwhile(run_dir: Path, changed: bool, first: bool) -> bool:
+    """During the sweep: mirror a run whose job ended since the follower started (it changed,
+    and is no longer `running`), and, at the start, those already done (the sweep runs no job
+    there); never one the sweep may be about to start (claiming it would turn that job away)."""
+    if runs.read_status(run_dir) == "running":
         return False
-    status = runs.read_status(run_dir)
-    tracker = Tracker(
-        run_dir,
-        enabled=True,
-        experiment=config.get("experiment", DEFAULT_EXPERIMENT),
-        run_name=run_dir.name,
-        log=log,
-        params=run_params(config),
-        tags={"run_dir": str(run_dir), "synced_later": "true"},
-        system_metrics=False,
-        training=False,
-    )
-    history = _history_rows(run_dir)
-    if status in MLFLOW_STATUS:
-        tracker.end(
-            MLFLOW_STATUS[status],
-            history,
-            metrics=runs.read_metrics(run_dir),
-            artifacts=[run_dir / runs.CONFIG, run_dir / runs.HISTORY],
-        )
-    else:
-        tracker.log_history(history)
-    state = tracker.state
-    return (
-        bool(state.get("run_id"))
-        and state.get("sent_rows", 0) >= len(history)
-        and (status not in MLFLOW_STATUS or state.get("ended") == MLFLOW_STATUS[status])
-    )
+    return changed or (first and runs.is_done(run_dir))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -539,15 +1016,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "command",
-        choices=("init", "uri", "sync"),
+        choices=("init", "uri", "sync", "follow"),
         help="init: create the DB and the experiment; uri: print the tracking URI; "
-        "sync: send what run directories hold and MLflow missed",
+        "sync: make MLflow mirror run directories, printing each change; follow: run.sh's "
+        "follower (mirrors each run once its job ends, until stdin closes)",
     )
     p.add_argument(
         "paths",
         nargs="*",
         type=Path,
-        help="sync: run directories, or folders holding them (e.g. results/sweep)",
+        help="sync, follow: run directories, or folders holding them [results]",
     )
     p.add_argument("--experiment", default=DEFAULT_EXPERIMENT, help="MLflow experiment name")
     args = p.parse_args(argv)
@@ -560,9 +1038,12 @@ def main(argv: list[str] | None = None) -> int:
             f"MLflow ready: {tracking_uri()} (experiment {args.experiment!r}, id {experiment_id})"
         )
         return 0
-    log = logging.getLogger("tracking.sync")
+    paths = args.paths or [PROJECT_ROOT / "results"]
+    log = logging.getLogger(f"tracking.{args.command}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    run_dirs = sorted({c.parent for path in args.paths for c in path.rglob(runs.CONFIG)})
+    if args.command == "follow":
+        return follow(paths, log)
+    run_dirs = _run_dirs(paths, with_state=False)
     if not run_dirs:
         p.error("sync: no run directory (a folder with config.json) under the given paths")
     done = {d: sync(d, log) for d in run_dirs}
