@@ -549,11 +549,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     x.add_argument(
         "--compile",
-        choices=("auto", "on", "off"),
+        choices=("auto", "on", "off", "default", "reduce-overhead", "max-autotune"),
         default="auto",
-        help="torch.compile the step; auto = on CUDA where the measured eager time of the "
-        "steps left saves >= 2x the recorded compile time (mode default or max-autotune), "
-        "off on CPU; on = always; --deterministic stays eager",
+        help="torch.compile the step; auto = on CUDA in the mode (default, reduce-overhead: "
+        "CUDA graphs, max-autotune) whose measured saving over the steps left is >= 2x its "
+        "recorded compile time, off on CPU; on = always, in the best mode; a mode name: that "
+        "mode (without CUDA graphs where they cannot work); --deterministic stays eager",
     )
     x.add_argument(
         "--workers",
