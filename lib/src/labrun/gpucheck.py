@@ -190,7 +190,9 @@ def run_job(
     launcher = []
     if nproc > 1:
         launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    environ = {**os.environ, **(env or {})}
+    # A job that dies of a signal (once: -11, a streamed 224-px CPU dry run under load) prints
+    # its Python stack: the next one names where it happened.
+    environ = {**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})}
     plan = subprocess.run(
         [sys.executable, "run.py", *args, "--print-run-dir"],
         cwd=ctx.root,
