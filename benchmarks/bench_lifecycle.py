@@ -14,6 +14,22 @@
 
 Every job is tiny (digits, width 8, 3 optimizer steps): what is measured is start-up and the
 shared-DB path, not training.
+
+Issue 34, "Leave at once" and "Start in seconds" (`--lib DIR`: another checkout's lib/src first
+on PYTHONPATH, e.g. the template before the change, on the same rendered project; `--before DIR`:
+that one and this one, interleaved):
+
+    .venv/bin/python benchmarks/bench_lifecycle.py quick [--repeats 3] [--lib DIR] [--before DIR]
+    .venv/bin/python benchmarks/bench_lifecycle.py exit [--workers 0 2 8] [--lib DIR]
+
+quick: the README's quick job, `run.py --epochs 6 --width 16` on digits (data cached, MLflow DB
+  created beforehand, as run.sh does), with MLflow on and off, interleaved; its phases from the
+  times its log lines reach this process: start (interpreter, imports, data, model, layout
+  probe) to the first line, MLflow run creation, the compile decision, 6 epochs, test + MLflow
+  end, and exit (the last line to the process's end).
+exit: the delay from the `finished` line to the process's end on the GPU path run on CPU
+  (lib/tests/pinned_workers.py: persistent workers, the pin-memory thread, and the per-worker
+  exit hook of torch <= 2.12, which joins each worker still alive for 5 s), per worker count.
 """
 
 from __future__ import annotations
@@ -23,6 +39,7 @@ import os
 import platform
 import socket
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -106,10 +123,124 @@ def two_sweeps(project: Path) -> dict:
             "summaries": summaries, "wall_s": wall}
 
 
+def stamped_run(cmd: list[str], cwd: Path, env: dict) -> tuple[int, list[tuple[float, str]], float]:
+    """Run `cmd`; (exit code, its stderr lines with the second each arrived, wall seconds)."""
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=cwd, env={**env, "PYTHONUNBUFFERED": "1"}, text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    lines = [(time.perf_counter() - started, line.rstrip()) for line in proc.stderr]
+    proc.wait()
+    return proc.returncode, lines, time.perf_counter() - started
+
+
+def first(lines: list[tuple[float, str]], text: str, last: bool = False) -> float:
+    found = [t for t, line in lines if text in line]
+    return found[-1 if last else 0]
+
+
+def job_env(lib: str | None) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if lib:
+        env["PYTHONPATH"] = os.pathsep.join([lib, env.get("PYTHONPATH", "")])
+    return env
+
+
+def quick_job(project: Path, repeats: int, libs: dict[str, str | None]) -> dict:
+    """Phases of `run.py --epochs 6 --width 16` with MLflow on and off, for each labrun in
+    `libs` (label -> lib/src, None: this one), interleaved; medians in seconds."""
+    env = {**job_env(None), "MLFLOW_TRACKING_URI": f"sqlite:///{project / 'mlflow.db'}"}
+    subprocess.run([sys.executable, "run.py", "--init-tracking"], cwd=project, env=env,
+                   check=True, capture_output=True)
+    subprocess.run([sys.executable, "run.py", "--max-steps", "1", "--tracking", "off",
+                    "--results-dir", str(project / "warm")], cwd=project, env=env, check=True,
+                   capture_output=True)  # digits decoded into data/ once, files in the cache
+    phases: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for i in range(repeats):
+        for tracking in ("on", "off"):
+            for label, lib in libs.items():
+                results = project / f"q{i}{tracking}{label}"  # tracking is no part of the identity
+                cmd = [sys.executable, "run.py", "--epochs", "6", "--width", "16", "--progress",
+                       "off", "--tracking", tracking, "--results-dir", str(results)]
+                code, lines, wall = stamped_run(cmd, project, {**env, **job_env(lib)})
+                assert code == 0, lines[-5:]
+                opened, run = first(lines, "INFO data:"), first(lines, "INFO run ")
+                decided, finished = first(lines, "INFO compile:"), first(lines, "INFO finished")
+                last_epoch = first(lines, " INFO epoch ", True)
+                for name, value in (("start to first line", opened), ("MLflow run", run - opened),
+                                    ("compile decision", decided - run),
+                                    ("6 epochs", last_epoch - decided),
+                                    ("test, MLflow end", finished - last_epoch),
+                                    ("exit after `finished`", wall - finished), ("wall", wall)):
+                    phases.setdefault((label, tracking), {}).setdefault(name, []).append(value)
+    return {key: {k: statistics.median(v) for k, v in p.items()} for key, p in phases.items()}
+
+
+def exit_delay(project: Path, workers: list[int], lib: str | None) -> dict:
+    """Seconds from `finished` to the process's end, persistent pinned workers, old exit hook."""
+    pinned = TEMPLATE / "lib" / "tests" / "pinned_workers.py"
+    delays = {}
+    for n in workers:
+        cmd = [sys.executable, str(pinned), "--old-exit-hook", "run.py", "--epochs", "2",
+               "--width", "8", "--workers", str(n), "--tracking", "off", "--progress", "off",
+               "--results-dir", str(project / f"exit{n}")]
+        code, lines, wall = stamped_run(cmd, project, job_env(lib))
+        assert code == 0, lines[-5:]
+        alive = sum("exit hook: worker" in line and line.endswith("alive") for _, line in lines)
+        delays[n] = (wall - first(lines, "INFO finished"), alive)
+    return delays
+
+
+def machine_line() -> str:
+    import torch
+
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+             if line.startswith("model name")] if cpuinfo.exists() else []
+    return (f"- machine: {platform.machine()}, {len(os.sched_getaffinity(0))} cores "
+            f"({names[0] if names else platform.processor()}); Python "
+            f"{platform.python_version()}; torch "
+            f"{torch.__version__}; load average (1 min) now {os.getloadavg()[0]:.2f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("check", nargs="?", choices=("many", "quick", "exit"), default="many",
+                        help="many: the three checks above; quick, exit: issue 34's")
     parser.add_argument("--jobs", type=int, default=8, help="parallel jobs on the fresh project")
+    parser.add_argument("--repeats", type=int, default=3, help="quick: jobs per setting")
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 2, 8],
+                        help="exit: DataLoader workers per loader")
+    parser.add_argument("--lib", help="quick, exit: this labrun (a lib/src) instead")
+    parser.add_argument("--before", help="quick: also this labrun (a lib/src), interleaved")
     args = parser.parse_args()
+    if args.check == "quick":
+        libs = {"before": args.before, "after": args.lib} if args.before else {"": args.lib}
+        with tempfile.TemporaryDirectory() as tmp:
+            before = os.getloadavg()[0]
+            phases = quick_job(render(Path(tmp)), args.repeats, libs)
+        print(machine_line() + f" (at the start {before:.2f})")
+        print(f"- command: `python benchmarks/bench_lifecycle.py quick --repeats {args.repeats}"
+              f"{' --before ' + args.before if args.before else ''}"
+              f"{' --lib ' + args.lib if args.lib else ''}`\n")
+        columns = [(label, t) for t in ("on", "off") for label in libs]
+        print("| phase (median, s) | " + " | ".join(f"MLflow {t} {label}".strip()
+                                                    for label, t in columns) + " |")
+        print("|---|" + "---:|" * len(columns))
+        for name in phases[columns[0]]:
+            print(f"| {name} | " + " | ".join(f"{phases[c][name]:.2f}" for c in columns) + " |")
+        return 0
+    if args.check == "exit":
+        with tempfile.TemporaryDirectory() as tmp:
+            before = os.getloadavg()[0]
+            delays = exit_delay(render(Path(tmp)), args.workers, args.lib)
+        print(machine_line() + f" (at the start {before:.2f})")
+        print(f"- command: `python benchmarks/bench_lifecycle.py exit --workers "
+              f"{' '.join(map(str, args.workers))}{' --lib ' + args.lib if args.lib else ''}`\n")
+        print("| workers per loader | exit after `finished` (s) | workers the exit hook found "
+              "alive |\n|---:|---:|---:|")
+        for n, (delay, alive) in delays.items():
+            print(f"| {n} | {delay:.2f} | {alive} |")
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         project = render(Path(tmp))
         load_before = os.getloadavg()[0]

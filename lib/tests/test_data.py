@@ -290,3 +290,52 @@ def test_fits_on_device(small_split):
     if torch.cuda.is_available():
         assert fits_on_device([60_000], "cuda")
         assert not fits_on_device([10**9], "cuda")
+
+
+def test_random_resized_crop_cuts_a_part_and_resizes_it_back():
+    """scale 1 and ratio 1 of a square image: the whole image, flipped half the time; a small
+    scale: a part of a left-to-right ramp, stretched (fewer distinct columns' values)."""
+    torch.manual_seed(0)
+    ramp = torch.arange(16, dtype=torch.uint8).mul(16).view(1, 1, 16, 1).expand(64, 16, 16, 3)
+    whole = augment.random_resized_crop(ramp, (1.0, 1.0), (1.0, 1.0))
+    plain = ((whole - ramp.float()).abs() < 1e-3).flatten(1).all(1)
+    mirrored = ((whole - ramp.flip(2).float()).abs() < 1e-3).flatten(1).all(1)
+    assert bool((plain ^ mirrored).all()) and 10 < int(plain.sum()) < 54
+    part = augment.random_resized_crop(ramp, (0.1, 0.1), (1.0, 1.0))
+    assert part.shape == (64, 16, 16, 3) and part.dtype == torch.float32
+    spans = part[:, 0, :, 0].amax(1) - part[:, 0, :, 0].amin(1)
+    assert bool((spans < 0.5 * 240).all())  # ~a third of the ramp's width in each
+    torch.manual_seed(1)
+    again = augment.random_resized_crop(ramp, (0.1, 0.1), (1.0, 1.0))
+    torch.manual_seed(1)
+    assert torch.equal(again, augment.random_resized_crop(ramp, (0.1, 0.1), (1.0, 1.0)))
+
+
+def test_crop_resized_is_an_option_for_images_only_and_says_so():
+    from labrun.config import CROP_RATIO, CROP_SCALE
+
+    chosen = augment.choose_augmentation(
+        (3, 64, 64), "NCHW", torch.uint8, crop="resized", crop_scale=CROP_SCALE,
+        crop_ratio=CROP_RATIO,
+    )  # fmt: skip
+    assert chosen.resized == (CROP_SCALE, CROP_RATIO) and chosen.flip
+    assert chosen.why.startswith("random resized crop (area 0.08-1 of the image")
+    assert "--crop resized" in chosen.why
+    assert augment.choose_augmentation((3, 64, 64), "NCHW", torch.uint8).resized is None
+    with pytest.raises(ValueError, match="--crop resized: crops images"):
+        augment.choose_augmentation(
+            (1, 40), "NCL", torch.float32, "on", crop="resized", crop_scale=CROP_SCALE,
+            crop_ratio=CROP_RATIO,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "flag", [("--crop-scale", "0.5"), ("--crop-scale", "0,1"), ("--crop-ratio", "4/3,3/4")]
+)
+def test_bad_crop_ranges_are_one_error_line(flag):
+    from labrun.config import parse_args
+
+    with pytest.raises(SystemExit) as stopped:
+        parse_args([*flag])
+    assert stopped.value.code == 2
+    assert parse_args(["--crop-ratio", "3/4,4/3"])[0].crop_ratio == (0.75, 4 / 3)

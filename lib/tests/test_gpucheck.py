@@ -33,9 +33,36 @@ def job_with(tmp_path, name: str, losses: list[float], stderr: str = "", log: st
 def test_feed_and_plain_thresholds():
     assert gpucheck.feed_result("feed", 95.0, 100.0).status == PASS
     assert gpucheck.feed_result("feed", 89.0, 100.0).status == FAIL
-    assert gpucheck.plain_result(101.0, 100.0).status == PASS
-    slower = gpucheck.plain_result(471.0, 529.0)  # issue 28.9's Xeon: 0.89x the plain loop
-    assert slower.status == FAIL and "0.89x" in slower.detail
+    assert gpucheck.reference_result("plain", 101.0, 100.0, gpucheck.PLAIN_MIN, None).status == (
+        PASS
+    )
+    slower = gpucheck.reference_result("plain", 471.0, 529.0, gpucheck.PLAIN_MIN, None)
+    assert slower.status == FAIL and "0.89x" in slower.detail  # issue 28.9's Xeon
+    # gpu.md's H100 at batch 128: the job 15,433, the hand-written CUDA-graph loop 49,089
+    ceiling = gpucheck.reference_result("ceiling", 15433, 49089, 0.9, "reduce-overhead")
+    assert (
+        ceiling.status == FAIL
+        and "0.31x" in ceiling.detail
+        and "reduce-overhead" in (ceiling.detail)
+    )
+    assert gpucheck.reference_result("ceiling", 45000, 49089, 0.9, None).status == PASS
+
+
+@pytest.mark.parametrize("loop", ["best_practice_rate", "naive_rate"])
+def test_the_reference_loops_train_the_model_they_are_given(loop):
+    """The yardsticks must do the work they claim: every weight moves, a rate comes back."""
+    from labrun import reference
+
+    torch.manual_seed(0)
+    model = gpucheck.default_model(4)
+    before = [p.detach().clone() for p in model.parameters()]
+    split = gpucheck.synthetic_split(64)
+    extra = {"dtype": None} if loop == "best_practice_rate" else {}
+    rate = getattr(reference, loop)(
+        model, split.images, split.labels, batch_size=16, steps=3, warmup=1, **extra
+    )
+    assert rate > 0
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
 def test_a_recompile_or_a_broken_job_fails_the_compile_checks(tmp_path):
@@ -157,7 +184,7 @@ def test_dry_run_on_cpu_runs_run_py_itself_and_never_crashes():
             rows[line.split("  ")[0]] = line
     for name in ("resume", "recompiles", "ddp compile"):
         assert f"  {PASS}  " in rows[name], result.stdout + result.stderr[-3000:]
-    for name in ("plain", "feed stream 32px"):  # measured on CPU too: a verdict, not a pass
+    for name in ("ceiling", "plain", "feed stream 32px"):  # on CPU too: a verdict, not a pass
         assert f"  {PASS}  " in rows[name] or f"  {FAIL}  " in rows[name], result.stdout
     for name in ("sync", "accum", "precision", "feed"):
         assert f"  {NOT_CHECKED}  no CUDA" in rows[name], result.stdout

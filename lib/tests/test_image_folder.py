@@ -407,5 +407,51 @@ def test_streaming_workers_follow_the_cores_this_process_may_use():
         assert loaders.default_workers(torch.device("cpu")) == 0  # in RAM: no workers on the CPU
     finally:
         os.sched_setaffinity(0, cpus)
-    expected = max(1, min(8, len(cpus) - 1))  # one core left to the main process
+    expected = max(1, len(cpus) - 1)  # one core left to the main process
     assert loaders.default_workers(torch.device("cpu"), streaming=True) == expected
+
+
+def test_peek_reads_the_first_batch_in_this_process(mixed_folder, tmp_path, monkeypatch):
+    """The compile probe's batch: the epoch's first, as iterating gives it, read without
+    starting a worker (their prefetched batches were thrown away inside the first timed epoch,
+    halving a short streamed run's rate)."""
+    split = load(mixed_folder, tmp_path, image_size=(12, 12), mode="stream").splits["train"]
+    loader = build_loader(split, 4, train=True, device="cpu", workers=2)
+    loader.set_epoch(1)
+    torch.manual_seed(0)
+    first = next(iter(loader))
+    with monkeypatch.context() as patched:
+
+        def no_workers(*args, **kwargs):
+            raise AssertionError("a peek must start no worker")
+
+        patched.setattr(torch.utils.data.DataLoader, "__iter__", no_workers)
+        loader.set_epoch(1)
+        torch.manual_seed(0)
+        peeked = loader.peek()
+    assert torch.equal(peeked[0], first[0]) and torch.equal(peeked[1], first[1])
+
+
+def test_streaming_workers_use_every_core_the_job_may_use_but_one(monkeypatch):
+    """Not a fixed 8: a 16-core box's job gets 15, a sweep slot its share (available_cpus)."""
+    monkeypatch.setattr(loaders, "available_cpus", lambda: 16)
+    assert loaders.default_workers(torch.device("cuda"), streaming=True) == 15
+    monkeypatch.setattr(loaders, "available_cpus", lambda: 1)
+    assert loaders.default_workers(torch.device("cpu"), streaming=True) == 1
+
+
+def test_run_log_says_memory_disk_cache_or_stream_and_why(mixed_folder, tmp_path, monkeypatch):
+    def source(**kwargs):
+        loaded = load(mixed_folder, tmp_path, image_size=(12, 12), workers=0, **kwargs)
+        return loaded.mode, loaded.info.describe()["images from"]
+
+    mode, why = source()
+    assert mode == "memory" and why.startswith("memory: decoded once into") and "fits" in why
+    monkeypatch.setattr(data, "available_ram_bytes", lambda: 1000)  # less than the cache
+    mode, why = source()
+    assert mode == "memory" and why.startswith("disk cache: ") and "1000 bytes of RAM" in why
+    mode, why = source(mode="stream")
+    assert mode == "stream" and why.startswith("stream: ") and "--data-mode stream" in why
+    monkeypatch.setattr(data, "cache_fits", lambda *args: "no space")
+    mode, why = source()
+    assert mode == "stream" and "--data-mode auto: no space in --data-dir" in why

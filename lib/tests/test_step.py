@@ -5,6 +5,7 @@ loss; the compile warm-up (Run.warm_up) and its fallback. Tiny models."""
 from __future__ import annotations
 
 import io
+import logging
 
 import pytest
 import torch
@@ -264,3 +265,100 @@ def test_the_state_resumes_the_step_exactly(step_of):
             assert torch.equal(value, b[key]), key
     assert straight.run.train_sums.take() == resumed.run.train_sums.take()
     assert straight.scheduler.get_last_lr() == resumed.scheduler.get_last_lr()
+
+
+# ---- CUDA graphs: every decision on CPU, with the device queries patched ----------------------
+@pytest.fixture
+def marks(monkeypatch):
+    """Counts torch.compiler.cudagraph_mark_step_begin calls (a new CUDA-graph step)."""
+    seen = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: seen.append(1))
+    return seen
+
+
+def test_each_timed_pass_starts_without_grads_and_marks_a_graph_step(marks):
+    """gpu.md: reduce-overhead crashed in this timing ("accessing tensor output of CUDAGraphs
+    that has been overwritten"): four passes accumulated into .grad that a replay had
+    overwritten. Each pass must start with no .grad and a new CUDA-graph step."""
+    from labrun.hardware import time_forward_backward, timed
+
+    model = small_net()
+    grads_at_forward = []
+    model.register_forward_pre_hook(
+        lambda module, args: grads_at_forward.append([p.grad for p in module.parameters()])
+    )
+    x, y = batches(1)[0]
+    time_forward_backward(model, x, y, cross_entropy, None, timed(CPU))
+    assert len(marks) == len(grads_at_forward) == 4
+    assert all(g is None for grads in grads_at_forward for g in grads)
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("device", "mode", "expected"),
+    [("cuda", "reduce-overhead", 3), ("cuda", "max-autotune", 3), ("cuda", "default", 0),
+     ("cuda", None, 0), ("cpu", "reduce-overhead", 0)],
+)  # fmt: skip
+def test_the_step_marks_each_step_begin_only_under_cuda_graphs(
+    step_of, marks, device, mode, expected
+):
+    c = step_of(small_net())
+    c.run.compiled, c.run.device = mode, torch.device(device)  # the device as graphs see it
+    for micro_batches in [[b] for b in batches(3)]:
+        c.step(micro_batches)
+    assert len(marks) == expected
+
+
+def test_cuda_graph_runs_skip_graphs_for_shapes_that_change_and_say_so(
+    step_of, monkeypatch, caplog
+):
+    """A model whose shapes change per batch: its recompiled graphs run without CUDA graphs
+    (no graph recorded per shape, no crash mid-run), and run.log says it."""
+    import torch._inductor.config as inductor
+
+    from labrun import hardware
+
+    monkeypatch.setattr(inductor.triton, "cudagraph_skip_dynamic_graphs", False)
+    c = step_of(small_net())
+    monkeypatch.setattr(hardware, "decide_compile", lambda *a, **k: ("reduce-overhead", 0.01, None))
+    c.run.device = torch.device("cuda")
+    c.run.log = logging.getLogger("test_step")  # run.log's logger is closed once captured
+    caplog.set_level(logging.INFO, logger="test_step")
+    assert c.run.compile_mode(c.model) == "reduce-overhead" and c.run.cuda_graphs
+    assert inductor.triton.cudagraph_skip_dynamic_graphs
+    assert "a batch of another shape runs without them" in caplog.text
+
+
+# ---- no wasted launch: the default step's aten ops, held to a budget ---------------------------
+class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten ops dispatched (on CPU each one a kernel, or a view, on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] = self.ops.get(str(func), 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+# run.py's default step (the cnn model, fp32 eager on CPU, one micro-batch), counted with torch
+# 2.13: 198 aten ops. Forward + backward of its 10 conv/BatchNorm/ReLU layers and the head ~120,
+# 58 detaches (autograd's views of new gradients: no kernel), the loss and the metric sums ~15,
+# fused AdamW 4 (2 parameter groups); the one-cycle schedule runs on the host. Unfused AdamW was
+# 322 ops by itself (~10 per parameter tensor), `loss / 1` and the unused loss total 3 more.
+# BatchNorm's num_batches_tracked costs 10 (unused with a momentum: a model's choice). The
+# budget leaves ~5 % for torch's own changes; new per-step work (a cast, a counter, a sum) must
+# earn its place and then move the number here.
+STEP_OPS = 198
+STEP_OP_BUDGET = 208
+
+
+def test_the_default_step_stays_within_its_op_budget(step_of):
+    c = step_of(None)
+    x, y = next(iter(c.run.data_.train))
+    c.step([(x, y)])  # the first step allocates AdamW's state: not a per-step cost
+    with OpCounter() as counter:
+        c.step([(x, y)])
+    total = sum(counter.ops.values())
+    assert total <= STEP_OP_BUDGET, sorted(counter.ops.items(), key=lambda kv: -kv[1])

@@ -116,6 +116,9 @@ def test_profile_covers_whole_optimizer_steps_of_a_short_run(
         warmup=2,
     )
     assert "convolution" in table  # the top-10 table names the expensive ops
+    per_step = table.splitlines()[0]  # issue 33.3: what a step launches, counted
+    assert per_step.startswith("per step: ") and " aten ops, " in per_step
+    assert int(per_step.split()[2]) > 20  # 2 micro-batches of forward + backward, AdamW
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     names = Counter(e.get("name", "") for e in events if e.get("ph") == "X")
     assert sum(n.startswith("optimizer_step_") for n in names) == 3

@@ -11,6 +11,7 @@ state replays an epoch exactly. A new augmentation goes here, after the crop.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -72,15 +73,17 @@ class Normalization:
 @dataclass(frozen=True)
 class Augmentation:
     """Random crop of the batch zero-padded by `padding` (rows, columns of the channel-last
-    batch seen as (N, H, W, C); a signal is one row) and a flip of its last spatial axis."""
+    batch seen as (N, H, W, C); a signal is one row) and a flip of its last spatial axis; or,
+    with `resized` = (scale, ratio), a random resized crop of each image (random_resized_crop)."""
 
     padding: tuple[int, int] = (0, 0)
     flip: bool = False
     why: str = "off"
+    resized: tuple[tuple[float, float], tuple[float, float]] | None = None
 
     @property
     def on(self) -> bool:
-        return self.flip or any(self.padding)
+        return self.flip or any(self.padding) or self.resized is not None
 
 
 def choose_augmentation(
@@ -90,10 +93,15 @@ def choose_augmentation(
     requested: str = "auto",
     declared: bool | None = None,
     spatial_targets: bool = False,
+    crop: str = "pad",
+    crop_scale: tuple[float, float] | None = None,
+    crop_ratio: tuple[float, float] | None = None,
 ) -> Augmentation:
     """What --augment `requested` means for data of this `shape` (one sample), with the
     dataset's declaration (DatasetSplits.augment) and the task's targets; `why` says which and
-    why (run.log, config.json). Raises ValueError where `on` cannot work."""
+    why (run.log, config.json). `crop` (--crop) "resized": images get a random resized crop of
+    `crop_scale` and `crop_ratio` (--crop-scale, --crop-ratio; their defaults are config.py's)
+    instead of the padded crop. Raises ValueError where `on` cannot work."""
     data = describe(shape, layout, dtype)
     if requested == "off":
         return Augmentation(why="off (--augment off)")
@@ -119,6 +127,16 @@ def choose_augmentation(
         raise ValueError(
             f"--augment: no augmentation is defined for {data} ({source}); crop and flip "
             "need images, signals or sequences (write your own in labrun's augment.py)"
+        )
+    if crop == "resized":
+        if len(spatial) != 2:
+            raise ValueError(f"--crop resized: crops images, not {data}; use --crop pad")
+        (low, high), (narrow, wide) = crop_scale, crop_ratio
+        return Augmentation(
+            flip=True,
+            resized=(crop_scale, crop_ratio),
+            why=f"random resized crop (area {low:g}-{high:g} of the image, width/height "
+            f"{narrow:.3g}-{wide:.3g}) + flip ({source}; --crop resized)",
         )
     pad = crop_padding(*spatial) if len(spatial) == 2 else max(1, spatial[0] // 8)
     kind = "crop + flip" if len(spatial) == 2 else "shift + flip along the length"
@@ -183,6 +201,8 @@ class DeviceTransform:
             return x.contiguous() if self._contiguous else x
 
     def _augment(self, batch: torch.Tensor) -> torch.Tensor:
+        if self.augmentation.resized is not None:
+            return random_resized_crop(batch, *self.augmentation.resized)
         py, px = self.augmentation.padding
         rows = batch if batch.ndim == 4 else batch.unsqueeze(1)  # a signal is one row
         padded = F.pad(rows, (0, 0, px, px, py, py)) if py or px else rows
@@ -207,6 +227,39 @@ def random_crop_flip(padded: torch.Tensor, padding, *, flip: bool = True) -> tor
         flips.zero_()
     cut = crop_flip_slices if dev.type == "cpu" else crop_flip_gather
     return cut(padded, dy, dx, flips, (hp - 2 * py, wp - 2 * px))
+
+
+def random_resized_crop(
+    batch: torch.Tensor, scale: tuple[float, float], ratio: tuple[float, float], tries: int = 10
+) -> torch.Tensor:
+    """Per image of an NHWC batch, a random box of `scale` of its area and width/height in
+    `ratio` (log-uniform), resized back to the image's size (bilinear), flipped half the time:
+    float32 NHWC. torchvision's RandomResizedCrop + RandomHorizontalFlip, for a whole batch on
+    its device: the box is the first of `tries` draws that fits (none: the whole image), cut
+    and resized by one grid_sample; draws from the device's default RNG, no host sync."""
+    n, h, w, c = batch.shape
+    dev = batch.device
+    area = torch.empty(n, tries, device=dev).uniform_(*scale)
+    aspect = torch.empty(n, tries, device=dev).uniform_(math.log(ratio[0]), math.log(ratio[1]))
+    aspect = aspect.exp()
+    box_w = (area * aspect * h / w).sqrt()  # fractions of the image's width and height
+    box_h = (area / aspect * w / h).sqrt()
+    fits = (box_w <= 1) & (box_h <= 1)
+    first = fits.to(torch.uint8).argmax(1, keepdim=True)  # argmax: the first True
+    any_fit = fits.any(1)
+    box_w = torch.where(any_fit, box_w.gather(1, first).squeeze(1), 1.0)
+    box_h = torch.where(any_fit, box_h.gather(1, first).squeeze(1), 1.0)
+    # Box centres in grid_sample's coordinates (-1..1), anywhere the box stays inside.
+    centre_x = (torch.rand(n, device=dev) * 2 - 1) * (1 - box_w)
+    centre_y = (torch.rand(n, device=dev) * 2 - 1) * (1 - box_h)
+    mirror = torch.randint(0, 2, (n,), device=dev) * 2 - 1  # -1: flipped left-right
+    theta = torch.zeros(n, 2, 3, device=dev)
+    theta[:, 0, 0], theta[:, 0, 2] = box_w * mirror, centre_x
+    theta[:, 1, 1], theta[:, 1, 2] = box_h, centre_y
+    grid = F.affine_grid(theta, [n, c, h, w], align_corners=False)
+    images = batch.permute(0, 3, 1, 2).float()
+    out = F.grid_sample(images, grid, mode="bilinear", padding_mode="border", align_corners=False)
+    return out.permute(0, 2, 3, 1).contiguous()  # NHWC, as the padded crop's
 
 
 def crop_flip_gather(padded, dy, dx, flip, size) -> torch.Tensor:

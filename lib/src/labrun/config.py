@@ -29,6 +29,7 @@ import math
 import os
 import re
 import typing
+from fractions import Fraction
 from pathlib import Path
 
 from . import project, runs
@@ -103,6 +104,9 @@ FIRST_RELEASE_KEYS = frozenset(
         "width",
     }
 )
+CROPS = ("pad", "resized")  # --crop: pad-and-crop (small images), random resized crop (photos)
+CROP_SCALE = (0.08, 1.0)  # --crop-scale: the area of a random resized crop (torchvision's)
+CROP_RATIO = (3 / 4, 4 / 3)  # --crop-ratio: its width / height (torchvision's)
 # The readable part of a run's name lists its changed flags in the first release's parser order
 # (names are pinned by the tests), then any other in the order of --help.
 NAME_ORDER = (
@@ -200,6 +204,23 @@ def _non_negative_float(text: str) -> float:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
+
+
+def _range_of(low: float, high: float):
+    """`LOW,HIGH` (numbers or fractions such as 3/4), low < LOW <= HIGH <= high."""
+
+    def parse(text: str) -> tuple[float, float]:
+        try:
+            values = tuple(float(Fraction(part.strip())) for part in text.split(","))
+        except (ValueError, ZeroDivisionError):
+            values = ()
+        if len(values) != 2 or not low < values[0] <= values[1] <= high:
+            raise argparse.ArgumentTypeError(
+                f"must be LOW,HIGH with {low:g} < LOW <= HIGH <= {high:g}, got {text}"
+            )
+        return values
+
+    return parse
 
 
 def _image_size(text: str) -> tuple[int, int]:
@@ -471,6 +492,30 @@ def build_parser() -> argparse.ArgumentParser:
         "flip along the length of signals and sequences; run.log says which and why",
     )
     e.add_argument(
+        "--crop",
+        choices=CROPS,
+        default="pad",
+        help="the images' random crop: pad = a crop of the image zero-padded by 1/8 of its "
+        "side (small images, CIFAR's); resized = a random part of the image (--crop-scale, "
+        "--crop-ratio) resized to the full size (photos, ImageNet's RandomResizedCrop); "
+        "both with a random flip",
+    )
+    e.add_argument(
+        "--crop-scale",
+        type=_range_of(0.0, 1.0),
+        default=CROP_SCALE,
+        metavar="LOW,HIGH",
+        help="--crop resized: the part's area, a fraction of the image's, drawn from LOW..HIGH",
+    )
+    e.add_argument(
+        "--crop-ratio",
+        type=_range_of(0.0, math.inf),
+        default=CROP_RATIO,
+        metavar="LOW,HIGH",
+        help="--crop resized: the part's width / height, drawn log-uniformly from LOW..HIGH "
+        "(fractions allowed: 3/4,4/3)",
+    )
+    e.add_argument(
         "--seed",
         type=_seed,
         default=0,
@@ -504,11 +549,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     x.add_argument(
         "--compile",
-        choices=("auto", "on", "off"),
+        choices=("auto", "on", "off", "default", "reduce-overhead", "max-autotune"),
         default="auto",
-        help="torch.compile the step; auto = on CUDA where the measured eager time of the "
-        "steps left saves >= 2x the recorded compile time (mode default or max-autotune), "
-        "off on CPU; on = always; --deterministic stays eager",
+        help="torch.compile the step; auto = on CUDA in the mode (default, reduce-overhead: "
+        "CUDA graphs, max-autotune) whose measured saving over the steps left is >= 2x its "
+        "recorded compile time, off on CPU; on = always, in the best mode; a mode name: that "
+        "mode (without CUDA graphs where they cannot work); --deterministic stays eager",
     )
     x.add_argument(
         "--workers",

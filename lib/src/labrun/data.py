@@ -6,7 +6,8 @@
 The data layer, by what changes together (no module imports one that imports it back):
 - datasets.py   the registry: DatasetSplits, one function per dataset (arrays.py: the array
                 datasets' downloads and .npz caches; imagefolder.py: the folder scan);
-- imagefolder.py, imagecache.py   how an image file becomes pixels, and the decoded cache;
+- imagefolder.py, imagecache.py, gpudecode.py   how an image file becomes pixels, the decoded
+                cache, and streamed JPEGs decoded on the GPU;
 - loaders.py, augment.py   batches on the device: the loaders, augmentation and normalisation;
 - data.py       this file: load_dataset, the split carving, the memory budget, the batch check.
 
@@ -51,6 +52,7 @@ from .dataversion import forget
 from .imagecache import cache_fits, decode_cached
 from .imagefolder import UnreadableImage
 from .loaders import FileSplit, Split, build_loader, own_normalization
+from .runs import size_text
 from .tasks import check_targets
 
 __all__ = [  # what callers import from here (the loaders' names have their home in loaders.py)
@@ -97,6 +99,7 @@ class DatasetInfo:
     dtype: str = "uint8"
     normalization: Normalization | None = None  # None: uint8 images' constants
     augmentation: Augmentation = field(default_factory=Augmentation)  # of the training split
+    source: str = ""  # image files: memory, disk cache or stream, and why (data._image_source)
 
     def as_config(self) -> dict:
         described = {
@@ -116,11 +119,14 @@ class DatasetInfo:
         """What the data layer did with the inputs: run.log's `data:` lines, config.json."""
         norm = self.normalization
         fixed = "per channel, fixed constants of uint8 images (CIFAR-10's)"
-        return {
+        described = {
             "data": describe(self.input_shape, self.layout, self.dtype),
             "normalization": fixed if norm is None else norm.why,
             "augmentation": self.augmentation.why,
         }
+        if self.source:
+            described["images from"] = self.source
+        return described
 
 
 @dataclass
@@ -150,6 +156,9 @@ def load_dataset(
     task: str = "classification",
     augment: str = "auto",
     spatial_targets: bool = False,
+    crop: str = "pad",
+    crop_scale: tuple[float, float] | None = None,
+    crop_ratio: tuple[float, float] | None = None,
 ) -> LoadedDataset:
     """Load the registered dataset `name` as {"train", "val", "test"} splits and describe it.
 
@@ -162,7 +171,8 @@ def load_dataset(
     (dataversion.data_version; computed when None). `workers`: processes that decode the cache
     (None: every core; 0 or 1: this process). `augment` (--augment auto/on/off) and
     `spatial_targets` (the task's) decide the training augmentation, `info.augmentation`: pass
-    it to build_loader. Raises ValueError with a one-line message for every bad input.
+    it to build_loader; `crop`, `crop_scale`, `crop_ratio` (--crop ...) the images' crop.
+    Raises ValueError with a one-line message for every bad input.
     """
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
@@ -236,11 +246,17 @@ def load_dataset(
             "streaming needs a dataset of image files (e.g. folder)"
         )
     notes = list(raw.notes)
-    if streamable and mode == "auto":
-        why_not = _why_not_cached(splits.values(), data_dir, data_version)
-        mode = "stream" if why_not else "memory"
+    source = ""  # files: memory, disk cache or stream, and why (run.log's `images from:`)
+    if streamable:
+        why_not = (
+            _why_not_cached(splits.values(), data_dir, data_version) if mode == "auto" else None
+        )
+        source = _image_source(mode, why_not, splits.values())
         if why_not:
             notes.append(f"--data-mode auto: streaming (decoded every epoch): {why_not}")
+            mode = "stream"
+        elif mode == "auto":
+            mode = "memory"
     if not streamable:
         mode = "memory"
     elif mode == "memory":  # decoded before carving: the cache never depends on --seed
@@ -275,8 +291,9 @@ def load_dataset(
     for split in splits.values():
         split.normalization = normalization
     augmentation = choose_augmentation(
-        input_shape, layout, dtype, augment, raw.augment, spatial_targets
-    )
+        input_shape, layout, dtype, augment, raw.augment, spatial_targets,
+        crop=crop, crop_scale=crop_scale, crop_ratio=crop_ratio,
+    )  # fmt: skip
     info = DatasetInfo(
         name,
         num_classes,
@@ -290,8 +307,29 @@ def load_dataset(
         dtype=str(dtype).removeprefix("torch."),
         normalization=normalization,
         augmentation=augmentation,
+        source=source,
     )
     return LoadedDataset(splits, info, mode, notes)
+
+
+def _image_source(mode: str, why_not: str | None, splits) -> str:
+    """Which of memory / disk cache / stream serves the image files, and why (run.log's
+    `images from:` line): the decoded cache is memory-mapped, so where it exceeds the RAM this
+    job may use it is read back from disk every epoch (the page cache keeps what fits), still
+    without a decode."""
+    if mode == "stream" or why_not:
+        why = "--data-mode stream" if mode == "stream" else f"--data-mode auto: {why_not}"
+        return f"stream: decoded every epoch by the loader's workers ({why})"
+    files = [s for s in splits if isinstance(s, FileSplit)]
+    need, ram = decoded_bytes(files), available_ram_bytes()
+    decoded = f"decoded once into {size_text(need)} in --data-dir"
+    if ram is not None and need > ram:
+        return (
+            f"disk cache: {decoded}, memory-mapped; more than the {size_text(ram)} of RAM this "
+            f"job may use, so read back from disk every epoch (--data-mode {mode})"
+        )
+    ram_text = "" if ram is None else f" (fits the {size_text(ram)} of RAM this job may use)"
+    return f"memory: {decoded}, memory-mapped{ram_text}; gathered every epoch (--data-mode {mode})"
 
 
 def _dtype(split: Split | FileSplit) -> torch.dtype:

@@ -7,9 +7,10 @@ with the reason that run.py logs:
               compute capability >= 8.0, or a CPU with native bf16); fp16 + GradScaler on older
               GPUs; fp32 otherwise. `torch.cuda.is_bf16_supported()` is not used: it also counts
               emulated bf16 (V100/T4), which has no tensor cores.
-- compile:    `decide_compile` / `choose_compile`: eager, "default" or "max-autotune" from the
-              measured eager time of the steps left and the compile time recorded for this
-              model on this machine (rule below); `use_inductor_cache`: one cache per project.
+- compile:    `decide_compile` / `choose_compile`: eager, "default", "reduce-overhead" (CUDA
+              graphs) or "max-autotune" from the measured eager time of the steps left and
+              each mode's compile cost and speed recorded for this model on this machine (rule
+              below); `use_inductor_cache`: one cache per project.
 - kernels:    `setup_backends`: cuDNN autotuning + TF32 for speed, or `--deterministic`.
 - batch size: `recommended_batch_size` / `default_lr`: what --find-batch-size recommends per
               device; the default --batch-size is 128 everywhere (rule below).
@@ -33,21 +34,29 @@ import torch
 
 # Compile rule (--compile auto, hardware.choose_compile): compile only where the eager time it
 # saves clearly exceeds what compiling costs. The eager time is measured (forward + backward of a
-# real batch, times the micro-batches left); the compile time and the compiled/eager time ratio
-# come from this model's last compile on this machine (CompileRecord, kept in the inductor cache
-# folder). Until one exists, the PRIOR_COSTS below stand in: assumptions on the expensive side,
-# not measurements (gpucheck and every compiled run replace them with this machine's numbers).
+# real batch, times the micro-batches left); each candidate mode's compile time (cold, or warm:
+# the inductor cache already holds this model) and its compiled/eager time ratio come from this
+# model's last compiles on this machine (CompileRecord, kept in the inductor cache folder). Until
+# one exists, the priors below stand in: what this lab measured, named where it was measured.
 PAYBACK = 2.0  # compile when the estimated saving is at least twice the compile time
-PRIOR_COSTS = {  # mode: (compile seconds, compiled/eager time of forward + backward)
-    "default": (60.0, 0.8),
-    "max-autotune": (600.0, 0.7),  # autotuned kernels + CUDA graphs: long search up front
-    "max-autotune-no-cudagraphs": (600.0, 0.75),  # the same kernels, no CUDA graphs
+# mode: (cold compile s, warm-cache compile s, compiled/eager time of forward + backward)
+CUDA_PRIORS = {
+    # H100, default CNN (shared notes, gpu.md): 17-18 s cold; slower than eager at batch 128
+    # and 512 (9.2 vs 5.0 ms), 0.89x at 1024: no saving expected until this machine measures one
+    "default": (18.0, 4.0, 1.0),
+    # H100: 21 s cold; the unchanged step trained 2.33x eager (launch-bound at batch 128)
+    "reduce-overhead": (21.0, 4.0, 1 / 2.33),
+    # Not measured here: reduce-overhead's CUDA graphs plus a search over kernels (minutes)
+    "max-autotune": (300.0, 30.0, 0.4),
+    "max-autotune-no-cudagraphs": (300.0, 30.0, 0.9),  # the same search, no graphs
 }
-# CUDA graphs replay one captured forward/backward; with --grad-accum > 1 the micro-steps
-# accumulate into .grad between replays and alternate DDP's no_sync, and a replay overwrites the
-# outputs of the one before: cudagraph trees then re-record or fall back, slower than no graphs.
-CUDA_GRAPH_MODES = {"max-autotune": "max-autotune-no-cudagraphs"}
-CPU_MODES = ("default",)  # max-autotune's CUDA graphs and Triton autotuning need a GPU
+# The GPU warm-cache costs above are not measured: they assume the CPU's cold/warm ratio.
+# 2-core AMD EPYC (ecosystem-facts 5): 15.7 s cold, 2.9-3.3 s warm, ~15 % faster than eager
+CPU_PRIORS = {"default": (16.0, 3.1, 0.87)}
+# CUDA graphs replay one captured forward/backward; the no-graphs mode with the same kernels
+# where graphs cannot be used (graphs_blocked) or there is no GPU.
+WITHOUT_GRAPHS = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 INDUCTOR_CACHE_ENV = "LAB_INDUCTOR_CACHE_DIR"  # a lab-wide cache folder, shared by projects
 RECORDS = "lab_compile_costs"  # sub-folder of the inductor cache: one JSON per model and machine
 # Batch-size rule: one default batch size, 128, on every device: the batch size is part of the
@@ -101,13 +110,30 @@ def choose_precision(device: torch.device, amp: str) -> tuple[torch.dtype | None
 class CompileCost:
     """What compiling in one mode costs and gives, for one model on one machine."""
 
-    compile_s: float
+    compile_s: float  # what this run's compile would cost (warm when the cache should hold it)
     ratio: float  # compiled / eager seconds of forward + backward
-    source: str  # "prior" (PRIOR_COSTS) or "measured <UTC time>"
+    source: str  # "prior" or "measured <UTC time>" (of the ratio)
+    cache: str = "cold"  # "cold": nothing compiled yet; "warm": this mode compiled here before
 
 
-def prior_costs() -> dict[str, CompileCost]:
-    return {mode: CompileCost(c, r, "prior") for mode, (c, r) in PRIOR_COSTS.items()}
+def prior_costs(device: torch.device) -> dict[str, CompileCost]:
+    priors = CUDA_PRIORS if device.type == "cuda" else CPU_PRIORS
+    return {mode: CompileCost(cold, ratio, "prior") for mode, (cold, _, ratio) in priors.items()}
+
+
+def graphs_blocked(device: torch.device, micro_batches: int, ddp: bool, dtype) -> str | None:
+    """Why this run cannot use CUDA graphs, or None when it can."""
+    if device.type != "cuda":
+        return "CUDA graphs need a GPU"
+    if micro_batches > 1:
+        # A replay writes its gradients into the graph's memory, which the next replay reuses:
+        # accumulating into .grad across micro-batches would add overwritten buffers.
+        return f"--grad-accum {micro_batches} accumulates gradients between replays"
+    if ddp:  # DDP's all-reduce hooks inside a replayed backward: not proven on a GPU here
+        return "DistributedDataParallel's gradient hooks are not proven under graphs here"
+    if dtype == torch.float16:  # GradScaler's skipped steps: not proven on a GPU here
+        return "fp16's GradScaler is not proven under graphs here"
+    return None
 
 
 def choose_compile(
@@ -117,59 +143,67 @@ def choose_compile(
     deterministic: bool = False,
     *,
     micro_batches: int = 1,
+    blocked: str | None = None,
     measure: Callable[[], tuple[float, dict[str, CompileCost]]] | None = None,
 ) -> tuple[str | None, str]:
     """(torch.compile mode or None for eager, why), from --compile and the measured work.
 
-    off, --deterministic, and auto on CPU: eager, nothing measured. Otherwise `measure()` gives
-    the eager seconds of one micro-batch's forward + backward and each mode's CompileCost; the
-    eager time of the run is steps x micro_batches x that, and each mode would save
-    (1 - ratio) of it. auto compiles in the mode that saves the most net of its compile time,
-    if that saving is at least PAYBACK x the compile time; on always compiles, in that mode.
+    off, --deterministic, and auto on CPU: eager, nothing measured. A mode name: that mode
+    (its no-graphs variant where `blocked` says why graphs cannot be used). Otherwise
+    `measure()` gives the eager seconds of one micro-batch's forward + backward and each
+    mode's CompileCost; the eager time of the run is steps x micro_batches x that, and each
+    candidate would save (1 - ratio) of it. A mode measured slower than eager is never a
+    candidate. auto compiles in the candidate that saves the most net of its compile time, if
+    that saving is at least PAYBACK x the compile time; on always compiles, in that mode.
     """
     if flag == "off":
         return None, "eager (--compile off)"
     if deterministic:
         # Inductor's generated kernels are not covered by torch's deterministic-algorithm list.
         return None, "eager (--deterministic)"
+    if flag in MODES:
+        if blocked and flag in WITHOUT_GRAPHS:
+            mode = WITHOUT_GRAPHS[flag]
+            return mode, f"{mode} (--compile {flag} without CUDA graphs: {blocked})"
+        return flag, f"{flag} (--compile {flag})"
     if flag == "auto" and device.type != "cuda":
         return None, "eager (--compile auto: off on CPU; --compile on to compile)"
     if measure is None:
-        raise ValueError("choose_compile: --compile on/auto on CUDA needs `measure`")
+        raise ValueError("choose_compile: --compile on/auto needs `measure`")
     step_s, costs = measure()
-    costs = {**prior_costs(), **costs}
-    modes = CPU_MODES if device.type != "cuda" else ("default", "max-autotune")
-    graphs_note = ""
-    if micro_batches > 1 and device.type == "cuda":
-        modes = tuple(CUDA_GRAPH_MODES.get(m, m) for m in modes)
-        graphs_note = (
-            f"; max-autotune-no-cudagraphs in place of max-autotune: CUDA graphs replay one "
-            f"captured step, and --grad-accum {micro_batches} accumulates gradients between "
-            "replays (cudagraph trees would re-record or fall back)"
-        )
+    costs = {**prior_costs(device), **costs}
     eager_s = steps * micro_batches * step_s
     work = (
         f"{steps} steps x {micro_batches} micro-batch{'es' if micro_batches > 1 else ''} x "
         f"{1e3 * step_s:.1f} ms = {eager_s:.1f} s eager"
     )
+    skipped = {m: f"no CUDA graphs: {blocked}" for m in WITHOUT_GRAPHS if blocked and m in costs}
+    for mode, cost in costs.items():
+        if cost.ratio >= 1 and cost.source != "prior":  # a prior of 1.0 is "no saving known"
+            skipped[mode] = f"measured slower ({cost.ratio:.2f}x eager time, {cost.source})"
+
+    def saving(mode: str) -> float:
+        return eager_s * (1 - costs[mode].ratio)
 
     def net_saving(mode: str) -> float:
-        return eager_s * (1 - costs[mode].ratio) - costs[mode].compile_s
+        return saving(mode) - costs[mode].compile_s
 
-    mode = max(modes, key=net_saving)
+    candidates = [m for m in costs if m not in skipped]
+    lines = [
+        f"{m} saves ~{saving(m):.1f} s ({100 * (1 - costs[m].ratio):.0f} %, {costs[m].source}) "
+        f"for ~{costs[m].compile_s:.0f} s ({costs[m].cache})"
+        for m in candidates
+    ] + [f"{m}: {why}" for m, why in skipped.items()]
+    estimates = "; ".join(lines)
+    if not candidates:
+        return None, f"eager: {work}; every mode was measured slower: {estimates}"
+    mode = max(candidates, key=net_saving)
     cost = costs[mode]
-    saving = eager_s * (1 - cost.ratio)
-    estimate = (
-        f"{mode} would save ~{saving:.1f} s ({100 * (1 - cost.ratio):.0f} %, {cost.source}) "
-        f"for a compile of ~{cost.compile_s:.0f} s ({cost.source})"
-    )
-    if cost.source == "prior":
-        estimate += "; prior: no compile of this model recorded on this machine yet"
     if flag == "on":
-        return mode, f"{mode} (--compile on): {work}; {estimate}{graphs_note}"
-    if saving >= PAYBACK * cost.compile_s:
-        return mode, f"{mode}: {work}; {estimate} (>= {PAYBACK:g} x: pays){graphs_note}"
-    return None, f"eager: {work}; {estimate} (< {PAYBACK:g} x: would not pay)"
+        return mode, f"{mode} (--compile on): {work}; {estimates}"
+    if saving(mode) >= PAYBACK * cost.compile_s:
+        return mode, f"{mode}: {work}; {estimates} ({mode}: >= {PAYBACK:g} x: pays)"
+    return None, f"eager: {work}; {estimates} (best, {mode}: < {PAYBACK:g} x: would not pay)"
 
 
 def use_inductor_cache(project_root: Path) -> tuple[Path, str]:
@@ -230,29 +264,66 @@ class CompileRecord:
             return {}
         return record.get("modes", {}) if record.get("key") == self.key else {}
 
-    def costs(self) -> dict[str, CompileCost]:
-        costs = prior_costs()
+    def costs(self, device: torch.device) -> dict[str, CompileCost]:
+        """Each mode's cost: its measured ratio, and the warm-cache compile cost once this mode
+        compiled here (the cache beside this record holds its kernels), else the cold one."""
+        priors = CUDA_PRIORS if device.type == "cuda" else CPU_PRIORS
+        costs = prior_costs(device)
         for mode, seen in self.read().items():
-            if mode in costs and seen.get("eager_step_s"):
+            if mode not in costs:
+                continue
+            ratio, source = costs[mode].ratio, "prior"
+            if seen.get("eager_step_s"):
                 ratio = seen["compiled_step_s"] / seen["eager_step_s"]
-                costs[mode] = CompileCost(seen["compile_s"], ratio, f"measured {seen['when']}")
+                source = f"measured {seen['when']}"
+            warm_s = seen.get("warm_compile_s", priors[mode][1])
+            costs[mode] = CompileCost(warm_s, ratio, source, cache="warm")
         return costs
 
-    def save(self, mode: str, *, compile_s: float, eager_step_s: float, compiled_step_s: float):
+    def eager_step_s(self) -> float | None:
+        """The eager forward + backward recorded here by an earlier job, if any."""
+        return next((m["eager_step_s"] for m in self.read().values() if "eager_step_s" in m), None)
+
+    def save(
+        self,
+        mode: str,
+        *,
+        compile_s: float,
+        warm: bool,
+        eager_step_s: float,
+        compiled_step_s: float,
+    ):
         from .runs import write_json
 
         modes = self.read()
-        modes[mode] = {
-            "compile_s": round(compile_s, 3),
-            "eager_step_s": eager_step_s,
-            "compiled_step_s": compiled_step_s,
-            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        }
+        seen = modes.get(mode, {})
+        seen[("warm_" if warm else "cold_") + "compile_s"] = round(compile_s, 3)
+        seen.update(
+            eager_step_s=eager_step_s,
+            compiled_step_s=compiled_step_s,
+            when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        )
+        modes[mode] = seen
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             write_json(self.path, {"key": self.key, "modes": modes})
         except OSError:  # a read-only cache folder: the next job measures again
             pass
+
+
+def compile_cache_counts() -> tuple[int, int]:
+    """(hits, misses) of inductor's FX graph cache and AOTAutograd's cache so far in this
+    process: a compile between two counts with hits and no miss was warm (its cost is recorded
+    apart from cold ones)."""
+    from torch._dynamo.utils import counters
+
+    hits = (
+        counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+    )
+    misses = (
+        counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"]
+    )
+    return hits, misses
 
 
 @contextlib.contextmanager
@@ -274,7 +345,11 @@ def put_back(module, device: torch.device):
 
 
 def forward_backward(module, x, y, loss_fn, dtype) -> None:
-    """One micro-batch's forward (under autocast) and backward: what torch.compile speeds up."""
+    """One micro-batch's forward (under autocast) and backward: what torch.compile speeds up.
+    Starts from no gradients and marks a new step for CUDA graphs (reduce-overhead): a replay
+    reuses the memory of the last one's outputs and gradients, which then must be dead."""
+    module.zero_grad(set_to_none=True)
+    torch.compiler.cudagraph_mark_step_begin()  # a counter: nothing runs where no graph exists
     with torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None):
         outputs = module(x)
     loss_fn(outputs, y).backward()
@@ -307,11 +382,14 @@ def decide_compile(
     deterministic: bool,
     project_root: Path,
     log,
+    ddp: bool = False,
 ) -> tuple[str | None, float, CompileRecord | None]:
     """(torch.compile mode or None, eager seconds of forward + backward, its CompileRecord):
     choose_compile on the eager time of `model` on the real batch `batch()` (called only when
-    compiling is possible: never for auto on CPU, off or --deterministic). Logs the decision
-    with its numbers. Run it on one rank and share the mode (torchrun: the same on all)."""
+    compiling is possible: never for auto on CPU, off or --deterministic). The eager time an
+    earlier job recorded for this model, input and machine stands in for a new timing. Logs
+    the decision with its numbers. Run it on one rank and share the mode (torchrun: the same
+    on all)."""
     device = next(model.parameters()).device
     now = timed(device)
     seen: dict = {"eager_s": 0.0, "record": None}
@@ -320,13 +398,25 @@ def decide_compile(
         cache, source = use_inductor_cache(project_root)  # before anything compiles
         log.info("inductor cache: %s (%s)", cache, source)
         x, y = batch()
-        seen["record"] = CompileRecord(cache, model, x, dtype, device)
-        seen["eager_s"] = time_forward_backward(model, x, y, loss_fn, dtype, now)
-        return seen["eager_s"], seen["record"].costs()
+        record = seen["record"] = CompileRecord(cache, model, x, dtype, device)
+        recorded = record.eager_step_s()
+        if recorded is None:
+            recorded = time_forward_backward(model, x, y, loss_fn, dtype, now)
+        seen["eager_s"] = recorded
+        return recorded, record.costs(device)
 
+    blocked = graphs_blocked(device, micro_batches, ddp, dtype)
     mode, why = choose_compile(
-        device, flag, steps, deterministic, micro_batches=micro_batches, measure=measure
+        device,
+        flag,
+        steps,
+        deterministic,
+        micro_batches=micro_batches,
+        blocked=blocked,
+        measure=measure,
     )
+    if mode in MODES and seen["record"] is None:  # a forced mode: its costs are still recorded
+        measure()
     log.info("compile: %s", why)
     return mode, seen["eager_s"], seen["record"]
 
@@ -362,8 +452,9 @@ def setup_backends(device: torch.device, deterministic: bool) -> str:
             "another GPU model, driver, torch version or thread count"
         )
     # Undo a --deterministic run earlier in this process (a notebook, the tests): the switches
-    # below are process-wide.
-    torch.use_deterministic_algorithms(False)
+    # below are process-wide. Only if one was: the call imports torch._inductor.
+    if torch.are_deterministic_algorithms_enabled():
+        torch.use_deterministic_algorithms(False)
     torch.backends.cudnn.deterministic = False
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest conv once
@@ -508,3 +599,111 @@ def layout_records_dir(project_root: Path) -> Path:
     inductor (seconds, on a CPU run that never compiles)."""
     lab = os.environ.get(INDUCTOR_CACHE_ENV)
     return (Path(lab).expanduser() if lab else project_root / ".cache" / "inductor").resolve()
+
+
+# ---- speed you can see: MFU and the share of the step the GPU was busy (issue 33.4) ------------
+PEAK_MATMUL_SIZE = 8192  # square matmuls big enough to reach a GPU's tensor-core peak
+PEAK_REPEATS = 10
+BUSY_FIRST, BUSY_STEPS = 5, 10  # profile steps 5..14 of the first epoch: after cuDNN's search
+LAUNCH_BOUND = 0.5  # a GPU busy less than half the step waits on the host's kernel launches
+
+
+def flops_per_sample(model, x, y, loss_fn, dtype) -> float:
+    """FLOPs of one training sample's forward + backward (torch.utils.flop_counter on a real
+    batch, the optimizer not counted: the convention of MFU). Puts back what it touched."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with put_back(model, x.device), FlopCounterMode(display=False) as counter:
+        forward_backward(model, x, y, loss_fn, dtype)
+    return counter.get_total_flops() / len(x)
+
+
+def matmul_peak(device: torch.device, dtype, cache_dir: Path) -> tuple[float, str]:
+    """(FLOP/s, where from): the best of PEAK_REPEATS square matmuls in the run's precision
+    (fp32 as the backends allow: TF32 on Ampere+), measured once per machine, precision and
+    torch version and recorded beside the compile records. A measured peak, not the data
+    sheet's: MFU then says how far the job is from what this GPU does."""
+    from .runs import write_json
+
+    key = {
+        "device": device_name(device),
+        "dtype": str(dtype or torch.float32),
+        "tf32": torch.backends.cuda.matmul.allow_tf32,
+        "torch": torch.__version__,
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(cache_dir) / RECORDS / f"peak-{digest}.json"
+    try:
+        seen = json.loads(path.read_text(encoding="utf-8"))
+        if seen.get("key") == key:
+            return seen["flops"], f"measured {seen['when']}"
+    except (OSError, ValueError):
+        pass
+    n = PEAK_MATMUL_SIZE
+    a = torch.randn(n, n, device=device, dtype=dtype or torch.float32)
+    b = torch.randn(n, n, device=device, dtype=dtype or torch.float32)
+    now = timed(device)
+    best = float("inf")
+    for _ in range(PEAK_REPEATS + 1):  # the first: cuBLAS's heuristics, allocation
+        start = now()
+        torch.mm(a, b)
+        best = min(best, now() - start)
+    del a, b
+    flops = 2 * n**3 / best
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, {"key": key, "flops": flops, "when": when})
+    except OSError:  # a read-only cache folder: the next job measures again
+        pass
+    return flops, "measured now"
+
+
+class GpuBusy:
+    """The share of the step the GPU was busy: the CUDA kernels' time (torch.profiler) over the
+    wall time of BUSY_STEPS real steps of the first epoch (fewer in a short epoch). Call
+    `at(step)` before each step of the epoch and `close(steps)` after it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.share, self.step_s = device, None, None
+        self._profile = self._started = None
+
+    def at(self, step: int) -> None:
+        if step == BUSY_FIRST:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._profile = profile(activities=[ProfilerActivity.CUDA])
+            self._profile.start()
+            self._started = timed(self.device)()
+        elif step == BUSY_FIRST + BUSY_STEPS:
+            self.close(step)
+
+    def close(self, steps: int) -> None:
+        """Ends the profile, if one runs, after `steps` steps of the epoch."""
+        if self._profile is None:
+            return
+        wall = timed(self.device)() - self._started
+        self._profile.stop()
+        busy_us = sum(e.self_device_time_total for e in self._profile.key_averages())
+        self._profile = None
+        self.share = min(1.0, busy_us / 1e6 / wall)
+        self.step_s = wall / (steps - BUSY_FIRST)
+
+
+def busy_line(share: float, step_s: float, batch_size: int) -> str:
+    """run.log's line on the GPU's busy share; under LAUNCH_BOUND, what a larger batch gives.
+    The estimate: the host's launches take the same time at any batch size, the GPU's work
+    grows with it, so a step of k x the batch takes max(step, k x busy) (a floor: larger
+    kernels also run more efficiently)."""
+    busy_s = share * step_s
+    line = f"GPU busy {100 * share:.0f} % of the step ({1e3 * busy_s:.2f} of {1e3 * step_s:.2f} ms)"
+    if share >= LAUNCH_BOUND:
+        return line
+    k = 2 ** math.ceil(math.log2(step_s / max(busy_s, 1e-12)))
+    estimate = k * batch_size / max(step_s, k * busy_s)
+    return (
+        f"{line}: under {100 * LAUNCH_BOUND:.0f} %, the step waits on kernel launches; "
+        f"--batch-size {k * batch_size} would give >= {estimate:,.0f} samples/s (now "
+        f"{batch_size / step_s:,.0f}) where it fits (--find-batch-size), or --compile "
+        "reduce-overhead (CUDA graphs: one launch per step)"
+    )

@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .augment import one_cpu_thread
 from .dataversion import file_lock
 from .imagefolder import UnreadableImage, decode_image
 from .loaders import FileSplit, Split, available_cpus, worker_init, workers_started_safely
@@ -52,7 +53,9 @@ from .runs import FILE_MODE, open_own, size_text
 
 CHUNK_IMAGES = 256  # images per task of a decoding process (and per checksum)
 PROGRESS_EVERY_S = 10.0  # the progress line, when not on a terminal: at most this often
-FORMAT = "nhwc-uint8-v1"  # in the key: change it when the layout of the file changes
+# In the key: change it when the layout of the file or the decoded pixels change (v2: the
+# resize is torch's, imagefolder._cover).
+FORMAT = "nhwc-uint8-v2"
 DIGEST_BYTES = 16  # sha256 per chunk, cut; all zeros in the .chunks file: the chunk is not done
 
 Progress = Callable[[int, int], None]  # (chunks done, chunks in all), after every chunk
@@ -384,11 +387,13 @@ def _decode_chunk(task) -> tuple[int, tuple[str, str] | None, bytes | None]:
     finally:
         os.close(fd)
     start = chunk * CHUNK_IMAGES
-    for row, file in enumerate(paths, start):
-        try:
-            images[row] = decode_image(file, (height, width), channels, value_ranges)
-        except UnreadableImage as e:  # to the main process as a value: it names the file
-            return chunk, (e.path, e.reason), None
+    # One thread per process (the pool has one process per core; processes=1 decodes here).
+    with one_cpu_thread(torch.device("cpu")):
+        for row, file in enumerate(paths, start):
+            try:
+                images[row] = decode_image(file, (height, width), channels, value_ranges)
+            except UnreadableImage as e:  # to the main process as a value: it names the file
+                return chunk, (e.path, e.reason), None
     images.flush()
     return chunk, None, _digest(images[start : start + len(paths)])
 

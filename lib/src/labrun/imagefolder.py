@@ -6,15 +6,18 @@ check it: a file that fails only when fully decoded (a truncated JPEG whose head
 skipped and listed here, not found later inside a DataLoader worker. The result is cached in
 --data-dir per version of the folder (dataversion.py), so a later start only lists the folders.
 Images are decoded later with `decode_image`: once, into imagecache.py's memory-mapped cache,
-or batch by batch in loader workers (--data-mode stream). Torch-free: Pillow and numpy only;
-imports nothing of the data layer but dataversion (datasets.py turns a scan into DatasetSplits).
+or batch by batch in loader workers (--data-mode stream). Pillow and numpy (torch only for the
+resize, imported when an image is decoded: the scan stays torch-free); imports nothing of the
+data layer but dataversion (datasets.py turns a scan into DatasetSplits).
 
 How an image becomes pixels (README, "Use your own data"): EXIF orientation applied; 16-bit and
 32-bit integer images scaled by the bit depth of the dataset (the smallest of 8, 10, 12, 14, 16,
 24, 32 bits that holds its largest value: a 12-bit ramp stored in 16 bits spans 0..255), float
 images by their range (0..1, or wider when the data is); alpha composited on white; palette,
-CMYK and the rest converted by Pillow; the short side resized to the target and the long side
-center-cropped (the aspect ratio is kept).
+CMYK and the rest converted by Pillow; the long side center-cropped and the rest resized to the
+target (the aspect ratio is kept). A JPEG much larger than the target is decoded at a reduced
+DCT scale (Image.draft); no copy is made that changes nothing (an upright image is not
+transposed, an RGB one not converted).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import contextlib
 import hashlib
 import json
 import os
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -298,16 +302,18 @@ def decode_image(
     try:
         with Image.open(path) as image:
             w, h = image.size
-            turned = image.getexif().get(EXIF_ORIENTATION, 1) in TRANSPOSED
+            orientation = image.getexif().get(EXIF_ORIENTATION, 1)
+            turned = orientation in TRANSPOSED
             if turned:
                 w, h = h, w
             scale = max(width / w, height / h)
             # JPEG only: decode at a reduced DCT scale that still covers the target.
             need = (round(w * scale + 0.5), round(h * scale + 0.5))
             image.draft(None, need[::-1] if turned else need)
-            image = ImageOps.exif_transpose(image)
+            if orientation != 1:  # exif_transpose copies even an upright image: 1 ms at 500 px
+                image = ImageOps.exif_transpose(image)
             image = _to_8bit(image, channels, value_ranges or {})
-            pixels = np.asarray(_cover(image, width, height), dtype=np.uint8)
+            pixels = _cover(image, width, height)
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         raise UnreadableImage(path, f"{type(e).__name__}: {e}") from e
     return pixels.reshape(height, width, channels)
@@ -326,18 +332,37 @@ def _to_8bit(image: Image.Image, channels: int, value_ranges: dict) -> Image.Ima
     if image.mode in ("RGBA", "LA", "La", "RGBa", "PA"):
         rgba = image.convert("RGBA")
         image = Image.alpha_composite(Image.new("RGBA", rgba.size, (*BACKGROUND, 255)), rgba)
-    return image.convert("L" if channels == 1 else "RGB")
+    target = "L" if channels == 1 else "RGB"
+    return image if image.mode == target else image.convert(target)  # convert() always copies
 
 
-def _cover(image: Image.Image, width: int, height: int) -> Image.Image:
-    """Resize so the image covers width x height, cropping the long side's excess evenly."""
-    w, h = image.size
+def _cover(image: Image.Image, width: int, height: int) -> np.ndarray:
+    """Resize so the image covers width x height, cropping the long side's excess evenly:
+    uint8 (height, width, channels).
+
+    The crop is cut before the resize, and the resize is torch's antialiased bilinear on the
+    uint8 pixels (its AVX2 path: 0.17 ms for 375x375 -> 224x224 on one core, 0.92 ms for
+    Pillow's resize; the same filter, values within 1 of Pillow's)."""
+    import torch
+    import torch.nn.functional as F
+
+    pixels = np.asarray(image)  # one copy out of Pillow, read-only
+    pixels = pixels.reshape(*pixels.shape[:2], -1)  # greyscale (H, W) -> (H, W, 1)
+    h, w = pixels.shape[:2]
     if (w, h) == (width, height):
-        return image
+        return pixels
+    left, top, crop_w, crop_h = cover_box(w, h, width, height)
+    with warnings.catch_warnings():  # read-only pixels: torch warns, and only reads them
+        warnings.simplefilter("ignore", UserWarning)
+        window = torch.from_numpy(pixels[top : top + crop_h, left : left + crop_w])
+    nchw = window.permute(2, 0, 1).unsqueeze(0)  # a channels_last view: no copy
+    resized = F.interpolate(nchw, size=(height, width), mode="bilinear", antialias=True)
+    return resized[0].permute(1, 2, 0).numpy()
+
+
+def cover_box(w: int, h: int, width: int, height: int) -> tuple[int, int, int, int]:
+    """(left, top, crop width, crop height): the centered part of a w x h image with the aspect
+    ratio of width x height (the CPU and the GPU decode cut the same)."""
     scale = max(width / w, height / h)
-    # min(): width / (width / w) can round to a hair above w, a box PIL refuses.
-    crop_w, crop_h = min(width / scale, w), min(height / scale, h)
-    left, top = (w - crop_w) / 2, (h - crop_h) / 2
-    return image.resize(
-        (width, height), Image.Resampling.BILINEAR, box=(left, top, left + crop_w, top + crop_h)
-    )
+    crop_w, crop_h = min(round(width / scale), w), min(round(height / scale), h)
+    return (w - crop_w) // 2, (h - crop_h) // 2, crop_w, crop_h

@@ -35,6 +35,7 @@ so a refused job leaves nothing behind. Imports neither torch nor mlflow.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -128,6 +129,7 @@ def lifecycle(
     *,
     redo: Callable[[argparse.Namespace], bool] = lambda args: False,
     ranks: bool = False,
+    program: Callable | None = None,
 ) -> int:
     """--plan, parse, --print-run-dir, --init-tracking, skip when done, claim; then
     `body(args, parser, out, stop, held) -> exit code` while holding the claim `held`
@@ -136,7 +138,53 @@ def lifecycle(
     `locate` may raise UsageError (bad input, exit 2); `redo(args)` True runs even when done
     (run.py's tools). `ranks=True` (run.py): under torchrun rank 0 alone does all this; the
     other ranks do as it decides; `body(args, parser, out, stop, held, dist)` runs on every rank
-    (`held`: the claim on rank 0, None on the others)."""
+    (`held`: the claim on rank 0, None on the others). `program`: the project's function (run.py's
+    train, a job's work); when it is the script's own (`python run.py`), the process leaves
+    as soon as a body has run and the claim is released (_leave_program), instead of returning."""
+    ran = False
+
+    def body_ran(*args) -> int:
+        nonlocal ran
+        ran = True
+        return body(*args)
+
+    code = _lifecycle(argv, parse, locate, body_ran, redo=redo, ranks=ranks)
+    if ran and LEAVE_AT_ONCE and program is not None and _is_program(program):
+        _leave_program(code)
+    return code
+
+
+def _is_program(function: Callable) -> bool:
+    """`function` belongs to the script this interpreter runs (`python run.py`), not to a module
+    imported by a test, a notebook or another tool that goes on after main() returns."""
+    main = sys.modules.get("__main__")
+    script = getattr(main, "__file__", None)
+    return (
+        getattr(function, "__module__", None) == "__main__"
+        and script is not None
+        and bool(sys.argv)
+        and os.path.realpath(script) == os.path.realpath(sys.argv[0])
+    )
+
+
+def _leave_program(code: int) -> None:
+    """End the process as Python's own exit would, less its finalization: non-daemon threads
+    are waited for, every atexit hook runs (MLflow's, torch's, multiprocessing's, logging's),
+    the output is flushed; then os._exit skips tearing down every module and object, which took
+    2-4 s after a job's last line on 2 loaded cores (benchmarks/RESULTS.md, "Leave at once").
+    Everything of the run is closed by now: its files, run.log, its MLflow run, the claim."""
+    import atexit
+    import threading
+
+    threading._shutdown()  # what the interpreter's exit calls first: joins non-daemon threads
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing left to say
+            stream.flush()
+    os._exit(code)
+
+
+def _lifecycle(argv, parse, locate, body, *, redo, ranks) -> int:
     try:
         stop = GracefulStop()
     except BadGrace as exc:  # LAB_STOP_GRACE_S is not a number of seconds
@@ -294,7 +342,7 @@ def main(
             return EXIT_INTERRUPTED  # stopped while starting: nothing of this job exists yet
         return _run(Job(args, out, None, stop, prepared), work, ident(args))
 
-    return lifecycle(argv, lambda a: (parser.parse_args(a), parser), locate, body)
+    return lifecycle(argv, lambda a: (parser.parse_args(a), parser), locate, body, program=work)
 
 
 def _run(job: Job, work: Callable[[Job], dict], identity: dict) -> int:

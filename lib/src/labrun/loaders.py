@@ -19,6 +19,7 @@ import contextlib
 import os
 import signal
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -99,15 +100,17 @@ def available_cpus() -> int:
 def default_workers(device: torch.device, *, streaming: bool = False) -> int:
     """DataLoader workers when --workers is not given.
 
-    Streaming: decoding images is CPU work, so use the cores but leave one to the main process
-    (at most 8: the lab's notes find the best count between 1 and 10). In memory on the CPU: 0,
+    Streaming: decoding images is CPU work, so use every core this job may use (its sweep
+    slot's share: available_cpus) but one, left to the main process. A fixed cap of 8 left half
+    of a 16-core GPU box idle while the GPU waited (1,808 img/s streamed vs 8,181 in memory,
+    ResNet-18 at 224 px on an H100). In memory on the CPU: 0,
     since a batch is a ~1 ms gather against ~270 ms for a training step on 2 cores, and a worker
     would take a core from the model. In memory on CUDA: a few workers gather and pin the next
     batches while the GPU computes.
     """
     cpus = available_cpus()
     if streaming:
-        return max(1, min(8, cpus - 1))
+        return max(1, cpus - 1)
     if device.type != "cuda":
         return 0
     return min(4, cpus // 2)
@@ -270,6 +273,21 @@ class Loader:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         raise NotImplementedError
 
+    def peek(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This epoch's first batch as iterating gives it (shape, dtype, device), read in this
+        process: no worker is started, no batch is prefetched and thrown away (the compile
+        probe's, whose ~20 prefetched batches halved a short streamed run's rate). The order
+        is not moved; the augmentation's RNG draws are the caller's to put back."""
+        images, labels = self._gather(self.batch_indices()[0])
+        return self.transform(images), labels
+
+    def _gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """End this loader's worker processes now (a run calls it when it ends); iterating
+        again starts new ones. Nothing to end for a loader without workers."""
+
 
 def own_normalization(split: Split | FileSplit, whose: str = "this split") -> Normalization | None:
     """None for uint8 images (their constants); else per channel (the last stored axis) mean
@@ -319,11 +337,13 @@ class _ArrayDataset(torch.utils.data.Dataset):
 
 
 class _FileDataset(torch.utils.data.Dataset):
-    """Image files decoded on demand (in the worker processes): disk -> uint8 NHWC batch."""
+    """Image files decoded on demand (in the worker processes): disk -> uint8 NHWC batch; with
+    `gpu_jpegs`, the JPEGs' bytes for the GPU and the rest decoded (gpudecode.EncodedBatch)."""
 
-    def __init__(self, split: FileSplit):
+    def __init__(self, split: FileSplit, gpu_jpegs: bool = False):
         self.paths, self.labels, self.shape = split.paths, split.labels, split.image_shape
         self.ranges = split.value_ranges
+        self.gpu_jpegs = gpu_jpegs
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -333,13 +353,24 @@ class _FileDataset(torch.utils.data.Dataset):
 
     def __getitems__(self, indices: list[int]):
         channels, height, width = self.shape
-        batch = np.empty((len(indices), height, width, channels), dtype=np.uint8)
-        for row, i in enumerate(indices):
+        labels = self.labels[torch.as_tensor(indices)]
+        if self.gpu_jpegs:
+            from .gpudecode import read_batch
+
             try:
-                batch[row] = decode_image(self.paths[i], (height, width), channels, self.ranges)
-            except UnreadableImage as e:  # to the main process as a value: it names the file
+                return read_batch([self.paths[i] for i in indices], self.shape, self.ranges), labels
+            except UnreadableImage as e:
                 return _Unreadable(e.path, e.reason), None
-        return torch.from_numpy(batch), self.labels[torch.as_tensor(indices)]
+        batch = np.empty((len(indices), height, width, channels), dtype=np.uint8)
+        # One thread: a worker has one anyway; without workers (or in a peek) the main
+        # process's pool would spin over each image's small resize (8 vs 1.3 ms per image).
+        with one_cpu_thread(torch.device("cpu")):
+            for row, i in enumerate(indices):
+                try:
+                    batch[row] = decode_image(self.paths[i], (height, width), channels, self.ranges)
+                except UnreadableImage as e:  # to the main process as a value: it names the file
+                    return _Unreadable(e.path, e.reason), None
+        return torch.from_numpy(batch), labels
 
 
 @dataclass
@@ -378,8 +409,13 @@ class DataLoaderLoader(Loader):
             default_workers(self.device, streaming=streaming) if workers is None else workers
         )
         _fix_malloc_mmap_threshold()  # batch-sized buffers, freed, must not fragment the heap
+        self.image_shape = split.image_shape
+        self.gpu_jpegs, self.decoder = False, ""  # decoder: run.log's `decode:` (streaming)
         if streaming:
-            dataset = _FileDataset(split)
+            from .gpudecode import choose_gpu_decode
+
+            self.gpu_jpegs, self.decoder = choose_gpu_decode(self.device)
+            dataset = _FileDataset(split, self.gpu_jpegs)
         else:
             dataset = _ArrayDataset(self._stored_images(split), split.labels, split.rows)
         self._on_cuda = self.device.type == "cuda"
@@ -400,17 +436,32 @@ class DataLoaderLoader(Loader):
             # the global torch RNG, shifting the augmentation stream a resumed run must replay.
             generator=torch.Generator().manual_seed(self.seed),
         )
+        self._batches = None  # the iterator that holds the workers (a weak reference)
 
     def __iter__(self):
         for images, labels in self.raw_batches():
-            # uint8 crosses the bus (4x fewer bytes than float32); non_blocking lets the copy
-            # overlap with the GPU still computing the previous step.
-            images = images.to(self.device, non_blocking=self._on_cuda)
-            labels = labels.to(self.device, non_blocking=self._on_cuda)
+            images, labels = self._to_device(images, labels)
             yield self.transform(images), labels
 
+    def _to_device(self, images, labels):
+        if self.gpu_jpegs:  # JPEG bytes to nvJPEG, the rows decoded by a worker copied
+            from .gpudecode import decode_batch
+
+            images = decode_batch(images, self.image_shape, self.device)
+        # uint8 crosses the bus (4x fewer bytes than float32); non_blocking lets the copy
+        # overlap with the GPU still computing the previous step.
+        images = images.to(self.device, non_blocking=self._on_cuda)
+        return images, labels.to(self.device, non_blocking=self._on_cuda)
+
+    def _gather(self, index):
+        images, labels = self._loader.dataset.__getitems__(index.tolist())
+        if isinstance(images, _Unreadable):
+            raise UnreadableImage(images.path, images.reason)
+        return self._to_device(images, labels)
+
     def raw_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """This epoch's batches as the workers give them: uint8 NHWC and labels, on the CPU.
+        """This epoch's batches as the workers give them: uint8 NHWC (gpudecode.EncodedBatch
+        where JPEGs are decoded on the GPU) and labels, on the CPU.
 
         An image that fails to decode raises UnreadableImage (naming it). On any error the
         workers are shut down here, at once: a live iterator kept alive by the exception's
@@ -419,17 +470,30 @@ class DataLoaderLoader(Loader):
         self._next_epoch()
         with workers_started_safely():
             batches = iter(self._loader)  # forks the workers (CPU: every epoch)
+        self._batches = weakref.ref(batches)
         try:
             for images, labels in batches:
                 if isinstance(images, _Unreadable):
                     raise UnreadableImage(images.path, images.reason)
                 yield images, labels
         except Exception:
-            shutdown = getattr(batches, "_shutdown_workers", None)
-            if shutdown is not None:
-                shutdown()
-                self._loader._iterator = None  # persistent workers: a fresh set next epoch
+            self.close()
             raise
+
+    def close(self) -> None:
+        """Shut the workers down now, as torch does when an iterator is exhausted or freed.
+
+        Persistent workers (CUDA) live in the DataLoader until this is called: left to the
+        interpreter's exit, torch <= 2.12 joins each for 5 s in an atexit hook (pytorch issue
+        81794: 19 s after `finished` with 2 workers per loader; benchmarks/RESULTS.md, "Leave at
+        once"); joined here, they end at once and that hook finds them gone.
+        """
+        batches = self._batches() if self._batches is not None else None
+        self._batches = None
+        self._loader._iterator = None  # persistent workers: a fresh set if iterated again
+        shutdown = getattr(batches, "_shutdown_workers", None)  # none without workers
+        if shutdown is not None:
+            shutdown()
 
 
 class DeviceResidentLoader(Loader):
@@ -452,10 +516,13 @@ class DeviceResidentLoader(Loader):
         # One copy of the epoch's order to the device, then every gather happens there.
         order = torch.cat(batches).to(self.device, non_blocking=True)
         for index in order.split([len(b) for b in batches]):
-            with one_cpu_thread(self.device):
-                images = self.images.index_select(0, index)
-                labels = self.labels.index_select(0, index)
+            images, labels = self._gather(index)
             yield self.transform(images), labels
+
+    def _gather(self, index):
+        index = index.to(self.device)
+        with one_cpu_thread(self.device):
+            return self.images.index_select(0, index), self.labels.index_select(0, index)
 
 
 def build_loader(

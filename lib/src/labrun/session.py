@@ -80,7 +80,7 @@ def lifecycle(argv: list[str] | None, train, config: type | None = None) -> int:
     if config is not None:
         use_config(config)
     body = functools.partial(_body, train)
-    return jobs.lifecycle(argv, parse_args, run_dir, body, redo=is_tool, ranks=True)
+    return jobs.lifecycle(argv, parse_args, run_dir, body, redo=is_tool, ranks=True, program=train)
 
 
 def _body(train, args, parser, out, stop, held, dist) -> int:
@@ -149,6 +149,7 @@ class Run:
         self.log = self.record = self.state = self.data_ = None
         self.objects: dict = {}
         self._compile_s = 0.0
+        self.speed: dict = {}  # CUDA: flops_per_sample, peak_flops, gpu_busy (metrics.json)
         self.progress = Progress()
         # ---- config: every bad input is found before a file of the run is written ----
         self.config = config = resolved_config(args, parser)
@@ -208,6 +209,9 @@ class Run:
             data_version=args.data_version,  # the version in the run's identity
             task=args.task,  # datasets that offer several kinds of targets pick by it
             augment=args.augment,  # images crop + flip, other data none, unless asked
+            crop=args.crop,  # pad (small images) or a random resized crop (photos)
+            crop_scale=args.crop_scale,
+            crop_ratio=args.crop_ratio,
             spatial_targets=self.task.spatial_targets,  # crop/flip would not move the targets
         )
         splits = loaded.splits
@@ -240,6 +244,8 @@ class Run:
         seed_everything(args.seed)
         # dtype and shape, normalisation, augmentation: what was done to the inputs, and why
         self._notes += list(loaded.info.describe().items())
+        if getattr(loaders["train"], "decoder", ""):  # streamed files: on the GPU or the CPU
+            self._notes.append(("decode", loaders["train"].decoder))
         train, val, test = (loaders[k] for k in ("train", "val", "test"))
         self.data_ = Data(splits, train, val, test, steps_per_epoch, loaded.info, loaded.notes)
         # Before run.py builds the model: a model or batch too big for the free memory is
@@ -434,10 +440,58 @@ class Run:
                 deterministic=self.args.deterministic,
                 project_root=PROJECT_ROOT,
                 log=self.log,
+                ddp=self.dist.active,
             )
         mode = self.dist.decide(self._compile[0])  # torchrun: rank 0's decision on every rank
         self.compiled = mode
+        if self.device.type == "cuda" and self.dist.is_main:
+            self._measure_speed_scale(model)
+        if self.cuda_graphs:
+            import torch._inductor.config
+
+            # A batch of another shape (a model whose shapes change per batch) runs its
+            # recompiled graph without CUDA graphs instead of recording a graph per shape.
+            torch._inductor.config.triton.cudagraph_skip_dynamic_graphs = True
+            self.log.info(
+                "CUDA graphs: the step replays captured kernels; a batch of another shape "
+                "runs without them (cudagraph_skip_dynamic_graphs)"
+            )
         return mode
+
+    def _measure_speed_scale(self, model) -> None:
+        """What MFU needs (CUDA): the FLOPs of one sample's forward + backward on a real batch
+        and this GPU's measured matmul peak in the run's precision. Never fails the run."""
+        from .hardware import flops_per_sample, layout_records_dir, matmul_peak
+
+        try:
+            x, y = self.peek_batch()
+            self.speed["flops_per_sample"] = flops_per_sample(
+                model, x, y, self.loss, self.amp_dtype
+            )
+            records = layout_records_dir(PROJECT_ROOT)  # beside the compile records
+            peak, source = matmul_peak(self.device, self.amp_dtype, records)
+        except Exception as exc:  # an op the counter cannot run, no memory for the matmuls
+            self.log.warning("MFU not measured (%s: %s)", type(exc).__name__, exc)
+            self.speed.pop("flops_per_sample", None)
+            return
+        self.speed["peak_flops"] = peak
+        self.log.info(
+            "MFU scale: %.3g GFLOP per training sample (forward + backward); matmul peak %.0f "
+            "TFLOP/s in %s (%s)",
+            self.speed["flops_per_sample"] / 1e9,
+            peak / 1e12,
+            str(self.amp_dtype or "fp32").removeprefix("torch."),
+            source,
+        )
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """True when the step's module replays CUDA graphs: each step must then mark its
+        start (torch.compiler.cudagraph_mark_step_begin) so that a replay may reuse the last
+        step's memory."""
+        from .hardware import WITHOUT_GRAPHS
+
+        return self.device.type == "cuda" and getattr(self, "compiled", None) in WITHOUT_GRAPHS
 
     def distributed(self, module):
         """`module` in DistributedDataParallel under torchrun (gradients all-reduced over the
@@ -451,7 +505,7 @@ class Run:
         it; returns `net`, or `eager` (in DDP where it applies) when the compiler fails. Puts
         back all it touches (BatchNorm statistics, gradients, RNG). Compile time is summed over
         resumes: every compile of the run was paid for."""
-        from .hardware import time_forward_backward, timed
+        from .hardware import compile_cache_counts, time_forward_backward, timed
         from .train import compiler_errors
 
         if not getattr(self, "compiled", None):
@@ -459,6 +513,7 @@ class Run:
         mode, eager_s, record = self._compile
         now = timed(self.device)
         x, y = self.peek_batch()
+        hits, misses = compile_cache_counts()
         started = now()
         try:
             compiled_s = time_forward_backward(net, x, y, self.loss, self.amp_dtype, now)
@@ -472,12 +527,17 @@ class Run:
         spent = now() - started - 4 * compiled_s  # the compile, without the timed passes
         self.progress.compile_time_s += spent
         if record is not None:
-            record.save(mode, compile_s=spent, eager_step_s=eager_s, compiled_step_s=compiled_s)
+            now_hits, now_misses = compile_cache_counts()
+            warm = now_hits > hits and now_misses == misses  # every graph from the cache
+            record.save(
+                mode, compile_s=spent, warm=warm, eager_step_s=eager_s, compiled_step_s=compiled_s
+            )
             self.log.info(
-                "compiled (%s) in %.1f s; forward + backward %.1f ms (eager %.1f ms); "
-                "recorded in %s",
+                "compiled (%s) in %.1f s (%s inductor cache); forward + backward %.1f ms "
+                "(eager %.1f ms); recorded in %s",
                 mode,
                 spent,
+                "warm" if warm else "cold",
                 1e3 * compiled_s,
                 1e3 * eager_s,
                 record.path,
@@ -487,19 +547,18 @@ class Run:
     def peek_batch(self):
         """A training batch exactly as the loop gets it (shape, dtype, strides), without
         shifting the run: the loader's order is f(seed, epoch) and `batches` sets the epoch
-        again; the RNG draws of the augmentation are put back."""
+        again; the RNG draws of the augmentation are put back. Read in this process
+        (Loader.peek): no loader worker is started for it."""
         from .checkpoint import rng_state, set_rng_state
 
         loader = self.data_.train
         saved = rng_state(self.device)
         loader.set_epoch(self.progress.epoch)
-        batches = iter(loader)
         try:
-            x, y = next(batches)
+            x, y = loader.peek()
             layout = getattr(self, "layout", None)  # the step's layout: no recompile after
             return (x.contiguous(memory_format=layout) if layout and x.dim() == 4 else x), y
         finally:
-            getattr(batches, "close", lambda: None)()  # a generator: stop its workers now
             set_rng_state(saved, self.device)
 
     # ---- the loop ----------------------------------------------------------------------------
@@ -530,10 +589,17 @@ class Run:
         loader.set_epoch(p.epoch, skip_batches=p.batch)
         source = iter(loader)
         bar = self._progress_bar() if dist.is_main else None
-        t0 = now()
+        busy = None
+        if self.device.type == "cuda" and dist.is_main and "gpu_busy" not in self.speed:
+            from .hardware import GpuBusy
+
+            busy = GpuBusy(self.device)  # profiles a few steps of this epoch
+        t0, started = now(), p.step
         while p.batch < self.data_.steps_per_epoch * accum and p.step < last:
             if dist.stopped(self.stop, p.step):
                 break
+            if busy is not None:
+                busy.at(p.step - started)
             yield [next(source) for _ in range(accum)]
             p.step, p.batch = p.step + 1, p.batch + accum
             if bar is not None:
@@ -541,6 +607,13 @@ class Run:
         train_s = now() - t0
         if bar is not None:
             bar.close()
+        if busy is not None:
+            busy.close(p.step - started)
+        if busy is not None and busy.share is not None:
+            from .hardware import busy_line
+
+            self.speed["gpu_busy"] = busy.share
+            self.log.info("%s", busy_line(busy.share, busy.step_s, args.batch_size))
         getattr(source, "close", lambda: None)()
         p.train_time_s += train_s
         p.epoch_time_s = train_s + (p.epoch_time_s if resumed_in_epoch else 0.0)
@@ -634,7 +707,7 @@ class Run:
         """Checkpoint, metrics.json (last: the run is done), MLflow FINISHED."""
         self.record.checkpoint(self.state)
         self.record.finished(
-            self.state, self.task, test, self.stop_reason(), self.args.test_weights
+            self.state, self.task, test, self.stop_reason(), self.args.test_weights, self.speed
         )
         self._done = True
 
@@ -712,6 +785,10 @@ class Run:
         return self.record.failed(self.state, exc, self.args)
 
     def _close(self) -> None:
+        # However the run ended: its loaders' workers end now, not in the interpreter's exit.
+        data = self.data_
+        for loader in (data.train, data.val, data.test) if data is not None else ():
+            loader.close()
         if self.record is not None:
             self.record.close()
         elif self.log is not None:
@@ -831,7 +908,7 @@ class RunRecord:
         runs.write_history(self.out, p.history)
         self.tracker.log_history(p.history)
         self.log.info(
-            "epoch %d/%d step %d | lr %.2e | train %s | val %s%s | %.1fs %.0f img/s",
+            "epoch %d/%d step %d | lr %.2e | train %s | val %s%s | %.1fs %.0f samples/s",
             p.epoch,
             self.epochs,
             p.step,
@@ -858,10 +935,18 @@ class RunRecord:
         if self.claim.still_ours() and not runs.is_done(self.out):
             runs.try_write_status(self.out, "interrupted")
 
-    def finished(self, state, task, test: dict[str, float], reason: str, weights: str) -> None:
+    def finished(
+        self, state, task, test: dict[str, float], reason: str, weights: str, speed: dict
+    ) -> None:
         from .hardware import peak_memory_bytes
 
         p, stopper = state.progress, state.stopper
+        samples_per_sec = p.samples / max(p.train_time_s, 1e-9)
+        mfu = {}
+        if "peak_flops" in speed:  # CUDA: the model's FLOPs at the run's rate / the GPU's peak
+            flops = speed["flops_per_sample"]
+            mfu = {"flops_per_sample": flops, "mfu": flops * samples_per_sec / speed["peak_flops"]}
+        busy = {"gpu_busy_share": speed["gpu_busy"]} if "gpu_busy" in speed else {}
         metrics = {
             f"best_{task.monitor}": stopper.best_score,
             **{f"test_{name}": test[name] for name in (*task.metrics, "loss")},
@@ -876,7 +961,9 @@ class RunRecord:
             "wall_time_s": p.wall_time_s,
             "train_time_s": p.train_time_s,
             "compile_time_s": p.compile_time_s,
-            "samples_per_sec": p.samples / max(p.train_time_s, 1e-9),
+            "samples_per_sec": samples_per_sec,
+            **mfu,
+            **busy,
             "peak_mem_bytes": peak_memory_bytes(self.device),
             "device": str(self.device),
             "stop_reason": reason,
@@ -897,13 +984,16 @@ class RunRecord:
         runs.write_status(self.out, "finished")
         runs.write_json(self.out / runs.METRICS, metrics)  # last: its existence means "done"
         self.log.info(
-            "finished (%s): best %s %.4g at epoch %d | test (%s weights) %s | %s",
+            "finished (%s): best %s %.4g at epoch %d | test (%s weights) %s | "
+            "%.0f samples/s%s | %s",
             reason,
             task.monitor,
             stopper.best_score,
             stopper.best_epoch,
             weights,
             metrics_line(metrics, "test_"),
+            samples_per_sec,
+            f", MFU {100 * mfu['mfu']:.1f} %" if mfu else "",
             self.out,
         )
 

@@ -11,6 +11,7 @@ import csv
 import itertools
 import math
 import os
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -339,10 +340,12 @@ def profile_training(
         _sync(device)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
         with profile(activities=activities, record_shapes=True) as prof:
+            started = time.perf_counter()
             for i in range(steps):
                 with record_function(f"optimizer_step_{i}"):
                     one_step()
             _sync(device)
+            wall_s = (time.perf_counter() - started) / steps
         if on_cuda:
             torch.cuda.memory._dump_snapshot(str(out_dir / "memory_snapshot.pickle"))
     finally:
@@ -350,4 +353,27 @@ def profile_training(
             torch.cuda.memory._record_memory_history(enabled=None)
     prof.export_chrome_trace(str(out_dir / "trace.json"))
     sort_by = "self_device_time_total" if on_cuda else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=sort_by, row_limit=10)
+    table = prof.key_averages().table(sort_by=sort_by, row_limit=10)
+    return f"{launches_per_step(prof, steps, wall_s, on_cuda)}\n{table}"
+
+
+def launches_per_step(prof, steps: int, wall_s: float, on_cuda: bool) -> str:
+    """Per step: the kernels launched and the GPU's busy time against the step's (CUDA), or
+    the aten ops called (CPU: each a kernel there). A launch-bound step shows many kernels and
+    a GPU busy a small share of the step: CUDA graphs (--compile reduce-overhead) then pay."""
+    from torch.autograd import DeviceType
+
+    if not on_cuda:
+        ops = sum(
+            1
+            for e in prof.events()
+            if e.name.startswith("aten::")
+            and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+        )
+        return f"per step: {ops / steps:.0f} aten ops, {1e3 * wall_s:.2f} ms"
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    busy_s = sum(e.self_device_time_total for e in kernels) / 1e6 / steps
+    return (
+        f"per step: {len(kernels) / steps:.0f} kernels, GPU busy {1e3 * busy_s:.2f} of "
+        f"{1e3 * wall_s:.2f} ms ({100 * busy_s / wall_s:.0f} %)"
+    )

@@ -1,0 +1,132 @@
+"""Speed you can see (issue 33.4): samples/s in every run's run.log and metrics.json; on CUDA
+also MFU (FLOPs per sample x rate / this GPU's measured matmul peak) and the share of the step
+the GPU was busy, with what a larger batch would give when under 50 %. The CUDA parts run on
+CPU here with the device queries (the profiler, the peak) patched."""
+
+from __future__ import annotations
+
+import json
+import logging
+import types
+
+import pytest
+import torch
+from conftest import capture_step, read_metrics, run_dir_of
+from torch import nn
+
+from labrun import hardware
+from labrun.session import Run
+from labrun.tasks import cross_entropy
+
+CPU = torch.device("cpu")
+
+
+def test_flops_per_sample_counts_forward_and_backward_and_leaves_no_trace():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3, bias=False)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    # forward: 2 x 4 x 3 per sample; backward: the weight's gradient only (x needs none)
+    assert hardware.flops_per_sample(model, x, y, cross_entropy, None) == 2 * 2 * 4 * 3
+    assert model.weight.grad is None
+
+
+def test_the_matmul_peak_is_measured_once_per_machine_and_precision(tmp_path, monkeypatch):
+    monkeypatch.setattr(hardware, "PEAK_MATMUL_SIZE", 64)
+    flops, source = hardware.matmul_peak(CPU, None, tmp_path)
+    assert flops > 0 and source == "measured now"
+    monkeypatch.setattr(torch, "mm", lambda *a: pytest.fail("measured again"))
+    again, source = hardware.matmul_peak(CPU, None, tmp_path)
+    assert again == flops and source.startswith("measured 20")
+    assert len(list((tmp_path / hardware.RECORDS).glob("peak-*.json"))) == 1
+
+
+class FakeProfile:
+    """torch.profiler.profile's part GpuBusy uses: kernels of 1.41 ms per step (gpu.md)."""
+
+    def __init__(self, activities):
+        self.running = False
+
+    def start(self):
+        self.running = True
+
+    def stop(self):
+        self.running = False
+
+    def key_averages(self):
+        steps = hardware.BUSY_STEPS
+        return [types.SimpleNamespace(self_device_time_total=1410.0 * steps)]
+
+
+def test_gpu_busy_profiles_a_few_real_steps(monkeypatch):
+    import torch.profiler
+
+    clock = iter([10.0, 10.0 + 0.00759 * hardware.BUSY_STEPS])
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfile)
+    monkeypatch.setattr(hardware, "timed", lambda device: lambda: next(clock))
+    busy = hardware.GpuBusy(torch.device("cuda"))
+    for step in range(30):
+        busy.at(step)
+    busy.close(30)  # already closed at BUSY_FIRST + BUSY_STEPS: nothing more
+    assert busy.share == pytest.approx(1.41 / 7.59) and busy.step_s == pytest.approx(0.00759)
+
+
+def test_a_launch_bound_step_says_so_and_what_a_larger_batch_gives():
+    line = hardware.busy_line(1.41 / 7.59, 0.00759, 128)
+    assert line.startswith("GPU busy 19 % of the step (1.41 of 7.59 ms): under 50 %")
+    # 8 x the batch: the GPU's 11.3 ms then outlast the 7.6 ms of launches
+    assert "--batch-size 1024 would give >= 90,780 samples/s (now 16,864)" in line
+    assert "under 50" not in hardware.busy_line(0.8, 0.01, 512)
+
+
+def test_the_cuda_speed_scale_is_measured_on_a_real_batch(monkeypatch, data_dir, tmp_path, caplog):
+    c = capture_step(monkeypatch, data_dir, tmp_path / "r")
+    monkeypatch.setattr(hardware, "matmul_peak", lambda device, dtype, records: (7.69e14, "now"))
+    c.run.log = logging.getLogger("test_speed")  # run.log's logger is closed once captured
+    caplog.set_level(logging.INFO, logger="test_speed")
+    c.run._measure_speed_scale(c.model)
+    assert c.run.speed["flops_per_sample"] > 0 and c.run.speed["peak_flops"] == 7.69e14
+    assert "GFLOP per training sample" in caplog.text and "769 TFLOP/s" in caplog.text
+    assert all(p.grad is None for p in c.model.parameters())
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_run_log_and_metrics_give_samples_per_sec_and_on_cuda_mfu(
+    main_in_process, tmp_path, monkeypatch, cuda
+):
+    speed = {"flops_per_sample": 4.28e8, "peak_flops": 7.69e14, "gpu_busy": 0.186}
+    finish = Run.finish
+
+    def finish_with_cuda_speed(self, test):
+        if cuda:  # what compile_mode and the first epoch measure on a GPU
+            self.speed.update(speed)
+        return finish(self, test)
+
+    monkeypatch.setattr(Run, "finish", finish_with_cuda_speed)
+    monkeypatch.setenv("LAB_TRACKING", "off")
+    assert main_in_process("--epochs", "1", "--results-dir", str(tmp_path)) == 0
+    run_dir = run_dir_of(tmp_path)
+    metrics, log = read_metrics(run_dir), (run_dir / "run.log").read_text()
+    rate = metrics["samples_per_sec"]
+    assert rate > 0 and " samples/s" in log.split("epoch 1/1")[1].splitlines()[0]
+    finished = next(line for line in log.splitlines() if " finished (" in line)
+    assert f"{rate:.0f} samples/s" in finished
+    if not cuda:
+        assert not {"mfu", "flops_per_sample", "gpu_busy_share"} & set(metrics)
+        return
+    assert metrics["mfu"] == pytest.approx(4.28e8 * rate / 7.69e14)
+    assert metrics["gpu_busy_share"] == 0.186 and metrics["flops_per_sample"] == 4.28e8
+    assert f"MFU {100 * metrics['mfu']:.1f} %" in finished
+    json.dumps(metrics)  # plain numbers
+
+
+def test_profile_counts_each_steps_kernels_and_the_gpus_busy_time():
+    """--profile on CUDA (the profiler's events patched in): gpu.md's default step at 128."""
+    from torch.autograd import DeviceType
+
+    from labrun.tuning import launches_per_step
+
+    kernel = types.SimpleNamespace(device_type=DeviceType.CUDA, self_device_time_total=1410 / 243)
+    host = types.SimpleNamespace(device_type=DeviceType.CPU, self_device_time_total=0.0)
+    prof = types.SimpleNamespace(events=lambda: [kernel] * 243 * 2 + [host] * 100)
+    line = launches_per_step(prof, 2, 0.00759, on_cuda=True)
+    assert line == "per step: 243 kernels, GPU busy 1.41 of 7.59 ms (19 %)"
