@@ -834,18 +834,34 @@ def test_sigkill_of_run_sh_stops_its_jobs(tmp_path):
     assert [(d / "status").read_text().strip() for d in run_dirs(project)] == ["interrupted"] * 2
 
 
-@pytest.mark.slow  # the orphans take 3 s to checkpoint
+@pytest.mark.slow  # two sweeps, each job twice
 def test_a_re_run_right_after_kill_9_waits_for_the_stopping_orphans(tmp_path):
-    jobs = [f"--first-sleep 60 --stop-sleep 3 --tag {i}" for i in range(2)]
+    """Synchronised on what the processes write, never on a time: the orphans mark their claims
+    `stopping` (in the .lock files) and checkpoint for as long as the test needs; the re-run,
+    started once both marks are there, must say it waits for them (its stdout, read as it
+    comes); then they end (SIGKILL: the kernel frees their claims) and it takes them over. A
+    fixed 3 s checkpoint lost the race to a re-run that took longer to start on a busy machine."""
+    jobs = [f"--first-sleep 600 --stop-sleep 600 --tag {i}" for i in range(2)]
     project = make_project(tmp_path, jobs)
     proc = start_sweep(project)
-    wait_for(lambda: len(started_pids(project)) == 2, 20, "2 jobs")
-    proc.kill()  # the orphans get SIGTERM and take 3 s to checkpoint
-    proc.communicate(timeout=10)
-    again = run_sweep(project)  # at once: both are still checkpointing
-    assert again.returncode == 0, again.stdout + again.stderr
-    assert "still checkpointing" in again.stdout
-    assert "running elsewhere" not in again.stdout
+    wait_for(lambda: len(started_pids(project)) == 2, 300, "2 jobs")
+    orphans = started_pids(project)
+    proc.kill()  # the orphans get SIGTERM (their parent-death signal) and start checkpointing
+    proc.communicate(timeout=300)
+    locks = [d / ".lock" for d in run_dirs(project)]
+    wait_for(lambda: all("stopping=" in p.read_text() for p in locks), 300, "stopping orphans")
+    again = start_sweep(project, SWEEP_STOPPING_WAIT_S="600")
+    said = []
+    for line in again.stdout:  # until the line, or the end of a sweep that never says it
+        said.append(line)
+        if "still checkpointing" in line:
+            break
+    for pid in orphans:  # their checkpoint is done: the claims are free
+        os.kill(pid, signal.SIGKILL)
+    out = "".join(said) + again.communicate(timeout=600)[0]
+    assert "still checkpointing" in said[-1], out
+    assert again.returncode == 0, out
+    assert "running elsewhere" not in out
     assert all((d / "metrics.json").exists() for d in run_dirs(project))
 
 

@@ -12,6 +12,7 @@ lists and dicts. `best_model.pt` is different: a plain `state_dict` (`save_weigh
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -71,15 +72,29 @@ def set_rng_state(state: dict, device: torch.device) -> str | None:
 
 def save(path: Path, state: dict) -> None:
     """torch.save to a temp file, then os.replace: the old checkpoint survives a crash mid-write."""
-    state = {"format_version": FORMAT_VERSION, **state}
-    with atomic_path(path) as tmp:
-        torch.save(state, tmp)
+    _save({"format_version": FORMAT_VERSION, **state}, path)
 
 
 def save_weights(path: Path, state_dict: dict) -> None:
     """A plain state_dict (no extra keys), atomically: what `load_state_dict(strict=True)` takes."""
+    _save(state_dict, path)
+
+
+def _save(obj, path: Path) -> None:
+    """Atomically, and a full disk is an OSError naming `path` (the run's disk message): given
+    a path, torch.save reports it as `RuntimeError: [enforce fail at inline_container.cc]`;
+    given a Python file, the file's own OSError is that RuntimeError's context, or raised."""
     with atomic_path(path) as tmp:
-        torch.save(state_dict, tmp)
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(obj, f)
+                f.flush()
+                os.fsync(f.fileno())  # the space is taken now, not at some later writeback
+        except (OSError, RuntimeError) as exc:
+            cause = exc if isinstance(exc, OSError) else exc.__context__
+            if not isinstance(cause, OSError):
+                raise
+            raise OSError(cause.errno, cause.strerror, str(path)) from exc
 
 
 def load(path: Path, *, config_hash: str, map_location: torch.device | str = "cpu") -> dict:

@@ -76,6 +76,7 @@ DATA_MODES = ("auto", "memory", "stream")
 MEMORY_FRACTION = 0.25
 # A training split must give at least this many optimizer steps per epoch (check_batch_size).
 MIN_STEPS_PER_EPOCH = 4
+EMPTY_SPLIT = "the split is empty; give it samples, or leave it out (None: carved from train)"
 
 
 @dataclass
@@ -199,12 +200,15 @@ def load_dataset(
         raw = entry.load(options)
     if not isinstance(raw, DatasetSplits) or raw.train is None:
         raise ValueError(f"dataset {name!r}: its function must return DatasetSplits(train=...)")
-    content = None if data_path is not None else content_hash(raw)
     splits = {
         s: _as_split(getattr(raw, s), raw, image_size, f"{name}/{s}")
         for s in ("train", "val", "test")
         if getattr(raw, s) is not None
     }
+    for where, split in splits.items():
+        if len(split) == 0:  # a dataset's own empty split (ImageFiles of no file)
+            raise ValueError(f"{name}/{where}: {EMPTY_SPLIT}")
+    content = None if data_path is not None else content_hash(raw)  # of splits checked above
     check_targets(splits, task, name)  # non-finite targets, a multilabel split without a label
     shapes = {(split.image_shape, split.layout, _dtype(split)) for split in splits.values()}
     if len(shapes) > 1:
@@ -374,8 +378,18 @@ def _as_split(raw, described: DatasetSplits, image_size, where: str) -> Split | 
         images, labels = raw
     except (TypeError, ValueError):
         raise ValueError(f"{where}: a split must be (images, labels) or ImageFiles") from None
-    images = torch.as_tensor(np.asarray(images))
-    labels = torch.as_tensor(np.asarray(labels))  # class ids -> int64, targets -> float32
+    images, labels = np.asarray(images), np.asarray(labels)
+    if images.ndim and len(images) == 0:
+        raise ValueError(f"{where}: {EMPTY_SPLIT}")
+    if labels.dtype.kind not in "biuf":  # names, objects: torch would fail with a traceback
+        first = labels.flat[0] if labels.size else None
+        raise ValueError(
+            f"{where}: labels must be numbers (class ids 0..K-1, or float targets), got "
+            f"{labels.dtype} such as {first!r}; map them to ids (and the names to "
+            "DatasetSplits(class_names=...))"
+        )
+    images = torch.as_tensor(images)
+    labels = torch.as_tensor(labels)  # class ids -> int64, targets -> float32
     labels = labels.float() if labels.is_floating_point() else labels.long()
     if images.dtype == torch.bool:
         images = images.to(torch.uint8)
@@ -390,6 +404,8 @@ def _as_split(raw, described: DatasetSplits, image_size, where: str) -> Split | 
         )
     if labels.ndim == 0 or len(labels) != len(images):
         raise ValueError(f"{where}: expected {len(images)} labels, got {tuple(labels.shape)}")
+    if images.is_floating_point():
+        check_finite(images, where)
     if image_size is not None and tuple(images.shape[2:]) != tuple(image_size):
         if layout != "NCHW":
             raise ValueError(
@@ -411,6 +427,21 @@ def _as_split(raw, described: DatasetSplits, image_size, where: str) -> Split | 
     # (N, *spatial, C) batches from it without another copy.
     order = channel_last(layout, images.ndim)
     return Split(_in_layout(images.permute(order).contiguous(), order), labels, layout=layout)
+
+
+def check_finite(images: torch.Tensor, where: str) -> None:
+    """Refuse NaN or inf inputs (ValueError naming the first row): every loss would be NaN, which
+    reads as a learning rate that diverged. In chunks: the check takes little memory."""
+    for start in range(0, len(images), 1024):
+        rows = images[start : start + 1024].reshape(-1, images[0].numel())
+        bad = ~torch.isfinite(rows).all(1)
+        if bad.any():
+            row = int(bad.nonzero()[0, 0])
+            value = rows[row][~torch.isfinite(rows[row])][0].item()
+            raise ValueError(
+                f"{where}: input row {start + row} holds {value} (a NaN or infinite input makes "
+                "every loss NaN); fix or drop those rows"
+            )
 
 
 def _in_layout(stored: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:

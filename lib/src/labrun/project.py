@@ -62,3 +62,22 @@ def current() -> Project:
             package = table.get("package")
             return Project(folder, package, str(table.get("experiment") or package or "labrun"))
     return Project(Path.cwd().resolve(), None, "labrun")
+
+
+def version_warning(root: Path, installed: str) -> str | None:
+    """Why the installed labrun is not the one `root`'s pyproject.toml pins (`labrun==X`, the
+    template's pin: a project's numbers are those of its pinned machinery), or None."""
+    try:
+        with open(root / "pyproject.toml", "rb") as f:
+            needs = tomllib.load(f).get("project", {}).get("dependencies", [])
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+    for requirement in needs if isinstance(needs, list) else []:
+        name, pin, version = str(requirement).partition(";")[0].partition("==")
+        if pin and name.strip().lower() == "labrun" and version.strip() != installed:
+            return (
+                f"labrun {installed} is installed but {root / 'pyproject.toml'} pins "
+                f"labrun=={version.strip()}: pip install labrun=={version.strip()}, or raise "
+                "the pin (README, 'Update')"
+            )
+    return None

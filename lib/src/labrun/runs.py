@@ -42,6 +42,10 @@ BEST_MODEL = "best_model.pt"
 METRICS = "metrics.json"
 LOG = "run.log"
 LOCK = ".lock"  # held (flock) by the process training this directory: see claim.py
+TRACKING = "tracking.json"  # the MLflow run this directory mirrors: see tracking.py
+# What a run writes through atomic_path: its temps are this process's own (remove_stale_temps).
+RUN_FILES = (CONFIG, STATUS, HISTORY, CHECKPOINT, BEST_MODEL, METRICS, TRACKING)
+PROBE = "probe"  # ensure_writable's space probe: `.probe.<random>.tmp`
 # refused: run.py will not continue this run as it is (its checkpoint cannot be loaded); the
 # sweep does not re-run it, and `run.py ... --fresh` starts it over.
 STATUSES = ("running", "interrupted", "failed", "finished", "refused")
@@ -181,16 +185,24 @@ def read_trusted(path: Path, max_bytes: int = 1 << 20) -> str:
 def remove_stale_temps(run_dir: Path, older_than_s: float = 60.0) -> list[str]:
     """Delete temporary files a killed writer (kill -9, power loss) left behind; return names.
 
-    Only called while holding the run directory's claim, so no live writer of this run exists;
-    the age limit is a second guard for files of other tools that share the folder.
+    Only called while holding the run directory's claim, so no live writer of this run exists:
+    a temp of one of the run's own files (`.checkpoint.pt.<random>.tmp`, atomic_path's names,
+    or the space probe's) goes whatever its age; a half-written checkpoint is as big as the
+    model. Any other temp in the folder may be another tool's: it goes after `older_than_s`.
     """
     removed, now = [], time.time()
     for path in Path(run_dir).glob(f".*{TEMP_SUFFIX}"):
         with contextlib.suppress(OSError):
-            if now - path.stat().st_mtime > older_than_s:
+            if _own_temp(path.name) or now - path.stat().st_mtime > older_than_s:
                 path.unlink()
                 removed.append(path.name)
     return removed
+
+
+def _own_temp(name: str) -> bool:
+    """A name atomic_path (or ensure_writable's probe) gives a temp of a run directory's file."""
+    target = name.removeprefix(".").removesuffix(TEMP_SUFFIX).rpartition(".")[0]
+    return target in RUN_FILES or target == PROBE
 
 
 def is_disk_error(exc: BaseException) -> bool:
@@ -305,7 +317,8 @@ def ensure_writable(directory: Path, need_bytes: int = 0) -> None:
     """
     try:
         Path(directory).mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".probe.", suffix=TEMP_SUFFIX) as f:
+        probe = {"prefix": f".{PROBE}.", "suffix": TEMP_SUFFIX}
+        with tempfile.NamedTemporaryFile(dir=directory, **probe) as f:
             chunk = b"\0" * (1 << 20)
             for start in range(0, need_bytes, len(chunk)):
                 f.write(chunk[: min(len(chunk), need_bytes - start)])

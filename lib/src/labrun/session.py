@@ -29,6 +29,7 @@ input or a refused checkpoint (nothing written), 73 its directory is another's, 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import sys
@@ -135,8 +136,10 @@ class Run:
     def __init__(self, args, parser, out, stop, held, dist) -> None:
         import torch
 
+        from . import __version__
         from .hardware import choose_precision, resolve_device, setup_backends
         from .loaders import available_cpus
+        from .project import version_warning
         from .state import Progress, TrainSums
         from .tasks import create_task
 
@@ -164,6 +167,9 @@ class Run:
             ("precision", precision_why),
             ("kernels", setup_backends(self.device, args.deterministic)),
         ]
+        if dist.is_main and (mismatch := version_warning(PROJECT_ROOT, __version__)):
+            print(f"warning: {mismatch}", file=sys.stderr)  # runs on, but says so at start
+            self._notes.append(("labrun", mismatch))
         if args.profile:  # the CUDA memory snapshot then covers the whole run, model included
             from .tuning import start_memory_history
 
@@ -185,6 +191,7 @@ class Run:
         seed gives the same init, split, order and augmentation."""
         from .data import build_loader, check_batch_size, load_dataset
         from .hardware import choose_gpu_resident
+        from .preflight import check_memory
         from .train import seed_everything
 
         args = self.args
@@ -241,6 +248,13 @@ class Run:
             self._notes.append(("decode", loaders["train"].decoder))
         train, val, test = (loaders[k] for k in ("train", "val", "test"))
         self.data_ = Data(splits, train, val, test, steps_per_epoch, loaded.info, loaded.notes)
+        # Before run.py builds the model: a model or batch too big for the free memory is
+        # refused here (exit 2), not ended by the OOM killer (preflight.py)
+        micro_batch = max(1, args.batch_size // self.dist.world)
+        needs = check_memory(
+            args, loaded.info, self.device, self.amp_dtype, micro_batch=micro_batch
+        )
+        self._notes.append(("memory", needs))
         return self.data_
 
     def memory_format(self, model):
@@ -289,11 +303,22 @@ class Run:
         run.log; a refusal on any rank ends all (torchrun)."""
         if self.opened:
             return
+        from .preflight import forward_problem
+
         args, out, dist = self.args, self.out, self.dist
         code, why = None, ""
         try:
-            if dist.is_main:
-                runs.ensure_writable(out, need_bytes=checkpoint_bytes(model, ema))
+            # one forward pass and the loss on a real batch: a misfit of model, data and task
+            # (not for tools: capture_step drives the step with its caller's own batches)
+            batch = None if self.tool else self.peek_batch()
+            if batch and (problem := forward_problem(model, batch, self.loss, self.amp_dtype)):
+                why = (
+                    f"--model {args.model} cannot train on --dataset {args.dataset} under "
+                    f"--task {args.task} ({problem}); choose another --model, --task or --dataset"
+                )
+                code = error(why, EXIT_USAGE)
+            elif dist.is_main:
+                runs.ensure_writable(out, need_bytes=room_needed(out, model, ema))
         except OSError as exc:  # not writable, or no room for a checkpoint: before any work
             why = f"--results-dir: {exc.strerror or exc}"
             code = error(why, EXIT_USAGE)
@@ -790,6 +815,16 @@ def checkpoint_bytes(model, ema=None) -> int:
     weights) twice during its atomic replace, plus best_model.pt."""
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     return weights * (2 * (4 + (ema is not None)) + 1)
+
+
+def room_needed(out, model, ema=None) -> int:
+    """checkpoint_bytes less the checkpoint and best_model.pt a re-run replaces: their space is
+    the run's already, and comes back as each new file replaces the old one."""
+    kept = 0
+    for name in (runs.CHECKPOINT, runs.BEST_MODEL):
+        with contextlib.suppress(OSError):
+            kept += (out / name).stat().st_size
+    return max(checkpoint_bytes(model, ema) - kept, 0)
 
 
 def metrics_line(row: dict, prefix: str) -> str:

@@ -109,6 +109,13 @@ def check_targets(splits: dict, task: str, dataset: str) -> None:
     classification a train split of one class (test acc 1, whatever the model). `splits`: {name:
     Split or FileSplit} as the dataset gave them, so a row is the row of the user's data."""
     train = splits["train"].labels
+    for name, split in splits.items():
+        if task == "classification" and split.labels.is_floating_point():
+            raise UsageError(
+                f"dataset {dataset!r}: --task classification needs integer class ids; the "
+                f"{name} split's labels are floats (such as {split.labels.flatten()[0].item()}): "
+                "give integer labels (labels.astype(int)), or choose --task regression"
+            )
     if task == "classification" and not train.is_floating_point() and train.unique().numel() < 2:
         raise UsageError(
             f"dataset {dataset!r}: --task classification needs at least 2 classes; the train "

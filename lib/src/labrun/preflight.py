@@ -1,0 +1,188 @@
+"""Refusals before training: a model that does not fit the data or the task, or the memory.
+
+Two checks, both before the run directory holds anything but its lock (a refusal leaves
+nothing behind, exit 2, one `error:` line naming the flags to change):
+
+- `check_memory`, once the data is loaded and before run.py builds the model: the registered
+  model is built on torch's meta device (shapes only, nothing allocated) and driven forward on
+  a batch of the loop's shape; its parameters, their gradients, AdamW's two moments, the EMA
+  copy, early stopping's best weights (host) and the activations a backward pass keeps are
+  summed and held against the free memory: the host's (labrun.data.available_ram_bytes: the
+  cgroup, Slurm and ulimit included) and, on CUDA, the GPU's (torch.cuda.mem_get_info).
+  Without it `--width 4000` grew to 19.5 GB on a 2-core node until the kernel's OOM killer
+  ended it, or a neighbour's job; `--width 100000000` died in the allocator.
+- `forward_problem`, once the real model exists: one forward pass and the task's loss on two
+  samples of a real training batch, in eval mode without gradients (no BatchNorm statistic,
+  no RNG draw changes the run). A 1-D model on images, or `--task regression` on class ids,
+  is then one line instead of a traceback in a `failed` directory.
+
+The estimate is a lower bound (allocator slack, workspaces and temporaries are not counted):
+what it refuses cannot train; what it lets through may still meet a CUDA OOM, which the run
+reports with --find-batch-size's advice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import UsageError
+from .runs import size_text
+
+
+@dataclass(frozen=True)
+class Needs:
+    """Bytes one training process holds, by what holds them."""
+
+    parameters: int  # weights and buffers
+    training: int  # gradients + AdamW's exp_avg and exp_avg_sq
+    ema: int  # the EMA's copy of the weights (--ema > 0)
+    best: int  # early stopping's copy of the best weights, always on the host
+    activations: int  # what the forward pass keeps for backward, for one micro-batch
+
+    def on_device(self) -> int:
+        return self.parameters + self.training + self.ema + self.activations
+
+    def parts(self, *, host_copy: bool) -> str:
+        parts = [
+            f"parameters {size_text(self.parameters)}",
+            f"gradients and AdamW state {size_text(self.training)}",
+        ]
+        if self.ema:
+            parts.append(f"EMA {size_text(self.ema)}")
+        if host_copy:
+            parts.append(f"best weights {size_text(self.best)}")
+        parts.append(f"activations {size_text(self.activations)}")
+        return ", ".join(parts)
+
+
+def estimate(model, batch_shape: tuple[int, ...], *, ema: bool, half: bool) -> Needs:
+    """What training `model` (built on the meta device) takes for a micro-batch of
+    `batch_shape`; `half`: the forward runs under 16-bit autocast (activations of 2 bytes).
+    A forward the meta device cannot run (data-dependent Python, an op without a meta kernel)
+    leaves the activations at 0: the rest still refuses what cannot fit."""
+    import torch
+
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    outputs: dict[int, torch.Tensor] = {}  # by identity: an in-place ReLU's output is its input
+
+    def count(_module, _inputs, output) -> None:
+        for t in output if isinstance(output, list | tuple) else (output,):
+            if isinstance(t, torch.Tensor):
+                outputs[id(t)] = t  # held: no id is reused during the pass
+
+    leaves = [m for m in model.modules() if not any(True for _ in m.children())]
+    hooks = [m.register_forward_hook(count) for m in leaves]
+    try:
+        model(torch.empty(batch_shape, device="meta"))
+    except Exception:  # noqa: BLE001 (the forward's own errors are forward_problem's to report)
+        outputs.clear()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    kept = sum(
+        t.numel() * (2 if half and t.is_floating_point() else t.element_size())
+        for t in outputs.values()
+    )
+    weights = params + buffers
+    return Needs(weights, 3 * trainable, weights if ema else 0, weights, kept)
+
+
+def check_memory(args, info, device, amp_dtype, *, micro_batch: int) -> str:
+    """Refuse (UsageError) a model and batch whose training cannot fit the free memory;
+    return the estimate for run.log. See the module docstring."""
+    import torch
+
+    from .data import available_ram_bytes
+    from .models import create_model
+
+    try:
+        with torch.device("meta"):
+            model = create_model(
+                args.model,
+                num_classes=info.num_classes,
+                channels=info.channels,
+                image_size=info.image_size,
+                input_shape=info.input_shape,
+                width=args.width,
+                **_own(args),
+            )
+    except ValueError:
+        raise  # a misfit of the model's own arguments: bad input as run.py's build says it
+    except Exception as exc:  # noqa: BLE001 (a model the meta device cannot build: not estimated)
+        return f"not estimated ({type(exc).__name__} on the meta device)"
+    shape = (micro_batch, *info.input_shape)
+    half = amp_dtype is not None and amp_dtype != torch.float32
+    needs = estimate(model, shape, ema=getattr(args, "ema", 0) > 0, half=half)  # run.py's flag
+    on_gpu = device.type == "cuda"
+    host_need = needs.best + (0 if on_gpu else needs.on_device())
+    host_free = available_ram_bytes()
+    problems = []
+    if host_free is not None and host_need > host_free:
+        detail = (
+            needs.parts(host_copy=True) if not on_gpu else f"best weights {size_text(host_need)}"
+        )
+        problems.append(
+            f"{size_text(host_need)} of host memory ({detail}) but {size_text(host_free)} is free"
+        )
+    if on_gpu:
+        gpu_free, _total = torch.cuda.mem_get_info(device)
+        if needs.on_device() > gpu_free:
+            problems.append(
+                f"{size_text(needs.on_device())} of memory on {device} "
+                f"({needs.parts(host_copy=False)}) but {size_text(gpu_free)} is free"
+            )
+    if problems:
+        raise UsageError(
+            f"--model {args.model}{_sizes(args)}, --batch-size {args.batch_size}: training "
+            f"needs about {' and '.join(problems)}; {_advice(args, needs)}"
+        )
+    total = needs.on_device() + needs.best
+    return f"training needs about {size_text(total)} ({needs.parts(host_copy=True)})"
+
+
+def _own(args) -> dict:
+    return getattr(args, "model_args", None) or {}  # --model-args, as config.py parsed them
+
+
+def _sizes(args) -> str:
+    width = f" --width {args.width}" if args.width is not None else ""
+    own = ",".join(f"{k}={v}" for k, v in _own(args).items())
+    return width + (f" --model-args {own}" if own else "")
+
+
+def _advice(args, needs: Needs) -> str:
+    """The flags that shrink what does not fit: the model's size, and the batch when the
+    activations are a sizeable part of it."""
+    flags = []
+    if args.width is not None:
+        flags.append("a smaller --width")
+    if _own(args):
+        flags.append("smaller --model-args")
+    if not flags:
+        flags.append("a smaller --model")
+    if needs.activations * 4 >= needs.on_device():
+        flags.append("a smaller --batch-size (with --grad-accum to keep the effective batch)")
+    return "choose " + " or ".join(flags)
+
+
+def forward_problem(model, batch, loss_fn, dtype) -> str | None:
+    """Why `model` cannot train on this data and task (one forward pass and the loss on two
+    samples of the real `batch`), or None. Eval mode, no gradients: nothing of the run moves."""
+    import torch
+
+    x, y = batch
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), torch.autocast(x.device.type, dtype, enabled=dtype is not None):
+            loss_fn(model(x[:2]), y[:2])
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 (any failure here is the misfit to report)
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return f"{type(exc).__name__}: {first}"
+    finally:
+        model.train(was_training)
+    return None
