@@ -41,7 +41,6 @@ def main() -> int:
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch starts its pool
     import torch
-
     from labrun import gpucheck, reference
     from labrun.hardware import choose_precision, device_name
 
@@ -75,8 +74,9 @@ def main() -> int:
                     gpucheck.default_model(args.width).to(device), images, labels,
                     dtype=dtype, compile_mode=mode, **common))  # fmt: skip
             torch.manual_seed(0)
-            rates.setdefault("naive, data on the device", []).append(reference.naive_rate(
-                gpucheck.default_model(args.width).to(device), images, labels, **common))  # fmt: skip
+            naive = gpucheck.default_model(args.width).to(device)
+            rates.setdefault("naive, data on the device", []).append(
+                reference.naive_rate(naive, images, labels, **common))  # fmt: skip
             rates.setdefault("textbook (per-sample CPU augmentation, MLflow)", []).append(
                 gpucheck.plain_loop_rate(split, device, tracking_dir=Path(tmp),
                                          width=args.width, **common))  # fmt: skip

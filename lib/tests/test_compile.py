@@ -390,8 +390,12 @@ def test_real_compile_uses_the_lab_cache_and_the_next_job_its_record(run_cli, tm
     decisions = [log.split("compile: ")[1].split("\n")[0] for log in logs]
     assert "%, prior) for ~16 s (cold)" in decisions[0]
     assert "compiled (default) in " in logs[0] and "(cold inductor cache)" in logs[0]
-    # The second job: the first one's measured ratio, and the warm cache's cost expected
-    assert "prior" not in decisions[1] and "%, measured " in decisions[1], decisions[1]
-    assert "(warm)" in decisions[1] and "(warm inductor cache)" in logs[1], logs[1]
+    # The second job decides from the first one's measured ratio. On a loaded 2-core machine
+    # that ratio can come out slower than eager (1.30x in one CI run): then it stays eager, as
+    # the policy says; otherwise it compiles with the warm cache's cost expected.
+    assert "prior" not in decisions[1] and "measured" in decisions[1], decisions[1]
+    if "measured slower" not in decisions[1]:
+        assert "%, measured " in decisions[1], decisions[1]
+        assert "(warm)" in decisions[1] and "(warm inductor cache)" in logs[1], logs[1]
     assert list((cache / hardware.RECORDS).glob("*.json"))
     assert (cache / "fxgraph").is_dir()

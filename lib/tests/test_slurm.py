@@ -55,7 +55,9 @@ def slurm_cluster() -> None:
 
 
 # Small enough for a CI node; the defaults (8 CPUs, 32G) are for real clusters.
-SLURM_ENV = {"SLURM_CPUS": "1", "SLURM_MEM": "100M", "SLURM_TIME": "5", "SLURM_MAX_PARALLEL": "2"}
+# 2G: a real job's share (torch alone is ~300 MB resident). 100M ran only because this cluster does
+# not enforce --mem (no cgroups); the preflight now holds a job to its SLURM_MEM_PER_NODE.
+SLURM_ENV = {"SLURM_CPUS": "1", "SLURM_MEM": "2G", "SLURM_TIME": "5", "SLURM_MAX_PARALLEL": "2"}
 
 
 def submit(project: Path, **env: str) -> str:

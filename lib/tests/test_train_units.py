@@ -137,11 +137,13 @@ def test_evaluate_is_inference_only_and_restores_train_mode():
     assert math.isfinite(metrics["loss"]) and 0 <= metrics["acc"] <= 1
 
 
-def test_fused_adamw_only_on_cuda_and_no_decay_on_norms(monkeypatch, data_dir, tmp_path):
+def test_fused_adamw_and_no_decay_on_norms(monkeypatch, data_dir, tmp_path):
     model = nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.BatchNorm2d(4))
     run_py = capture_step(monkeypatch, data_dir, tmp_path, "--weight-decay", "0.05", model=model)
     optimizer = run_py.optimizer
-    assert not optimizer.defaults["fused"]
+    # Fused on the CPU too (torch >= 2.4): unfused, its per-tensor loop was 322 of the default
+    # step's 495 aten ops (test_step.py holds the step to its budget).
+    assert optimizer.defaults["fused"]
     decays = sorted(g["weight_decay"] for g in optimizer.param_groups)
     assert decays == [0.0, 0.05] and len(optimizer.param_groups[1]["params"]) == 2
 

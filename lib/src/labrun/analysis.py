@@ -318,7 +318,8 @@ def _parse_param(text: str):
 
 
 def _hashable(value):
-    return json.dumps(value, sort_keys=True) if isinstance(value, list | dict) else value
+    # A tuple default (--crop-scale's) is a list once in config.json: the same value either way.
+    return json.dumps(value, sort_keys=True) if isinstance(value, list | tuple | dict) else value
 
 
 def _sort_key(value):

@@ -509,4 +509,7 @@ def setup_logging(run_dir: Path, name: str) -> logging.Logger:
 def close_logging(logger: logging.Logger) -> None:
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
-        handler.close()
+        # A full disk fails the flush in close(): the log's last line is lost, and the run's
+        # own ending (its error line and exit code) must not be replaced by that OSError.
+        with contextlib.suppress(OSError):
+            handler.close()

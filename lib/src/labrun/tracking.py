@@ -198,7 +198,11 @@ def run_params(config: dict) -> dict:
     """The MLflow params of a run: its experiment-defining config values and the list of their
     names, `experiment_keys` (analysis.load_runs_from_mlflow needs it to tell them apart)."""
     keys = list(config.get("experiment_keys", []))
-    return {**{k: config[k] for k in keys if k in config}, "experiment_keys": keys}
+    values = {k: config[k] for k in keys if k in config}
+    # As config.json holds them (a tuple is a list there): a live run's params then equal what
+    # the follower or `sync` sends from the directory, and a mirror never rebuilds it for that.
+    values = json.loads(json.dumps(runs._finite_or_none(values), default=str))
+    return {**values, "experiment_keys": keys}
 
 
 class Tracker:
@@ -986,10 +990,13 @@ def follow(roots: list[Path], log: logging.Logger, stdin=None) -> int:
                 continue
             if not final and unreached.get(run_dir) == now:  # failed: again when it changes
                 continue
-            if sync(run_dir, log, clients) is False:
+            synced = sync(run_dir, log, clients)
+            if synced is False:
                 unreached[run_dir] = now
             else:
                 unreached.pop(run_dir, None)
+            if synced is None:  # a job still held it: look again next pass, changed or not
+                seen[run_dir] = None
         first = False
         if final:
             break
