@@ -239,6 +239,21 @@ def device_name(device: torch.device) -> str:
     return f"cpu {platform.machine()} {capability}, {torch.get_num_threads()} threads"
 
 
+def utc_now() -> str:
+    """When a record of this machine was measured, as run.log quotes it."""
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+
+
+def save_record(path: Path, record: dict) -> None:
+    """Keep a measurement of this machine (compile costs, layout, matmul peak) for the next
+    job. A read-only cache folder is no error: the next job measures again."""
+    from .runs import write_json
+
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, record)
+
+
 class CompileRecord:
     """The measured compile costs of one model, input and precision on one machine and torch
     version: a small JSON file in the inductor cache folder, shared by the project's jobs (the
@@ -293,22 +308,12 @@ class CompileRecord:
         eager_step_s: float,
         compiled_step_s: float,
     ):
-        from .runs import write_json
-
         modes = self.read()
         seen = modes.get(mode, {})
         seen[("warm_" if warm else "cold_") + "compile_s"] = round(compile_s, 3)
-        seen.update(
-            eager_step_s=eager_step_s,
-            compiled_step_s=compiled_step_s,
-            when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        )
+        seen.update(eager_step_s=eager_step_s, compiled_step_s=compiled_step_s, when=utc_now())
         modes[mode] = seen
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_json(self.path, {"key": self.key, "modes": modes})
-        except OSError:  # a read-only cache folder: the next job measures again
-            pass
+        save_record(self.path, {"key": self.key, "modes": modes})
 
 
 def compile_cache_counts() -> tuple[int, int]:
@@ -562,14 +567,7 @@ def choose_memory_format(
         torch.set_rng_state(rng)  # dropout in the probe must not shift the run's stream
         source = "measured now"
         if path is not None:
-            from .runs import write_json
-
-            when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                write_json(path, {"key": key, "step_s": times, "when": when})
-            except OSError:  # a read-only cache folder: the next job measures again
-                pass
+            save_record(path, {"key": key, "step_s": times, "when": utc_now()})
     name = "NCHW" if times["channels_last"] > LAYOUT_MARGIN * times["NCHW"] else "channels_last"
     layout = torch.channels_last if name == "channels_last" else torch.contiguous_format
     other = "NCHW" if name == "channels_last" else "channels_last"
@@ -623,8 +621,6 @@ def matmul_peak(device: torch.device, dtype, cache_dir: Path) -> tuple[float, st
     (fp32 as the backends allow: TF32 on Ampere+), measured once per machine, precision and
     torch version and recorded beside the compile records. A measured peak, not the data
     sheet's: MFU then says how far the job is from what this GPU does."""
-    from .runs import write_json
-
     key = {
         "device": device_name(device),
         "dtype": str(dtype or torch.float32),
@@ -650,12 +646,7 @@ def matmul_peak(device: torch.device, dtype, cache_dir: Path) -> tuple[float, st
         best = min(best, now() - start)
     del a, b
     flops = 2 * n**3 / best
-    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, {"key": key, "flops": flops, "when": when})
-    except OSError:  # a read-only cache folder: the next job measures again
-        pass
+    save_record(path, {"key": key, "flops": flops, "when": utc_now()})
     return flops, "measured now"
 
 
