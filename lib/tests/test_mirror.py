@@ -216,16 +216,21 @@ def test_a_lost_tracking_json_finds_its_run_instead_of_a_second_one(env, tmp_pat
     assert_mirrors(uri, run_dir)
 
 
-def test_the_follower_mirrors_a_run_once_its_claim_is_released(env, tmp_path):
-    uri = env["MLFLOW_TRACKING_URI"]
-    results = tmp_path / "results"
-    follower = subprocess.Popen(
+def start_follower(results: Path) -> subprocess.Popen:
+    """The sweep's follower on `results`, as run.sh starts it: it follows until stdin closes."""
+    return subprocess.Popen(
         [sys.executable, "-m", "labrun.tracking", "follow", str(results)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
+
+
+def test_the_follower_mirrors_a_run_once_its_claim_is_released(env, tmp_path):
+    uri = env["MLFLOW_TRACKING_URI"]
+    results = tmp_path / "results"
+    follower = start_follower(results)
     try:
         # A job (this process) holds the claim while it writes the directory and ends.
         held = claim(results / "digits_width=8-0123abcd")
@@ -272,13 +277,7 @@ def test_the_follower_claims_no_run_the_sweep_may_start(env, tmp_path):
     results = tmp_path / "results"
     run_dir = make_run_dir(results, history_of([2.0]), status="interrupted")
     (run_dir / "tracking.json").write_text(json.dumps({"started_at": time.time() - 5}))
-    follower = subprocess.Popen(
-        [sys.executable, "-m", "labrun.tracking", "follow", str(results)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    follower = start_follower(results)
     time.sleep(3 * tracking.FOLLOW_POLL_S)
     assert mlflow_runs_of(uri, run_dir) == []
     out, _ = follower.communicate(timeout=120)
