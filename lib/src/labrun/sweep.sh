@@ -241,8 +241,9 @@ print_plan() {
   printf '\n'
 }
 
-# Create the MLflow database and experiment once, before jobs start in parallel (several
-# processes creating a fresh sqlite DB at once race in its migrations and fail).
+# Create the MLflow database and experiment once, before a Slurm array's tasks start in
+# parallel: they log to MLflow live. (A local sweep's jobs do not touch MLflow: its follower
+# creates the database, under tracking.py's schema lock, while the first jobs train.)
 # Arguments: index of a job whose arguments (e.g. --experiment) to use.
 init_tracking() {
   job_argv "$1"
@@ -772,7 +773,7 @@ others_pending() {
 # Returns: 0 if every job is done, 1 otherwise.
 #######################################
 run_queue() {
-  local i s pid rc next=0 planned=0 tracking=0
+  local i s pid rc next=0 planned=0
   local -a queue=()
   declare -gA SWEEP_RUNNING=() SWEEP_SLOT_OF=() SWEEP_T0=()
   declare -ga SWEEP_GROUPS=() SLOT_BUSY=() SWEEP_RESULT=() SWEEP_TOOK=() SWEEP_TAKEN=()
@@ -804,8 +805,6 @@ run_queue() {
   if (( ${#queue[@]} > 0 )); then
     log "${#queue[@]} job(s) to run, $(( ${#SWEEP_START[@]} - ${#queue[@]} )) done or skipped;" \
       "$(describe_slots); logs in ${LOG_DIR}/"
-    init_tracking "${queue[0]}"
-    tracking=1
     start_ticker
   fi
   while true; do
@@ -828,11 +827,7 @@ run_queue() {
       if [[ -z "${SWEEP_STOP_SIGNAL}" ]] && (( ! planned )) && others_pending; then
         replan
         planned=1
-        if (( next < ${#queue[@]} )); then
-          # All were elsewhere at the start: nothing has created the MLflow database yet.
-          if (( ! tracking )); then init_tracking "${queue[next]}"; tracking=1; fi
-          continue
-        fi
+        if (( next < ${#queue[@]} )); then continue; fi
       fi
       break
     fi
