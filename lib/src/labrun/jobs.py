@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import distributed, runs
+from . import distributed, plan, runs
 from .claim import Busy, Claim, claim
 from .config import (
     DEFAULT_EXPERIMENT,
@@ -59,6 +59,7 @@ from .config import (
     short_hash,
     tracking_default,
 )
+from .plan import NotReady  # noqa: F401  (jobs.NotReady: scripts raise it, analyze.py)
 from .stopping import BadGrace, GracefulStop
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_BUSY, EXIT_INTERRUPTED = 0, 1, 2, 73, 75
@@ -70,10 +71,6 @@ COMMON_KEYS = frozenset(
 
 class Interrupted(Exception):
     """Raised by Job.check_stop() after a stop signal: the job ends `interrupted`, exit 75."""
-
-
-class NotReady(UsageError):
-    """An input is not there yet (a run still training): exit 2; run.sh lists it as waiting."""
 
 
 def error(message: str, code: int) -> int:
@@ -191,8 +188,6 @@ def _lifecycle(argv, parse, locate, body, *, redo, ranks) -> int:
         return error(str(exc), EXIT_USAGE)
     with stop:  # first: a stop signal at any later moment still ends in 75
         if (sys.argv[1:] if argv is None else argv) == ["--plan"]:  # run.sh: all jobs, one call
-            from . import plan
-
             return plan.main(plan.resolver(parse, locate))
         args, parser_ = parse(argv)  # bad flags: one `error:` line, exit 2
         try:

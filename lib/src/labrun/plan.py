@@ -17,7 +17,7 @@ Output on stdout, for each job three NUL-terminated fields: STATE, RUN_DIR, NOTE
     refused      run.py refused to continue it (its checkpoint cannot be loaded): not re-run;
                  `run.py ARGS --fresh` starts it over (NOTE says so)
     pending      never started
-    waiting      an input of the job is not finished yet (jobs.NotReady; RUN_DIR empty)
+    waiting      an input of the job is not finished yet (NotReady; RUN_DIR empty)
     invalid      the script would refuse the command line (RUN_DIR empty, NOTE = its error)
 """
 
@@ -33,7 +33,11 @@ from typing import BinaryIO
 from labrun import config, runs
 from labrun.claim import holder, is_stopping
 from labrun.config import UsageError, parse_args, run_dir
-from labrun.jobs import NotReady
+
+
+class NotReady(UsageError):
+    """An input is not there yet (a run still training): exit 2; run.sh lists it as waiting.
+    Here, not in jobs.py (which re-exports it), so that jobs imports plan and never the reverse."""
 
 
 def resolver(parse: Callable, locate: Callable) -> Callable[[list[str]], Path]:
