@@ -21,9 +21,14 @@
 # 2 bad settings, 130/143 if stopped.
 # Settings are environment variables (GPUS, JOBS_PER_GPU, CPU_JOBS, LOG_DIR, SWEEP_NAME, PYTHON,
 # SLURM_*, ...): `bash run.sh --help` lists them with their defaults. The queue is labrun's sweep
-# engine (`python -m labrun sweep-lib` prints where it is), the version the project pins.
+# engine (labrun/sweep.py, the version the project pins): this file only lists the jobs.
 
 set -euo pipefail
+
+# `job ARGS...` records one job: its argument count, then its arguments (bash has no arrays of
+# arrays); the engine reads them NUL-separated.
+SWEEP_JOBS=()
+job() { SWEEP_JOBS+=("$#" "$@"); }
 
 # ---- The sweep: edit here. Call `job` once per run.py command line. -------------------------
 # A job of another script names it first: `job analyze.py RUN_A RUN_B` (labrun's README, "A job
@@ -47,16 +52,24 @@ define_jobs() {
 # The quick preset (`bash run.sh --quick`): these arguments come first on every run.py job's
 # command line, so a job's own arguments and those after `--` win; results go to their own
 # folder, so a plain `bash run.sh` later runs the real sweep instead of finding them done.
-# shellcheck disable=SC2034  # read by the engine's sweep_main
 QUICK_ARGS=(--epochs 6 --width 16)
 
 # ---- The engine: labrun's queue, from the environment that runs the jobs --------------------
 cd "$(dirname "${BASH_SOURCE[0]}")"
-if ! SWEEP_ENGINE_PATH="$("${PYTHON:-python}" -m labrun sweep-lib)"; then
-  echo "run.sh: no labrun in PYTHON=${PYTHON:-python} (activate the project's venv," \
-    "or set PYTHON)" >&2
+PYTHON="${PYTHON:-python}"
+if ! "${PYTHON}" -c 'import labrun.sweep' 2>/dev/null; then
+  echo "run.sh: no labrun in PYTHON=${PYTHON} (activate the project's venv, or set PYTHON)" >&2
   exit 2
 fi
-# shellcheck source=/dev/null  # labrun/sweep.sh, checked with the library
-source "${SWEEP_ENGINE_PATH}"
-sweep_main define_jobs "$@"
+# The job list depends on the preset, so --quick is read here too (the engine reads the rest).
+PRESET="${PRESET:-}"
+for arg in "$@"; do
+  case "${arg}" in
+    --) break ;;
+    --quick) PRESET=quick ;;
+  esac
+done
+define_jobs
+# exec: the engine takes this process's place, so signals to run.sh reach it.
+exec "${PYTHON}" -m labrun.sweep "${BASH_SOURCE[0]##*/}" "$@" \
+  < <(printf '%s\0' "${#QUICK_ARGS[@]}" "${QUICK_ARGS[@]}" "${SWEEP_JOBS[@]}")

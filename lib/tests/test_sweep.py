@@ -1,12 +1,12 @@
-"""labrun's sweep engine (labrun/sweep.sh) behind the project's run.sh, driven with a stand-in
-for run.py; and labrun/slurm_task.sh without Slurm.
+"""labrun's sweep engine (labrun/sweep.py) behind the project's run.sh, driven with a stand-in
+for run.py; its parts in-process; and labrun/slurm_task.sh without Slurm.
 
 The stand-in keeps run.py's command-line contract (--plan through the real planner, the real
 claim with exit 73, --init-tracking, metrics.json when finished, status, exit 75 on SIGTERM)
 without torch, and records for every attempt its CUDA_VISIBLE_DEVICES, pid, and start and end
 times. Each test copies the rendered project's run.sh into a temporary folder next to the
-stand-in, so nothing here touches results/ or logs/; run.sh finds the engine through
-`$PYTHON -m labrun sweep-lib`, as in a project. The sweep script the tests run is run.sh itself,
+stand-in, so nothing here touches results/ or logs/; run.sh runs the engine as
+`$PYTHON -m labrun.sweep`, as in a project. The sweep script the tests run is run.sh itself,
 with its job list read from jobs.txt. CUDA_VISIBLE_DEVICES=0,1,2,3 stands for four visible GPUs.
 """
 
@@ -29,7 +29,6 @@ from conftest import ROOT as PROJECT
 import labrun
 from labrun.claim import claim
 
-ENGINE = Path(labrun.__file__).with_name("sweep.sh")
 SLURM_TASK = Path(labrun.__file__).with_name("slurm_task.sh")
 
 
@@ -793,14 +792,15 @@ def test_second_signal_kills_jobs_that_ignore_the_first(tmp_path):
 # ---- many processes, one results folder; planning; GPUs; status -----------------------
 
 
-FOLLOWER = "-m labrun.tracking follow"  # the sweep's MLflow follower: no job
+# run.sh's check for labrun, the engine, the sweep's MLflow follower: no job
+NOT_SCRIPTS = ("-c import labrun.sweep", "-m labrun.sweep ", "-m labrun.tracking follow")
 
 
 def script_calls(project: Path) -> list[str]:
-    """The script command lines run through $PYTHON (not run.sh's `-m labrun sweep-lib`)."""
+    """The script command lines run through $PYTHON (not run.sh's engine or its follower)."""
     log = project / "python-calls.log"
     lines = log.read_text().splitlines() if log.exists() else []
-    return [x for x in lines if x != "-m labrun sweep-lib" and not x.startswith(FOLLOWER)]
+    return [x for x in lines if not x.startswith(NOT_SCRIPTS)]
 
 
 def job_calls(project: Path) -> list[str]:
@@ -1169,20 +1169,17 @@ def test_slurm_dry_run_lists_the_array_without_slurm_installed(tmp_path):
     assert not attempts(project, finished_only=False)
 
 
-def test_labrun_cli_names_the_engine_and_imports_no_torch():
-    result = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "labrun", "sweep-lib"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert Path(result.stdout.strip()).samefile(ENGINE)
-    assert "torch" not in result.stderr and "mlflow" not in result.stderr
+def test_the_engine_and_the_labrun_cli_import_no_torch():
+    for argv in (["-c", "import labrun.sweep"], ["-m", "labrun", "slurm-task"]):
+        result = subprocess.run(
+            [sys.executable, "-X", "importtime", *argv], capture_output=True, text=True, check=True
+        )
+        assert "torch" not in result.stderr and "mlflow" not in result.stderr
     bad = subprocess.run([sys.executable, "-m", "labrun", "nonsense"], capture_output=True)
     assert bad.returncode == 2
 
 
-SHELL_SCRIPTS = [ENGINE, SLURM_TASK]
+SHELL_SCRIPTS = [SLURM_TASK]
 
 
 @pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=lambda p: p.name)

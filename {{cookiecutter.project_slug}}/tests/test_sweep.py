@@ -3,7 +3,6 @@ these tests follow the owner's edits), and ShellCheck passes. labrun's tests cov
 
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -13,9 +12,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "{{ cookiecutter.package_name }}"
-# Stands in for labrun's sweep.sh: prints each job's arguments, then the quick preset's.
-RECORDER = """job() { printf '%q ' "$@"; echo; }
-sweep_main() { "$1"; printf 'QUICK_ARGS '; printf '%q ' "${QUICK_ARGS[@]}"; echo; }
+# Stands in for the python that runs labrun's engine: passes run.sh's check for labrun, then saves
+# the job list run.sh sends the engine (NUL-separated: the preset's count and arguments, then per
+# job its count and arguments).
+RECORDER = """#!/bin/sh
+case "$1" in -c) exit 0 ;; esac
+cat >"$(dirname "$0")/jobs.bin"
 """
 
 
@@ -30,12 +32,18 @@ def run_sh(project: Path, *args: str, python: str = sys.executable, **env: str) 
 
 def defined_jobs(project: Path, tmp_path: Path, preset: str = "") -> list[list[str]]:
     """The command lines run.sh's job list defines, as its dry run should list them."""
-    (tmp_path / "recorder.sh").write_text(RECORDER)
-    python = tmp_path / "python"  # answers `python -m labrun sweep-lib` with the recorder
-    python.write_text(f"#!/bin/sh\necho {tmp_path / 'recorder.sh'}\n")
+    python = tmp_path / "python"
+    python.write_text(RECORDER)
     python.chmod(0o755)
-    *jobs, quick = map(shlex.split, run_sh(project, python=str(python), PRESET=preset).splitlines())
-    first = ["--results-dir", f"results/{preset or 'sweep'}", *(quick[1:] if preset else [])]
+    run_sh(project, python=str(python), PRESET=preset)
+    words = (tmp_path / "jobs.bin").read_bytes().decode().split("\0")[:-1]
+    lists = []
+    while words:
+        count = int(words.pop(0))
+        lists.append(words[:count])
+        del words[:count]
+    quick, *jobs = lists
+    first = ["--results-dir", f"results/{preset or 'sweep'}", *(quick if preset else [])]
     return [job if job[0].endswith(".py") else ["run.py", *first, *job] for job in jobs]
 
 

@@ -1,11 +1,10 @@
-"""labrun's command line: where the library's shell parts are installed.
+"""labrun's command line: where the library's shell part is installed.
 
-    python -m labrun sweep-lib     # the sweep engine a project's run.sh sources
     python -m labrun slurm-task    # the script of one Slurm array task (run.sh --slurm submits it)
 
-run.sh finds its engine with `source "$("${PYTHON}" -m labrun sweep-lib)"`, so the engine is the
-one of the labrun installed in the project's environment, the version its pyproject.toml pins.
-Imports no torch: it answers in the time Python takes to start.
+The sweep engine itself is Python: run.sh ends with `exec "${PYTHON}" -m labrun.sweep ...`, so the
+engine is the one of the labrun installed in the project's environment, the version its
+pyproject.toml pins. Imports no torch: it answers in the time Python takes to start.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from labrun import __version__
 
 # Package data installed beside this file (lib/pyproject.toml ships *.sh).
 SHELL_FILES = {
-    "sweep-lib": ("sweep.sh", "print the path of the sweep engine that run.sh sources"),
     "slurm-task": ("slurm_task.sh", "print the path of the Slurm array task script"),
 }
 
@@ -37,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     path = Path(__file__).resolve().with_name(SHELL_FILES[args.command][0])
-    if not path.is_file():  # a broken install: say so instead of letting `source ""` fail
+    if not path.is_file():  # a broken install: say so instead of letting sbatch fail later
         print(f"error: {path} is missing (reinstall labrun)", file=sys.stderr)
         return 1
     print(path)
