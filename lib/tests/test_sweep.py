@@ -13,6 +13,7 @@ with its job list read from jobs.txt. CUDA_VISIBLE_DEVICES=0,1,2,3 stands for fo
 from __future__ import annotations
 
 import heapq
+import io
 import json
 import os
 import re
@@ -27,6 +28,7 @@ import pytest
 from conftest import ROOT as PROJECT
 
 import labrun
+from labrun import sweep
 from labrun.claim import claim
 
 SLURM_TASK = Path(labrun.__file__).with_name("slurm_task.sh")
@@ -1289,3 +1291,192 @@ def test_an_interrupted_and_resumed_sweep_ends_with_the_uninterrupted_numbers(tm
         assert config["job_cpus"] == expected_config["job_cpus"] == 1
         for key in ("test_acc", "test_loss", f"best_{metrics['monitor']}", "epochs_run"):
             assert metrics[key] == pytest.approx(expected[key], rel=1e-6, abs=1e-9), (name, key)
+
+
+# ---- the engine in-process (labrun/sweep.py's parts, called from here) ----------------------
+
+
+def nul_list(*lists: list[str]) -> io.BytesIO:
+    """run.sh's job list: per list its count, then its words, each NUL-terminated."""
+    return io.BytesIO(b"".join(f"{len(x)}\0".encode() + "".join(w + "\0" for w in x).encode()
+                               for x in lists))  # fmt: skip
+
+
+def test_the_job_list_from_run_sh_is_read_and_checked():
+    quick, jobs = sweep.read_job_list(nul_list(["--epochs", "6"], ["--lr", "1"], [], ["a b"]))
+    assert (quick, jobs) == (["--epochs", "6"], [["--lr", "1"], [], ["a b"]])
+    for bad in (b"", b"2\0--lr\0", b"x\0", b"0\0-3\0"):
+        with pytest.raises(sweep.Refused, match="job list"):
+            sweep.read_job_list(io.BytesIO(bad))
+
+
+def make_sweep(env: dict | None = None, lines=(), **fields) -> sweep.Sweep:
+    jobs = [sweep.Job.from_line(i, line.split()) for i, line in enumerate(lines)]
+    return sweep.Sweep(sweep.Settings(env or {}), jobs, **fields)
+
+
+def test_a_run_py_job_gets_the_folder_and_preset_first_and_extra_last():
+    s = make_sweep({"SWEEP_NAME": "scan"}, ["--lr 1", "analyze.py A B"], quick=["--w", "8"])
+    s.extra = ["--lr", "2"]
+    run_py, analyze = s.jobs
+    assert (run_py.script, analyze.script) == ("run.py", "analyze.py")
+    assert s.argv(run_py) == ["--results-dir", "results/scan", "--w", "8", "--lr", "1", "--lr", "2"]
+    assert s.argv(analyze) == ["A", "B"]  # another script's job: its own arguments, as is
+    assert s.settings.LOG_DIR == "logs/scan" and s.settings.JOBS_PER_GPU == "auto"
+    assert sweep.Settings({}, "quick").SWEEP_NAME == "quick"
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"JOBS_PER_GPU": "0"}, "JOBS_PER_GPU must be a positive integer or auto, got '0'"),
+        ({"CPU_JOBS": "x"}, "CPU_JOBS must be a positive integer or auto, got 'x'"),
+        ({"CPU_JOB_MEM_GB": "1.5"}, "CPU_JOB_MEM_GB must be a positive integer"),
+        ({"STATUS_EVERY": "-1"}, "STATUS_EVERY and STATUS_EVERY_LOG must be whole seconds"),
+        ({"SWEEP_NAME": ".."}, "SWEEP_NAME must be a folder name"),
+    ],
+)
+def test_settings_refuse_bad_values(env, message):
+    with pytest.raises((sweep.BadSetting, sweep.Refused), match=re.escape(message)):
+        sweep.Settings(env).check()
+
+
+def test_gpus_are_chosen_from_the_visible_ones():
+    visible = {"CUDA_VISIBLE_DEVICES": "0,1,GPU-ab12"}
+    assert sweep.choose_gpus(visible) == ["0", "1", "GPU-ab12"]
+    assert sweep.choose_gpus({**visible, "GPUS": "GPU-ab12,0"}) == ["GPU-ab12", "0"]
+    assert sweep.choose_gpus({**visible, "GPUS": ""}) == []  # set, empty: CPU only
+    for gpus, message in (("2", "GPU 2 does not exist (visible: 0 1 GPU-ab12)"),
+                          ("0 0", "GPU 0 is listed twice"), ("0;1", "not a list")):  # fmt: skip
+        with pytest.raises(sweep.BadSetting, match=re.escape(message)):
+            sweep.choose_gpus({**visible, "GPUS": gpus})
+
+
+def test_cpu_slots_share_the_cores_and_leave_memory_and_jobs_left_out_of_the_share(monkeypatch):
+    monkeypatch.setattr(sweep, "available_mib", lambda cgroup: 5 * 1024)
+    s = make_sweep({})
+    s.cpu_slots(cores=8, jobs=20, left=20)  # memory for 2 jobs of 2 GiB: 2 slots, 1 thread each
+    assert (s.slots, s.threads, s.job_cpus) == (["", ""], "1", 1)
+    assert s.describe_slots() == (
+        "2 CPU slot(s), 1 thread(s) each (CPU_JOBS=auto: 8 core(s); 5 GiB free / CPU_JOB_MEM_GB=2)"
+    )
+    s.cpu_slots(cores=8, jobs=4, left=1)  # 4 jobs: 2 cores each; 1 left: 1 slot
+    assert (len(s.slots), s.threads) == (1, "2")
+    assert s.reason == "CPU_JOBS=auto: 4 job(s); 5 GiB free / CPU_JOB_MEM_GB=2; 1 job(s) left"
+    s = make_sweep({"CPU_JOBS": "3", "OMP_NUM_THREADS": "5"})
+    s.cpu_slots(cores=8, jobs=20, left=20)  # explicit: no memory check; the user's threads
+    assert (len(s.slots), s.threads, s.job_cpus, s.reason) == (3, "5", 2, "CPU_JOBS=3")
+
+
+def test_gpu_slots_auto_measure_then_fit_the_free_memory(monkeypatch, tmp_path):
+    monkeypatch.setattr(sweep, "gpu_free_mib", lambda gpus: 10000)
+    done = tmp_path / "done"
+    done.mkdir()
+    s = make_sweep({}, ["--tag a", "--tag b"], gpus=["0", "1"])
+    s.jobs[0].dir, s.jobs[1].dir = str(done), str(tmp_path / "new")
+    s.gpu_slots(cores=16, jobs=9)  # 16 cores / 2 GPUs / 2 = 4 a GPU; 9 jobs: 5 a GPU
+    assert (s.slots, s.gpu_measure, s.job_cpus) == (["0", "1"], True, 2)
+    assert "4 per GPU, 1 until a job has measured its peak memory" in s.reason
+    (done / "metrics.json").write_text('{"device": "cuda:0", "peak_mem_bytes": 2097152000}')
+    s.gpu_fit()  # 90 % of 10000 MiB / (1.25 x 2000 + 1024): 2 a GPU
+    assert (s.slots, s.busy, s.gpu_measure) == (["0", "1", "0", "1"], [False] * 4, False)
+    assert s.describe_slots().startswith("4 slot(s) on GPU(s) 0 1 0 1, 2 thread(s) each (")
+    s = make_sweep({"JOBS_PER_GPU": "3"}, gpus=["0"])
+    s.gpu_slots(cores=16, jobs=1)
+    assert (s.slots, s.job_cpus, s.reason) == (["0"] * 3, 5, "JOBS_PER_GPU=3" + sweep.MPS)
+
+
+def test_the_plan_marks_duplicates_and_names_invalid_jobs(tmp_path, monkeypatch):
+    project = make_project(tmp_path)
+    monkeypatch.chdir(project)
+    s = make_sweep({"PYTHON": sys.executable}, ["--tag a", "--tag a", "--sleep x", "--tag b"])
+    s.plan()
+    assert [j.state for j in s.jobs] == ["pending", "duplicate", "invalid", "pending"]
+    assert s.jobs[1].note == "same run as job 0" and s.jobs[2].name == "job-2"
+    assert s.jobs[2].note.startswith("run.py rejected the arguments: bad arguments:")
+    s.jobs.append(sweep.Job.from_line(4, ["missing.py"]))
+    with pytest.raises(sweep.Refused, match="job 4: missing.py not found in"):
+        s.plan()
+
+
+def test_how_a_job_ended_is_read_from_its_exit_code_and_run_directory(tmp_path, monkeypatch):
+    kill, signalled = sweep._kill, []  # the pids below are made up: signal none of them
+    monkeypatch.setattr(sweep, "_kill", lambda pid, signum: signalled.append((pid, signum)))
+    s = make_sweep({"LOG_DIR": "logs/x"}, ["--tag a"] * 5, slots=[""], busy=[True])
+    for job, name in zip(s.jobs, "abcde", strict=True):
+        job.dir, job.name = str(tmp_path / name), name
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "status").write_text("running\n")
+    (tmp_path / "a" / "metrics.json").write_text("{}")
+    (tmp_path / "e" / "metrics.json").write_text("{}")
+    time.sleep(0.01)
+    (tmp_path / "e" / ".lock").write_text("pid=105 host\n")  # claimed after it was done
+    for pid, rc in zip(range(101, 106), (0, 73, 75, 1, 0), strict=True):
+        s.running[pid] = sweep.Running(s.jobs[pid - 101], 0, None, int(time.time()))
+        s.finish(pid, rc)
+    assert [j.result for j in s.jobs] == ["done", "elsewhere", "interrupted", "failed", "skipped"]
+    assert (tmp_path / "c" / "status").read_text() == "interrupted\n"  # it said running
+    assert not s.running and s.busy == [False]
+    # Each job's group is told to go: the loader workers it may have left behind.
+    assert signalled == [(-pid, signal.SIGTERM) for pid in range(101, 106)]
+    with pytest.raises(ValueError, match="refusing to signal pid -1"):
+        kill(-1, signal.SIGTERM)  # the guard of every kill
+
+
+def test_the_summary_counts_and_says_what_to_do(capsys):
+    s = make_sweep({}, ["--tag a"] * 6)
+    results = ["done", "skipped", "failed", "interrupted", "", "duplicate"]
+    for job, result, name in zip(s.jobs, results, "abcdef", strict=True):
+        job.result, job.name, job.state = result, name, "pending"
+    assert not s.summarize()
+    out = capsys.readouterr().out
+    assert (
+        "sweep summary: 2 done (1 ran now, 1 skipped: already done), 1 failed, 1 interrupted, "
+        "1 not started (1 duplicate job(s) ignored)\n  failed: c  log: logs/sweep/c.log\nre-run"
+    ) in out
+    for job in s.jobs:
+        job.result = "done"
+    assert s.summarize()
+
+
+def test_main_refuses_bad_input_with_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(make_project(tmp_path))
+    monkeypatch.setenv("JOBS_PER_GPU", "-1")
+    assert sweep.main(["run.sh"], nul_list([], ["--tag", "a"])) == 2
+    assert capsys.readouterr().err == "error: JOBS_PER_GPU must be a positive integer or auto, " \
+        "got '-1'\n"  # fmt: skip
+    monkeypatch.delenv("JOBS_PER_GPU")
+    assert sweep.main(["run.sh", "--nope"], nul_list([])) == 2
+    err = capsys.readouterr().err
+    assert "Usage: bash run.sh" in err and err.endswith("run.sh: unknown option: --nope\n")
+    monkeypatch.setenv("GPUS", "")
+    assert sweep.main(["run.sh"], nul_list([])) == 2
+    assert capsys.readouterr().err == "run.sh: the sweep has no jobs\n"
+
+
+def test_the_queue_runs_in_process(tmp_path, monkeypatch, capsys):
+    project = make_project(tmp_path)
+    monkeypatch.chdir(project)
+    for name in ("LAB_TRACKING_FOLLOWER", "LAB_JOBS_PER_NODE"):  # the queue exports them
+        monkeypatch.setenv(name, "")
+    monkeypatch.setenv("LAB_TRACKING", "off")
+    handlers = {n: signal.getsignal(n) for n in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        s = make_sweep(
+            {"PYTHON": str(project / "python-standin")},
+            ["--sleep 0.3 --tag a", "--sleep 0.1 --tag b", "--fail --tag c"],
+            gpus=["0", "1"],
+        )
+        s.plan()
+        s.gpu_slots(cores=2, jobs=3)
+        assert not s.run_queue()
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    runs = attempts(project)
+    assert {r["cvd"] for r in runs} == {"0", "1"}
+    for gpu in "01":  # 2 slots: one job a GPU at a time
+        assert max_overlap([(r["start"], r["end"]) for r in runs if r["cvd"] == gpu]) == 1
+    assert [j.result for j in s.jobs] == ["done", "done", "failed"]
+    assert "2 done (2 ran now, 0 skipped: already done), 1 failed" in capsys.readouterr().out
+    assert os.environ["LAB_JOBS_PER_NODE"] == "2"

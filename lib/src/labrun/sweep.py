@@ -769,7 +769,7 @@ class Sweep:
         os.set_blocking(wake_w, False)
         # Every signal (a job ended: SIGCHLD; a stop: INT, TERM, HUP) writes a byte to wake_w,
         # which wakes the select below: no polling, no race with a child that ends meanwhile.
-        signal.set_wakeup_fd(wake_w)
+        old_wakeup_fd = signal.set_wakeup_fd(wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, self.on_signal)
@@ -831,7 +831,9 @@ class Sweep:
                         self.replan()
                         planned = True
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        signal.set_wakeup_fd(-1)
+        signal.set_wakeup_fd(old_wakeup_fd)
+        os.close(wake_r)
+        os.close(wake_w)
         self.reap_groups()
         self.stop_follower(follower, follower_fd)
         return self.summarize()
@@ -1073,6 +1075,8 @@ def _finished(job: Job) -> bool:
 
 def _kill(pid: int, signum: int) -> None:
     """Signal a process (pid > 0) or a process group (-pgid); one already gone is no error."""
+    if abs(pid) <= 1:  # 0, 1 and -1 mean this group, init, every process: never a job's
+        raise ValueError(f"refusing to signal pid {pid}")
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, signum)
 
