@@ -84,25 +84,12 @@ Environment (defaults in brackets):
 
 # The defaults of the settings above (PRESET, SWEEP_NAME, LOG_DIR and GPUS depend on others).
 DEFAULTS = {
-    "PYTHON": "python",
-    "JOBS_PER_GPU": "auto",
-    "CPU_JOBS": "auto",
-    "CPU_JOB_MEM_GB": "2",
-    "STATUS_EVERY": "60",
-    "STATUS_EVERY_LOG": "600",
-    "SLURM_PARTITION": "",
-    "SLURM_TIME": "24:00:00",
-    "SLURM_MEM": "32G",
-    "SLURM_CPUS": "8",
-    "SLURM_GRES": "gpu:1",
-    "SLURM_MAX_PARALLEL": "16",
-    "SLURM_SIGNAL_SECS": "300",
-    "SLURM_EXTRA": "",
-    "SLURM_LOG_DIR": "logs/slurm",
-    "SWEEP_JOB_NAME": "",
-    "GPUS_PER_JOB": "1",
-    "NODES_PER_JOB": "1",
-}
+    "PYTHON": "python", "JOBS_PER_GPU": "auto", "CPU_JOBS": "auto", "CPU_JOB_MEM_GB": "2",
+    "STATUS_EVERY": "60", "STATUS_EVERY_LOG": "600", "SLURM_PARTITION": "",
+    "SLURM_TIME": "24:00:00", "SLURM_MEM": "32G", "SLURM_CPUS": "8", "SLURM_GRES": "gpu:1",
+    "SLURM_MAX_PARALLEL": "16", "SLURM_SIGNAL_SECS": "300", "SLURM_EXTRA": "",
+    "SLURM_LOG_DIR": "logs/slurm", "SWEEP_JOB_NAME": "", "GPUS_PER_JOB": "1", "NODES_PER_JOB": "1",
+}  # fmt: skip
 EXIT_BUSY, EXIT_INTERRUPTED = 73, 75
 # CUDA MPS would run the slots' kernels side by side; not measured to help yet (no GPU at hand
 # when this was written), so it stays off.
@@ -999,24 +986,16 @@ class Sweep:
             gres = re.sub(r":[0-9][^:]*$", "", gres) + f":{job_gpus}"
         cwd = os.getcwd()
         submit = Path(cwd) / s.SLURM_LOG_DIR / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        # --requeue: preempted tasks go back to the queue. B:USR1@N: N s before the time limit,
+        # the task script (only it: B:) gets USR1; it tells run.py, which checkpoints, and
+        # requeues.
         cmd = [
-            "sbatch",
-            "--parsable",
-            f"--job-name={s.SWEEP_JOB_NAME or Path(cwd).name}",
-            f"--array=0-{len(pending) - 1}%{s.SLURM_MAX_PARALLEL}",
-            f"--gres={gres}",
-            f"--cpus-per-task={s.SLURM_CPUS}",
-            f"--mem={s.SLURM_MEM}",
-            f"--time={s.SLURM_TIME}",
-            # --requeue: preempted tasks go back to the queue. B:USR1@N: N s before the time
-            # limit, the task script (only it: B:) gets USR1; it tells run.py, which
-            # checkpoints, and requeues.
-            "--requeue",
-            f"--signal=B:USR1@{s.SLURM_SIGNAL_SECS}",
-            "--open-mode=append",
-            f"--output={submit}/%A_%a.out",
-            f"--chdir={cwd}",
-        ]
+            "sbatch", "--parsable", f"--job-name={s.SWEEP_JOB_NAME or Path(cwd).name}",
+            f"--array=0-{len(pending) - 1}%{s.SLURM_MAX_PARALLEL}", f"--gres={gres}",
+            f"--cpus-per-task={s.SLURM_CPUS}", f"--mem={s.SLURM_MEM}", f"--time={s.SLURM_TIME}",
+            "--requeue", f"--signal=B:USR1@{s.SLURM_SIGNAL_SECS}", "--open-mode=append",
+            f"--output={submit}/%A_%a.out", f"--chdir={cwd}",
+        ]  # fmt: skip
         if s.SLURM_PARTITION:
             cmd.append(f"--partition={s.SLURM_PARTITION}")
         # Several GPUs: one torchrun per node (slurm_task.sh), each starting one process per GPU.
