@@ -168,17 +168,3 @@ def create_model(
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return build(**offered)
     return build(**{k: v for k, v in offered.items() if k in params})
-
-
-def model_from_config(config: dict):
-    """The model of a run: `config` as config.json holds it (run.py's arguments and
-    DatasetInfo.as_config()), or a dict built the same way."""
-    return create_model(
-        config.get("model", "cnn"),
-        num_classes=config["num_classes"],
-        channels=config["channels"],
-        image_size=tuple(config.get("image_size") or ()),
-        input_shape=tuple(config.get("input_shape") or ()) or None,
-        width=config.get("width", WIDTH_DEFAULT),
-        **(config.get("model_args") or {}),
-    )
