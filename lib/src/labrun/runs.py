@@ -209,6 +209,12 @@ def is_disk_error(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in DISK_ERRNOS
 
 
+def first_line(exc: BaseException) -> str:
+    """An error in one line of a warning or an `error:` line: its message's first line (or its
+    type's name), cut to 300 characters."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         f.write(text)

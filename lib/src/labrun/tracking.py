@@ -69,6 +69,7 @@ from pathlib import Path
 
 from . import runs
 from .config import DEFAULT_EXPERIMENT, PROJECT_ROOT
+from .runs import first_line
 
 STATE_FILE = "tracking.json"
 RETRY_AFTER_S = 60.0  # after a failure, try the tracker again at the next epoch this much later
@@ -281,7 +282,7 @@ class Tracker:
                     tracking_uri(),
                     what,
                     type(exc).__name__,
-                    _first_line(exc),
+                    first_line(exc),
                     __package__,
                     self.run_dir,
                 )
@@ -304,7 +305,7 @@ class Tracker:
                 self.log.warning(
                     "MLflow run %s not found (%s); starting a new one",
                     self.run_id,
-                    _first_line(exc),
+                    first_line(exc),
                 )
                 self.state = _without_run(self.state)
         experiment_id = init(self.state["experiment"], self.client)
@@ -455,11 +456,6 @@ class Tracker:
             with contextlib.suppress(Exception):
                 self.monitor.finish()
             self.monitor = None
-
-
-def _first_line(exc: Exception) -> str:
-    """An error in one line of a warning."""
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
 
 
 def _texts(values: dict, limit: int) -> dict[str, str]:
@@ -897,7 +893,7 @@ def sync(run_dir: Path, log: logging.Logger, clients: dict | None = None) -> boo
                 clients["client"] = _client()
             changes = mirror(clients["client"], run_dir, state, save=save)
         except Exception as exc:
-            log.warning("%s: not mirrored: %s: %s", run_dir, type(exc).__name__, _first_line(exc))
+            log.warning("%s: not mirrored: %s: %s", run_dir, type(exc).__name__, first_line(exc))
             return False
     for change in changes:
         log.info("%s: %s", run_dir, change)
