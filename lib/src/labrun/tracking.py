@@ -318,10 +318,6 @@ class Tracker:
         self._save_state()
 
     def _start_monitor(self) -> None:
-        try:
-            import psutil  # noqa: F401  (MLflow's monitor needs it; without it, no system metrics)
-        except ImportError:
-            return
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
         self.monitor = SystemMetricsMonitor(
@@ -915,7 +911,6 @@ class Sampler(threading.Thread):
         # Imported here, in the caller's thread: two threads importing mlflow at once break it.
         try:
             import mlflow.tracking  # noqa: F401
-            import psutil  # noqa: F401  (MLflow's monitors need it)
             from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
             from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
             from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
@@ -923,7 +918,7 @@ class Sampler(threading.Thread):
 
             gpu = SystemMetricsMonitor._initialize_gpu_monitor(None)
             self.monitors = [CPUMonitor(), DiskMonitor(), NetworkMonitor(), *([gpu] if gpu else [])]
-        except Exception:  # no psutil: no system metrics, as a live job would have none
+        except Exception:  # a monitor that cannot start: no system metrics, as in a live job
             self.monitors = []
 
     def run(self) -> None:
