@@ -559,10 +559,7 @@ def _rlimit_headroom() -> int | None:
 
 def decoded_bytes(splits) -> int:
     """uint8 bytes of the splits once decoded, labels included."""
-    total = 0
-    for split in splits:
-        total += len(split) * (math.prod(split.image_shape) + 8)
-    return total
+    return sum(len(split) * (math.prod(split.image_shape) + 8) for split in splits)
 
 
 def _why_not_cached(splits, data_dir: Path, version: str | None) -> str | None:
