@@ -203,7 +203,7 @@ def load_cifar10_arrays(data_dir: Path) -> tuple:
         if not cache.exists():
             if not tarball.exists():
                 _download(CIFAR10_URL, tarball, CIFAR10_MD5)
-            elif _md5(tarball) != CIFAR10_MD5:
+            elif _file_md5(tarball) != CIFAR10_MD5:
                 tarball.unlink()
                 raise ValueError(
                     f"{tarball} is corrupt (md5 mismatch); deleted it, run again to re-download"
@@ -223,6 +223,11 @@ def load_cifar10_arrays(data_dir: Path) -> tuple:
                 ) from e
             _save_npz(cache, **arrays)
     return _read_npz(cache)
+
+
+def _file_md5(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "md5").hexdigest()
 
 
 def _download(url: str, dest: Path, md5: str) -> None:
@@ -245,14 +250,6 @@ def _download(url: str, dest: Path, md5: str) -> None:
                 f"download of {url} is corrupt or partial (md5 {digest.hexdigest()}, expected "
                 f"{md5}); deleted it, run again to retry"
             )
-
-
-def _md5(path: Path) -> str:
-    digest = hashlib.md5()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _extract_cifar10(tarball: Path) -> dict[str, np.ndarray]:

@@ -11,10 +11,11 @@ device, tracking, results dir...) are this module's.
 
 Identity (README, "What a run writes"): the run directory is `<results-dir>/<readable>-<hash8>`,
 where the hash is sha256 over the sorted-key JSON of every *experiment-defining* argument, i.e.
-every argument except those in EXECUTION_KEYS. Add a flag to the parser and it joins the hash
-unless you also add it to EXECUTION_KEYS; at its default it stays out of the hash (only the
-first release's flags, FIRST_RELEASE_KEYS, are hashed at any value), so every existing run keeps
-its directory (and is skipped when done) after the update; set to anything else, it is hashed.
+every argument except those of the execution and tools groups (execution_keys). Add a flag to
+the parser and it joins the hash unless it is in one of those groups; at its default it stays
+out of the hash (only the first release's flags, FIRST_RELEASE_KEYS, are hashed at any value),
+so every existing run keeps its directory (and is skipped when done) after the update; set to
+anything else, it is hashed.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pathlib import Path
 
 from . import project, runs
 from .dataversion import data_version
-from .models import WIDTH_DEFAULT, model_arguments, own_arguments, parse_model_args
+from .models import WIDTH_DEFAULT, listed_arguments, model_arguments, parse_model_args
 from .registry import REQUIRED, declarations
 
 # The project this process works for (project.py: its pyproject.toml's [tool.labrun]).
@@ -54,31 +55,12 @@ TASK_DECLARED = declarations("register_task")
 TASK_CHOICES = {name: d.help for name, d in TASK_DECLARED.items()}
 TASKS_MODULE = f"{__package__}.tasks"  # the built-in tasks: which of them read which flag
 
-# How a run is executed, not what it computes: left out of the hash, so the same experiment run on
-# another GPU, with more workers or after a Ctrl-C lands in the same directory.
-EXECUTION_KEYS = frozenset(
-    {
-        "device",
-        "amp",
-        "compile",
-        "workers",
-        "gpu_resident",
-        "results_dir",
-        "data_dir",
-        "fresh",
-        "data_mode",
-        "progress",
-        "deterministic",
-        "profile",
-        "find_lr",
-        "find_batch_size",
-        "print_run_dir",
-        "experiment",
-        "init_tracking",
-        "tracking",
-        "checkpoint_every",
-    }
-)
+# How a run is executed, not what it computes: the flags of these two groups of build_parser
+# (run.py's Config fields marked execution=True join the first) are left out of the hash, so the
+# same experiment run on another GPU, with more workers or after a Ctrl-C lands in the same
+# directory.
+EXECUTION_GROUP = "execution (not part of the hash)"
+TOOLS_GROUP = "tools (do one thing and exit)"
 # The experiment-defining flags of the first release: always in the hash (their run names are
 # pinned by the tests). Every other experiment key (a flag added since, `data_version`) is hashed
 # only while it differs from its default: adding a flag with a default never moves a run.
@@ -185,24 +167,10 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _non_negative_int(text: str) -> int:
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
 def _seed(text: str) -> int:
     value = _int(text)
     if not 0 <= value <= MAX_SEED:
         raise argparse.ArgumentTypeError(f"must be in [0, {MAX_SEED}], got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = _finite(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 
@@ -243,21 +211,13 @@ def _model_help() -> str:
     """Each model with its own size arguments: `cnn1d: a 1-D CNN (width, depth=2)`."""
     described = {}
     for name, declared in MODEL_DECLARED.items():
-        own = own_arguments(declared)
-        listed = ", ".join(k if v == REQUIRED else f"{k}={v!r}" for k, v in own.items())
+        listed = listed_arguments(declared)
         described[name] = f"{declared.help} ({listed})" if listed else declared.help
     return _choices_help(described)
 
 
 def _choices_help(entries: dict[str, str]) -> str:
     return "; ".join(f"{name}: {text}" for name, text in entries.items())
-
-
-def _fraction(text: str) -> float:
-    value = _finite(text)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return value
 
 
 def _experiment(text: str) -> str:
@@ -334,12 +294,13 @@ def method_fields() -> list[tuple[dataclasses.Field, type]]:
 
 
 def execution_keys() -> frozenset:
-    """EXECUTION_KEYS and the Config fields marked execution=True."""
-    own = {f.name for f, _ in method_fields() if f.metadata.get("execution")}
-    return EXECUTION_KEYS | own
+    """The flags of EXECUTION_GROUP and TOOLS_GROUP, the Config fields marked execution=True
+    among them."""
+    groups = [g for g in build_parser()._action_groups if g.title in (EXECUTION_GROUP, TOOLS_GROUP)]
+    return frozenset(action.dest for group in groups for action in group._group_actions)
 
 
-def _bounded(parse, above, at_least, below):
+def _bounded(parse, above=None, at_least=None, below=None):
     """`parse` (text -> number) that refuses values outside the bounds, as the shared flags do."""
     if above == 0 and below is None:
         why = "must be positive"
@@ -377,6 +338,11 @@ def _add_field(group, field: dataclasses.Field, kind: type) -> None:
     if any(v is not None for v in bounds.values()):
         parse = _bounded(parse, **bounds)
     group.add_argument(name, type=parse, choices=meta.get("choices"), **options)
+
+
+_non_negative_int = _bounded(_int, at_least=0)
+_non_negative_float = _bounded(_finite, at_least=0)
+_fraction = _bounded(_finite, at_least=0, below=1)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -533,7 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # run.py's Config fields: added below, once every group exists (--help shows groups in order)
     m = p.add_argument_group("method: run.py's Config (these define the run directory's hash)")
-    x = p.add_argument_group("execution (not part of the hash)")
+    x = p.add_argument_group(EXECUTION_GROUP)
     x.add_argument(
         "--device",
         choices=("auto", "cpu", "cuda"),
@@ -626,7 +592,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--fresh", action="store_true", help="delete this run's directory contents and start over"
     )
 
-    t = p.add_argument_group("tools (do one thing and exit)")
+    t = p.add_argument_group(TOOLS_GROUP)
     t.add_argument("--find-lr", action="store_true", help="LR range test: plot + suggestion")
     t.add_argument(
         "--find-batch-size",
@@ -739,7 +705,8 @@ def check_model_fits(args: argparse.Namespace) -> None:
 
 def experiment_args(args: argparse.Namespace) -> dict:
     """The arguments that define what is computed (everything but execution_keys())."""
-    return {k: v for k, v in vars(args).items() if k not in execution_keys()}
+    execution = execution_keys()
+    return {k: v for k, v in vars(args).items() if k not in execution}
 
 
 def identity_args(args: argparse.Namespace) -> dict:

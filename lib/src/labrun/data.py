@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import psutil
 import torch
 import torch.nn.functional as F
 
@@ -53,7 +54,7 @@ from .imagecache import cache_fits, decode_cached
 from .imagefolder import UnreadableImage
 from .loaders import FileSplit, Split, build_loader, own_normalization
 from .runs import size_text
-from .tasks import check_targets
+from .tasks import check_targets, first_non_finite
 
 __all__ = [  # what callers import from here (the loaders' names have their home in loaders.py)
     "Augmentation",
@@ -216,8 +217,6 @@ def load_dataset(
         raise ValueError(f"dataset {name!r}: splits differ in shape or dtype: {found}")
     ((input_shape, layout, dtype),) = shapes
     channels = input_shape[-1] if layout == "NTF" else input_shape[0]
-    if len(splits["train"]) == 0:
-        raise ValueError(f"dataset {name!r}: the training split is empty")
     labels = torch.cat([split.labels for split in splits.values()])
     class_ids = not labels.is_floating_point()  # else float targets: regression, multi-hot
     if class_ids:
@@ -405,7 +404,7 @@ def _as_split(raw, described: DatasetSplits, image_size, where: str) -> Split | 
     if labels.ndim == 0 or len(labels) != len(images):
         raise ValueError(f"{where}: expected {len(images)} labels, got {tuple(labels.shape)}")
     if images.is_floating_point():
-        check_finite(images, where)
+        check_finite_inputs(images, where)
     if image_size is not None and tuple(images.shape[2:]) != tuple(image_size):
         if layout != "NCHW":
             raise ValueError(
@@ -429,15 +428,13 @@ def _as_split(raw, described: DatasetSplits, image_size, where: str) -> Split | 
     return Split(_in_layout(images.permute(order).contiguous(), order), labels, layout=layout)
 
 
-def check_finite(images: torch.Tensor, where: str) -> None:
+def check_finite_inputs(images: torch.Tensor, where: str) -> None:
     """Refuse NaN or inf inputs (ValueError naming the first row): every loss would be NaN, which
     reads as a learning rate that diverged. In chunks: the check takes little memory."""
     for start in range(0, len(images), 1024):
-        rows = images[start : start + 1024].reshape(-1, images[0].numel())
-        bad = ~torch.isfinite(rows).all(1)
-        if bad.any():
-            row = int(bad.nonzero()[0, 0])
-            value = rows[row][~torch.isfinite(rows[row])][0].item()
+        found = first_non_finite(images[start : start + 1024].reshape(-1, images[0].numel()))
+        if found is not None:
+            row, value, _ = found
             raise ValueError(
                 f"{where}: input row {start + row} holds {value} (a NaN or infinite input makes "
                 "every loss NaN); fix or drop those rows"
@@ -496,7 +493,8 @@ def available_ram_bytes() -> int | None:
     (memory.max - memory.current, of this cgroup and its parents: Slurm's --mem, a container's
     limit), Slurm's SLURM_MEM_PER_NODE / SLURM_MEM_PER_CPU and RLIMIT_AS; divided among the
     LAB_JOBS_PER_NODE jobs that share it (run.sh exports its slot count)."""
-    limits = [_meminfo_available(), _cgroup_headroom(), _slurm_memory(), _rlimit_headroom()]
+    available = psutil.virtual_memory().available  # MemAvailable on Linux
+    limits = [available, _cgroup_headroom(), _slurm_memory(), _rlimit_headroom()]
     known = [limit for limit in limits if limit is not None]
     if not known:
         return None
@@ -508,14 +506,6 @@ def jobs_per_node() -> int:
         return max(1, int(os.environ.get("LAB_JOBS_PER_NODE", "1")))
     except ValueError:
         return 1
-
-
-def _meminfo_available() -> int | None:
-    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return None
 
 
 def _cgroup_headroom(root: str = "/sys/fs/cgroup") -> int | None:
@@ -551,14 +541,8 @@ def _slurm_memory() -> int | None:
             total = (int(env["SLURM_MEM_PER_CPU"]) << 20) * cpus
         else:
             return None
-        return max(total - _rss_bytes(), 0) if total > 0 else None
+        return max(total - psutil.Process().memory_info().rss, 0) if total > 0 else None
     return None
-
-
-def _rss_bytes() -> int:
-    with contextlib.suppress(OSError, ValueError), open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return 0
 
 
 def _rlimit_headroom() -> int | None:
@@ -568,19 +552,14 @@ def _rlimit_headroom() -> int | None:
         limit, _ = resource.getrlimit(resource.RLIMIT_AS)
         if limit == resource.RLIM_INFINITY:
             return None
-        with open("/proc/self/statm") as f:
-            used = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-        return max(limit - used, 0)
+        return max(limit - psutil.Process().memory_info().vms, 0)
     except (ImportError, OSError, ValueError):
         return None
 
 
 def decoded_bytes(splits) -> int:
     """uint8 bytes of the splits once decoded, labels included."""
-    total = 0
-    for split in splits:
-        total += len(split) * (math.prod(split.image_shape) + 8)
-    return total
+    return sum(len(split) * (math.prod(split.image_shape) + 8) for split in splits)
 
 
 def _why_not_cached(splits, data_dir: Path, version: str | None) -> str | None:

@@ -29,7 +29,8 @@ import os
 import sys
 from collections.abc import Iterator
 
-from .runs import CHECKPOINT
+from .project import current
+from .runs import CHECKPOINT, code_version, first_line
 
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 75
@@ -89,34 +90,14 @@ def launch_problem() -> str | None:
     return None
 
 
-def code_version() -> str:
-    """A hash of the code this process runs: labrun's sources, the entry script and the
-    project's package (two checkouts that differ in one line differ here)."""
-    import hashlib
-    from pathlib import Path
-
-    from .project import current
-
-    files = sorted(Path(__file__).parent.glob("*.py"))
-    package = current().package_dir
-    if package is not None and package.is_dir():
-        files += sorted(package.rglob("*.py"))
-    script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
-    if script is not None and script.is_file():
-        files.append(script)
-    digest = hashlib.sha256()
-    for path in files:
-        digest.update(path.name.encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:12]
-
-
 def experiment_identity(args, out) -> dict:
     """What every rank of one job must share: every argument (the experiment, its data path
-    and data version), the run directory, the code, the world size."""
+    and data version), the run directory, the code (runs.code_version: the project's code files
+    and labrun's sources as they are on disk), the world size."""
     identity = {f"--{k.replace('_', '-')}": str(v) for k, v in sorted(vars(args).items())}
     identity["run directory"] = str(out)
-    identity["code version"] = code_version()
+    code = code_version(current().root)
+    identity["code version"] = f"{code['project']}/{code['labrun']}"
     identity["world size"] = os.environ.get("WORLD_SIZE", "1")
     return identity
 
@@ -516,10 +497,9 @@ def session(device: str) -> Iterator[Dist]:
 
         if td.is_initialized():
             td.destroy_process_group()
-        cause = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise JoinFailed(
             f"torchrun: rank {dist.rank} could not join the {dist.world} processes of the job "
-            f"(waited at most {TIMEOUT_ENV}={timeout_from_env():.0f}s): {cause}"
+            f"(waited at most {TIMEOUT_ENV}={timeout_from_env():.0f}s): {first_line(exc)}"
         ) from exc
     try:
         yield dist
@@ -589,8 +569,6 @@ def check_scaling(
     import subprocess
     import tempfile
     from pathlib import Path
-
-    from .project import current
 
     bench = ["-m", "labrun.distributed", device, str(batch), str(steps), str(width)]
     root = current().root  # the project: its models

@@ -224,9 +224,9 @@ def use_inductor_cache(project_root: Path) -> tuple[Path, str]:
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if current and Path(current).resolve() != Path(default_cache_dir()).resolve():
         return Path(current), "TORCHINDUCTOR_CACHE_DIR"
-    lab = os.environ.get(INDUCTOR_CACHE_ENV)
-    path = (Path(lab).expanduser() if lab else project_root / ".cache" / "inductor").resolve()
+    path = layout_records_dir(project_root)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    lab = os.environ.get(INDUCTOR_CACHE_ENV)
     return path, INDUCTOR_CACHE_ENV if lab else "the project's folder"
 
 
@@ -242,6 +242,22 @@ def device_name(device: torch.device) -> str:
 def utc_now() -> str:
     """When a record of this machine was measured, as run.log quotes it."""
     return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+
+
+def record_path(cache_dir: Path, prefix: str, key: dict) -> Path:
+    """Where the record of `key` (what was measured, on which machine and torch) is kept."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(cache_dir) / RECORDS / f"{prefix}{digest}.json"
+
+
+def read_record(path: Path | None, key: dict) -> dict:
+    """The record at `path` if it is of `key`; {} when there is none, it is unreadable or of
+    another key (the measurement is then made again)."""
+    try:
+        seen = json.loads(path.read_text(encoding="utf-8")) if path else {}
+    except (OSError, ValueError):
+        return {}
+    return seen if isinstance(seen, dict) and seen.get("key") == key else {}
 
 
 def save_record(path: Path, record: dict) -> None:
@@ -269,15 +285,11 @@ class CompileRecord:
             "device": device_name(device),
             "torch": torch.__version__,
         }
-        digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:16]
-        self.path = Path(cache_dir) / RECORDS / f"{digest}.json"
+        self.path = record_path(cache_dir, "", self.key)
 
     def read(self) -> dict:
-        try:
-            record = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):  # none yet, or unreadable: the priors stand in
-            return {}
-        return record.get("modes", {}) if record.get("key") == self.key else {}
+        """Each mode's numbers; {} when none are recorded yet: the priors stand in."""
+        return read_record(self.path, self.key).get("modes", {})
 
     def costs(self, device: torch.device) -> dict[str, CompileCost]:
         """Each mode's cost: its measured ratio, and the warm-cache compile cost once this mode
@@ -507,19 +519,12 @@ LAYOUT_MARGIN = 1.1
 
 
 def _layout_step_s(model, x, y, loss_fn, dtype, layout) -> float:
-    """Best seconds of one forward + backward of a copy of `model` in `layout` (CPU)."""
+    """Best seconds of one forward + backward of a copy of `model` in `layout` (CPU), after an
+    untimed one (oneDNN's primitive cache, allocations). Like every timing here it puts back
+    the random streams: dropout in the probe must not shift the run's."""
     x = x.contiguous(memory_format=layout)
     model = model.to(memory_format=layout)
-    best = float("inf")
-    for step in range(LAYOUT_STEPS + 1):  # the first: oneDNN's primitive cache, allocations
-        started = time.perf_counter()
-        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-            loss = loss_fn(model(x), y)
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-        if step:
-            best = min(best, time.perf_counter() - started)
-    return best
+    return time_forward_backward(model, x, y, loss_fn, dtype, time.perf_counter, LAYOUT_STEPS)
 
 
 def choose_memory_format(
@@ -547,16 +552,11 @@ def choose_memory_format(
         "cpu": _cpu_model_name(),
         "torch": torch.__version__,
     }
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = Path(cache_dir) / RECORDS / f"layout-{digest}.json" if cache_dir else None
-    try:
-        seen = json.loads(path.read_text(encoding="utf-8")) if path else {}
-    except (OSError, ValueError):
-        seen = {}
-    if seen.get("key") == key:
+    path = record_path(cache_dir, "layout-", key) if cache_dir else None
+    seen = read_record(path, key)
+    if seen:
         times, source = seen["step_s"], f"recorded {seen['when']} in {path}"
     else:
-        rng = torch.get_rng_state()
         probe = copy.deepcopy(model).train()
         times = {"channels_last": float("inf"), "NCHW": float("inf")}
         for _ in range(LAYOUT_ROUNDS):
@@ -564,7 +564,6 @@ def choose_memory_format(
                 layout = layout or torch.channels_last
                 step_s = _layout_step_s(probe, x, y, loss_fn, dtype, layout)
                 times[name] = min(times[name], step_s)
-        torch.set_rng_state(rng)  # dropout in the probe must not shift the run's stream
         source = "measured now"
         if path is not None:
             save_record(path, {"key": key, "step_s": times, "when": utc_now()})
@@ -627,14 +626,10 @@ def matmul_peak(device: torch.device, dtype, cache_dir: Path) -> tuple[float, st
         "tf32": torch.backends.cuda.matmul.allow_tf32,
         "torch": torch.__version__,
     }
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = Path(cache_dir) / RECORDS / f"peak-{digest}.json"
-    try:
-        seen = json.loads(path.read_text(encoding="utf-8"))
-        if seen.get("key") == key:
-            return seen["flops"], f"measured {seen['when']}"
-    except (OSError, ValueError):
-        pass
+    path = record_path(cache_dir, "peak-", key)
+    seen = read_record(path, key)
+    if seen:
+        return seen["flops"], f"measured {seen['when']}"
     n = PEAK_MATMUL_SIZE
     a = torch.randn(n, n, device=device, dtype=dtype or torch.float32)
     b = torch.randn(n, n, device=device, dtype=dtype or torch.float32)

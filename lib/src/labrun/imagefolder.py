@@ -170,9 +170,9 @@ def _list_images(root: Path, class_names: list[str]):
     """
     files: dict[str, list[tuple[str, int]]] = {}
     others: Counter = Counter()
-    owner: dict[str, str] = {}  # resolved image -> "split/class" that has it
-    # The same file under two names: a hard link (cp -al, DVC's cache) keeps no path in common.
-    owner_inode: dict[tuple[int, int], tuple[str, str]] = {}  # (st_dev, st_ino) -> (where, path)
+    # An image by its file, not its name: a symlink, a linked folder or a hard link (cp -al,
+    # DVC's cache, which keeps no path in common) is the same (st_dev, st_ino).
+    owner: dict[tuple[int, int], tuple[str, str]] = {}  # -> ("split/class", path) that has it
     for split in SPLIT_DIRS:
         split_dir = root / split
         if not split_dir.is_dir():
@@ -213,26 +213,14 @@ def _list_images(root: Path, class_names: list[str]):
             where = f"{split}/{class_dir.name}"
             label = class_names.index(class_dir.name)
             for entry in sorted(images, key=lambda e: e.name):
-                resolved = (
-                    os.path.realpath(entry.path)
-                    if entry.is_symlink()
-                    else os.path.join(real, entry.name)
-                )
-                if resolved in owner:
-                    raise ValueError(
-                        f"--data-path: {entry.path} is the same image as one in "
-                        f"{owner[resolved]} ({resolved}): an image may be in one class "
-                        "and one split only"
-                    )
                 st = entry.stat()  # follows a symlink: its target's inode
-                same = owner_inode.get((st.st_dev, st.st_ino))
+                same = owner.get((st.st_dev, st.st_ino))
                 if same is not None:
                     raise ValueError(
-                        f"--data-path: {entry.path} is the same file as {same[1]} in {same[0]} "
-                        "(a hard link): an image may be in one class and one split only"
+                        f"--data-path: {entry.path} is the same image as one in {same[0]} "
+                        f"({same[1]}): an image may be in one class and one split only"
                     )
-                owner[resolved] = where
-                owner_inode[(st.st_dev, st.st_ino)] = (where, entry.path)
+                owner[(st.st_dev, st.st_ino)] = (where, entry.path)
                 found.append((entry.path, label))
         files[split] = found
     return files, others

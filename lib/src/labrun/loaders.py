@@ -315,17 +315,22 @@ def own_normalization(split: Split | FileSplit, whose: str = "this split") -> No
     return Normalization(tuple(mean.tolist()), tuple(std.tolist()), why)
 
 
-class _ArrayDataset(torch.utils.data.Dataset):
-    """The whole split channel-last in RAM: no per-sample work."""
-
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor | None):
-        self.images, self.labels, self.rows = images, labels, rows
+class _BatchDataset(torch.utils.data.Dataset):
+    """A dataset the DataLoader asks for whole batches (`__getitems__`); one sample is a batch
+    of one."""
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def __getitem__(self, index: int):
         return self.__getitems__([index])
+
+
+class _ArrayDataset(_BatchDataset):
+    """The whole split channel-last in RAM: no per-sample work."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor | None):
+        self.images, self.labels, self.rows = images, labels, rows
 
     def __getitems__(self, indices: list[int]):
         # The DataLoader asks for a whole batch at once: one gather instead of N small tensors.
@@ -336,7 +341,7 @@ class _ArrayDataset(torch.utils.data.Dataset):
             return self.images.index_select(0, rows), self.labels.index_select(0, index)
 
 
-class _FileDataset(torch.utils.data.Dataset):
+class _FileDataset(_BatchDataset):
     """Image files decoded on demand (in the worker processes): disk -> uint8 NHWC batch; with
     `gpu_jpegs`, the JPEGs' bytes for the GPU and the rest decoded (gpudecode.EncodedBatch)."""
 
@@ -344,12 +349,6 @@ class _FileDataset(torch.utils.data.Dataset):
         self.paths, self.labels, self.shape = split.paths, split.labels, split.image_shape
         self.ranges = split.value_ranges
         self.gpu_jpegs = gpu_jpegs
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, index: int):
-        return self.__getitems__([index])
 
     def __getitems__(self, indices: list[int]):
         channels, height, width = self.shape

@@ -57,6 +57,12 @@ def own_arguments(declared: Declared) -> dict:
     }
 
 
+def listed_arguments(declared: Declared) -> str:
+    """The model's own arguments as --help and the refusals list them: `width, depth=2`."""
+    own = own_arguments(declared)
+    return ", ".join(k if v == REQUIRED else f"{k}={v!r}" for k, v in own.items())
+
+
 def parse_model_args(text: str) -> dict:
     """`k=v,k=v` -> {k: v} with numbers and true/false as such (typed later by the defaults)."""
     found = {}
@@ -108,7 +114,7 @@ def model_arguments(declared: Declared, width: int | None, given: dict) -> tuple
     """
     own = own_arguments(declared)
     name = declared.name
-    listed = ", ".join(k if v == REQUIRED else f"{k}={v!r}" for k, v in own.items()) or "none"
+    listed = listed_arguments(declared) or "none"
     given = dict(given)
     if "width" in given:
         if width is not None and str(width) != given["width"]:
@@ -168,17 +174,3 @@ def create_model(
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return build(**offered)
     return build(**{k: v for k, v in offered.items() if k in params})
-
-
-def model_from_config(config: dict):
-    """The model of a run: `config` as config.json holds it (run.py's arguments and
-    DatasetInfo.as_config()), or a dict built the same way."""
-    return create_model(
-        config.get("model", "cnn"),
-        num_classes=config["num_classes"],
-        channels=config["channels"],
-        image_size=tuple(config.get("image_size") or ()),
-        input_shape=tuple(config.get("input_shape") or ()) or None,
-        width=config.get("width", WIDTH_DEFAULT),
-        **(config.get("model_args") or {}),
-    )

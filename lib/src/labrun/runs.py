@@ -209,8 +209,10 @@ def is_disk_error(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in DISK_ERRNOS
 
 
-def free_bytes(directory: Path) -> int:
-    return shutil.disk_usage(directory).free
+def first_line(exc: BaseException) -> str:
+    """An error in one line of a warning or an `error:` line: its message's first line (or its
+    type's name), cut to 300 characters."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -355,24 +357,11 @@ def clear_run_dir(run_dir: Path) -> list[str]:
 
 def git_state(root: Path) -> tuple[str | None, bool | None]:
     """(commit, dirty) of the repository holding `root`, or (None, None) outside git."""
-    try:
-        commit = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        porcelain = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout
-        return commit, bool(porcelain.strip())
-    except (OSError, subprocess.SubprocessError):
+    commit = _git_lines(root, "rev-parse", "HEAD", z=False)
+    porcelain = _git_lines(root, "status", "--porcelain", "--untracked-files=no", z=False)
+    if not commit or porcelain is None:
         return None, None
+    return commit[0], bool(porcelain)
 
 
 # What counts as the code of a project: its Python and configuration files, not its tests,

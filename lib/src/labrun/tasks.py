@@ -101,6 +101,16 @@ def create_task(name: str, args: argparse.Namespace, monitor: str | None = None)
     return dataclasses.replace(task, name=name, monitor=monitor)
 
 
+def first_non_finite(rows: torch.Tensor) -> tuple[int, float, int] | None:
+    """The first of `rows` (one sample a row) holding a NaN or inf, as (row, that value, how
+    many rows hold one), or None."""
+    bad = ~torch.isfinite(rows).all(1)
+    if not bad.any():
+        return None
+    row = int(bad.nonzero()[0, 0])
+    return row, rows[row][~torch.isfinite(rows[row])][0].item(), int(bad.sum())
+
+
 def check_targets(splits: dict, task: str, dataset: str) -> None:
     """Refuse targets no reported number could be trusted on (UsageError: one line, exit 2):
     a non-finite float target (NaN or inf: the loss, r2 and the best epoch would be made up),
@@ -126,13 +136,12 @@ def check_targets(splits: dict, task: str, dataset: str) -> None:
         if not labels.is_floating_point() or len(labels) == 0:
             continue
         rows = labels.reshape(len(labels), -1)
-        bad = ~torch.isfinite(rows).all(1)
-        if bad.any():
-            row = int(bad.nonzero()[0, 0])
-            value = rows[row][~torch.isfinite(rows[row])][0].item()
+        found = first_non_finite(rows)
+        if found is not None:
+            row, value, count = found
             raise UsageError(
                 f"dataset {dataset!r}: the {name} split's target in row {row} is {value} "
-                f"({int(bad.sum())} row(s) with a non-finite target); fix or drop them"
+                f"({count} row(s) with a non-finite target); fix or drop them"
             )
         if task == "multilabel" and not (rows > 0.5).any():
             raise UsageError(

@@ -69,6 +69,7 @@ from pathlib import Path
 
 from . import runs
 from .config import DEFAULT_EXPERIMENT, PROJECT_ROOT
+from .runs import first_line
 
 STATE_FILE = "tracking.json"
 RETRY_AFTER_S = 60.0  # after a failure, try the tracker again at the next epoch this much later
@@ -272,7 +273,6 @@ class Tracker:
             result = fn(*args)
         except Exception as exc:  # the tracker is never a reason to stop training
             self._failed_at = time.monotonic()
-            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
             if not self._warned:
                 self._warned = True
                 self.log.warning(
@@ -282,7 +282,7 @@ class Tracker:
                     tracking_uri(),
                     what,
                     type(exc).__name__,
-                    first_line,
+                    first_line(exc),
                     __package__,
                     self.run_dir,
                 )
@@ -305,7 +305,7 @@ class Tracker:
                 self.log.warning(
                     "MLflow run %s not found (%s); starting a new one",
                     self.run_id,
-                    str(exc).splitlines()[0][:200],
+                    first_line(exc),
                 )
                 self.state = _without_run(self.state)
         experiment_id = init(self.state["experiment"], self.client)
@@ -318,10 +318,6 @@ class Tracker:
         self._save_state()
 
     def _start_monitor(self) -> None:
-        try:
-            import psutil  # noqa: F401  (MLflow's monitor needs it; without it, no system metrics)
-        except ImportError:
-            return
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
         self.monitor = SystemMetricsMonitor(
@@ -371,12 +367,8 @@ class Tracker:
         if start >= len(history) and len(sent) == len(history):
             return
         now = int(time.time() * 1000)
-        batch = [
-            Metric(k, float(v), now, int(row["epoch"]))
-            for row in history[start:]
-            for k, v in row.items()
-            if k not in ("epoch", "step") and v is not None
-        ]
+        rows = expected_metrics(history[start:], None)
+        batch = [Metric(k, v, now, step) for k, steps in rows.items() for step, v in steps]
         self.client.log_batch(self.run_id, metrics=batch)
         self.state.update(sent_rows=len(history), rows=digests)
         self._save_state()
@@ -581,15 +573,14 @@ def mirror(
     state: dict,
     *,
     status: str | None = None,
-    history: list[dict] | None = None,
     summary: dict | None = None,
     artifacts: list[Path] | None = None,
     save=None,
 ) -> list[str]:
     """Make the MLflow run of `run_dir` equal the directory; return what was changed.
 
-    status, history and summary default to the directory's files (status, history.csv,
-    metrics.json); the job passes what it is about to write. `state` (tracking.json) is updated
+    status and summary default to the directory's files (status, metrics.json); the job passes
+    what it is about to write; the history is history.csv's. `state` (tracking.json) is updated
     in place and saved through `save` after each step that must not be repeated. Missing rows
     are added; a run that holds rows, params or a name the directory does not is rebuilt (MLflow
     has no delete for them). Each step is idempotent, so a kill anywhere is repaired by the next
@@ -599,7 +590,7 @@ def mirror(
     run_dir = Path(run_dir)
     save = save or (lambda: None)
     status = status or _file_status(run_dir)
-    history = _history_rows(run_dir) if history is None else history
+    history = _history_rows(run_dir)
     if summary is None:
         summary = runs.read_metrics(run_dir) or {}
     params = state.get("params")
@@ -655,13 +646,16 @@ def mirror(
 
     new_params = [Param(k, v) for k, v in sorted(params.items()) if k not in run.data.params]
     new_tags = [RunTag(k, v) for k, v in tags.items() if run.data.tags.get(k) != v]
+    # A row sent after the fact is stamped with the run's start (MLflow's x axis is the step;
+    # this keeps "relative time" plots within the run).
+    row_time = _ms(state.get("started_at")) or int(time.time() * 1000)
     new_rows = []
     for key, rows in expected.items():
         wanted = _counts(rows) - _counts(logged.get(key, []))
         for step, value in rows:
             if wanted[(step, _number_text(value))] > 0:
                 wanted[(step, _number_text(value))] -= 1
-                new_rows.append(Metric(key, value, _row_time(state, step), step))
+                new_rows.append(Metric(key, value, row_time, step))
     if new_params or new_tags or new_rows:  # one transaction: all of it arrives, or none
         client.log_batch(run_id, metrics=new_rows, params=new_params, tags=new_tags)
         what = [f"{len(new_params)} params"] if new_params else []
@@ -686,9 +680,7 @@ def mirror(
         changes.append("attached traceback.txt")
 
     if run.info.status != status:
-        ended_at = state.get("ended_at")
-        end_ms = int(ended_at * 1000) if isinstance(ended_at, int | float) else None
-        client.set_terminated(run_id, status=status, end_time=end_ms)
+        client.set_terminated(run_id, status=status, end_time=_ms(state.get("ended_at")))
         changes.append(f"status {run.info.status} -> {status}")
     state["ended"] = status
     if "missing" in state:
@@ -698,11 +690,9 @@ def mirror(
     return changes
 
 
-def _row_time(state: dict, step: int) -> int:
-    """A metric row's timestamp when it is sent after the fact: the run's start (MLflow's x axis
-    is the step; this keeps "relative time" plots within the run)."""
-    started = state.get("started_at")
-    return int((started if isinstance(started, int | float) else time.time()) * 1000)
+def _ms(seconds: object) -> int | None:
+    """A time of tracking.json (seconds, if it holds one) in MLflow's milliseconds."""
+    return int(seconds * 1000) if isinstance(seconds, int | float) else None
 
 
 def _current_run(client, run_dir: Path, state: dict, changes: list[str]):
@@ -742,8 +732,7 @@ def _new_run(client, run_dir: Path, state: dict, old):
     from mlflow.entities import Metric
 
     experiment_id = init(state.get("experiment", DEFAULT_EXPERIMENT), client)
-    started = state.get("started_at")
-    start_ms = int(started * 1000) if isinstance(started, int | float) else None
+    start_ms = _ms(state.get("started_at"))
     tags = dict(state.get("tags", {}))
     if old is not None:
         experiment_id, start_ms = old.info.experiment_id, old.info.start_time
@@ -815,12 +804,11 @@ def _state_problem(state: object) -> str | None:
     """What is wrong with a parsed tracking.json, in our words (never its content), or None."""
     if not isinstance(state, dict):
         return "not a JSON object"
-    run_id, sent, ended = state.get("run_id"), state.get("sent_rows", 0), state.get("ended")
-    if run_id is not None and not (isinstance(run_id, str) and RUN_ID.fullmatch(run_id)):
-        return "its run_id is not 32 hex digits"
-    replaces = state.get("replaces")
-    if replaces is not None and not (isinstance(replaces, str) and RUN_ID.fullmatch(replaces)):
-        return "its replaces is not 32 hex digits"
+    sent, ended = state.get("sent_rows", 0), state.get("ended")
+    for key in ("run_id", "replaces"):
+        run_id = state.get(key)
+        if run_id is not None and not (isinstance(run_id, str) and RUN_ID.fullmatch(run_id)):
+            return f"its {key} is not 32 hex digits"
     if not isinstance(sent, int) or isinstance(sent, bool) or sent < 0:
         return "its sent_rows is not a count"
     if ended not in ENDED:
@@ -901,8 +889,7 @@ def sync(run_dir: Path, log: logging.Logger, clients: dict | None = None) -> boo
                 clients["client"] = _client()
             changes = mirror(clients["client"], run_dir, state, save=save)
         except Exception as exc:
-            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-            log.warning("%s: not mirrored: %s: %s", run_dir, type(exc).__name__, first_line)
+            log.warning("%s: not mirrored: %s: %s", run_dir, type(exc).__name__, first_line(exc))
             return False
     for change in changes:
         log.info("%s: %s", run_dir, change)
@@ -924,7 +911,6 @@ class Sampler(threading.Thread):
         # Imported here, in the caller's thread: two threads importing mlflow at once break it.
         try:
             import mlflow.tracking  # noqa: F401
-            import psutil  # noqa: F401  (MLflow's monitors need it)
             from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
             from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
             from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
@@ -932,7 +918,7 @@ class Sampler(threading.Thread):
 
             gpu = SystemMetricsMonitor._initialize_gpu_monitor(None)
             self.monitors = [CPUMonitor(), DiskMonitor(), NetworkMonitor(), *([gpu] if gpu else [])]
-        except Exception:  # no psutil: no system metrics, as a live job would have none
+        except Exception:  # a monitor that cannot start: no system metrics, as in a live job
             self.monitors = []
 
     def run(self) -> None:
