@@ -16,8 +16,8 @@ import pytest
 import torch
 from conftest import ROOT
 
-from labrun import gpucheck
-from labrun.gpucheck import FAIL, NOT_CHECKED, PASS, Job
+from labrun.tools import gpucheck
+from labrun.tools.gpucheck import FAIL, NOT_CHECKED, PASS, Job
 
 
 def job_with(tmp_path, name: str, losses: list[float], stderr: str = "", log: str = "") -> Job:
@@ -51,7 +51,7 @@ def test_feed_and_plain_thresholds():
 @pytest.mark.parametrize("loop", ["best_practice_rate", "naive_rate"])
 def test_the_reference_loops_train_the_model_they_are_given(loop):
     """The yardsticks must do the work they claim: every weight moves, a rate comes back."""
-    from labrun import reference
+    from labrun.tools import reference
 
     torch.manual_seed(0)
     model = gpucheck.default_model(4)
