@@ -1,6 +1,6 @@
-"""The shape of labrun's imports, read from its sources (ast): no import circle; the core never
-imports the optional tools (labrun/tools/) nor the results side (analysis, figures) nor the
-sweep engine (plan).
+"""The shape of labrun's imports and names, read from its sources (ast): no import circle; the
+core never imports the optional tools (labrun/tools/) nor the results side (analysis, figures)
+nor the sweep engine (plan); a public class or function name means one thing.
 
 Module level = what runs when the module is imported (class bodies, `if` and `try` blocks
 included; `if TYPE_CHECKING:` and `if __name__ == "__main__":` are not); an import inside a
@@ -30,6 +30,13 @@ LAZY_ALLOWED = {
     ("gpucheck", "tools.gpucheck"),
     ("jobs", "plan"),
 }
+# Verbs that the module's name qualifies where they are called (`checkpoint.save`,
+# `figures.save`, `jobs.main`): one per module, never imported bare.
+QUALIFIED = {"main", "build_parser", "parse_args", "save", "describe"}
+# Two meanings under one name still: data.py's check of the inputs and stopping.py's of the
+# loss; hardware.py's cached matmul peak and gpucheck's raw measurement (one should call the
+# other). Their files belong to other work in progress (issue 35): remove each once mended.
+LEFT = {"check_finite", "matmul_peak"}
 
 
 def module_names() -> set[str]:
@@ -80,6 +87,18 @@ def _imports(node: ast.AST, package: list[str], top: bool, found: set[tuple[str,
                 isinstance(child, ast.If) and not _runs_at_import(child.test)
             )
             _imports(child, package, top and not lazy, found)
+
+
+def public_names() -> dict[str, list[str]]:
+    """{public top-level class or function name: the modules that define it}."""
+    kinds = ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef
+    found: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _dotted(path.relative_to(PACKAGE).with_suffix("").parts)
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, kinds) and not node.name.startswith("_"):
+                found.setdefault(node.name, []).append(module)
+    return found
 
 
 def package_imports(level: str = "any") -> dict[str, set[str]]:
@@ -143,3 +162,12 @@ def test_the_core_never_imports_a_tool_nor_the_results_side():
         if not is_core(i) and (m, i) not in LAZY_ALLOWED
     ]
     assert not wrong, "\n".join(wrong)
+
+
+def test_a_public_name_means_one_thing():
+    """Two `Run` (the run's context, a finished run's numbers), two `lifecycle`, two
+    `code_version` meaning different things were found here (issue 35)."""
+    names = public_names()
+    assert names["Run"] == ["session"] and names["RunResult"] == ["analysis"]
+    twice = {n: m for n, m in names.items() if len(m) > 1 and n not in QUALIFIED | LEFT}
+    assert not twice, f"defined in more than one module: {twice}"

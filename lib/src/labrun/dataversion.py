@@ -157,7 +157,7 @@ def _digest(files: list[tuple[str, int, int]]) -> str:
     return VERSION_PREFIX + h.hexdigest()[:16]
 
 
-def read_json(path: Path) -> dict | None:
+def read_json_cache(path: Path) -> dict | None:
     """A JSON object of data/ read without following a link; None when it is missing, unreadable,
     a link, not JSON or not an object (a cache is then made again)."""
     try:
@@ -170,7 +170,7 @@ def read_json(path: Path) -> dict | None:
 
 
 def _read_cache(cache: Path | None, root: Path) -> dict | None:
-    if cache is None or (cached := read_json(cache)) is None:
+    if cache is None or (cached := read_json_cache(cache)) is None:
         return None
     valid = (
         cached.get("root") == str(root)

@@ -89,8 +89,8 @@ def launch_problem() -> str | None:
     return None
 
 
-def code_version() -> str:
-    """A hash of the code this process runs: labrun's sources, the entry script and the
+def source_hash() -> str:
+    """A hash of the code this process runs: labrun's core sources, the entry script and the
     project's package (two checkouts that differ in one line differ here)."""
     import hashlib
     from pathlib import Path
@@ -116,7 +116,7 @@ def experiment_identity(args, out) -> dict:
     and data version), the run directory, the code, the world size."""
     identity = {f"--{k.replace('_', '-')}": str(v) for k, v in sorted(vars(args).items())}
     identity["run directory"] = str(out)
-    identity["code version"] = code_version()
+    identity["code version"] = source_hash()
     identity["world size"] = os.environ.get("WORLD_SIZE", "1")
     return identity
 

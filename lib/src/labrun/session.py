@@ -80,7 +80,7 @@ def lifecycle(argv: list[str] | None, train, config: type | None = None) -> int:
     if config is not None:
         use_config(config)
     body = functools.partial(_body, train)
-    return jobs.lifecycle(argv, parse_args, run_dir, body, redo=is_tool, ranks=True, program=train)
+    return jobs.contract(argv, parse_args, run_dir, body, redo=is_tool, ranks=True, program=train)
 
 
 def _body(train, args, parser, out, stop, held, dist) -> int:

@@ -136,7 +136,7 @@ def project_root() -> Path:
 
 
 @dataclass
-class Job:
+class JobResult:
     """What one run.py job left: its exit code, files and logs."""
 
     code: int
@@ -174,7 +174,7 @@ def run_job(
     env: dict | None = None,
     results: Path | None = None,
     stop_after_epoch: int = 0,
-) -> Job:
+) -> JobResult:
     """run.py with run.py's defaults, this check's size options and `flags`; under torchrun
     with `nproc` > 1. `stop_after_epoch`: SIGTERM once history.csv holds that many epochs."""
     options = ctx.options
@@ -222,7 +222,7 @@ def run_job(
             os.killpg(proc.pid, signal.SIGKILL)
         _, err = proc.communicate()
         err += f"\nerror: gpucheck stopped the job after {options.timeout:.0f} s"
-    return Job(proc.returncode, run_dir, err + plan.stderr)
+    return JobResult(proc.returncode, run_dir, err + plan.stderr)
 
 
 def _epochs_done(run_dir: Path) -> int:
@@ -232,7 +232,7 @@ def _epochs_done(run_dir: Path) -> int:
         return 0
 
 
-def failed(name: str, job: Job) -> Result:
+def failed(name: str, job: JobResult) -> Result:
     return Result(name, FAIL, f"run.py exited {job.code}: {job.failure()}")
 
 
@@ -613,7 +613,7 @@ def write_jpegs(root: Path, per_class: int, size=(500, 375), classes: int = 3) -
     return root
 
 
-def recompile_result(name: str, job: Job, what: str) -> Result:
+def recompile_result(name: str, job: JobResult, what: str) -> Result:
     """From a run under TORCH_LOGS=recompiles,graph_breaks: FAIL on any recompile."""
     if job.code != 0:
         return failed(name, job)
@@ -646,7 +646,7 @@ def check_recompiles(ctx: Context) -> list[Result]:
     if first.code not in (0, 75):
         return [failed("recompiles", first)]
     resumed = run_job(ctx, *flags, env=COMPILE_LOGS, results=results)  # from the checkpoint
-    both = Job(resumed.code, resumed.run_dir, first.stderr + resumed.stderr)
+    both = JobResult(resumed.code, resumed.run_dir, first.stderr + resumed.stderr)
     return [recompile_result("recompiles", both, "train, evaluation, checkpoint, resume")]
 
 
@@ -675,7 +675,7 @@ def check_accumulation(ctx: Context) -> list[Result]:
     return [accumulation_result(compiled, eager)]
 
 
-def accumulation_result(compiled: Job, eager: Job) -> Result:
+def accumulation_result(compiled: JobResult, eager: JobResult) -> Result:
     a = [float(r["train_loss"]) for r in compiled.history()]
     b = [float(r["train_loss"]) for r in eager.history()]
     worst = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
@@ -793,7 +793,7 @@ def check_resume(ctx: Context) -> list[Result]:
     return [resume_result(straight, resumed, interrupted=stopped.code == 75)]
 
 
-def resume_result(straight: Job, resumed: Job, *, interrupted: bool) -> Result:
+def resume_result(straight: JobResult, resumed: JobResult, *, interrupted: bool) -> Result:
     timing = ("epoch_time_s", "samples_per_sec")
     a = [{k: v for k, v in r.items() if k not in timing} for r in straight.history()]
     b = [{k: v for k, v in r.items() if k not in timing} for r in resumed.history()]
