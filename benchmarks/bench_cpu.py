@@ -170,7 +170,7 @@ def habit_rate(layout, bf16: bool, batch: int, width: int, steps: int = 8) -> fl
     """samples/s of forward + backward + AdamW of the default model on random images."""
     import torch
     import torch.nn.functional as F
-    from labrun.gpucheck import default_model
+    from labrun.tools.gpucheck import default_model
 
     model = default_model(width).to(memory_format=layout)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -198,8 +198,8 @@ def loop(template: Path, repeats: int, batch: int = 128, width: int = 64, steps:
         project = render(template, Path(tmp))
         os.environ["LABRUN_PROJECT"] = str(project)  # the project's models, as run.py finds them
         sys.path.insert(0, str(project))
-        from labrun import gpucheck
         from labrun.hardware import cpu_has_native_bf16
+        from labrun.tools import gpucheck
 
         rates: dict[str, list[float]] = {}
         candidates = [("NCHW fp32", torch.contiguous_format, False),

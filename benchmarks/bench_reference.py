@@ -6,10 +6,10 @@
 On the same model (the default, --width), batch, synthetic CIFAR-shaped data and precision:
   job            the generated run.py (a subprocess, --tracking off): its metrics.json
                  samples_per_sec (the step loop only: start-up, compile, eval excluded)
-  best practice  labrun.reference.best_practice_rate: data and crop + flip on the device,
+  best practice  labrun.tools.reference.best_practice_rate: data and crop + flip on the device,
                  channels_last, fused AdamW, no host sync; on CUDA also with torch.compile
                  reduce-overhead (CUDA graphs)
-  naive          labrun.reference.naive_rate: fp32, eager, data on the device, loss.item()
+  naive          labrun.tools.reference.naive_rate: fp32, eager, data on the device, loss.item()
   textbook       gpucheck.plain_loop_rate: per-sample augmentation on the CPU, MLflow per step
 Interleaved, --repeats rounds, the best of each reported (the least disturbed by other load).
 Prints a markdown table for benchmarks/RESULTS.md.
@@ -41,8 +41,8 @@ def main() -> int:
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch starts its pool
     import torch
-    from labrun import gpucheck, reference
     from labrun.hardware import choose_precision, device_name
+    from labrun.tools import gpucheck, reference
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -120,7 +120,7 @@ def import_package(project: Path):
 
     os.environ["LABRUN_PROJECT"] = str(project)
     sys.path.insert(0, str(project))
-    for module in ("config", "data", "hardware", "train", "models", "gpucheck"):
+    for module in ("config", "data", "hardware", "train", "models", "tools.gpucheck"):
         importlib.import_module(f"labrun.{module}")
     return importlib.import_module("labrun"), "labrun"
 
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     splits = pkg.data.load_dataset("synthetic", data_dir, synthetic_size=args.synthetic_size).splits
     split = splits["train"]
 
-    check = pkg.gpucheck
+    check = pkg.tools.gpucheck
     if not args.batch_size:
         args.batch_size = pkg.hardware.recommended_batch_size(device)
     loader = pkg.data.build_loader(split, args.batch_size, train=True, device=device)

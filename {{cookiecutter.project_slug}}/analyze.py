@@ -88,7 +88,7 @@ def load_model(run: Path, config: dict, which: str, device):
 def prepare(args):
     """Both models, their layers and the test inputs: bad input is found before a file is made."""
     from labrun.hardware import resolve_device
-    from labrun.similarity import choose_layer, layers, test_inputs
+    from labrun.tools.similarity import choose_layer, layers, test_inputs
 
     configs = [finished_config(args.run_a, "RUN_A"), finished_config(args.run_b, "RUN_B")]
     if differ := [k for k in DATA_KEYS if configs[0].get(k) != configs[1].get(k)]:
@@ -105,7 +105,7 @@ def prepare(args):
 
 def work(job: jobs.Job) -> dict:
     import pandas as pd
-    from labrun.similarity import activations, cka_matrix
+    from labrun.tools.similarity import activations, cka_matrix
 
     models, names, (layer_a, layer_b), inputs = job.prepared
     job.log.info("CKA of %s vs %s on %d test inputs", job.args.run_a, job.args.run_b,

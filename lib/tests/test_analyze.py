@@ -1,4 +1,4 @@
-"""analyze.py and labrun.similarity: linear CKA, its properties, layers whatever they return,
+"""analyze.py and labrun.tools.similarity: linear CKA, its properties, layers whatever they return,
 and the job on two real runs of run.py.
 
 The properties are the ones a wrong formula breaks: without centring, X and X + offset are not
@@ -25,7 +25,7 @@ from torch import nn
 
 from labrun import runs
 from labrun.models import create_model, register_model
-from labrun.similarity import activations, default_layer, first_tensor, layers, linear_cka
+from labrun.tools.similarity import activations, default_layer, first_tensor, layers, linear_cka
 
 
 def random_features(n=64, p=20, seed=0) -> torch.Tensor:
@@ -281,12 +281,12 @@ def test_a_failure_is_one_line_status_failed_and_mlflow_failed(two_runs, tmp_pat
     line and in MLflow (not left RUNNING)."""
     from mlflow.tracking import MlflowClient
 
-    import labrun.similarity
+    import labrun.tools.similarity
 
     def broken(*_):
         raise RuntimeError("the CKA went wrong\nand a second line of detail")
 
-    monkeypatch.setattr(labrun.similarity, "cka_matrix", broken)
+    monkeypatch.setattr(labrun.tools.similarity, "cka_matrix", broken)
     a, b = two_runs
     results = tmp_path / "analysis"
     experiment = f"cka-{tmp_path.name}"

@@ -16,18 +16,20 @@ import pytest
 import torch
 from conftest import ROOT
 
-from labrun import gpucheck
-from labrun.gpucheck import FAIL, NOT_CHECKED, PASS, Job
+from labrun.tools import gpucheck
+from labrun.tools.gpucheck import FAIL, NOT_CHECKED, PASS, JobResult
 
 
-def job_with(tmp_path, name: str, losses: list[float], stderr: str = "", log: str = "") -> Job:
+def job_with(
+    tmp_path, name: str, losses: list[float], stderr: str = "", log: str = ""
+) -> JobResult:
     """A finished run.py job as gpucheck reads it: history.csv, run.log, its stderr."""
     run_dir = tmp_path / name
     run_dir.mkdir()
     rows = ["epoch,train_loss,epoch_time_s"] + [f"{i + 1},{x},0.5" for i, x in enumerate(losses)]
     (run_dir / "history.csv").write_text("\n".join(rows) + "\n")
     (run_dir / "run.log").write_text(log)
-    return Job(0, run_dir, stderr)
+    return JobResult(0, run_dir, stderr)
 
 
 def test_feed_and_plain_thresholds():
@@ -51,7 +53,7 @@ def test_feed_and_plain_thresholds():
 @pytest.mark.parametrize("loop", ["best_practice_rate", "naive_rate"])
 def test_the_reference_loops_train_the_model_they_are_given(loop):
     """The yardsticks must do the work they claim: every weight moves, a rate comes back."""
-    from labrun import reference
+    from labrun.tools import reference
 
     torch.manual_seed(0)
     model = gpucheck.default_model(4)
@@ -79,7 +81,7 @@ def test_a_recompile_or_a_broken_job_fails_the_compile_checks(tmp_path):
     )
     result = gpucheck.recompile_result("ddp compile", recompiled, "2 ranks")
     assert result.status == FAIL and "1 recompiles" in result.detail, result
-    broken = Job(1, None, "Traceback ...\nerror: torchrun: rank 1 failed\n")
+    broken = JobResult(1, None, "Traceback ...\nerror: torchrun: rank 1 failed\n")
     assert gpucheck.recompile_result("ddp compile", broken, "2 ranks").status == FAIL
 
 

@@ -9,7 +9,7 @@ import torch
 from lab_project.model import build_model
 
 from labrun import checkpoint, hardware
-from labrun.tuning import recommend_batch_size
+from labrun.tools.tuning import recommend_batch_size
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 

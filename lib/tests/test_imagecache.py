@@ -1,10 +1,8 @@
-"""The decoded cache (decode once, resumable, one decode for jobs that start together) and the
-data layer's shape (no module imports one that imports it back)."""
+"""The decoded cache: decode once, resumable, one decode for jobs that start together (the data
+layer's imports, in one direction: test_imports.py)."""
 
 from __future__ import annotations
 
-import ast
-import graphlib
 import json
 import os
 import signal
@@ -25,55 +23,6 @@ from labrun import imagecache
 from labrun.data import load_dataset
 from labrun.imagefolder import UnreadableImage, decode_image
 from labrun.loaders import FileSplit
-
-PACKAGE = Path(imagecache.__file__).parent  # labrun's own modules
-DATA_LAYER = (
-    "data",
-    "datasets",
-    "arrays",
-    "imagefolder",
-    "imagecache",
-    "gpudecode",
-    "loaders",
-    "augment",
-)
-
-
-def package_imports() -> dict[str, set[str]]:
-    """{module: package modules it imports}, at any depth of its code (lazy imports count)."""
-    graph = {}
-    for path in PACKAGE.glob("*.py"):
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if not isinstance(node, ast.ImportFrom):
-                continue
-            module = node.module or ""
-            if node.level == 1:
-                names = [module] if module else [a.name for a in node.names]
-            elif module.startswith(PACKAGE.name):
-                tail = module.removeprefix(PACKAGE.name).lstrip(".")
-                names = [tail] if tail else [a.name for a in node.names]
-            else:
-                continue
-            found.update(name.split(".")[0] for name in names)
-        graph[path.stem] = found - {path.stem}
-    return graph
-
-
-def test_the_data_layer_imports_no_module_that_imports_it_back():
-    graph = package_imports()
-    assert set(DATA_LAYER) <= set(graph)
-    reachable, todo = set(), list(DATA_LAYER)
-    while todo:
-        module = todo.pop()
-        if module not in reachable:
-            reachable.add(module)
-            todo.extend(graph.get(module, ()))
-    sub = {m: graph.get(m, set()) & reachable for m in reachable}
-    try:
-        graphlib.TopologicalSorter(sub).prepare()
-    except graphlib.CycleError as e:
-        pytest.fail(f"import circle: {' -> '.join(e.args[1])}")
 
 
 def file_split(folder) -> FileSplit:

@@ -14,7 +14,7 @@ import torch
 from conftest import PACKAGE, ROOT, RUN_PY
 
 from labrun import config, datasets
-from labrun.analysis import Run, aggregate
+from labrun.analysis import RunResult, aggregate
 from labrun.augment import choose_augmentation
 from labrun.data import Split, build_loader, load_dataset
 from labrun.listing import describe
@@ -167,7 +167,7 @@ def test_a_model_takes_its_own_size_arguments(tmp_path, monkeypatch):
     runs = []
     for model, width in (("logreg", None), ("cnn1d", 64), ("cnn1d", 16)):
         cfg = {"model": model, "width": width, "seed": 0, "experiment_keys": ["model", "width"]}
-        runs.append(Run(model, cfg, {"test_acc": 0.5}, {}))
+        runs.append(RunResult(model, cfg, {"test_acc": 0.5}, {}))
     labels = list(aggregate(runs).stats.index)  # one row per configuration, by its label
     assert sorted(labels) == ["model=cnn1d, width=16", "model=cnn1d, width=64", "model=logreg"]
 

@@ -123,7 +123,7 @@ def test_profile_counts_each_steps_kernels_and_the_gpus_busy_time():
     """--profile on CUDA (the profiler's events patched in): gpu.md's default step at 128."""
     from torch.autograd import DeviceType
 
-    from labrun.tuning import launches_per_step
+    from labrun.tools.tuning import launches_per_step
 
     kernel = types.SimpleNamespace(device_type=DeviceType.CUDA, self_device_time_total=1410 / 243)
     host = types.SimpleNamespace(device_type=DeviceType.CPU, self_device_time_total=0.0)

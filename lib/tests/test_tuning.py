@@ -11,7 +11,7 @@ from lab_project.model import build_model
 from torch import nn
 
 from labrun.data import Split, build_loader
-from labrun.tuning import (
+from labrun.tools.tuning import (
     find_batch_size,
     find_lr,
     profile_training,

@@ -22,7 +22,7 @@ a non-empty JSON object. Every run left out is returned in `skipped` with its re
   other numbers (test_acc 0.91 vs 0.93)`, and without exactly one such record none is chosen:
   all are left out, `conflicts with ...`.
 A key that older runs lack (a flag added since) takes its default from run.py's current parser,
-so those runs join the configuration they belong to (`Run.defaulted`).
+so those runs join the configuration they belong to (`RunResult.defaulted`).
 
 Statistics: a *configuration* is the tuple of experiment keys except `seed`; its runs are its
 seeds. Rows come in the sweep's order (of each configuration's first start: run.log's first line,
@@ -86,7 +86,7 @@ def final_metric(monitor: str) -> str:
 
 
 @dataclass
-class Run:
+class RunResult:
     """One finished run: its resolved config, final metrics and per-epoch history."""
 
     name: str
@@ -115,9 +115,9 @@ class Run:
         return self.config.get("monitored") or (best[0] if best else DEFAULT_MONITOR)
 
 
-def by_monitor(runs: Iterable[Run]) -> dict[str, list[Run]]:
+def by_monitor(runs: Iterable[RunResult]) -> dict[str, list[RunResult]]:
     """Runs grouped by the metric they were early-stopped on (one task each), largest first."""
-    groups: dict[str, list[Run]] = {}
+    groups: dict[str, list[RunResult]] = {}
     for run in runs:
         groups.setdefault(run.monitor, []).append(run)
     return dict(sorted(groups.items(), key=lambda item: -len(item[1])))
@@ -126,11 +126,11 @@ def by_monitor(runs: Iterable[Run]) -> dict[str, list[Run]]:
 # ---- loading ----------------------------------------------------------------------------------
 
 
-def load_runs(results_dir: str | os.PathLike) -> tuple[list[Run], list[tuple[str, str]]]:
+def load_runs(results_dir: str | os.PathLike) -> tuple[list[RunResult], list[tuple[str, str]]]:
     """Every finished run under `results_dir`, and (name, reason) of each one left out.
     Sub-directories with none of the run files are ignored; a missing directory has no runs."""
     root = Path(results_dir)
-    runs: list[Run] = []
+    runs: list[RunResult] = []
     skipped: list[tuple[str, str]] = []
     for path in sorted(root.iterdir()) if root.is_dir() else []:
         names = (CONFIG, METRICS, HISTORY, STATUS)
@@ -149,7 +149,7 @@ def load_runs(results_dir: str | os.PathLike) -> tuple[list[Run], list[tuple[str
             continue
         name = str(config.get("run_name") or path.name)
         started = first_log_time(path / LOG)
-        runs.append(Run(name, config, _numeric(metrics), history, str(path), started=started))
+        runs.append(RunResult(name, config, _numeric(metrics), history, str(path), started=started))
     runs, unsettled = settle(runs)
     return runs, skipped + unsettled
 
@@ -181,7 +181,7 @@ def parser_defaults() -> dict:
     return vars(build_parser().parse_args([]))
 
 
-def settle(runs: Sequence[Run]) -> tuple[list[Run], list[tuple[str, str]]]:
+def settle(runs: Sequence[RunResult]) -> tuple[list[RunResult], list[tuple[str, str]]]:
     """The runs that count and (run, reason) for the others: see the module docstring."""
     kept = [run for run in runs if run.experiment_keys]
     skipped = [(r.where, "no experiment_keys in its config") for r in runs if not r.experiment_keys]
@@ -191,7 +191,7 @@ def settle(runs: Sequence[Run]) -> tuple[list[Run], list[tuple[str, str]]]:
         for key in keys:
             if key not in run.config and key in defaults:
                 run.config[key] = run.defaulted[key] = defaults[key]
-    by_identity: dict[str, list[Run]] = {}
+    by_identity: dict[str, list[RunResult]] = {}
     for run in kept:
         identity = json.dumps({k: _hashable(run.config.get(k)) for k in keys}, sort_keys=True)
         by_identity.setdefault(identity, []).append(run)
@@ -213,7 +213,7 @@ def settle(runs: Sequence[Run]) -> tuple[list[Run], list[tuple[str, str]]]:
     return [run for run in kept if id(run) not in dropped], skipped
 
 
-def differences(a: Run, b: Run) -> str:
+def differences(a: RunResult, b: RunResult) -> str:
     """The first result of metrics.json in which two runs differ (`test_acc 0.91 vs 0.93`), ""
     when all are equal (times, memory and ids are the machine's, not results)."""
     for name in sorted({*a.metrics, *b.metrics}):
@@ -234,7 +234,7 @@ def _numeric(metrics: dict) -> dict[str, float]:
     return numbers | dict.fromkeys(nulls, math.nan)
 
 
-def load_runs_from_mlflow(tracking_uri: str, experiment: str) -> tuple[list[Run], list]:
+def load_runs_from_mlflow(tracking_uri: str, experiment: str) -> tuple[list[RunResult], list]:
     """`load_runs` from an MLflow experiment (imports mlflow). Every config key is a param;
     per-epoch metrics carry history.csv's names with step = epoch, final ones metrics.json's.
     FINISHED runs are done, FAILED failed, the rest unfinished; among duplicates the newest
@@ -264,7 +264,7 @@ def load_runs_from_mlflow(tracking_uri: str, experiment: str) -> tuple[list[Run]
         columns = [c for c in logged if c in HISTORY_FIELDS or c.startswith(("train_", "val_"))]
         history = _mlflow_history(client, mr.info.run_id, columns)
         started = mr.info.start_time / 1000 if mr.info.start_time else math.nan
-        runs.append(Run(str(config.get("run_name", name)), config, metrics, history,
+        runs.append(RunResult(str(config.get("run_name", name)), config, metrics, history,
                         mr.info.run_id, started=started))  # fmt: skip
     runs, unsettled = settle(runs)
     return runs[::-1], skipped + unsettled
@@ -346,7 +346,7 @@ def is_numeric(values: Iterable) -> bool:
 DERIVED = re.compile(r"(?P<column>\w+)(?:@(?P<at>final|best)|(?P<op>>=|<=)(?P<threshold>.+))")
 
 
-def column_value(run: Run, spec: str) -> float:
+def column_value(run: RunResult, spec: str) -> float:
     """A derived column's value for one run (see DERIVED); NaN where its history lacks it."""
     found = DERIVED.fullmatch(spec)
     values, epochs = run.history.get(found["column"]), run.history.get("epoch")
@@ -403,7 +403,7 @@ class Table:
     keys: list[str]  # swept: experiment keys (not seed) whose values differ
     metrics: list[str]  # numeric metrics present in any run
     stats: pd.DataFrame
-    runs: list[Run]
+    runs: list[RunResult]
     configs: list[str]  # the label of each run's configuration, in `runs` order
     constant: dict = field(default_factory=dict)  # experiment keys shared by every run
     dropped: list[tuple[str, str, float]] = field(default_factory=list)  # (run, metric, value)
@@ -421,7 +421,7 @@ class Table:
         return pd.Series([r.metrics.get(metric, math.nan) for r in self.runs], self.configs)
 
 
-def aggregate(runs: Iterable[Run], columns: Sequence[str] = ()) -> Table:
+def aggregate(runs: Iterable[RunResult], columns: Sequence[str] = ()) -> Table:
     """Group runs by configuration (every experiment key but seed); mean, SE and n per metric
     and per derived column of `columns` (the paper table's: default_columns() when empty)."""
     runs = list(runs)

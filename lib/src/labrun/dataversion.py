@@ -157,7 +157,7 @@ def _digest(files: list[tuple[str, int, int]]) -> str:
     return VERSION_PREFIX + h.hexdigest()[:16]
 
 
-def read_json(path: Path) -> dict | None:
+def read_json_cache(path: Path) -> dict | None:
     """A JSON object of data/ read without following a link; None when it is missing, unreadable,
     a link, not JSON or not an object (a cache is then made again)."""
     try:
@@ -170,7 +170,7 @@ def read_json(path: Path) -> dict | None:
 
 
 def _read_cache(cache: Path | None, root: Path) -> dict | None:
-    if cache is None or (cached := read_json(cache)) is None:
+    if cache is None or (cached := read_json_cache(cache)) is None:
         return None
     valid = (
         cached.get("root") == str(root)
@@ -190,35 +190,23 @@ def _write_cache(cache: Path, content: dict) -> None:
 
 @contextlib.contextmanager
 def file_lock(path: Path) -> Iterator[None]:
-    """Hold an exclusive flock on `path`.lock (opened without following a link): the jobs of a
-    sweep starting at once build a cache once, the others wait and read it.
+    """Hold an exclusive lock on `path`.lock: the jobs of a sweep starting at once build a cache
+    once, the others wait and read it.
 
-    The lock file is deleted before it is released, so nothing is left behind (even after a
-    failed download). A waiter that then gets the lock on the deleted file sees that the name
-    no longer points at its file and tries again on the new one.
+    filelock opens the lock file without following a link (O_NOFOLLOW, filelock >= 3.20.3): a
+    link planted in a shared --data-dir is refused (OSError), nothing is created or truncated
+    through it. The lock file is deleted before it is released, so nothing is left behind (even
+    after a failed download); a waiter that then gets the lock on the deleted file sees it has
+    no link left (filelock checks st_nlink) and tries again on a new one.
     """
+    from filelock import FileLock  # here: --help and --print-run-dir never need it
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        import fcntl
-    except ImportError:  # Windows: the atomic renames alone keep the cache valid
-        yield
-        return
     lock_path = path.with_name(path.name + ".lock")
-    while True:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    with FileLock(lock_path):
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            try:
-                current = os.lstat(lock_path)
-            except FileNotFoundError:
-                current = None
-            if current is not None and current.st_ino == os.fstat(fd).st_ino:
-                try:
-                    yield
-                finally:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(lock_path)
-                return
+            yield
         finally:
-            os.close(fd)  # closing releases the flock
+            with contextlib.suppress(OSError):  # already gone; or Windows, which deletes it itself
+                os.unlink(lock_path)

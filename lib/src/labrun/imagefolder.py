@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
-from .dataversion import check_cache_path, file_lock, is_hidden, read_json
+from .dataversion import check_cache_path, file_lock, is_hidden, read_json_cache
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".webp", ".gif", ".bmp")
 SPLIT_DIRS = ("train", "val", "test")
@@ -238,7 +238,7 @@ def _check_images(root: Path, files: dict, report_dir: Path | None, version: str
         if cache is not None:
             with contextlib.suppress(OSError):  # a read-only --data-dir: check without caching
                 stack.enter_context(file_lock(cache))
-            cached = read_json(cache)
+            cached = read_json_cache(cache)
             if cached is not None and all(os.path.relpath(p, root) in cached for p in paths):
                 return {k: v if isinstance(v, str) else tuple(v) for k, v in cached.items()}
         checked = {os.path.relpath(p, root): _inspect(p) for p in paths}

@@ -117,8 +117,8 @@ def parser(prog: str, description: str, results_dir: str | Path) -> argparse.Arg
     return p
 
 
-# ---- the lifecycle every job shares (run.py's main() is this, with train() as its body) -------
-def lifecycle(
+# ---- the contract every job shares (run.py's main() is this, with train() as its body) -------
+def contract(
     argv: list[str] | None,
     parse: Callable[[list[str] | None], tuple[argparse.Namespace, argparse.ArgumentParser]],
     locate: Callable[[argparse.Namespace, argparse.ArgumentParser], Path],
@@ -145,7 +145,7 @@ def lifecycle(
         ran = True
         return body(*args)
 
-    code = _lifecycle(argv, parse, locate, body_ran, redo=redo, ranks=ranks)
+    code = _contract(argv, parse, locate, body_ran, redo=redo, ranks=ranks)
     if ran and LEAVE_AT_ONCE and program is not None and _is_program(program):
         _leave_program(code)
     return code
@@ -181,7 +181,7 @@ def _leave_program(code: int) -> None:
     os._exit(code)
 
 
-def _lifecycle(argv, parse, locate, body, *, redo, ranks) -> int:
+def _contract(argv, parse, locate, body, *, redo, ranks) -> int:
     try:
         stop = GracefulStop()
     except BadGrace as exc:  # LAB_STOP_GRACE_S is not a number of seconds
@@ -220,7 +220,7 @@ LEAVE_AT_ONCE = True
 
 
 def _ranked(args, parser_, out: Path, redo, stop: GracefulStop, body) -> int:
-    """lifecycle under torchrun: every rank agrees on the experiment, rank 0 claims."""
+    """The contract under torchrun: every rank agrees on the experiment, rank 0 claims."""
     with distributed.session(args.device) as dist:  # torchrun: N processes, one job
         code = _ranked_in(dist, args, parser_, out, redo, stop, body)
     if dist.active and LEAVE_AT_ONCE:
@@ -337,7 +337,7 @@ def main(
             return EXIT_INTERRUPTED  # stopped while starting: nothing of this job exists yet
         return _run(Job(args, out, None, stop, prepared), work, ident(args))
 
-    return lifecycle(argv, lambda a: (parser.parse_args(a), parser), locate, body, program=work)
+    return contract(argv, lambda a: (parser.parse_args(a), parser), locate, body, program=work)
 
 
 def _run(job: Job, work: Callable[[Job], dict], identity: dict) -> int:

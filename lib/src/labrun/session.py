@@ -80,7 +80,7 @@ def lifecycle(argv: list[str] | None, train, config: type | None = None) -> int:
     if config is not None:
         use_config(config)
     body = functools.partial(_body, train)
-    return jobs.lifecycle(argv, parse_args, run_dir, body, redo=is_tool, ranks=True, program=train)
+    return jobs.contract(argv, parse_args, run_dir, body, redo=is_tool, ranks=True, program=train)
 
 
 def _body(train, args, parser, out, stop, held, dist) -> int:
@@ -171,7 +171,7 @@ class Run:
             print(f"warning: {mismatch}", file=sys.stderr)  # runs on, but says so at start
             self._notes.append(("labrun", mismatch))
         if args.profile:  # the CUDA memory snapshot then covers the whole run, model included
-            from .tuning import start_memory_history
+            from .tools.tuning import start_memory_history
 
             start_memory_history(self.device)
         self.train_sums = TrainSums(self.task, self.device)
@@ -726,7 +726,7 @@ class Run:
         `step` is run.py's step (profiled as the run would take it)."""
         import copy
 
-        from .tuning import find_batch_size, find_lr, profile_training, recommend_batch_size
+        from .tools.tuning import find_batch_size, find_lr, profile_training, recommend_batch_size
 
         args, data, out, device = self.args, self.data_, self.out, self.device
         if args.find_lr:

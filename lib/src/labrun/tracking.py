@@ -48,7 +48,6 @@ import argparse
 import collections
 import contextlib
 import csv
-import fcntl
 import hashlib
 import io
 import json
@@ -117,17 +116,15 @@ def _schema_lock(uri: str) -> Iterator[None]:
     if db is None:
         yield
         return
+    from filelock import FileLock  # flock: the kernel releases it if this process dies
+
     db.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(f"{db}.lock", os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel if this process dies
+    with FileLock(f"{db}.lock"):
         # SQLite would create the file 0644 whatever the umask; an empty file is a valid empty
         # database, so create it here with what the umask allows (its journal copies the mode).
         with contextlib.suppress(FileExistsError):
             os.close(os.open(db, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666))
         yield
-    finally:
-        os.close(fd)
 
 
 def _client():

@@ -282,7 +282,7 @@ def recommend_batch_size(largest_fitting: int, device) -> tuple[int, float]:
     """The device's recommended batch size (hardware.recommended_batch_size, sqrt LR scaling)
     capped by what fits: the (--batch-size, --lr) to pass on this device (not a default: the
     batch size is part of the run's identity, see hardware.py's batch-size rule)."""
-    from .hardware import default_lr, recommended_batch_size
+    from ..hardware import default_lr, recommended_batch_size
 
     batch = min(largest_fitting, recommended_batch_size(torch.device(device)))
     return batch, default_lr(batch)

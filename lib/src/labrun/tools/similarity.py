@@ -57,7 +57,7 @@ def choose_layer(model: nn.Module, layer: str | None, which: str) -> str:
 def test_inputs(config: dict, count: int, seed: int, batch_size: int, device, data_dir=None):
     """`count` inputs of the test split a run was tested on (rebuilt from its config.json; a
     seeded choice, in order), in batches on `device`."""
-    from .data import FileSplit, build_loader, load_dataset
+    from ..data import FileSplit, build_loader, load_dataset
 
     loaded = load_dataset(
         config["dataset"], data_dir or config["data_dir"], data_path=config.get("data_path"),

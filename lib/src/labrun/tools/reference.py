@@ -22,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .augment import MEAN, STD
+from ..augment import MEAN, STD
 
 
 def _synchronize(device: torch.device) -> None:
