@@ -41,7 +41,7 @@ class NotReady(UsageError):
 
 
 def resolver(parse: Callable, locate: Callable) -> Callable[[list[str]], Path]:
-    """A script's `argv -> run directory` from its own parser (jobs.lifecycle's `parse` and
+    """A script's `argv -> run directory` from its own parser (jobs.contract's `parse` and
     `locate`); it raises UsageError with the script's own message."""
 
     def resolve(argv: list[str]) -> Path:
