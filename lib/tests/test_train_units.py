@@ -325,3 +325,18 @@ def test_a_monitored_metric_never_finite_fails_the_run_in_one_line(
     assert (run_dir / "status").read_text() == "failed\n" and not (
         run_dir / "metrics.json"
     ).exists()
+
+
+def test_a_run_py_that_names_no_loss_is_refused_before_any_file_of_the_run(
+    main_in_process, tmp_path, monkeypatch, capsys
+):
+    """labrun never falls back on the task's loss behind run.py's back: a run.py whose
+    run.use_loss line is gone fails in one line, before any file of the run is written."""
+    monkeypatch.setattr(Run, "use_loss", lambda self, loss_fn, report=None: loss_fn)
+    assert main_in_process("--tracking", "off", "--results-dir", str(tmp_path)) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        "error: RunFailed: run.py gave no loss: call run.use_loss(loss_fn) before run.restore"
+    )
+    [run_dir] = tmp_path.iterdir()  # the claim's folder: nothing of the run in it
+    assert {p.name for p in run_dir.iterdir()} <= {".lock"}
