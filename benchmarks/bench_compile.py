@@ -56,7 +56,7 @@ def decision_overhead(project: Path, pkg, args) -> dict:
     argv += ["--batch-size", str(args.batch_size), "--width", str(args.width)]
     argv += ["--data-dir", str(work / "data"), "--results-dir", str(work / "r")]
     argv += ["--tracking", "off", "--progress", "off"]
-    captured = capture_step(run_py.main, argv)  # run.py up to its step: model, optimizer, step
+    captured = capture_step(run_py, argv)  # run.py's build(): model, optimizer, step
     run, device = captured.run, torch.device("cpu")
     now = pkg.hardware.timed(device)
     decide, choose, steps = [], [], []

@@ -172,7 +172,7 @@ def main(argv=None) -> int:
         from labrun.session import capture_step
 
         torch.manual_seed(0)
-        captured = capture_step(run_py.main, ceiling_argv)
+        captured = capture_step(run_py, ceiling_argv)
         for i in range(args.warmup):
             captured.step([batches[i % len(batches)]])
         synchronize(device)

@@ -33,10 +33,10 @@ def replace_fields(text: str, names: tuple[str, ...], block: str) -> str:
 
 
 def replace_statements(text: str, names: tuple[str, ...], block: str) -> str:
-    """The statements of train() that assign `names` (consecutive) replaced by `block`."""
+    """The statements of build() that assign `names` (consecutive) replaced by `block`."""
     tree = ast.parse(text)
-    train = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train")
-    spans = [(s.lineno, s.end_lineno) for s in train.body if isinstance(s, ast.Assign)
+    build = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "build")
+    spans = [(s.lineno, s.end_lineno) for s in build.body if isinstance(s, ast.Assign)
              and any(isinstance(t, ast.Name) and t.id in names for t in s.targets)]  # fmt: skip
     assert len(spans) == len(names), spans
     lines = text.splitlines(keepends=True)

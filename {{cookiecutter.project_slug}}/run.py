@@ -30,6 +30,7 @@ what is trained, and how, is this file.
 
 import sys
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import labrun
 from labrun import flag
@@ -78,8 +79,9 @@ def param_groups(model, weight_decay: float) -> list[dict]:
     ]
 
 
-def train(run: labrun.Run) -> None:
-    """The method. `run` (labrun.Run) holds the run directory, resume, MLflow and stop signals."""
+def build(run: labrun.Run):
+    """Data, model, optimizer, schedule and the step, resumed where the run stopped: what
+    train() loops over, and what tools (--profile, gpucheck, tests) drive by calling this."""
     import contextlib
 
     import torch
@@ -184,24 +186,41 @@ def train(run: labrun.Run) -> None:
         if ema is not None:
             ema.update()
 
-    if run.tool:  # --find-lr, --find-batch-size, --profile: measure, report, exit
-        return run.tools(model=model, optimizer=opt, scheduler=sched, step=step)
+    return SimpleNamespace(
+        data=data, model=model, eval_model=eval_model, optimizer=opt, scheduler=sched, step=step
+    )
 
-    # ---- the loop: epochs until --epochs, --max-steps or early stopping -----------------------
-    for _epoch in run.epochs():
+
+def train(run: labrun.Run) -> int | None:
+    """The method. `run` (labrun.Run) holds the run directory, resume, MLflow and stop signals."""
+    args = run.args
+    built = build(run)
+    data, model, eval_model, step = built.data, built.model, built.eval_model, built.step
+    if run.tool:  # --find-lr, --find-batch-size, --profile: measure, report, exit
+        return run.tools(
+            model=model, optimizer=built.optimizer, scheduler=built.scheduler, step=step
+        )
+
+    # ---- the loop: epochs until --epochs (or the one --max-steps ends in), or early stopping ----
+    p = run.progress  # epoch, step, batch: where the run is (resumed: where its checkpoint was)
+    while p.epoch < run.last_epoch and not run.stopper.should_stop:
         model.train()
-        # Batches arrive already on the device (pinned + non_blocking, or GPU-resident: above).
-        # Resume-exact: a resumed epoch skips the micro-batches it did. A stop signal finishes
-        # the step, checkpoints and exits 75 (re-run the same command to continue).
+        # This epoch's steps from where the run is (resume-exact: a resumed epoch skips the
+        # micro-batches it did), each --grad-accum micro-batches already on the device.
         for micro_batches in run.batches(data.train):
             step(micro_batches)
-        # Validation, history.csv, a new best -> best_model.pt, the checkpoint; early stopping
-        # counts only after the LR peak and --min-epochs.
-        run.epoch_end(run.evaluate(eval_model, data.val), eval_model)
+            run.tick()  # counted; a stop signal: checkpoint, exit 75 (re-run the same command)
+        row = run.end_epoch(run.evaluate(eval_model, data.val))  # history.csv, run.log, MLflow
+        # Early stopping keeps the best weights; patience counts only after the LR peak and
+        # --min-epochs (no stop while the warm-up makes validation jump).
+        if run.stopper.update(row[run.task.monitor], p.epoch, eval_model):
+            run.save_best()  # best_model.pt
+        run.checkpoint(every=args.checkpoint_every)  # checkpoint.pt, when that many s passed
 
     # ---- test once, with the weights --test-weights names (best epoch's or final); save --------
-    run.restore_tested(eval_model)
-    run.finish(test=run.evaluate(eval_model, data.test))  # metrics.json, written last
+    if args.test_weights == "best":
+        run.restore_best(eval_model)  # the best epoch's weights (fails if it was never finite)
+    run.finish(test=run.evaluate(eval_model, data.test))  # checkpoint, then metrics.json last
 
 
 if __name__ == "__main__":

@@ -220,24 +220,23 @@ def signal_self_after(monkeypatch, step_to_stop: int, *signums: int, pause: floa
 
     from labrun.session import Run
 
-    original = Run.batches
+    original = Run.tick
 
-    def batches(self, loader):
-        for micro_batches in original(self, loader):
-            yield micro_batches
-            if self.progress.step + 1 == step_to_stop:  # the step just done
-                for signum in signums or (signal.SIGTERM,):
-                    os.kill(os.getpid(), signum)
-                    time.sleep(pause)
+    def tick(self):
+        if self.progress.step + 1 == step_to_stop:  # the step just done, not yet counted
+            for signum in signums or (signal.SIGTERM,):
+                os.kill(os.getpid(), signum)
+                time.sleep(pause)
+        return original(self)
 
-    monkeypatch.setattr(Run, "batches", batches)
+    monkeypatch.setattr(Run, "tick", tick)
 
 
 def capture_step(monkeypatch, data_dir, results_dir, *args: str, model=None, amp_dtype="auto"):
-    """run.py's train() as far as its step, training nothing (labrun.session.capture_step):
-    run, model, optimizer, scheduler, step. `model` replaces --model's network (any module: the
-    step is called with the test's own batches); `amp_dtype` replaces the autocast dtype
-    hardware.choose_precision would pick (fp16 turns the GradScaler on, also on CPU)."""
+    """run.py's build() for these flags, training nothing (labrun.session.capture_step): run,
+    data, model, eval_model, optimizer, scheduler, step. `model` replaces --model's network (any
+    module: the step is called with the test's own batches); `amp_dtype` replaces the autocast
+    dtype hardware.choose_precision would pick (fp16 turns the GradScaler on, also on CPU)."""
     import signal
 
     from labrun import hardware
@@ -252,7 +251,7 @@ def capture_step(monkeypatch, data_dir, results_dir, *args: str, model=None, amp
     saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     argv = [*TINY, "--data-dir", str(data_dir), "--results-dir", str(results_dir)]
     try:
-        return capture(module.main, [*argv, "--tracking", "off", *args])
+        return capture(module, [*argv, "--tracking", "off", *args])
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)

@@ -128,8 +128,8 @@ def test_disk_full_mid_run_is_one_error_line_and_a_failed_status(
 ):
     write_history = runs.write_history
 
-    def fills_up(run_dir, rows):
-        if len(rows) >= 1:
+    def fills_up(run_dir, rows):  # at epoch 2: epoch 1's checkpoint is on disk
+        if len(rows) >= 2:
             raise OSError(errno.ENOSPC, "No space left on device", str(run_dir / "history.csv"))
         write_history(run_dir, rows)
 

@@ -118,6 +118,32 @@ def test_stopped_mid_epoch_then_resumed_equals_straight(
     assert mlflow_run(mlflow_uri, run_id).info.status == "FINISHED"
 
 
+@pytest.mark.parametrize("stop_after", [20, 25])  # epoch 1's last step; the run's last step
+def test_stopped_at_the_last_step_of_an_epoch_resumes_into_its_validation(
+    main_in_process, tmp_path, monkeypatch, stop_after
+):
+    """run.tick() honours a stop after any step, the last of an epoch or of the run included:
+    the checkpoint then holds a trained epoch not yet validated, and the resumed run validates
+    it (no step repeated, none skipped) and ends as the straight run did."""
+    args = (*QUICK_RESUME, "--tracking", "off")
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert main_in_process(*args, "--results-dir", str(straight)) == 0
+    with monkeypatch.context() as m:
+        signal_self_after(m, stop_after)
+        assert main_in_process(*args, "--results-dir", str(stopped)) == 75
+    run_dir = run_dir_of(stopped)
+    history = run_dir / "history.csv"  # the stopped epoch has no row yet
+    assert (history.exists() and len(list(csv.DictReader(history.open())))) == (stop_after > 20)
+    assert main_in_process(*args, "--results-dir", str(stopped)) == 0
+    got, expected = read_metrics(run_dir), read_metrics(run_dir_of(straight))
+    assert {k: v for k, v in got.items() if k not in TIMINGS} == {
+        k: v for k, v in expected.items() if k not in TIMINGS
+    }
+    assert [r.split(",")[:7] for r in (run_dir / "history.csv").read_text().splitlines()] == [
+        r.split(",")[:7] for r in (run_dir_of(straight) / "history.csv").read_text().splitlines()
+    ]
+
+
 def test_nan_loss_fails_clearly_and_keeps_the_last_good_checkpoint(
     main_in_process, tmp_path, monkeypatch, mlflow_uri, capsys
 ):
@@ -180,7 +206,7 @@ def test_a_best_model_newer_than_the_checkpoint_is_put_back(main_in_process, tmp
     args = ("--epochs", "3", "--batch-size", "256", "--patience", "0", "--checkpoint-every", "0")
     args = (*args, "--tracking", "off", "--results-dir", str(tmp_path))
     with pytest.MonkeyPatch.context() as m:
-        signal_self_after(m, 5)  # the end of epoch 1 (5 steps of 256)
+        signal_self_after(m, 6)  # the first step of epoch 2 (5 steps of 256 an epoch)
         assert main_in_process(*args) == 75
     run_dir = run_dir_of(tmp_path)
     epoch_1 = {n: (run_dir / n).read_bytes() for n in ("checkpoint.pt", "best_model.pt")}
@@ -191,7 +217,7 @@ def test_a_best_model_newer_than_the_checkpoint_is_put_back(main_in_process, tmp
     (run_dir / "metrics.json").unlink()
     (run_dir / "status").write_text("running\n")
     with pytest.MonkeyPatch.context() as m:
-        signal_self_after(m, 6)
+        signal_self_after(m, 7)
         assert main_in_process(*args) == 75
     assert "rewritten from the checkpoint" in (run_dir / "run.log").read_text()
     best = torch.load(run_dir / "best_model.pt", weights_only=True)

@@ -4,6 +4,7 @@ compile fallback, state) is in test_step.py, the device policy in test_hardware.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import types
@@ -16,6 +17,7 @@ from torch import nn
 from labrun import checkpoint, config, runs
 from labrun.session import Run
 from labrun.stopping import EarlyStopping, NonFiniteLoss, check_finite
+from labrun.tasks import create_task
 from labrun.train import evaluate, lr_peak_step, peak_epoch
 
 CPU = torch.device("cpu")
@@ -132,7 +134,8 @@ def test_evaluate_is_inference_only_and_restores_train_mode():
     model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)).train()
     batches = [(torch.randn(6, 4), torch.randint(0, 3, (6,))) for _ in range(2)]
     before = model[1].running_mean.clone()
-    metrics = evaluate(model, batches, device=CPU, dtype=None)
+    task = create_task("classification", argparse.Namespace(label_smoothing=0.0))
+    metrics = evaluate(model, batches, device=CPU, dtype=None, task=task, loss_fn=task.eval_loss)
     assert model.training and torch.equal(before, model[1].running_mean)
     assert math.isfinite(metrics["loss"]) and 0 <= metrics["acc"] <= 1
 
@@ -322,3 +325,18 @@ def test_a_monitored_metric_never_finite_fails_the_run_in_one_line(
     assert (run_dir / "status").read_text() == "failed\n" and not (
         run_dir / "metrics.json"
     ).exists()
+
+
+def test_a_run_py_that_names_no_loss_is_refused_before_any_file_of_the_run(
+    main_in_process, tmp_path, monkeypatch, capsys
+):
+    """labrun never falls back on the task's loss behind run.py's back: a run.py whose
+    run.use_loss line is gone fails in one line, before any file of the run is written."""
+    monkeypatch.setattr(Run, "use_loss", lambda self, loss_fn, report=None: loss_fn)
+    assert main_in_process("--tracking", "off", "--results-dir", str(tmp_path)) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        "error: RunFailed: run.py gave no loss: call run.use_loss(loss_fn) before run.restore"
+    )
+    [run_dir] = tmp_path.iterdir()  # the claim's folder: nothing of the run in it
+    assert {p.name for p in run_dir.iterdir()} <= {".lock"}

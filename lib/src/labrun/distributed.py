@@ -410,7 +410,7 @@ class Follower:
     def tracker_line(self) -> str:
         return ""
 
-    def checkpoint_due(self, args) -> bool:
+    def checkpoint_due(self, every: float) -> bool:
         return False  # rank 0 decides
 
     def save_best(self, state) -> None:
@@ -419,9 +419,8 @@ class Follower:
     def checkpoint(self, state) -> None:
         state.save(self.out / CHECKPOINT)  # writes nothing here: sends its part
 
-    def epoch_done(self, state, *, checkpoint_due: bool) -> None:
-        if checkpoint_due:
-            self.checkpoint(state)
+    def epoch_done(self, state) -> None:
+        pass  # rank 0 writes history.csv
 
     def interrupted(self, state, signal_name) -> None:
         pass

@@ -1,7 +1,8 @@
-"""`Run`: everything around a project's training loop, so that run.py keeps only the method.
+"""`Run`: the run around a project's training loop, as small verbs that run.py's loop calls.
 
-run.py's `main()` is `labrun.lifecycle(argv, train, Config)`; `train(run)` gets a `Run` and
-calls, in order (README, "What a run writes"):
+run.py's `main()` is `labrun.lifecycle(argv, train, Config)`; `train(run)` gets a `Run`. Its
+`build(run)` makes what the loop needs, and the loop stands in `train` (README, "What a run
+writes"):
 
     loss_fn = run.use_loss(run.task.loss, report=run.task.eval_loss)  # the step's, evaluate's
     data = run.data()                       # splits + loaders (batches arrive on run.device)
@@ -11,12 +12,20 @@ calls, in order (README, "What a run writes"):
     net = run.distributed(torch.compile(model, mode=mode) if mode else model)  # DDP outermost
     net = run.warm_up(net, eager=model)     # compiles outside the timed loop
     if run.tool: return run.tools(...)      # --find-lr, --find-batch-size, --profile
-    for epoch in run.epochs():
-        for micro_batches in run.batches(data.train):   # a stop signal: checkpoint, exit 75
+    p = run.progress
+    while p.epoch < run.last_epoch and not run.stopper.should_stop:
+        for micro_batches in run.batches(data.train):   # resume-exact
             step(micro_batches)                         # adds to run.train_sums on the device
-        run.epoch_end(run.evaluate(eval_model, data.val), eval_model)   # early stopping
-    run.restore_tested(eval_model)                  # --test-weights: best (default) or final
+            run.tick()                                  # a stop signal: checkpoint, exit 75
+        row = run.end_epoch(run.evaluate(eval_model, data.val))  # history.csv
+        if run.stopper.update(row[run.task.monitor], p.epoch, eval_model):
+            run.save_best()                             # best_model.pt
+        run.checkpoint(every=args.checkpoint_every)
+    if args.test_weights == "best":
+        run.restore_best(eval_model)
     run.finish(test=run.evaluate(eval_model, data.test))
+
+Tools get the same step by calling run.py's `build` (`capture_step`), nothing patched.
 
 What it owns: config.json, run.log, status, history.csv, checkpoint.pt (every object given to
 `restore` by its state_dict, progress, early stopping with the best weights, RNG, the partial
@@ -73,20 +82,22 @@ def is_tool(args) -> bool:
     return bool(args.find_lr or args.find_batch_size or args.profile)
 
 
-def lifecycle(argv: list[str] | None, train, config: type | None = None) -> int:
+def lifecycle(argv: list[str] | None, train, config: type | None = None, *, tool=False) -> int:
     """run.py's main(): --plan, --print-run-dir, skip when done, the claim (exit 73), torchrun's
     ranks (rank 0 writes); then `train(Run)` with every failure mapped to its exit code.
-    `config`: run.py's Config dataclass, the method's flags (config.flag)."""
+    `config`: run.py's Config dataclass, the method's flags (config.flag). `tool`: a tool run
+    whatever the flags (nothing resumed or recorded, also when the run is done: capture_step)."""
     if config is not None:
         use_config(config)
-    body = functools.partial(_body, train)
-    return jobs.contract(argv, parse_args, run_dir, body, redo=is_tool, ranks=True, program=train)
+    body = functools.partial(_body, train, tool)
+    redo = (lambda args: True) if tool else is_tool
+    return jobs.contract(argv, parse_args, run_dir, body, redo=redo, ranks=True, program=train)
 
 
-def _body(train, args, parser, out, stop, held, dist) -> int:
+def _body(train, tool, args, parser, out, stop, held, dist) -> int:
     run = None
     try:
-        run = Run(args, parser, out, stop, held, dist)
+        run = Run(args, parser, out, stop, held, dist, tool=tool)
         code = train(run)
         return run._returned(code)
     except _Exit as exc:
@@ -133,7 +144,7 @@ class Run:
     log (run.log, once `restore` has opened the run directory), progress.
     """
 
-    def __init__(self, args, parser, out, stop, held, dist) -> None:
+    def __init__(self, args, parser, out, stop, held, dist, *, tool=False) -> None:
         import torch
 
         from . import __version__
@@ -144,7 +155,7 @@ class Run:
         from .tasks import create_task
 
         self.args, self.out, self.stop, self.held, self.dist = args, out, stop, held, dist
-        self.tool = is_tool(args)
+        self.tool = tool or is_tool(args)
         self.opened, self._agreed, self.ddp = False, False, False
         self.log = self.record = self.state = self.data_ = None
         self.objects: dict = {}
@@ -175,12 +186,14 @@ class Run:
 
             start_memory_history(self.device)
         self.train_sums = TrainSums(self.task, self.device)
-        self.use_loss(self.task.loss, report=self.task.eval_loss)  # until run.py says
+        self.loss = self.report_loss = None  # run.py's, given by use_loss: never guessed here
+        self._t0 = self._bar = self._busy = None  # the epoch being trained (batches, tick)
 
     def use_loss(self, loss_fn, report=None):
-        """`loss_fn(outputs, targets)`: the loss run.py's step trains on, which the compile probe
-        times and --find-lr sweeps; `report` (default: the same) is the loss evaluate reports as
-        val/test loss (classification: without label smoothing). Returns `loss_fn`."""
+        """`loss_fn(outputs, targets)`: the loss run.py's step trains on, which the model check,
+        the compile probe, the warm-up and the tools (--find-lr...) use; `report` (default: the
+        same) is the loss evaluate reports as val/test loss (classification: without label
+        smoothing). Returns `loss_fn`."""
         self.loss, self.report_loss = loss_fn, report or loss_fn
         return loss_fn
 
@@ -359,6 +372,8 @@ class Run:
         from .train import lr_peak_step, peak_epoch
 
         args, out, dist = self.args, self.out, self.dist
+        if self.loss is None:  # labrun never takes the task's loss behind run.py's back
+            raise RunFailed("run.py gave no loss: call run.use_loss(loss_fn) before run.restore")
         self.objects = objects
         model = next(iter(objects.values()))
         self._open(model, objects.get("ema"))
@@ -561,65 +576,86 @@ class Run:
         finally:
             set_rng_state(saved, self.device)
 
-    # ---- the loop ----------------------------------------------------------------------------
-    def finished(self) -> bool:
-        p = self.progress
-        return (
-            p.epoch >= self.args.epochs
-            or p.step >= self.total_steps
-            or self.state.stopper.should_stop
-        )
+    # ---- the loop: verbs run.py's loop calls --------------------------------------------------
+    @property
+    def last_epoch(self) -> int:
+        """The epoch the run's last step falls in: --epochs, or fewer when --max-steps ends the
+        run sooner."""
+        per_epoch = max(self.data_.steps_per_epoch, 1)
+        return min(self.args.epochs, math.ceil(self.total_steps / per_epoch))
 
-    def epochs(self):
-        """Epoch numbers (from 1) until --epochs, --max-steps or early stopping ends the run."""
-        while not self.finished():
-            yield self.progress.epoch + 1
+    @property
+    def stopper(self):
+        """Early stopping (stopping.EarlyStopping): `update(score, epoch, model)` is True at a new
+        best (its weights copied); `should_stop` once patience ran out. Patience counts only
+        after the LR peak and --min-epochs. Checkpointed with the run."""
+        return self.state.stopper
 
     def batches(self, loader):
-        """The epoch's optimizer steps, each a list of --grad-accum micro-batches, from where
-        the run is (a resumed epoch skips what it did: the order is f(seed, epoch)). Stops at
-        the run's last step; a stop signal (torchrun: on any rank, polled every 10 steps)
-        checkpoints and raises Interrupted (exit 75). Times the epoch's training."""
-        from .hardware import timed
-
-        p, args, dist = self.progress, self.args, self.dist
-        accum, last = args.grad_accum, self.total_steps
-        resumed_in_epoch = p.batch > 0
-        now = timed(self.device)  # waits for the device: times the work, not the launches
+        """This epoch's optimizer steps, each a list of --grad-accum micro-batches on the device,
+        from where the run is (the order is f(seed, epoch): a resumed epoch skips the
+        micro-batches it did) to the epoch's end or the run's last step. run.tick() follows each
+        step. Times the epoch's training (waiting for the device) and shows a progress bar."""
+        p, accum = self.progress, self.args.grad_accum
         loader.set_epoch(p.epoch, skip_batches=p.batch)
         source = iter(loader)
-        bar = self._progress_bar() if dist.is_main else None
-        busy = None
-        if self.device.type == "cuda" and dist.is_main and "gpu_busy" not in self.speed:
-            from .hardware import GpuBusy
+        self._epoch_begins()
+        try:
+            while p.batch < self.data_.steps_per_epoch * accum and p.step < self.total_steps:
+                if self._busy is not None:
+                    self._busy.at(p.step - self._first_step)
+                done = p.step
+                yield [next(source) for _ in range(accum)]
+                if p.step == done:  # the loop would never end: say so instead
+                    raise RuntimeError("call run.tick() after each step of run.batches()")
+        finally:
+            getattr(source, "close", lambda: None)()
+        self._epoch_trained()
 
-            busy = GpuBusy(self.device)  # profiles a few steps of this epoch
-        t0, started = now(), p.step
-        while p.batch < self.data_.steps_per_epoch * accum and p.step < last:
-            if dist.stopped(self.stop, p.step):
-                break
-            if busy is not None:
-                busy.at(p.step - started)
-            yield [next(source) for _ in range(accum)]
-            p.step, p.batch = p.step + 1, p.batch + accum
-            if bar is not None:
-                bar.update()
-        train_s = now() - t0
-        if bar is not None:
-            bar.close()
+    def tick(self) -> None:
+        """One optimizer step done: counted (progress, bar). A stop signal (torchrun: on any
+        rank, polled every 10 steps) now writes the checkpoint, status interrupted and raises
+        Interrupted: exit 75, and the same command resumes at the next step."""
+        p = self.progress
+        p.step, p.batch = p.step + 1, p.batch + self.args.grad_accum
+        if self._bar is not None:
+            self._bar.update()
+        if self.dist.stopped(self.stop, p.step):
+            self._epoch_trained()
+            self.record.checkpoint(self.state)
+            self.record.interrupted(
+                self.state, self.stop.requested or "a stop signal to another rank"
+            )
+            raise Interrupted(self.stop.requested)
+
+    def _epoch_begins(self) -> None:
+        from .hardware import GpuBusy, timed
+
+        p = self.progress
+        self._now = timed(self.device)  # waits for the device: times the work, not the launches
+        self._t0, self._first_step, self._resumed_in_epoch = self._now(), p.step, p.batch > 0
+        self._bar = self._progress_bar() if self.dist.is_main else None
+        self._busy = None
+        if self.device.type == "cuda" and self.dist.is_main and "gpu_busy" not in self.speed:
+            self._busy = GpuBusy(self.device)  # profiles a few steps of this epoch
+
+    def _epoch_trained(self) -> None:
+        """The epoch's training time into progress (once: at its end, or at a stop)."""
+        if self._t0 is None:
+            return
+        p, busy = self.progress, self._busy
+        train_s, self._t0 = self._now() - self._t0, None
+        if self._bar is not None:
+            self._bar.close()
         if busy is not None:
-            busy.close(p.step - started)
-        if busy is not None and busy.share is not None:
-            from .hardware import busy_line
+            busy.close(p.step - self._first_step)
+            if busy.share is not None:
+                from .hardware import busy_line
 
-            self.speed["gpu_busy"] = busy.share
-            self.log.info("%s", busy_line(busy.share, busy.step_s, args.batch_size))
-        getattr(source, "close", lambda: None)()
+                self.speed["gpu_busy"] = busy.share
+                self.log.info("%s", busy_line(busy.share, busy.step_s, self.args.batch_size))
         p.train_time_s += train_s
-        p.epoch_time_s = train_s + (p.epoch_time_s if resumed_in_epoch else 0.0)
-        epoch_done = p.batch >= self.data_.steps_per_epoch * accum or p.step >= last
-        if not epoch_done:  # stopped mid-epoch: the checkpoint records where in the epoch
-            self._interrupt()
+        p.epoch_time_s = train_s + (p.epoch_time_s if self._resumed_in_epoch else 0.0)
 
     def _progress_bar(self):
         args, p = self.args, self.progress
@@ -634,13 +670,9 @@ class Run:
             desc=f"epoch {p.epoch + 1}/{args.epochs}",
         )
 
-    def _interrupt(self):
-        self.record.checkpoint(self.state)
-        self.record.interrupted(self.state, self.stop.requested or "a stop signal to another rank")
-        raise Interrupted(self.stop.requested)
-
     def evaluate(self, model, loader) -> dict[str, float]:
-        """{loss, metric...} of the task over `loader` in eval mode, summed over ranks."""
+        """{loss, metric...} of the task over `loader` in eval mode, summed over ranks; the loss
+        is the one run.use_loss named `report`."""
         from .train import evaluate
 
         self.dist.sync_buffers(model)  # CPU torchrun: rank 0's BatchNorm statistics
@@ -654,13 +686,13 @@ class Run:
             reduce=self.dist.sum,
         )
 
-    def epoch_end(self, val: dict[str, float], model) -> None:
-        """The epoch's record: training sums read (the one sync of the epoch), a finite loss
-        checked, history.csv, early stopping (best_model.pt at a new best of `model`), the
-        checkpoint when due; a stop signal now: exit 75."""
+    def end_epoch(self, val: dict[str, float]) -> dict:
+        """The epoch's row, returned and written (history.csv, run.log, MLflow): its training
+        sums, read now (the one sync of the epoch: NonFiniteLoss when the loss is not finite),
+        beside `val`."""
         from .stopping import check_finite
 
-        p, args, task = self.progress, self.args, self.task
+        p, args = self.progress, self.args
         # {loss, metric...} summed over ranks; note: one sync (and all-reduce) per epoch
         train, seen = self.train_sums.take(self.dist.sum)
         first_step = p.step - p.batch // args.grad_accum + 1
@@ -679,18 +711,18 @@ class Run:
                 "samples_per_sec": seen / max(p.epoch_time_s, 1e-9),
             }
         )
-        if self.state.stopper.update(p.history[-1][task.monitor], p.epoch, model):
-            self.record.save_best(self.state)  # keep the best, never test
-        due = self.dist.decide(self.record.checkpoint_due(args))
-        self.record.epoch_done(self.state, checkpoint_due=due)
-        if self.dist.stopped(self.stop) and not self.finished():
-            self._interrupt()
+        self.record.epoch_done(self.state)
+        return p.history[-1]
 
-    def restore_tested(self, model) -> None:
-        """The weights --test-weights names into `model`: the best epoch's (restore_best), or
-        the final ones it already holds."""
-        if self.args.test_weights == "best":
-            self.restore_best(model)
+    def save_best(self) -> None:
+        """best_model.pt: the best weights run.stopper holds (after its update said "new best")."""
+        self.record.save_best(self.state)
+
+    def checkpoint(self, every: float | None = None) -> None:
+        """checkpoint.pt (every object given to restore, progress, RNG, early stopping) now, or
+        only once `every` seconds have passed since the last (rank 0's clock decides for all)."""
+        if every is None or self.dist.decide(self.record.checkpoint_due(every)):
+            self.record.checkpoint(self.state)
 
     def restore_best(self, model) -> None:
         """The best epoch's weights into `model` (to test once); RunFailed when the monitored
@@ -888,34 +920,35 @@ class RunRecord:
             return "MLflow: the sweep's follower mirrors this run once it ends"
         return f"MLflow run {self.tracker.run_id or 'not reached (continuing without)'}"
 
-    def checkpoint_due(self, args) -> bool:
-        return time.monotonic() - self.last_checkpoint >= args.checkpoint_every
+    def checkpoint_due(self, every: float) -> bool:
+        return time.monotonic() - self.last_checkpoint >= every
 
     def save_best(self, state) -> None:
         self.claim.check()
         state.save_best(self.out / runs.BEST_MODEL)
+        stopper = state.stopper
+        self.log.info(
+            "best so far (%.4g, epoch %d): best_model.pt", stopper.best_score, stopper.best_epoch
+        )
 
     def checkpoint(self, state) -> None:
         self.claim.check()
         state.save(self.out / runs.CHECKPOINT)
         self.last_checkpoint = time.monotonic()
 
-    def epoch_done(self, state, *, checkpoint_due: bool) -> None:
+    def epoch_done(self, state) -> None:
         p, row = state.progress, state.progress.history[-1]
         self.claim.check()
-        if checkpoint_due:
-            self.checkpoint(state)
         runs.write_history(self.out, p.history)
         self.tracker.log_history(p.history)
         self.log.info(
-            "epoch %d/%d step %d | lr %.2e | train %s | val %s%s | %.1fs %.0f samples/s",
+            "epoch %d/%d step %d | lr %.2e | train %s | val %s | %.1fs %.0f samples/s",
             p.epoch,
             self.epochs,
             p.step,
             row["lr"],
             metrics_line(row, "train_"),
             metrics_line(row, "val_"),
-            " *" if state.stopper.best_epoch == p.epoch else "",
             row["epoch_time_s"],
             row["samples_per_sec"],
         )
@@ -1042,31 +1075,26 @@ class RunRecord:
         runs.close_logging(self.log)
 
 
-def capture_step(main, argv: list[str]):
-    """Run a project's run.py `main(argv)` as far as its step, training nothing: a namespace of
-    what `Run.tools` gets (run, model, optimizer, scheduler, step), for tools that drive the
-    project's own step (gpucheck, benchmarks, tests). In this process, as a tool run (nothing
-    is resumed or recorded, also when the run is done); works under torchrun (each rank gets
-    its own; `run.ddp` says whether the step's module is in DDP). `run` is the live Run
-    (device, amp_dtype, train_sums, state, data_, peek_batch, warm_up...)."""
+def capture_step(run_py, argv: list[str]):
+    """A project's run.py built for `argv` as far as its step, training nothing: a namespace of
+    what its `build(run)` returns (model, optimizer, scheduler, step...) and `run`, for tools
+    that drive the project's own step (gpucheck, benchmarks, tests). In this process, as a tool
+    run (nothing is resumed or recorded, also when the run is done); works under torchrun (each
+    rank gets its own; `run.ddp` says whether the step's module is in DDP). `run` is the live
+    Run (device, amp_dtype, train_sums, state, data_, peek_batch, warm_up...)."""
     import types
 
-    global is_tool
     captured: dict = {}
-    original_tools, original_is_tool = Run.tools, is_tool
 
-    def tools(self, **kwargs) -> int:
-        captured.update(kwargs, run=self)
+    def build(run) -> int:
+        captured.update(vars(run_py.build(run)), run=run)
+        run._done = True  # built is all a tool run of this kind does
         return EXIT_OK
 
-    from . import jobs
-
-    Run.tools, is_tool = tools, lambda args: True
-    jobs.LEAVE_AT_ONCE = False  # this process goes on after main(): no os._exit under torchrun
+    jobs.LEAVE_AT_ONCE = False  # this process goes on after the run: no os._exit under torchrun
     try:
-        code = main(list(argv))
+        code = lifecycle(list(argv), build, run_py.Config, tool=True)
     finally:
-        Run.tools, is_tool = original_tools, original_is_tool
         jobs.LEAVE_AT_ONCE = True
     if not captured:
         raise RuntimeError(f"run.py did not reach its step (exit {code})")

@@ -137,7 +137,7 @@ class TrainingState:
         self.progress = Progress()
         self._clock = time.perf_counter()  # wall time is accumulated across resumes
 
-    def tick(self) -> None:
+    def add_wall_time(self) -> None:
         """Add the wall time since the last tick (call before saving or reporting)."""
         now = time.perf_counter()
         self.progress.wall_time_s += now - self._clock
@@ -162,7 +162,7 @@ class TrainingState:
 
     def save(self, path: Path) -> None:
         """Collective under torchrun: every rank calls it, rank 0 writes."""
-        self.tick()
+        self.add_wall_time()
         state = self.dist.gather_state(self.state_dict())
         if state is not None:
             ckpt.save(path, state)

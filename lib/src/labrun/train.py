@@ -11,7 +11,6 @@ check on the device; clipping is foreach.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import itertools
 import math
@@ -116,21 +115,20 @@ def evaluate(
     *,
     device: torch.device,
     dtype: torch.dtype | None,
-    task: Task | None = None,
-    loss_fn=None,
+    task: Task,
+    loss_fn,
     reduce=None,
 ) -> dict[str, float]:
     """{loss, metric...} of `task` over a loader, in eval mode; one host sync at the end.
-    `loss_fn`: the loss to report (default: the task's eval_loss, else its loss); `reduce` sums
-    the sums over ranks (torchrun: each rank evaluated its shard)."""
-    task = task or default_task()
+    `loss_fn`: the loss to report (run.py's, given to run.use_loss); `reduce` sums the sums
+    over ranks (torchrun: each rank evaluated its shard)."""
     was_training = model.training
     model.eval()
     loss_sum, sums, seen = torch.zeros((), device=device), None, 0
     for x, y in loader:
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
             outputs = model(x)
-        loss_sum += (loss_fn or task.eval_loss or task.loss)(outputs, y) * y.shape[0]
+        loss_sum += loss_fn(outputs, y) * y.shape[0]
         batch_sums = task.sums(outputs, y)
         sums = batch_sums if sums is None else sums.add_(batch_sums)
         seen += y.shape[0]
@@ -152,13 +150,6 @@ def finish(
     metrics = task.finish(total[1:-1], seen)
     values = {k: float(metrics[k]) for k in task.metrics}
     return {"loss": float(total[0] / max(seen, 1)), **values}, seen
-
-
-def default_task() -> Task:
-    """Classification without label smoothing: for callers that name no task."""
-    from .tasks import create_task
-
-    return create_task("classification", argparse.Namespace(label_smoothing=0.0))
 
 
 def seed_everything(seed: int) -> None:
