@@ -2,7 +2,7 @@
 
 Renders the template, then times the default model's training step (run.py's step, random
 images already in memory, no data loading, in the precision run.py picks) with labrun's
-`distributed.measure_step`, the function `gpucheck`'s DDP check runs:
+`tools.ddpscaling.measure_step`, the function `gpucheck`'s DDP check runs:
   one, B      one process, the global batch B
   two, B/2    torchrun, 2 processes, B/2 each: the same run (`--batch-size B`) on two processes
   one, B/2    one process, B/2: the work one rank of the 2-process run does
@@ -54,7 +54,7 @@ def step_ms(project: Path, nproc: int, batch: int, args, work: Path) -> float:
         sys.executable,
         *(launcher if nproc > 1 else []),
         "-m",
-        "labrun.distributed",  # measure_step: run.py's step (precision, layout), no data
+        "labrun.tools.ddpscaling",  # measure_step: run.py's step (precision, layout), no data
         "cpu",
         str(batch),
         str(args.steps),

@@ -807,10 +807,10 @@ def resume_result(straight: JobResult, resumed: JobResult, *, interrupted: bool)
 
 
 def check_ddp(ctx: Context) -> list[Result]:
-    """One job on every visible GPU: DDP's scaling (distributed.check_scaling)."""
+    """One job on every visible GPU: DDP's scaling (ddpscaling.check_scaling)."""
     import torch
 
-    from ..distributed import check_scaling
+    from .ddpscaling import check_scaling
 
     gpus = torch.cuda.device_count() if ctx.device.type == "cuda" else 0
     if gpus < 2:
