@@ -28,6 +28,7 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -128,11 +129,14 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    script = os.path.abspath(argv[0])
+    script, started = os.path.abspath(argv[0]), time.monotonic()
     module = load(script)
     import torch
 
     watched, threads = _watched(script), _threads()
+    took = time.monotonic() - started
+    print(f"fork server {os.getpid()}: {argv[0]} imported in {took:.1f}s; ready", file=sys.stderr)
+    sys.stderr.flush()
     _answer("ready")
     for line in _requests():
         try:
