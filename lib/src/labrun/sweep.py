@@ -22,6 +22,9 @@ How it works:
             slot's GPU and a parent-death signal (SIGTERM), so it is told to stop if the sweep
             dies, even by SIGKILL. When a job ends its slot takes the next pending job. A job that
             finds its run claimed by another process exits 73: "running elsewhere".
+            FORK_JOBS=auto: a slot's later run.py jobs are forked from its fork server
+            (forkserver.py: torch and the project imported once), adopted by the sweep (a child
+            subreaper), and otherwise treated as above; the slot's first job starts afresh.
   3. stop:  the first INT/TERM/HUP sends SIGTERM to every running job (it checkpoints and exits
             75); any later one SIGKILLs their process groups. Either way the sweep reaps every
             job, marks a killed job's status "interrupted", prints the summary, then exits
