@@ -30,6 +30,7 @@ import signal
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 # What a run.py job imports before its first step, besides SCRIPT itself (~half a quick job's wall
@@ -57,6 +58,16 @@ def _threads() -> int:
         return len(os.listdir("/proc/self/task"))
     except OSError:
         return 1
+
+
+def _cuda_driver_loaded() -> bool:
+    """Whether the CUDA driver (libcuda) is loaded: the first CUDA call loads it (importing
+    torch does not), and a driver initialised before a fork fails in the child."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return any("libcuda.so" in line for line in maps)
+    except OSError:
+        return False
 
 
 def _watched(script: str) -> dict[str, tuple[int, int]]:
@@ -133,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     module = load(script)
     import torch
 
+    # The threads that are here now are numpy's OpenBLAS pool (OMP_NUM_THREADS - 1), which
+    # shuts itself down around a fork (pthread_atfork); Python 3.12+ would warn at each fork.
+    warnings.filterwarnings("ignore", ".*multi-threaded.*fork", DeprecationWarning)
     watched, threads = _watched(script), _threads()
     took = time.monotonic() - started
     print(f"fork server {os.getpid()}: {argv[0]} imported in {took:.1f}s; ready", file=sys.stderr)
@@ -150,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             _answer("stale")
             return 0
         # A fork copies one thread: CUDA and a started thread pool would be broken in the job.
-        if torch.cuda.is_initialized() or _threads() > threads:
+        if torch.cuda.is_initialized() or _cuda_driver_loaded() or _threads() > threads:
             _answer("error: CUDA or a thread pool was started in the fork server")
             return 1
         pid = _spawn(module, argv[0], job_argv, log, cwd, header, engine)
