@@ -1467,8 +1467,8 @@ def test_the_queue_runs_in_process(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("LAB_TRACKING", "off")
     handlers = {n: signal.getsignal(n) for n in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        s = make_sweep(
-            {"PYTHON": str(project / "python-standin")},
+        s = make_sweep(  # FORK_JOBS=off: pytest's process must not become a subreaper
+            {"PYTHON": str(project / "python-standin"), "FORK_JOBS": "off"},
             ["--sleep 0.3 --tag a", "--sleep 0.1 --tag b", "--fail --tag c"],
             gpus=["0", "1"],
         )
