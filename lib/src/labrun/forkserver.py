@@ -3,9 +3,11 @@
     python -m labrun.forkserver [--engine PID] SCRIPT.py
 
 The sweep engine (sweep.py) starts one per slot, in the slot's environment (CUDA_VISIBLE_DEVICES,
-OMP_NUM_THREADS, LAB_JOB_CPUS). It imports once what every job imports (torch, torch._dynamo,
-which every optimizer imports, labrun's training modules, SCRIPT as the module __labrun_job__
-without running it), prints `ready`, then reads one JSON line per job on stdin
+OMP_NUM_THREADS, LAB_JOB_CPUS); --engine names the process that adopts the jobs [the parent]. It
+imports once what every job imports (torch, torch._dynamo, which every optimizer imports,
+labrun's training modules, SCRIPT as the module __labrun_job__ without running it; a job calls
+its main() with sys.argv set, as `python SCRIPT` does), prints `ready`, then reads one JSON line
+per job on stdin
 ({"argv": [...], "log": PATH, "cwd": PATH, "header": LINE}) and answers one line on stdout: the
 job's pid, `stale` (SCRIPT, the project's or labrun's code changed on disk since the import: the
 engine starts a new server) or `error: WHY`. It never starts torch's thread pool and never
