@@ -503,7 +503,7 @@ def test_omp_num_threads_in_the_environment_does_not_shrink_the_slots(tmp_path):
 @pytest.mark.parametrize(
     ("name", "bad"),
     [(n, b) for n in ("JOBS_PER_GPU", "CPU_JOBS") for b in ("0", "-1", "x", "1.5")]
-    + [("GPUS", "-1"), ("GPUS", "x")],
+    + [("GPUS", "-1"), ("GPUS", "x"), ("FORK_JOBS", "on"), ("FORK_JOBS", "x")],
 )
 def test_bad_slot_settings_are_one_error_line_and_exit_2(tmp_path, name, bad):
     project = make_project(tmp_path, ["--tag a"])
@@ -794,8 +794,13 @@ def test_second_signal_kills_jobs_that_ignore_the_first(tmp_path):
 # ---- many processes, one results folder; planning; GPUs; status -----------------------
 
 
-# run.sh's check for labrun, the engine, the sweep's MLflow follower: no job
-NOT_SCRIPTS = ("-c import labrun.sweep", "-m labrun.sweep ", "-m labrun.tracking follow")
+# run.sh's check for labrun, the engine, the sweep's MLflow follower, a slot's fork server: no job
+NOT_SCRIPTS = (
+    "-c import labrun.sweep",
+    "-m labrun.sweep ",
+    "-m labrun.tracking follow",
+    "-m labrun.forkserver",
+)
 
 
 def script_calls(project: Path) -> list[str]:
@@ -1462,8 +1467,8 @@ def test_the_queue_runs_in_process(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("LAB_TRACKING", "off")
     handlers = {n: signal.getsignal(n) for n in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        s = make_sweep(
-            {"PYTHON": str(project / "python-standin")},
+        s = make_sweep(  # FORK_JOBS=off: pytest's process must not become a subreaper
+            {"PYTHON": str(project / "python-standin"), "FORK_JOBS": "off"},
             ["--sleep 0.3 --tag a", "--sleep 0.1 --tag b", "--fail --tag c"],
             gpus=["0", "1"],
         )

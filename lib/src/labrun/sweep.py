@@ -22,6 +22,9 @@ How it works:
             slot's GPU and a parent-death signal (SIGTERM), so it is told to stop if the sweep
             dies, even by SIGKILL. When a job ends its slot takes the next pending job. A job that
             finds its run claimed by another process exits 73: "running elsewhere".
+            FORK_JOBS=auto: a slot's later run.py jobs are forked from its fork server
+            (forkserver.py: torch and the project imported once), adopted by the sweep (a child
+            subreaper), and otherwise treated as above; the slot's first job starts afresh.
   3. stop:  the first INT/TERM/HUP sends SIGTERM to every running job (it checkpoints and exits
             75); any later one SIGKILLs their process groups. Either way the sweep reaps every
             job, marks a killed job's status "interrupted", prints the summary, then exits
@@ -33,6 +36,7 @@ How it works:
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pwd
 import re
@@ -63,6 +67,10 @@ Environment (defaults in brackets):
                 set) and LAB_JOB_CPUS, from which run.py sizes its loader workers. A resumed
                 job keeps the threads it started with (config.json), so it ends with the
                 numbers it would have had uninterrupted.
+  FORK_JOBS     auto: each slot forks its run.py jobs from a process that imported torch
+                and the project once (labrun/forkserver.py; Linux), so a job starts in
+                seconds; a job whose environment or code differs starts afresh. off: every
+                job is a fresh interpreter [auto]
   CPU_JOB_MEM_GB  memory one CPU job needs, in GiB, for CPU_JOBS=auto [2]
   LOG_DIR       one log file per job [logs/SWEEP_NAME]
   STATUS_EVERY  seconds between status lines on a terminal [60]; STATUS_EVERY_LOG: when the
@@ -85,7 +93,7 @@ Environment (defaults in brackets):
 # The defaults of the settings above (PRESET, SWEEP_NAME, LOG_DIR and GPUS depend on others).
 DEFAULTS = {
     "PYTHON": "python", "JOBS_PER_GPU": "auto", "CPU_JOBS": "auto", "CPU_JOB_MEM_GB": "2",
-    "STATUS_EVERY": "60", "STATUS_EVERY_LOG": "600", "SLURM_PARTITION": "",
+    "FORK_JOBS": "auto", "STATUS_EVERY": "60", "STATUS_EVERY_LOG": "600", "SLURM_PARTITION": "",
     "SLURM_TIME": "24:00:00", "SLURM_MEM": "32G", "SLURM_CPUS": "8", "SLURM_GRES": "gpu:1",
     "SLURM_MAX_PARALLEL": "16", "SLURM_SIGNAL_SECS": "300", "SLURM_EXTRA": "",
     "SLURM_LOG_DIR": "logs/slurm", "SWEEP_JOB_NAME": "", "GPUS_PER_JOB": "1", "NODES_PER_JOB": "1",
@@ -193,6 +201,8 @@ class Settings:
                 "CPU_JOB_MEM_GB must be a positive integer (GiB one CPU job needs), "
                 f"got '{self.CPU_JOB_MEM_GB}'"
             )
+        if self.FORK_JOBS not in ("auto", "off"):
+            raise BadSetting(f"FORK_JOBS must be auto or off, got '{self.FORK_JOBS}'")
         if not (self.STATUS_EVERY.isdecimal() and self.STATUS_EVERY_LOG.isdecimal()):
             raise Refused("STATUS_EVERY and STATUS_EVERY_LOG must be whole seconds (0 = off)")
         name = self.SWEEP_NAME
@@ -220,6 +230,92 @@ def _guard() -> Callable[[], None] | None:
             os.kill(os.getpid(), signal.SIGTERM)
 
     return guard
+
+
+def _subreaper() -> bool:
+    """Make the sweep a child subreaper (PR_SET_CHILD_SUBREAPER, Linux): a job that a slot's fork
+    server forks through a middle process that exits at once becomes the sweep's child, which
+    it waits for, reads the exit code of and stops as any other. False where that fails."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+class Adopted:
+    """A job a fork server started, adopted by the sweep: Popen's pid and poll()."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # not the sweep's child after all: its exit code is lost
+                self.returncode = 255
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+
+@dataclass
+class Server:
+    """A slot's fork server (labrun/forkserver.py), started with the slot's environment."""
+
+    proc: subprocess.Popen
+    env: dict[str, str]
+    ready: bool = False
+
+    def is_ready(self) -> bool:
+        """Whether it has said `ready` (its imports done); never waits."""
+        if not self.ready and self.proc.poll() is None:
+            out = self.proc.stdout
+            if select.select([out], [], [], 0)[0]:
+                self.ready = out.readline() == b"ready\n"
+        return self.ready and self.proc.poll() is None
+
+    def ask(self, request: dict) -> str:
+        """Send one job's request; its answer (a pid, stale, error: ...), '' if none in 30 s."""
+        try:
+            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+            self.proc.stdin.flush()
+        except OSError:
+            return ""
+        if not select.select([self.proc.stdout], [], [], 30)[0]:
+            return ""
+        return self.proc.stdout.readline().decode(errors="replace").strip()
+
+    def stop(self) -> None:
+        """Close its stdin (it exits at once when ready); one still importing is killed."""
+        if not self.ready:
+            self.proc.kill()
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+
+
+def children() -> list[int]:
+    """The pids of this process's children (Linux /proc)."""
+    me = os.getpid()
+    try:
+        return [int(p) for p in Path(f"/proc/{me}/task/{me}/children").read_text().split()]
+    except (OSError, ValueError):
+        pass
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        fields = _read(stat).rpartition(")")[2].split()
+        if len(fields) > 1 and fields[1] == str(me):
+            found.append(int(stat.parent.name))
+    return found
 
 
 # ---- the machine: cores, memory, GPUs ----------------------------------------------------------
@@ -353,7 +449,7 @@ def job_progress(run_dir: str) -> str:
 class Running:
     job: Job
     slot: int
-    proc: subprocess.Popen
+    proc: subprocess.Popen | Adopted
     t0: int
 
 
@@ -380,6 +476,9 @@ class Sweep:
     took: list[int] = field(default_factory=list)
     queue: list[Job] = field(default_factory=list)
     guard: Callable[[], None] | None = None  # _guard(), made once
+    forking: bool = False  # FORK_JOBS=auto and the sweep is a subreaper: slots fork run.py jobs
+    servers: dict[int, Server] = field(default_factory=dict)  # per slot: its fork server
+    follower_pid: int = 0
 
     @property
     def python(self) -> str:
@@ -635,31 +734,101 @@ class Sweep:
         else:
             threads, cpus = self.threads, str(self.job_cpus)
         log_file = Path(self.settings.LOG_DIR) / f"{job.name}.log"
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=dev, OMP_NUM_THREADS=threads)
-        env["LAB_JOB_CPUS"] = cpus
-        with open(log_file, "a") as out:
-            out.write(
-                f"=== {time.strftime('%F %T')}  CUDA_VISIBLE_DEVICES={dev} OMP_NUM_THREADS="
-                f"{threads} LAB_JOB_CPUS={cpus}  {self.python} {job.script} {' '.join(argv)}\n"
-            )
-            out.flush()
-            proc = subprocess.Popen(
-                [self.python, job.script, *argv],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-                preexec_fn=self.guard,
-                pass_fds=() if follower_fd is None else (follower_fd,),
-            )
+        env = self.slot_env(slot, threads, cpus)
+        header = (
+            f"=== {time.strftime('%F %T')}  CUDA_VISIBLE_DEVICES={dev} OMP_NUM_THREADS="
+            f"{threads} LAB_JOB_CPUS={cpus}  {self.python} {job.script} {' '.join(argv)}"
+        )
+        proc = self.fork(job, slot, env, argv, log_file, header + "  (forked)", follower_fd)
+        if proc is None:
+            with open(log_file, "a") as out:
+                out.write(f"{header}\n")
+                out.flush()
+                proc = subprocess.Popen(
+                    [self.python, job.script, *argv],
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                    preexec_fn=self.guard,
+                    pass_fds=() if follower_fd is None else (follower_fd,),
+                )
         self.running[proc.pid] = Running(job, slot, proc, int(time.time()))
         self.groups.append(proc.pid)
         self.busy[slot] = True
         where = f"GPU {dev}" if dev else "CPU"
+        how += ", forked" if isinstance(proc, Adopted) else ""
         log(f"start    {job.name}  ({where}, slot {slot}, {threads} thread(s){how})")
         if self.stop_signal:  # a signal that arrived while this job was being started missed it
             _kill(proc.pid, signal.SIGTERM)
+
+    def slot_env(self, slot: int, threads: str | None = None, cpus: str | None = None) -> dict:
+        """The environment of a job in `slot` (threads, cpus: a resumed job's recorded ones)."""
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=self.slots[slot])
+        env["OMP_NUM_THREADS"] = threads or self.threads
+        env["LAB_JOB_CPUS"] = cpus or str(self.job_cpus)
+        return env
+
+    # ---- fork servers (labrun/forkserver.py): a slot's run.py jobs start without imports -------
+    # A job is forked when its script is run.py, its environment is its slot's (a resumed job with
+    # other threads is not) and the slot's server is ready and its code current; otherwise it
+    # starts afresh, and so does the first job of every slot: the server imports meanwhile.
+
+    def fork(self, job, slot, env, argv, log_file, header, follower_fd) -> Adopted | None:
+        """Fork `job` from `slot`'s server: its Adopted process, or None to start it afresh."""
+        if not self.forking or job.script != "run.py":
+            return None
+        server = self.servers.get(slot)
+        if server is None:
+            # A server only pays when the slot runs another job after this one.
+            if len(self.queue) >= len(self.slots):
+                self.start_server(slot, follower_fd)
+            return None
+        if env != server.env or not server.is_ready():
+            return None
+        request = {"argv": argv, "log": str(log_file), "cwd": os.getcwd(), "header": header}
+        answer = server.ask(request)
+        if answer.isdigit():
+            return Adopted(int(answer))
+        server.stop()
+        if answer == "stale":  # the code changed since the server imported it: a new one
+            self.start_server(slot, follower_fd)
+        else:  # it died or refused: the slot's jobs start afresh from now on
+            err(f"fork server of slot {slot} failed ({answer or 'no answer'}): fresh processes")
+        return None
+
+    def start_server(self, slot: int, follower_fd: int | None) -> None:
+        out = Path(self.settings.LOG_DIR) / f"forkserver-{slot}.out"
+        with open(out, "a") as stderr:
+            proc = subprocess.Popen(
+                [self.python, "-m", "labrun.forkserver", "--engine", str(os.getpid()), "run.py"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                env=self.slot_env(slot),
+                start_new_session=True,
+                preexec_fn=self.guard,
+                pass_fds=() if follower_fd is None else (follower_fd,),
+            )
+        self.servers[slot] = Server(proc, self.slot_env(slot))
+
+    def stop_servers(self) -> None:
+        for server in self.servers.values():
+            server.stop()
+        self.servers.clear()
+
+    def reap_strays(self) -> None:
+        """A subreaper adopts every orphan below it (a dead job's loader workers): wait for those
+        that have ended, so that no zombie is left."""
+        if not self.forking:
+            return
+        known = set(self.running) | {server.proc.pid for server in self.servers.values()}
+        known.add(self.follower_pid)
+        for pid in children():
+            if pid not in known:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
 
     def finish(self, pid: int, rc: int) -> None:
         """Record how job `pid` ended and free its slot."""
@@ -750,7 +919,9 @@ class Sweep:
         os.environ["LAB_JOBS_PER_NODE"] = os.environ.get("LAB_JOBS_PER_NODE") or str(slots)
         Path(settings.LOG_DIR).mkdir(parents=True, exist_ok=True)
         self.guard = _guard()
+        self.forking = settings.FORK_JOBS == "auto" and _subreaper()
         follower, follower_fd = self.start_follower()
+        self.follower_pid = follower.pid
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_r, False)
         os.set_blocking(wake_w, False)
@@ -803,6 +974,7 @@ class Sweep:
                 else:
                     self.print_status()
                     next_status = time.monotonic() + every
+            self.reap_strays()
             for pid in list(self.running):
                 rc = self.running[pid].proc.poll()
                 if rc is None:
@@ -821,6 +993,7 @@ class Sweep:
         signal.set_wakeup_fd(old_wakeup_fd)
         os.close(wake_r)
         os.close(wake_w)
+        self.stop_servers()  # they hold the follower's pipe too
         self.reap_groups()
         self.stop_follower(follower, follower_fd)
         return self.summarize()
@@ -828,6 +1001,7 @@ class Sweep:
     def reap_groups(self) -> None:
         """After the queue: give leftover processes of every job's group 10 s, then kill them."""
         for _ in range(100):
+            self.reap_strays()  # a zombie still counts as alive
             if not any(_alive(-pg) for pg in self.groups):
                 return
             time.sleep(0.1)
