@@ -1316,7 +1316,7 @@ def test_the_job_list_from_run_sh_is_read_and_checked():
 
 
 def make_sweep(env: dict | None = None, lines=(), **fields) -> sweep.Sweep:
-    jobs = [sweep.Job.from_line(i, line.split()) for i, line in enumerate(lines)]
+    jobs = [sweep.SweepJob.from_line(i, line.split()) for i, line in enumerate(lines)]
     return sweep.Sweep(sweep.Settings(env or {}), jobs, **fields)
 
 
@@ -1399,7 +1399,7 @@ def test_the_plan_marks_duplicates_and_names_invalid_jobs(tmp_path, monkeypatch)
     assert [j.state for j in s.jobs] == ["pending", "duplicate", "invalid", "pending"]
     assert s.jobs[1].note == "same run as job 0" and s.jobs[2].name == "job-2"
     assert s.jobs[2].note.startswith("run.py rejected the arguments: bad arguments:")
-    s.jobs.append(sweep.Job.from_line(4, ["missing.py"]))
+    s.jobs.append(sweep.SweepJob.from_line(4, ["missing.py"]))
     with pytest.raises(sweep.Refused, match="job 4: missing.py not found in"):
         s.plan()
 

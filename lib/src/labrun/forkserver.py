@@ -99,7 +99,7 @@ def _changed(watched: dict[str, tuple[int, int]]) -> bool:
     return False
 
 
-def load(script: str):
+def load_script(script: str):
     """Import what every job imports, then SCRIPT as a module (its __main__ block not run)."""
     sys.path.insert(0, str(Path(script).parent))  # as `python SCRIPT` puts its folder first
     for name in PRELOAD:
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     script, started = os.path.abspath(argv[0]), time.monotonic()
-    module = load(script)
+    module = load_script(script)
     import torch
 
     # The threads that are here now are numpy's OpenBLAS pool (OMP_NUM_THREADS - 1), which

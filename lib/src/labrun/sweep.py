@@ -146,7 +146,7 @@ def read_job_list(stream: BinaryIO) -> tuple[list[str], list[list[str]]]:
 
 
 @dataclass
-class Job:
+class SweepJob:
     """One job of the sweep: its script and own arguments, then what planning and running say."""
 
     index: int
@@ -160,7 +160,7 @@ class Job:
     taken: bool = False  # taken over once from a holder that let go
 
     @classmethod
-    def from_line(cls, index: int, args: list[str]) -> Job:
+    def from_line(cls, index: int, args: list[str]) -> SweepJob:
         if args and args[0].endswith(".py"):
             return cls(index, args[0], args[1:])
         return cls(index, "run.py", args)
@@ -447,7 +447,7 @@ def job_progress(run_dir: str) -> str:
 
 @dataclass
 class Running:
-    job: Job
+    job: SweepJob
     slot: int
     proc: subprocess.Popen | Adopted
     t0: int
@@ -458,7 +458,7 @@ class Sweep:
     """A sweep's jobs, its slots and its queue."""
 
     settings: Settings
-    jobs: list[Job]
+    jobs: list[SweepJob]
     quick: list[str] = field(default_factory=list)  # the preset's arguments
     extra: list[str] = field(default_factory=list)  # run.sh's arguments after `--`
     gpus: list[str] = field(default_factory=list)
@@ -474,7 +474,7 @@ class Sweep:
     running: dict[int, Running] = field(default_factory=dict)
     groups: list[int] = field(default_factory=list)
     took: list[int] = field(default_factory=list)
-    queue: list[Job] = field(default_factory=list)
+    queue: list[SweepJob] = field(default_factory=list)
     guard: Callable[[], None] | None = None  # _guard(), made once
     forking: bool = False  # FORK_JOBS=auto and the sweep is a subreaper: slots fork run.py jobs
     servers: dict[int, Server] = field(default_factory=dict)  # per slot: its fork server
@@ -488,7 +488,7 @@ class Sweep:
     def cgroup(self) -> Path:
         return Path(self.settings.env.get("SWEEP_CGROUP") or "/sys/fs/cgroup")
 
-    def argv(self, job: Job) -> list[str]:
+    def argv(self, job: SweepJob) -> list[str]:
         """Job's complete arguments. A run.py job gets the sweep's results folder and the preset's
         arguments first, so that its own and those after `--` (last) win: argparse keeps the last
         value of a flag. A job of another script gets its own arguments only."""
@@ -501,7 +501,7 @@ class Sweep:
 
     def plan(self) -> None:
         """Every job's run directory and state: one `SCRIPT --plan` call per script."""
-        scripts: dict[str, list[Job]] = {}
+        scripts: dict[str, list[SweepJob]] = {}
         for job in self.jobs:
             scripts.setdefault(job.script, []).append(job)
         for script, mine in scripts.items():
@@ -719,7 +719,7 @@ class Sweep:
         for pid in self.running:
             _kill(pid, signal.SIGTERM)
 
-    def launch(self, job: Job, slot: int, follower_fd: int | None) -> None:
+    def launch(self, job: SweepJob, slot: int, follower_fd: int | None) -> None:
         """Start job in the background, in a session (process group) of its own: stopping it
         reaches its children too, and Ctrl-C in the terminal reaches the sweep only, which then
         stops every job the same way."""
@@ -1128,7 +1128,7 @@ class Sweep:
                 job.state = "queued"
                 job.note = f"Slurm task {queued[job.dir]}, from an earlier run.sh --slurm"
 
-    def init_tracking(self, job: Job) -> None:
+    def init_tracking(self, job: SweepJob) -> None:
         """Create the MLflow database and experiment once, before a Slurm array's tasks start in
         parallel: they log to MLflow live. (A local sweep's jobs do not touch MLflow: its follower
         creates the database, under tracking.py's schema lock, while the first jobs train.)"""
@@ -1222,7 +1222,7 @@ class Sweep:
         print(f"  logs:   {submit}/{job_id}_<task>.out   (task -> run: {submit}/tasks.tsv)")
 
 
-def _finished(job: Job) -> bool:
+def _finished(job: SweepJob) -> bool:
     return bool(job.dir) and (Path(job.dir) / "metrics.json").is_file()
 
 
@@ -1342,7 +1342,7 @@ def _main(script: str, args: list[str], stdin: BinaryIO) -> int:
         )
     if not Path("run.py").is_file():
         raise Refused(f"run.py not found in {os.getcwd()}")
-    jobs = [Job.from_line(i, line) for i, line in enumerate(lines)]
+    jobs = [SweepJob.from_line(i, line) for i, line in enumerate(lines)]
     sweep = Sweep(settings, jobs, quick=quick, extra=extra)
     if not slurm:
         sweep.gpus = choose_gpus(env)  # bad GPUS: refused before any work
