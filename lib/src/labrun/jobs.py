@@ -365,7 +365,7 @@ def _run(job: Job, work: Callable[[Job], dict], identity: dict, held: Claim, dis
 # ---- what every job leaves behind --------------------------------------------------------------
 class Record:
     """A job's record: config.json, status (running -> finished | failed | interrupted),
-    metrics.json last (its existence means done) and its MLflow run; a training run's adds
+    metrics.json last (its existence means done) and its MLflow run; a training run's record adds
     history.csv, checkpoint.pt and best_model.pt (session.Run says when). Every fault path is
     best-effort: a full disk or a dead tracker never turns an ending job into a traceback.
     Before each write it checks that the run directory is still this process's
