@@ -177,6 +177,20 @@ def test_a_job_claimed_by_another_process_exits_73(count_py, tmp_path):
     assert not runs.is_done(out)
 
 
+def test_a_job_whose_directory_is_deleted_exits_73_and_writes_nothing_more(tmp_path):
+    """The record a run keeps is a job's too: before each write it checks the claim."""
+    lose = COUNT.replace(
+        'raise RuntimeError("counting failed on purpose")', "shutil.rmtree(job.out)"
+    )
+    script = tmp_path / "lose.py"
+    script.write_text(lose.replace("import sys\n", "import shutil\nimport sys\n", 1))
+    results = tmp_path / "results"
+    result = count(script, "--fail", results=results)
+    assert result.returncode == 73, result.stderr
+    assert result.stderr.splitlines()[-1].startswith("error: lost the claim on "), result.stderr
+    assert not list(results.rglob("*.json")), list(results.rglob("*"))
+
+
 def test_plan_answers_for_every_job_of_a_script_in_one_call(count_py, tmp_path):
     results = tmp_path / "results"
     assert count(count_py, "--n", "1", results=results).returncode == 0

@@ -368,3 +368,28 @@ def test_a_stop_signal_during_start_up_exits_75(env, data_dir, tmp_path):
     proc.send_signal(signal.SIGUSR1)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 75, err
+
+
+# ---- few frames between run.py's main() and its train() (issue 35) ---
+def test_few_frames_stand_between_main_and_train(env, data_dir, tmp_path, monkeypatch):
+    """A traceback from inside train() reads main -> lifecycle -> the job's contract -> the body
+    that maps its failures -> train: nothing of plumbing between them (there were 9 frames)."""
+    import traceback
+
+    from conftest import TINY, load_run_py
+
+    run_py = load_run_py()
+    seen: list[str] = []
+
+    def train(run) -> int:
+        stack = traceback.extract_stack()[:-1]  # less this train
+        mains = [
+            i for i, f in enumerate(stack) if (f.filename, f.name) == (run_py.__file__, "main")
+        ]
+        seen.extend(f.name for f in stack[mains[-1] + 1 :])
+        return 0
+
+    monkeypatch.setattr(run_py, "train", train)
+    args = [*TINY, "--data-dir", str(data_dir), "--results-dir", str(tmp_path), *QUICK]
+    assert run_py.main(args) == 0
+    assert len(seen) <= 3, seen

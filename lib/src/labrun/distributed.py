@@ -30,7 +30,7 @@ import sys
 from collections.abc import Iterator
 
 from .project import current
-from .runs import CHECKPOINT, code_version, first_line
+from .runs import code_version, first_line
 
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 75
@@ -47,7 +47,7 @@ def _env_int(name: str, default: int) -> int:
         return default
 
 
-def follower() -> bool:
+def other_rank() -> bool:
     """True in a rank other than 0 of a torchrun job (read from the environment, no torch)."""
     return _env_int("WORLD_SIZE", 1) > 1 and _env_int("RANK", 0) != 0
 
@@ -388,7 +388,9 @@ class Dist:
         return state
 
     # ---- the ranks other than 0 ---------------------------------------------------------------
-    def follower_log(self, name: str) -> logging.Logger:
+    def rank_log(self, name: str) -> logging.Logger:
+        """A rank other than 0's log: its warnings and errors on stderr, `[rank N]` first (rank 0
+        alone writes run.log)."""
         log = logging.getLogger(f"run.{name}.rank{self.rank}")
         log.setLevel(logging.WARNING)
         log.propagate = False
@@ -397,50 +399,6 @@ class Dist:
             handler.setFormatter(logging.Formatter(f"[rank {self.rank}] %(message)s"))
             log.addHandler(handler)
         return log
-
-
-class Follower:
-    """What a rank other than 0 does where rank 0 keeps the run's record: nothing but its part
-    of the collective checkpoint."""
-
-    def __init__(self, out, log: logging.Logger, dist: Dist | None = None) -> None:
-        self.out, self.log, self.dist = out, log, dist
-
-    def tracker_line(self) -> str:
-        return ""
-
-    def checkpoint_due(self, every: float) -> bool:
-        return False  # rank 0 decides
-
-    def save_best(self, state) -> None:
-        pass  # rank 0 writes best_model.pt
-
-    def checkpoint(self, state) -> None:
-        state.save(self.out / CHECKPOINT)  # writes nothing here: sends its part
-
-    def epoch_done(self, state) -> None:
-        pass  # rank 0 writes history.csv
-
-    def interrupted(self, state, signal_name) -> None:
-        pass
-
-    def force_exited(self) -> None:
-        pass
-
-    def finished(self, state, *args) -> None:
-        pass
-
-    def failed(self, state, exc: BaseException, args) -> int:
-        import traceback
-
-        text = "".join(traceback.format_exception(exc))
-        self.log.error("failed:\n%s", text)
-        if self.dist is not None:  # rank 0 writes it into run.log and MLflow
-            self.dist.report_failure(text)
-        return EXIT_FAILED
-
-    def close(self) -> None:
-        pass
 
 
 def peer_failures(wait_s: float = 2.0) -> list[tuple[int, str]]:

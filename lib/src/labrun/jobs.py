@@ -41,11 +41,12 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import distributed, plan, runs
-from .claim import Busy, Claim, claim
+from .claim import Busy, Claim, LostClaim, claim
 from .config import (
     DEFAULT_EXPERIMENT,
     PROJECT_ROOT,
@@ -74,7 +75,7 @@ class Interrupted(Exception):
 
 
 def error(message: str, code: int) -> int:
-    if not distributed.follower():  # torchrun: one line, from rank 0
+    if not distributed.other_rank():  # torchrun: one line, from rank 0
         print(f"error: {message}", file=sys.stderr)
     return code
 
@@ -129,23 +130,63 @@ def contract(
     program: Callable | None = None,
 ) -> int:
     """--plan, parse, --print-run-dir, --init-tracking, skip when done, claim; then
-    `body(args, parser, out, stop, held) -> exit code` while holding the claim `held`
-    (claim.Claim: RunRecord checks it before every write, in case the directory was deleted).
+    `body(args, parser, out, stop, held, dist) -> exit code` while holding the claim `held`
+    (claim.Claim: the Record checks it before every write, in case the directory was deleted).
 
     `locate` may raise UsageError (bad input, exit 2); `redo(args)` True runs even when done
     (run.py's tools). `ranks=True` (run.py): under torchrun rank 0 alone does all this; the
-    other ranks do as it decides; `body(args, parser, out, stop, held, dist)` runs on every rank
-    (`held`: the claim on rank 0, None on the others). `program`: the project's function (run.py's
-    train, a job's work); when it is the script's own (`python run.py`), the process leaves
-    as soon as a body has run and the claim is released (_leave_program), instead of returning."""
+    other ranks do as it decides; the body runs on every rank (`held`: the claim on rank 0, None
+    on the others; `dist`: distributed.Dist, one process without torchrun). `program`: the
+    project's function (run.py's train, a job's work); when it is the script's own
+    (`python run.py`), the process leaves as soon as a body has run and the claim is released
+    (_leave_program), instead of returning. The body is called from here, no deeper: a
+    traceback from the project's function reads main -> lifecycle -> contract -> body."""
+    try:
+        stop = GracefulStop()
+    except BadGrace as exc:  # LAB_STOP_GRACE_S is not a number of seconds
+        return error(str(exc), EXIT_USAGE)
     ran = False
+    with stop:  # first: a stop signal at any later moment still ends in 75
+        if (sys.argv[1:] if argv is None else argv) == ["--plan"]:  # run.sh: all jobs, one call
+            return plan.main(plan.resolver(parse, locate))
+        args, parser_ = parse(argv)  # bad flags: one `error:` line, exit 2
+        try:
+            out = locate(args, parser_)
+        except UsageError as exc:
+            return error(str(exc), EXIT_USAGE)
+        if args.print_run_dir:
+            print(out)
+            return EXIT_OK
+        if args.init_tracking:
+            from .tracking import init, tracking_uri
 
-    def body_ran(*args) -> int:
-        nonlocal ran
-        ran = True
-        return body(*args)
-
-    code = _contract(argv, parse, locate, body_ran, redo=redo, ranks=ranks)
+            print(f"MLflow ready: {tracking_uri()} (experiment id {init(args.experiment)})")
+            return EXIT_OK
+        if ranks and (problem := distributed.launch_problem()):  # a stray WORLD_SIZE, say
+            return error(problem, EXIT_USAGE)
+        # torchrun: N processes, one job (without it, or for a job that does not train: one)
+        one = contextlib.nullcontext(distributed.Dist())
+        group = distributed.session(args.device) if ranks else one
+        try:
+            with group as dist, ExitStack() as claimed:
+                try:
+                    code, held = _admit(dist, args, out, redo, stop, claimed)
+                    if code is None:
+                        ran = True
+                        code = body(args, parser_, out, stop, held, dist)
+                        if held is not None and code in (EXIT_USAGE, EXIT_INTERRUPTED):
+                            held.discard()  # refused or stopped before any work: leave nothing
+                except Busy as exc:
+                    code = error(f"running elsewhere: {exc}", EXIT_BUSY)
+                except OSError as exc:  # the run directory cannot be created
+                    code = error(
+                        f"--results-dir: cannot write to {out.parent}: {exc.strerror}", EXIT_USAGE
+                    )
+                code = dist.finish(code)  # every rank leaves with rank 0's code
+        except distributed.JoinFailed as exc:
+            return error(str(exc), EXIT_FAILED)
+        if dist.active and LEAVE_AT_ONCE:
+            _leave(code)
     if ran and LEAVE_AT_ONCE and program is not None and _is_program(program):
         _leave_program(code)
     return code
@@ -181,51 +222,9 @@ def _leave_program(code: int) -> None:
     os._exit(code)
 
 
-def _contract(argv, parse, locate, body, *, redo, ranks) -> int:
-    try:
-        stop = GracefulStop()
-    except BadGrace as exc:  # LAB_STOP_GRACE_S is not a number of seconds
-        return error(str(exc), EXIT_USAGE)
-    with stop:  # first: a stop signal at any later moment still ends in 75
-        if (sys.argv[1:] if argv is None else argv) == ["--plan"]:  # run.sh: all jobs, one call
-            return plan.main(plan.resolver(parse, locate))
-        args, parser_ = parse(argv)  # bad flags: one `error:` line, exit 2
-        try:
-            out = locate(args, parser_)
-        except UsageError as exc:
-            return error(str(exc), EXIT_USAGE)
-        if args.print_run_dir:
-            print(out)
-            return EXIT_OK
-        if args.init_tracking:
-            from .tracking import init, tracking_uri
-
-            print(f"MLflow ready: {tracking_uri()} (experiment id {init(args.experiment)})")
-            return EXIT_OK
-        if not ranks:
-            return _claimed(
-                args, out, redo, stop, lambda held: body(args, parser_, out, stop, held)
-            )
-        if problem := distributed.launch_problem():  # a stray WORLD_SIZE, say
-            return error(problem, EXIT_USAGE)
-        try:
-            return _ranked(args, parser_, out, redo, stop, body)
-        except distributed.JoinFailed as exc:
-            return error(str(exc), EXIT_FAILED)
-
-
 # A torchrun rank leaves with os._exit once its process group is gone (see _leave); False for
 # callers that go on in the same process after run.py's main() (session.capture_step).
 LEAVE_AT_ONCE = True
-
-
-def _ranked(args, parser_, out: Path, redo, stop: GracefulStop, body) -> int:
-    """The contract under torchrun: every rank agrees on the experiment, rank 0 claims."""
-    with distributed.session(args.device) as dist:  # torchrun: N processes, one job
-        code = _ranked_in(dist, args, parser_, out, redo, stop, body)
-    if dist.active and LEAVE_AT_ONCE:
-        _leave(code)
-    return code
 
 
 def _leave(code: int) -> None:
@@ -243,47 +242,30 @@ def _leave(code: int) -> None:
     os._exit(code)
 
 
-def _ranked_in(dist, args, parser_, out: Path, redo, stop: GracefulStop, body) -> int:
-    """Inside the process group: the experiment agreed, then rank 0 claims and decides."""
+def _admit(dist, args, out: Path, redo, stop: GracefulStop, claimed: ExitStack):
+    """(None, the claim) when this rank runs the body; else (the exit code, None): another
+    experiment on some rank (2), done (0), or rank 0's decision on the other ranks. Rank 0
+    skips when done, else claims the run directory into `claimed` (Busy: exit 73)."""
     # Before anything is written: the same arguments, code, data and run directory.
-    if differs := dist.agree_on(distributed.experiment_identity(args, out)):
-        return error(differs, EXIT_USAGE)
+    if dist.active and (differs := dist.agree_on(distributed.experiment_identity(args, out))):
+        return error(differs, EXIT_USAGE), None
     if not dist.is_main:  # the others run when rank 0 does, else leave with its code
-        code = dist.verdict(None)
-        if code is None:
-            code = body(args, parser_, out, stop, None, dist)
-        return dist.finish(code)
-
-    def run_all(held) -> int:
-        dist.verdict(None)  # torchrun: the other ranks run too
-        return body(args, parser_, out, stop, held, dist)
-
-    return dist.finish(_claimed(args, out, redo, stop, run_all))
-
-
-def _claimed(args, out: Path, redo, stop: GracefulStop, run: Callable[[Claim], int]) -> int:
-    """Skip when done; else `run(held)` while holding the run directory's claim."""
+        return dist.verdict(None), None
     skip = not (args.fresh or redo(args))
     done = f"already finished: {out} (metrics.json exists; --fresh starts over)"
     if skip and runs.is_done(out):
         print(done)
         if note := runs.other_code_line(out, PROJECT_ROOT, "skipped"):
             print(note)
-        return EXIT_OK
-    try:
-        with claim(out) as held:  # one process per run directory, freed by the kernel on death
-            stop.on_request = held.mark_stopping  # run.sh waits for a stopping holder
-            if skip and runs.is_done(out):  # done meanwhile, by the process we waited for
-                print(done)
-                return EXIT_OK
-            code = run(held)
-            if code in (EXIT_USAGE, EXIT_INTERRUPTED):
-                held.discard()  # refused or stopped before any work: leave nothing behind
-            return code
-    except Busy as exc:
-        return error(f"running elsewhere: {exc}", EXIT_BUSY)
-    except OSError as exc:  # the run directory cannot be created
-        return error(f"--results-dir: cannot write to {out.parent}: {exc.strerror}", EXIT_USAGE)
+        return EXIT_OK, None  # contract's dist.finish tells the other ranks
+    # one process per run directory, freed by the kernel on death
+    held = claimed.enter_context(claim(out))
+    stop.on_request = held.mark_stopping  # run.sh waits for a stopping holder
+    if skip and runs.is_done(out):  # done meanwhile, by the process we waited for
+        print(done)
+        return EXIT_OK, None
+    dist.verdict(None)  # torchrun: the other ranks run too
+    return None, held
 
 
 # ---- a job that does not train ---------------------------------------------------------------
@@ -328,93 +310,210 @@ def main(
     def locate(args, _parser) -> Path:
         return args.results_dir / readable_name(name(args), ident(args))
 
-    def body(args, _parser, out: Path, stop: GracefulStop, _held) -> int:
+    def body(args, _parser, out: Path, stop: GracefulStop, held: Claim, dist) -> int:
         try:
             prepared = prepare(args) if prepare else None
         except (UsageError, ValueError, OSError) as exc:
             return error(str(exc), EXIT_USAGE)
         if stop.requested:
             return EXIT_INTERRUPTED  # stopped while starting: nothing of this job exists yet
-        return _run(Job(args, out, None, stop, prepared), work, ident(args))
+        return _run(Job(args, out, None, stop, prepared), work, ident(args), held, dist)
 
     return contract(argv, lambda a: (parser.parse_args(a), parser), locate, body, program=work)
 
 
-def _run(job: Job, work: Callable[[Job], dict], identity: dict) -> int:
+def _run(job: Job, work: Callable[[Job], dict], identity: dict, held: Claim, dist) -> int:
+    from .tracking import provenance
+
     args, out = job.args, job.out
     if args.fresh:
         print(f"--fresh: deleting {', '.join(runs.clear_run_dir(out)) or 'nothing'} in {out}")
     runs.remove_stale_temps(out)
     job.log = runs.setup_logging(out, out.name)
     job.stop.log = job.log  # from here on, stop requests are in run.log too
-    job.stop.on_force_exit = lambda: runs.try_write_status(out, "interrupted")  # exit 130
     started = time.monotonic()
-    record = _Record(job, identity)
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    config.update(
+        identity=identity,
+        run_name=out.name,
+        config_hash=short_hash(identity),
+        experiment_keys=sorted(identity),
+    )
+    on = args.tracking == "on"
+    tags = {**(provenance() if on else {}), "run_dir": str(out), "job": sys.argv[0]}
+    record = Record(out, config, args, job.log, held, dist, params=identity, tags=tags, what="job")
+    job.stop.on_force_exit = record.force_exited  # exit 130 leaves "interrupted"
     try:
-        metrics = work(job)
+        try:
+            metrics = work(job)
+        except Interrupted as exc:
+            record.interrupted(str(exc))
+            return EXIT_INTERRUPTED
         if not isinstance(metrics, dict) or not metrics:
             raise TypeError(f"work() must return a non-empty dict of metrics, got {metrics!r}")
-        record.finished({**metrics, "wall_time_s": time.monotonic() - started})
+        record.finished(
+            {**metrics, "wall_time_s": time.monotonic() - started}, artifacts=job.artifacts
+        )
+        job.log.info("finished: %s", out)
         return EXIT_OK
-    except Interrupted as exc:
-        record.interrupted(str(exc))
-        return EXIT_INTERRUPTED
     except Exception as exc:  # failed: one line here, the traceback in run.log and MLflow
         return record.failed(exc)
     finally:
         record.close()
 
 
-class _Record:
-    """A job's files (config.json, status, metrics.json last) and its MLflow run."""
+# ---- what every job leaves behind --------------------------------------------------------------
+class Record:
+    """A job's record: config.json, status (running -> finished | failed | interrupted),
+    metrics.json last (its existence means done) and its MLflow run; a training run's record adds
+    history.csv, checkpoint.pt and best_model.pt (session.Run says when). Every fault path is
+    best-effort: a full disk or a dead tracker never turns an ending job into a traceback.
+    Before each write it checks that the run directory is still this process's
+    (`claim.check()`): if it was deleted meanwhile, LostClaim, and nothing more is written there.
 
-    def __init__(self, job: Job, identity: dict) -> None:
-        from .tracking import Tracker, provenance
+    One writer: under torchrun the ranks other than 0 keep a Record that writes nothing
+    (`writes` False) but their part of the collective checkpoint, and sends a failure's
+    traceback to rank 0, which puts it into run.log and MLflow. `what`: "run" (training) or
+    "job", as run.log names it."""
 
-        self.job, args, out = job, job.args, job.out
-        config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-        config.update(
-            identity=identity,
-            run_name=out.name,
-            config_hash=short_hash(identity),
-            experiment_keys=sorted(identity),
-        )
+    def __init__(
+        self, out, config: dict, args, log, held: Claim | None, dist, *, params, tags, what="run"
+    ) -> None:
+        self.out, self.log, self.claim, self.dist, self.what = out, log, held, dist, what
+        self.writes = dist.is_main
+        self.last_checkpoint = time.monotonic()
+        self.tracker = None
+        if not self.writes:
+            return
+        from .tracking import Tracker
+
+        held.check()
         runs.write_json(out / runs.CONFIG, config)
         runs.write_status(out, "running")
-        on = args.tracking == "on"
         self.tracker = Tracker(
             out,
-            enabled=on,
+            enabled=args.tracking == "on",
             experiment=args.experiment,
             run_name=out.name,
-            log=job.log,
-            params=identity,
-            tags={**(provenance() if on else {}), "run_dir": str(out), "job": sys.argv[0]},
-            system_metrics=False,
+            log=log,
+            params=params,
+            tags=tags,
+            system_metrics=what == "run",  # a job that does not train: no machine samples
         )
 
-    def finished(self, metrics: dict) -> None:
-        out = self.job.out
+    def _ours(self) -> bool:
+        """Whether this process writes the record (rank 0), once it checked that the run
+        directory is still its own (else LostClaim)."""
+        if self.writes:
+            self.claim.check()
+        return self.writes
+
+    def tracker_line(self) -> str:
+        if not self.writes:
+            return ""
+        if not self.tracker.enabled:
+            return "MLflow off"
+        if self.tracker.deferred:
+            return "MLflow: the sweep's follower mirrors this run once it ends"
+        return f"MLflow run {self.tracker.run_id or 'not reached (continuing without)'}"
+
+    def checkpoint_due(self, every: float) -> bool:
+        return time.monotonic() - self.last_checkpoint >= every  # torchrun: rank 0's decides
+
+    def checkpoint(self, state) -> None:
+        self._ours()
+        state.save(self.out / runs.CHECKPOINT)  # the other ranks send their part, write nothing
+        self.last_checkpoint = time.monotonic()
+
+    def save_best(self, state) -> None:
+        if not self._ours():
+            return
+        state.save_best(self.out / runs.BEST_MODEL)
+        stopper = state.stopper
+        self.log.info(
+            "best so far (%.4g, epoch %d): best_model.pt", stopper.best_score, stopper.best_epoch
+        )
+
+    def epoch_done(self, history: list[dict], line: str) -> None:
+        """history.csv and MLflow hold `history`; run.log says `line`."""
+        if not self._ours():
+            return
+        runs.write_history(self.out, history)
+        self.tracker.log_history(history)
+        self.log.info("%s", line)
+
+    def interrupted(self, signal_name: str, progress=None) -> None:
+        """Status interrupted, MLflow KILLED. `progress`: a training run's (state.Progress),
+        which resumes from its checkpoint; a job without one is redone."""
+        if not self._ours():
+            return
+        runs.write_status(self.out, "interrupted")
+        self.tracker.end("KILLED", progress.history if progress else [])
+        if progress is None:
+            self.log.warning("interrupted by %s; re-run the same command to redo", signal_name)
+        else:
+            self.log.warning(
+                "interrupted by %s at step %d; re-run the same command to resume",
+                signal_name,
+                progress.step,
+            )
+
+    def force_exited(self) -> None:
+        """Exit 130 (a second Ctrl-C, a late signal): status interrupted, unless done."""
+        if self.writes and self.claim.still_ours() and not runs.is_done(self.out):
+            runs.try_write_status(self.out, "interrupted")
+
+    def finished(
+        self, metrics: dict, history: list[dict] | None = None, *, tags=None, artifacts=()
+    ) -> None:
+        """MLflow FINISHED (the numbers of `metrics`, `tags`, config.json and `artifacts`
+        attached), status finished, then metrics.json with the MLflow run's id: last, its
+        existence means done. `history`: a training run's rows, history.csv written again."""
+        if not self._ours():
+            return
+        if history is not None:
+            runs.write_history(self.out, history)
         metrics["mlflow_run_id"] = None
-        artifacts = [out / runs.CONFIG, *self.job.artifacts]
-        self.tracker.end("FINISHED", [], metrics=metrics, artifacts=artifacts)
-        metrics["mlflow_run_id"] = self.tracker.run_id
-        runs.write_status(out, "finished")
-        runs.write_json(out / runs.METRICS, metrics)  # last: its existence means "done"
-        self.job.log.info("finished: %s", out)
+        self.tracker.end(
+            "FINISHED",
+            history or [],
+            metrics={k: v for k, v in metrics.items() if v is not None},
+            tags=tags,
+            artifacts=[self.out / runs.CONFIG, *artifacts],
+        )
+        metrics["mlflow_run_id"] = self.tracker.run_id  # the end may rebuild the MLflow run
+        self.claim.check()  # again: the tracker's end may have taken a while
+        runs.write_status(self.out, "finished")
+        runs.write_json(self.out / runs.METRICS, metrics)  # last: its existence means "done"
 
-    def interrupted(self, signal_name: str) -> None:
-        runs.write_status(self.job.out, "interrupted")
-        self.tracker.end("KILLED", [])
-        self.job.log.warning("interrupted by %s; re-run the same command to redo", signal_name)
-
-    def failed(self, exc: BaseException) -> int:
+    def failed(self, exc: BaseException, history=(), explain=None) -> int:
+        """Call in the `except` that caught `exc`: the traceback into run.log, status failed,
+        MLflow FAILED; one `error:` line; returns the exit code (1; 73 when the run directory is
+        no longer ours). `explain(exc, message) -> (code, message)`: a training run's reading of
+        its failure. A rank other than 0 sends its traceback to rank 0."""
         text = traceback.format_exc()
-        self.job.log.error("job failed:\n%s", text)
-        runs.try_write_status(self.job.out, "failed")
-        self.tracker.end("FAILED", [], error=text)
-        return error(f"{type(exc).__name__}: {exc}".splitlines()[0], EXIT_FAILED)
+        if not self.writes:
+            self.log.error("failed:\n%s", text)
+            self.dist.report_failure(text)  # rank 0 writes it into run.log and MLflow
+            return EXIT_FAILED
+        if not self.claim.still_ours():  # LostClaim, or any failure once the path is another's
+            message = str(exc)
+            if not isinstance(exc, LostClaim):
+                message = f"{self.claim.lost_message()} (then {type(exc).__name__})"
+            self.log.error("%s", message)
+            self.tracker.abandon(message)
+            return error(message, EXIT_BUSY)
+        message = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        for rank, theirs in self.dist.peer_failures():  # torchrun: the cause, from its rank
+            text += f"\nthe cause, on rank {rank}:\n{theirs}"
+            message = f"rank {rank} failed: {theirs.strip().splitlines()[-1]}"
+        self.log.error("%s failed:\n%s", self.what, text)
+        runs.try_write_status(self.out, "failed")
+        self.tracker.end("FAILED", list(history), error=text)
+        code, message = explain(exc, message) if explain else (EXIT_FAILED, message)
+        return error(message, code)
 
     def close(self) -> None:
-        self.tracker.close()
-        runs.close_logging(self.job.log)
+        if self.writes:
+            self.tracker.close()
+            runs.close_logging(self.log)

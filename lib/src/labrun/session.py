@@ -42,11 +42,10 @@ import contextlib
 import functools
 import math
 import sys
-import time
 import traceback
 from typing import NamedTuple
 
-from . import distributed, jobs, runs
+from . import jobs, runs
 from .claim import LostClaim
 from .config import (
     PROJECT_ROOT,
@@ -347,7 +346,7 @@ class Run:
                 print(f"--fresh: deleting {cleared} in {out}")
             runs.remove_stale_temps(out)
         name = out.name
-        self.log = runs.setup_logging(out, name) if dist.is_main else dist.follower_log(name)
+        self.log = runs.setup_logging(out, name) if dist.is_main else dist.rank_log(name)
         self.opened = True
         dist.agree(None)  # the others read the checkpoint once --fresh has deleted it
         self.stop.log = self.log  # from here on, stop requests are in run.log too
@@ -408,11 +407,7 @@ class Run:
         except ckpt.CheckpointError as exc:  # refused for good: the planner must not say resumes
             self._refuse(f"cannot resume: {exc}")
         try:
-            self.record = (
-                RunRecord(out, self.config, args, self.device, self.amp_dtype, self.log, self.held)
-                if dist.is_main
-                else distributed.Follower(out, self.log, dist)
-            )
+            self.record = self._record()
         except OSError as exc:  # e.g. the disk filled since the start-up check
             if isinstance(exc, LostClaim):
                 raise
@@ -426,6 +421,34 @@ class Run:
             self.device,
             self.data_.steps_per_epoch,
             self.record.tracker_line(),
+        )
+
+    def _record(self) -> jobs.Record:
+        """The run's jobs.Record: config.json, status running, its MLflow run (rank 0 writes)."""
+        params = tags = None
+        if self.dist.is_main:
+            from .tracking import provenance, run_params
+
+            args, config = self.args, self.config
+            params = run_params(config)  # with `experiment_keys`: what plot.py --from-mlflow reads
+            tags = {
+                **provenance(self.log),
+                "run_dir": str(self.out),
+                "device": str(self.device),
+                "amp_dtype": str(self.amp_dtype),
+                "compile": args.compile,
+                "workers": str(args.workers),
+                "world_size": str(config["world_size"]),
+            }
+        return jobs.Record(
+            self.out,
+            self.config,
+            self.args,
+            self.log,
+            self.held,
+            self.dist,
+            params=params,
+            tags=tags,
         )
 
     def _refuse(self, message: str) -> None:
@@ -623,9 +646,8 @@ class Run:
         if self.dist.stopped(self.stop, p.step):
             self._epoch_trained()
             self.record.checkpoint(self.state)
-            self.record.interrupted(
-                self.state, self.stop.requested or "a stop signal to another rank"
-            )
+            why = self.stop.requested or "a stop signal to another rank"
+            self.record.interrupted(why, self.progress)
             raise Interrupted(self.stop.requested)
 
     def _epoch_begins(self) -> None:
@@ -711,8 +733,14 @@ class Run:
                 "samples_per_sec": seen / max(p.epoch_time_s, 1e-9),
             }
         )
-        self.record.epoch_done(self.state)
-        return p.history[-1]
+        row = p.history[-1]
+        self.record.epoch_done(
+            p.history,
+            f"epoch {p.epoch}/{args.epochs} step {p.step} | lr {row['lr']:.2e} | "
+            f"train {metrics_line(row, 'train_')} | val {metrics_line(row, 'val_')} | "
+            f"{row['epoch_time_s']:.1f}s {row['samples_per_sec']:.0f} samples/s",
+        )
+        return row
 
     def save_best(self) -> None:
         """best_model.pt: the best weights run.stopper holds (after its update said "new best")."""
@@ -738,8 +766,28 @@ class Run:
     def finish(self, test: dict[str, float]) -> None:
         """Checkpoint, metrics.json (last: the run is done), MLflow FINISHED."""
         self.record.checkpoint(self.state)
+        p, stopper, task, out = self.state.progress, self.state.stopper, self.task, self.out
+        reason, weights = self.stop_reason(), self.args.test_weights
+        metrics = final_metrics(self.state, task, test, reason, weights, self.speed, self.device)
         self.record.finished(
-            self.state, self.task, test, self.stop_reason(), self.args.test_weights, self.speed
+            metrics,
+            p.history,
+            tags={"stop_reason": reason, "test_weights": weights},
+            artifacts=[out / runs.HISTORY, out / runs.BEST_MODEL],
+        )
+        mfu = metrics.get("mfu")
+        self.log.info(
+            "finished (%s): best %s %.4g at epoch %d | test (%s weights) %s | "
+            "%.0f samples/s%s | %s",
+            reason,
+            task.monitor,
+            stopper.best_score,
+            stopper.best_epoch,
+            weights,
+            metrics_line(metrics, "test_"),
+            metrics["samples_per_sec"],
+            f", MFU {100 * mfu:.1f} %" if mfu is not None else "",
+            out,
         )
         self._done = True
 
@@ -814,7 +862,35 @@ class Run:
     def _failed(self, exc: BaseException) -> int:
         if self.record is None:
             return error(f"{type(exc).__name__}: {exc}".splitlines()[0], EXIT_FAILED)
-        return self.record.failed(self.state, exc, self.args)
+        history = self.state.progress.history if self.state is not None else []
+        return self.record.failed(exc, history, explain=self._explain)
+
+    def _explain(self, exc: BaseException, message: str) -> tuple[int, str]:
+        """A training run's failure as its exit code and one line (`message`: the exception's
+        first line, or the rank whose failure caused it)."""
+        import torch
+
+        from .imagefolder import UnreadableImage
+
+        args = self.args
+        if isinstance(exc, UnreadableImage):  # changed since the scan: bad input, not a retry
+            from .dataversion import forget
+
+            forget(args.data_path, args.data_dir)  # the next start fingerprints every file
+            return EXIT_USAGE, f"{exc}; {UNREADABLE_HINT}"
+        if isinstance(exc, RunFailed):
+            return EXIT_FAILED, str(exc)
+        if isinstance(exc, torch.OutOfMemoryError):
+            return EXIT_FAILED, (
+                f"out of memory at --batch-size {args.batch_size}; try --find-batch-size, "
+                "or a smaller --batch-size with --grad-accum"
+            )
+        if runs.is_disk_error(exc):
+            return EXIT_FAILED, (
+                f"{exc.strerror} writing {exc.filename or self.out}: the run stopped; its "
+                "last complete checkpoint is kept (free space, then re-run to resume)"
+            )
+        return EXIT_FAILED, message
 
     def _close(self) -> None:
         # However the run ended: its loaders' workers end now, not in the interpreter's exit.
@@ -878,201 +954,39 @@ def finite_or_null(metrics: dict) -> dict:
     return {**{k: None if k in reasons else v for k, v in metrics.items()}, "null_reasons": reasons}
 
 
-class RunRecord:
-    """What the run leaves behind: its files (config, status, history, checkpoint, metrics) and
-    its MLflow run. Every fault path here is best-effort: a full disk or a dead tracker never
-    turns an ending run into a traceback. Before each write it checks that the run directory is
-    still this process's (`claim.check()`): if it was deleted meanwhile, LostClaim, and nothing
-    more is written there. distributed.Follower is its stand-in on the other ranks."""
+def final_metrics(state, task, test: dict, reason: str, weights: str, speed: dict, device) -> dict:
+    """metrics.json's numbers of a finished run (strict JSON: finite_or_null)."""
+    from .hardware import peak_memory_bytes
 
-    def __init__(self, out, config: dict, args, device, dtype, log, claim) -> None:
-        from .tracking import Tracker, provenance, run_params
-
-        self.out, self.log, self.device = out, log, device
-        self.claim = claim
-        claim.check()
-        self.epochs = args.epochs
-        self.last_checkpoint = time.monotonic()
-        runs.write_json(out / runs.CONFIG, config)
-        runs.write_status(out, "running")
-        self.tracker = Tracker(
-            out,
-            enabled=args.tracking == "on",
-            experiment=args.experiment,
-            run_name=out.name,
-            log=log,
-            params=run_params(config),  # with `experiment_keys`: what plot.py --from-mlflow reads
-            tags={
-                **provenance(log),
-                "run_dir": str(out),
-                "device": str(device),
-                "amp_dtype": str(dtype),
-                "compile": args.compile,
-                "workers": str(args.workers),
-                "world_size": str(config["world_size"]),
-            },
-        )
-
-    def tracker_line(self) -> str:
-        if not self.tracker.enabled:
-            return "MLflow off"
-        if self.tracker.deferred:
-            return "MLflow: the sweep's follower mirrors this run once it ends"
-        return f"MLflow run {self.tracker.run_id or 'not reached (continuing without)'}"
-
-    def checkpoint_due(self, every: float) -> bool:
-        return time.monotonic() - self.last_checkpoint >= every
-
-    def save_best(self, state) -> None:
-        self.claim.check()
-        state.save_best(self.out / runs.BEST_MODEL)
-        stopper = state.stopper
-        self.log.info(
-            "best so far (%.4g, epoch %d): best_model.pt", stopper.best_score, stopper.best_epoch
-        )
-
-    def checkpoint(self, state) -> None:
-        self.claim.check()
-        state.save(self.out / runs.CHECKPOINT)
-        self.last_checkpoint = time.monotonic()
-
-    def epoch_done(self, state) -> None:
-        p, row = state.progress, state.progress.history[-1]
-        self.claim.check()
-        runs.write_history(self.out, p.history)
-        self.tracker.log_history(p.history)
-        self.log.info(
-            "epoch %d/%d step %d | lr %.2e | train %s | val %s | %.1fs %.0f samples/s",
-            p.epoch,
-            self.epochs,
-            p.step,
-            row["lr"],
-            metrics_line(row, "train_"),
-            metrics_line(row, "val_"),
-            row["epoch_time_s"],
-            row["samples_per_sec"],
-        )
-
-    def interrupted(self, state, signal_name: str) -> None:
-        self.claim.check()
-        runs.write_status(self.out, "interrupted")
-        self.tracker.end("KILLED", state.progress.history)
-        self.log.warning(
-            "interrupted by %s at step %d; re-run the same command to resume",
-            signal_name,
-            state.progress.step,
-        )
-
-    def force_exited(self) -> None:
-        """Exit 130 (a second Ctrl-C, a late signal): the last checkpoint resumes the run."""
-        if self.claim.still_ours() and not runs.is_done(self.out):
-            runs.try_write_status(self.out, "interrupted")
-
-    def finished(
-        self, state, task, test: dict[str, float], reason: str, weights: str, speed: dict
-    ) -> None:
-        from .hardware import peak_memory_bytes
-
-        p, stopper = state.progress, state.stopper
-        samples_per_sec = p.samples / max(p.train_time_s, 1e-9)
-        mfu = {}
-        if "peak_flops" in speed:  # CUDA: the model's FLOPs at the run's rate / the GPU's peak
-            flops = speed["flops_per_sample"]
-            mfu = {"flops_per_sample": flops, "mfu": flops * samples_per_sec / speed["peak_flops"]}
-        busy = {"gpu_busy_share": speed["gpu_busy"]} if "gpu_busy" in speed else {}
-        metrics = {
-            f"best_{task.monitor}": stopper.best_score,
-            **{f"test_{name}": test[name] for name in (*task.metrics, "loss")},
-            "task": task.name,
-            "monitor": task.monitor,
-            "best_epoch": stopper.best_epoch,
-            # what the test_* numbers describe (--test-weights): best_* stay the monitor's record
-            "test_weights": weights,
-            "tested_epoch": stopper.best_epoch if weights == "best" else p.epoch,
-            "epochs_run": p.epoch,
-            "steps": p.step,
-            "wall_time_s": p.wall_time_s,
-            "train_time_s": p.train_time_s,
-            "compile_time_s": p.compile_time_s,
-            "samples_per_sec": samples_per_sec,
-            **mfu,
-            **busy,
-            "peak_mem_bytes": peak_memory_bytes(self.device),
-            "device": str(self.device),
-            "stop_reason": reason,
-            "mlflow_run_id": self.tracker.run_id,
-        }
-        metrics = finite_or_null(metrics)
-        self.claim.check()
-        runs.write_history(self.out, p.history)
-        self.tracker.end(
-            "FINISHED",
-            p.history,
-            metrics={k: v for k, v in metrics.items() if v is not None},
-            tags={"stop_reason": reason, "test_weights": weights},
-            artifacts=[self.out / name for name in (runs.CONFIG, runs.HISTORY, runs.BEST_MODEL)],
-        )
-        metrics["mlflow_run_id"] = self.tracker.run_id  # the end may rebuild the MLflow run
-        self.claim.check()  # again: the tracker's end may have taken a while
-        runs.write_status(self.out, "finished")
-        runs.write_json(self.out / runs.METRICS, metrics)  # last: its existence means "done"
-        self.log.info(
-            "finished (%s): best %s %.4g at epoch %d | test (%s weights) %s | "
-            "%.0f samples/s%s | %s",
-            reason,
-            task.monitor,
-            stopper.best_score,
-            stopper.best_epoch,
-            weights,
-            metrics_line(metrics, "test_"),
-            samples_per_sec,
-            f", MFU {100 * mfu['mfu']:.1f} %" if mfu else "",
-            self.out,
-        )
-
-    def failed(self, state, exc: BaseException, args) -> int:
-        if not self.claim.still_ours():  # LostClaim, or any failure once the path is another's
-            message = str(exc)
-            if not isinstance(exc, LostClaim):
-                message = f"{self.claim.lost_message()} (then {type(exc).__name__})"
-            self.log.error("%s", message)
-            self.tracker.abandon(message)
-            return error(message, EXIT_BUSY)
-        text = traceback.format_exc()
-        message = f"{type(exc).__name__}: {exc}".splitlines()[0]
-        for rank, theirs in distributed.peer_failures():  # torchrun: the cause, from its rank
-            text += f"\nthe cause, on rank {rank}:\n{theirs}"
-            message = f"rank {rank} failed: {theirs.strip().splitlines()[-1]}"
-        self.log.error("run failed:\n%s", text)
-        runs.try_write_status(self.out, "failed")
-        history = state.progress.history if state is not None else []
-        self.tracker.end("FAILED", history, error=text)
-        import torch
-
-        from .imagefolder import UnreadableImage
-
-        if isinstance(exc, UnreadableImage):  # changed since the scan: bad input, not a retry
-            from .dataversion import forget
-
-            forget(args.data_path, args.data_dir)  # the next start fingerprints every file
-            return error(f"{exc}; {UNREADABLE_HINT}", EXIT_USAGE)
-        if isinstance(exc, RunFailed):
-            message = str(exc)
-        elif isinstance(exc, torch.OutOfMemoryError):
-            message = (
-                f"out of memory at --batch-size {args.batch_size}; try --find-batch-size, "
-                "or a smaller --batch-size with --grad-accum"
-            )
-        elif runs.is_disk_error(exc):
-            message = (
-                f"{exc.strerror} writing {exc.filename or self.out}: the run stopped; its "
-                "last complete checkpoint is kept (free space, then re-run to resume)"
-            )
-        return error(message, EXIT_FAILED)
-
-    def close(self) -> None:
-        self.tracker.close()
-        runs.close_logging(self.log)
+    p, stopper = state.progress, state.stopper
+    samples_per_sec = p.samples / max(p.train_time_s, 1e-9)
+    mfu = {}
+    if "peak_flops" in speed:  # CUDA: the model's FLOPs at the run's rate / the GPU's peak
+        flops = speed["flops_per_sample"]
+        mfu = {"flops_per_sample": flops, "mfu": flops * samples_per_sec / speed["peak_flops"]}
+    busy = {"gpu_busy_share": speed["gpu_busy"]} if "gpu_busy" in speed else {}
+    metrics = {
+        f"best_{task.monitor}": stopper.best_score,
+        **{f"test_{name}": test[name] for name in (*task.metrics, "loss")},
+        "task": task.name,
+        "monitor": task.monitor,
+        "best_epoch": stopper.best_epoch,
+        # what the test_* numbers describe (--test-weights): best_* stay the monitor's record
+        "test_weights": weights,
+        "tested_epoch": stopper.best_epoch if weights == "best" else p.epoch,
+        "epochs_run": p.epoch,
+        "steps": p.step,
+        "wall_time_s": p.wall_time_s,
+        "train_time_s": p.train_time_s,
+        "compile_time_s": p.compile_time_s,
+        "samples_per_sec": samples_per_sec,
+        **mfu,
+        **busy,
+        "peak_mem_bytes": peak_memory_bytes(device),
+        "device": str(device),
+        "stop_reason": reason,
+    }
+    return finite_or_null(metrics)
 
 
 def capture_step(run_py, argv: list[str]):
