@@ -19,7 +19,8 @@ import labrun
 PACKAGE = Path(labrun.__file__).parent
 TOOLS = "tools"  # labrun/tools/: gpucheck, tuning, similarity, reference
 # Not the core, yet not tools: what reads finished runs (plot.py, analyze.py) and the sweep
-# engine (run.sh's queue and its fork server). plan.py is the core's: it is a job's own answer to `SCRIPT --plan`.
+# engine (run.sh's queue and its fork server). plan.py is the core's: a job's own answer to
+# `SCRIPT --plan`.
 SIDE = {"analysis", "figures", "sweep", "forkserver"}
 # The core's lazy imports of the side, each where a flag asks for it: run.py's --find-lr,
 # --find-batch-size and --profile (session.py, Run.tools); `python -m labrun.gpucheck`, the
