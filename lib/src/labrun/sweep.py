@@ -22,9 +22,10 @@ How it works:
             slot's GPU and a parent-death signal (SIGTERM), so it is told to stop if the sweep
             dies, even by SIGKILL. When a job ends its slot takes the next pending job. A job that
             finds its run claimed by another process exits 73: "running elsewhere".
-            FORK_JOBS=auto: a slot's later run.py jobs are forked from its fork server
-            (forkserver.py: torch and the project imported once), adopted by the sweep (a child
-            subreaper), and otherwise treated as above; the slot's first job starts afresh.
+            FORK_JOBS=auto, when every slot has two jobs or more to run: a slot's run.py jobs
+            are forked from its fork server (forkserver.py: torch and the project imported
+            once; its first job waits for those imports), adopted by the sweep (a child
+            subreaper), and otherwise treated as above.
   3. stop:  the first INT/TERM/HUP sends SIGTERM to every running job (it checkpoints and exits
             75); any later one SIGKILLs their process groups. Either way the sweep reaps every
             job, marks a killed job's status "interrupted", prints the summary, then exits
@@ -244,6 +245,10 @@ def _subreaper() -> bool:
         return False
 
 
+# How long a slot's job waits for its fork server's imports before it starts afresh instead.
+SERVER_WAIT_S = 60.0
+
+
 class Adopted:
     """A job a fork server started, adopted by the sweep: Popen's pid and poll()."""
 
@@ -270,12 +275,17 @@ class Server:
     env: dict[str, str]
     ready: bool = False
 
-    def is_ready(self) -> bool:
-        """Whether it has said `ready` (its imports done); never waits."""
-        if not self.ready and self.proc.poll() is None:
-            out = self.proc.stdout
-            if select.select([out], [], [], 0)[0]:
-                self.ready = out.readline() == b"ready\n"
+    def is_ready(self, wait_s: float = 0.0, stopped: Callable[[], bool] = lambda: False) -> bool:
+        """Whether it has said `ready` (its imports done), waiting up to `wait_s` for it (in
+        short steps: a stop signal meanwhile ends the wait)."""
+        deadline = time.monotonic() + wait_s
+        while not self.ready and self.proc.poll() is None:
+            left = deadline - time.monotonic()
+            if select.select([self.proc.stdout], [], [], max(0.0, min(left, 0.2)))[0]:
+                self.ready = self.proc.stdout.readline() == b"ready\n"
+                break
+            if left <= 0 or stopped():
+                break
         return self.ready and self.proc.poll() is None
 
     def ask(self, request: dict) -> str:
@@ -773,19 +783,25 @@ class Sweep:
     # ---- fork servers (labrun/forkserver.py): a slot's run.py jobs start without imports -------
     # A job is forked when its script is run.py, its environment is its slot's (a resumed job with
     # other threads is not) and the slot's server is ready and its code current; otherwise it
-    # starts afresh, and so does the first job of every slot: the server imports meanwhile.
+    # starts afresh.
 
     def fork(self, job, slot, env, argv, log_file, header, follower_fd) -> Adopted | None:
         """Fork `job` from `slot`'s server: its Adopted process, or None to start it afresh."""
         if not self.forking or job.script != "run.py":
             return None
+        if not self.servers:
+            # Servers only pay when each slot runs another job after this one. They start
+            # together, and a slot's first job waits for its server's imports instead of paying
+            # them again beside it: on a few cores both compete (quick sweep on 2 cores: the
+            # first jobs took 12-13 s fresh beside the importing servers, later ones 5-6 s).
+            if len(self.queue) < len(self.slots):
+                return None
+            for each in range(len(self.slots)):
+                self.start_server(each, follower_fd)
         server = self.servers.get(slot)
-        if server is None:
-            # A server only pays when the slot runs another job after this one.
-            if len(self.queue) >= len(self.slots):
-                self.start_server(slot, follower_fd)
+        if server is None or env != server.env:
             return None
-        if env != server.env or not server.is_ready():
+        if not server.is_ready(SERVER_WAIT_S, lambda: bool(self.stop_signal)):
             return None
         request = {"argv": argv, "log": str(log_file), "cwd": os.getcwd(), "header": header}
         answer = server.ask(request)
