@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -31,11 +32,20 @@ def git(*args: str, cwd: Path) -> str:
 
 
 def edit_like_a_member(project: Path) -> None:
-    """Four small edits, the kind issue 27 counted: a sweep grid, a default, a README line and a
-    file of one's own."""
+    """Small edits, the kind issue 27 counted: a sweep grid, a README line, a file of one's own,
+    a line in the model file, and (a release with a Config) a flag of one's own in run.py."""
     run_sh = project / "run.sh"
     text = run_sh.read_text()
-    run_sh.write_text(text.replace("readonly LRS=(1e-3 3e-3 1e-2)", "readonly LRS=(3e-4 1e-3)"))
+    # The sweep's grid as the release wrote it: a readonly array, later a local one.
+    text = text.replace("readonly LRS=(1e-3 3e-3 1e-2)", "readonly LRS=(3e-4 1e-3)")
+    run_sh.write_text(text.replace("lrs=(1e-3 3e-3 1e-2)", "lrs=(3e-4 1e-3)"))
+    # A hyperparameter of one's own, where a release with a Config takes it (README, "The
+    # method's flags"): one line after the last field.
+    run_py = project / "run.py"
+    text = run_py.read_text()
+    own = '    momentum: float = flag(0.9, "SGD momentum (our optimizer)", at_least=0, below=1)'
+    last_field = re.compile(r"(?m)^(    ema: float = flag\(.*\))$")
+    run_py.write_text(last_field.sub(lambda m: f"{m[1]}\n{own}", text))
     readme = project / "README.md"
     readme.write_text(readme.read_text() + "\nNotes of the cell-atlas group.\n")
     (project / "notes.md").write_text("# What we tried\n")
