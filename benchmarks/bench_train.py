@@ -198,7 +198,7 @@ def main(argv=None) -> int:
             runs[name].append(runner())
             print(f"  repeat {repeat + 1}/{args.repeats} {name:8s} {runs[name][-1]:8.1f} samples/s",
                   file=sys.stderr, flush=True)
-        peaks.append(check.matmul_peak(device, dtype))
+        peaks.append(pkg.hardware.measure_matmul_flops(device, dtype))
     best = {name: max(values) for name, values in runs.items()}
     flops_per_sample = check.train_flops_per_sample(args.width, device)
     peak = max(peaks)

@@ -33,9 +33,6 @@ LAZY_ALLOWED = {
 # Verbs that the module's name qualifies where they are called (`checkpoint.save`,
 # `figures.save`, `jobs.main`): one per module, never imported bare.
 QUALIFIED = {"main", "build_parser", "parse_args", "save", "describe"}
-# Two meanings under one name still: hardware.py's cached matmul peak and gpucheck's raw
-# measurement (one should call the other): remove it once mended.
-LEFT = {"matmul_peak"}
 
 
 def module_names() -> set[str]:
@@ -168,5 +165,5 @@ def test_a_public_name_means_one_thing():
     `code_version` meaning different things were found here (issue 35)."""
     names = public_names()
     assert names["Run"] == ["session"] and names["RunResult"] == ["analysis"]
-    twice = {n: m for n, m in names.items() if len(m) > 1 and n not in QUALIFIED | LEFT}
+    twice = {n: m for n, m in names.items() if len(m) > 1 and n not in QUALIFIED}
     assert not twice, f"defined in more than one module: {twice}"

@@ -630,7 +630,16 @@ def matmul_peak(device: torch.device, dtype, cache_dir: Path) -> tuple[float, st
     seen = read_record(path, key)
     if seen:
         return seen["flops"], f"measured {seen['when']}"
-    n = PEAK_MATMUL_SIZE
+    flops = measure_matmul_flops(device, dtype)
+    save_record(path, {"key": key, "flops": flops, "when": utc_now()})
+    return flops, "measured now"
+
+
+def measure_matmul_flops(device: torch.device, dtype, size: int | None = None) -> float:
+    """FLOP/s of the best of PEAK_REPEATS square matmuls in `dtype` (fp32 when None), measured
+    now (matmul_peak records it; gpucheck measures afresh). A CPU gets 1024-square ones: 8192
+    would take seconds each."""
+    n = size or (PEAK_MATMUL_SIZE if device.type == "cuda" else 1024)
     a = torch.randn(n, n, device=device, dtype=dtype or torch.float32)
     b = torch.randn(n, n, device=device, dtype=dtype or torch.float32)
     now = timed(device)
@@ -639,10 +648,7 @@ def matmul_peak(device: torch.device, dtype, cache_dir: Path) -> tuple[float, st
         start = now()
         torch.mm(a, b)
         best = min(best, now() - start)
-    del a, b
-    flops = 2 * n**3 / best
-    save_record(path, {"key": key, "flops": flops, "when": utc_now()})
-    return flops, "measured now"
+    return 2 * n**3 / best
 
 
 class GpuBusy:

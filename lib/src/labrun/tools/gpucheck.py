@@ -35,7 +35,8 @@ FAILed (checks that cannot run here say "not checked" and why); 1: at least one 
                per GPU fixed), in the run's precision: weak-scaling efficiency >= SCALING_MIN
 `--device cpu` runs what can run on a CPU: a dry run of this script, not a GPU claim. Checks are
 functions in CHECKS (each returns its Result lines). benchmarks/bench_train.py imports the
-measuring functions (`plain_loop_rate`, `job_rate`, `train_flops_per_sample`, `matmul_peak`).
+measuring functions (`plain_loop_rate`, `job_rate`, `train_flops_per_sample`; the matmul peak is
+hardware's `measure_matmul_flops`).
 """
 
 from __future__ import annotations
@@ -371,26 +372,6 @@ def train_flops_per_sample(width: int, device) -> float:
     return counter.get_total_flops() / 2
 
 
-def matmul_peak(device, dtype, size: int | None = None, repeats: int = 10) -> float:
-    """Measured FLOP/s of a large square matmul in `dtype` (fp32 when None): the practical peak
-    of this device, the denominator of MFU."""
-    import torch
-
-    size = size or (8192 if device.type == "cuda" else 1024)
-    dtype = dtype or torch.float32
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    a @ b  # warm-up (kernel selection, allocator)
-    best = float("inf")
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        a @ b
-        synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
-
-
 # --------------------------------------------------------------------------------------------
 # Checks: each takes the Context and returns its Result lines
 
@@ -439,12 +420,12 @@ def nvidia_smi_gpus() -> list[str]:
 
 
 def check_precision(ctx: Context) -> list[Result]:
-    from ..hardware import choose_precision
+    from ..hardware import choose_precision, measure_matmul_flops
 
     dtype, why = choose_precision(ctx.device, "auto")
     if ctx.device.type != "cuda":
         return [Result("precision", NOT_CHECKED, f"no CUDA ({why})")]
-    gain = matmul_peak(ctx.device, dtype) / matmul_peak(ctx.device, None)
+    gain = measure_matmul_flops(ctx.device, dtype) / measure_matmul_flops(ctx.device, None)
     ok = gain >= PRECISION_MIN_GAIN
     return [
         Result(
@@ -499,11 +480,11 @@ def check_default_job(ctx: Context) -> list[Result]:
         else:
             ceiling = resident.metrics["samples_per_sec"]
             results.append(feed_result("feed", streamed.metrics["samples_per_sec"], ceiling))
-    from ..hardware import choose_precision
+    from ..hardware import choose_precision, measure_matmul_flops
 
     dtype, _ = choose_precision(device, "auto")
     flops = train_flops_per_sample(options.width, device)
-    peak = matmul_peak(device, dtype)
+    peak = measure_matmul_flops(device, dtype)
     results.append(
         Result(
             "MFU",
