@@ -114,7 +114,7 @@ class Claim:
         now = holder(self.run_dir)
         return (
             f"lost the claim on {self.run_dir}: the directory was deleted or its .lock replaced "
-            "while this process trained" + (f" (now held by {now})" if now else "") + "; "
+            "while this process worked in it" + (f" (now held by {now})" if now else "") + "; "
             "stopping without writing anything more there"
         )
 
