@@ -169,7 +169,13 @@ def test_a_run_directory_deleted_while_training_gets_one_owner(env, data_dir, tm
     history = lambda: list(results.glob("*/history.csv"))  # noqa: E731
     wait_while_running(lambda: history() and history()[0].read_text().count("\n") >= 2, first)
     run_dir = run_dir_of(results)
-    subprocess.run(["rm", "-rf", str(run_dir)], check=True)  # "rm -rf it and start again"
+    # "rm -rf it and start again": rm races the job's next write (a file made in the directory
+    # while rm empties it: "Directory not empty"), and the user runs it again, as here.
+    for _ in range(20):
+        if subprocess.run(["rm", "-rf", str(run_dir)], capture_output=True).returncode == 0:
+            break
+        time.sleep(0.1)
+    assert not run_dir.exists()
     second = popen_cli(*args, results_dir=results, data_dir=data_dir, env=env)
     _, err1 = first.communicate(timeout=300)
     _, err2 = second.communicate(timeout=300)
