@@ -36,7 +36,6 @@ import shlex
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 TEMPLATE_ROOT = Path(__file__).resolve().parent.parent
@@ -106,13 +105,6 @@ def device_name(device) -> str:
     return f"{model}, {cores} cores ({capability}), {torch.get_num_threads()} torch threads"
 
 
-def synchronize(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def import_package(project: Path):
     """labrun as the rendered project uses it (its models and datasets found through
     LABRUN_PROJECT), with the modules the benchmarks call imported: (labrun, "labrun")."""
@@ -170,17 +162,13 @@ def main(argv=None) -> int:
         """The job's own step (run.py's, via capture_step: same precision, layout and compile
         choice) on batches already on the device: nothing but compute."""
         from labrun.session import capture_step
+        from labrun.tools.reference import timed_rate
 
         torch.manual_seed(0)
         captured = capture_step(run_py, ceiling_argv)
-        for i in range(args.warmup):
-            captured.step([batches[i % len(batches)]])
-        synchronize(device)
-        start = time.perf_counter()
-        for i in range(args.steps):
-            captured.step([batches[i % len(batches)]])
-        synchronize(device)
-        return args.batch_size * args.steps / (time.perf_counter() - start)
+        return timed_rate(lambda i: captured.step([batches[i % len(batches)]]),
+                          warmup=args.warmup, steps=args.steps, batch_size=args.batch_size,
+                          device=device)
 
     runners = {
         "job": job,

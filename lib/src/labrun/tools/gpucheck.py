@@ -243,13 +243,6 @@ def failed(name: str, job: JobResult) -> Result:
 # Measuring functions (shared with the template's benchmarks/bench_train.py)
 
 
-def synchronize(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def synthetic_split(n: int, seed: int = 0):
     """n random CIFAR-shaped uint8 images with labels: speed does not depend on content."""
     import torch
@@ -281,6 +274,7 @@ def plain_loop_rate(
     import torch.nn.functional as F
 
     from ..augment import MEAN, STD
+    from .reference import timed_rate
 
     class PerSampleDataset(torch.utils.data.Dataset):
         def __init__(self, images, labels):
@@ -312,24 +306,23 @@ def plain_loop_rate(
     mlflow.set_tracking_uri(f"sqlite:///{tracking_dir / 'plain.db'}")
     mlflow.set_experiment("bench-plain")
     batches = iter(loader)
+
+    def step(i: int) -> None:
+        nonlocal batches
+        try:
+            x, y = next(batches)
+        except StopIteration:
+            batches = iter(loader)
+            x, y = next(batches)
+        x, y = x.to(device), y.to(device)
+        loss = F.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        mlflow.log_metric("loss", loss.item(), step=i)
+
     with mlflow.start_run():
-        for i in range(warmup + steps):
-            if i == warmup:
-                synchronize(device)
-                start = time.perf_counter()
-            try:
-                x, y = next(batches)
-            except StopIteration:
-                batches = iter(loader)
-                x, y = next(batches)
-            x, y = x.to(device), y.to(device)
-            loss = F.cross_entropy(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            mlflow.log_metric("loss", loss.item(), step=i)
-        synchronize(device)
-    return steps * batch_size / (time.perf_counter() - start)
+        return timed_rate(step, warmup=warmup, steps=steps, batch_size=batch_size, device=device)
 
 
 def job_rate(

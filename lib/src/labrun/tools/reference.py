@@ -18,6 +18,7 @@ labrun's machinery, so that a reader sees what each yardstick does; each returns
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -25,9 +26,24 @@ import torch.nn.functional as F
 from ..augment import MEAN, STD
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work: a clock read before it would time only the launches."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def timed_rate(
+    step: Callable[[int], object], *, warmup: int, steps: int, batch_size: int, device
+) -> float:
+    """samples/s of step(i) for i in warmup..warmup+steps, after `warmup` untimed calls."""
+    for i in range(warmup):
+        step(i)
+    synchronize(device)
+    start = time.perf_counter()
+    for i in range(warmup, warmup + steps):
+        step(i)
+    synchronize(device)
+    return steps * batch_size / (time.perf_counter() - start)
 
 
 def best_practice_rate(
@@ -65,7 +81,14 @@ def best_practice_rate(
         x = ((x.float() - mean) / std).contiguous(memory_format=torch.channels_last)
         return x, labels[index]
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+    per_epoch = n // batch_size
+    order = torch.randperm(n, device=device)
+
+    def step(i: int) -> None:
+        nonlocal order
+        if i % per_epoch == 0 and i:
+            order = torch.randperm(n, device=device)
+        x, y = batch(order, i % per_epoch)
         if compile_mode == "reduce-overhead":  # the last replay's outputs are dead now
             torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
@@ -74,17 +97,7 @@ def best_practice_rate(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    per_epoch = n // batch_size
-    order = torch.randperm(n, device=device)
-    for i in range(warmup + steps):
-        if i == warmup:
-            _synchronize(device)
-            start = time.perf_counter()
-        if i % per_epoch == 0 and i:
-            order = torch.randperm(n, device=device)
-        step(*batch(order, i % per_epoch))
-    _synchronize(device)
-    return steps * batch_size / (time.perf_counter() - start)
+    return timed_rate(step, warmup=warmup, steps=steps, batch_size=batch_size, device=device)
 
 
 def naive_rate(
@@ -92,9 +105,9 @@ def naive_rate(
     images: torch.Tensor,
     labels: torch.Tensor,
     *,
-    batch_size: int,
-    steps: int,
     warmup: int,
+    steps: int,
+    batch_size: int,
 ) -> float:
     """samples/s of a student's first loop with the data on the device (no augmentation)."""
     device = next(model.parameters()).device
@@ -103,10 +116,8 @@ def naive_rate(
     mean = torch.tensor(MEAN, device=device).view(1, -1, 1, 1)
     std = torch.tensor(STD, device=device).view(1, -1, 1, 1)
     per_epoch = len(labels) // batch_size
-    for i in range(warmup + steps):
-        if i == warmup:
-            _synchronize(device)
-            start = time.perf_counter()
+
+    def step(i: int) -> None:
         j = i % per_epoch
         x = (images[j * batch_size : (j + 1) * batch_size].float() - mean) / std
         loss = F.cross_entropy(model(x), labels[j * batch_size : (j + 1) * batch_size])
@@ -114,5 +125,5 @@ def naive_rate(
         loss.backward()
         optimizer.step()
         loss.item()  # the printed loss: a host sync every step
-    _synchronize(device)
-    return steps * batch_size / (time.perf_counter() - start)
+
+    return timed_rate(step, warmup=warmup, steps=steps, batch_size=batch_size, device=device)
