@@ -156,6 +156,20 @@ def test_an_adopted_job_that_is_no_child_reads_as_lost():
     assert sweep.Adopted(os.getpid()).poll() == 255  # waitpid: ECHILD, never a hang
 
 
+def test_a_server_that_reads_a_request_and_never_answers_is_killed(monkeypatch):
+    """The queue waits ANSWER_WAIT_S for a hung server, not longer, and the server cannot fork
+    the job later behind the sweep's back (it starts afresh instead)."""
+    monkeypatch.setattr(sweep, "ANSWER_WAIT_S", 0.5)
+    hung = "import sys, time; sys.stdin.readline(); time.sleep(60)"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", hung], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    server = sweep.Server(proc, {}, ready=True)
+    assert server.ask({"argv": []}) == ""
+    assert proc.wait(timeout=5) == -signal.SIGKILL
+    server.stop()  # what the engine does next: no error on a server already gone
+
+
 # ---- the real run.py, forked ---------------------------------------------------------------
 
 # Holds a fork server as the sweep does (a subreaper): one JSON request per argument, then

@@ -247,6 +247,9 @@ def _subreaper() -> bool:
 
 # How long a slot's job waits for its fork server's imports before it starts afresh instead.
 SERVER_WAIT_S = 60.0
+# A ready server answers a request in milliseconds (a stat of the watched files and two forks);
+# one silent this long is hung (stopped, swapping), and the queue must not wait on it.
+ANSWER_WAIT_S = 10.0
 
 
 class Adopted:
@@ -289,13 +292,14 @@ class Server:
         return self.ready and self.proc.poll() is None
 
     def ask(self, request: dict) -> str:
-        """Send one job's request; its answer (a pid, stale, error: ...), '' if none in 30 s."""
+        """Send one job's request; its answer (a pid, stale, error: ...), '' if none in time."""
         try:
             self.proc.stdin.write(json.dumps(request).encode() + b"\n")
             self.proc.stdin.flush()
         except OSError:
             return ""
-        if not select.select([self.proc.stdout], [], [], 30)[0]:
+        if not select.select([self.proc.stdout], [], [], ANSWER_WAIT_S)[0]:
+            self.proc.kill()  # a late answer would fork a job the sweep no longer waits for
             return ""
         return self.proc.stdout.readline().decode(errors="replace").strip()
 
