@@ -2,11 +2,11 @@
 
 The library is tested through the template's default project, committed in tests/project (the
 render itself: scripts/refresh_lib_fixture.py in the template writes it, and the template's tests
-fail when it is stale), so lib/ is tested alone. Tests write into the project (results, .cache,
-git), so each test process works in its own copy; $LABRUN_TEST_PROJECT, when set, names another
-project to test instead, used in place. Every test runs on CPU with tiny settings (digits, width
-8, a few epochs). The MLflow database is created once per session and shared; each test gets its
-own results directory.
+fail when it is stale), so lib/ is tested alone. Tests write into the project (results, .cache),
+so each test process works in its own copy, outside any git repository as a fresh render is;
+$LABRUN_TEST_PROJECT, when set, names another project to test instead, used in place. Every
+test runs on CPU with tiny settings (digits, width 8, a few epochs). The MLflow database is
+created once per session and shared; each test gets its own results directory.
 """
 
 from __future__ import annotations
