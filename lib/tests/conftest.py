@@ -1,16 +1,21 @@
 """Shared test helpers for labrun: a real project to run, and run.py run as a user would.
 
-The library is tested through the template's own default project, rendered once per test process
-(cookiecutter, from the template checkout that holds lib/), or the project at $LABRUN_TEST_PROJECT
-when set. Every test runs on CPU with tiny settings (digits, width 8, a few epochs). The MLflow
-database is created once per session and shared; each test gets its own results directory.
+The library is tested through the template's default project, committed in tests/project (the
+render itself: scripts/refresh_lib_fixture.py in the template writes it, and the template's tests
+fail when it is stale), so lib/ is tested alone. Tests write into the project (results, .cache),
+so each test process works in its own copy, outside any git repository as a fresh render is;
+$LABRUN_TEST_PROJECT, when set, names another project to test instead, used in place. Every
+test runs on CPU with tiny settings (digits, width 8, a few epochs). The MLflow database is
+created once per session and shared; each test gets its own results directory.
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,21 +28,23 @@ import pytest
 os.environ["OMP_NUM_THREADS"] = "1"
 
 LIB = Path(__file__).resolve().parent.parent
-TEMPLATE = LIB.parent  # the template checkout: lib/ sits beside cookiecutter.json
+FIXTURE = LIB / "tests" / "project"  # the committed project; never written by a test
+# pytest must not collect the project's own tests (nor load its conftest) as labrun's.
+collect_ignore = ["project"]
 
 
-def _render_project() -> Path:
-    """The template's default project, rendered into a private folder (about a second)."""
+def _project_copy() -> Path:
+    """This process's private copy of the fixture project (named as the render names it)."""
     if os.environ.get("LABRUN_TEST_PROJECT"):
         return Path(os.environ["LABRUN_TEST_PROJECT"]).resolve()
     out = Path(tempfile.mkdtemp(prefix="labrun-project-"))
-    from cookiecutter.main import cookiecutter
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
+    copy = out / "lab_project"
+    shutil.copytree(FIXTURE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    return copy
 
-    cookiecutter(str(TEMPLATE), no_input=True, output_dir=str(out), accept_hooks=True)
-    return out / "lab_project"
 
-
-ROOT = _render_project()
+ROOT = _project_copy()
 RUN_PY = ROOT / "run.py"
 PACKAGE = "lab_project"
 # In-process callers (run.py's main(), the registries) find this project like run.py would.
@@ -65,7 +72,7 @@ def _inductor_cache_left_as_found():
 
 @pytest.fixture(scope="session")
 def project() -> Path:
-    """The rendered project's root (run.py, run.sh, plot.py, the package)."""
+    """The project's root (run.py, run.sh, plot.py, the package): this process's copy."""
     return ROOT
 
 

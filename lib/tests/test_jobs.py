@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import LIB, ROOT
 
+import labrun
 from labrun import plan, runs
 from labrun.claim import claim
 from labrun.jobs import NotReady
@@ -269,9 +270,6 @@ def test_run_sh_sweeps_a_job_line_that_names_a_script(tmp_path, env, monkeypatch
     assert again.returncode == 1 and "3 done (0 ran now, 3 skipped: already done)" in again.stdout
 
 
-@pytest.mark.skipif(
-    not (ROOT / "scripts" / "slurm_task.sh").exists(), reason="generated with use_slurm=false"
-)
 def test_a_slurm_task_runs_the_script_its_job_line_named(count_py, tmp_path):
     """run.sh --slurm records a task's script beside its arguments; the task runs that script."""
     submit = tmp_path / "submit"
@@ -282,7 +280,7 @@ def test_a_slurm_task_runs_the_script_its_job_line_named(count_py, tmp_path):
     (submit / "script" / "0").write_text(f"{count_py}\n")
     (submit / "python").write_text(f"{sys.executable}\n")
     task = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "slurm_task.sh"), str(submit)],
+        ["bash", str(Path(labrun.__file__).with_name("slurm_task.sh")), str(submit)],
         cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": PYTHONPATH, "LAB_TRACKING": "off",
              "SLURM_ARRAY_TASK_ID": "0"},
