@@ -10,7 +10,7 @@ and torchvision (the optional extra `labrun[gpu-decode]`) are there, the loader'
 read the bytes of each JPEG the GPU decodes as the CPU would (8-bit RGB or greyscale, upright)
 and decode everything else as before (imagefolder.decode_image: PNG, CMYK, 16-bit, EXIF-rotated
 files); the main process decodes the batch's JPEGs on the device, cuts the same centered box
-(imagefolder.cover_box) and resizes it (antialiased bilinear, rounded to uint8): the same data
+and resizes it (imagefolder.cover_resize: antialiased bilinear, rounded to uint8): the same data
 contract (uint8, the run's size, the same files and splits), not the same bits (nvJPEG's IDCT
 and the float resize differ from libjpeg-turbo's and the uint8 one by a level or two).
 """
@@ -21,10 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from PIL import Image
 
-from .imagefolder import EXIF_ORIENTATION, cover_box, decode_image
+from .imagefolder import EXIF_ORIENTATION, cover_resize, decode_image
 
 GPU_MODES = frozenset({"RGB", "L"})  # what nvJPEG decodes as Pillow does (not CMYK, YCCK)
 
@@ -112,15 +111,3 @@ def decode_batch(batch: EncodedBatch, shape, device) -> torch.Tensor:
     for i, image in zip(rows, images, strict=True):
         out[i] = cover_resize(image, height, width).permute(1, 2, 0)
     return out
-
-
-def cover_resize(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """uint8 (C, h, w) -> uint8 (C, height, width): imagefolder.cover_box's part, resized
-    (antialiased bilinear, as the CPU decode), on the image's device."""
-    _, h, w = image.shape
-    if (h, w) == (height, width):
-        return image
-    left, top, crop_w, crop_h = cover_box(w, h, width, height)
-    window = image[None, :, top : top + crop_h, left : left + crop_w].float()
-    resized = F.interpolate(window, size=(height, width), mode="bilinear", antialias=True)
-    return resized[0].round_().clamp_(0, 255).to(torch.uint8)

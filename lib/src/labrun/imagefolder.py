@@ -30,11 +30,15 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from PIL import Image, ImageOps
 
 from .dataversion import check_cache_path, file_lock, is_hidden, read_json_cache
+
+if TYPE_CHECKING:
+    import torch
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".webp", ".gif", ".bmp")
 SPLIT_DIRS = ("train", "val", "test")
@@ -286,6 +290,8 @@ def decode_image(
     `value_ranges`: {"int": (low, high), "float": (low, high)} mapped onto 0..255 for images of
     more than 8 bits (from the scan; default: the mode's own range). Raises UnreadableImage.
     """
+    import torch  # here: the scan stays torch-free
+
     height, width = size
     try:
         with Image.open(path) as image:
@@ -300,11 +306,13 @@ def decode_image(
             image.draft(None, need[::-1] if turned else need)
             if orientation != 1:  # exif_transpose copies even an upright image: 1 ms at 500 px
                 image = ImageOps.exif_transpose(image)
-            image = _to_8bit(image, channels, value_ranges or {})
-            pixels = _cover(image, width, height)
+            pixels = np.asarray(_to_8bit(image, channels, value_ranges or {}))  # read-only
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         raise UnreadableImage(path, f"{type(e).__name__}: {e}") from e
-    return pixels.reshape(height, width, channels)
+    with warnings.catch_warnings():  # torch warns of read-only pixels, and only reads them
+        warnings.simplefilter("ignore", UserWarning)
+        hwc = torch.from_numpy(pixels.reshape(*pixels.shape[:2], channels))
+    return cover_resize(hwc.permute(2, 0, 1), height, width).permute(1, 2, 0).numpy()
 
 
 def _to_8bit(image: Image.Image, channels: int, value_ranges: dict) -> Image.Image:
@@ -315,42 +323,31 @@ def _to_8bit(image: Image.Image, channels: int, value_ranges: dict) -> Image.Ima
         values = (np.asarray(image, dtype=np.float64) - low) * (255 / max(high - low, 1e-12))
         # The scan's range holds every value; the clip only guards a file changed since.
         image = Image.fromarray(np.clip(np.rint(values), 0, 255).astype(np.uint8), "L")
-    elif mode == "P":
-        image = image.convert("RGBA" if "transparency" in image.info else "RGB")
-    if image.mode in ("RGBA", "LA", "La", "RGBa", "PA"):
+    elif image.has_transparency_data:  # alpha, or a palette's transparent colour
         rgba = image.convert("RGBA")
         image = Image.alpha_composite(Image.new("RGBA", rgba.size, (*BACKGROUND, 255)), rgba)
     target = "L" if channels == 1 else "RGB"
     return image if image.mode == target else image.convert(target)  # convert() always copies
 
 
-def _cover(image: Image.Image, width: int, height: int) -> np.ndarray:
-    """Resize so the image covers width x height, cropping the long side's excess evenly:
-    uint8 (height, width, channels).
+def cover_resize(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """uint8 (C, h, w) -> uint8 (C, height, width) on the image's device: its centered part with
+    the aspect ratio of width x height, resized (antialiased bilinear). The CPU decode and the
+    GPU decode (gpudecode.py) both cut and resize here.
 
-    The crop is cut before the resize, and the resize is torch's antialiased bilinear on the
-    uint8 pixels (its AVX2 path: 0.17 ms for 375x375 -> 224x224 on one core, 0.92 ms for
-    Pillow's resize; the same filter, values within 1 of Pillow's)."""
-    import torch
+    On the CPU the resize is torch's on the uint8 pixels (its AVX2 path: 0.17 ms for 375x375 ->
+    224x224 on one core, 0.92 ms for Pillow's resize; the same filter, values within 1 of
+    Pillow's); other devices resize in float32, rounded."""
     import torch.nn.functional as F
 
-    pixels = np.asarray(image)  # one copy out of Pillow, read-only
-    pixels = pixels.reshape(*pixels.shape[:2], -1)  # greyscale (H, W) -> (H, W, 1)
-    h, w = pixels.shape[:2]
-    if (w, h) == (width, height):
-        return pixels
-    left, top, crop_w, crop_h = cover_box(w, h, width, height)
-    with warnings.catch_warnings():  # read-only pixels: torch warns, and only reads them
-        warnings.simplefilter("ignore", UserWarning)
-        window = torch.from_numpy(pixels[top : top + crop_h, left : left + crop_w])
-    nchw = window.permute(2, 0, 1).unsqueeze(0)  # a channels_last view: no copy
-    resized = F.interpolate(nchw, size=(height, width), mode="bilinear", antialias=True)
-    return resized[0].permute(1, 2, 0).numpy()
-
-
-def cover_box(w: int, h: int, width: int, height: int) -> tuple[int, int, int, int]:
-    """(left, top, crop width, crop height): the centered part of a w x h image with the aspect
-    ratio of width x height (the CPU and the GPU decode cut the same)."""
+    _, h, w = image.shape
+    if (h, w) == (height, width):
+        return image
     scale = max(width / w, height / h)
     crop_w, crop_h = min(round(width / scale), w), min(round(height / scale), h)
-    return (w - crop_w) // 2, (h - crop_h) // 2, crop_w, crop_h
+    top, left = (h - crop_h) // 2, (w - crop_w) // 2
+    window = image[None, :, top : top + crop_h, left : left + crop_w]
+    if image.device.type != "cpu":  # uint8 interpolation: the CPU only
+        window = window.float()
+    resized = F.interpolate(window, size=(height, width), mode="bilinear", antialias=True)[0]
+    return resized if image.device.type == "cpu" else resized.round().clamp(0, 255).byte()
