@@ -36,6 +36,7 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from .dataversion import check_cache_path, file_lock, is_hidden, read_json_cache
+from .runs import atomic_write_text
 
 if TYPE_CHECKING:
     import torch
@@ -105,24 +106,19 @@ def scan_image_folder(
     if total == 0:
         raise ValueError(f"--data-path: no images ({', '.join(IMAGE_EXTENSIONS)}) under {root}")
 
-    checked = _check_images(root, files, report_dir, version)
-    sizes, modes, unreadable, readable = set(), set(), [], {}
-    int_max, float_range = 0, (0.0, 1.0)
-    for split, found in files.items():
-        readable[split] = []
-        for path, label in found:
-            result = checked[os.path.relpath(path, root)]
-            if isinstance(result, str):
-                unreadable.append(f"{path}\t{result}")
-                continue
-            width, height, mode, low, high = result
-            sizes.add((width, height))
-            modes.add(mode)
-            if mode in INT_MODES:
-                int_max = max(int_max, high)
-            elif mode == "F":
-                float_range = (min(float_range[0], low), max(float_range[1], high))
-            readable[split].append((path, label))
+    checked = _check_images(
+        root, [p for found in files.values() for p, _ in found], report_dir, version
+    )
+    readable = {
+        s: [(p, y) for p, y in found if not isinstance(checked[p], str)]
+        for s, found in files.items()
+    }
+    unreadable = [f"{p}\t{why}" for p, why in checked.items() if isinstance(why, str)]
+    infos = [checked[p] for found in readable.values() for p, _ in found]  # (w, h, mode, low, high)
+    sizes, modes = {(w, h) for w, h, *_ in infos}, {mode for _, _, mode, _, _ in infos}
+    int_max = max((high for _, _, mode, _, high in infos if mode in INT_MODES), default=0)
+    floats = [(low, high) for _, _, mode, low, high in infos if mode == "F"]
+    float_range = (min([0.0, *(lo for lo, _ in floats)]), max([1.0, *(hi for _, hi in floats)]))
     notes = []
     if others:
         counts = ", ".join(f"{ext or 'no extension'}: {n}" for ext, n in others.most_common())
@@ -149,17 +145,15 @@ def scan_image_folder(
             )
         ((width, height),) = sizes
         image_size = (height, width)
-    channels = 1 if modes <= GREY_MODES else 3  # RGBA, palette, CMYK... become RGB
     bits = next((b for b in BIT_DEPTHS if int_max < 2**b), BIT_DEPTHS[-1])
-
     return FolderScan(
         files={
-            split: ([str(p) for p, _ in found], [y for _, y in found])
-            for split, found in readable.items()
+            s: ([p for p, _ in found], [y for _, y in found])
+            for s, found in readable.items()
             if found
         },
         class_names=class_names,
-        channels=channels,
+        channels=1 if modes <= GREY_MODES else 3,  # RGBA, palette, CMYK... become RGB
         image_size=image_size,
         notes=notes,
         value_ranges={"int": (0.0, float(2**bits - 1)), "float": float_range},
@@ -169,92 +163,72 @@ def scan_image_folder(
 def _list_images(root: Path, class_names: list[str]):
     """{split: [(path, label)]} of every image, and a Counter of other files by extension.
 
-    Refuses (ValueError) class folders that are one folder under two names, and one image
-    under two labels or in two splits (symlinks): the model would learn or test it twice.
+    Refuses (ValueError) one image under two labels or in two splits (a symlink, a class folder
+    linked to another, a hard link): the model would learn or test it twice.
     """
     files: dict[str, list[tuple[str, int]]] = {}
     others: Counter = Counter()
     # An image by its file, not its name: a symlink, a linked folder or a hard link (cp -al,
     # DVC's cache, which keeps no path in common) is the same (st_dev, st_ino).
-    owner: dict[tuple[int, int], tuple[str, str]] = {}  # -> ("split/class", path) that has it
-    for split in SPLIT_DIRS:
-        split_dir = root / split
-        if not split_dir.is_dir():
-            continue
-        found: list[tuple[str, int]] = []
-        real_dirs: dict[str, str] = {}
-        for class_dir in sorted(
-            p for p in split_dir.iterdir() if p.is_dir() and not is_hidden(p.name)
-        ):
+    owner: dict[tuple[int, int], str] = {}  # -> "split/class (path)" that has it
+    for split in [s for s in SPLIT_DIRS if (root / s).is_dir()]:
+        files[split] = []
+        for class_dir in sorted((root / split).iterdir()):
+            if not class_dir.is_dir() or is_hidden(class_dir.name):
+                continue
             if class_dir.name not in class_names:
                 raise ValueError(
                     f"--data-path: class {class_dir.name!r} is in {split}/ but not "
                     f"in train/ (train has: {', '.join(class_names)})"
                 )
-            real = os.path.realpath(class_dir)
-            if real in real_dirs:
-                raise ValueError(
-                    f"--data-path: class folders {split}/{real_dirs[real]} and "
-                    f"{split}/{class_dir.name} are the same folder ({real}): one class "
-                    "under two labels; remove the link"
-                )
-            real_dirs[real] = class_dir.name
-            images = []
-            with os.scandir(class_dir) as entries:
-                for entry in entries:
-                    if is_hidden(entry.name) or not entry.is_file():
-                        continue
-                    ext = os.path.splitext(entry.name)[1].lower()
-                    if ext not in IMAGE_EXTENSIONS:
-                        others[ext] += 1
-                        continue
-                    images.append(entry)
-            if not images and split == "train":
+            found = 0
+            for entry in sorted(os.scandir(class_dir), key=lambda e: e.name):
+                ext = os.path.splitext(entry.name)[1].lower()
+                if is_hidden(entry.name) or not entry.is_file():
+                    continue
+                if ext not in IMAGE_EXTENSIONS:
+                    others[ext] += 1
+                    continue
+                st = entry.stat()  # follows a symlink: its target's inode
+                if (st.st_dev, st.st_ino) in owner:
+                    raise ValueError(
+                        f"--data-path: {entry.path} is the same image as one in "
+                        f"{owner[st.st_dev, st.st_ino]}: an image may be in one class and one "
+                        "split only"
+                    )
+                owner[st.st_dev, st.st_ino] = f"{split}/{class_dir.name} ({entry.path})"
+                files[split].append((entry.path, class_names.index(class_dir.name)))
+                found += 1
+            if not found and split == "train":
                 raise ValueError(
                     f"--data-path: class folder {class_dir} has no images "
                     f"({', '.join(IMAGE_EXTENSIONS)})"
                 )
-            where = f"{split}/{class_dir.name}"
-            label = class_names.index(class_dir.name)
-            for entry in sorted(images, key=lambda e: e.name):
-                st = entry.stat()  # follows a symlink: its target's inode
-                same = owner.get((st.st_dev, st.st_ino))
-                if same is not None:
-                    raise ValueError(
-                        f"--data-path: {entry.path} is the same image as one in {same[0]} "
-                        f"({same[1]}): an image may be in one class and one split only"
-                    )
-                owner[(st.st_dev, st.st_ino)] = (where, entry.path)
-                found.append((entry.path, label))
-        files[split] = found
     return files, others
 
 
-def _check_images(root: Path, files: dict, report_dir: Path | None, version: str | None):
-    """{relative path: (width, height, mode, low, high) or "why unreadable"}, cached per version.
+def _check_images(root: Path, paths: list[str], report_dir: Path | None, version: str | None):
+    """{path: [width, height, mode, low, high] or "why unreadable"}, cached per version.
 
     Decodes every image fully once (im.load()): a file whose header reads but whose data is
     cut short fails here. Width and height are after EXIF orientation.
     """
     cache = check_cache_path(root, report_dir, version)
-    paths = [path for found in files.values() for path, _ in found]
+    relative = [os.path.relpath(p, root) for p in paths]  # the folder may move: its cache stays
     with contextlib.ExitStack() as stack:
         if cache is not None:
             with contextlib.suppress(OSError):  # a read-only --data-dir: check without caching
                 stack.enter_context(file_lock(cache))
-            cached = read_json_cache(cache)
-            if cached is not None and all(os.path.relpath(p, root) in cached for p in paths):
-                return {k: v if isinstance(v, str) else tuple(v) for k, v in cached.items()}
-        checked = {os.path.relpath(p, root): _inspect(p) for p in paths}
-        if cache is not None:
-            from .runs import atomic_write_text
-
-            with contextlib.suppress(OSError):
-                atomic_write_text(cache, json.dumps(checked))
-    return checked
+        checked = (cache and read_json_cache(cache)) or {}
+        if not all(r in checked for r in relative):
+            checked = {r: _inspect(p) for r, p in zip(relative, paths, strict=True)}
+            if cache is not None:
+                with contextlib.suppress(OSError):
+                    atomic_write_text(cache, json.dumps(checked))
+    return {p: checked[r] for p, r in zip(paths, relative, strict=True)}
 
 
-def _inspect(path: str) -> tuple | str:
+def _inspect(path: str) -> list | str:
     try:
         with Image.open(path) as image:
             image.load()  # the whole file: a truncated one fails here, with a reason
@@ -262,7 +236,7 @@ def _inspect(path: str) -> tuple | str:
             if image.getexif().get(EXIF_ORIENTATION, 1) in TRANSPOSED:
                 width, height = height, width
             low, high = image.getextrema() if image.mode in INT_MODES | {"F"} else (0, 255)
-            return (width, height, image.mode, float(low), float(high))
+            return [width, height, image.mode, float(low), float(high)]  # as JSON reads it
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         return f"{type(e).__name__}: {e}"
 
@@ -270,8 +244,6 @@ def _inspect(path: str) -> tuple | str:
 def _write_unreadable_list(root: Path, lines: list[str], report_dir: Path | None) -> Path:
     """The list goes next to the caches (the data folder may be read-only), replaced
     atomically: a link planted at its name is replaced, never written through."""
-    from .runs import atomic_write_text
-
     key = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:8]
     listing = Path(report_dir or root) / f"unreadable-images-{root.name}-{key}.txt"
     listing.parent.mkdir(parents=True, exist_ok=True)
