@@ -75,7 +75,7 @@ class FolderScan:
 
 
 def scan_image_folder(
-    root: Path | None,
+    root: Path,
     image_size: tuple[int, int] | None,
     report_dir: Path | None = None,
     version: str | None = None,
@@ -83,11 +83,8 @@ def scan_image_folder(
     """Find the images of `root`, check them, and describe the dataset (one-line errors).
 
     `version` (dataversion.data_version) keys the cached result of the checks in `report_dir`.
+    (data.load_dataset has refused a missing --data-path.)
     """
-    if root is None:
-        raise ValueError(
-            "--data-path: the folder dataset needs --data-path DIR (DIR/train/<class>/*.png)"
-        )
     root = Path(root)
     if not (root / "train").is_dir():
         raise ValueError(
