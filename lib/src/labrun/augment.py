@@ -29,9 +29,10 @@ DESCRIBED = {"NL": "vectors", "NCL": "signals", "NCHW": "images", "NCDHW": "volu
 DESCRIBED["NTF"] = "sequences"
 
 
-def crop_padding(height: int, width: int) -> int:
-    """Padding of the random-crop augmentation: 4 px at 32x32, 1/8 of the shorter side."""
-    return max(1, min(height, width) // 8)
+def crop_padding(*sizes: int) -> int:
+    """Padding of the random crop along (height, width), or a signal's length: 1/8 of the
+    shorter side (4 px at 32x32)."""
+    return max(1, min(sizes) // 8)
 
 
 def channel_last(layout: str, ndim: int) -> tuple[int, ...]:
@@ -132,7 +133,7 @@ def choose_augmentation(
             why=f"random resized crop (area {low:g}-{high:g} of the image, width/height "
             f"{narrow:.3g}-{wide:.3g}) + flip ({source}; --crop resized)",
         )
-    pad = crop_padding(*spatial) if len(spatial) == 2 else max(1, spatial[0] // 8)
+    pad = crop_padding(*spatial)
     kind = "crop + flip" if len(spatial) == 2 else "shift + flip along the length"
     if 4 * pad > min(spatial):  # the crop would cover more than a quarter of an axis
         skipped = (

@@ -95,19 +95,16 @@ def decode_batch(batch: EncodedBatch, shape, device) -> torch.Tensor:
     from torchvision.io import ImageReadMode, decode_jpeg
 
     channels, height, width = shape
-    encoded, paths = batch.encoded, batch.paths
     out = batch.decoded.to(device, non_blocking=True)
-    rows = [i for i, data in enumerate(encoded) if data is not None]
+    rows = [i for i, data in enumerate(batch.encoded) if data is not None]
     if not rows:
         return out
     mode = ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB
     try:
-        images = decode_jpeg([encoded[i] for i in rows], mode=mode, device=device)
-    except RuntimeError:  # one bad file fails the batch: find it, or decode them one by one
-        images = []
-        for i in rows:
-            pixels = decode_image(paths[i], (height, width), channels)  # raises: names it
-            images.append(torch.from_numpy(pixels).permute(2, 0, 1).to(device))
+        images = decode_jpeg([batch.encoded[i] for i in rows], mode=mode, device=device)
+    except RuntimeError:  # one bad file fails the batch: the CPU decodes them, naming a bad one
+        cpu = (decode_image(batch.paths[i], (height, width), channels) for i in rows)
+        images = [torch.from_numpy(pixels).permute(2, 0, 1) for pixels in cpu]
     for i, image in zip(rows, images, strict=True):
-        out[i] = cover_resize(image, height, width).permute(1, 2, 0)
+        out[i] = cover_resize(image.to(device), height, width).permute(1, 2, 0)
     return out
