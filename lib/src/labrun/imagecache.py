@@ -185,9 +185,7 @@ def _map_verified(cache: Path, shape) -> tuple[np.ndarray | None, str | None]:
     except OSError as e:
         why = _untrusted(_sums(cache)) or f"cannot be read ({e.strerror})"
         return None, f"has checksums {_sums(cache).name} that {why}"
-    chunks = -(-len(images) // CHUNK_IMAGES)
-    if len(sums) != chunks * DIGEST_BYTES:
-        return None, f"has checksums of another size ({len(sums)} bytes)"
+    chunks = -(-len(images) // CHUNK_IMAGES)  # sums of another size: chunks that do not match
 
     def damaged(i: int) -> bool:
         rows = images[i * CHUNK_IMAGES : (i + 1) * CHUNK_IMAGES]
@@ -237,25 +235,41 @@ def _create(path: Path, head: bytes, size: int) -> None:
             os.close(fd)
 
 
+def _allocate(partial: Path, shape) -> None:
+    """The .npy file of `shape` at `partial`, its blocks reserved; ValueError (one line) if
+    the disk or the file-size limit cannot hold it."""
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    head = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        head, {"descr": "|u1", "fortran_order": False, "shape": shape}
+    )
+    try:
+        _create(partial, head.getvalue(), len(head.getvalue()) + math.prod(shape))
+    except OSError as e:
+        why, fix = e.strerror, "free space"
+        if e.errno == errno.EFBIG:
+            why, fix = f"larger than {_fsize_limit()}", "raise the limit"
+        raise ValueError(
+            f"--data-dir: cannot write the decoded cache {partial} "
+            f"({size_text(math.prod(shape))}): {why}; {fix}, or use --data-mode stream"
+        ) from e
+
+
 def _decode(split: FileSplit, cache: Path, shape, processes: int, progress, notes) -> None:
     partial, marks_path = _partial(cache), cache.with_suffix(".chunks")
     chunks = -(-len(split) // CHUNK_IMAGES)
-    marks = _resumable_marks(partial, marks_path, shape, chunks, notes)
-    if marks is None:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        head = io.BytesIO()
-        header = {"descr": "|u1", "fortran_order": False, "shape": shape}
-        np.lib.format.write_array_header_1_0(head, header)
-        try:
-            _create(partial, head.getvalue(), len(head.getvalue()) + math.prod(shape))
-        except OSError as e:
-            why, fix = e.strerror, "free space"
-            if e.errno == errno.EFBIG:
-                why, fix = f"larger than {_fsize_limit()}", "raise the limit"
-            raise ValueError(
-                f"--data-dir: cannot write the decoded cache {partial} "
-                f"({size_text(math.prod(shape))}): {why}; {fix}, or use --data-mode stream"
-            ) from e
+    try:  # the checksums of an interrupted decode of this cache: it resumes
+        marks = _read(marks_path)
+        _map(partial, shape, "r")
+        if len(marks) != chunks * DIGEST_BYTES:
+            raise ValueError(f"{marks_path} holds {len(marks)} bytes")
+    except (OSError, ValueError):  # none, a link, not ours, another shape: start afresh
+        for path in (partial, marks_path):
+            why = _untrusted(path)
+            if why is not None:
+                notes.append(f"decoded cache file {path} {why}: removed")
+            _discard(path, why)
+        _allocate(partial, shape)
         _create(marks_path, b"", chunks * DIGEST_BYTES)  # zeros: no chunk done
         marks = bytes(chunks * DIGEST_BYTES)
     todo = [i for i in range(chunks) if not any(marks[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES])]
@@ -263,11 +277,10 @@ def _decode(split: FileSplit, cache: Path, shape, processes: int, progress, note
     if progress is None:  # tqdm: rewritten in place on a terminal, a line now and then in a log
         from tqdm import tqdm
 
-        start = min(done * CHUNK_IMAGES, len(split))
         bar = tqdm(
             desc=f"decoding once into {cache} ({processes} process(es))",
             total=len(split),
-            initial=start,
+            initial=min(done * CHUNK_IMAGES, len(split)),
             unit="img",
             file=sys.stderr,
             mininterval=0.5 if sys.stderr.isatty() else PROGRESS_EVERY_S,
@@ -296,24 +309,6 @@ def _decode(split: FileSplit, cache: Path, shape, processes: int, progress, note
             bar.close()
     os.replace(marks_path, _sums(cache))  # the checksums first: a cache never lacks them
     os.replace(partial, cache)
-
-
-def _resumable_marks(partial: Path, marks_path: Path, shape, chunks: int, notes) -> bytes | None:
-    """The checksums of an interrupted decode of this cache, or None: start afresh, after
-    removing what is there (a link or someone else's file is named in `notes`)."""
-    try:
-        marks = _read(marks_path)
-        _map(partial, shape, "r")
-        if len(marks) == chunks * DIGEST_BYTES:
-            return marks
-    except (OSError, ValueError):  # none, a link, not ours, another shape
-        pass
-    for path in (partial, marks_path):
-        why = _untrusted(path)
-        if why is not None:
-            notes.append(f"decoded cache file {path} {why}: removed")
-        _discard(path, why)
-    return None
 
 
 def _untrusted(path: Path) -> str | None:
