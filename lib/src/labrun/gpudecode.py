@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .imagefolder import EXIF_ORIENTATION, cover_resize, decode_image
+from .imagefolder import DECODE_ERRORS, EXIF_ORIENTATION, cover_resize, decode_image
 
 GPU_MODES = frozenset({"RGB", "L"})  # what nvJPEG decodes as Pillow does (not CMYK, YCCK)
 
@@ -56,7 +56,7 @@ def jpeg_bytes(path: str) -> np.ndarray | None:
                 return None
         with open(path, "rb") as f:
             return np.frombuffer(f.read(), dtype=np.uint8)
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+    except DECODE_ERRORS:
         return None
 
 

@@ -282,7 +282,6 @@ def _decode(split: FileSplit, cache: Path, shape, processes: int, progress, note
             total=len(split),
             initial=min(done * CHUNK_IMAGES, len(split)),
             unit="img",
-            file=sys.stderr,
             mininterval=0.5 if sys.stderr.isatty() else PROGRESS_EVERY_S,
         )
         progress = functools.partial(_advance, bar, len(split))

@@ -52,6 +52,8 @@ BIT_DEPTHS = (8, 10, 12, 14, 16, 24, 32)
 BACKGROUND = (255, 255, 255)  # what a transparent pixel shows: white, as image viewers do
 EXIF_ORIENTATION = 0x0112
 TRANSPOSED = frozenset({5, 6, 7, 8})  # orientations that swap width and height
+# What Pillow raises for a file it cannot decode (SyntaxError: some truncated headers).
+DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
 
 
 class UnreadableImage(ValueError):
@@ -234,7 +236,7 @@ def _inspect(path: str) -> list | str:
                 width, height = height, width
             low, high = image.getextrema() if image.mode in INT_MODES | {"F"} else (0, 255)
             return [width, height, image.mode, float(low), float(high)]  # as JSON reads it
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+    except DECODE_ERRORS as e:
         return f"{type(e).__name__}: {e}"
 
 
@@ -276,7 +278,7 @@ def decode_image(
             if orientation != 1:  # exif_transpose copies even an upright image: 1 ms at 500 px
                 image = ImageOps.exif_transpose(image)
             pixels = np.asarray(_to_8bit(image, channels, value_ranges or {}))  # read-only
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+    except DECODE_ERRORS as e:
         raise UnreadableImage(path, f"{type(e).__name__}: {e}") from e
     with warnings.catch_warnings():  # torch warns of read-only pixels, and only reads them
         warnings.simplefilter("ignore", UserWarning)
