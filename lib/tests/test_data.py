@@ -253,7 +253,7 @@ def test_next_iteration_without_set_epoch_moves_on(small_split):
 
 def test_random_crop_flip():
     images = torch.randint(0, 256, (64, 32, 32, 3), dtype=torch.uint8)
-    out = random_crop_flip(torch.nn.functional.pad(images, (0, 0, 4, 4, 4, 4)), 4)
+    out = random_crop_flip(torch.nn.functional.pad(images, (0, 0, 4, 4, 4, 4)), (4, 4))
     assert out.shape == images.shape and out.dtype == torch.uint8
     flipped = 0
     for original, augmented in zip(images, out, strict=True):

@@ -29,15 +29,10 @@ DESCRIBED = {"NL": "vectors", "NCL": "signals", "NCHW": "images", "NCDHW": "volu
 DESCRIBED["NTF"] = "sequences"
 
 
-def channel_stats(channels: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    if channels == 3:
-        return MEAN, STD
-    return (sum(MEAN) / 3,) * channels, (sum(STD) / 3,) * channels
-
-
-def crop_padding(height: int, width: int) -> int:
-    """Padding of the random-crop augmentation: 4 px at 32x32, 1/8 of the shorter side."""
-    return max(1, min(height, width) // 8)
+def crop_padding(*sizes: int) -> int:
+    """Padding of the random crop along (height, width), or a signal's length: 1/8 of the
+    shorter side (4 px at 32x32)."""
+    return max(1, min(sizes) // 8)
 
 
 def channel_last(layout: str, ndim: int) -> tuple[int, ...]:
@@ -138,7 +133,7 @@ def choose_augmentation(
             why=f"random resized crop (area {low:g}-{high:g} of the image, width/height "
             f"{narrow:.3g}-{wide:.3g}) + flip ({source}; --crop resized)",
         )
-    pad = crop_padding(*spatial) if len(spatial) == 2 else max(1, spatial[0] // 8)
+    pad = crop_padding(*spatial)
     kind = "crop + flip" if len(spatial) == 2 else "shift + flip along the length"
     if 4 * pad > min(spatial):  # the crop would cover more than a quarter of an axis
         skipped = (
@@ -176,8 +171,9 @@ class DeviceTransform:
         self._to_layout = tuple(order.index(axis) for axis in range(len(order)))
         # Images keep channels_last memory; other layouts are handed over contiguous.
         self._contiguous = self.layout not in ("NCHW", "NCDHW")
-        if normalization is None:
-            normalization = Normalization(*channel_stats(shape[0]))
+        if normalization is None:  # uint8 images: MEAN, STD, or their means for every channel
+            grey = Normalization((sum(MEAN) / 3,), (sum(STD) / 3,))  # (broadcast below)
+            normalization = Normalization(MEAN, STD) if shape[0] == 3 else grey
         self._scale = self._shift = None
         if normalization.mean is not None:
             # (x - mean) / std = x * scale + shift, as full channel-last tensors permuted like
@@ -213,18 +209,16 @@ class DeviceTransform:
 def random_crop_flip(padded: torch.Tensor, padding, *, flip: bool = True) -> torch.Tensor:
     """Per-sample random crop and horizontal flip of a zero-padded NHWC batch.
 
-    `padding`: one int for both axes, or (rows, columns). Offsets and flips come from the
-    default RNG of the batch's device (so a checkpoint's RNG state replays them exactly). Both
-    ways of cutting give the same pixels (a test checks).
+    `padding`: (rows, columns). Offsets and flips come from the default RNG of the batch's
+    device (so a checkpoint's RNG state replays them exactly). Both ways of cutting give the
+    same pixels (a test checks).
     """
-    py, px = (padding, padding) if isinstance(padding, int) else padding
-    n, hp, wp, c = padded.shape
+    py, px = padding
+    n, hp, wp, _ = padded.shape
     dev = padded.device
     dy = torch.randint(0, 2 * py + 1, (n,), device=dev)
     dx = torch.randint(0, 2 * px + 1, (n,), device=dev)
-    flips = torch.randint(0, 2, (n,), device=dev)
-    if not flip:
-        flips.zero_()
+    flips = torch.randint(0, 2, (n,), device=dev) * flip  # drawn either way: the same stream
     cut = crop_flip_slices if dev.type == "cpu" else crop_flip_gather
     return cut(padded, dy, dx, flips, (hp - 2 * py, wp - 2 * px))
 

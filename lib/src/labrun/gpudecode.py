@@ -10,7 +10,7 @@ and torchvision (the optional extra `labrun[gpu-decode]`) are there, the loader'
 read the bytes of each JPEG the GPU decodes as the CPU would (8-bit RGB or greyscale, upright)
 and decode everything else as before (imagefolder.decode_image: PNG, CMYK, 16-bit, EXIF-rotated
 files); the main process decodes the batch's JPEGs on the device, cuts the same centered box
-(imagefolder.cover_box) and resizes it (antialiased bilinear, rounded to uint8): the same data
+and resizes it (imagefolder.cover_resize: antialiased bilinear, rounded to uint8): the same data
 contract (uint8, the run's size, the same files and splits), not the same bits (nvJPEG's IDCT
 and the float resize differ from libjpeg-turbo's and the uint8 one by a level or two).
 """
@@ -21,10 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from PIL import Image
 
-from .imagefolder import EXIF_ORIENTATION, cover_box, decode_image
+from .imagefolder import DECODE_ERRORS, EXIF_ORIENTATION, cover_resize, decode_image
 
 GPU_MODES = frozenset({"RGB", "L"})  # what nvJPEG decodes as Pillow does (not CMYK, YCCK)
 
@@ -57,7 +56,7 @@ def jpeg_bytes(path: str) -> np.ndarray | None:
                 return None
         with open(path, "rb") as f:
             return np.frombuffer(f.read(), dtype=np.uint8)
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+    except DECODE_ERRORS:
         return None
 
 
@@ -96,31 +95,16 @@ def decode_batch(batch: EncodedBatch, shape, device) -> torch.Tensor:
     from torchvision.io import ImageReadMode, decode_jpeg
 
     channels, height, width = shape
-    encoded, paths = batch.encoded, batch.paths
     out = batch.decoded.to(device, non_blocking=True)
-    rows = [i for i, data in enumerate(encoded) if data is not None]
+    rows = [i for i, data in enumerate(batch.encoded) if data is not None]
     if not rows:
         return out
     mode = ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB
     try:
-        images = decode_jpeg([encoded[i] for i in rows], mode=mode, device=device)
-    except RuntimeError:  # one bad file fails the batch: find it, or decode them one by one
-        images = []
-        for i in rows:
-            pixels = decode_image(paths[i], (height, width), channels)  # raises: names it
-            images.append(torch.from_numpy(pixels).permute(2, 0, 1).to(device))
+        images = decode_jpeg([batch.encoded[i] for i in rows], mode=mode, device=device)
+    except RuntimeError:  # one bad file fails the batch: the CPU decodes them, naming a bad one
+        cpu = (decode_image(batch.paths[i], (height, width), channels) for i in rows)
+        images = [torch.from_numpy(pixels).permute(2, 0, 1) for pixels in cpu]
     for i, image in zip(rows, images, strict=True):
-        out[i] = cover_resize(image, height, width).permute(1, 2, 0)
+        out[i] = cover_resize(image.to(device), height, width).permute(1, 2, 0)
     return out
-
-
-def cover_resize(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """uint8 (C, h, w) -> uint8 (C, height, width): imagefolder.cover_box's part, resized
-    (antialiased bilinear, as the CPU decode), on the image's device."""
-    _, h, w = image.shape
-    if (h, w) == (height, width):
-        return image
-    left, top, crop_w, crop_h = cover_box(w, h, width, height)
-    window = image[None, :, top : top + crop_h, left : left + crop_w].float()
-    resized = F.interpolate(window, size=(height, width), mode="bilinear", antialias=True)
-    return resized[0].round_().clamp_(0, 255).to(torch.uint8)

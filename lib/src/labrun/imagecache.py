@@ -29,14 +29,15 @@ is decoded again, with a note, never trained on.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
+import io
+import math
 import multiprocessing
 import os
 import resource
 import shutil
 import sys
-import tempfile
-import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
@@ -49,12 +50,12 @@ from .augment import one_cpu_thread
 from .dataversion import file_lock
 from .imagefolder import UnreadableImage, decode_image
 from .loaders import FileSplit, Split, available_cpus, worker_init, workers_started_safely
-from .runs import FILE_MODE, open_own, size_text
+from .runs import atomic_path, open_own, size_text
 
 CHUNK_IMAGES = 256  # images per task of a decoding process (and per checksum)
 PROGRESS_EVERY_S = 10.0  # the progress line, when not on a terminal: at most this often
 # In the key: change it when the layout of the file or the decoded pixels change (v2: the
-# resize is torch's, imagefolder._cover).
+# resize is torch's, imagefolder.cover_resize).
 FORMAT = "nhwc-uint8-v2"
 DIGEST_BYTES = 16  # sha256 per chunk, cut; all zeros in the .chunks file: the chunk is not done
 
@@ -87,7 +88,7 @@ def decode_cached(
     """`split` decoded once into its cache (see the module's docstring), memory-mapped.
 
     `processes`: decoding processes (None: every core this process may use). `progress`:
-    called after every chunk (None: a progress line on stderr). `notes`: gets one line per
+    called after every chunk (None: a progress bar on stderr). `notes`: gets one line per
     cache file not used (a link, another user's, damaged), for run.log. Raises UnreadableImage
     naming a file that does not decode, ValueError (one line) for a cache that cannot be
     written, DecodeWorkerDied when a decoding process is killed.
@@ -102,7 +103,7 @@ def decode_cached(
             if why is not None:  # never trained on: removed (the name only) and decoded again
                 notes.append(f"decoded cache {cache} {why}: not used, decoded again")
                 for path in (cache, _sums(cache)):
-                    _discard(path, why=why)
+                    _discard(path, why)
             _decode(split, cache, shape, processes or available_cpus(), progress, notes)
             images, why = _map_verified(cache, shape)
             if images is None:
@@ -116,15 +117,14 @@ def cache_fits(split: FileSplit, data_dir: Path, version: str | None = None) -> 
     cache = cache_path(split, data_dir, version)
     if cache.exists() and _untrusted(cache) is None:
         return None
-    c, h, w = split.image_shape
-    need = len(split) * c * h * w
+    need = len(split) * math.prod(split.image_shape)
     limit, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
     if limit != resource.RLIM_INFINITY and need > limit:
-        return (
-            f"its decoded cache ({size_text(need)}) is larger than the file-size limit "
-            f"(ulimit -f: {size_text(limit)})"
-        )
-    free = shutil.disk_usage(_existing_parent(cache)).free
+        return f"its decoded cache ({size_text(need)}) is larger than {_fsize_limit()}"
+    parent = cache.parent
+    while not parent.exists():
+        parent = parent.parent
+    free = shutil.disk_usage(parent).free
     partial = _partial(cache)
     if partial.exists() and _untrusted(partial) is None:  # a decode to resume: space taken
         free += partial.stat().st_size
@@ -133,10 +133,9 @@ def cache_fits(split: FileSplit, data_dir: Path, version: str | None = None) -> 
     return None
 
 
-def _existing_parent(path: Path) -> Path:
-    while not path.exists():
-        path = path.parent
-    return path
+def _fsize_limit() -> str:
+    limit, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return f"the file-size limit (ulimit -f: {size_text(limit)})"
 
 
 def _partial(cache: Path) -> Path:
@@ -152,56 +151,41 @@ def _digest(rows: np.ndarray) -> bytes:
     return hashlib.sha256(np.ascontiguousarray(rows).data).digest()[:DIGEST_BYTES]
 
 
-def _map_npy(fd: int, shape, mode: str) -> np.memmap:
-    """The uint8 array of `shape` in the .npy file open at `fd`, mapped; ValueError if the
-    file holds anything else (another shape, a short file)."""
-    with os.fdopen(os.dup(fd), "rb") as f:
-        major, _ = np.lib.format.read_magic(f)
-        read = (
-            np.lib.format.read_array_header_1_0
-            if major == 1
-            else np.lib.format.read_array_header_2_0
-        )
-        found, fortran, dtype = read(f)
-        offset = f.tell()
-        size = os.fstat(fd).st_size
-        if tuple(found) != tuple(shape) or fortran or dtype != np.uint8:
+def _read(path: Path) -> bytes:
+    with os.fdopen(open_own(path, os.O_RDONLY), "rb") as f:
+        return f.read()
+
+
+def _map(path: Path, shape, mode: str) -> np.memmap:
+    """The uint8 array of `shape` in our .npy file at `path` (open_own: no link followed),
+    mapped; OSError if the file is not ours, ValueError if it holds anything else."""
+    with os.fdopen(open_own(path, os.O_RDWR if mode == "r+" else os.O_RDONLY), "rb") as f:
+        np.lib.format.read_magic(f)
+        found, fortran, dtype = np.lib.format.read_array_header_1_0(f)  # what _decode writes
+        if (tuple(found), fortran, dtype) != (tuple(shape), False, np.uint8):
             raise ValueError(f"holds {dtype} {tuple(found)}, not uint8 {tuple(shape)}")
-        if size != offset + int(np.prod(shape)):
-            raise ValueError(f"is {size} bytes, not {offset + int(np.prod(shape))}")
-        # The mapping keeps its own reference to the file: the fd may be closed after this.
-        return np.memmap(f, dtype=np.uint8, mode=mode, shape=tuple(shape), offset=offset)
+        # A short file fails to map (ValueError); the mapping keeps its own reference to the
+        # file, which may be closed after this.
+        return np.memmap(f, dtype=np.uint8, mode=mode, shape=tuple(shape), offset=f.tell())
 
 
 def _map_verified(cache: Path, shape) -> tuple[np.ndarray | None, str | None]:
     """(the cache mapped copy-on-write, None) when it is ours and every chunk matches its
     checksum; (None, why not) otherwise; (None, None) when there is no cache."""
     try:
-        fd = open_own(cache, os.O_RDONLY)
-    except FileNotFoundError:
-        return None, None
-    except OSError as e:
-        return None, _untrusted(cache) or f"cannot be opened ({e})"
-    try:
         # Copy-on-write ("c"): pages are read from the shared page cache; a write (none is
         # made) would stay private instead of faulting on a read-only mapping.
-        images = _map_npy(fd, shape, "c")
-    except (OSError, ValueError) as e:
-        return None, f"is unreadable ({e})"
-    finally:
-        os.close(fd)
-    chunks = -(-len(images) // CHUNK_IMAGES)
-    try:
-        fd = open_own(_sums(cache), os.O_RDONLY)
-        with os.fdopen(fd, "rb") as f:
-            sums = f.read()
+        images = _map(cache, shape, "c")
     except FileNotFoundError:
-        return None, f"has no checksums ({_sums(cache).name})"
+        return None, None
+    except (OSError, ValueError) as e:
+        return None, _untrusted(cache) or f"is unreadable ({e})"
+    try:
+        sums = _read(_sums(cache))
     except OSError as e:
-        why = _untrusted(_sums(cache)) or f"cannot be opened ({e})"
+        why = _untrusted(_sums(cache)) or f"cannot be read ({e.strerror})"
         return None, f"has checksums {_sums(cache).name} that {why}"
-    if len(sums) != chunks * DIGEST_BYTES:
-        return None, f"has checksums of another size ({len(sums)} bytes)"
+    chunks = -(-len(images) // CHUNK_IMAGES)  # sums of another size: chunks that do not match
 
     def damaged(i: int) -> bool:
         rows = images[i * CHUNK_IMAGES : (i + 1) * CHUNK_IMAGES]
@@ -219,50 +203,88 @@ def _map_verified(cache: Path, shape) -> tuple[np.ndarray | None, str | None]:
     return images, None
 
 
-def _discard(path: Path, notes: list[str] | None = None, why: str | None = None) -> None:
+def _discard(path: Path, why: str | None) -> None:
     """Remove the name `path` (a link is removed, never its target); ValueError if we may not."""
     try:
         os.unlink(path)
     except FileNotFoundError:
-        return
+        pass
     except OSError as e:
         raise ValueError(
             f"--data-dir: {path} {why or 'is not usable'} and cannot be removed ({e.strerror}); "
             "remove it, or use another --data-dir"
         ) from e
-    if notes is not None and why is not None:
-        notes.append(f"decoded cache file {path} {why}: removed")
 
 
-def _create(path: Path, fill: Callable[[int], None]) -> None:
-    """Create `path` under a private random name (O_EXCL, no link followed), fill it through its
-    fd, and rename it into place: nothing planted at `path` is ever written through."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        fill(fd)
-        os.fchmod(fd, FILE_MODE)
-        os.close(fd)
-        fd = -1
-        os.replace(tmp, path)
-    finally:
-        if fd >= 0:
+def _create(path: Path, head: bytes, size: int) -> None:
+    """`path` of `size` bytes starting with `head`, its blocks reserved: a full disk fails here,
+    not later as SIGBUS in a process writing through the mapping. Made under a private random
+    name (mkstemp: O_EXCL; opened again without following a link) and renamed into place:
+    nothing planted at `path` is ever written through."""
+    with atomic_path(path) as tmp:
+        fd = open_own(tmp, os.O_RDWR)
+        try:
+            os.write(fd, head)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # cannot reserve: sparse
+                    raise
+                os.ftruncate(fd, size)
+        finally:
             os.close(fd)
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
+
+
+def _allocate(partial: Path, shape) -> None:
+    """The .npy file of `shape` at `partial`, its blocks reserved; ValueError (one line) if
+    the disk or the file-size limit cannot hold it."""
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    head = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        head, {"descr": "|u1", "fortran_order": False, "shape": shape}
+    )
+    try:
+        _create(partial, head.getvalue(), len(head.getvalue()) + math.prod(shape))
+    except OSError as e:
+        why, fix = e.strerror, "free space"
+        if e.errno == errno.EFBIG:
+            why, fix = f"larger than {_fsize_limit()}", "raise the limit"
+        raise ValueError(
+            f"--data-dir: cannot write the decoded cache {partial} "
+            f"({size_text(math.prod(shape))}): {why}; {fix}, or use --data-mode stream"
+        ) from e
 
 
 def _decode(split: FileSplit, cache: Path, shape, processes: int, progress, notes) -> None:
     partial, marks_path = _partial(cache), cache.with_suffix(".chunks")
     chunks = -(-len(split) // CHUNK_IMAGES)
-    marks = _resumable_marks(partial, marks_path, shape, chunks, notes)
-    if marks is None:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        _create(partial, lambda fd: _allocate(fd, partial, shape))
-        marks = bytearray(chunks * DIGEST_BYTES)
-        _create(marks_path, lambda fd: os.write(fd, marks))
-    done = [any(marks[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES]) for i in range(chunks)]
-    todo = [i for i in range(chunks) if not done[i]]
-    report = progress or _ProgressLine(len(split), cache, processes, chunks - len(todo))
+    try:  # the checksums of an interrupted decode of this cache: it resumes
+        marks = _read(marks_path)
+        _map(partial, shape, "r")
+        if len(marks) != chunks * DIGEST_BYTES:
+            raise ValueError(f"{marks_path} holds {len(marks)} bytes")
+    except (OSError, ValueError):  # none, a link, not ours, another shape: start afresh
+        for path in (partial, marks_path):
+            why = _untrusted(path)
+            if why is not None:
+                notes.append(f"decoded cache file {path} {why}: removed")
+            _discard(path, why)
+        _allocate(partial, shape)
+        _create(marks_path, b"", chunks * DIGEST_BYTES)  # zeros: no chunk done
+        marks = bytes(chunks * DIGEST_BYTES)
+    todo = [i for i in range(chunks) if not any(marks[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES])]
+    done, bar = chunks - len(todo), None
+    if progress is None:  # tqdm: rewritten in place on a terminal, a line now and then in a log
+        from tqdm import tqdm
+
+        bar = tqdm(
+            desc=f"decoding once into {cache} ({processes} process(es))",
+            total=len(split),
+            initial=min(done * CHUNK_IMAGES, len(split)),
+            unit="img",
+            mininterval=0.5 if sys.stderr.isatty() else PROGRESS_EVERY_S,
+        )
+        progress = functools.partial(_advance, bar, len(split))
     paths, decoded = list(split.paths), (split.image_shape, split.value_ranges)
     tasks = [
         (str(partial), shape, i, paths[i * CHUNK_IMAGES : (i + 1) * CHUNK_IMAGES], decoded)
@@ -277,36 +299,15 @@ def _decode(split: FileSplit, cache: Path, shape, processes: int, progress, note
                 raise UnreadableImage(*unreadable)
             # The chunk's rows are flushed (by its process) before its checksum is written.
             os.pwrite(marks_fd, digest, i * DIGEST_BYTES)
-            done[i] = True
-            report(sum(done), chunks)
+            done += 1
+            progress(done, chunks)
         os.fsync(marks_fd)
     finally:
         os.close(marks_fd)
+        if bar is not None:
+            bar.close()
     os.replace(marks_path, _sums(cache))  # the checksums first: a cache never lacks them
     os.replace(partial, cache)
-
-
-def _resumable_marks(
-    partial: Path, marks_path: Path, shape, chunks: int, notes: list[str]
-) -> bytearray | None:
-    """The checksums of an interrupted decode of this cache, or None: start afresh, after
-    removing what is there (a link or someone else's file is named in `notes`)."""
-    try:
-        fd = open_own(marks_path, os.O_RDONLY)
-        with os.fdopen(fd, "rb") as f:
-            marks = bytearray(f.read())
-        fd = open_own(partial, os.O_RDONLY)
-        try:
-            _map_npy(fd, shape, "r")
-        finally:
-            os.close(fd)
-        if len(marks) == chunks * DIGEST_BYTES:
-            return marks
-    except (OSError, ValueError):  # none, a link, not ours, another shape
-        pass
-    for path in (partial, marks_path):
-        _discard(path, notes, _untrusted(path))
-    return None
 
 
 def _untrusted(path: Path) -> str | None:
@@ -324,31 +325,8 @@ def _untrusted(path: Path) -> str | None:
     return None
 
 
-def _allocate(fd: int, path: Path, shape) -> None:
-    """The .npy file at its full size, its blocks reserved: a full disk fails here, with a
-    message, not later as SIGBUS in a process writing through the mapping."""
-    header = {"descr": "|u1", "fortran_order": False, "shape": tuple(shape)}
-    need = int(np.prod(shape))
-    try:
-        with os.fdopen(os.dup(fd), "wb") as f:
-            np.lib.format.write_array_header_1_0(f, header)
-            size = f.tell() + need
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as e:
-            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # cannot reserve: sparse
-                raise
-            os.ftruncate(fd, size)
-    except OSError as e:
-        why, fix = e.strerror, "free space"
-        if e.errno == errno.EFBIG:
-            limit, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
-            why = f"larger than the file-size limit (ulimit -f: {size_text(limit)})"
-            fix = "raise the limit"
-        raise ValueError(
-            f"--data-dir: cannot write the decoded cache {path} ({size_text(need)}): "
-            f"{why}; {fix}, or use --data-mode stream"
-        ) from e
+def _advance(bar, images: int, done: int, _chunks: int) -> None:
+    bar.update(min(done * CHUNK_IMAGES, images) - bar.n)
 
 
 def _run(tasks, processes: int):
@@ -381,11 +359,7 @@ def _run(tasks, processes: int):
 def _decode_chunk(task) -> tuple[int, tuple[str, str] | None, bytes | None]:
     """(chunk, None or (path, reason), checksum of its rows once flushed)."""
     path, shape, chunk, paths, ((channels, height, width), value_ranges) = task
-    fd = open_own(Path(path), os.O_RDWR)
-    try:
-        images = _map_npy(fd, shape, "r+")
-    finally:
-        os.close(fd)
+    images = _map(Path(path), shape, "r+")
     start = chunk * CHUNK_IMAGES
     # One thread per process (the pool has one process per core; processes=1 decodes here).
     with one_cpu_thread(torch.device("cpu")):
@@ -396,31 +370,3 @@ def _decode_chunk(task) -> tuple[int, tuple[str, str] | None, bytes | None]:
                 return chunk, (e.path, e.reason), None
     images.flush()
     return chunk, None, _digest(images[start : start + len(paths)])
-
-
-class _ProgressLine:
-    """`decoding N images into CACHE (P processes): 37% (..., ... img/s)` on stderr: rewritten
-    in place on a terminal, a new line at most every PROGRESS_EVERY_S in a log file."""
-
-    def __init__(self, images: int, cache: Path, processes: int, done: int):
-        self.images, self.start, self.last = images, time.monotonic(), 0.0
-        self.first_done = done
-        self.tty = sys.stderr.isatty()
-        resumed = f", resuming after {done} chunk(s) done" if done else ""
-        print(
-            f"decoding {images} images once into {cache} "
-            f"({processes} process{'es' if processes > 1 else ''}{resumed})",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    def __call__(self, done: int, chunks: int) -> None:
-        now = time.monotonic()
-        if done < chunks and now - self.last < (0.5 if self.tty else PROGRESS_EVERY_S):
-            return
-        self.last = now
-        images = min(done * CHUNK_IMAGES, self.images)
-        rate = (done - self.first_done) * CHUNK_IMAGES / max(now - self.start, 1e-9)
-        line = f"decoded {images}/{self.images} images ({100 * done // chunks}%, {rate:.0f} img/s)"
-        end = "\n" if done == chunks or not self.tty else ""
-        print(("\r" if self.tty else "") + line, end=end, file=sys.stderr, flush=True)

@@ -30,11 +30,16 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from PIL import Image, ImageOps
 
 from .dataversion import check_cache_path, file_lock, is_hidden, read_json_cache
+from .runs import atomic_write_text
+
+if TYPE_CHECKING:
+    import torch
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".webp", ".gif", ".bmp")
 SPLIT_DIRS = ("train", "val", "test")
@@ -47,6 +52,8 @@ BIT_DEPTHS = (8, 10, 12, 14, 16, 24, 32)
 BACKGROUND = (255, 255, 255)  # what a transparent pixel shows: white, as image viewers do
 EXIF_ORIENTATION = 0x0112
 TRANSPOSED = frozenset({5, 6, 7, 8})  # orientations that swap width and height
+# What Pillow raises for a file it cannot decode (SyntaxError: some truncated headers).
+DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
 
 
 class UnreadableImage(ValueError):
@@ -70,7 +77,7 @@ class FolderScan:
 
 
 def scan_image_folder(
-    root: Path | None,
+    root: Path,
     image_size: tuple[int, int] | None,
     report_dir: Path | None = None,
     version: str | None = None,
@@ -78,11 +85,8 @@ def scan_image_folder(
     """Find the images of `root`, check them, and describe the dataset (one-line errors).
 
     `version` (dataversion.data_version) keys the cached result of the checks in `report_dir`.
+    (data.load_dataset has refused a missing --data-path.)
     """
-    if root is None:
-        raise ValueError(
-            "--data-path: the folder dataset needs --data-path DIR (DIR/train/<class>/*.png)"
-        )
     root = Path(root)
     if not (root / "train").is_dir():
         raise ValueError(
@@ -101,24 +105,19 @@ def scan_image_folder(
     if total == 0:
         raise ValueError(f"--data-path: no images ({', '.join(IMAGE_EXTENSIONS)}) under {root}")
 
-    checked = _check_images(root, files, report_dir, version)
-    sizes, modes, unreadable, readable = set(), set(), [], {}
-    int_max, float_range = 0, (0.0, 1.0)
-    for split, found in files.items():
-        readable[split] = []
-        for path, label in found:
-            result = checked[os.path.relpath(path, root)]
-            if isinstance(result, str):
-                unreadable.append(f"{path}\t{result}")
-                continue
-            width, height, mode, low, high = result
-            sizes.add((width, height))
-            modes.add(mode)
-            if mode in INT_MODES:
-                int_max = max(int_max, high)
-            elif mode == "F":
-                float_range = (min(float_range[0], low), max(float_range[1], high))
-            readable[split].append((path, label))
+    checked = _check_images(
+        root, [p for found in files.values() for p, _ in found], report_dir, version
+    )
+    readable = {
+        s: [(p, y) for p, y in found if not isinstance(checked[p], str)]
+        for s, found in files.items()
+    }
+    unreadable = [f"{p}\t{why}" for p, why in checked.items() if isinstance(why, str)]
+    infos = [checked[p] for found in readable.values() for p, _ in found]  # (w, h, mode, low, high)
+    sizes, modes = {(w, h) for w, h, *_ in infos}, {mode for _, _, mode, _, _ in infos}
+    int_max = max((high for _, _, mode, _, high in infos if mode in INT_MODES), default=0)
+    floats = [(low, high) for _, _, mode, low, high in infos if mode == "F"]
+    float_range = (min([0.0, *(lo for lo, _ in floats)]), max([1.0, *(hi for _, hi in floats)]))
     notes = []
     if others:
         counts = ", ".join(f"{ext or 'no extension'}: {n}" for ext, n in others.most_common())
@@ -145,17 +144,15 @@ def scan_image_folder(
             )
         ((width, height),) = sizes
         image_size = (height, width)
-    channels = 1 if modes <= GREY_MODES else 3  # RGBA, palette, CMYK... become RGB
     bits = next((b for b in BIT_DEPTHS if int_max < 2**b), BIT_DEPTHS[-1])
-
     return FolderScan(
         files={
-            split: ([str(p) for p, _ in found], [y for _, y in found])
-            for split, found in readable.items()
+            s: ([p for p, _ in found], [y for _, y in found])
+            for s, found in readable.items()
             if found
         },
         class_names=class_names,
-        channels=channels,
+        channels=1 if modes <= GREY_MODES else 3,  # RGBA, palette, CMYK... become RGB
         image_size=image_size,
         notes=notes,
         value_ranges={"int": (0.0, float(2**bits - 1)), "float": float_range},
@@ -165,92 +162,72 @@ def scan_image_folder(
 def _list_images(root: Path, class_names: list[str]):
     """{split: [(path, label)]} of every image, and a Counter of other files by extension.
 
-    Refuses (ValueError) class folders that are one folder under two names, and one image
-    under two labels or in two splits (symlinks): the model would learn or test it twice.
+    Refuses (ValueError) one image under two labels or in two splits (a symlink, a class folder
+    linked to another, a hard link): the model would learn or test it twice.
     """
     files: dict[str, list[tuple[str, int]]] = {}
     others: Counter = Counter()
     # An image by its file, not its name: a symlink, a linked folder or a hard link (cp -al,
     # DVC's cache, which keeps no path in common) is the same (st_dev, st_ino).
-    owner: dict[tuple[int, int], tuple[str, str]] = {}  # -> ("split/class", path) that has it
-    for split in SPLIT_DIRS:
-        split_dir = root / split
-        if not split_dir.is_dir():
-            continue
-        found: list[tuple[str, int]] = []
-        real_dirs: dict[str, str] = {}
-        for class_dir in sorted(
-            p for p in split_dir.iterdir() if p.is_dir() and not is_hidden(p.name)
-        ):
+    owner: dict[tuple[int, int], str] = {}  # -> "split/class (path)" that has it
+    for split in [s for s in SPLIT_DIRS if (root / s).is_dir()]:
+        files[split] = []
+        for class_dir in sorted((root / split).iterdir()):
+            if not class_dir.is_dir() or is_hidden(class_dir.name):
+                continue
             if class_dir.name not in class_names:
                 raise ValueError(
                     f"--data-path: class {class_dir.name!r} is in {split}/ but not "
                     f"in train/ (train has: {', '.join(class_names)})"
                 )
-            real = os.path.realpath(class_dir)
-            if real in real_dirs:
-                raise ValueError(
-                    f"--data-path: class folders {split}/{real_dirs[real]} and "
-                    f"{split}/{class_dir.name} are the same folder ({real}): one class "
-                    "under two labels; remove the link"
-                )
-            real_dirs[real] = class_dir.name
-            images = []
-            with os.scandir(class_dir) as entries:
-                for entry in entries:
-                    if is_hidden(entry.name) or not entry.is_file():
-                        continue
-                    ext = os.path.splitext(entry.name)[1].lower()
-                    if ext not in IMAGE_EXTENSIONS:
-                        others[ext] += 1
-                        continue
-                    images.append(entry)
-            if not images and split == "train":
+            found = 0
+            for entry in sorted(os.scandir(class_dir), key=lambda e: e.name):
+                ext = os.path.splitext(entry.name)[1].lower()
+                if is_hidden(entry.name) or not entry.is_file():
+                    continue
+                if ext not in IMAGE_EXTENSIONS:
+                    others[ext] += 1
+                    continue
+                st = entry.stat()  # follows a symlink: its target's inode
+                if (st.st_dev, st.st_ino) in owner:
+                    raise ValueError(
+                        f"--data-path: {entry.path} is the same image as one in "
+                        f"{owner[st.st_dev, st.st_ino]}: an image may be in one class and one "
+                        "split only"
+                    )
+                owner[st.st_dev, st.st_ino] = f"{split}/{class_dir.name} ({entry.path})"
+                files[split].append((entry.path, class_names.index(class_dir.name)))
+                found += 1
+            if not found and split == "train":
                 raise ValueError(
                     f"--data-path: class folder {class_dir} has no images "
                     f"({', '.join(IMAGE_EXTENSIONS)})"
                 )
-            where = f"{split}/{class_dir.name}"
-            label = class_names.index(class_dir.name)
-            for entry in sorted(images, key=lambda e: e.name):
-                st = entry.stat()  # follows a symlink: its target's inode
-                same = owner.get((st.st_dev, st.st_ino))
-                if same is not None:
-                    raise ValueError(
-                        f"--data-path: {entry.path} is the same image as one in {same[0]} "
-                        f"({same[1]}): an image may be in one class and one split only"
-                    )
-                owner[(st.st_dev, st.st_ino)] = (where, entry.path)
-                found.append((entry.path, label))
-        files[split] = found
     return files, others
 
 
-def _check_images(root: Path, files: dict, report_dir: Path | None, version: str | None):
-    """{relative path: (width, height, mode, low, high) or "why unreadable"}, cached per version.
+def _check_images(root: Path, paths: list[str], report_dir: Path | None, version: str | None):
+    """{path: [width, height, mode, low, high] or "why unreadable"}, cached per version.
 
     Decodes every image fully once (im.load()): a file whose header reads but whose data is
     cut short fails here. Width and height are after EXIF orientation.
     """
     cache = check_cache_path(root, report_dir, version)
-    paths = [path for found in files.values() for path, _ in found]
+    relative = [os.path.relpath(p, root) for p in paths]  # the folder may move: its cache stays
     with contextlib.ExitStack() as stack:
         if cache is not None:
             with contextlib.suppress(OSError):  # a read-only --data-dir: check without caching
                 stack.enter_context(file_lock(cache))
-            cached = read_json_cache(cache)
-            if cached is not None and all(os.path.relpath(p, root) in cached for p in paths):
-                return {k: v if isinstance(v, str) else tuple(v) for k, v in cached.items()}
-        checked = {os.path.relpath(p, root): _inspect(p) for p in paths}
-        if cache is not None:
-            from .runs import atomic_write_text
-
-            with contextlib.suppress(OSError):
-                atomic_write_text(cache, json.dumps(checked))
-    return checked
+        checked = (cache and read_json_cache(cache)) or {}
+        if not all(r in checked for r in relative):
+            checked = {r: _inspect(p) for r, p in zip(relative, paths, strict=True)}
+            if cache is not None:
+                with contextlib.suppress(OSError):
+                    atomic_write_text(cache, json.dumps(checked))
+    return {p: checked[r] for p, r in zip(paths, relative, strict=True)}
 
 
-def _inspect(path: str) -> tuple | str:
+def _inspect(path: str) -> list | str:
     try:
         with Image.open(path) as image:
             image.load()  # the whole file: a truncated one fails here, with a reason
@@ -258,16 +235,14 @@ def _inspect(path: str) -> tuple | str:
             if image.getexif().get(EXIF_ORIENTATION, 1) in TRANSPOSED:
                 width, height = height, width
             low, high = image.getextrema() if image.mode in INT_MODES | {"F"} else (0, 255)
-            return (width, height, image.mode, float(low), float(high))
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+            return [width, height, image.mode, float(low), float(high)]  # as JSON reads it
+    except DECODE_ERRORS as e:
         return f"{type(e).__name__}: {e}"
 
 
 def _write_unreadable_list(root: Path, lines: list[str], report_dir: Path | None) -> Path:
     """The list goes next to the caches (the data folder may be read-only), replaced
     atomically: a link planted at its name is replaced, never written through."""
-    from .runs import atomic_write_text
-
     key = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:8]
     listing = Path(report_dir or root) / f"unreadable-images-{root.name}-{key}.txt"
     listing.parent.mkdir(parents=True, exist_ok=True)
@@ -286,6 +261,8 @@ def decode_image(
     `value_ranges`: {"int": (low, high), "float": (low, high)} mapped onto 0..255 for images of
     more than 8 bits (from the scan; default: the mode's own range). Raises UnreadableImage.
     """
+    import torch  # here: the scan stays torch-free
+
     height, width = size
     try:
         with Image.open(path) as image:
@@ -300,11 +277,13 @@ def decode_image(
             image.draft(None, need[::-1] if turned else need)
             if orientation != 1:  # exif_transpose copies even an upright image: 1 ms at 500 px
                 image = ImageOps.exif_transpose(image)
-            image = _to_8bit(image, channels, value_ranges or {})
-            pixels = _cover(image, width, height)
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+            pixels = np.asarray(_to_8bit(image, channels, value_ranges or {}))  # read-only
+    except DECODE_ERRORS as e:
         raise UnreadableImage(path, f"{type(e).__name__}: {e}") from e
-    return pixels.reshape(height, width, channels)
+    with warnings.catch_warnings():  # torch warns of read-only pixels, and only reads them
+        warnings.simplefilter("ignore", UserWarning)
+        hwc = torch.from_numpy(pixels.reshape(*pixels.shape[:2], channels))
+    return cover_resize(hwc.permute(2, 0, 1), height, width).permute(1, 2, 0).numpy()
 
 
 def _to_8bit(image: Image.Image, channels: int, value_ranges: dict) -> Image.Image:
@@ -315,42 +294,31 @@ def _to_8bit(image: Image.Image, channels: int, value_ranges: dict) -> Image.Ima
         values = (np.asarray(image, dtype=np.float64) - low) * (255 / max(high - low, 1e-12))
         # The scan's range holds every value; the clip only guards a file changed since.
         image = Image.fromarray(np.clip(np.rint(values), 0, 255).astype(np.uint8), "L")
-    elif mode == "P":
-        image = image.convert("RGBA" if "transparency" in image.info else "RGB")
-    if image.mode in ("RGBA", "LA", "La", "RGBa", "PA"):
+    elif image.has_transparency_data:  # alpha, or a palette's transparent colour
         rgba = image.convert("RGBA")
         image = Image.alpha_composite(Image.new("RGBA", rgba.size, (*BACKGROUND, 255)), rgba)
     target = "L" if channels == 1 else "RGB"
     return image if image.mode == target else image.convert(target)  # convert() always copies
 
 
-def _cover(image: Image.Image, width: int, height: int) -> np.ndarray:
-    """Resize so the image covers width x height, cropping the long side's excess evenly:
-    uint8 (height, width, channels).
+def cover_resize(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """uint8 (C, h, w) -> uint8 (C, height, width) on the image's device: its centered part with
+    the aspect ratio of width x height, resized (antialiased bilinear). The CPU decode and the
+    GPU decode (gpudecode.py) both cut and resize here.
 
-    The crop is cut before the resize, and the resize is torch's antialiased bilinear on the
-    uint8 pixels (its AVX2 path: 0.17 ms for 375x375 -> 224x224 on one core, 0.92 ms for
-    Pillow's resize; the same filter, values within 1 of Pillow's)."""
-    import torch
+    On the CPU the resize is torch's on the uint8 pixels (its AVX2 path: 0.17 ms for 375x375 ->
+    224x224 on one core, 0.92 ms for Pillow's resize; the same filter, values within 1 of
+    Pillow's); other devices resize in float32, rounded."""
     import torch.nn.functional as F
 
-    pixels = np.asarray(image)  # one copy out of Pillow, read-only
-    pixels = pixels.reshape(*pixels.shape[:2], -1)  # greyscale (H, W) -> (H, W, 1)
-    h, w = pixels.shape[:2]
-    if (w, h) == (width, height):
-        return pixels
-    left, top, crop_w, crop_h = cover_box(w, h, width, height)
-    with warnings.catch_warnings():  # read-only pixels: torch warns, and only reads them
-        warnings.simplefilter("ignore", UserWarning)
-        window = torch.from_numpy(pixels[top : top + crop_h, left : left + crop_w])
-    nchw = window.permute(2, 0, 1).unsqueeze(0)  # a channels_last view: no copy
-    resized = F.interpolate(nchw, size=(height, width), mode="bilinear", antialias=True)
-    return resized[0].permute(1, 2, 0).numpy()
-
-
-def cover_box(w: int, h: int, width: int, height: int) -> tuple[int, int, int, int]:
-    """(left, top, crop width, crop height): the centered part of a w x h image with the aspect
-    ratio of width x height (the CPU and the GPU decode cut the same)."""
+    _, h, w = image.shape
+    if (h, w) == (height, width):
+        return image
     scale = max(width / w, height / h)
     crop_w, crop_h = min(round(width / scale), w), min(round(height / scale), h)
-    return (w - crop_w) // 2, (h - crop_h) // 2, crop_w, crop_h
+    top, left = (h - crop_h) // 2, (w - crop_w) // 2
+    window = image[None, :, top : top + crop_h, left : left + crop_w]
+    if image.device.type != "cpu":  # uint8 interpolation: the CPU only
+        window = window.float()
+    resized = F.interpolate(window, size=(height, width), mode="bilinear", antialias=True)[0]
+    return resized if image.device.type == "cpu" else resized.round().clamp(0, 255).byte()
