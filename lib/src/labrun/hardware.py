@@ -144,7 +144,7 @@ def choose_compile(
     *,
     micro_batches: int = 1,
     blocked: str | None = None,
-    measure: Callable[[], tuple[float, dict[str, CompileCost]]] | None = None,
+    measure: Callable[[], tuple[float, dict[str, CompileCost]]],
 ) -> tuple[str | None, str]:
     """(torch.compile mode or None for eager, why), from --compile and the measured work.
 
@@ -168,8 +168,6 @@ def choose_compile(
         return flag, f"{flag} (--compile {flag})"
     if flag == "auto" and device.type != "cuda":
         return None, "eager (--compile auto: off on CPU; --compile on to compile)"
-    if measure is None:
-        raise ValueError("choose_compile: --compile on/auto needs `measure`")
     step_s, costs = measure()
     costs = {**prior_costs(device), **costs}
     eager_s = steps * micro_batches * step_s
@@ -185,9 +183,6 @@ def choose_compile(
     def saving(mode: str) -> float:
         return eager_s * (1 - costs[mode].ratio)
 
-    def net_saving(mode: str) -> float:
-        return saving(mode) - costs[mode].compile_s
-
     candidates = [m for m in costs if m not in skipped]
     lines = [
         f"{m} saves ~{saving(m):.1f} s ({100 * (1 - costs[m].ratio):.0f} %, {costs[m].source}) "
@@ -197,11 +192,10 @@ def choose_compile(
     estimates = "; ".join(lines)
     if not candidates:
         return None, f"eager: {work}; every mode was measured slower: {estimates}"
-    mode = max(candidates, key=net_saving)
-    cost = costs[mode]
+    mode = max(candidates, key=lambda m: saving(m) - costs[m].compile_s)  # net of compiling
     if flag == "on":
         return mode, f"{mode} (--compile on): {work}; {estimates}"
-    if saving(mode) >= PAYBACK * cost.compile_s:
+    if saving(mode) >= PAYBACK * costs[mode].compile_s:
         return mode, f"{mode}: {work}; {estimates} ({mode}: >= {PAYBACK:g} x: pays)"
     return None, f"eager: {work}; {estimates} (best, {mode}: < {PAYBACK:g} x: would not pay)"
 
@@ -413,19 +407,18 @@ def decide_compile(
     the decision with its numbers. Run it on one rank and share the mode (torchrun: the same
     on all)."""
     device = next(model.parameters()).device
-    now = timed(device)
-    seen: dict = {"eager_s": 0.0, "record": None}
+    record, eager_s = None, 0.0
 
     def measure() -> tuple[float, dict[str, CompileCost]]:
+        nonlocal record, eager_s
         cache, source = use_inductor_cache(project_root)  # before anything compiles
         log.info("inductor cache: %s (%s)", cache, source)
         x, y = batch()
-        record = seen["record"] = CompileRecord(cache, model, x, dtype, device)
-        recorded = record.eager_step_s()
-        if recorded is None:
-            recorded = time_forward_backward(model, x, y, loss_fn, dtype, now)
-        seen["eager_s"] = recorded
-        return recorded, record.costs(device)
+        record = CompileRecord(cache, model, x, dtype, device)
+        eager_s = record.eager_step_s() or time_forward_backward(
+            model, x, y, loss_fn, dtype, timed(device)
+        )
+        return eager_s, record.costs(device)
 
     blocked = graphs_blocked(device, micro_batches, ddp, dtype)
     mode, why = choose_compile(
@@ -437,10 +430,10 @@ def decide_compile(
         blocked=blocked,
         measure=measure,
     )
-    if mode in MODES and seen["record"] is None:  # a forced mode: its costs are still recorded
+    if mode in MODES and record is None:  # a forced mode: its costs are still recorded
         measure()
     log.info("compile: %s", why)
-    return mode, seen["eager_s"], seen["record"]
+    return mode, eager_s, record
 
 
 def recommended_batch_size(device: torch.device) -> int:
