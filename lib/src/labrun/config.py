@@ -285,6 +285,7 @@ class Experiment:
         None,
         "your data (e.g. the folder of --dataset folder); part of the run's identity, so two "
         "datasets never share a run directory",
+        parse=_directory,  # absolute: the same data named two ways is one experiment
     )
     image_size: tuple | None = flag(
         None, "resize images to N x N (or HxW); default: their own size", parse=_image_size
@@ -580,8 +581,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
             "--task classification uses it); drop it"
         )
     args.data_version = None
-    if args.data_path is not None:  # absolute: the same data named two ways is one experiment
-        args.data_path = args.data_path.expanduser().resolve()
+    if args.data_path is not None:
         try:  # cheap: a stat per directory while none changed (dataversion.py)
             args.data_version = data_version(args.data_path, args.data_dir)
         except ValueError as exc:

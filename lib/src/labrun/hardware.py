@@ -628,8 +628,7 @@ def measure_matmul_flops(device: torch.device, dtype, size: int | None = None) -
     now (matmul_peak records it; gpucheck measures afresh). A CPU gets 1024-square ones: 8192
     would take seconds each."""
     n = size or (PEAK_MATMUL_SIZE if device.type == "cuda" else 1024)
-    a = torch.randn(n, n, device=device, dtype=dtype or torch.float32)
-    b = torch.randn(n, n, device=device, dtype=dtype or torch.float32)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype or torch.float32) for _ in range(2))
     now = timed(device)
     best = float("inf")
     for _ in range(PEAK_REPEATS + 1):  # the first: cuBLAS's heuristics, allocation
