@@ -259,8 +259,10 @@ def flag(
     bounds = {"above": above, "at_least": at_least, "below": below}
     meta = dict(help=help, execution=execution, choices=choices, bounds=bounds, parse=parse)
     meta["metavar"] = metavar
-    if isinstance(default, dict):  # a dataclass refuses a mutable default
-        return dataclasses.field(default_factory=dict, metadata=meta)
+    if isinstance(default, dict | list | set):  # a dataclass refuses a mutable default
+        return dataclasses.field(
+            default_factory=functools.partial(type(default), default), metadata=meta
+        )
     return dataclasses.field(default=default, metadata=meta)
 
 
