@@ -55,12 +55,6 @@ TASK_DECLARED = declarations("register_task")
 TASK_CHOICES = {name: d.help for name, d in TASK_DECLARED.items()}
 TASKS_MODULE = f"{__package__}.tasks"  # the built-in tasks: which of them read which flag
 
-# How a run is executed, not what it computes: the flags of these two groups of build_parser
-# (run.py's Config fields marked execution=True join the first) are left out of the hash, so the
-# same experiment run on another GPU, with more workers or after a Ctrl-C lands in the same
-# directory.
-EXECUTION_GROUP = "execution (not part of the hash)"
-TOOLS_GROUP = "tools (do one thing and exit)"
 # The experiment-defining flags of the first release: always in the hash (their run names are
 # pinned by the tests). Every other experiment key (a flag added since, `data_version`) is hashed
 # only while it differs from its default: adding a flag with a default never moves a run.
@@ -160,18 +154,31 @@ def _finite(text: str) -> float:
     return value + 0.0  # -0.0 -> 0.0: equal values must hash to one run directory
 
 
-def _positive_int(text: str) -> int:
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
+def _bounded(parse, above=None, at_least=None, below=None):
+    """`parse` (text -> number) that refuses values outside the bounds."""
+    if above == 0 and below is None:
+        why = "must be positive"
+    elif below is None:
+        why = f"must be >= {at_least}" if at_least is not None else f"must be > {above}"
+    else:
+        low = "(-inf" if above is None and at_least is None else f"({above}"
+        why = f"must be in {f'[{at_least}' if at_least is not None else low}, {below})"
+
+    def check(text: str):
+        value = parse(text)
+        if (
+            (above is not None and value <= above)
+            or (at_least is not None and value < at_least)
+            or (below is not None and value >= below)
+        ):
+            raise argparse.ArgumentTypeError(f"{why}, got {text}")
+        return value
+
+    return check
 
 
-def _seed(text: str) -> int:
-    value = _int(text)
-    if not 0 <= value <= MAX_SEED:
-        raise argparse.ArgumentTypeError(f"must be in [0, {MAX_SEED}], got {text}")
-    return value
+_positive_int = _bounded(_int, at_least=1)  # also analyze.py's
+_seed = _bounded(_int, at_least=0, below=MAX_SEED + 1)
 
 
 def _range_of(low: float, high: float):
@@ -207,15 +214,6 @@ def _model_args(text: str) -> dict:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _model_help() -> str:
-    """Each model with its own size arguments: `cnn1d: a 1-D CNN (width, depth=2)`."""
-    described = {}
-    for name, declared in MODEL_DECLARED.items():
-        listed = listed_arguments(declared)
-        described[name] = f"{declared.help} ({listed})" if listed else declared.help
-    return _choices_help(described)
-
-
 def _choices_help(entries: dict[str, str]) -> str:
     return "; ".join(f"{name}: {text}" for name, text in entries.items())
 
@@ -239,7 +237,7 @@ def _directory(text: str) -> Path:
     return path.resolve()
 
 
-# ---- run.py's Config: the method's hyperparameters ------------------------------------------
+# ---- the flags: run.py's Config and labrun's own, declared alike ------------------------------
 def flag(
     default,
     help: str,
@@ -249,15 +247,236 @@ def flag(
     above: float | None = None,
     at_least: float | None = None,
     below: float | None = None,
+    parse=None,
+    metavar: str | None = None,
 ):
     """One field of run.py's Config: `lr: float = flag(3e-3, "peak learning rate", above=0)`.
 
-    The annotation types the flag (float, int, str, bool: --x / --no-x); `choices`, `above`,
-    `at_least` and `below` refuse other values with one `error:` line. `execution=True`: how the
-    run is executed, not what it computes (left out of the run's identity and name)."""
+    The annotation types the flag (float, int, str, Path, bool: --x / --no-x when it defaults to
+    True, else a switch), or `parse` (text -> value); `choices`, `above`, `at_least` and `below`
+    refuse other values with one `error:` line. `execution=True`: how the run is executed, not
+    what it computes (left out of the run's identity and name)."""
     bounds = {"above": above, "at_least": at_least, "below": below}
-    meta = {"help": help, "execution": execution, "choices": choices, "bounds": bounds}
+    meta = dict(help=help, execution=execution, choices=choices, bounds=bounds, parse=parse)
+    meta["metavar"] = metavar
+    if isinstance(default, dict | list | set):  # a dataclass refuses a mutable default
+        return dataclasses.field(
+            default_factory=functools.partial(type(default), default), metadata=meta
+        )
     return dataclasses.field(default=default, metadata=meta)
+
+
+FRACTION = {"at_least": 0, "below": 1}  # flag(..., **FRACTION): a value in [0, 1)
+
+
+def _auto(help: str):
+    """A flag whose default, auto, lets labrun decide (run.log says what and why)."""
+    return flag("auto", help, choices=("auto", "on", "off"))
+
+
+@dataclasses.dataclass
+class Experiment:
+    """labrun's flags that define what a run computes (in its identity)."""
+
+    dataset: str = flag(
+        "digits",
+        _choices_help({k: v.help for k, v in DATASET_DECLARED.items()}),
+        choices=DATASET_CHOICES,
+    )
+    data_path: Path | None = flag(
+        None,
+        "your data (e.g. the folder of --dataset folder); part of the run's identity, so two "
+        "datasets never share a run directory",
+        parse=_directory,  # absolute: the same data named two ways is one experiment
+    )
+    image_size: tuple | None = flag(
+        None, "resize images to N x N (or HxW); default: their own size", parse=_image_size
+    )
+    model: str = flag(
+        "cnn",
+        _choices_help(  # each model with its own size arguments: `cnn1d: ... (width, depth=2)`
+            {
+                n: f"{d.help} ({listed_arguments(d)})".removesuffix(" ()")
+                for n, d in MODEL_DECLARED.items()
+            }
+        ),
+        choices=tuple(MODEL_CHOICES),
+    )
+    model_args: dict = flag(
+        {},
+        "the model's own size arguments (listed with --model, in parentheses), e.g. "
+        "depth=3,kernel=5; unset ones take the function's defaults. Run names show those you "
+        "set, tables the ones that vary",
+        parse=_model_args,
+        metavar="K=V,...",
+    )
+    task: str = flag("classification", _choices_help(TASK_CHOICES), choices=tuple(TASK_CHOICES))
+    monitor: str | None = flag(
+        None,
+        "the validation metric early stopping and best_model.pt follow, e.g. val_loss, val_r2 "
+        "(lower or higher is better as the task says); default: the task's own "
+        "(classification: val_acc, regression: val_mse, multilabel: val_map)",
+        metavar="METRIC",
+    )
+    synthetic_size: int = flag(10_000, "number of images of the synthetic dataset", at_least=1)
+    val_fraction: float = flag(
+        0.1,
+        "fraction of the training set held out for validation / early stopping",
+        **FRACTION,
+    )
+    width: int = flag(
+        WIDTH_DEFAULT,
+        "size of models that take `width` (the built-ins: channels of the first stage); a model "
+        "without one ignores the default and refuses any other value",
+        at_least=1,
+    )
+    epochs: int = flag(20, "maximum number of epochs", at_least=1)
+    max_steps: int = flag(
+        0, "stop after exactly this many optimizer steps (0 = no limit)", at_least=0
+    )
+    batch_size: int = flag(
+        128, "micro-batch size; effective batch = batch size x --grad-accum", at_least=1
+    )
+    patience: int = flag(
+        5,
+        "early stopping: epochs without a better --monitor value (0 = off); counted only after "
+        "--min-epochs (and after the peak of a OneCycleLR schedule)",
+        at_least=0,
+    )
+    test_weights: str = flag(
+        "best",
+        "the weights the test split is evaluated with: the best --monitor epoch's, or the last "
+        "epoch's (fitting experiments); metrics.json's test_weights and tested_epoch say which",
+        choices=("best", "final"),
+    )
+    min_epochs: int = flag(
+        0,
+        "early stopping counts no epoch up to this one (nor any before the peak of a "
+        "OneCycleLR schedule)",
+        at_least=0,
+    )
+    augment: str = _auto(
+        "training augmentation; auto = random crop + flip for uint8 images (N, C, H, W), none "
+        "for other data (or as the dataset declares); on = crop + flip of images, shift + flip "
+        "along the length of signals and sequences; run.log says which and why",
+    )
+    crop: str = flag(
+        "pad",
+        "the images' random crop: pad = a crop of the image zero-padded by 1/8 of its side "
+        "(small images, CIFAR's); resized = a random part of the image (--crop-scale, "
+        "--crop-ratio) resized to the full size (photos, ImageNet's RandomResizedCrop); both "
+        "with a random flip",
+        choices=CROPS,
+    )
+    crop_scale: tuple = flag(
+        CROP_SCALE,
+        "--crop resized: the part's area, a fraction of the image's, drawn from LOW..HIGH",
+        parse=_range_of(0.0, 1.0),
+        metavar="LOW,HIGH",
+    )
+    crop_ratio: tuple = flag(
+        CROP_RATIO,
+        "--crop resized: the part's width / height, drawn log-uniformly from LOW..HIGH "
+        "(fractions allowed: 3/4,4/3)",
+        parse=_range_of(0.0, math.inf),
+        metavar="LOW,HIGH",
+    )
+    seed: int = flag(
+        0, "seed of the initialisation, validation split, shuffling, augmentation", parse=_seed
+    )
+    grad_accum: int = flag(1, "micro-batches per optimizer step", at_least=1)
+    label_smoothing: float = flag(
+        0.0,
+        "label smoothing of the cross-entropy loss (--task classification)",
+        **FRACTION,
+    )
+
+
+@dataclasses.dataclass
+class Execution:
+    """labrun's flags of how a run is executed, not what it computes: left out of the hash, so
+    the same experiment run on another GPU, with more workers or after a Ctrl-C lands in the
+    same directory (run.py's Config fields marked execution=True join them)."""
+
+    device: str = flag("auto", "auto = cuda when available", choices=("auto", "cpu", "cuda"))
+    amp: str = _auto(
+        "mixed precision; auto = bf16 on GPUs of compute capability >= 8.0, fp16 + GradScaler "
+        "below, fp32 on CPU; on: CPU bf16 only where it is native",
+    )
+    compile: str = flag(
+        "auto",
+        "torch.compile the step; auto = on CUDA in the mode (default, reduce-overhead: CUDA "
+        "graphs, max-autotune) whose measured saving over the steps left is >= 2x its recorded "
+        "compile time, off on CPU; on = always, in the best mode; a mode name: that mode "
+        "(without CUDA graphs where they cannot work); --deterministic stays eager",
+        choices=("auto", "on", "off", "default", "reduce-overhead", "max-autotune"),
+    )
+    workers: int | None = flag(
+        None,
+        "data-loader worker processes; None = chosen from the cores this job may use, 0 = load "
+        "in the main process",
+        at_least=0,
+    )
+    data_mode: str = flag(
+        "auto",
+        "image files: decode once into RAM, or stream them from disk in workers; auto = memory "
+        "when they take < 1/4 of the available RAM",
+        choices=("auto", "memory", "stream"),
+    )
+    gpu_resident: str = _auto(
+        "keep the dataset on the GPU; auto = when it fits comfortably",
+    )
+    deterministic: bool = flag(
+        False,
+        "bitwise-reproducible: deterministic kernels (an op without one raises), TF32 and "
+        "compile off; resume then matches exactly. Not across GPU models, drivers, torch "
+        "versions or thread counts",
+    )
+    results_dir: Path = flag(
+        TRIALS_DIR,
+        "parent of the run directories (run.sh uses results/<sweep name>)",
+        parse=_directory,
+    )
+    data_dir: Path = flag(
+        PROJECT_ROOT / "data", "where datasets are downloaded / cached", parse=_directory
+    )
+    experiment: str | None = flag(
+        None,
+        f"MLflow experiment name (default: {DEFAULT_EXPERIMENT!r}; {TRIALS_EXPERIMENT!r} for "
+        "runs into results/trials)",
+        parse=_experiment,
+    )
+    tracking: str = flag(
+        "on",  # tracking_default(), read when the parser is built
+        f"log to MLflow (off: only the run directory; also {TRACKING_ENV}=off). An unreachable "
+        "tracker never stops training: see README, Tracking",
+        choices=("on", "off"),
+    )
+    progress: str = _auto("tqdm progress bar; auto = when stderr is a terminal")
+    checkpoint_every: float = flag(
+        300.0,
+        "seconds between end-of-epoch checkpoints (0 = every epoch); a stop signal and the end "
+        "of the run always checkpoint",
+        at_least=0,
+    )
+    fresh: bool = flag(False, "delete this run's directory contents and start over")
+
+
+@dataclasses.dataclass
+class Tools:
+    """Flags that do one thing and exit (out of the hash, like Execution's)."""
+
+    find_lr: bool = flag(False, "LR range test: plot + suggestion")
+    find_batch_size: bool = flag(False, "largest batch size that fits in memory, then exit")
+    profile: bool = flag(
+        False, "profile a few training steps after warm-up; trace into the run dir"
+    )
+    print_run_dir: bool = flag(
+        False, "print the absolute run directory and exit (imports no torch)"
+    )
+    init_tracking: bool = flag(
+        False, "create the MLflow DB and experiment, then exit (sweeps call it once)"
+    )
 
 
 _config: type | None = None  # run.py's Config, given to lifecycle (use_config)
@@ -284,65 +503,41 @@ def _project_config() -> type | None:
     return getattr(module, "Config", None)
 
 
-def method_fields() -> list[tuple[dataclasses.Field, type]]:
-    """(field, type) of each hyperparameter of run.py's Config, in its order."""
-    config = _config or _project_config()
+def fields_of(config: type | None) -> list[tuple[dataclasses.Field, type]]:
+    """(field, type) of each field of a dataclass of flags, in its order."""
     if config is None:
         return []
     hints = typing.get_type_hints(config)
     return [(f, hints[f.name]) for f in dataclasses.fields(config)]
 
 
+def method_fields() -> list[tuple[dataclasses.Field, type]]:
+    """(field, type) of each hyperparameter of run.py's Config, in its order."""
+    return fields_of(_config or _project_config())
+
+
 def execution_keys() -> frozenset:
-    """The flags of EXECUTION_GROUP and TOOLS_GROUP, the Config fields marked execution=True
-    among them."""
-    groups = [g for g in build_parser()._action_groups if g.title in (EXECUTION_GROUP, TOOLS_GROUP)]
-    return frozenset(action.dest for group in groups for action in group._group_actions)
-
-
-def _bounded(parse, above=None, at_least=None, below=None):
-    """`parse` (text -> number) that refuses values outside the bounds, as the shared flags do."""
-    if above == 0 and below is None:
-        why = "must be positive"
-    elif at_least is not None and below is not None:
-        why = f"must be in [{at_least:g}, {below:g})"
-    elif at_least is not None:
-        why = f"must be >= {at_least:g}"
-    else:
-        low = f"({above:g}" if above is not None else "(-inf"
-        why = f"must be in {low}, {below:g})" if below is not None else f"must be > {above:g}"
-
-    def check(text: str):
-        value = parse(text)
-        if (
-            (above is not None and value <= above)
-            or (at_least is not None and value < at_least)
-            or (below is not None and value >= below)
-        ):
-            raise argparse.ArgumentTypeError(f"{why}, got {text}")
-        return value
-
-    return check
+    """The flags of Execution and Tools, and the Config fields marked execution=True."""
+    own = [f.name for config in (Execution, Tools) for f in dataclasses.fields(config)]
+    return frozenset(own + [f.name for f, _ in method_fields() if f.metadata.get("execution")])
 
 
 def _add_field(group, field: dataclasses.Field, kind: type) -> None:
-    """`--name` for one Config field, typed by its annotation."""
+    """`--name` for one field, typed by its annotation (`X | None`: X) or its `parse`."""
     meta, name = field.metadata, "--" + field.name.replace("_", "-")
-    help_text = meta.get("help") or "(no help: give the field flag(default, help))"
-    options = {"default": field.default, "help": help_text.replace("%", "%%")}
+    help_text = meta.get("help", "(no help: give the field flag(default, help))")
+    default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+    options = {"default": default, "help": help_text.replace("%", "%%")}
     if kind is bool:
-        group.add_argument(name, action=argparse.BooleanOptionalAction, **options)
+        action = argparse.BooleanOptionalAction if default else "store_true"
+        group.add_argument(name, action=action, **options)
         return
-    parse = {float: _finite, int: _int}.get(kind, kind)
-    bounds = meta.get("bounds") or {}
-    if any(v is not None for v in bounds.values()):
-        parse = _bounded(parse, **bounds)
-    group.add_argument(name, type=parse, choices=meta.get("choices"), **options)
-
-
-_non_negative_int = _bounded(_int, at_least=0)
-_non_negative_float = _bounded(_finite, at_least=0)
-_fraction = _bounded(_finite, at_least=0, below=1)
+    kind = next((k for k in typing.get_args(kind) if k is not type(None)), kind)
+    parse = meta.get("parse") or {float: _finite, int: _int}.get(kind, kind)
+    if any(v is not None for v in (meta.get("bounds") or {}).values()):
+        parse = _bounded(parse, **meta["bounds"])
+    choices, metavar = meta.get("choices"), meta.get("metavar")
+    group.add_argument(name, type=parse, choices=choices, metavar=metavar, **options)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -352,268 +547,14 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     e = p.add_argument_group("experiment (these define the run directory's hash)")
-    e.add_argument(
-        "--dataset",
-        choices=DATASET_CHOICES,
-        default="digits",
-        help=_choices_help({k: v.help for k, v in DATASET_DECLARED.items()}),
-    )
-    e.add_argument(
-        "--data-path",
-        type=Path,
-        default=None,
-        help="your data (e.g. the folder of --dataset folder); part of the run's "
-        "identity, so two datasets never share a run directory",
-    )
-    e.add_argument(
-        "--image-size",
-        type=_image_size,
-        default=None,
-        help="resize images to N x N (or HxW); default: their own size",
-    )
-    e.add_argument("--model", choices=tuple(MODEL_CHOICES), default="cnn", help=_model_help())
-    e.add_argument(
-        "--model-args",
-        type=_model_args,
-        default={},
-        metavar="K=V,...",
-        help="the model's own size arguments (listed with --model, in parentheses), e.g. "
-        "depth=3,kernel=5; unset ones take the function's defaults. Run names show those "
-        "you set, tables the ones that vary",
-    )
-    e.add_argument(
-        "--task",
-        choices=tuple(TASK_CHOICES),
-        default="classification",
-        help=_choices_help(TASK_CHOICES),
-    )
-    e.add_argument(
-        "--monitor",
-        default=None,
-        metavar="METRIC",
-        help="the validation metric early stopping and best_model.pt follow, e.g. val_loss, "
-        "val_r2 (lower or higher is better as the task says); default: the task's own "
-        "(classification: val_acc, regression: val_mse, multilabel: val_map)",
-    )
-    e.add_argument(
-        "--synthetic-size",
-        type=_positive_int,
-        default=10_000,
-        help="number of images of the synthetic dataset",
-    )
-    e.add_argument(
-        "--val-fraction",
-        type=_fraction,
-        default=0.1,
-        help="fraction of the training set held out for validation / early stopping",
-    )
-    e.add_argument(
-        "--width",
-        type=_positive_int,
-        default=WIDTH_DEFAULT,
-        help="size of models that take `width` (the built-ins: channels of the first stage); "
-        "a model without one ignores the default and refuses any other value",
-    )
-    e.add_argument("--epochs", type=_positive_int, default=20, help="maximum number of epochs")
-    e.add_argument(
-        "--max-steps",
-        type=_non_negative_int,
-        default=0,
-        help="stop after exactly this many optimizer steps (0 = no limit)",
-    )
-    e.add_argument(
-        "--batch-size",
-        type=_positive_int,
-        default=128,
-        help="micro-batch size; effective batch = batch size x --grad-accum",
-    )
-    e.add_argument(
-        "--patience",
-        type=_non_negative_int,
-        default=5,
-        help="early stopping: epochs without a better --monitor value (0 = off); counted "
-        "only after --min-epochs (and after the peak of a OneCycleLR schedule)",
-    )
-    e.add_argument(
-        "--test-weights",
-        choices=("best", "final"),
-        default="best",
-        help="the weights the test split is evaluated with: the best --monitor epoch's, or "
-        "the last epoch's (fitting experiments); metrics.json's test_weights and "
-        "tested_epoch say which",
-    )
-    e.add_argument(
-        "--min-epochs",
-        type=_non_negative_int,
-        default=0,
-        help="early stopping counts no epoch up to this one (nor any before the peak of a "
-        "OneCycleLR schedule)",
-    )
-    e.add_argument(
-        "--augment",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="training augmentation; auto = random crop + flip for uint8 images (N, C, H, W), "
-        "none for other data (or as the dataset declares); on = crop + flip of images, shift + "
-        "flip along the length of signals and sequences; run.log says which and why",
-    )
-    e.add_argument(
-        "--crop",
-        choices=CROPS,
-        default="pad",
-        help="the images' random crop: pad = a crop of the image zero-padded by 1/8 of its "
-        "side (small images, CIFAR's); resized = a random part of the image (--crop-scale, "
-        "--crop-ratio) resized to the full size (photos, ImageNet's RandomResizedCrop); "
-        "both with a random flip",
-    )
-    e.add_argument(
-        "--crop-scale",
-        type=_range_of(0.0, 1.0),
-        default=CROP_SCALE,
-        metavar="LOW,HIGH",
-        help="--crop resized: the part's area, a fraction of the image's, drawn from LOW..HIGH",
-    )
-    e.add_argument(
-        "--crop-ratio",
-        type=_range_of(0.0, math.inf),
-        default=CROP_RATIO,
-        metavar="LOW,HIGH",
-        help="--crop resized: the part's width / height, drawn log-uniformly from LOW..HIGH "
-        "(fractions allowed: 3/4,4/3)",
-    )
-    e.add_argument(
-        "--seed",
-        type=_seed,
-        default=0,
-        help="seed of the initialisation, validation split, shuffling, augmentation",
-    )
-    e.add_argument(
-        "--grad-accum", type=_positive_int, default=1, help="micro-batches per optimizer step"
-    )
-    e.add_argument(
-        "--label-smoothing",
-        type=_fraction,
-        default=0.0,
-        help="label smoothing of the cross-entropy loss (--task classification)",
-    )
-
-    # run.py's Config fields: added below, once every group exists (--help shows groups in order)
+    # run.py's Config fields: added last, once every group exists (--help shows groups in order)
     m = p.add_argument_group("method: run.py's Config (these define the run directory's hash)")
-    x = p.add_argument_group(EXECUTION_GROUP)
-    x.add_argument(
-        "--device",
-        choices=("auto", "cpu", "cuda"),
-        default="auto",
-        help="auto = cuda when available",
-    )
-    x.add_argument(
-        "--amp",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="mixed precision; auto = bf16 on GPUs of compute capability >= 8.0, fp16 + "
-        "GradScaler below, fp32 on CPU; on: CPU bf16 only where it is native",
-    )
-    x.add_argument(
-        "--compile",
-        choices=("auto", "on", "off", "default", "reduce-overhead", "max-autotune"),
-        default="auto",
-        help="torch.compile the step; auto = on CUDA in the mode (default, reduce-overhead: "
-        "CUDA graphs, max-autotune) whose measured saving over the steps left is >= 2x its "
-        "recorded compile time, off on CPU; on = always, in the best mode; a mode name: that "
-        "mode (without CUDA graphs where they cannot work); --deterministic stays eager",
-    )
-    x.add_argument(
-        "--workers",
-        type=_non_negative_int,
-        default=None,
-        help="data-loader worker processes (%(default)s: chosen from the cores this "
-        "job may use; 0 = load in the main process)",
-    )
-    x.add_argument(
-        "--data-mode",
-        choices=("auto", "memory", "stream"),
-        default="auto",
-        help="image files: decode once into RAM, or stream them from disk in "
-        "workers; auto = memory when they take < 1/4 of the available RAM",
-    )
-    x.add_argument(
-        "--gpu-resident",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="keep the dataset on the GPU; auto = when it fits comfortably",
-    )
-    x.add_argument(
-        "--deterministic",
-        action="store_true",
-        help="bitwise-reproducible: deterministic kernels (an op without one raises), "
-        "TF32 and compile off; resume then matches exactly. Not across GPU "
-        "models, drivers, torch versions or thread counts",
-    )
-    x.add_argument(
-        "--results-dir",
-        type=_directory,
-        default=TRIALS_DIR,
-        help="parent of the run directories (run.sh uses results/<sweep name>)",
-    )
-    x.add_argument(
-        "--data-dir",
-        type=_directory,
-        default=PROJECT_ROOT / "data",
-        help="where datasets are downloaded / cached",
-    )
-    x.add_argument(
-        "--experiment",
-        type=_experiment,
-        default=None,
-        help=f"MLflow experiment name (default: {DEFAULT_EXPERIMENT!r}; "
-        f"{TRIALS_EXPERIMENT!r} for runs into results/trials)",
-    )
-    x.add_argument(
-        "--tracking",
-        choices=("on", "off"),
-        default=tracking_default(),
-        help=f"log to MLflow (off: only the run directory; also {TRACKING_ENV}=off). "
-        "An unreachable tracker never stops training: see README, Tracking",
-    )
-    x.add_argument(
-        "--progress",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="tqdm progress bar; auto = when stderr is a terminal",
-    )
-    x.add_argument(
-        "--checkpoint-every",
-        type=_non_negative_float,
-        default=300.0,
-        help="seconds between end-of-epoch checkpoints (0 = every epoch); a stop "
-        "signal and the end of the run always checkpoint",
-    )
-    x.add_argument(
-        "--fresh", action="store_true", help="delete this run's directory contents and start over"
-    )
-
-    t = p.add_argument_group(TOOLS_GROUP)
-    t.add_argument("--find-lr", action="store_true", help="LR range test: plot + suggestion")
-    t.add_argument(
-        "--find-batch-size",
-        action="store_true",
-        help="largest batch size that fits in memory, then exit",
-    )
-    t.add_argument(
-        "--profile",
-        action="store_true",
-        help="profile a few training steps after warm-up; trace into the run dir",
-    )
-    t.add_argument(
-        "--print-run-dir",
-        action="store_true",
-        help="print the absolute run directory and exit (imports no torch)",
-    )
-    t.add_argument(
-        "--init-tracking",
-        action="store_true",
-        help="create the MLflow DB and experiment, then exit (sweeps call it once)",
-    )
+    x = p.add_argument_group("execution (not part of the hash)")
+    t = p.add_argument_group("tools (do one thing and exit)")
+    for group, config in ((e, Experiment), (x, Execution), (t, Tools)):
+        for field, kind in fields_of(config):
+            _add_field(group, field, kind)
+    p.set_defaults(tracking=tracking_default())
     for field, kind in method_fields():
         _add_field(x if field.metadata.get("execution") else m, field, kind)
     return p
@@ -642,8 +583,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
             "--task classification uses it); drop it"
         )
     args.data_version = None
-    if args.data_path is not None:  # absolute: the same data named two ways is one experiment
-        args.data_path = args.data_path.expanduser().resolve()
+    if args.data_path is not None:
         try:  # cheap: a stat per directory while none changed (dataversion.py)
             args.data_version = data_version(args.data_path, args.data_dir)
         except ValueError as exc:

@@ -29,6 +29,7 @@ import os
 import sys
 from collections.abc import Iterator
 
+from .config import UsageError
 from .project import current
 from .runs import code_version, first_line
 
@@ -65,8 +66,6 @@ def timeout_from_env() -> float:
     except ValueError:
         value = float("nan")
     if not 0 < value < float("inf"):
-        from .config import UsageError
-
         raise UsageError(f"{TIMEOUT_ENV}={text!r}: expected a number of seconds > 0")
     return value
 
@@ -211,7 +210,6 @@ class Dist:
 
         votes: list = [None] * self.world
         td.all_gather_object(votes, (code, stopping, why), group=self.cpu_group)
-        votes = [v if isinstance(v, tuple) else (v, False, "") for v in votes]  # from agree()
         first = next((rank for rank, vote in enumerate(votes) if vote[0] is not None), None)
         if first is None:
             if any(vote[1] for vote in votes):
@@ -224,13 +222,7 @@ class Dist:
 
     def agree(self, code: int | None) -> int | None:
         """The first non-None code in rank order, on every rank (a refusal anywhere ends all)."""
-        if not self.active:
-            return code
-        import torch.distributed as td
-
-        codes: list = [None] * self.world
-        td.all_gather_object(codes, code, group=self.cpu_group)
-        return next((c for c in codes if c is not None), None)
+        return self.settle(code)
 
     def stopped(self, stop, step: int | None = None) -> bool:
         """Whether the job stops here: `stop.requested` (GracefulStop) on any rank. Polled every
@@ -253,12 +245,29 @@ class Dist:
         if not self.active:
             return
         with contextlib.suppress(Exception):  # the store may be gone: stderr still has it
-            store = _store()
-            if store is not None:
-                store.set(f"{FAILURE_KEY}{self.rank}", text)
+            _store().set(f"{FAILURE_KEY}{self.rank}", text)
 
     def peer_failures(self, wait_s: float = 2.0) -> list[tuple[int, str]]:
-        return peer_failures(wait_s) if self.active else []
+        """[(rank, traceback)] of the other ranks that reported a failure (report_failure);
+        waits up to `wait_s` for one: a peer's exit breaks this rank's collective a moment
+        before its report lands. [] in one process."""
+        if not self.active:
+            return []
+        import time
+
+        found: list[tuple[int, str]] = []
+        keys = [f"{FAILURE_KEY}{r}" for r in range(self.world) if r != self.rank]
+        deadline = time.monotonic() + wait_s
+        with contextlib.suppress(Exception):  # no store (the group is gone): nothing to read
+            store = _store()
+            while not found and time.monotonic() <= deadline:
+                found = [
+                    (int(k.removeprefix(FAILURE_KEY)), store.get(k).decode(errors="replace"))
+                    for k in keys
+                    if store.check([k])
+                ]
+                time.sleep(0 if found else 0.05)
+        return found
 
     # ---- model, data, metrics --------------------------------------------------------------
     def check_splits(self, sizes: dict) -> None:
@@ -266,8 +275,6 @@ class Dist:
         would report nan and the others could not tell (UsageError, exit 2 on every rank)."""
         if not self.active:
             return
-        from .config import UsageError
-
         for name, size in sizes.items():
             if size < self.world:
                 raise UsageError(
@@ -279,8 +286,6 @@ class Dist:
         """Refuse what cannot run on several processes (UsageError: exit 2 on every rank)."""
         if not self.active:
             return
-        from .config import UsageError
-
         if args.batch_size % self.world:
             raise UsageError(
                 f"--batch-size: {args.batch_size} is the global batch and does not divide among "
@@ -401,40 +406,10 @@ class Dist:
         return log
 
 
-def peer_failures(wait_s: float = 2.0) -> list[tuple[int, str]]:
-    """[(rank, traceback)] of the other ranks that reported a failure (report_failure); waits
-    up to `wait_s` for one: a peer's exit breaks this rank's collective a moment before its
-    report lands. [] outside a process group."""
-    import time
-
-    import torch.distributed as td
-
-    if not td.is_initialized():
-        return []
-    found: list[tuple[int, str]] = []
-    deadline = time.monotonic() + wait_s
-    with contextlib.suppress(Exception):
-        store = _store()
-        me = td.get_rank()
-        keys = [f"{FAILURE_KEY}{r}" for r in range(td.get_world_size()) if r != me]
-        while store is not None and not found:
-            found = [
-                (int(k.removeprefix(FAILURE_KEY)), store.get(k).decode(errors="replace"))
-                for k in keys
-                if store.check([k])
-            ]
-            if found or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-    return found
-
-
 def _store():
-    """torchrun's key-value store of this job (None outside a process group)."""
+    """torchrun's key-value store of this job (raises outside a process group)."""
     import torch.distributed as td
 
-    if not td.is_initialized():
-        return None
     return td.distributed_c10d._get_default_store()
 
 

@@ -144,7 +144,7 @@ def choose_compile(
     *,
     micro_batches: int = 1,
     blocked: str | None = None,
-    measure: Callable[[], tuple[float, dict[str, CompileCost]]] | None = None,
+    measure: Callable[[], tuple[float, dict[str, CompileCost]]],
 ) -> tuple[str | None, str]:
     """(torch.compile mode or None for eager, why), from --compile and the measured work.
 
@@ -168,8 +168,6 @@ def choose_compile(
         return flag, f"{flag} (--compile {flag})"
     if flag == "auto" and device.type != "cuda":
         return None, "eager (--compile auto: off on CPU; --compile on to compile)"
-    if measure is None:
-        raise ValueError("choose_compile: --compile on/auto needs `measure`")
     step_s, costs = measure()
     costs = {**prior_costs(device), **costs}
     eager_s = steps * micro_batches * step_s
@@ -185,9 +183,6 @@ def choose_compile(
     def saving(mode: str) -> float:
         return eager_s * (1 - costs[mode].ratio)
 
-    def net_saving(mode: str) -> float:
-        return saving(mode) - costs[mode].compile_s
-
     candidates = [m for m in costs if m not in skipped]
     lines = [
         f"{m} saves ~{saving(m):.1f} s ({100 * (1 - costs[m].ratio):.0f} %, {costs[m].source}) "
@@ -197,11 +192,10 @@ def choose_compile(
     estimates = "; ".join(lines)
     if not candidates:
         return None, f"eager: {work}; every mode was measured slower: {estimates}"
-    mode = max(candidates, key=net_saving)
-    cost = costs[mode]
+    mode = max(candidates, key=lambda m: saving(m) - costs[m].compile_s)  # net of compiling
     if flag == "on":
         return mode, f"{mode} (--compile on): {work}; {estimates}"
-    if saving(mode) >= PAYBACK * cost.compile_s:
+    if saving(mode) >= PAYBACK * costs[mode].compile_s:
         return mode, f"{mode}: {work}; {estimates} ({mode}: >= {PAYBACK:g} x: pays)"
     return None, f"eager: {work}; {estimates} (best, {mode}: < {PAYBACK:g} x: would not pay)"
 
@@ -244,52 +238,59 @@ def utc_now() -> str:
     return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
 
 
-def record_path(cache_dir: Path, prefix: str, key: dict) -> Path:
-    """Where the record of `key` (what was measured, on which machine and torch) is kept."""
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return Path(cache_dir) / RECORDS / f"{prefix}{digest}.json"
+class Record:
+    """A measurement of this machine kept for the next job (compile costs, layout, matmul peak):
+    a small JSON file in the inductor cache folder, named by the hash of its `key` (what was
+    measured, on which machine and torch). Unreadable, of another key or absent: {} (measured
+    again); a read-only folder, or no folder (None), keeps nothing."""
+
+    def __init__(self, cache_dir: Path | None, prefix: str, key: dict) -> None:
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        self.key, self.path = (
+            key,
+            cache_dir and Path(cache_dir) / RECORDS / f"{prefix}{digest}.json",
+        )
+
+    def load(self) -> dict:
+        try:
+            seen = json.loads(self.path.read_text(encoding="utf-8")) if self.path else {}
+        except (OSError, ValueError):
+            return {}
+        return seen if isinstance(seen, dict) and seen.get("key") == self.key else {}
+
+    def store(self, **data) -> None:
+        from .runs import write_json
+
+        if self.path is None:
+            return
+        with contextlib.suppress(OSError):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_json(self.path, {"key": self.key, **data})
 
 
-def read_record(path: Path | None, key: dict) -> dict:
-    """The record at `path` if it is of `key`; {} when there is none, it is unreadable or of
-    another key (the measurement is then made again)."""
-    try:
-        seen = json.loads(path.read_text(encoding="utf-8")) if path else {}
-    except (OSError, ValueError):
-        return {}
-    return seen if isinstance(seen, dict) and seen.get("key") == key else {}
+def model_key(model, x: torch.Tensor, dtype, device) -> dict:
+    """What a measurement of `model`'s step depends on: model, input, precision, machine, torch."""
+    return {
+        "model": f"{type(model).__module__}.{type(model).__qualname__}",
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "input": [list(x.shape), str(x.dtype), list(x.stride())],
+        "autocast": str(dtype),
+        "device": device_name(device),
+        "torch": torch.__version__,
+    }
 
 
-def save_record(path: Path, record: dict) -> None:
-    """Keep a measurement of this machine (compile costs, layout, matmul peak) for the next
-    job. A read-only cache folder is no error: the next job measures again."""
-    from .runs import write_json
-
-    with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, record)
-
-
-class CompileRecord:
+class CompileRecord(Record):
     """The measured compile costs of one model, input and precision on one machine and torch
-    version: a small JSON file in the inductor cache folder, shared by the project's jobs (the
-    last compile's numbers win; a lost update between two concurrent jobs only costs a
-    re-measurement)."""
+    version, shared by the project's jobs (the last compile's numbers win; a lost update between
+    two concurrent jobs only costs a re-measurement)."""
 
     def __init__(self, cache_dir: Path, model, x: torch.Tensor, dtype, device) -> None:
-        self.key = {
-            "model": f"{type(model).__module__}.{type(model).__qualname__}",
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "input": [list(x.shape), str(x.dtype), list(x.stride())],
-            "autocast": str(dtype),
-            "device": device_name(device),
-            "torch": torch.__version__,
-        }
-        self.path = record_path(cache_dir, "", self.key)
+        super().__init__(cache_dir, "", model_key(model, x, dtype, device))
 
     def read(self) -> dict:
         """Each mode's numbers; {} when none are recorded yet: the priors stand in."""
-        return read_record(self.path, self.key).get("modes", {})
+        return self.load().get("modes", {})
 
     def costs(self, device: torch.device) -> dict[str, CompileCost]:
         """Each mode's cost: its measured ratio, and the warm-cache compile cost once this mode
@@ -325,7 +326,7 @@ class CompileRecord:
         seen[("warm_" if warm else "cold_") + "compile_s"] = round(compile_s, 3)
         seen.update(eager_step_s=eager_step_s, compiled_step_s=compiled_step_s, when=utc_now())
         modes[mode] = seen
-        save_record(self.path, {"key": self.key, "modes": modes})
+        self.store(modes=modes)
 
 
 def compile_cache_counts() -> tuple[int, int]:
@@ -334,13 +335,11 @@ def compile_cache_counts() -> tuple[int, int]:
     apart from cold ones)."""
     from torch._dynamo.utils import counters
 
-    hits = (
-        counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+    inductor, aot = counters["inductor"], counters["aot_autograd"]
+    return (
+        inductor["fxgraph_cache_hit"] + aot["autograd_cache_hit"],
+        inductor["fxgraph_cache_miss"] + aot["autograd_cache_miss"],
     )
-    misses = (
-        counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"]
-    )
-    return hits, misses
 
 
 @contextlib.contextmanager
@@ -408,19 +407,18 @@ def decide_compile(
     the decision with its numbers. Run it on one rank and share the mode (torchrun: the same
     on all)."""
     device = next(model.parameters()).device
-    now = timed(device)
-    seen: dict = {"eager_s": 0.0, "record": None}
+    record, eager_s = None, 0.0
 
     def measure() -> tuple[float, dict[str, CompileCost]]:
+        nonlocal record, eager_s
         cache, source = use_inductor_cache(project_root)  # before anything compiles
         log.info("inductor cache: %s (%s)", cache, source)
         x, y = batch()
-        record = seen["record"] = CompileRecord(cache, model, x, dtype, device)
-        recorded = record.eager_step_s()
-        if recorded is None:
-            recorded = time_forward_backward(model, x, y, loss_fn, dtype, now)
-        seen["eager_s"] = recorded
-        return recorded, record.costs(device)
+        record = CompileRecord(cache, model, x, dtype, device)
+        eager_s = record.eager_step_s() or time_forward_backward(
+            model, x, y, loss_fn, dtype, timed(device)
+        )
+        return eager_s, record.costs(device)
 
     blocked = graphs_blocked(device, micro_batches, ddp, dtype)
     mode, why = choose_compile(
@@ -432,10 +430,10 @@ def decide_compile(
         blocked=blocked,
         measure=measure,
     )
-    if mode in MODES and seen["record"] is None:  # a forced mode: its costs are still recorded
+    if mode in MODES and record is None:  # a forced mode: its costs are still recorded
         measure()
     log.info("compile: %s", why)
-    return mode, seen["eager_s"], seen["record"]
+    return mode, eager_s, record
 
 
 def recommended_batch_size(device: torch.device) -> int:
@@ -516,6 +514,7 @@ LAYOUT_STEPS = 2  # timed forward + backward passes per layout and round
 # NCHW only when clearly faster: the loaders deliver channels_last (NCHW costs a copy per batch),
 # and a near tie decided by timing noise would change a run's numbers between machines for nothing
 LAYOUT_MARGIN = 1.1
+LAYOUTS = {"NCHW": torch.contiguous_format, "channels_last": torch.channels_last}
 
 
 def _layout_step_s(model, x, y, loss_fn, dtype, layout) -> float:
@@ -543,34 +542,24 @@ def choose_memory_format(
         return torch.channels_last, "channels_last (tensor cores)"
     if x.dim() != 4:
         return torch.contiguous_format, "NCHW (inputs are not images)"
-    key = {
-        "model": f"{type(model).__module__}.{type(model).__qualname__}",
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "input": list(x.shape),
-        "autocast": str(dtype),
-        "device": device_name(device),
-        "cpu": _cpu_model_name(),
-        "torch": torch.__version__,
-    }
-    path = record_path(cache_dir, "layout-", key) if cache_dir else None
-    seen = read_record(path, key)
-    if seen:
-        times, source = seen["step_s"], f"recorded {seen['when']} in {path}"
+    record = Record(
+        cache_dir, "layout-", {**model_key(model, x, dtype, device), "cpu": _cpu_model_name()}
+    )
+    if seen := record.load():
+        times, source = seen["step_s"], f"recorded {seen['when']} in {record.path}"
     else:
         probe = copy.deepcopy(model).train()
-        times = {"channels_last": float("inf"), "NCHW": float("inf")}
-        for _ in range(LAYOUT_ROUNDS):
-            for name, layout in (("NCHW", torch.contiguous_format), ("channels_last", None)):
-                layout = layout or torch.channels_last
-                step_s = _layout_step_s(probe, x, y, loss_fn, dtype, layout)
-                times[name] = min(times[name], step_s)
+        timed_runs = [  # interleaved: a slow spell of the machine hits both layouts
+            (name, _layout_step_s(probe, x, y, loss_fn, dtype, layout))
+            for _ in range(LAYOUT_ROUNDS)
+            for name, layout in LAYOUTS.items()
+        ]
+        times = {name: min(t for n, t in timed_runs if n == name) for name in LAYOUTS}
         source = "measured now"
-        if path is not None:
-            save_record(path, {"key": key, "step_s": times, "when": utc_now()})
+        record.store(step_s=times, when=utc_now())
     name = "NCHW" if times["channels_last"] > LAYOUT_MARGIN * times["NCHW"] else "channels_last"
-    layout = torch.channels_last if name == "channels_last" else torch.contiguous_format
     other = "NCHW" if name == "channels_last" else "channels_last"
-    return layout, (
+    return LAYOUTS[name], (
         f"{name} on this CPU: forward + backward {1e3 * times[name]:.1f} ms vs "
         f"{1e3 * times[other]:.1f} ms {other} ({source}; NCHW when >= "
         f"{100 * (LAYOUT_MARGIN - 1):.0f} % faster)"
@@ -626,12 +615,11 @@ def matmul_peak(device: torch.device, dtype, cache_dir: Path) -> tuple[float, st
         "tf32": torch.backends.cuda.matmul.allow_tf32,
         "torch": torch.__version__,
     }
-    path = record_path(cache_dir, "peak-", key)
-    seen = read_record(path, key)
-    if seen:
+    record = Record(cache_dir, "peak-", key)
+    if seen := record.load():
         return seen["flops"], f"measured {seen['when']}"
     flops = measure_matmul_flops(device, dtype)
-    save_record(path, {"key": key, "flops": flops, "when": utc_now()})
+    record.store(flops=flops, when=utc_now())
     return flops, "measured now"
 
 
@@ -640,8 +628,7 @@ def measure_matmul_flops(device: torch.device, dtype, size: int | None = None) -
     now (matmul_peak records it; gpucheck measures afresh). A CPU gets 1024-square ones: 8192
     would take seconds each."""
     n = size or (PEAK_MATMUL_SIZE if device.type == "cuda" else 1024)
-    a = torch.randn(n, n, device=device, dtype=dtype or torch.float32)
-    b = torch.randn(n, n, device=device, dtype=dtype or torch.float32)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype or torch.float32) for _ in range(2))
     now = timed(device)
     best = float("inf")
     for _ in range(PEAK_REPEATS + 1):  # the first: cuBLAS's heuristics, allocation

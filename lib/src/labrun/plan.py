@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -85,15 +86,10 @@ def job_state(directory: Path) -> tuple[str, str]:
 
 
 def read_jobs(stream: BinaryIO) -> Iterator[list[str]]:
-    fields = stream.read().split(b"\0")
-    if fields and fields[-1] == b"":
-        fields.pop()
-    words = [f.decode("utf-8", "surrogateescape") for f in fields]
-    i = 0
-    while i < len(words):
-        count = int(words[i])
-        yield words[i + 1 : i + 1 + count]
-        i += 1 + count
+    data = stream.read().removesuffix(b"\0")
+    words = iter(data.decode("utf-8", "surrogateescape").split("\0") if data else [])
+    for count in words:
+        yield list(itertools.islice(words, int(count)))
 
 
 @contextlib.contextmanager

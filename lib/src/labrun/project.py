@@ -33,13 +33,18 @@ class Project:
         return self.root / self.package if self.package else None
 
 
-def _declared(folder: Path) -> dict | None:
-    """The [tool.labrun] table of folder/pyproject.toml, or None."""
+def _pyproject(folder: Path) -> dict:
+    """folder/pyproject.toml, or {} where there is none or it does not parse."""
     try:
         with open(folder / "pyproject.toml", "rb") as f:
-            table = tomllib.load(f).get("tool", {}).get("labrun")
+            return tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError):
-        return None
+        return {}
+
+
+def _declared(folder: Path) -> dict | None:
+    """The [tool.labrun] table of folder/pyproject.toml, or None."""
+    table = _pyproject(folder).get("tool", {}).get("labrun")
     return table if isinstance(table, dict) else None
 
 
@@ -67,11 +72,7 @@ def current() -> Project:
 def version_warning(root: Path, installed: str) -> str | None:
     """Why the installed labrun is not the one `root`'s pyproject.toml pins (`labrun==X`, the
     template's pin: a project's numbers are those of its pinned machinery), or None."""
-    try:
-        with open(root / "pyproject.toml", "rb") as f:
-            needs = tomllib.load(f).get("project", {}).get("dependencies", [])
-    except (OSError, tomllib.TOMLDecodeError):
-        return None
+    needs = _pyproject(root).get("project", {}).get("dependencies", [])
     for requirement in needs if isinstance(needs, list) else []:
         name, pin, version = str(requirement).partition(";")[0].partition("==")
         if pin and name.strip().lower() == "labrun" and version.strip() != installed:

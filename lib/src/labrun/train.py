@@ -12,7 +12,6 @@ check on the device; clipping is foreach.
 from __future__ import annotations
 
 import copy
-import itertools
 import math
 import random
 from collections.abc import Iterable
@@ -56,19 +55,12 @@ class EMA:
         self.decay, self.updates = decay, 0
         self.module = copy.deepcopy(model)
         self.module.requires_grad_(False)
-        pairs = list(
-            zip(
-                itertools.chain(self.module.parameters(), self.module.buffers()),
-                itertools.chain(model.parameters(), model.buffers()),
-                strict=True,
-            )
-        )
+        ema = [*self.module.parameters(), *self.module.buffers()]
+        pairs = list(zip(ema, [*model.parameters(), *model.buffers()], strict=True))
         # Collected once: the same tensor objects live for the whole run (load_state_dict
         # copies into them in place).
-        self._float = (
-            [e.detach() for e, m in pairs if e.is_floating_point()],
-            [m.detach() for e, m in pairs if e.is_floating_point()],
-        )
+        floats = [(e.detach(), m.detach()) for e, m in pairs if e.is_floating_point()]
+        self._float = ([e for e, _ in floats], [m for _, m in floats])
         self._other = [(e, m) for e, m in pairs if not e.is_floating_point()]
 
     def current_decay(self) -> float:
