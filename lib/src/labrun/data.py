@@ -198,7 +198,7 @@ def load_dataset(
         task=task,
     )
     with _data_dir_errors(data_dir):
-        raw = entry.load(options)
+        raw = entry.build(options)
     if not isinstance(raw, DatasetSplits) or raw.train is None:
         raise ValueError(f"dataset {name!r}: its function must return DatasetSplits(train=...)")
     splits = {
