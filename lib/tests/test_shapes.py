@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import PACKAGE, ROOT, RUN_PY
 
-from labrun import config, datasets
+from labrun import config, datasets, registry
 from labrun.analysis import RunResult, aggregate
 from labrun.augment import choose_augmentation
 from labrun.data import Split, build_loader, load_dataset
@@ -25,9 +25,7 @@ def dataset(monkeypatch):
     """dataset(**DatasetSplits fields) -> the name of a registered dataset returning them."""
 
     def register(**fields):
-        entry = datasets.DatasetEntry(
-            "shaped", lambda _: datasets.DatasetSplits(**fields), "", False
-        )
+        entry = registry.Entry("shaped", lambda _: datasets.DatasetSplits(**fields), "", False)
         monkeypatch.setitem(datasets.DATASETS, "shaped", entry)
         return "shaped"
 

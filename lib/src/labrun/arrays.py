@@ -51,25 +51,17 @@ DIGITS_CACHE = "digits_32px.npz"  # the decoded arrays below; rename it when the
 DIGITS_CLASSES = [str(d) for d in range(10)]
 
 
-def load_digits_arrays(data_dir: Path | None = None) -> tuple:
+def load_digits_arrays(data_dir: Path) -> tuple:
     """scikit-learn's 1797 handwritten digits (ships with the package: works offline).
 
     Decoded once into `data_dir`/DIGITS_CACHE: later jobs read 5.5 MB of arrays (the lab
     template's benchmarks/RESULTS.md, "Start-up"). Without a writable `data_dir` every call
     decodes. Decoding reads scikit-learn's data file without importing scikit-learn (2.6 s).
     """
-    if data_dir is not None:
-        cache = Path(data_dir) / DIGITS_CACHE
-        try:
-            with _lock(cache):
-                if not cache.exists():
-                    _save_npz(cache, **_decode_digits())
-        except OSError:  # a read-only or full data dir: decode in memory, as without one
-            pass
-        else:
-            return _read_npz(cache)
-    arrays = _decode_digits()
-    return tuple((arrays[f"{s}_images"], arrays[f"{s}_labels"]) for s in ("train", "test"))
+    try:
+        return _cached(Path(data_dir) / DIGITS_CACHE, _decode_digits)
+    except OSError:  # a read-only or full data dir: decode in memory
+        return _pairs(_decode_digits())
 
 
 def _decode_digits() -> dict[str, np.ndarray]:
@@ -149,10 +141,7 @@ def load_synthetic_arrays(data_dir: Path, size: int, task: str = "classification
     if size < SYNTHETIC_CLASSES:
         raise ValueError(f"--synthetic-size must be >= {SYNTHETIC_CLASSES}, got {size}")
     cache = Path(data_dir) / f"synthetic_{size}.npz"
-    with _lock(cache):
-        if not cache.exists():
-            _save_npz(cache, **_generate_synthetic(size, size // 5))
-    (x_train, y_train), (x_test, y_test) = _read_npz(cache)
+    (x_train, y_train), (x_test, y_test) = _cached(cache, lambda: _generate_synthetic(size))
     return (x_train, synthetic_targets(y_train, task)), (x_test, synthetic_targets(y_test, task))
 
 
@@ -170,7 +159,7 @@ def synthetic_targets(labels: np.ndarray, task: str) -> np.ndarray:
     return table.astype(np.float32)[labels]
 
 
-def _generate_synthetic(n_train: int, n_test: int) -> dict[str, np.ndarray]:
+def _generate_synthetic(n_train: int) -> dict[str, np.ndarray]:
     gen = torch.Generator().manual_seed(SYNTHETIC_SEED)
     shape = CIFAR10_SHAPE
     # Low-frequency prototypes (8x8 noise upsampled): classes differ in colour and layout.
@@ -178,7 +167,7 @@ def _generate_synthetic(n_train: int, n_test: int) -> dict[str, np.ndarray]:
         torch.rand(SYNTHETIC_CLASSES, 3, 8, 8, generator=gen), size=shape[1:], mode="bicubic"
     )
     arrays = {}
-    for split, n in (("train", n_train), ("test", max(n_test, 1))):
+    for split, n in (("train", n_train), ("test", max(n_train // 5, 1))):
         labels = torch.randint(SYNTHETIC_CLASSES, (n,), generator=gen)
         images = torch.empty(n, *shape, dtype=torch.uint8)
         for start in range(0, n, 4096):  # in chunks: float temporaries stay small
@@ -196,38 +185,27 @@ def _generate_synthetic(n_train: int, n_test: int) -> dict[str, np.ndarray]:
 
 def load_cifar10_arrays(data_dir: Path) -> tuple:
     """CIFAR-10 from the official tarball: downloaded once, md5-checked, cached as .npz."""
-    data_dir = Path(data_dir)
-    cache = data_dir / CIFAR10_CACHE
+    return _cached(Path(data_dir) / CIFAR10_CACHE, lambda: _fetch_cifar10(Path(data_dir)))
+
+
+def _fetch_cifar10(data_dir: Path) -> dict[str, np.ndarray]:
     tarball = data_dir / CIFAR10_TARBALL
-    with _lock(cache):
-        if not cache.exists():
-            if not tarball.exists():
-                _download(CIFAR10_URL, tarball, CIFAR10_MD5)
-            elif _file_md5(tarball) != CIFAR10_MD5:
+    if not tarball.exists():
+        _download(CIFAR10_URL, tarball, CIFAR10_MD5)
+    else:
+        with open(tarball, "rb") as f:
+            if hashlib.file_digest(f, "md5").hexdigest() != CIFAR10_MD5:
                 tarball.unlink()
                 raise ValueError(
                     f"{tarball} is corrupt (md5 mismatch); deleted it, run again to re-download"
                 )
-            try:
-                arrays = _extract_cifar10(tarball)
-                for split in ("train", "test"):  # validate before caching, never after
-                    images, labels = arrays[f"{split}_images"], arrays[f"{split}_labels"]
-                    if images.shape[1:] != CIFAR10_SHAPE or len(labels) != len(images):
-                        raise ValueError(f"cifar10/{split}: shape {images.shape}")
-                    if labels.min() < 0 or labels.max() >= len(CIFAR10_CLASSES):
-                        raise ValueError(f"cifar10/{split}: labels outside 0..9")
-            except (tarfile.TarError, KeyError, EOFError, pickle.UnpicklingError, ValueError) as e:
-                tarball.unlink()
-                raise ValueError(
-                    f"{tarball} could not be read as CIFAR-10 ({e}); deleted it, run again"
-                ) from e
-            _save_npz(cache, **arrays)
-    return _read_npz(cache)
-
-
-def _file_md5(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "md5").hexdigest()
+    try:  # a file of other sizes fails its reshape: never cached
+        return _extract_cifar10(tarball)
+    except (tarfile.TarError, KeyError, EOFError, pickle.UnpicklingError, ValueError) as e:
+        tarball.unlink()
+        raise ValueError(
+            f"{tarball} could not be read as CIFAR-10 ({e}); deleted it, run again"
+        ) from e
 
 
 def _download(url: str, dest: Path, md5: str) -> None:
@@ -253,39 +231,38 @@ def _download(url: str, dest: Path, md5: str) -> None:
 
 
 def _extract_cifar10(tarball: Path) -> dict[str, np.ndarray]:
-    def batches(tar: tarfile.TarFile, names: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        images, labels = [], []
-        for name in names:
-            member = tar.extractfile(f"cifar-10-batches-py/{name}")
-            if member is None:
-                raise KeyError(f"cifar-10-batches-py/{name} is not a file")
-            # Our own md5-verified download, so unpickling it is safe.
-            batch = pickle.load(io.BytesIO(member.read()), encoding="bytes")
-            images.append(np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, *CIFAR10_SHAPE))
-            labels.append(np.asarray(batch[b"labels"], dtype=np.int64))
-        return np.concatenate(images), np.concatenate(labels)
-
+    arrays = {}
+    names = {"train": [f"data_batch_{i}" for i in range(1, 6)], "test": ["test_batch"]}
     with tarfile.open(tarball, "r:gz") as tar:
-        train_images, train_labels = batches(tar, [f"data_batch_{i}" for i in range(1, 6)])
-        test_images, test_labels = batches(tar, ["test_batch"])
-    return {
-        "train_images": train_images,
-        "train_labels": train_labels,
-        "test_images": test_images,
-        "test_labels": test_labels,
-    }
+        for split, batches in names.items():
+            images, labels = [], []
+            for name in batches:
+                member = tar.extractfile(f"cifar-10-batches-py/{name}")
+                if member is None:
+                    raise KeyError(f"cifar-10-batches-py/{name} is not a file")
+                # Our own md5-verified download, so unpickling it is safe.
+                batch = pickle.load(io.BytesIO(member.read()), encoding="bytes")
+                images.append(np.asarray(batch[b"data"], np.uint8).reshape(-1, *CIFAR10_SHAPE))
+                labels.append(np.asarray(batch[b"labels"], dtype=np.int64))
+            arrays[f"{split}_images"] = np.concatenate(images)
+            arrays[f"{split}_labels"] = np.concatenate(labels)
+    return arrays
 
 
-def _save_npz(path: Path, **arrays: np.ndarray) -> None:
-    """Write atomically (temp file + rename): a killed job never leaves a half-written cache."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
-        np.savez(f, **arrays)  # uncompressed: loading 180 MB of CIFAR takes ~0.1 s
-
-
-def _read_npz(path: Path) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+def _cached(path: Path, make) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+    """The (train, test) arrays cached in the .npz `path`, made by `make()` the first time:
+    under a lock (the jobs of a sweep that start together make it once), written atomically
+    (temp file + rename: a killed job never leaves a half-written cache)."""
+    with _lock(path):
+        if not path.exists():
+            with atomic_path(path) as tmp, open(tmp, "wb") as f:
+                np.savez(f, **make())  # uncompressed: loading 180 MB of CIFAR takes ~0.1 s
     try:
         with np.load(path) as f:
-            return tuple((f[f"{s}_images"], f[f"{s}_labels"]) for s in ("train", "test"))
+            return _pairs(f)
     except (OSError, KeyError, ValueError) as e:
         raise ValueError(f"cached dataset {path} is unreadable ({e}); delete it and rerun") from e
+
+
+def _pairs(arrays) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+    return tuple((arrays[f"{s}_images"], arrays[f"{s}_labels"]) for s in ("train", "test"))

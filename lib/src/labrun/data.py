@@ -29,7 +29,7 @@ import hashlib
 import math
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -52,24 +52,10 @@ from .dataversion import data_version as files_version
 from .dataversion import forget
 from .imagecache import cache_fits, decode_cached
 from .imagefolder import UnreadableImage
-from .loaders import FileSplit, Split, build_loader, own_normalization
+from .loaders import FileSplit, Split, own_normalization
+from .loaders import build_loader as build_loader  # callers import it from here
 from .runs import size_text
 from .tasks import check_targets, first_non_finite
-
-__all__ = [  # what callers import from here (the loaders' names have their home in loaders.py)
-    "Augmentation",
-    "DatasetInfo",
-    "Normalization",
-    "FileSplit",
-    "LoadedDataset",
-    "Split",
-    "available_ram_bytes",
-    "build_loader",
-    "check_batch_size",
-    "decoded_bytes",
-    "fits_on_device",
-    "load_dataset",
-]
 
 DATA_MODES = ("auto", "memory", "stream")
 # Array datasets resized by --image-size must take at most this fraction of the available
@@ -77,6 +63,7 @@ DATA_MODES = ("auto", "memory", "stream")
 MEMORY_FRACTION = 0.25
 # A training split must give at least this many optimizer steps per epoch (check_batch_size).
 MIN_STEPS_PER_EPOCH = 4
+HELD_AS = {torch.bool: torch.uint8, torch.float64: torch.float32}  # array inputs held as
 EMPTY_SPLIT = "the split is empty; give it samples, or leave it out (None: carved from train)"
 
 
@@ -198,7 +185,7 @@ def load_dataset(
         task=task,
     )
     with _data_dir_errors(data_dir):
-        raw = entry.load(options)
+        raw = entry.build(options)
     if not isinstance(raw, DatasetSplits) or raw.train is None:
         raise ValueError(f"dataset {name!r}: its function must return DatasetSplits(train=...)")
     splits = {
@@ -206,12 +193,9 @@ def load_dataset(
         for s in ("train", "val", "test")
         if getattr(raw, s) is not None
     }
-    for where, split in splits.items():
-        if len(split) == 0:  # a dataset's own empty split (ImageFiles of no file)
-            raise ValueError(f"{name}/{where}: {EMPTY_SPLIT}")
     content = None if data_path is not None else content_hash(raw)  # of splits checked above
     check_targets(splits, task, name)  # non-finite targets, a multilabel split without a label
-    shapes = {(split.image_shape, split.layout, _dtype(split)) for split in splits.values()}
+    shapes = {(split.image_shape, split.layout, split.dtype) for split in splits.values()}
     if len(shapes) > 1:
         found = sorted(describe(*shape) for shape in shapes)
         raise ValueError(f"dataset {name!r}: splits differ in shape or dtype: {found}")
@@ -221,16 +205,12 @@ def load_dataset(
     class_ids = not labels.is_floating_point()  # else float targets: regression, multi-hot
     if class_ids:
         num_classes = len(raw.class_names) if raw.class_names else int(labels.max()) + 1
+        for where, split in splits.items():
+            if split.labels.min() < 0 or split.labels.max() >= num_classes:
+                raise ValueError(f"{name}/{where}: labels outside 0..{num_classes - 1}")
     else:  # the model's output width: one per target column
         num_classes = labels[0].numel() if labels.ndim > 1 else 1
-    class_names = (
-        [str(c) for c in raw.class_names]
-        if raw.class_names
-        else [str(i) for i in range(num_classes)]
-    )
-    for where, split in splits.items():
-        if class_ids:
-            _check_labels(split, f"{name}/{where}", num_classes)
+    class_names = [str(c) for c in raw.class_names or range(num_classes)]
     present = set(labels.unique().tolist()) if class_ids and labels.ndim == 1 else set()
     missing_in_train = present - set(splits["train"].labels.unique().tolist())
     if missing_in_train:
@@ -238,27 +218,23 @@ def load_dataset(
             f"dataset {name!r}: class(es) {sorted(missing_in_train)} appear in "
             "val/test but not in train"
         )
-    streamable = any(isinstance(s, FileSplit) for s in splits.values())
-    if not streamable and mode == "stream":
-        raise ValueError(
-            f"--data-mode: dataset {name!r} is held in memory as arrays; "
-            "streaming needs a dataset of image files (e.g. folder)"
-        )
+    files = [s for s in splits.values() if isinstance(s, FileSplit)]
     notes = list(raw.notes)
     source = ""  # files: memory, disk cache or stream, and why (run.log's `images from:`)
-    if streamable:
-        why_not = (
-            _why_not_cached(splits.values(), data_dir, data_version) if mode == "auto" else None
-        )
-        source = _image_source(mode, why_not, splits.values())
+    if not files:
+        if mode == "stream":
+            raise ValueError(
+                f"--data-mode: dataset {name!r} is held in memory as arrays; "
+                "streaming needs a dataset of image files (e.g. folder)"
+            )
+        mode = "memory"
+    else:
+        why_not = _why_not_cached(files, data_dir, data_version) if mode == "auto" else None
+        source = _image_source(mode, why_not, files)
         if why_not:
             notes.append(f"--data-mode auto: streaming (decoded every epoch): {why_not}")
-            mode = "stream"
-        elif mode == "auto":
-            mode = "memory"
-    if not streamable:
-        mode = "memory"
-    elif mode == "memory":  # decoded before carving: the cache never depends on --seed
+        mode = "stream" if why_not or mode == "stream" else "memory"
+    if files and mode == "memory":  # decoded before carving: the cache never depends on --seed
         processes = None if workers is None else max(1, workers)
         try:
             with _data_dir_errors(data_dir):
@@ -311,7 +287,7 @@ def load_dataset(
     return LoadedDataset(splits, info, mode, notes)
 
 
-def _image_source(mode: str, why_not: str | None, splits) -> str:
+def _image_source(mode: str, why_not: str | None, files: list[FileSplit]) -> str:
     """Which of memory / disk cache / stream serves the image files, and why (run.log's
     `images from:` line): the decoded cache is memory-mapped, so where it exceeds the RAM this
     job may use it is read back from disk every epoch (the page cache keeps what fits), still
@@ -319,20 +295,15 @@ def _image_source(mode: str, why_not: str | None, splits) -> str:
     if mode == "stream" or why_not:
         why = "--data-mode stream" if mode == "stream" else f"--data-mode auto: {why_not}"
         return f"stream: decoded every epoch by the loader's workers ({why})"
-    files = [s for s in splits if isinstance(s, FileSplit)]
     need, ram = decoded_bytes(files), available_ram_bytes()
-    decoded = f"decoded once into {size_text(need)} in --data-dir"
+    decoded = f"decoded once into {size_text(need)} in --data-dir, memory-mapped"
     if ram is not None and need > ram:
         return (
-            f"disk cache: {decoded}, memory-mapped; more than the {size_text(ram)} of RAM this "
-            f"job may use, so read back from disk every epoch (--data-mode {mode})"
+            f"disk cache: {decoded}; more than the {size_text(ram)} of RAM this job may use, "
+            f"so read back from disk every epoch (--data-mode {mode})"
         )
     ram_text = "" if ram is None else f" (fits the {size_text(ram)} of RAM this job may use)"
-    return f"memory: {decoded}, memory-mapped{ram_text}; gathered every epoch (--data-mode {mode})"
-
-
-def _dtype(split: Split | FileSplit) -> torch.dtype:
-    return split.images.dtype if isinstance(split, Split) else torch.uint8
+    return f"memory: {decoded}{ram_text}; gathered every epoch (--data-mode {mode})"
 
 
 @contextlib.contextmanager
@@ -370,6 +341,8 @@ def _as_split(raw, described: DatasetSplits, image_size, where: str) -> Split | 
         labels = torch.as_tensor(np.asarray(raw.labels, dtype=np.int64))
         if len(labels) != len(raw.paths):
             raise ValueError(f"{where}: {len(raw.paths)} files but {len(labels)} labels")
+        if len(labels) == 0:
+            raise ValueError(f"{where}: {EMPTY_SPLIT}")
         size = tuple(image_size or described.image_size)
         shape = (described.channels, *size)
         return FileSplit(list(raw.paths), labels, shape, described.value_ranges)
@@ -390,10 +363,8 @@ def _as_split(raw, described: DatasetSplits, image_size, where: str) -> Split | 
     images = torch.as_tensor(images)
     labels = torch.as_tensor(labels)  # class ids -> int64, targets -> float32
     labels = labels.float() if labels.is_floating_point() else labels.long()
-    if images.dtype == torch.bool:
-        images = images.to(torch.uint8)
-    if images.dtype == torch.float64:  # no model computes in float64: half the memory
-        images = images.float()
+    # bool as uint8; float64 as float32: no model computes in float64, and half the memory
+    images = images.to(HELD_AS.get(images.dtype, images.dtype))
     layout = described.layout or LAYOUTS.get(images.ndim)
     if images.is_complex() or images.ndim < 2 or layout is None or len(layout) != images.ndim:
         raise ValueError(
@@ -411,8 +382,7 @@ def _as_split(raw, described: DatasetSplits, image_size, where: str) -> Split | 
                 f"--image-size: resizes images (N, C, H, W); {where} holds "
                 f"{describe(tuple(images.shape[1:]), layout, images.dtype)}"
             )
-        need = len(images) * images[0].numel() * images.element_size()
-        need = need // images.shape[2] // images.shape[3] * image_size[0] * image_size[1]
+        need = math.prod((*images.shape[:2], *image_size)) * images.element_size()
         available = available_ram_bytes()
         if available is not None and need > MEMORY_FRACTION * available:
             h, w = image_size
@@ -450,18 +420,11 @@ def _resize(images: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     """uint8 images stay uint8; any other dtype is resized as float32."""
     dtype = torch.uint8 if images.dtype == torch.uint8 else torch.float32
     out = torch.empty(len(images), images.shape[1], *size, dtype=dtype)
-    for start in range(0, len(images), 1024):  # in chunks: float temporaries stay small
-        chunk = images[start : start + 1024].float()
-        resized = F.interpolate(chunk, size=size, mode="bilinear", antialias=True)
-        if dtype == torch.uint8:
-            resized = resized.round().clamp_(0, 255)
-        out[start : start + 1024] = resized.to(dtype)
+    # In chunks: float temporaries stay small.
+    for chunk, resized in zip(images.split(1024), out.split(1024), strict=True):
+        scaled = F.interpolate(chunk.float(), size=size, mode="bilinear", antialias=True)
+        resized.copy_(scaled.round().clamp_(0, 255) if dtype == torch.uint8 else scaled)
     return out
-
-
-def _check_labels(split: Split | FileSplit, where: str, num_classes: int) -> None:
-    if len(split) and (split.labels.min() < 0 or split.labels.max() >= num_classes):
-        raise ValueError(f"{where}: labels outside 0..{num_classes - 1}")
 
 
 def _carve(split: Split | FileSplit, fraction: float, seed: int):
@@ -475,14 +438,10 @@ def _carve(split: Split | FileSplit, fraction: float, seed: int):
 
 def _subset(split: Split | FileSplit, index: torch.Tensor) -> Split | FileSplit:
     if isinstance(split, FileSplit):
-        return FileSplit(
-            [split.paths[i] for i in index.tolist()],
-            split.labels[index],
-            split.image_shape,
-            split.value_ranges,
-        )
+        paths = [split.paths[i] for i in index.tolist()]
+        return replace(split, paths=paths, labels=split.labels[index])
     if split.rows is not None:  # rows of a shared cache: select, never copy the images
-        return Split(split.images, split.labels[index], split.rows[index], split.layout)
+        return replace(split, labels=split.labels[index], rows=split.rows[index])
     order = channel_last(split.layout, split.images.ndim)
     stored = split.images.permute(order).index_select(0, index)
     return Split(_in_layout(stored, order), split.labels[index], layout=split.layout)
@@ -491,81 +450,64 @@ def _subset(split: Split | FileSplit, index: torch.Tensor) -> Split | FileSplit:
 def available_ram_bytes() -> int | None:
     """Memory this job may still use: the least of MemAvailable, the cgroup v2 headroom
     (memory.max - memory.current, of this cgroup and its parents: Slurm's --mem, a container's
-    limit), Slurm's SLURM_MEM_PER_NODE / SLURM_MEM_PER_CPU and RLIMIT_AS; divided among the
-    LAB_JOBS_PER_NODE jobs that share it (run.sh exports its slot count)."""
-    available = psutil.virtual_memory().available  # MemAvailable on Linux
-    limits = [available, _cgroup_headroom(), _slurm_memory(), _rlimit_headroom()]
+    limit), Slurm's SLURM_MEM_PER_NODE / SLURM_MEM_PER_CPU (less this process's RSS) and
+    RLIMIT_AS; divided among the LAB_JOBS_PER_NODE jobs that share it (run.sh exports its slot
+    count)."""
+    env = os.environ
+    limits = [psutil.virtual_memory().available, _cgroup_headroom(), _rlimit_headroom()]
+    with contextlib.suppress(ValueError):  # Slurm's values are in MB
+        cpus = int(env.get("SLURM_CPUS_ON_NODE") or env.get("SLURM_CPUS_PER_TASK") or 1)
+        per_cpu = int(env.get("SLURM_MEM_PER_CPU") or 0) * cpus
+        slurm = int(env.get("SLURM_MEM_PER_NODE") or 0) or per_cpu
+        if slurm > 0:
+            limits.append(max((slurm << 20) - psutil.Process().memory_info().rss, 0))
     known = [limit for limit in limits if limit is not None]
-    if not known:
-        return None
-    return min(known) // jobs_per_node()
-
-
-def jobs_per_node() -> int:
-    try:
-        return max(1, int(os.environ.get("LAB_JOBS_PER_NODE", "1")))
-    except ValueError:
-        return 1
+    jobs = env.get("LAB_JOBS_PER_NODE", "")
+    return min(known) // max(1, int(jobs) if jobs.isdecimal() else 1) if known else None
 
 
 def _cgroup_headroom(root: str = "/sys/fs/cgroup") -> int | None:
     """Least (memory.max - memory.current) over this process's cgroup v2 and its ancestors."""
     try:
         with open("/proc/self/cgroup") as f:
-            path = next(line[3:].strip() for line in f if line.startswith("0::"))
+            own = Path(root + next(line[3:].strip() for line in f if line.startswith("0::")))
     except (OSError, StopIteration):
         return None
-    headroom = None
-    group = Path(root + path)
-    while True:
+    rooms = []
+    for group in (own, *(p for p in own.parents if p.is_relative_to(root))):
         with contextlib.suppress(OSError, ValueError):
             limit = (group / "memory.max").read_text().strip()
             if limit != "max":
-                used = int((group / "memory.current").read_text())
-                room = max(int(limit) - used, 0)
-                headroom = room if headroom is None else min(headroom, room)
-        if group == Path(root) or group.parent == group:
-            return headroom
-        group = group.parent
-
-
-def _slurm_memory() -> int | None:
-    """The job's memory per node in bytes from Slurm's environment (MB there), less what this
-    process already uses."""
-    env = os.environ
-    with contextlib.suppress(ValueError):
-        if env.get("SLURM_MEM_PER_NODE"):
-            total = int(env["SLURM_MEM_PER_NODE"]) << 20
-        elif env.get("SLURM_MEM_PER_CPU"):
-            cpus = int(env.get("SLURM_CPUS_ON_NODE") or env.get("SLURM_CPUS_PER_TASK") or 1)
-            total = (int(env["SLURM_MEM_PER_CPU"]) << 20) * cpus
-        else:
-            return None
-        return max(total - psutil.Process().memory_info().rss, 0) if total > 0 else None
-    return None
+                rooms.append(max(int(limit) - int((group / "memory.current").read_text()), 0))
+    return min(rooms, default=None)
 
 
 def _rlimit_headroom() -> int | None:
-    try:
-        import resource
+    import resource
 
-        limit, _ = resource.getrlimit(resource.RLIMIT_AS)
-        if limit == resource.RLIM_INFINITY:
-            return None
-        return max(limit - psutil.Process().memory_info().vms, 0)
-    except (ImportError, OSError, ValueError):
+    limit, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if limit == resource.RLIM_INFINITY:
         return None
+    return max(limit - psutil.Process().memory_info().vms, 0)
+
+
+def held_bytes(split: Split | FileSplit | int) -> int:
+    """Bytes of a split's inputs as stored (image files: decoded, uint8) and its labels; an int
+    counts that many 32x32 RGB images."""
+    if isinstance(split, int):
+        return split * (math.prod(CIFAR10_SHAPE) + 8)
+    label = split.labels[:1].numel() * split.labels.element_size()
+    return len(split) * (math.prod(split.image_shape) * split.dtype.itemsize + label)
 
 
 def decoded_bytes(splits) -> int:
     """uint8 bytes of the splits once decoded, labels included."""
-    return sum(len(split) * (math.prod(split.image_shape) + 8) for split in splits)
+    return sum(held_bytes(split) for split in splits)
 
 
-def _why_not_cached(splits, data_dir: Path, version: str | None) -> str | None:
+def _why_not_cached(files: list[FileSplit], data_dir: Path, version: str | None) -> str | None:
     """Why the decoded cache cannot serve these splits (None: it can). RAM is no limit: the
     cache is memory-mapped, and the page cache keeps what fits of it."""
-    files = [s for s in splits if isinstance(s, FileSplit)]
     for split in files:
         why = cache_fits(split, data_dir, version)
         if why is not None:
@@ -591,42 +533,26 @@ def check_batch_size(train_images: int, batch_size: int, grad_accum: int = 1) ->
     if effective * MIN_STEPS_PER_EPOCH <= train_images:
         return
     largest = train_images // (MIN_STEPS_PER_EPOCH * grad_accum)
-    what = f"--batch-size: {batch_size} x --grad-accum {grad_accum} is"
-    if effective > train_images:
-        what += f" larger than the training set ({train_images} images): not one step per epoch"
-    else:
-        what += (
-            f" more than 1/{MIN_STEPS_PER_EPOCH} of the training set ({train_images} images): "
-            f"{train_images // effective} optimizer step(s) per epoch and "
-            f"{train_images % effective} images left out of every epoch"
-        )
     hint = f"use --batch-size {largest} or less" if largest else "the training set is too small"
-    raise ValueError(f"{what}; {hint}")
+    part = "larger than" if effective > train_images else f"more than 1/{MIN_STEPS_PER_EPOCH} of"
+    raise ValueError(
+        f"--batch-size: {batch_size} x --grad-accum {grad_accum} is {part} the training set "
+        f"({train_images} images): {train_images // effective} optimizer step(s) per epoch, "
+        f"{train_images % effective} images left out of every epoch; {hint}"
+    )
 
 
 def fits_on_device(splits, device, *, max_fraction: float = 0.25) -> bool:
     """Whether the splits can be held whole on `device` (for `--gpu-resident auto`).
 
-    `splits`: a mapping or iterable of splits, or of sample counts (counted as 32x32 RGB). The
-    uint8 images, as stored (unpadded: crops pad per batch), must take at most `max_fraction` of
-    the free
+    `splits`: a mapping or iterable of splits, or of sample counts (held_bytes). The images, as
+    stored (unpadded: crops pad per batch), must take at most `max_fraction` of the free
     memory: the GPU's on CUDA, the available RAM on the CPU (the rest is for the model).
     """
     device = torch.device(device)
-    if isinstance(splits, Mapping):
-        splits = splits.values()
-    needed = 0
-    for split in splits:
-        if isinstance(split, int):
-            needed += split * (math.prod(CIFAR10_SHAPE) + 8)
-            continue
-        size = split.images.element_size() if isinstance(split, Split) else 1
-        label = split.labels[:1].numel() * split.labels.element_size()
-        needed += len(split) * (math.prod(split.image_shape) * size + label)
+    needed = decoded_bytes(splits.values() if isinstance(splits, Mapping) else splits)
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return needed <= max_fraction * free
-    if device.type == "cpu":
-        available = available_ram_bytes()
-        return available is not None and needed <= max_fraction * available
-    return False
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = available_ram_bytes() if device.type == "cpu" else None
+    return free is not None and needed <= max_fraction * free

@@ -32,12 +32,12 @@ does both).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .registry import Registry
+from .registry import Entry, Registry
 
 
 @dataclass(frozen=True)
@@ -85,25 +85,12 @@ class DatasetSplits:
     augment: bool | None = None
 
 
-@dataclass(frozen=True)
-class DatasetEntry:
-    name: str
-    load: Callable[[DataOptions], DatasetSplits]
-    help: str
-    needs_data_path: bool
-
-
-DATASETS: dict[str, DatasetEntry] = Registry("register_dataset")  # any module (registry.py)
+DATASETS: dict[str, Entry] = Registry("register_dataset")  # any module (registry.py)
 
 
 def register_dataset(name: str, *, help: str = "", needs_data_path: bool = False):
     """Decorator: register `fn(options: DataOptions) -> DatasetSplits` as dataset `name`."""
-
-    def add(fn: Callable[[DataOptions], DatasetSplits]):
-        DATASETS.add(name, DatasetEntry(name, fn, help, needs_data_path), fn)
-        return fn
-
-    return add
+    return DATASETS.register(name, help, needs_data_path=needs_data_path)
 
 
 # --------------------------------------------------------------------------------------------

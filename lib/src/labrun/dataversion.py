@@ -43,16 +43,21 @@ def data_version(root: Path, cache_dir: Path | None = None) -> str:
             return _digest([(root.name, st.st_size, st.st_mtime_ns)])
         cache = _cache_path(root, cache_dir)
         cached = _read_cache(cache, root)
-        if cached is not None and _unchanged(root, cached["dirs"]):
-            return cached["version"]
+        with contextlib.suppress(OSError):  # a directory went away: changed
+            stamps = cached["dirs"].items() if cached is not None else ()
+            if cached and all(_dir_stamp(os.path.join(root, d)) == s for d, s in stamps):
+                return cached["version"]
         dirs, files = _walk(root)
         version = _digest(files)
     except OSError as e:
         raise ValueError(f"--data-path: cannot read {e.filename or root}: {e.strerror}") from e
     if cache is not None:
+        from .runs import atomic_write_text  # a temp file renamed over the name: never a link
+
         # A read-only or full --data-dir only costs the next start the full walk again.
         with contextlib.suppress(OSError), file_lock(cache):
-            _write_cache(cache, {"root": str(root), "version": version, "dirs": dirs})
+            cached = {"root": str(root), "version": version, "dirs": dirs}
+            atomic_write_text(cache, json.dumps(cached) + "\n")
     return version
 
 
@@ -78,16 +83,11 @@ def forget(root: Path | None, cache_dir: Path | None) -> None:
     made unreadable). The next start walks every file again and, as a file damaged with its
     size and mtime kept gives the same version, checks every image again: the file is then
     skipped and listed instead of refused at every start."""
-    cache = None if root is None else _cache_path(Path(root), cache_dir)
-    if cache is None:
+    if root is None or cache_dir is None:
         return
-    cached = _read_cache(cache, Path(root))
-    checks = (
-        [check_cache_path(Path(root), cache_dir, cached["version"])]
-        if cached is not None
-        else list(Path(cache_dir).glob(f"{CHECK_PREFIX}{Path(root).name}-*.json"))
-    )
-    for path in [cache, *checks]:
+    # Every version's check of a folder of this name: a check is only a cache, made again.
+    checks = Path(cache_dir).glob(f"{CHECK_PREFIX}{Path(root).name}-*.json")
+    for path in [_cache_path(Path(root), cache_dir), *checks]:
         with contextlib.suppress(OSError):
             path.unlink()
 
@@ -113,13 +113,6 @@ def _dir_stamp(path: str) -> list[int]:
     # ctime too: unlike mtime it cannot be set back (touch -d, rsync -t on a directory).
     st = os.stat(path)
     return [st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
-
-
-def _unchanged(root: Path, dirs: dict[str, list[int]]) -> bool:
-    try:
-        return all(_dir_stamp(os.path.join(root, rel)) == stamp for rel, stamp in dirs.items())
-    except OSError:  # a directory went away: changed
-        return False
 
 
 def _walk(root: Path) -> tuple[dict[str, list[int]], list[tuple[str, int, int]]]:
@@ -170,22 +163,9 @@ def read_json_cache(path: Path) -> dict | None:
 
 
 def _read_cache(cache: Path | None, root: Path) -> dict | None:
-    if cache is None or (cached := read_json_cache(cache)) is None:
-        return None
-    valid = (
-        cached.get("root") == str(root)
-        and isinstance(cached.get("version"), str)
-        and cached["version"].startswith(VERSION_PREFIX)
-        and isinstance(cached.get("dirs"), dict)
-        and all(isinstance(v, list) for v in cached["dirs"].values())
-    )
-    return cached if valid else None
-
-
-def _write_cache(cache: Path, content: dict) -> None:
-    from .runs import atomic_write_text  # a temp file renamed over the name: never through a link
-
-    atomic_write_text(cache, json.dumps(content) + "\n")
+    cached = read_json_cache(cache) if cache is not None else None
+    valid = cached and cached.get("root") == str(root) and isinstance(cached.get("dirs"), dict)
+    return cached if valid and str(cached.get("version")).startswith(VERSION_PREFIX) else None
 
 
 @contextlib.contextmanager

@@ -45,7 +45,7 @@ def collect() -> dict:
                     stored = _stored(decorator, name, entry, module_of(entry), registry)
                     listed[decorator][name] = stored
 
-    take(lambda entry: (getattr(entry, "load", None) or entry.build).__module__)  # built-ins
+    take(lambda entry: entry.build.__module__)  # built-ins
     for module, path in _modules():
         if any(d in path.read_text(encoding="utf-8") for d in DECORATORS):
             importlib.import_module(module)
@@ -54,9 +54,8 @@ def collect() -> dict:
 
 
 def _stored(decorator: str, name: str, entry, module: str, registry: Registry) -> dict:
-    fn = entry.load if decorator == "register_dataset" else entry.build
     keywords = {"needs_data_path": entry.needs_data_path} if decorator == "register_dataset" else {}
-    declared = describe(name, fn, entry.help, module, registry.where[name], keywords)
+    declared = describe(name, entry.build, entry.help, module, registry.where[name], keywords)
     stored = asdict(declared)
     stored["params"] = {k: v if v == REQUIRED else repr(v) for k, v in declared.params.items()}
     stored["unused"] = sorted(declared.unused)

@@ -16,14 +16,13 @@ default. Only those it takes (and names in its body) go into the run's name and 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 
-from .registry import REQUIRED, Declared, Registry
+from .registry import REQUIRED, Declared, Entry, Registry
 
-MODELS: dict[str, ModelEntry] = Registry("register_model")  # imports other modules on demand
+MODELS: dict[str, Entry] = Registry("register_model")  # imports other modules on demand
 # The template's models: held to deterministic CUDA kernels (no adaptive pooling) by the tests.
 BUILT_IN = ("cnn", "cnn1d", "resnet18")
 # What the data gives a model function (by parameter name); every other parameter is its own.
@@ -31,21 +30,9 @@ DATA_PARAMS = ("num_classes", "channels", "image_size", "input_shape")
 WIDTH_DEFAULT = 64  # --width's default: the built-in models' run names depend on it
 
 
-@dataclass(frozen=True)
-class ModelEntry:
-    name: str
-    build: Callable
-    help: str
-
-
 def register_model(name: str, *, help: str = ""):
     """Decorator: register `fn(num_classes, channels, image_size, ...) -> nn.Module`."""
-
-    def add(fn):
-        MODELS.add(name, ModelEntry(name, fn, help), fn)
-        return fn
-
-    return add
+    return MODELS.register(name, help)
 
 
 def own_arguments(declared: Declared) -> dict:
@@ -77,32 +64,24 @@ def parse_model_args(text: str) -> dict:
 def _typed(text: str, default, where: str):
     """--model-args text as the type of the argument's default (no default: a guess)."""
     default = None if default == REQUIRED else default
+    kind = type(default) if isinstance(default, bool | int | float | str) else None
     try:
-        if isinstance(default, bool) or (
-            not isinstance(default, int | float | str) and text.lower() in ("true", "false")
-        ):
-            if text.lower() not in ("true", "false"):
-                raise ValueError
-            return text.lower() == "true"
-        if isinstance(default, int | float | str):
-            value = type(default)(text)
+        if kind is bool or (kind is None and text.lower() in ("true", "false")):
+            value = {"true": True, "false": False}[text.lower()]
+        elif kind is None:  # a number where the text reads as one
+            value = text
+            for guess in (float, int):
+                with contextlib.suppress(ValueError):
+                    value = guess(text)
         else:
-            guesses = (_maybe(int, text), _maybe(float, text), text)
-            value = next(v for v in guesses if v is not None)
-    except ValueError:
+            value = kind(text)
+    except (KeyError, ValueError):
         raise ValueError(
             f"{where}: expected a value like its default {default!r}, got {text!r}"
         ) from None
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{where}: must be a finite number, got {text}")
     return value
-
-
-def _maybe(kind, text: str):
-    try:
-        return kind(text)
-    except ValueError:
-        return None
 
 
 def model_arguments(declared: Declared, width: int | None, given: dict) -> tuple:

@@ -20,6 +20,7 @@ of the package. A run that asks for a name imports the module that registered it
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import hashlib
 import importlib
@@ -28,11 +29,13 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import project
+from .dataversion import read_json_cache
+from .runs import atomic_write_text
 
 LIBRARY_DIR = Path(__file__).resolve().parent
 DECORATORS = ("register_model", "register_dataset", "register_task")
@@ -63,6 +66,16 @@ class Declared:
 REQUIRED = "<required>"  # Declared.params: a parameter without a default
 
 
+@dataclass(frozen=True)
+class Entry:
+    """One registration: a model's or task's builder, a dataset's loader."""
+
+    name: str
+    build: Callable
+    help: str
+    needs_data_path: bool = False  # datasets: refused without --data-path
+
+
 class Registry(dict):
     """name -> entry, filled by the register functions as modules are imported. Asking for a
     name that another module of the package registers (`name in registry`, `registry[name]`)
@@ -89,12 +102,20 @@ class Registry(dict):
             return super().__getitem__(name)
         raise KeyError(name)
 
-    def add(self, name: str, entry, fn) -> None:
-        """What the register function calls: a name registered twice is an error naming both."""
-        where = _where(fn)
-        if super().__contains__(name):
-            raise ValueError(f"{where}: @{self.decorator}({name!r}) is also at {self.where[name]}")
-        self[name], self.where[name] = entry, where
+    def register(self, name: str, help: str = "", **keywords):
+        """The decorator register_model/_dataset/_task return: `fn` registered as `name`; a name
+        registered twice is an error naming both places."""
+
+        def add(fn):
+            where = _where(fn)
+            if dict.__contains__(self, name):
+                raise ValueError(
+                    f"{where}: @{self.decorator}({name!r}) is also at {self.where[name]}"
+                )
+            self[name], self.where[name] = Entry(name, fn, help, **keywords), where
+            return fn
+
+        return add
 
 
 def _where(fn) -> str:
@@ -131,20 +152,15 @@ def _modules() -> list[tuple[str, Path]]:
     return found
 
 
-def _fingerprint(sources: dict[str, bytes]) -> str:
+def _fingerprint() -> str:
+    """sha256 of the texts the listing depends on: the project's modules and the library's own."""
+    sources = [path for _, path in _modules()] + [LIBRARY_DIR / name for name in LISTING_INPUTS]
     digest = hashlib.sha256()
-    for where, text in sorted(sources.items()):
-        digest.update(f"{where}\0{len(text)}\0".encode())
+    for path in sorted(sources):
+        text = path.read_bytes()
+        digest.update(f"{path}\0{len(text)}\0".encode())
         digest.update(text)
     return digest.hexdigest()
-
-
-def _sources() -> dict[str, bytes]:
-    """The texts the listing depends on: the project's modules and the library's own."""
-    sources = {str(path): path.read_bytes() for _, path in _modules()}
-    for name in LISTING_INPUTS:
-        sources[f"labrun/{name}"] = (LIBRARY_DIR / name).read_bytes()
-    return sources
 
 
 @functools.cache
@@ -153,18 +169,14 @@ def _listing() -> dict[str, dict[str, Declared]]:
     listed again in a child process and cached."""
     if os.environ.get(LISTING_ENV):
         return {decorator: {} for decorator in DECORATORS}
-    sources = _sources()
-    fingerprint = _fingerprint(sources)
+    fingerprint = _fingerprint()
     cache = project.current().root / CACHE
-    try:
-        listed = json.loads(cache.read_text(encoding="utf-8"))
-        if listed.get("fingerprint") != fingerprint:
-            listed = None
-    except (OSError, ValueError):
-        listed = None
-    if listed is None:
+    listed = read_json_cache(cache) or {}
+    if listed.get("fingerprint") != fingerprint:
         listed = {"fingerprint": fingerprint, **_list_in_child()}
-        _write(cache, listed)
+        with contextlib.suppress(OSError):  # a read-only project lists every time
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(cache, json.dumps(listed))  # atomic: jobs may list at once
     return {
         decorator: {name: _declared(d) for name, d in listed[decorator].items()}
         for decorator in DECORATORS
@@ -173,26 +185,7 @@ def _listing() -> dict[str, dict[str, Declared]]:
 
 def _declared(stored: dict) -> Declared:
     params = {k: v if v == REQUIRED else ast.literal_eval(v) for k, v in stored["params"].items()}
-    return Declared(
-        stored["name"],
-        stored["help"],
-        stored["module"],
-        stored["where"],
-        stored["keywords"],
-        params,
-        frozenset(stored["unused"]),
-    )
-
-
-def _write(path: Path, listed: dict) -> None:
-    """Atomically (concurrent jobs may list at once); a read-only project lists every time."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-            json.dump(listed, f)
-        os.replace(f.name, path)
-    except OSError:
-        return
+    return Declared(**{**stored, "params": params, "unused": frozenset(stored["unused"])})
 
 
 def _list_in_child() -> dict:

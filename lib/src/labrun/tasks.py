@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import UsageError
-from .registry import Registry
+from .registry import Entry, Registry
 
 DIRECTIONS = ("max", "min")
 
@@ -66,24 +66,12 @@ class Task:
         return self.directions[name]
 
 
-@dataclass(frozen=True)
-class TaskEntry:
-    name: str
-    build: Callable[[argparse.Namespace], Task]
-    help: str
-
-
-TASKS: dict[str, TaskEntry] = Registry("register_task")  # the project may add its own
+TASKS: dict[str, Entry] = Registry("register_task")  # the project may add its own
 
 
 def register_task(name: str, *, help: str = ""):
     """Decorator: register `fn(args) -> Task` as task `name` (args: run.py's arguments)."""
-
-    def add(fn):
-        TASKS.add(name, TaskEntry(name, fn, help), fn)
-        return fn
-
-    return add
+    return TASKS.register(name, help)
 
 
 def create_task(name: str, args: argparse.Namespace, monitor: str | None = None) -> Task:
@@ -118,21 +106,14 @@ def check_targets(splits: dict, task: str, dataset: str) -> None:
     monitored val_map would never be finite, test_map would be made up), and under --task
     classification a train split of one class (test acc 1, whatever the model). `splits`: {name:
     Split or FileSplit} as the dataset gave them, so a row is the row of the user's data."""
-    train = splits["train"].labels
-    for name, split in splits.items():
-        if task == "classification" and split.labels.is_floating_point():
-            raise UsageError(
-                f"dataset {dataset!r}: --task classification needs integer class ids; the "
-                f"{name} split's labels are floats (such as {split.labels.flatten()[0].item()}): "
-                "give integer labels (labels.astype(int)), or choose --task regression"
-            )
-    if task == "classification" and not train.is_floating_point() and train.unique().numel() < 2:
-        raise UsageError(
-            f"dataset {dataset!r}: --task classification needs at least 2 classes; the train "
-            f"split has {train.unique().numel()} (every prediction would be right)"
-        )
     for name, split in splits.items():
         labels = split.labels
+        if task == "classification" and labels.is_floating_point():
+            raise UsageError(
+                f"dataset {dataset!r}: --task classification needs integer class ids; the "
+                f"{name} split's labels are floats (such as {labels.flatten()[0].item()}): "
+                "give integer labels (labels.astype(int)), or choose --task regression"
+            )
         if not labels.is_floating_point() or len(labels) == 0:
             continue
         rows = labels.reshape(len(labels), -1)
@@ -148,6 +129,12 @@ def check_targets(splits: dict, task: str, dataset: str) -> None:
                 f"dataset {dataset!r}: the {name} split has no positive label in any of its "
                 f"{len(rows)} rows: its mAP is undefined; give it rows with a label"
             )
+    classes = splits["train"].labels.unique().numel()
+    if task == "classification" and classes < 2:
+        raise UsageError(
+            f"dataset {dataset!r}: --task classification needs at least 2 classes; the train "
+            f"split has {classes} (every prediction would be right)"
+        )
 
 
 def summed(*parts: torch.Tensor) -> torch.Tensor:
