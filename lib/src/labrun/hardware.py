@@ -238,7 +238,7 @@ def utc_now() -> str:
     return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
 
 
-class Record:
+class Measurement:
     """A measurement of this machine kept for the next job (compile costs, layout, matmul peak):
     a small JSON file in the inductor cache folder, named by the hash of its `key` (what was
     measured, on which machine and torch). Unreadable, of another key or absent: {} (measured
@@ -280,7 +280,7 @@ def model_key(model, x: torch.Tensor, dtype, device) -> dict:
     }
 
 
-class CompileRecord(Record):
+class CompileRecord(Measurement):
     """The measured compile costs of one model, input and precision on one machine and torch
     version, shared by the project's jobs (the last compile's numbers win; a lost update between
     two concurrent jobs only costs a re-measurement)."""
@@ -542,7 +542,7 @@ def choose_memory_format(
         return torch.channels_last, "channels_last (tensor cores)"
     if x.dim() != 4:
         return torch.contiguous_format, "NCHW (inputs are not images)"
-    record = Record(
+    record = Measurement(
         cache_dir, "layout-", {**model_key(model, x, dtype, device), "cpu": _cpu_model_name()}
     )
     if seen := record.load():
@@ -615,7 +615,7 @@ def matmul_peak(device: torch.device, dtype, cache_dir: Path) -> tuple[float, st
         "tf32": torch.backends.cuda.matmul.allow_tf32,
         "torch": torch.__version__,
     }
-    record = Record(cache_dir, "peak-", key)
+    record = Measurement(cache_dir, "peak-", key)
     if seen := record.load():
         return seen["flops"], f"measured {seen['when']}"
     flops = measure_matmul_flops(device, dtype)

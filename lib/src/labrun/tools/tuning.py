@@ -10,7 +10,6 @@ import copy
 import csv
 import itertools
 import math
-import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -18,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
+
+from ..data import available_ram_bytes
 
 SMOOTHING = 0.98  # EMA factor of the LR-finder loss (fastai's value: ~50 steps of memory)
 DIVERGENCE_FACTOR = 4.0  # stop the range test once the smoothed loss is 4x its best
@@ -174,20 +175,6 @@ def _power_of_two_at_most(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 
 
-def _available_ram_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def _activation_bytes_per_sample(model: nn.Module, x: torch.Tensor) -> int:
     """Bytes of all module outputs of one forward pass, per sample (what backward keeps)."""
     total = 0
@@ -253,7 +240,7 @@ def find_batch_size(
         sample = torch.randn(2, *input_shape, device=device)
         per_sample = 3 * _activation_bytes_per_sample(probe, sample)
         del probe
-        available = _available_ram_bytes()
+        available = available_ram_bytes()  # cgroup and Slurm limits too
         if available is not None:
             ram_cap = _power_of_two_at_most(available // 2 // max(per_sample, 1))
             print(
