@@ -30,6 +30,7 @@ import math
 import os
 import re
 import typing
+from collections.abc import Collection
 from fractions import Fraction
 from pathlib import Path
 
@@ -243,7 +244,7 @@ def flag(
     help: str,
     *,
     execution: bool = False,
-    choices: tuple | None = None,
+    choices: Collection[str] | None = None,
     above: float | None = None,
     at_least: float | None = None,
     below: float | None = None,
@@ -300,7 +301,7 @@ class Experiment:
                 for n, d in MODEL_DECLARED.items()
             }
         ),
-        choices=tuple(MODEL_CHOICES),
+        choices=MODEL_CHOICES,  # the dict itself: a model registered later is a choice too
     )
     model_args: dict = flag(
         {},
@@ -310,7 +311,7 @@ class Experiment:
         parse=_model_args,
         metavar="K=V,...",
     )
-    task: str = flag("classification", _choices_help(TASK_CHOICES), choices=tuple(TASK_CHOICES))
+    task: str = flag("classification", _choices_help(TASK_CHOICES), choices=TASK_CHOICES)
     monitor: str | None = flag(
         None,
         "the validation metric early stopping and best_model.pt follow, e.g. val_loss, val_r2 "

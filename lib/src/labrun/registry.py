@@ -170,13 +170,16 @@ def _listing() -> dict[str, dict[str, Declared]]:
     if os.environ.get(LISTING_ENV):
         return {decorator: {} for decorator in DECORATORS}
     fingerprint = _fingerprint()
-    cache = project.current().root / CACHE
-    listed = read_json_cache(cache) or {}
+    root = project.current().root
+    # Outside a project (no pyproject.toml found), nothing is written into the working folder.
+    cache = root / CACHE if (root / "pyproject.toml").is_file() else None
+    listed = (cache and read_json_cache(cache)) or {}
     if listed.get("fingerprint") != fingerprint:
         listed = {"fingerprint": fingerprint, **_list_in_child()}
         with contextlib.suppress(OSError):  # a read-only project lists every time
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(cache, json.dumps(listed))  # atomic: jobs may list at once
+            if cache is not None:
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_text(cache, json.dumps(listed))  # atomic: jobs may list at once
     return {
         decorator: {name: _declared(d) for name, d in listed[decorator].items()}
         for decorator in DECORATORS
