@@ -307,7 +307,7 @@ class Tracker:
 
     def log_history(self, history: list[dict]) -> None:
         """Send the history rows the MLflow run has not received yet (one log_batch call)."""
-        if self.enabled and not self.deferred and not self.ready:
+        if not self.ready:  # (a guarded call does nothing when tracking is off or deferred)
             self._guard("open the MLflow run", self._open)
         if self.ready:
             self._guard("log metrics", self._send_rows, history)
@@ -501,10 +501,10 @@ def mirror(
     status and summary default to the directory's files (status, metrics.json); the job passes
     what it is about to write; the history is history.csv's. `state` (tracking.json) is updated
     in place and saved after each step that must not be repeated. Missing rows
-    are added; a run that holds rows, params or a name the directory does not is rebuilt (MLflow
+    are added; a run whose rows, params or name the directory does not hold is rebuilt (MLflow
     has no delete for them). Each step is idempotent, so a kill anywhere is repaired by the next
     mirror."""
-    from mlflow.entities import Metric, Param, RunTag
+    from mlflow.entities import Metric, RunTag
 
     run_dir = Path(run_dir)
     # A run still "running" whose claim we hold has lost its job: KILLED, as the sweep would
@@ -539,9 +539,10 @@ def mirror(
             if extra := _counts(logged[key]) - _counts(expected.get(key, [])):
                 steps = sorted({step for step, _ in extra})
                 conflicts.append(f"{key} has rows the run directory does not (steps {steps})")
-        for key, value in run.data.params.items():
-            if params.get(key) != value:
-                conflicts.append(f"param {key} is {value!r}, the directory's {params.get(key)!r}")
+        if differ := sorted(
+            k for k in {**params, **run.data.params} if params.get(k) != run.data.params.get(k)
+        ):
+            conflicts.append(f"its params {differ} are not the directory's")
         if run.info.run_name != state.get("run_name", run_dir.name):
             conflicts.append(f"its name is {run.info.run_name!r}")
     if run is None or conflicts:
@@ -564,7 +565,6 @@ def mirror(
         state.pop("replaces")
         _save(run_dir, state)
 
-    new_params = [Param(k, v) for k, v in sorted(params.items()) if k not in run.data.params]
     new_tags = [RunTag(k, v) for k, v in tags.items() if run.data.tags.get(k) != v]
     # A row sent after the fact is stamped with the run's start (MLflow's x axis is the step;
     # this keeps "relative time" plots within the run).
@@ -576,11 +576,9 @@ def mirror(
             if wanted[(step, f"{value:.6g}")] > 0:
                 wanted[(step, f"{value:.6g}")] -= 1
                 new_rows.append(Metric(key, value, row_time, step))
-    if new_params or new_tags or new_rows:  # one transaction: all of it arrives, or none
-        client.log_batch(run_id, metrics=new_rows, params=new_params, tags=new_tags)
-        changes.append(
-            f"sent {len(new_params)} params, {len(new_rows)} metric rows, {len(new_tags)} tags"
-        )
+    if new_tags or new_rows:  # one transaction: all of it arrives, or none
+        client.log_batch(run_id, metrics=new_rows, tags=new_tags)
+        changes.append(f"sent {len(new_rows)} metric rows, {len(new_tags)} tags")
     state["sent_rows"] = len(history)
     _save(run_dir, state)
 
