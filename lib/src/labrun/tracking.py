@@ -48,6 +48,7 @@ import argparse
 import collections
 import contextlib
 import csv
+import functools
 import hashlib
 import io
 import json
@@ -111,7 +112,8 @@ def _schema_lock(uri: str) -> Iterator[None]:
         yield
 
 
-def _client():
+@functools.cache  # per tracking URI: one client for every sync of a follower or a process
+def _client(uri: str):
     for key, value in HTTP_DEFAULTS.items():
         os.environ.setdefault(key, value)
     # MLflow's INFO lines (creating tables, system metrics started) are not the job's news, and
@@ -123,7 +125,6 @@ def _client():
         logging.getLogger(name).setLevel(logging.CRITICAL)
     from mlflow.tracking import MlflowClient
 
-    uri = tracking_uri()
     with _schema_lock(uri):  # creating the client opens the store, which creates the schema
         client = MlflowClient(tracking_uri=uri)
         client.search_experiments(max_results=1)  # the store (and schema) exists after this
@@ -133,7 +134,7 @@ def _client():
 def init(experiment: str = DEFAULT_EXPERIMENT, client=None) -> str:
     """Create the DB (schema) and the experiment if missing; return the experiment id.
     Artifacts go to `mlruns/` next to a sqlite DB, to the server's default for anything else."""
-    client = client or _client()
+    client = client or _client(tracking_uri())
     found = client.get_experiment_by_name(experiment)
     if found is not None:
         return found.experiment_id
@@ -276,7 +277,7 @@ class Tracker:
 
     def _open(self) -> None:
         if self.client is None:
-            self.client = _client()
+            self.client = _client(tracking_uri())
         if self.run_id is not None:
             try:  # resume: the same run, back to RUNNING
                 self.client.update_run(self.run_id, status="RUNNING")
@@ -476,16 +477,14 @@ def _artifact_files(run_dir: Path, state: dict, status: str) -> list[Path]:
 def fingerprint(run_dir: Path, state: dict) -> str:
     """What the mirror reads, as a short hash of file sizes and times and of the job's own
     notes: when it is unchanged since the last mirror, MLflow needs nothing."""
-    parts = []
+    files = []
     for name in (runs.CONFIG, runs.STATUS, runs.HISTORY, runs.METRICS, runs.BEST_MODEL):
-        try:
+        with contextlib.suppress(OSError):
             info = (Path(run_dir) / name).stat()
-            parts.append(f"{name}:{info.st_size}:{info.st_mtime_ns}")
-        except OSError:
-            parts.append(f"{name}:-")
+            files.append((name, info.st_size, info.st_mtime_ns))
     notes = ("params", "tags", "end_tags", "artifacts", "error", "started_at", "ended_at")
-    parts.append(json.dumps({k: state.get(k) for k in notes}, sort_keys=True))
-    return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
+    text = json.dumps([files, {k: state.get(k) for k in notes}], sort_keys=True)
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
 def mirror(
@@ -671,23 +670,21 @@ def _mirror_system_metrics(client, run, run_dir: Path, state: dict) -> list[str]
         return []
     if ended is None:  # killed: its files' last change is its end
         ended = max((p.stat().st_mtime for p in run_dir.iterdir() if p.is_file()), default=0)
-    samples = []
+    rows, step = [], 0  # step: the sample's number
     with contextlib.suppress(OSError):
         for line in (run_dir.parent / SAMPLES_FILE).read_text(encoding="utf-8").splitlines():
             with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
                 sample = json.loads(line)
-                values = {str(k): float(v) for k, v in sample["metrics"].items()}
-                if started <= float(sample["t"]) <= ended:
-                    samples.append((float(sample["t"]), values))
-    rows = [
-        Metric(f"system/{key}", value, int(t * 1000), step)
-        for step, (t, values) in enumerate(samples)
-        for key, value in values.items()
-    ]
+                t, values = float(sample["t"]), sample["metrics"].items()
+                if started <= t <= ended:
+                    rows += [
+                        Metric(f"system/{k}", float(v), int(t * 1000), step) for k, v in values
+                    ]
+                    step += 1
     if not rows:
         return []
     client.log_batch(run.info.run_id, metrics=rows)
-    return [f"sent {len(samples)} system-metric samples"]
+    return [f"sent {step} system-metric samples"]
 
 
 # ---- tracking.json -------------------------------------------------------------------------------
@@ -757,13 +754,12 @@ def mlflow_run_id(run_dir: Path) -> str | None:
 
 
 # ---- sync and the sweep's follower -------------------------------------------------------------
-def sync(run_dir: Path, log: logging.Logger, clients: dict | None = None) -> bool | None:
+def sync(run_dir: Path, log: logging.Logger) -> bool | None:
     """Make MLflow mirror a run directory, saying each change; True if it does now, False if
     it could not be reached, None if a live job holds the directory (its job mirrors it).
 
     Holds the run's claim while it works, like a training job: no job starts meanwhile, and no
-    second sync, so the directory keeps one MLflow run. `clients`: a dict that keeps the MLflow
-    client between calls (the follower's)."""
+    second sync, so the directory keeps one MLflow run."""
     from .claim import Busy, claim
 
     try:
@@ -776,11 +772,8 @@ def sync(run_dir: Path, log: logging.Logger, clients: dict | None = None) -> boo
         return False
     with held:
         state = _read_state(run_dir, log)
-        clients = {} if clients is None else clients
         try:
-            if "client" not in clients:
-                clients["client"] = _client()
-            changes = mirror(clients["client"], run_dir, state)
+            changes = mirror(_client(tracking_uri()), run_dir, state)
         except Exception as exc:
             log.warning("%s: not mirrored: %s: %s", run_dir, type(exc).__name__, first_line(exc))
             return False
@@ -851,7 +844,7 @@ def follow(roots: list[Path], log: logging.Logger, stdin=None) -> int:
         closed.set()
 
     threading.Thread(target=read_to_end, daemon=True).start()
-    clients, unreached = {}, {}  # unreached: run dir -> fingerprint tried
+    unreached = {}  # run dir -> fingerprint tried
     sampler = _start_sampler(roots[0] / SAMPLES_FILE) if roots else threading.Event()
     seen = {d: fingerprint(d, _read_state(d)) for d in _run_dirs(roots, with_state=True)}
     while not stopping.is_set():
@@ -868,7 +861,7 @@ def follow(roots: list[Path], log: logging.Logger, stdin=None) -> int:
                 and (seen.get(run_dir) != now or runs.is_done(run_dir))
             ):
                 continue
-            synced = sync(run_dir, log, clients)
+            synced = sync(run_dir, log)
             if synced is False:
                 unreached[run_dir] = now
             else:
