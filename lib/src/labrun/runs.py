@@ -69,14 +69,9 @@ TEMP_SUFFIX = ".tmp"
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG})
 
 
-def _umask() -> int:
-    """The process umask (os.umask can only be read by setting it; done once, at import)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-FILE_MODE = 0o666 & ~_umask()  # what open() would give a new file
+_UMASK = os.umask(0o022)  # os.umask can only be read by setting it: done once, at import
+os.umask(_UMASK)
+FILE_MODE = 0o666 & ~_UMASK  # what open() would give a new file
 
 
 @contextlib.contextmanager
@@ -192,17 +187,12 @@ def remove_stale_temps(run_dir: Path, older_than_s: float = 60.0) -> list[str]:
     """
     removed, now = [], time.time()
     for path in Path(run_dir).glob(f".*{TEMP_SUFFIX}"):
+        target = path.name.removeprefix(".").removesuffix(TEMP_SUFFIX).rpartition(".")[0]
         with contextlib.suppress(OSError):
-            if _own_temp(path.name) or now - path.stat().st_mtime > older_than_s:
+            if target in (*RUN_FILES, PROBE) or now - path.stat().st_mtime > older_than_s:
                 path.unlink()
                 removed.append(path.name)
     return removed
-
-
-def _own_temp(name: str) -> bool:
-    """A name atomic_path (or ensure_writable's probe) gives a temp of a run directory's file."""
-    target = name.removeprefix(".").removesuffix(TEMP_SUFFIX).rpartition(".")[0]
-    return target in RUN_FILES or target == PROBE
 
 
 def is_disk_error(exc: BaseException) -> bool:
@@ -303,12 +293,8 @@ def write_history(run_dir: Path, rows: list[dict]) -> None:
     writer = csv.DictWriter(buf, fieldnames=fields, restval="", lineterminator="\n")
     writer.writeheader()
     for row in rows:
-        writer.writerow({k: _fmt(v) for k, v in row.items()})
+        writer.writerow({k: f"{v:.6g}" if isinstance(v, float) else v for k, v in row.items()})
     atomic_write_text(Path(run_dir) / HISTORY, buf.getvalue())
-
-
-def _fmt(value: object) -> object:
-    return f"{value:.6g}" if isinstance(value, float) else value
 
 
 def ensure_writable(directory: Path, need_bytes: int = 0) -> None:
@@ -355,15 +341,6 @@ def clear_run_dir(run_dir: Path) -> list[str]:
     return removed
 
 
-def git_state(root: Path) -> tuple[str | None, bool | None]:
-    """(commit, dirty) of the repository holding `root`, or (None, None) outside git."""
-    commit = _git_lines(root, "rev-parse", "HEAD", z=False)
-    porcelain = _git_lines(root, "status", "--porcelain", "--untracked-files=no", z=False)
-    if not commit or porcelain is None:
-        return None, None
-    return commit[0], bool(porcelain)
-
-
 # What counts as the code of a project: its Python and configuration files, not its tests,
 # docs or outputs (a README edit must not make every finished run "made by other code").
 CODE_SUFFIXES = frozenset({".py", ".toml", ".cfg", ".yaml", ".yml"})
@@ -387,7 +364,7 @@ def code_version(root: Path) -> dict[str, str]:
     from . import __version__
 
     root = Path(root)
-    commit, _ = git_state(root)
+    commit = _git_lines(root, "rev-parse", "HEAD", z=False)
     files = _git_lines(root, "ls-files", "-z", "--cached", "--others", "--exclude-standard")
     if files is None:  # not in git: the files under root, skipped folders left unwalked
         files = []
@@ -397,7 +374,7 @@ def code_version(root: Path) -> dict[str, str]:
     diff = _git_lines(root, "diff", "HEAD", "--binary", "--", ".", z=False)
     library = Path(__file__).parent
     return {
-        "git_commit": commit or "unknown",
+        "git_commit": commit[0] if commit else "unknown",
         "git_diff": "none" if diff == [] else _content_hash(diff) if diff else "unknown",
         "project": _files_hash(root, [name for name in files if _is_code(name)]),
         "labrun_version": __version__,
@@ -405,15 +382,17 @@ def code_version(root: Path) -> dict[str, str]:
     }
 
 
-def other_code(run_dir: Path, now: dict[str, str]) -> str | None:
-    """A line when the run in `run_dir` was made by other code than `now` (code_version), else
-    None (also for a run made before code versions were recorded)."""
+def other_code_line(run_dir: Path, root: Path, doing: str) -> str | None:
+    """The one line a skip or a resume of `run_dir` says when other code than `root`'s
+    (code_version) made it (README, "What a run writes"), else None (also for a run made before
+    code versions were recorded): `doing` is "skipped" or "resuming"."""
     try:
         before = json.loads(read_trusted(Path(run_dir) / CONFIG)).get("code")
     except (OSError, ValueError, AttributeError):
         return None
     if not isinstance(before, dict):
         return None
+    now = code_version(root)
     changed = [
         f"{key} {before.get(key)} -> {now[key]}"
         for key in ("project", "labrun")
@@ -421,24 +400,13 @@ def other_code(run_dir: Path, now: dict[str, str]) -> str | None:
     ]
     if not changed:
         return None
-    commit = before.get("git_commit", "unknown")[:12]
-    return f"made by other code (commit {commit}, {'; '.join(changed)})"
-
-
-def other_code_line(run_dir: Path, root: Path, doing: str) -> str | None:
-    """The one line a skip or a resume of `run_dir` says when other code made it (README, "What
-    a run writes"): `doing` is "skipped" or "resuming"."""
-    other = other_code(run_dir, code_version(root))
-    if other is None:
-        return None
+    commit = str(before.get("git_commit", "unknown"))[:12]
+    other = f"{run_dir} was made by other code (commit {commit}, {'; '.join(changed)})"
     if doing == "skipped":
-        return (
-            f"note: {run_dir} was {other}: its numbers are that code's; --fresh retrains it "
-            "with this code"
-        )
+        return f"note: {other}: its numbers are that code's; --fresh retrains it with this code"
     return (
-        f"resuming under other code: {run_dir} was {other}: its epochs so far are that "
-        "code's; --fresh starts it over with this code"
+        f"resuming under other code: {other}: its epochs so far are that code's; --fresh "
+        "starts it over with this code"
     )
 
 

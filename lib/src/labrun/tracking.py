@@ -48,6 +48,7 @@ import argparse
 import collections
 import contextlib
 import csv
+import functools
 import hashlib
 import io
 import json
@@ -93,22 +94,6 @@ def _sqlite_path(uri: str) -> Path | None:
     return Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
 
 
-def _artifact_location(uri: str) -> str | None:
-    """`mlruns/` next to a sqlite DB; the server's default for anything else."""
-    db = _sqlite_path(uri)
-    return (db.parent / "mlruns").as_uri() if db is not None else None
-
-
-def _quiet_mlflow() -> None:
-    """MLflow's INFO lines (creating tables, system metrics started) are not the job's news."""
-    for name in ("mlflow", "alembic"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    # A failing DB call logs its whole traceback at ERROR here (and the system-metrics thread
-    # warns on its own): the Tracker already says it once, in one line.
-    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
-    logging.getLogger("mlflow.system_metrics").setLevel(logging.CRITICAL)
-
-
 @contextlib.contextmanager
 def _schema_lock(uri: str) -> Iterator[None]:
     """Serialise the first touch of a sqlite DB across processes (it creates and migrates)."""
@@ -127,13 +112,19 @@ def _schema_lock(uri: str) -> Iterator[None]:
         yield
 
 
-def _client():
+@functools.cache  # per tracking URI: one client for every sync of a follower or a process
+def _client(uri: str):
     for key, value in HTTP_DEFAULTS.items():
         os.environ.setdefault(key, value)
-    _quiet_mlflow()
+    # MLflow's INFO lines (creating tables, system metrics started) are not the job's news, and
+    # a failing DB call logs its whole traceback (the system-metrics thread warns on its own):
+    # the Tracker already says it once, in one line.
+    for name in ("mlflow", "alembic"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    for name in ("mlflow.store.db.utils", "mlflow.system_metrics"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     from mlflow.tracking import MlflowClient
 
-    uri = tracking_uri()
     with _schema_lock(uri):  # creating the client opens the store, which creates the schema
         client = MlflowClient(tracking_uri=uri)
         client.search_experiments(max_results=1)  # the store (and schema) exists after this
@@ -141,14 +132,16 @@ def _client():
 
 
 def init(experiment: str = DEFAULT_EXPERIMENT, client=None) -> str:
-    """Create the DB (schema) and the experiment if missing; return the experiment id."""
-    client = client or _client()
+    """Create the DB (schema) and the experiment if missing; return the experiment id.
+    Artifacts go to `mlruns/` next to a sqlite DB, to the server's default for anything else."""
+    client = client or _client(tracking_uri())
     found = client.get_experiment_by_name(experiment)
     if found is not None:
         return found.experiment_id
+    db = _sqlite_path(tracking_uri())
     try:
         return client.create_experiment(
-            experiment, artifact_location=_artifact_location(tracking_uri())
+            experiment, artifact_location=(db.parent / "mlruns").as_uri() if db else None
         )
     except Exception:  # another job created it between our two calls
         found = client.get_experiment_by_name(experiment)
@@ -164,21 +157,21 @@ def provenance(log: logging.Logger | None = None) -> dict[str, str]:
     run whose code cannot be found again is a result nobody can reproduce."""
     import torch
 
-    commit, dirty = runs.git_state(PROJECT_ROOT)
-    if commit is None and log is not None:
+    code = runs.code_version(PROJECT_ROOT)
+    if code["git_commit"] == "unknown" and log is not None:
         log.warning(
             "%s is not in a git repository (or git is missing): provenance records "
             "git_commit=unknown; make it one: git init && git add -A && git commit",
             PROJECT_ROOT,
         )
-    code = runs.code_version(PROJECT_ROOT)
+    diff = code["git_diff"]  # a hash of the uncommitted diff ("none": clean)
     tags = {
-        "git_commit": commit or "unknown",
-        "git_diff": code["git_diff"],  # a hash of the uncommitted diff ("none": clean)
+        "git_commit": code["git_commit"],
+        "git_diff": diff,
         "code_project": code["project"],  # the project's code as it was on disk
         "labrun_version": code["labrun_version"],
         "labrun_source": code["labrun"],
-        "git_dirty": str(dirty).lower() if dirty is not None else "unknown",
+        "git_dirty": "unknown" if diff == "unknown" else str(diff != "none").lower(),
         "command": shlex.join([sys.executable, *sys.argv]),
         "hostname": socket.gethostname(),
         "python_version": platform.python_version(),
@@ -207,8 +200,8 @@ class Tracker:
     """The MLflow side of one job's run directory; every call is guarded and none raises.
 
     `tracking.json` (in the run directory) holds the MLflow run id, what this job knows that its
-    files do not (params, tags, start and end times, the error), and which history rows the run
-    has received, so a resumed job, the follower or `sync` continues the same MLflow run.
+    files do not (params, tags, start and end times, the error), and how many history rows the
+    run has received, so a resumed job, the follower or `sync` continues the same MLflow run.
     Deferred (`LAB_TRACKING_FOLLOWER=1`, set by run.sh): tracking.json only, no MLflow at all.
     """
 
@@ -227,10 +220,8 @@ class Tracker:
         self.run_dir, self.log, self.enabled = Path(run_dir), log, enabled
         self.deferred = enabled and os.environ.get(FOLLOWER_ENV) == "1"
         self.state = _read_state(self.run_dir, log)
-        self.client = self.monitor = None
-        self._failed_at: float | None = None
-        self._warned = False
-        self._frozen = False  # abandon(): the run directory is no longer ours to write
+        self.client = self.monitor = self._failed_at = None
+        self._warned = self._frozen = False  # _frozen: abandon(), the directory is not ours
         if not self.enabled:
             return
         # What only this process knows, for whoever mirrors the directory later.
@@ -257,8 +248,7 @@ class Tracker:
     def ready(self) -> bool:
         return self.client is not None and self.run_id is not None
 
-    # ---- the guarded calls ---------------------------------------------------------------------
-    def _guard(self, what: str, fn, *args, force: bool = False):
+    def _guard(self, what: str, fn, *args, force: bool = False, **kwargs):
         """Run fn unless tracking is off or failed recently (`force`: whatever the back-off, for
         the run's end); a failure warns once, never raises."""
         if not self.enabled or self.deferred:
@@ -267,7 +257,7 @@ class Tracker:
         if recent and not force:
             return None
         try:
-            result = fn(*args)
+            result = fn(*args, **kwargs)
         except Exception as exc:  # the tracker is never a reason to stop training
             self._failed_at = time.monotonic()
             if not self._warned:
@@ -276,12 +266,8 @@ class Tracker:
                     "MLflow (%s) failed to %s: %s: %s -- training goes on; the run directory "
                     "keeps everything and unsent metrics follow later (or run `python -m "
                     "%s.tracking sync %s`)",
-                    tracking_uri(),
-                    what,
-                    type(exc).__name__,
-                    first_line(exc),
-                    __package__,
-                    self.run_dir,
+                    *(tracking_uri(), what, type(exc).__name__, first_line(exc)),
+                    *(__package__, self.run_dir),
                 )
             return None
         if self._failed_at is not None:
@@ -290,28 +276,19 @@ class Tracker:
         return result
 
     def _open(self) -> None:
-        from mlflow.entities import Param
-
         if self.client is None:
-            self.client = _client()
+            self.client = _client(tracking_uri())
         if self.run_id is not None:
             try:  # resume: the same run, back to RUNNING
                 self.client.update_run(self.run_id, status="RUNNING")
                 return
             except Exception as exc:  # e.g. another MLFLOW_TRACKING_URI than the first attempt
                 self.log.warning(
-                    "MLflow run %s not found (%s); starting a new one",
-                    self.run_id,
-                    first_line(exc),
+                    "MLflow run %s not found (%s); starting a new one", self.run_id, first_line(exc)
                 )
                 self.state = _without_run(self.state)
-        experiment_id = init(self.state["experiment"], self.client)
-        run_id = self.client.create_run(
-            experiment_id, run_name=self.state["run_name"], tags=self.state["tags"]
-        ).info.run_id
-        params = [Param(k, v) for k, v in sorted(self.state["params"].items())]
-        self.client.log_batch(run_id, params=params)
-        self.state.update(run_id=run_id, sent_rows=0, rows=[], ended=None)
+        run = _new_run(self.client, self.run_dir, self.state, self.state["params"])
+        self.state.update(run_id=run.info.run_id, sent_rows=0, ended=None)
         self._save_state()
 
     def _start_monitor(self) -> None:
@@ -326,48 +303,28 @@ class Tracker:
         self.monitor.start()
 
     def _save_state(self) -> None:
-        if self._frozen:
-            return
-        with contextlib.suppress(OSError):  # a full disk must not turn tracking into a crash
-            runs.write_json(self.run_dir / STATE_FILE, self.state)
+        if not self._frozen:
+            _save(self.run_dir, self.state)
 
-    def _reread_state(self) -> None:
-        """What tracking.json says was sent, if it says more than this process knows (its
-        writer held the run's claim, as this one does now)."""
-        disk = _read_state(self.run_dir, self.log)
-        if disk.get("run_id") == self.run_id and disk.get("sent_rows", 0) > self.state.get(
-            "sent_rows", 0
-        ):
-            self.state = disk
-
-    # ---- what run.py calls ----------------------------------------------------------------------
-    def log_history(self, history: list[dict], *, force: bool = False) -> None:
-        """Send every history row the MLflow run has not received yet (one log_batch call)."""
-        if self.enabled and not self.deferred and not self.ready:
-            self._guard("open the MLflow run", self._open, force=force)
+    def log_history(self, history: list[dict]) -> None:
+        """Send the history rows the MLflow run has not received yet (one log_batch call)."""
+        if not self.ready:  # (a guarded call does nothing when tracking is off or deferred)
+            self._guard("open the MLflow run", self._open)
         if self.ready:
-            self._guard("log metrics", self._send_rows, history, force=force)
+            self._guard("log metrics", self._send_rows, history)
 
     def _send_rows(self, history: list[dict]) -> None:
         from mlflow.entities import Metric
 
-        self._reread_state()
-        digests = [_row_digest(row) for row in history]
-        sent = self.state.get("rows")
-        if sent is None:  # written before rows were recorded: trust the count
-            sent = digests[: self.state.get("sent_rows", 0)]
-        # A resume from an older checkpoint replays epochs MLflow already has from the lost
-        # attempt: those rows go again now (the live curve), and the end's mirror rebuilds.
-        start = 0
-        while start < min(len(sent), len(digests)) and sent[start] == digests[start]:
-            start += 1
-        if start >= len(history) and len(sent) == len(history):
-            return
+        # Called once per epoch: at most sent_rows rows means a resume from an older checkpoint
+        # replays an epoch MLflow has from the lost attempt. It goes again now (the live curve),
+        # and the end's mirror rebuilds the run if its numbers differ.
+        start = min(self.state.get("sent_rows", 0), max(len(history) - 1, 0))
         now = int(time.time() * 1000)
         rows = expected_metrics(history[start:], None)
         batch = [Metric(k, v, now, step) for k, steps in rows.items() for step, v in steps]
         self.client.log_batch(self.run_id, metrics=batch)
-        self.state.update(sent_rows=len(history), rows=digests)
+        self.state["sent_rows"] = len(history)
         self._save_state()
 
     def end(
@@ -385,50 +342,44 @@ class Tracker:
 
         Tried once more whatever the retry back-off (a short outage near the end must not leave
         the run RUNNING with half its epochs); what still did not arrive is written to
-        tracking.json as `missing`, for `sync` (or the next resume) to send."""
-        if self.enabled:
-            self.state.update(
-                ended_at=time.time(),
-                end_tags=_texts(tags or {}, 8000),
-                artifacts=[p.name for p in artifacts if Path(p).parent == self.run_dir],
-            )
-            self.state.pop("error", None)
-            if error:
-                self.state["error"] = error[-MAX_ERROR_CHARS:]
-            self._save_state()
-        if self.enabled and not self.deferred:
-            if self.client is None or self.run_id is None:
-                self._guard("open the MLflow run", self._open, force=True)
-            # The directory's files, not `history`: a row a full disk kept out of history.csv
-            # is no part of the record.
-            mirrored = self.ready and self._guard(
-                "end the MLflow run", self._mirror, status, metrics, list(artifacts), force=True
-            )
-            if not mirrored:
-                sent, missing = self.state.get("sent_rows", 0), []
-                if sent < len(history):
-                    missing.append(f"history rows {sent + 1}-{len(history)}")
-                if self.state.get("ended") != status:
-                    missing.append(f"end {status}")
-                self.state = {"run_id": None, "sent_rows": 0, "ended": None, **self.state}
-                self.state["missing"] = missing
-                self._save_state()
-        self.close()
-
-    def _mirror(self, status: str, metrics: dict | None, artifacts: list) -> bool:
-        changes = mirror(
-            self.client,
-            self.run_dir,
-            self.state,
+        tracking.json as `missing`, for `sync` (or the next resume) to send. `artifacts`: files
+        of the run directory."""
+        if not self.enabled:
+            return
+        self.state.update(
+            ended_at=time.time(),
+            end_tags=_texts(tags or {}, 8000),
+            artifacts=[p.name for p in artifacts if Path(p).parent == self.run_dir],
+            error=(error or "")[-MAX_ERROR_CHARS:],
+        )
+        self._save_state()
+        if self.deferred:
+            return
+        if not self.ready:
+            self._guard("open the MLflow run", self._open, force=True)
+        # The directory's files, not `history`: a row a full disk kept out of history.csv is
+        # no part of the record.
+        changes = self.ready and self._guard(
+            "end the MLflow run",
+            mirror,
+            *(self.client, self.run_dir, self.state),
             status=status,
             summary=metrics or {},
-            artifacts=artifacts,
-            save=self._save_state,
+            force=True,
         )
-        for change in changes:  # a rebuild is news; the usual end (rows, files, status) is not
+        for change in changes or []:  # a rebuild is news; the usual end (rows, status) is not
             if change.startswith(("replaced", "MLflow run")):
                 self.log.warning("MLflow: %s", change)
-        return True
+        if changes is None or changes is False:  # not mirrored ([]: mirrored, nothing changed)
+            sent, missing = self.state.get("sent_rows", 0), []
+            if sent < len(history):
+                missing.append(f"history rows {sent + 1}-{len(history)}")
+            if self.state.get("ended") != status:
+                missing.append(f"end {status}")
+            self.state = {"run_id": None, "sent_rows": 0, "ended": None, **self.state}
+            self.state["missing"] = missing
+            self._save_state()
+        self.close()
 
     def abandon(self, reason: str) -> None:
         """The run directory is another's now (claim.LostClaim): end this MLflow run FAILED with
@@ -439,9 +390,7 @@ class Tracker:
         self.close()
 
     def _abandon(self, reason: str) -> None:
-        from mlflow.entities import RunTag
-
-        self.client.log_batch(self.run_id, tags=[RunTag("error", reason[:4000])])
+        self.client.set_tag(self.run_id, "error", reason[:4000])
         self.client.set_terminated(self.run_id, status="FAILED")
 
     def close(self) -> None:
@@ -456,19 +405,14 @@ def _texts(values: dict, limit: int) -> dict[str, str]:
     return {str(k): str(v)[:limit] for k, v in values.items()}
 
 
-def _number_text(value: float) -> str:
-    """A metric as history.csv writes it (6 significant digits): equal here means equal there."""
-    return f"{float(value):.6g}"
-
-
-def _row_digest(row: dict) -> str:
-    text = json.dumps({k: _number_text(v) for k, v in row.items() if v is not None}, sort_keys=True)
-    return hashlib.sha1(text.encode()).hexdigest()[:12]
+def _save(run_dir: Path, state: dict) -> None:
+    with contextlib.suppress(OSError):  # a full disk must not turn tracking into a crash
+        runs.write_json(run_dir / STATE_FILE, state)
 
 
 def _without_run(state: dict) -> dict:
     """The state with no MLflow run: what the job knew stays, what was sent is forgotten."""
-    gone = ("run_id", "sent_rows", "rows", "ended", "missing", "mirrored", "replaces")
+    gone = ("run_id", "sent_rows", "ended", "missing", "mirrored", "replaces")
     return {k: v for k, v in state.items() if k not in gone}
 
 
@@ -494,40 +438,24 @@ def expected_metrics(history: list[dict], summary: dict | None) -> dict[str, lis
 
 
 def _counts(rows) -> collections.Counter:
-    return collections.Counter((step, _number_text(value)) for step, value in rows)
-
-
-def logged_metrics(client, run) -> dict[str, list]:
-    """The run's metric rows, system metrics apart: {key: [(step, value)]}."""
-    return {
-        key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
-        for key in run.data.metrics
-        if not key.startswith("system/")
-    }
+    """Rows as history.csv writes them (6 significant digits): equal here means equal there."""
+    return collections.Counter((step, f"{value:.6g}") for step, value in rows)
 
 
 def _history_rows(run_dir: Path) -> list[dict]:
     """history.csv as rows of numbers; an empty cell (a value a row did not have) is left out,
     as run.py never sent it."""
     try:
-        text = runs.read_trusted(Path(run_dir) / runs.HISTORY, max_bytes=1 << 30)
+        text = runs.read_trusted(run_dir / runs.HISTORY, max_bytes=1 << 30)
     except (OSError, ValueError):
         return []
     rows = []
     for record in csv.DictReader(io.StringIO(text)):
-        try:
+        with contextlib.suppress(ValueError):
             row = {k: float(v) for k, v in record.items() if k and v not in ("", None)}
-        except ValueError:
-            continue
-        if "epoch" in row:
-            rows.append(row)
+            if "epoch" in row:
+                rows.append(row)
     return rows
-
-
-def _file_status(run_dir: Path) -> str:
-    """The MLflow status the directory's status means; a run still "running" whose claim we
-    hold has lost its job (killed): KILLED, as the sweep would have marked it."""
-    return MLFLOW_STATUS.get(runs.read_status(run_dir) or "", "KILLED")
 
 
 def _artifact_files(run_dir: Path, state: dict, status: str) -> list[Path]:
@@ -538,30 +466,25 @@ def _artifact_files(run_dir: Path, state: dict, status: str) -> list[Path]:
         names = [runs.CONFIG, runs.HISTORY] + ([runs.BEST_MODEL] if status == "FINISHED" else [])
     found = []
     for name in names:
-        path = Path(run_dir) / name
-        try:
-            info = path.lstat()
-        except OSError:
-            continue
-        mine = stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid()
-        if mine and info.st_size <= ARTIFACT_MAX_BYTES:
-            found.append(path)
+        with contextlib.suppress(OSError):
+            info = (run_dir / name).lstat()
+            mine = stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid()
+            if mine and info.st_size <= ARTIFACT_MAX_BYTES:
+                found.append(run_dir / name)
     return found
 
 
 def fingerprint(run_dir: Path, state: dict) -> str:
     """What the mirror reads, as a short hash of file sizes and times and of the job's own
     notes: when it is unchanged since the last mirror, MLflow needs nothing."""
-    parts = []
+    files = []
     for name in (runs.CONFIG, runs.STATUS, runs.HISTORY, runs.METRICS, runs.BEST_MODEL):
-        try:
+        with contextlib.suppress(OSError):
             info = (Path(run_dir) / name).stat()
-            parts.append(f"{name}:{info.st_size}:{info.st_mtime_ns}")
-        except OSError:
-            parts.append(f"{name}:-")
+            files.append((name, info.st_size, info.st_mtime_ns))
     notes = ("params", "tags", "end_tags", "artifacts", "error", "started_at", "ended_at")
-    parts.append(json.dumps({k: state.get(k) for k in notes}, sort_keys=True))
-    return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
+    text = json.dumps([files, {k: state.get(k) for k in notes}], sort_keys=True)
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
 def mirror(
@@ -571,22 +494,21 @@ def mirror(
     *,
     status: str | None = None,
     summary: dict | None = None,
-    artifacts: list[Path] | None = None,
-    save=None,
 ) -> list[str]:
     """Make the MLflow run of `run_dir` equal the directory; return what was changed.
 
     status and summary default to the directory's files (status, metrics.json); the job passes
     what it is about to write; the history is history.csv's. `state` (tracking.json) is updated
-    in place and saved through `save` after each step that must not be repeated. Missing rows
-    are added; a run that holds rows, params or a name the directory does not is rebuilt (MLflow
+    in place and saved after each step that must not be repeated. Missing rows
+    are added; a run whose rows, params or name the directory does not hold is rebuilt (MLflow
     has no delete for them). Each step is idempotent, so a kill anywhere is repaired by the next
     mirror."""
-    from mlflow.entities import Metric, Param, RunTag
+    from mlflow.entities import Metric, RunTag
 
     run_dir = Path(run_dir)
-    save = save or (lambda: None)
-    status = status or _file_status(run_dir)
+    # A run still "running" whose claim we hold has lost its job: KILLED, as the sweep would
+    # have marked it.
+    status = status or MLFLOW_STATUS.get(runs.read_status(run_dir) or "", "KILLED")
     history = _history_rows(run_dir)
     if summary is None:
         summary = runs.read_metrics(run_dir) or {}
@@ -605,43 +527,43 @@ def mirror(
     changes: list[str] = []
 
     run = _current_run(client, run_dir, state, changes)
-    conflicts = []
+    conflicts, logged = [], {}
     if run is not None:
-        logged = logged_metrics(client, run)
+        logged = {
+            key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
+            for key in run.data.metrics
+            if not key.startswith("system/")
+        }
         for key in sorted(logged):
-            extra = _counts(logged[key]) - _counts(expected.get(key, []))
-            if extra:
+            if extra := _counts(logged[key]) - _counts(expected.get(key, [])):
                 steps = sorted({step for step, _ in extra})
                 conflicts.append(f"{key} has rows the run directory does not (steps {steps})")
-        for key, value in run.data.params.items():
-            if params.get(key, value) != value or key not in params:
-                conflicts.append(f"param {key} is {value!r}, the directory's {params.get(key)!r}")
+        if differ := sorted(
+            k for k in {**params, **run.data.params} if params.get(k) != run.data.params.get(k)
+        ):
+            conflicts.append(f"its params {differ} are not the directory's")
         if run.info.run_name != state.get("run_name", run_dir.name):
             conflicts.append(f"its name is {run.info.run_name!r}")
     if run is None or conflicts:
-        old = run
-        run = _new_run(client, run_dir, state, old)
-        state.update(run_id=run.info.run_id)
-        if old is not None:
+        old, run, logged = run, _new_run(client, run_dir, state, params, run), {}
+        state.update(run_id=run.info.run_id, sent_rows=0, ended=None)
+        if old is None:
+            changes.append(f"created MLflow run {run.info.run_id}")
+        else:
             state["replaces"] = old.info.run_id
             changes.append(
                 f"replaced MLflow run {old.info.run_id} by {run.info.run_id} (the old one is "
                 f"deleted): {'; '.join(conflicts)}"
             )
-        else:
-            changes.append(f"created MLflow run {run.info.run_id}")
-        state.update(sent_rows=0, rows=[], ended=None)
-        save()
-        logged = {}
+        _save(run_dir, state)
     run_id = state["run_id"] = run.info.run_id
     if state.get("replaces"):  # the rebuilt run exists; the one it replaces goes
         with contextlib.suppress(Exception):
             if client.get_run(state["replaces"]).info.lifecycle_stage == "active":
                 client.delete_run(state["replaces"])
         state.pop("replaces")
-        save()
+        _save(run_dir, state)
 
-    new_params = [Param(k, v) for k, v in sorted(params.items()) if k not in run.data.params]
     new_tags = [RunTag(k, v) for k, v in tags.items() if run.data.tags.get(k) != v]
     # A row sent after the fact is stamped with the run's start (MLflow's x axis is the step;
     # this keeps "relative time" plots within the run).
@@ -650,25 +572,18 @@ def mirror(
     for key, rows in expected.items():
         wanted = _counts(rows) - _counts(logged.get(key, []))
         for step, value in rows:
-            if wanted[(step, _number_text(value))] > 0:
-                wanted[(step, _number_text(value))] -= 1
+            if wanted[(step, f"{value:.6g}")] > 0:
+                wanted[(step, f"{value:.6g}")] -= 1
                 new_rows.append(Metric(key, value, row_time, step))
-    if new_params or new_tags or new_rows:  # one transaction: all of it arrives, or none
-        client.log_batch(run_id, metrics=new_rows, params=new_params, tags=new_tags)
-        what = [f"{len(new_params)} params"] if new_params else []
-        what += [f"{len(new_rows)} metric rows"] if new_rows else []
-        what += [f"{len(new_tags)} tags"] if new_tags else []
-        changes.append("sent " + ", ".join(what))
-    state.update(sent_rows=len(history), rows=[_row_digest(row) for row in history])
-    save()
+    if new_tags or new_rows:  # one transaction: all of it arrives, or none
+        client.log_batch(run_id, metrics=new_rows, tags=new_tags)
+        changes.append(f"sent {len(new_rows)} metric rows, {len(new_tags)} tags")
+    state["sent_rows"] = len(history)
+    _save(run_dir, state)
 
     changes += _mirror_system_metrics(client, run, run_dir, state)
-    files = _artifact_files(run_dir, state, status) if artifacts is None else list(artifacts)
     have = {f.path: f.file_size for f in client.list_artifacts(run_id)}
-    for path in files:
-        path = Path(path)
-        if not path.is_file() or path.stat().st_size > ARTIFACT_MAX_BYTES:
-            continue
+    for path in _artifact_files(run_dir, state, status):
         if new_rows or have.get(path.name) != path.stat().st_size:
             client.log_artifact(run_id, str(path))
             changes.append(f"attached {path.name}")
@@ -683,7 +598,7 @@ def mirror(
     if "missing" in state:
         state["missing"] = []
     state["mirrored"] = fingerprint(run_dir, state)
-    save()
+    _save(run_dir, state)
     return changes
 
 
@@ -697,8 +612,7 @@ def _current_run(client, run_dir: Path, state: dict, changes: list[str]):
     lost tracking.json), else None."""
     from mlflow.exceptions import MlflowException
 
-    run_id = state.get("run_id")
-    if run_id:
+    if run_id := state.get("run_id"):
         try:
             run = client.get_run(run_id)
         except MlflowException as exc:  # gone, or unreachable (raised: nothing is changed)
@@ -708,49 +622,42 @@ def _current_run(client, run_dir: Path, state: dict, changes: list[str]):
         if run is not None and run.info.lifecycle_stage == "active":
             return run
         changes.append(f"MLflow run {run_id} is gone")
-        state.update(_without_run(state) | {"run_id": None})
+        state["run_id"] = None
     experiment = client.get_experiment_by_name(state.get("experiment", DEFAULT_EXPERIMENT))
-    if experiment is None:
-        return None
     where = state.get("tags", {}).get("run_dir", str(run_dir))  # as its job wrote it
-    if "'" in where:
+    if experiment is None or "'" in where:
         return None
     found = client.search_runs(
-        [experiment.experiment_id], filter_string=f"tags.run_dir = '{where}'", max_results=2
+        [experiment.experiment_id], filter_string=f"tags.run_dir = '{where}'", max_results=1
     )
     if found:
         changes.append(f"found MLflow run {found[0].info.run_id} by its run_dir tag")
-        return found[0]
-    return None
+    return found[0] if found else None
 
 
-def _new_run(client, run_dir: Path, state: dict, old):
-    """A new MLflow run for the directory, with the old one's start, tags and system metrics."""
-    from mlflow.entities import Metric
+def _new_run(client, run_dir: Path, state: dict, params: dict, old=None):
+    """A new MLflow run for the directory, with its params, and the old one's start, tags and
+    system metrics."""
+    from mlflow.entities import Metric, Param
 
     experiment_id = init(state.get("experiment", DEFAULT_EXPERIMENT), client)
-    start_ms = _ms(state.get("started_at"))
-    tags = dict(state.get("tags", {}))
+    start_ms, tags, system = _ms(state.get("started_at")), dict(state.get("tags", {})), []
     if old is not None:
         experiment_id, start_ms = old.info.experiment_id, old.info.start_time
         kept = {k: v for k, v in old.data.tags.items() if not k.startswith("mlflow.")}
         tags = {**kept, **tags, "labrun_replaces": old.info.run_id}
-    run = client.create_run(
-        experiment_id,
-        start_time=start_ms,
-        tags=tags,
-        run_name=state.get("run_name", run_dir.name),
-    )
-    if old is not None:
         system = [
             Metric(m.key, m.value, m.timestamp, m.step)
             for key in old.data.metrics
             if key.startswith("system/")
             for m in client.get_metric_history(old.info.run_id, key)
         ]
-        if system:
-            client.log_batch(run.info.run_id, metrics=system)
-    return client.get_run(run.info.run_id)
+    run_name = state.get("run_name", run_dir.name)
+    run_id = client.create_run(experiment_id, start_ms, tags, run_name).info.run_id
+    client.log_batch(
+        run_id, metrics=system, params=[Param(k, v) for k, v in sorted(params.items())]
+    )
+    return client.get_run(run_id)
 
 
 def _mirror_system_metrics(client, run, run_dir: Path, state: dict) -> list[str]:
@@ -758,82 +665,70 @@ def _mirror_system_metrics(client, run, run_dir: Path, state: dict) -> list[str]
     have logged them (system/<name> at steps 0, 1, ...); once, and only for a run without."""
     from mlflow.entities import Metric
 
-    if any(key.startswith("system/") for key in run.data.metrics):
-        return []
     started, ended = state.get("started_at"), state.get("ended_at")
-    if not isinstance(started, int | float):
+    if any(key.startswith("system/") for key in run.data.metrics) or started is None:
         return []
-    if not isinstance(ended, int | float):  # killed: its files' last change is its end
-        ended = max((p.stat().st_mtime for p in Path(run_dir).iterdir() if p.is_file()), default=0)
-    samples = _read_samples(Path(run_dir).parent / SAMPLES_FILE, started, ended)
-    rows = [
-        Metric(f"system/{key}", float(value), int(t * 1000), step)
-        for step, (t, values) in enumerate(samples)
-        for key, value in values.items()
-    ]
+    if ended is None:  # killed: its files' last change is its end
+        ended = max((p.stat().st_mtime for p in run_dir.iterdir() if p.is_file()), default=0)
+    rows, step = [], 0  # step: the sample's number
+    with contextlib.suppress(OSError):
+        for line in (run_dir.parent / SAMPLES_FILE).read_text(encoding="utf-8").splitlines():
+            with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
+                sample = json.loads(line)
+                t, values = float(sample["t"]), sample["metrics"].items()
+                if started <= t <= ended:
+                    rows += [
+                        Metric(f"system/{k}", float(v), int(t * 1000), step) for k, v in values
+                    ]
+                    step += 1
     if not rows:
         return []
     client.log_batch(run.info.run_id, metrics=rows)
-    return [f"sent {len(samples)} system-metric samples"]
+    return [f"sent {step} system-metric samples"]
 
 
-def _read_samples(path: Path, start: float, end: float) -> list[tuple[float, dict]]:
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return []
-    found = []
-    for line in lines:
-        with contextlib.suppress(ValueError, TypeError, KeyError):
-            sample = json.loads(line)
-            t, values = float(sample["t"]), sample["metrics"]
-            if start <= t <= end and isinstance(values, dict):
-                found.append((t, {str(k): float(v) for k, v in values.items()}))
-    return found
-
-
+# ---- tracking.json -------------------------------------------------------------------------------
 RUN_ID = re.compile(r"[0-9a-f]{32}")  # MLflow's run ids (uuid4().hex)
-ENDED = (None, "FINISHED", "KILLED", "FAILED")
-TEXT_MAPS = ("params", "tags", "end_tags")
 
 
-def _state_problem(state: object) -> str | None:
-    """What is wrong with a parsed tracking.json, in our words (never its content), or None."""
-    if not isinstance(state, dict):
-        return "not a JSON object"
-    sent, ended = state.get("sent_rows", 0), state.get("ended")
-    for key in ("run_id", "replaces"):
-        run_id = state.get(key)
-        if run_id is not None and not (isinstance(run_id, str) and RUN_ID.fullmatch(run_id)):
-            return f"its {key} is not 32 hex digits"
-    if not isinstance(sent, int) or isinstance(sent, bool) or sent < 0:
-        return "its sent_rows is not a count"
-    if ended not in ENDED:
-        return "its ended is not an MLflow end status"
-    for key in ("missing", "rows", "artifacts"):
-        value = state.get(key, [])
-        if not (isinstance(value, list) and all(isinstance(m, str) for m in value)):
-            return f"its {key} is not a list of strings"
-    names = state.get("artifacts", [])
-    if any(Path(name).name != name or name in ("", ".", "..") for name in names):
-        return "its artifacts are not file names of the run directory"
-    for key in TEXT_MAPS:
-        value = state.get(key, {})
-        if not (isinstance(value, dict) and all(isinstance(v, str) for v in value.values())):
-            return f"its {key} is not a map of strings"
-    for key in ("started_at", "ended_at"):
-        value = state.get(key, 0.0)
-        if not isinstance(value, int | float) or isinstance(value, bool):
-            return f"its {key} is not a time"
-    for key in ("experiment", "run_name", "error", "mirrored"):
-        if not isinstance(state.get(key, ""), str):
-            return f"its {key} is not a string"
-    return None
+def _strings(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _run_id(value: object) -> bool:
+    return value is None or (isinstance(value, str) and bool(RUN_ID.fullmatch(value)))
+
+
+def _time(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+# What each key of tracking.json must be, if present: (in words, test).
+STATE_FORMS = {
+    "run_id": ("32 hex digits", _run_id),
+    "replaces": ("32 hex digits", _run_id),
+    "sent_rows": ("a count", lambda v: type(v) is int and v >= 0),
+    "ended": ("an MLflow end status", lambda v: v in (None, "FINISHED", "KILLED", "FAILED")),
+    "missing": ("a list of strings", _strings),
+    "artifacts": (
+        "file names of the run directory",
+        lambda v: _strings(v) and all(Path(n).name == n and n not in ("", ".", "..") for n in v),
+    ),
+    **dict.fromkeys(
+        ("params", "tags", "end_tags"),
+        ("a map of strings", lambda v: isinstance(v, dict) and _strings(list(v.values()))),
+    ),
+    **dict.fromkeys(("started_at", "ended_at"), ("a time", _time)),
+    **dict.fromkeys(
+        ("experiment", "run_name", "error", "mirrored"), ("a string", lambda v: isinstance(v, str))
+    ),
+}
 
 
 def _read_state(run_dir: Path, log: logging.Logger | None = None) -> dict:
     """tracking.json, checked; {} (a fresh start) if missing, and with a warning if unusable:
-    not a plain file of the run directory's owner, not JSON, or a value of the wrong form."""
+    not a plain file of the run directory's owner, not JSON, or a value of the wrong form
+    (said in our words, never its content)."""
     path = Path(run_dir) / STATE_FILE
     try:
         state = json.loads(runs.read_trusted(path))
@@ -842,7 +737,10 @@ def _read_state(run_dir: Path, log: logging.Logger | None = None) -> dict:
     except (OSError, ValueError) as exc:
         state, problem = None, f"unreadable ({type(exc).__name__})"
     else:
-        problem = _state_problem(state)
+        problem = None if isinstance(state, dict) else "not a JSON object"
+        for key, (form, ok) in STATE_FORMS.items():
+            if problem is None and key in state and not ok(state[key]):
+                problem = f"its {key} is not {form}"
     if problem is None:
         return state
     if log is not None:
@@ -856,13 +754,12 @@ def mlflow_run_id(run_dir: Path) -> str | None:
 
 
 # ---- sync and the sweep's follower -------------------------------------------------------------
-def sync(run_dir: Path, log: logging.Logger, clients: dict | None = None) -> bool | None:
+def sync(run_dir: Path, log: logging.Logger) -> bool | None:
     """Make MLflow mirror a run directory, saying each change; True if it does now, False if
     it could not be reached, None if a live job holds the directory (its job mirrors it).
 
     Holds the run's claim while it works, like a training job: no job starts meanwhile, and no
-    second sync, so the directory keeps one MLflow run. `clients`: a dict that keeps the MLflow
-    client between calls (the follower's)."""
+    second sync, so the directory keeps one MLflow run."""
     from .claim import Busy, claim
 
     try:
@@ -875,16 +772,8 @@ def sync(run_dir: Path, log: logging.Logger, clients: dict | None = None) -> boo
         return False
     with held:
         state = _read_state(run_dir, log)
-
-        def save() -> None:
-            with contextlib.suppress(OSError):
-                runs.write_json(run_dir / STATE_FILE, state)
-
-        clients = {} if clients is None else clients
         try:
-            if "client" not in clients:
-                clients["client"] = _client()
-            changes = mirror(clients["client"], run_dir, state, save=save)
+            changes = mirror(_client(tracking_uri()), run_dir, state)
         except Exception as exc:
             log.warning("%s: not mirrored: %s: %s", run_dir, type(exc).__name__, first_line(exc))
             return False
@@ -898,38 +787,38 @@ def _run_dirs(roots: list[Path], with_state: bool) -> list[Path]:
     return sorted({c.parent for root in roots if root.is_dir() for c in root.rglob(name)})
 
 
-class Sampler(threading.Thread):
-    """The machine's system metrics, sampled once for every job of the sweep (MLflow's own
-    monitors: CPU, memory, disk, network, GPU), appended to SAMPLES_FILE."""
+def _start_sampler(path: Path) -> threading.Event:
+    """Sample the machine's system metrics once for every job of the sweep (MLflow's own
+    monitors: CPU, memory, disk, network, GPU), appended to `path`, until the event is set."""
+    stopped = threading.Event()
+    # Imported here, in the caller's thread: two threads importing mlflow at once break it.
+    try:
+        import mlflow.tracking  # noqa: F401
+        from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
+        from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
+        from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-    def __init__(self, path: Path) -> None:
-        super().__init__(daemon=True, name="system-metrics")
-        self.path, self.stopped = path, threading.Event()
-        # Imported here, in the caller's thread: two threads importing mlflow at once break it.
-        try:
-            import mlflow.tracking  # noqa: F401
-            from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
-            from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
-            from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
-            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+        gpu = SystemMetricsMonitor._initialize_gpu_monitor(None)
+        monitors = [CPUMonitor(), DiskMonitor(), NetworkMonitor(), *([gpu] if gpu else [])]
+    except Exception:  # a monitor that cannot start: no system metrics, as in a live job
+        return stopped
 
-            gpu = SystemMetricsMonitor._initialize_gpu_monitor(None)
-            self.monitors = [CPUMonitor(), DiskMonitor(), NetworkMonitor(), *([gpu] if gpu else [])]
-        except Exception:  # a monitor that cannot start: no system metrics, as in a live job
-            self.monitors = []
-
-    def run(self) -> None:
-        while self.monitors and not self.stopped.is_set():
+    def sample() -> None:
+        while not stopped.is_set():
             values = {}
-            for monitor in self.monitors:
+            for monitor in monitors:
                 with contextlib.suppress(Exception):
                     monitor.collect_metrics()
                     values.update(monitor.aggregate_metrics())
                     monitor.clear_metrics()
             line = json.dumps({"t": time.time(), "metrics": values})
-            with contextlib.suppress(OSError), open(self.path, "a", encoding="utf-8") as f:
+            with contextlib.suppress(OSError), open(path, "a", encoding="utf-8") as f:
                 f.write(line + "\n")
-            self.stopped.wait(SYSTEM_METRICS_INTERVAL_S)
+            stopped.wait(SYSTEM_METRICS_INTERVAL_S)
+
+    threading.Thread(target=sample, daemon=True, name="system-metrics").start()
+    return stopped
 
 
 def follow(roots: list[Path], log: logging.Logger, stdin=None) -> int:
@@ -939,8 +828,9 @@ def follow(roots: list[Path], log: logging.Logger, stdin=None) -> int:
     Ctrl-C is run.sh's to handle (it stops the jobs, then closes stdin); SIGTERM (run.sh died:
     setpriv's death signal) ends it after the directory at hand: what it did not mirror, the
     next sweep or `sync` does. During the sweep it touches only directories that changed since
-    it started and whose status is no longer `running`, so it never claims a run the sweep is
-    about to start."""
+    it started and whose status is no longer `running`, and those done (the sweep runs no job
+    there): it never claims a run the sweep may be about to start
+    (that would turn its job away)."""
     stdin = sys.stdin if stdin is None else stdin
     closed, stopping = threading.Event(), threading.Event()
     if not stdin.isatty():  # under run.sh; at a terminal, Ctrl-C stops it as usual
@@ -954,9 +844,9 @@ def follow(roots: list[Path], log: logging.Logger, stdin=None) -> int:
         closed.set()
 
     threading.Thread(target=read_to_end, daemon=True).start()
-    sampler, clients, unreached = None, {}, {}  # unreached: run dir -> fingerprint tried
+    unreached = {}  # run dir -> fingerprint tried
+    sampler = _start_sampler(roots[0] / SAMPLES_FILE) if roots else threading.Event()
     seen = {d: fingerprint(d, _read_state(d)) for d in _run_dirs(roots, with_state=True)}
-    first = True
     while not stopping.is_set():
         final = closed.is_set()
         for run_dir in _run_dirs(roots, with_state=True):
@@ -964,38 +854,25 @@ def follow(roots: list[Path], log: logging.Logger, stdin=None) -> int:
                 break
             state = _read_state(run_dir)
             now = fingerprint(run_dir, state)
-            if sampler is None and roots and not final:
-                sampler = Sampler(roots[0] / SAMPLES_FILE)  # once a job is tracked
-                sampler.start()
-            if state.get("mirrored") == now:
+            if state.get("mirrored") == now or (not final and unreached.get(run_dir) == now):
+                continue  # mirrored; or failed: again when it changes
+            if not final and not (
+                runs.read_status(run_dir) != "running"
+                and (seen.get(run_dir) != now or runs.is_done(run_dir))
+            ):
                 continue
-            if not final and not _ended_meanwhile(run_dir, seen.get(run_dir) != now, first):
-                continue
-            if not final and unreached.get(run_dir) == now:  # failed: again when it changes
-                continue
-            synced = sync(run_dir, log, clients)
+            synced = sync(run_dir, log)
             if synced is False:
                 unreached[run_dir] = now
             else:
                 unreached.pop(run_dir, None)
             if synced is None:  # a job still held it: look again next pass, changed or not
                 seen[run_dir] = None
-        first = False
         if final:
             break
         closed.wait(FOLLOW_POLL_S)
-    if sampler is not None:
-        sampler.stopped.set()
+    sampler.set()
     return 1 if unreached else 0
-
-
-def _ended_meanwhile(run_dir: Path, changed: bool, first: bool) -> bool:
-    """During the sweep: mirror a run whose job ended since the follower started (it changed,
-    and is no longer `running`), and, at the start, those already done (the sweep runs no job
-    there); never one the sweep may be about to start (claiming it would turn that job away)."""
-    if runs.read_status(run_dir) == "running":
-        return False
-    return changed or (first and runs.is_done(run_dir))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1006,8 +883,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "command",
-        choices=("init", "uri", "sync", "follow"),
-        help="init: create the DB and the experiment; uri: print the tracking URI; "
+        choices=("init", "sync", "follow"),
+        help="init: create the DB and the experiment (and print the tracking URI); "
         "sync: make MLflow mirror run directories, printing each change; follow: run.sh's "
         "follower (mirrors each run once its job ends, until stdin closes)",
     )
@@ -1019,9 +896,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--experiment", default=DEFAULT_EXPERIMENT, help="MLflow experiment name")
     args = p.parse_args(argv)
-    if args.command == "uri":
-        print(tracking_uri())
-        return 0
     if args.command == "init":
         experiment_id = init(args.experiment)
         print(
