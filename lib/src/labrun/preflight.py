@@ -108,26 +108,22 @@ def check_memory(args, info, device, amp_dtype, *, micro_batch: int) -> str:
     except Exception as exc:  # noqa: BLE001 (a model the meta device cannot build: not estimated)
         return f"not estimated ({type(exc).__name__} on the meta device)"
     shape = (micro_batch, *info.input_shape)
-    half = amp_dtype is not None and amp_dtype != torch.float32
-    needs = estimate(model, shape, ema=getattr(args, "ema", 0) > 0, half=half)  # run.py's flag
+    # run.py's --ema; amp_dtype is bf16 or fp16 when set: activations of 2 bytes
+    needs = estimate(model, shape, ema=getattr(args, "ema", 0) > 0, half=amp_dtype is not None)
     on_gpu = device.type == "cuda"
     host_need = needs.best + (0 if on_gpu else needs.on_device())
-    host_free = available_ram_bytes()
-    problems = []
-    if host_free is not None and host_need > host_free:
-        detail = (
-            needs.parts(host_copy=True) if not on_gpu else f"best weights {size_text(host_need)}"
-        )
-        problems.append(
-            f"{size_text(host_need)} of host memory ({detail}) but {size_text(host_free)} is free"
-        )
+    host = f"best weights {size_text(host_need)}" if on_gpu else needs.parts(host_copy=True)
+    places = [("host memory", host_need, host, available_ram_bytes())]  # None: no limit known
     if on_gpu:
-        gpu_free, _total = torch.cuda.mem_get_info(device)
-        if needs.on_device() > gpu_free:
-            problems.append(
-                f"{size_text(needs.on_device())} of memory on {device} "
-                f"({needs.parts(host_copy=False)}) but {size_text(gpu_free)} is free"
-            )
+        gpu_free = torch.cuda.mem_get_info(device)[0]
+        places.append(
+            (f"memory on {device}", needs.on_device(), needs.parts(host_copy=False), gpu_free)
+        )
+    problems = [
+        f"{size_text(need)} of {where} ({detail}) but {size_text(free)} is free"
+        for where, need, detail, free in places
+        if free is not None and need > free
+    ]
     if problems:
         flags, advice = _advice(args, needs)
         needed = " and ".join(problems)

@@ -355,6 +355,7 @@ class Run:
         so is a resume on other data. The first object is the model (its size: the disk check).
         Tools (--find-lr ...) only open the run directory."""
         from . import checkpoint as ckpt
+        from .dataversion import changed_since
         from .state import TrainingState
         from .stopping import EarlyStopping
         from .train import lr_peak_step, peak_epoch
@@ -376,7 +377,12 @@ class Run:
         self.state, state.dist, state.log, state.progress = state, dist, self.log, self.progress
         if self.tool:
             return
-        if changed := changed_data(out, self.config):  # arrays: a resume on other data
+        # Arrays keep their run name across data versions: a resume on other data is refused.
+        before = {}
+        if (out / runs.CHECKPOINT).is_file():  # nothing to resume: it starts on today's data
+            with contextlib.suppress(OSError, ValueError):
+                before = runs.read_json(out / runs.CONFIG)
+        if before and (changed := changed_since(before, self.config, out)):
             self._refuse(changed)
         try:
             if state.resume(out / runs.CHECKPOINT, out / runs.BEST_MODEL):
@@ -824,20 +830,6 @@ class Run:
 
 
 # ---- the pieces Run names ----------------------------------------------------------------------
-def changed_data(out, config: dict) -> str | None:
-    """Why this run directory must not resume: it began on other data (arrays keep their run
-    name across data versions; their content hash is compared here)."""
-    from .dataversion import changed_since
-
-    if not (out / runs.CHECKPOINT).is_file():  # nothing to resume: it starts on today's data
-        return None
-    try:
-        before = runs.read_json(out / runs.CONFIG)
-    except (OSError, ValueError):
-        return None
-    return changed_since(before, config, out)
-
-
 def room_needed(out, model, ema=None) -> int:
     """Disk a run needs: checkpoint (weights, two AdamW moments, `ema`'s copy if any, best
     weights) twice during its atomic replace, plus best_model.pt; less the checkpoint and
