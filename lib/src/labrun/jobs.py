@@ -261,6 +261,17 @@ def _admit(dist, args, out: Path, redo, stop: GracefulStop, claimed: ExitStack):
     return None, held
 
 
+def open_dir(out: Path, fresh: bool, stop: GracefulStop):
+    """The claimed run directory made ready for its work: `fresh` (--fresh) deletes its files,
+    a killed writer's temps go; returns run.log's logger, where stop requests go from now on."""
+    out.mkdir(parents=True, exist_ok=True)
+    if fresh:
+        print(f"--fresh: deleting {', '.join(runs.clear_run_dir(out)) or 'nothing'} in {out}")
+    runs.remove_stale_temps(out)
+    stop.log = runs.setup_logging(out, out.name)
+    return stop.log
+
+
 # ---- a job that does not train ---------------------------------------------------------------
 @dataclass
 class Job:
@@ -312,11 +323,7 @@ def main(
             return EXIT_INTERRUPTED  # stopped while starting: nothing of this job exists yet
         from .tracking import provenance
 
-        if args.fresh:
-            print(f"--fresh: deleting {', '.join(runs.clear_run_dir(out)) or 'nothing'} in {out}")
-        runs.remove_stale_temps(out)
-        job = Job(args, out, runs.setup_logging(out, out.name), stop, prepared)
-        stop.log = job.log  # from here on, stop requests are in run.log too
+        job = Job(args, out, open_dir(out, args.fresh, stop), stop, prepared)
         started, identity = time.monotonic(), ident(args)
         config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
         config.update(identity=identity, run_name=out.name, config_hash=short_hash(identity))

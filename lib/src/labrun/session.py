@@ -329,17 +329,12 @@ class Run:
         # nothing of this run exists yet), so that no rank waits in another one (issue 28.2)
         if (code := dist.settle(code, self.stop, why)) is not None:
             raise _Exit(code)
-        if dist.is_main:  # one writer
-            out.mkdir(parents=True, exist_ok=True)
-            if args.fresh:
-                cleared = ", ".join(runs.clear_run_dir(out)) or "nothing"
-                print(f"--fresh: deleting {cleared} in {out}")
-            runs.remove_stale_temps(out)
-        name = out.name
-        self.log = runs.setup_logging(out, name) if dist.is_main else dist.rank_log(name)
+        if dist.is_main:  # one writer (--fresh, run.log); the other ranks log to stderr
+            self.log = jobs.open_dir(out, args.fresh, self.stop)
+        else:
+            self.log = self.stop.log = dist.rank_log(out.name)
         self.opened = True
         dist.agree(None)  # the others read the checkpoint once --fresh has deleted it
-        self.stop.log = self.log  # from here on, stop requests are in run.log too
         for note in self.data_.notes:  # e.g. skipped unreadable images
             self.log.warning(f"data: {note}")
         version = self.config["data_version"] or self.config.get("data_content")
