@@ -300,13 +300,25 @@ class Run:
         return min(steps, self.args.max_steps) if self.args.max_steps else steps
 
     # ---- the run directory: opened once the model exists ----------------------------------------
-    def _open(self, model, ema=None) -> None:
-        """Refusals that need the model (no room for a checkpoint), then the run directory and
-        run.log; a refusal on any rank ends all (torchrun)."""
-        if self.opened:
-            return
+    def restore(self, **objects) -> None:
+        """Register what the checkpoint holds (name -> object with state_dict(), or None) and
+        resume from it if there is one; then the run's record starts (config.json, status
+        running, MLflow). A checkpoint that cannot be loaded is refused (status refused, exit 2);
+        so is a resume on other data. The first object is the model (its size: the disk check).
+        Tools (--find-lr ...) only open the run directory."""
+        from . import checkpoint as ckpt
+        from .dataversion import changed_since
         from .preflight import forward_problem
+        from .state import TrainingState
+        from .stopping import EarlyStopping
+        from .train import lr_peak_step, peak_epoch
 
+        if self.loss is None:  # labrun never takes the task's loss behind run.py's back
+            raise RunFailed("run.py gave no loss: call run.use_loss(loss_fn) before run.restore")
+        self.objects = objects
+        model, ema = next(iter(objects.values())), objects.get("ema")
+        # Refusals that need the model (no room for a checkpoint), then the run directory and
+        # run.log; a refusal on any rank ends all (torchrun).
         args, out, dist = self.args, self.out, self.dist
         code, why = None, ""
         try:
@@ -342,25 +354,6 @@ class Run:
         notes = [("data", sizes), *self._notes]
         for what, why in notes + ([("distributed", dist.describe())] if dist.active else []):
             self.log.info(f"{what}: {why}")
-
-    def restore(self, **objects) -> None:
-        """Register what the checkpoint holds (name -> object with state_dict(), or None) and
-        resume from it if there is one; then the run's record starts (config.json, status
-        running, MLflow). A checkpoint that cannot be loaded is refused (status refused, exit 2);
-        so is a resume on other data. The first object is the model (its size: the disk check).
-        Tools (--find-lr ...) only open the run directory."""
-        from . import checkpoint as ckpt
-        from .dataversion import changed_since
-        from .state import TrainingState
-        from .stopping import EarlyStopping
-        from .train import lr_peak_step, peak_epoch
-
-        args, out, dist = self.args, self.out, self.dist
-        if self.loss is None:  # labrun never takes the task's loss behind run.py's back
-            raise RunFailed("run.py gave no loss: call run.use_loss(loss_fn) before run.restore")
-        self.objects = objects
-        model = next(iter(objects.values()))
-        self._open(model, objects.get("ema"))
         # Patience counts only after the LR peak and --min-epochs: no stop during the warm-up.
         peak = lr_peak_step(objects.get("scheduler"))
         patience_from = max(args.min_epochs, peak_epoch(peak, self.data_.steps_per_epoch))
@@ -416,10 +409,10 @@ class Run:
     def compile_mode(self, model) -> str | None:
         """torch.compile's mode where compiling pays for this run (hardware.decide_compile:
         eager time of forward + backward on a real batch against the recorded compile cost),
-        else None. Decided on rank 0, the same on every rank; run.log says why."""
+        else None. Decided on rank 0, the same on every rank; run.log says why. After
+        run.restore (the model and the run directory are there)."""
         from .hardware import decide_compile
 
-        self._open(model)
         self._compile = (None, 0.0, None)
         if self.dist.is_main:
             self._compile = decide_compile(
