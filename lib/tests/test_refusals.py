@@ -266,7 +266,7 @@ def test_a_re_run_needs_room_only_for_what_it_adds(small_disk, run_cli):
     (run_dir / "metrics.json").unlink()  # lost: the re-run finishes it again
     weights = (run_dir / "best_model.pt").stat().st_size
     kept = weights + (run_dir / "checkpoint.pt").stat().st_size
-    # a first run's need (session.checkpoint_bytes), and what a re-run adds to the files it has
+    # a first run's need (session.room_needed), and what a re-run adds to the files it has
     whole, added = 9 * weights, 9 * weights - kept
     fill(small_disk, leave=(whole + added) // 2)
     again = run_cli("--width", "32", "--epochs", "1", "--tracking", "off", results_dir=results)

@@ -51,8 +51,7 @@ def rng_state(device: torch.device) -> dict:
 def set_rng_state(state: dict, device: torch.device) -> str | None:
     """Restore what `rng_state` saved, on `device`; returns a note when the CUDA generator could
     not be restored (the checkpoint came from a CPU run; the CUDA stream then starts from the
-    seed). A CPU run ignores saved CUDA states. Older checkpoints held a list with one state per
-    visible GPU: the training device's entry is used, whatever the number of GPUs now."""
+    seed). A CPU run ignores saved CUDA states."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     n = state["numpy"]
@@ -61,12 +60,9 @@ def set_rng_state(state: dict, device: torch.device) -> str | None:
     torch.set_rng_state(state["torch"])
     if device.type != "cuda":
         return None
-    saved = state.get("cuda")
-    if isinstance(saved, list | tuple):
-        saved = saved[min(device.index or 0, len(saved) - 1)] if saved else None
-    if saved is None:
+    if "cuda" not in state:
         return "the checkpoint holds no CUDA RNG state (written on CPU): CUDA RNG from the seed"
-    torch.cuda.set_rng_state(saved, device)
+    torch.cuda.set_rng_state(state["cuda"], device)
     return None
 
 
@@ -128,12 +124,3 @@ def load_model_state(model: torch.nn.Module, state_dict: dict, what: str) -> Non
     except RuntimeError as exc:
         first = str(exc).strip().splitlines()[:3]
         raise CheckpointError(f"{what} does not fit this model: {' '.join(first)}") from exc
-
-
-def load_weights(path: Path) -> dict:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise CheckpointError(
-            f"{path} is missing or unreadable ({type(exc).__name__}: {exc}); re-run with --fresh"
-        ) from exc

@@ -25,7 +25,6 @@ filelock may fall back to a lock file that a crash leaves behind.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import os
 import socket
@@ -95,14 +94,7 @@ class Claim:
         """True while the file at <run_dir>/.lock is the one this claim locked (same device and
         inode). `rm -rf` of the run directory, or a replaced .lock, makes it False for good: a
         new process can then claim the path, and this one must write nothing more there."""
-        if self._fd is None:
-            return False
-        try:
-            on_disk = os.stat(self.run_dir / LOCK_FILE, follow_symlinks=False)
-        except OSError:
-            return False
-        held = os.fstat(self._fd)
-        return (on_disk.st_dev, on_disk.st_ino) == (held.st_dev, held.st_ino)
+        return self._fd is not None and _locked_is_at(self._fd, self.run_dir / LOCK_FILE)
 
     def check(self) -> None:
         """Raise LostClaim unless still_ours(): call before every write to the run directory
@@ -126,6 +118,14 @@ class Claim:
 
     def __del__(self) -> None:  # a forgotten Claim releases when collected, not at exit only
         self.release()
+
+
+def _locked_is_at(fd: int, path: Path) -> bool:
+    """The file `fd` locked is the one at `path` (same device and inode)."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False))
+    except OSError:
+        return False
 
 
 def _open_lock(path: Path) -> int:
@@ -168,10 +168,7 @@ def claim(run_dir: str | os.PathLike) -> Claim:
         fd = _open_lock(path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                os.close(fd)
-                raise
+        except BlockingIOError:  # held; any other OSError (no flock here) ends the job
             if time.monotonic() < deadline:
                 os.close(fd)
                 time.sleep(_RETRY_EVERY_S)
@@ -181,11 +178,7 @@ def claim(run_dir: str | os.PathLike) -> Claim:
             raise Busy(f"{directory} is claimed by {who}") from None
         # The file we locked must still be the one at `path` (someone may have deleted it):
         # otherwise a later process would lock a new file and both would train.
-        try:
-            same = os.stat(path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
+        if _locked_is_at(fd, path):
             break
         os.close(fd)
     start = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -204,14 +197,11 @@ def holder(run_dir: str | os.PathLike) -> str | None:
     except FileNotFoundError:
         return None
     try:
-        try:
-            # flock has no "test" operation: take a shared lock for an instant. claim() retries
-            # for _RETRY_S, so this probe never makes a starting job give up.
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise
-            return _describe(_read(fd))
+        # flock has no "test" operation: take a shared lock for an instant. claim() retries
+        # for _RETRY_S, so this probe never makes a starting job give up.
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         return None
+    except BlockingIOError:
+        return _describe(_read(fd))
     finally:
         os.close(fd)

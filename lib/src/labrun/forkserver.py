@@ -18,7 +18,7 @@ subreaper (PR_SET_CHILD_SUBREAPER), and the middle process exits at once. The jo
 fresh `python SCRIPT ARGS` would be: its own session, the parent-death signal (SIGTERM when the
 engine dies), stdin /dev/null, stdout and stderr appended to its log, sys.argv, default signal
 handlers; its claim, exit code (75 when stopped) and files are its own. It leaves as a program
-does (jobs._leave_program): output flushed, atexit hooks run, then os._exit; it never returns here.
+does (jobs._leave): output flushed, atexit hooks run, then os._exit; it never returns here.
 """
 
 from __future__ import annotations
@@ -249,9 +249,9 @@ def _job(module, script, argv, log, cwd, header, engine, middle) -> None:  # pra
         elif not isinstance(code, int):  # sys.exit("message"): printed, exit 1
             print(code, file=sys.stderr)
             code = 1
-        from labrun.jobs import _leave_program
+        from labrun.jobs import _leave
 
-        _leave_program(code)  # flushes, runs atexit hooks, os._exit: never returns
+        _leave(code, hooks=True)  # flushes, runs atexit hooks, os._exit: never returns
     except BaseException:
         traceback.print_exc()
     finally:

@@ -41,7 +41,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -139,7 +139,7 @@ def contract(
     on the others; `dist`: distributed.Dist, one process without torchrun). `program`: the
     project's function (run.py's train, a job's work); when it is the script's own
     (`python run.py`), the process leaves as soon as a body has run and the claim is released
-    (_leave_program), instead of returning. The body is called from here, no deeper: a
+    (_leave), instead of returning. The body is called from here, no deeper: a
     traceback from the project's function reads main -> lifecycle -> contract -> body."""
     try:
         stop = GracefulStop()
@@ -165,10 +165,9 @@ def contract(
         if ranks and (problem := distributed.launch_problem()):  # a stray WORLD_SIZE, say
             return error(problem, EXIT_USAGE)
         # torchrun: N processes, one job (without it, or for a job that does not train: one)
-        one = contextlib.nullcontext(distributed.Dist())
-        group = distributed.session(args.device) if ranks else one
+        one = distributed.session(args.device) if ranks else nullcontext(distributed.Dist())
         try:
-            with group as dist, ExitStack() as claimed:
+            with one as dist, ExitStack() as claimed:
                 try:
                     code, held = _admit(dist, args, out, redo, stop, claimed)
                     if code is None:
@@ -186,9 +185,9 @@ def contract(
         except distributed.JoinFailed as exc:
             return error(str(exc), EXIT_FAILED)
         if dist.active and LEAVE_AT_ONCE:
-            _leave(code)
+            _leave(code, hooks=False)
     if ran and LEAVE_AT_ONCE and program is not None and _is_program(program):
-        _leave_program(code)
+        _leave(code, hooks=True)
     return code
 
 
@@ -205,40 +204,34 @@ def _is_program(function: Callable) -> bool:
     )
 
 
-def _leave_program(code: int) -> None:
-    """End the process as Python's own exit would, less its finalization: non-daemon threads
-    are waited for, every atexit hook runs (MLflow's, torch's, multiprocessing's, logging's),
-    the output is flushed; then os._exit skips tearing down every module and object, which took
-    2-4 s after a job's last line on 2 loaded cores (benchmarks/RESULTS.md, "Leave at once").
-    Everything of the run is closed by now: its files, run.log, its MLflow run, the claim."""
-    import atexit
-    import threading
-
-    threading._shutdown()  # what the interpreter's exit calls first: joins non-daemon threads
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing left to say
-            stream.flush()
-    os._exit(code)
-
-
 # A torchrun rank leaves with os._exit once its process group is gone (see _leave); False for
 # callers that go on in the same process after run.py's main() (session.capture_step).
 LEAVE_AT_ONCE = True
 
 
-def _leave(code: int) -> None:
-    """A torchrun rank whose exit code every rank agreed and whose process group is destroyed
-    leaves now, without Python's finalization: torchrun sends SIGTERM to a rank still exiting
-    when another has exited, and a rank hit while finalization tears down gloo's C++ threads
-    aborts (`terminate called without an active exception`, SIGABRT, exit -6 instead of the
-    agreed code; pytorch PR 179291; 1 run in 4 here with both cores busy). Nothing is left to
-    finalize: the run's files, its MLflow run and run.log are closed by now."""
-    import logging
+def _leave(code: int, *, hooks: bool) -> None:
+    """End the process now, less Python's finalization: everything of the run is closed by then
+    (its files, run.log, its MLflow run, the claim).
 
+    `hooks` (`python run.py`): first as the interpreter's exit would, non-daemon threads joined
+    and every atexit hook run (MLflow's, torch's, multiprocessing's, logging's); tearing down
+    every module and object took 2-4 s after a job's last line on 2 loaded cores
+    (benchmarks/RESULTS.md, "Leave at once"). Without (a torchrun rank whose exit code every
+    rank agreed and whose process group is destroyed): torchrun sends SIGTERM to a rank still
+    exiting when another has exited, and a rank hit while finalization tears down gloo's C++
+    threads aborts (`terminate called without an active exception`, SIGABRT, exit -6 instead of
+    the agreed code; pytorch PR 179291; 1 run in 4 here with both cores busy)."""
+    import atexit
+    import logging
+    import threading
+
+    if hooks:
+        threading._shutdown()  # what the interpreter's exit calls first: joins non-daemon threads
+        atexit._run_exitfuncs()
     logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing left to say
+            stream.flush()
     os._exit(code)
 
 
@@ -266,6 +259,17 @@ def _admit(dist, args, out: Path, redo, stop: GracefulStop, claimed: ExitStack):
         return EXIT_OK, None
     dist.verdict(None)  # torchrun: the other ranks run too
     return None, held
+
+
+def open_dir(out: Path, fresh: bool, stop: GracefulStop):
+    """The claimed run directory made ready for its work: `fresh` (--fresh) deletes its files,
+    a killed writer's temps go; returns run.log's logger, where stop requests go from now on."""
+    out.mkdir(parents=True, exist_ok=True)
+    if fresh:
+        print(f"--fresh: deleting {', '.join(runs.clear_run_dir(out)) or 'nothing'} in {out}")
+    runs.remove_stale_temps(out)
+    stop.log = runs.setup_logging(out, out.name)
+    return stop.log
 
 
 # ---- a job that does not train ---------------------------------------------------------------
@@ -317,32 +321,24 @@ def main(
             return error(str(exc), EXIT_USAGE)
         if stop.requested:
             return EXIT_INTERRUPTED  # stopped while starting: nothing of this job exists yet
-        return _run(Job(args, out, None, stop, prepared), work, ident(args), held, dist)
+        from .tracking import provenance
+
+        job = Job(args, out, open_dir(out, args.fresh, stop), stop, prepared)
+        started, identity = time.monotonic(), ident(args)
+        config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        config.update(identity=identity, run_name=out.name, config_hash=short_hash(identity))
+        config["experiment_keys"] = sorted(identity)
+        tags = {**(provenance() if args.tracking == "on" else {}), "run_dir": str(out)}
+        tags["job"] = sys.argv[0]
+        record = Record(out, config, args, job.log, held, dist, identity, tags, what="job")
+        stop.on_force_exit = record.force_exited  # exit 130 leaves "interrupted"
+        return _work(job, work, record, started)
 
     return contract(argv, lambda a: (parser.parse_args(a), parser), locate, body, program=work)
 
 
-def _run(job: Job, work: Callable[[Job], dict], identity: dict, held: Claim, dist) -> int:
-    from .tracking import provenance
-
-    args, out = job.args, job.out
-    if args.fresh:
-        print(f"--fresh: deleting {', '.join(runs.clear_run_dir(out)) or 'nothing'} in {out}")
-    runs.remove_stale_temps(out)
-    job.log = runs.setup_logging(out, out.name)
-    job.stop.log = job.log  # from here on, stop requests are in run.log too
-    started = time.monotonic()
-    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    config.update(
-        identity=identity,
-        run_name=out.name,
-        config_hash=short_hash(identity),
-        experiment_keys=sorted(identity),
-    )
-    on = args.tracking == "on"
-    tags = {**(provenance() if on else {}), "run_dir": str(out), "job": sys.argv[0]}
-    record = Record(out, config, args, job.log, held, dist, params=identity, tags=tags, what="job")
-    job.stop.on_force_exit = record.force_exited  # exit 130 leaves "interrupted"
+def _work(job: Job, work: Callable[[Job], dict], record: Record, started: float) -> int:
+    """`work(job)`, recorded as it ends: finished, interrupted or failed."""
     try:
         try:
             metrics = work(job)
@@ -354,7 +350,7 @@ def _run(job: Job, work: Callable[[Job], dict], identity: dict, held: Claim, dis
         record.finished(
             {**metrics, "wall_time_s": time.monotonic() - started}, artifacts=job.artifacts
         )
-        job.log.info("finished: %s", out)
+        job.log.info(f"finished: {job.out}")
         return EXIT_OK
     except Exception as exc:  # failed: one line here, the traceback in run.log and MLflow
         return record.failed(exc)
@@ -377,7 +373,7 @@ class Record:
     "job", as run.log names it."""
 
     def __init__(
-        self, out, config: dict, args, log, held: Claim | None, dist, *, params, tags, what="run"
+        self, out, config: dict, args, log, held: Claim | None, dist, params, tags, what="run"
     ) -> None:
         self.out, self.log, self.claim, self.dist, self.what = out, log, held, dist, what
         self.writes = dist.is_main
@@ -417,22 +413,19 @@ class Record:
             return "MLflow: the sweep's follower mirrors this run once it ends"
         return f"MLflow run {self.tracker.run_id or 'not reached (continuing without)'}"
 
-    def checkpoint_due(self, every: float) -> bool:
-        return time.monotonic() - self.last_checkpoint >= every  # torchrun: rank 0's decides
-
     def checkpoint(self, state) -> None:
         self._ours()
         state.save(self.out / runs.CHECKPOINT)  # the other ranks send their part, write nothing
         self.last_checkpoint = time.monotonic()
 
-    def save_best(self, state) -> None:
-        if not self._ours():
-            return
-        state.save_best(self.out / runs.BEST_MODEL)
-        stopper = state.stopper
-        self.log.info(
-            "best so far (%.4g, epoch %d): best_model.pt", stopper.best_score, stopper.best_epoch
-        )
+    def save_best(self, stopper) -> None:
+        """best_model.pt: early stopping's best weights, a plain state_dict."""
+        if self._ours():
+            from .checkpoint import save_weights
+
+            save_weights(self.out / runs.BEST_MODEL, stopper.best_state)
+            best = f"{stopper.best_score:.4g}, epoch {stopper.best_epoch}"
+            self.log.info(f"best so far ({best}): best_model.pt")
 
     def epoch_done(self, history: list[dict], line: str) -> None:
         """history.csv and MLflow hold `history`; run.log says `line`."""
@@ -440,7 +433,7 @@ class Record:
             return
         runs.write_history(self.out, history)
         self.tracker.log_history(history)
-        self.log.info("%s", line)
+        self.log.info(line)
 
     def interrupted(self, signal_name: str, progress=None) -> None:
         """Status interrupted, MLflow KILLED. `progress`: a training run's (state.Progress),
@@ -449,14 +442,9 @@ class Record:
             return
         runs.write_status(self.out, "interrupted")
         self.tracker.end("KILLED", progress.history if progress else [])
-        if progress is None:
-            self.log.warning("interrupted by %s; re-run the same command to redo", signal_name)
-        else:
-            self.log.warning(
-                "interrupted by %s at step %d; re-run the same command to resume",
-                signal_name,
-                progress.step,
-            )
+        where = f" at step {progress.step}" if progress else ""
+        redo = "resume" if progress else "redo"
+        self.log.warning(f"interrupted by {signal_name}{where}; re-run the same command to {redo}")
 
     def force_exited(self) -> None:
         """Exit 130 (a second Ctrl-C, a late signal): status interrupted, unless done."""

@@ -43,16 +43,11 @@ class Needs:
         return self.parameters + self.training + self.ema + self.activations
 
     def parts(self, *, host_copy: bool) -> str:
-        parts = [
-            f"parameters {size_text(self.parameters)}",
-            f"gradients and AdamW state {size_text(self.training)}",
-        ]
-        if self.ema:
-            parts.append(f"EMA {size_text(self.ema)}")
-        if host_copy:
-            parts.append(f"best weights {size_text(self.best)}")
-        parts.append(f"activations {size_text(self.activations)}")
-        return ", ".join(parts)
+        """What holds the bytes, the parts that hold none left out."""
+        best = self.best if host_copy else 0
+        named = [("parameters", self.parameters), ("gradients and AdamW state", self.training)]
+        named += [("EMA", self.ema), ("best weights", best), ("activations", self.activations)]
+        return ", ".join(f"{name} {size_text(n)}" for name, n in named if n)
 
 
 def estimate(model, batch_shape: tuple[int, ...], *, ema: bool, half: bool) -> Needs:
@@ -113,58 +108,46 @@ def check_memory(args, info, device, amp_dtype, *, micro_batch: int) -> str:
     except Exception as exc:  # noqa: BLE001 (a model the meta device cannot build: not estimated)
         return f"not estimated ({type(exc).__name__} on the meta device)"
     shape = (micro_batch, *info.input_shape)
-    half = amp_dtype is not None and amp_dtype != torch.float32
-    needs = estimate(model, shape, ema=getattr(args, "ema", 0) > 0, half=half)  # run.py's flag
+    # run.py's --ema; amp_dtype is bf16 or fp16 when set: activations of 2 bytes
+    needs = estimate(model, shape, ema=getattr(args, "ema", 0) > 0, half=amp_dtype is not None)
     on_gpu = device.type == "cuda"
     host_need = needs.best + (0 if on_gpu else needs.on_device())
-    host_free = available_ram_bytes()
-    problems = []
-    if host_free is not None and host_need > host_free:
-        detail = (
-            needs.parts(host_copy=True) if not on_gpu else f"best weights {size_text(host_need)}"
-        )
-        problems.append(
-            f"{size_text(host_need)} of host memory ({detail}) but {size_text(host_free)} is free"
-        )
+    host = f"best weights {size_text(host_need)}" if on_gpu else needs.parts(host_copy=True)
+    places = [("host memory", host_need, host, available_ram_bytes())]  # None: no limit known
     if on_gpu:
-        gpu_free, _total = torch.cuda.mem_get_info(device)
-        if needs.on_device() > gpu_free:
-            problems.append(
-                f"{size_text(needs.on_device())} of memory on {device} "
-                f"({needs.parts(host_copy=False)}) but {size_text(gpu_free)} is free"
-            )
-    if problems:
-        raise UsageError(
-            f"--model {args.model}{_sizes(args)}, --batch-size {args.batch_size}: training "
-            f"needs about {' and '.join(problems)}; {_advice(args, needs)}"
+        gpu_free = torch.cuda.mem_get_info(device)[0]
+        places.append(
+            (f"memory on {device}", needs.on_device(), needs.parts(host_copy=False), gpu_free)
         )
+    problems = [
+        f"{size_text(need)} of {where} ({detail}) but {size_text(free)} is free"
+        for where, need, detail, free in places
+        if free is not None and need > free
+    ]
+    if problems:
+        flags, advice = _advice(args, needs)
+        needed = " and ".join(problems)
+        raise UsageError(f"{flags}: training needs about {needed}; choose {advice}")
     total = needs.on_device() + needs.best
     return f"training needs about {size_text(total)} ({needs.parts(host_copy=True)})"
 
 
-def _own(args) -> dict:
-    return getattr(args, "model_args", None) or {}  # --model-args, as config.py parsed them
-
-
-def _sizes(args) -> str:
-    width = f" --width {args.width}" if args.width is not None else ""
-    own = ",".join(f"{k}={v}" for k, v in _own(args).items())
-    return width + (f" --model-args {own}" if own else "")
-
-
 def _advice(args, needs: Needs) -> str:
-    """The flags that shrink what does not fit: the model's size, and the batch when the
-    activations are a sizeable part of it."""
-    flags = []
-    if args.width is not None:
-        flags.append("a smaller --width")
-    if _own(args):
-        flags.append("smaller --model-args")
-    if not flags:
-        flags.append("a smaller --model")
+    """The flags given that size the model, then the flags that shrink what does not fit: the
+    model's size, and the batch when the activations are a sizeable part of it."""
+    own = ",".join(f"{k}={v}" for k, v in _own(args).items())
+    given = f" --width {args.width}" if args.width is not None else ""
+    given += f" --model-args {own}" if own else ""
+    flags = ["a smaller --width"] if args.width is not None else []
+    flags += ["smaller --model-args"] if own else []
+    flags = flags or ["a smaller --model"]
     if needs.activations * 4 >= needs.on_device():
         flags.append("a smaller --batch-size (with --grad-accum to keep the effective batch)")
-    return "choose " + " or ".join(flags)
+    return f"--model {args.model}{given}, --batch-size {args.batch_size}", " or ".join(flags)
+
+
+def _own(args) -> dict:
+    return getattr(args, "model_args", None) or {}  # --model-args, as config.py parsed them
 
 
 def forward_problem(model, batch, loss_fn, dtype) -> str | None:

@@ -42,6 +42,7 @@ import contextlib
 import functools
 import math
 import sys
+import time
 import traceback
 from typing import NamedTuple
 
@@ -98,27 +99,26 @@ def _body(train, tool, args, parser, out, stop, held, dist) -> int:
     try:
         run = Run(args, parser, out, stop, held, dist, tool=tool)
         code = train(run)
-        return run._returned(code)
+        if code is None and not run.done:
+            raise RunFailed("train() returned before run.finish(): the run has no result")
+        return EXIT_OK if code is None else code
     except _Exit as exc:
         return exc.code
     except Interrupted:
         return jobs.EXIT_INTERRUPTED
-    except (UsageError, ValueError, OSError) as exc:
-        if run is None or not run.opened:  # bad input, found before any file of the run
+    except Exception as exc:  # failed: one line here, the traceback in run.log and MLflow
+        bad_input = isinstance(exc, UsageError | ValueError | OSError)
+        if bad_input and (run is None or not run.opened):  # found before any file of the run
             if run is None or not run._agreed:  # torchrun: the ranks still starting end too
                 dist.settle(EXIT_USAGE, why=str(exc) or type(exc).__name__)
             return error(str(exc) or type(exc).__name__, EXIT_USAGE)
-        return run._failed(exc)
-    except LostClaim as exc:
-        if run is None or run.record is None:
+        if run is not None and run.record is not None:
+            return run.record.failed(exc, run.progress.history, explain=run._explain)
+        if run is not None and run.log is not None:
+            run.log.error("run failed:\n%s", traceback.format_exc())
+        if isinstance(exc, LostClaim):
             return error(str(exc), EXIT_BUSY)
-        return run._failed(exc)
-    except Exception as exc:  # failed: one line here, the traceback in run.log and MLflow
-        if run is None or run.record is None:
-            if run is not None and run.log is not None:
-                run.log.error("run failed:\n%s", traceback.format_exc())
-            return error(f"{type(exc).__name__}: {exc}".splitlines()[0], EXIT_FAILED)
-        return run._failed(exc)
+        return error(f"{type(exc).__name__}: {exc}".splitlines()[0], EXIT_FAILED)
     finally:
         if run is not None:
             run._close()
@@ -155,10 +155,9 @@ class Run:
 
         self.args, self.out, self.stop, self.held, self.dist = args, out, stop, held, dist
         self.tool = tool or is_tool(args)
-        self.opened, self._agreed, self.ddp = False, False, False
+        self.opened, self._agreed, self.ddp, self.done = False, False, False, False
         self.log = self.record = self.state = self.data_ = None
         self.objects: dict = {}
-        self._compile_s = 0.0
         self.speed: dict = {}  # CUDA: flops_per_sample, peak_flops, gpu_busy (metrics.json)
         self.progress = Progress()
         # ---- config: every bad input is found before a file of the run is written ----
@@ -173,10 +172,8 @@ class Run:
         dist.check(args)  # a --batch-size that does not divide among the processes: exit 2
         self.device = dist.place(resolve_device(args.device))
         self.amp_dtype, precision_why = choose_precision(self.device, args.amp)
-        self._notes = [
-            ("precision", precision_why),
-            ("kernels", setup_backends(self.device, args.deterministic)),
-        ]
+        kernels = setup_backends(self.device, args.deterministic)
+        self._notes = [("precision", precision_why), ("kernels", kernels)]
         if dist.is_main and (mismatch := version_warning(PROJECT_ROOT, __version__)):
             print(f"warning: {mismatch}", file=sys.stderr)  # runs on, but says so at start
             self._notes.append(("labrun", mismatch))
@@ -186,7 +183,7 @@ class Run:
             start_memory_history(self.device)
         self.train_sums = TrainSums(self.task, self.device)
         self.loss = self.report_loss = None  # run.py's, given by use_loss: never guessed here
-        self._t0 = self._bar = self._busy = None  # the epoch being trained (batches, tick)
+        self._t0 = self._bar = None  # the epoch being trained (batches, tick)
 
     def use_loss(self, loss_fn, report=None):
         """`loss_fn(outputs, targets)`: the loss run.py's step trains on, which the model check,
@@ -208,23 +205,16 @@ class Run:
 
         args = self.args
         check_model_fits(args)  # an --image-size the model cannot take: before any decoding
+        # The flags of the same name: data_version is the one in the run's identity, task picks
+        # among a dataset's kinds of targets, augment/crop/crop_* what the training loader does.
+        same = ("data_path", "image_size", "val_fraction", "seed", "synthetic_size", "workers")
+        same += ("data_version", "task", "augment", "crop", "crop_scale", "crop_ratio")
         loaded = load_dataset(
             args.dataset,
             args.data_dir,
-            data_path=args.data_path,
-            image_size=args.image_size,
-            val_fraction=args.val_fraction,
-            seed=args.seed,
-            synthetic_size=args.synthetic_size,
             mode=args.data_mode,
-            workers=args.workers,
-            data_version=args.data_version,  # the version in the run's identity
-            task=args.task,  # datasets that offer several kinds of targets pick by it
-            augment=args.augment,  # images crop + flip, other data none, unless asked
-            crop=args.crop,  # pad (small images) or a random resized crop (photos)
-            crop_scale=args.crop_scale,
-            crop_ratio=args.crop_ratio,
             spatial_targets=self.task.spatial_targets,  # crop/flip would not move the targets
+            **{name: getattr(args, name) for name in same},
         )
         splits = loaded.splits
         # Only decoded in-memory data can live on the GPU; streamed files come through workers.
@@ -310,13 +300,25 @@ class Run:
         return min(steps, self.args.max_steps) if self.args.max_steps else steps
 
     # ---- the run directory: opened once the model exists ----------------------------------------
-    def _open(self, model, ema=None) -> None:
-        """Refusals that need the model (no room for a checkpoint), then the run directory and
-        run.log; a refusal on any rank ends all (torchrun)."""
-        if self.opened:
-            return
+    def restore(self, **objects) -> None:
+        """Register what the checkpoint holds (name -> object with state_dict(), or None) and
+        resume from it if there is one; then the run's record starts (config.json, status
+        running, MLflow). A checkpoint that cannot be loaded is refused (status refused, exit 2);
+        so is a resume on other data. The first object is the model (its size: the disk check).
+        Tools (--find-lr ...) only open the run directory."""
+        from . import checkpoint as ckpt
+        from .dataversion import changed_since
         from .preflight import forward_problem
+        from .state import TrainingState
+        from .stopping import EarlyStopping
+        from .train import lr_peak_step, peak_epoch
 
+        if self.loss is None:  # labrun never takes the task's loss behind run.py's back
+            raise RunFailed("run.py gave no loss: call run.use_loss(loss_fn) before run.restore")
+        self.objects = objects
+        model, ema = next(iter(objects.values())), objects.get("ema")
+        # Refusals that need the model (no room for a checkpoint), then the run directory and
+        # run.log; a refusal on any rank ends all (torchrun).
         args, out, dist = self.args, self.out, self.dist
         code, why = None, ""
         try:
@@ -339,132 +341,78 @@ class Run:
         # nothing of this run exists yet), so that no rank waits in another one (issue 28.2)
         if (code := dist.settle(code, self.stop, why)) is not None:
             raise _Exit(code)
-        if dist.is_main:  # one writer
-            out.mkdir(parents=True, exist_ok=True)
-            if args.fresh:
-                cleared = ", ".join(runs.clear_run_dir(out)) or "nothing"
-                print(f"--fresh: deleting {cleared} in {out}")
-            runs.remove_stale_temps(out)
-        name = out.name
-        self.log = runs.setup_logging(out, name) if dist.is_main else dist.rank_log(name)
+        if dist.is_main:  # one writer (--fresh, run.log); the other ranks log to stderr
+            self.log = jobs.open_dir(out, args.fresh, self.stop)
+        else:
+            self.log = self.stop.log = dist.rank_log(out.name)
         self.opened = True
         dist.agree(None)  # the others read the checkpoint once --fresh has deleted it
-        self.stop.log = self.log  # from here on, stop requests are in run.log too
         for note in self.data_.notes:  # e.g. skipped unreadable images
-            self.log.warning("data: %s", note)
+            self.log.warning(f"data: {note}")
         version = self.config["data_version"] or self.config.get("data_content")
-        self.log.info("data: %s samples (train/val/test) | %s", self.config["split_sizes"], version)
-        for what, why in self._notes:
-            self.log.info("%s: %s", what, why)
-        if dist.active:
-            self.log.info("distributed: %s", dist.describe())
-
-    def restore(self, **objects) -> None:
-        """Register what the checkpoint holds (name -> object with state_dict(), or None) and
-        resume from it if there is one; then the run's record starts (config.json, status
-        running, MLflow). A checkpoint that cannot be loaded is refused (status refused, exit 2);
-        so is a resume on other data. The first object is the model (its size: the disk check).
-        Tools (--find-lr ...) only open the run directory."""
-        from . import checkpoint as ckpt
-        from .state import TrainingState
-        from .stopping import EarlyStopping
-        from .train import lr_peak_step, peak_epoch
-
-        args, out, dist = self.args, self.out, self.dist
-        if self.loss is None:  # labrun never takes the task's loss behind run.py's back
-            raise RunFailed("run.py gave no loss: call run.use_loss(loss_fn) before run.restore")
-        self.objects = objects
-        model = next(iter(objects.values()))
-        self._open(model, objects.get("ema"))
+        sizes = f"{self.config['split_sizes']} samples (train/val/test) | {version}"
+        notes = [("data", sizes), *self._notes]
+        for what, why in notes + ([("distributed", dist.describe())] if dist.active else []):
+            self.log.info(f"{what}: {why}")
         # Patience counts only after the LR peak and --min-epochs: no stop during the warm-up.
         peak = lr_peak_step(objects.get("scheduler"))
         patience_from = max(args.min_epochs, peak_epoch(peak, self.data_.steps_per_epoch))
         stopper = EarlyStopping(
             args.patience, start_epoch=patience_from, mode=self.task.direction(self.task.monitor)
         )
-        self.state = TrainingState(
-            objects,
-            stopper,
-            self.train_sums,
-            device=self.device,
-            dtype=self.amp_dtype,
-            config_hash=self.config["config_hash"],
-            dist=dist,
-            log=self.log,
-        )
-        self.state.progress = self.progress
+        ident = self.config["config_hash"]
+        state = TrainingState(objects, stopper, self.train_sums, self.device, self.amp_dtype, ident)
+        self.state, state.dist, state.log, state.progress = state, dist, self.log, self.progress
         if self.tool:
             return
-        if changed := changed_data(out, self.config):  # arrays: a resume on other data
+        # Arrays keep their run name across data versions: a resume on other data is refused.
+        before = {}
+        if (out / runs.CHECKPOINT).is_file():  # nothing to resume: it starts on today's data
+            with contextlib.suppress(OSError, ValueError):
+                before = runs.read_json(out / runs.CONFIG)
+        if before and (changed := changed_since(before, self.config, out)):
             self._refuse(changed)
         try:
-            if self.state.resume(out / runs.CHECKPOINT, out / runs.BEST_MODEL, self.log):
-                self.progress = self.state.progress
-                p = self.progress
-                self.log.info("resuming %s at epoch %d, step %d", out, p.epoch + 1, p.step)
+            if state.resume(out / runs.CHECKPOINT, out / runs.BEST_MODEL):
+                self.progress = p = state.progress
+                self.log.info(f"resuming {out} at epoch {p.epoch + 1}, step {p.step}")
                 if other := runs.other_code_line(out, PROJECT_ROOT, "resuming"):
-                    self.log.warning("%s", other)  # README, "What a run writes"
+                    self.log.warning(other)  # README, "What a run writes"
         except ckpt.CheckpointError as exc:  # refused for good: the planner must not say resumes
             self._refuse(f"cannot resume: {exc}")
-        try:
-            self.record = self._record()
+        params = tags = None
+        if dist.is_main:
+            from .tracking import provenance, run_params
+
+            params = run_params(self.config)  # with `experiment_keys`: plot.py --from-mlflow's
+            tags = {**provenance(self.log), "run_dir": str(out), "device": str(self.device)}
+            tags.update(amp_dtype=str(self.amp_dtype), compile=args.compile)
+            tags.update(workers=str(args.workers), world_size=str(dist.world))
+        try:  # config.json, status running, its MLflow run (rank 0 writes)
+            record = jobs.Record(out, self.config, args, self.log, self.held, dist, params, tags)
+            self.record = record
         except OSError as exc:  # e.g. the disk filled since the start-up check
-            if isinstance(exc, LostClaim):
-                raise
             runs.try_write_status(out, "failed")
             message = f"{exc.strerror} writing {exc.filename or out}"
             raise _Exit(error(message, EXIT_FAILED)) from exc
         self.stop.on_force_exit = self.record.force_exited  # 130 leaves "interrupted"
-        self.log.info(
-            "run %s on %s | %d steps/epoch | %s",
-            out.name,
-            self.device,
-            self.data_.steps_per_epoch,
-            self.record.tracker_line(),
-        )
-
-    def _record(self) -> jobs.Record:
-        """The run's jobs.Record: config.json, status running, its MLflow run (rank 0 writes)."""
-        params = tags = None
-        if self.dist.is_main:
-            from .tracking import provenance, run_params
-
-            args, config = self.args, self.config
-            params = run_params(config)  # with `experiment_keys`: what plot.py --from-mlflow reads
-            tags = {
-                **provenance(self.log),
-                "run_dir": str(self.out),
-                "device": str(self.device),
-                "amp_dtype": str(self.amp_dtype),
-                "compile": args.compile,
-                "workers": str(args.workers),
-                "world_size": str(config["world_size"]),
-            }
-        return jobs.Record(
-            self.out,
-            self.config,
-            self.args,
-            self.log,
-            self.held,
-            self.dist,
-            params=params,
-            tags=tags,
-        )
+        steps = f"{self.data_.steps_per_epoch} steps/epoch"
+        self.log.info(f"run {out.name} on {self.device} | {steps} | {record.tracker_line()}")
 
     def _refuse(self, message: str) -> None:
-        self.log.error("%s", message)
+        self.log.error(message)
         if self.dist.is_main:  # one writer
             runs.try_write_status(self.out, "refused")
         raise _Exit(error(message, EXIT_USAGE))
 
     # ---- compile and DDP -------------------------------------------------------------------------
     def compile_mode(self, model) -> str | None:
-        """torch.compile's mode where compiling pays for this run (hardware.choose_compile:
+        """torch.compile's mode where compiling pays for this run (hardware.decide_compile:
         eager time of forward + backward on a real batch against the recorded compile cost),
-        else None. Decided on rank 0, the same on every rank; run.log says why."""
+        else None. Decided on rank 0, the same on every rank; run.log says why. After
+        run.restore (the model and the run directory are there)."""
         from .hardware import decide_compile
 
-        self._open(model)
         self._compile = (None, 0.0, None)
         if self.dist.is_main:
             self._compile = decide_compile(
@@ -480,8 +428,7 @@ class Run:
                 log=self.log,
                 ddp=self.dist.active,
             )
-        mode = self.dist.decide(self._compile[0])  # torchrun: rank 0's decision on every rank
-        self.compiled = mode
+        self.compiled = self.dist.decide(self._compile[0])  # torchrun: rank 0's, on every rank
         if self.device.type == "cuda" and self.dist.is_main:
             self._measure_speed_scale(model)
         if self.cuda_graphs:
@@ -494,7 +441,7 @@ class Run:
                 "CUDA graphs: the step replays captured kernels; a batch of another shape "
                 "runs without them (cudagraph_skip_dynamic_graphs)"
             )
-        return mode
+        return self.compiled
 
     def _measure_speed_scale(self, model) -> None:
         """What MFU needs (CUDA): the FLOPs of one sample's forward + backward on a real batch
@@ -503,23 +450,17 @@ class Run:
 
         try:
             x, y = self.peek_batch()
-            self.speed["flops_per_sample"] = flops_per_sample(
-                model, x, y, self.loss, self.amp_dtype
-            )
+            flops = flops_per_sample(model, x, y, self.loss, self.amp_dtype)
             records = layout_records_dir(PROJECT_ROOT)  # beside the compile records
             peak, source = matmul_peak(self.device, self.amp_dtype, records)
         except Exception as exc:  # an op the counter cannot run, no memory for the matmuls
-            self.log.warning("MFU not measured (%s: %s)", type(exc).__name__, exc)
-            self.speed.pop("flops_per_sample", None)
+            self.log.warning(f"MFU not measured ({type(exc).__name__}: {exc})")
             return
-        self.speed["peak_flops"] = peak
+        self.speed.update(flops_per_sample=flops, peak_flops=peak)
+        dtype = str(self.amp_dtype or "fp32").removeprefix("torch.")
         self.log.info(
-            "MFU scale: %.3g GFLOP per training sample (forward + backward); matmul peak %.0f "
-            "TFLOP/s in %s (%s)",
-            self.speed["flops_per_sample"] / 1e9,
-            peak / 1e12,
-            str(self.amp_dtype or "fp32").removeprefix("torch."),
-            source,
+            f"MFU scale: {flops / 1e9:.3g} GFLOP per training sample (forward + backward); "
+            f"matmul peak {peak / 1e12:.0f} TFLOP/s in {dtype} ({source})"
         )
 
     @property
@@ -549,36 +490,27 @@ class Run:
         if not getattr(self, "compiled", None):
             return net
         mode, eager_s, record = self._compile
-        now = timed(self.device)
-        x, y = self.peek_batch()
-        hits, misses = compile_cache_counts()
+        now, (x, y), cache_before = timed(self.device), self.peek_batch(), compile_cache_counts()
         started = now()
         try:
             compiled_s = time_forward_backward(net, x, y, self.loss, self.amp_dtype, now)
         except compiler_errors() as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            self.log.warning(
-                "torch.compile failed (%s: %s); continuing eagerly", type(exc).__name__, first
-            )
+            why = f"{type(exc).__name__}: {runs.first_line(exc)}"
+            self.log.warning(f"torch.compile failed ({why}); continuing eagerly")
             self.compiled = None
             return self.distributed(eager)
         spent = now() - started - 4 * compiled_s  # the compile, without the timed passes
         self.progress.compile_time_s += spent
         if record is not None:
-            now_hits, now_misses = compile_cache_counts()
-            warm = now_hits > hits and now_misses == misses  # every graph from the cache
+            (hits, misses), (hits_after, misses_after) = cache_before, compile_cache_counts()
+            warm = hits_after > hits and misses_after == misses  # every graph from the cache
             record.save(
                 mode, compile_s=spent, warm=warm, eager_step_s=eager_s, compiled_step_s=compiled_s
             )
             self.log.info(
-                "compiled (%s) in %.1f s (%s inductor cache); forward + backward %.1f ms "
-                "(eager %.1f ms); recorded in %s",
-                mode,
-                spent,
-                "warm" if warm else "cold",
-                1e3 * compiled_s,
-                1e3 * eager_s,
-                record.path,
+                f"compiled ({mode}) in {spent:.1f} s ({'warm' if warm else 'cold'} inductor "
+                f"cache); forward + backward {1e3 * compiled_s:.1f} ms (eager "
+                f"{1e3 * eager_s:.1f} ms); recorded in {record.path}"
             )
         return net
 
@@ -619,10 +551,22 @@ class Run:
         from where the run is (the order is f(seed, epoch): a resumed epoch skips the
         micro-batches it did) to the epoch's end or the run's last step. run.tick() follows each
         step. Times the epoch's training (waiting for the device) and shows a progress bar."""
-        p, accum = self.progress, self.args.grad_accum
+        from tqdm import tqdm
+
+        from .hardware import GpuBusy, timed
+
+        p, accum, main = self.progress, self.args.grad_accum, self.dist.is_main
         loader.set_epoch(p.epoch, skip_batches=p.batch)
         source = iter(loader)
-        self._epoch_begins()
+        self._now = timed(self.device)  # waits for the device: times the work, not the launches
+        self._t0, self._first_step, self._resumed_in_epoch = self._now(), p.step, p.batch > 0
+        # --progress: tqdm's disable=None shows the bar only when stderr is a terminal (auto)
+        off = {"on": False, "off": True, "auto": None}[self.args.progress] if main else True
+        desc, steps = f"epoch {p.epoch + 1}/{self.args.epochs}", self.data_.steps_per_epoch
+        self._bar = tqdm(total=steps, initial=p.batch // accum, leave=False, desc=desc, disable=off)
+        self._busy = None
+        if self.device.type == "cuda" and main and "gpu_busy" not in self.speed:
+            self._busy = GpuBusy(self.device)  # profiles a few steps of this epoch
         try:
             while p.batch < self.data_.steps_per_epoch * accum and p.step < self.total_steps:
                 if self._busy is not None:
@@ -641,8 +585,7 @@ class Run:
         Interrupted: exit 75, and the same command resumes at the next step."""
         p = self.progress
         p.step, p.batch = p.step + 1, p.batch + self.args.grad_accum
-        if self._bar is not None:
-            self._bar.update()
+        self._bar.update()
         if self.dist.stopped(self.stop, p.step):
             self._epoch_trained()
             self.record.checkpoint(self.state)
@@ -650,47 +593,22 @@ class Run:
             self.record.interrupted(why, self.progress)
             raise Interrupted(self.stop.requested)
 
-    def _epoch_begins(self) -> None:
-        from .hardware import GpuBusy, timed
-
-        p = self.progress
-        self._now = timed(self.device)  # waits for the device: times the work, not the launches
-        self._t0, self._first_step, self._resumed_in_epoch = self._now(), p.step, p.batch > 0
-        self._bar = self._progress_bar() if self.dist.is_main else None
-        self._busy = None
-        if self.device.type == "cuda" and self.dist.is_main and "gpu_busy" not in self.speed:
-            self._busy = GpuBusy(self.device)  # profiles a few steps of this epoch
-
     def _epoch_trained(self) -> None:
         """The epoch's training time into progress (once: at its end, or at a stop)."""
         if self._t0 is None:
             return
         p, busy = self.progress, self._busy
         train_s, self._t0 = self._now() - self._t0, None
-        if self._bar is not None:
-            self._bar.close()
+        self._bar.close()
         if busy is not None:
             busy.close(p.step - self._first_step)
             if busy.share is not None:
                 from .hardware import busy_line
 
                 self.speed["gpu_busy"] = busy.share
-                self.log.info("%s", busy_line(busy.share, busy.step_s, self.args.batch_size))
+                self.log.info(busy_line(busy.share, busy.step_s, self.args.batch_size))
         p.train_time_s += train_s
         p.epoch_time_s = train_s + (p.epoch_time_s if self._resumed_in_epoch else 0.0)
-
-    def _progress_bar(self):
-        args, p = self.args, self.progress
-        if not (args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())):
-            return None
-        from tqdm import tqdm
-
-        return tqdm(
-            total=self.data_.steps_per_epoch,
-            initial=p.batch // args.grad_accum,
-            leave=False,
-            desc=f"epoch {p.epoch + 1}/{args.epochs}",
-        )
 
     def evaluate(self, model, loader) -> dict[str, float]:
         """{loss, metric...} of the task over `loader` in eval mode, summed over ranks; the loss
@@ -744,52 +662,69 @@ class Run:
 
     def save_best(self) -> None:
         """best_model.pt: the best weights run.stopper holds (after its update said "new best")."""
-        self.record.save_best(self.state)
+        self.record.save_best(self.state.stopper)
 
     def checkpoint(self, every: float | None = None) -> None:
         """checkpoint.pt (every object given to restore, progress, RNG, early stopping) now, or
         only once `every` seconds have passed since the last (rank 0's clock decides for all)."""
-        if every is None or self.dist.decide(self.record.checkpoint_due(every)):
+        due = every is None or time.monotonic() - self.record.last_checkpoint >= every
+        if every is None or self.dist.decide(due):
             self.record.checkpoint(self.state)
 
     def restore_best(self, model) -> None:
         """The best epoch's weights into `model` (to test once); RunFailed when the monitored
         metric was never finite (nothing to test)."""
-        stopper = self.state.stopper
-        if stopper.best_state is None:
+        if self.state.stopper.best_state is None:
             raise RunFailed(
                 f"{self.task.monitor} was never finite in {self.progress.epoch} epoch(s): no "
                 "best weights to test (try a lower --lr or --clip-grad)"
             )
-        stopper.restore(model)
+        self.state.stopper.restore(model)
 
     def finish(self, test: dict[str, float]) -> None:
-        """Checkpoint, metrics.json (last: the run is done), MLflow FINISHED."""
+        """Checkpoint, metrics.json (last: the run is done; strict JSON: finite_or_null),
+        MLflow FINISHED."""
+        from .hardware import peak_memory_bytes
+
         self.record.checkpoint(self.state)
-        p, stopper, task, out = self.state.progress, self.state.stopper, self.task, self.out
+        p, stopper, task, speed = self.progress, self.state.stopper, self.task, self.speed
         reason, weights = self.stop_reason(), self.args.test_weights
-        metrics = final_metrics(self.state, task, test, reason, weights, self.speed, self.device)
-        self.record.finished(
-            metrics,
-            p.history,
-            tags={"stop_reason": reason, "test_weights": weights},
-            artifacts=[out / runs.HISTORY, out / runs.BEST_MODEL],
-        )
-        mfu = metrics.get("mfu")
+        rate = p.samples / max(p.train_time_s, 1e-9)
+        metrics = {
+            f"best_{task.monitor}": stopper.best_score,
+            **{f"test_{name}": test[name] for name in (*task.metrics, "loss")},
+            "task": task.name,
+            "monitor": task.monitor,
+            "best_epoch": stopper.best_epoch,
+            # what the test_* numbers describe (--test-weights): best_* stay the monitor's record
+            "test_weights": weights,
+            "tested_epoch": stopper.best_epoch if weights == "best" else p.epoch,
+            "epochs_run": p.epoch,
+            "steps": p.step,
+            "wall_time_s": p.wall_time_s,
+            "train_time_s": p.train_time_s,
+            "compile_time_s": p.compile_time_s,
+            "samples_per_sec": rate,
+            "peak_mem_bytes": peak_memory_bytes(self.device),
+            "device": str(self.device),
+            "stop_reason": reason,
+        }
+        mfu = ""
+        if "peak_flops" in speed:  # CUDA: the model's FLOPs at the run's rate / the GPU's peak
+            metrics["flops_per_sample"] = flops = speed["flops_per_sample"]
+            metrics["mfu"] = flops * rate / speed["peak_flops"]
+            mfu = f", MFU {100 * metrics['mfu']:.1f} %"
+        if "gpu_busy" in speed:
+            metrics["gpu_busy_share"] = speed["gpu_busy"]
+        tags = {"stop_reason": reason, "test_weights": weights}
+        artifacts = [self.out / runs.HISTORY, self.out / runs.BEST_MODEL]
+        self.record.finished(finite_or_null(metrics), p.history, tags=tags, artifacts=artifacts)
         self.log.info(
-            "finished (%s): best %s %.4g at epoch %d | test (%s weights) %s | "
-            "%.0f samples/s%s | %s",
-            reason,
-            task.monitor,
-            stopper.best_score,
-            stopper.best_epoch,
-            weights,
-            metrics_line(metrics, "test_"),
-            metrics["samples_per_sec"],
-            f", MFU {100 * mfu:.1f} %" if mfu is not None else "",
-            out,
+            f"finished ({reason}): best {task.monitor} {stopper.best_score:.4g} at epoch "
+            f"{stopper.best_epoch} | test ({weights} weights) {metrics_line(metrics, 'test_')} | "
+            f"{rate:.0f} samples/s{mfu} | {self.out}"
         )
-        self._done = True
+        self.done = True
 
     def stop_reason(self) -> str:
         """ "early_stopping" only when patience ended the run before its last step (patience
@@ -808,63 +743,42 @@ class Run:
 
         from .tools.tuning import find_batch_size, find_lr, profile_training, recommend_batch_size
 
-        args, data, out, device = self.args, self.data_, self.out, self.device
+        args, data, out = self.args, self.data_, self.out
+        on = {"device": self.device, "amp_dtype": self.amp_dtype}  # as the run would train
         if args.find_lr:
-            lr = find_lr(
-                model,
-                data.train,
-                self.loss,
-                optimizer,
-                device=device,
-                amp_dtype=self.amp_dtype,
-                out_dir=out,
-            )
+            lr = find_lr(model, data.train, self.loss, optimizer, out_dir=out, **on)
             print(f"suggested --lr {lr:.3g} (plot in {out})")
         if args.find_batch_size:
-            info = data.info
+            train = data.splits["train"]
             size = find_batch_size(
                 lambda: copy.deepcopy(model),
-                device=device,
-                amp_dtype=self.amp_dtype,
                 start=args.batch_size,
-                max_batch=len(data.splits["train"]),
-                input_shape=info.input_shape,
+                max_batch=len(train),
+                input_shape=data.info.input_shape,
                 loss_fn=self.loss,
-                targets=data.splits["train"].labels,
+                targets=train.labels,
+                **on,
             )
-            batch, lr = recommend_batch_size(size, device)
+            batch, lr = recommend_batch_size(size, self.device)
             print(
                 f"largest batch size that fits: {size}; recommended on this device (pass "
                 f"it: the default stays 128): --batch-size {batch} --lr {lr:.3g}"
             )
         if args.profile:
-            print(
-                profile_training(
-                    step,
-                    data.train,
-                    device=device,
-                    grad_accum=args.grad_accum,
-                    scheduler=scheduler,
-                    out_dir=out,
-                )
+            accum = args.grad_accum
+            report = profile_training(
+                step,
+                data.train,
+                device=self.device,
+                grad_accum=accum,
+                scheduler=scheduler,
+                out_dir=out,
             )
-        self._done = True
+            print(report)
+        self.done = True
         return EXIT_OK
 
     # ---- endings -------------------------------------------------------------------------------
-    def _returned(self, code) -> int:
-        if code is not None:
-            return code
-        if not getattr(self, "_done", False):
-            raise RunFailed("train() returned before run.finish(): the run has no result")
-        return EXIT_OK
-
-    def _failed(self, exc: BaseException) -> int:
-        if self.record is None:
-            return error(f"{type(exc).__name__}: {exc}".splitlines()[0], EXIT_FAILED)
-        history = self.state.progress.history if self.state is not None else []
-        return self.record.failed(exc, history, explain=self._explain)
-
     def _explain(self, exc: BaseException, message: str) -> tuple[int, str]:
         """A training run's failure as its exit code and one line (`message`: the exception's
         first line, or the rank whose failure caused it)."""
@@ -904,35 +818,17 @@ class Run:
 
 
 # ---- the pieces Run names ----------------------------------------------------------------------
-def changed_data(out, config: dict) -> str | None:
-    """Why this run directory must not resume: it began on other data (arrays keep their run
-    name across data versions; their content hash is compared here)."""
-    from .dataversion import changed_since
-
-    if not (out / runs.CHECKPOINT).is_file():  # nothing to resume: it starts on today's data
-        return None
-    try:
-        before = runs.read_json(out / runs.CONFIG)
-    except (OSError, ValueError):
-        return None
-    return changed_since(before, config, out)
-
-
-def checkpoint_bytes(model, ema=None) -> int:
-    """Disk a run needs: checkpoint (weights, two AdamW moments, `ema`'s copy if any, best
-    weights) twice during its atomic replace, plus best_model.pt."""
-    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    return weights * (2 * (4 + (ema is not None)) + 1)
-
-
 def room_needed(out, model, ema=None) -> int:
-    """checkpoint_bytes less the checkpoint and best_model.pt a re-run replaces: their space is
-    the run's already, and comes back as each new file replaces the old one."""
+    """Disk a run needs: checkpoint (weights, two AdamW moments, `ema`'s copy if any, best
+    weights) twice during its atomic replace, plus best_model.pt; less the checkpoint and
+    best_model.pt a re-run replaces (their space is the run's already, and comes back as each
+    new file replaces the old one)."""
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     kept = 0
     for name in (runs.CHECKPOINT, runs.BEST_MODEL):
         with contextlib.suppress(OSError):
             kept += (out / name).stat().st_size
-    return max(checkpoint_bytes(model, ema) - kept, 0)
+    return max(weights * (2 * (4 + (ema is not None)) + 1) - kept, 0)
 
 
 def metrics_line(row: dict, prefix: str) -> str:
@@ -954,41 +850,6 @@ def finite_or_null(metrics: dict) -> dict:
     return {**{k: None if k in reasons else v for k, v in metrics.items()}, "null_reasons": reasons}
 
 
-def final_metrics(state, task, test: dict, reason: str, weights: str, speed: dict, device) -> dict:
-    """metrics.json's numbers of a finished run (strict JSON: finite_or_null)."""
-    from .hardware import peak_memory_bytes
-
-    p, stopper = state.progress, state.stopper
-    samples_per_sec = p.samples / max(p.train_time_s, 1e-9)
-    mfu = {}
-    if "peak_flops" in speed:  # CUDA: the model's FLOPs at the run's rate / the GPU's peak
-        flops = speed["flops_per_sample"]
-        mfu = {"flops_per_sample": flops, "mfu": flops * samples_per_sec / speed["peak_flops"]}
-    busy = {"gpu_busy_share": speed["gpu_busy"]} if "gpu_busy" in speed else {}
-    metrics = {
-        f"best_{task.monitor}": stopper.best_score,
-        **{f"test_{name}": test[name] for name in (*task.metrics, "loss")},
-        "task": task.name,
-        "monitor": task.monitor,
-        "best_epoch": stopper.best_epoch,
-        # what the test_* numbers describe (--test-weights): best_* stay the monitor's record
-        "test_weights": weights,
-        "tested_epoch": stopper.best_epoch if weights == "best" else p.epoch,
-        "epochs_run": p.epoch,
-        "steps": p.step,
-        "wall_time_s": p.wall_time_s,
-        "train_time_s": p.train_time_s,
-        "compile_time_s": p.compile_time_s,
-        "samples_per_sec": samples_per_sec,
-        **mfu,
-        **busy,
-        "peak_mem_bytes": peak_memory_bytes(device),
-        "device": str(device),
-        "stop_reason": reason,
-    }
-    return finite_or_null(metrics)
-
-
 def capture_step(run_py, argv: list[str]):
     """A project's run.py built for `argv` as far as its step, training nothing: a namespace of
     what its `build(run)` returns (model, optimizer, scheduler, step...) and `run`, for tools
@@ -1002,7 +863,7 @@ def capture_step(run_py, argv: list[str]):
 
     def build(run) -> int:
         captured.update(vars(run_py.build(run)), run=run)
-        run._done = True  # built is all a tool run of this kind does
+        run.done = True  # built is all a tool run of this kind does
         return EXIT_OK
 
     jobs.LEAVE_AT_ONCE = False  # this process goes on after the run: no os._exit under torchrun

@@ -13,6 +13,7 @@ checkpoint's copy wins and best_model.pt is rewritten from it when they differ.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoint as ckpt
+from . import runs
 from .distributed import Dist
 from .stopping import EarlyStopping
 
@@ -73,42 +75,26 @@ class TrainSums:
         self.loss_sum = sums["loss_sum"].to(self.device, torch.float32)
         if "correct" in sums:  # written before tasks: the classification count
             sums["sums"] = sums["correct"].reshape(1)
-        task_sums = sums["sums"]
-        self.sums = None if task_sums is None else task_sums.to(self.device, torch.float64)
+        self.sums = None if sums["sums"] is None else sums["sums"].to(self.device, torch.float64)
         self.seen = sums["seen"]
 
 
-PRECISION_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}
-
-
-def precision_record(dtype, scaler) -> dict:
-    """What the checkpoint records of the arithmetic: the autocast dtype and the scaler."""
-    enabled = scaler is not None and scaler.is_enabled()
-    return {"autocast": PRECISION_NAMES.get(dtype, str(dtype)), "grad_scaler": enabled}
-
-
-def load_scaler(scaler, saved: dict | None, then: dict | None, now: dict, log) -> None:
+def load_scaler(scaler, saved: dict, then: dict, now: dict, log) -> None:
     """Continue under this run's precision, whatever the checkpoint's (a requeue may land on a GPU
     without bf16, or with it): the GradScaler's state is taken over when both use one, dropped
     when this run needs none, and started afresh when only this run needs one (its first steps
     then find the scale again). run.log says which."""
-    # Checkpoints from before "precision" was recorded: a GradScaler saves {} when disabled.
-    then = then or {"autocast": None, "grad_scaler": bool(saved)}
-    if then["autocast"] not in (None, now["autocast"]):
+    if then["autocast"] != now["autocast"]:
         log.warning(
-            "precision: the checkpoint was written under %s, this run continues under %s",
-            then["autocast"],
-            now["autocast"],
+            f"precision: the checkpoint was written under {then['autocast']}, this run "
+            f"continues under {now['autocast']}"
         )
     if then["grad_scaler"] and now["grad_scaler"]:
         scaler.load_state_dict(saved)
     elif then["grad_scaler"]:
         log.warning("precision: the checkpoint's GradScaler state is dropped (not needed)")
     elif now["grad_scaler"]:
-        log.warning(
-            "precision: a new GradScaler starts at scale %g (the checkpoint had none)",
-            scaler.get_scale(),
-        )
+        log.warning(f"precision: a new GradScaler starts at scale {scaler.get_scale():g}")
 
 
 class TrainingState:
@@ -119,35 +105,23 @@ class TrainingState:
     """
 
     def __init__(
-        self,
-        objects: dict,
-        stopper: EarlyStopping,
-        sums: TrainSums,
-        *,
-        device: torch.device,
-        dtype=None,
-        config_hash: str,
-        dist: Dist | None = None,
-        log: logging.Logger | None = None,
+        self, objects: dict, stopper: EarlyStopping, sums: TrainSums, device, dtype, config_hash
     ) -> None:
         self.objects, self.stopper, self.sums, self.device = objects, stopper, sums, device
         self.dtype, self.config_hash = dtype, config_hash
-        self.dist = dist or Dist()  # torchrun: rank 0 writes, with every rank's own part
-        self.log = log or logging.getLogger(__name__)
+        self.dist = Dist()  # torchrun: Run sets its own; rank 0 writes, with every rank's part
+        self.log = logging.getLogger(__name__)
         self.progress = Progress()
-        self._clock = time.perf_counter()  # wall time is accumulated across resumes
-
-    def add_wall_time(self) -> None:
-        """Add the wall time since the last tick (call before saving or reporting)."""
-        now = time.perf_counter()
-        self.progress.wall_time_s += now - self._clock
-        self._clock = now
+        self._clock = time.perf_counter()
 
     def precision(self) -> dict:
-        return precision_record(self.dtype, self._scaler())
-
-    def _scaler(self):
-        return next((o for o in self.objects.values() if isinstance(o, torch.amp.GradScaler)), None)
+        """What the checkpoint records of the arithmetic: the autocast dtype and the scaler."""
+        scalers = [o for o in self.objects.values() if isinstance(o, torch.amp.GradScaler)]
+        names = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}
+        return {
+            "autocast": names.get(self.dtype, str(self.dtype)),
+            "grad_scaler": any(s.is_enabled() for s in scalers),
+        }
 
     def state_dict(self) -> dict:
         objects = {k: None if o is None else o.state_dict() for k, o in self.objects.items()}
@@ -162,14 +136,11 @@ class TrainingState:
 
     def save(self, path: Path) -> None:
         """Collective under torchrun: every rank calls it, rank 0 writes."""
-        self.add_wall_time()
+        now = time.perf_counter()  # wall time is accumulated across resumes
+        self.progress.wall_time_s, self._clock = self.progress.wall_time_s + now - self._clock, now
         state = self.dist.gather_state(self.state_dict())
         if state is not None:
             ckpt.save(path, state)
-
-    def save_best(self, path: Path) -> None:
-        if self.dist.is_main:
-            ckpt.save_weights(path, self.stopper.best_state)
 
     def load_objects(self, saved: dict) -> None:
         """Every registered object from the checkpoint's copy (strict: refused when it differs)."""
@@ -183,23 +154,14 @@ class TrainingState:
             if obj is None:
                 continue
             if isinstance(obj, torch.amp.GradScaler):
-                load_scaler(obj, saved[name], saved.get("precision"), self.precision(), self.log)
+                load_scaler(obj, saved[name], saved["precision"], self.precision(), self.log)
             elif isinstance(obj, torch.nn.Module):
                 load_model_state(obj, saved[name], f"the checkpoint's {name}")
             else:
                 obj.load_state_dict(saved[name])
         self.sums.load_state_dict(saved["sums"])
 
-    @staticmethod
-    def _best_model_matches(early: dict, best_model: Path) -> bool:
-        try:
-            on_disk = ckpt.load_weights(best_model)
-        except ckpt.CheckpointError:  # missing or unreadable: rewritten
-            return False
-        best = early["best_state"]
-        return on_disk.keys() == best.keys() and all(torch.equal(on_disk[k], best[k]) for k in best)
-
-    def resume(self, path: Path, best_model: Path, log) -> bool:
+    def resume(self, path: Path, best_model: Path) -> bool:
         """Load the checkpoint at `path` if there is one; False if there is none.
 
         Raises CheckpointError (corrupt, another configuration, another model, anything that
@@ -213,32 +175,31 @@ class TrainingState:
         try:
             state = self.dist.own_state(state, path)
             self.load_objects(state["trainer"])
-            early = state["early_stopping"]
-            if early.get("best_state") is None and early["best_epoch"]:  # older checkpoints
-                early["best_state"] = ckpt.load_weights(best_model)
-            elif (
-                early["best_epoch"]
-                and self.dist.is_main  # one writer
-                and not self._best_model_matches(early, best_model)
-            ):
-                log.warning(
-                    "%s is not the checkpoint's best (epoch %d): a hard kill came between "
-                    "the two writes; rewritten from the checkpoint",
-                    best_model.name,
-                    early["best_epoch"],
-                )
-                ckpt.save_weights(best_model, early["best_state"])
+            early, on_disk = state["early_stopping"], None
+            if early["best_epoch"] and self.dist.is_main:  # one writer
+                with contextlib.suppress(Exception):  # missing or unreadable: rewritten
+                    on_disk = torch.load(best_model, map_location="cpu", weights_only=True)
+                if not _same_weights(on_disk, early["best_state"]):
+                    self.log.warning(
+                        f"{best_model.name} is not the checkpoint's best (epoch "
+                        f"{early['best_epoch']}): a hard kill came between the two writes; "
+                        "rewritten from the checkpoint"
+                    )
+                    ckpt.save_weights(best_model, early["best_state"])
             self.stopper.load_state_dict(early)
             self.progress = Progress(**state["progress"])
             note = ckpt.set_rng_state(state["rng"], self.device)
         except ckpt.CheckpointError:
             raise
         except Exception as exc:  # whatever torch or this code raises: refused, with the reason
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise ckpt.CheckpointError(
                 f"{path} does not fit this code or this machine ({type(exc).__name__}: "
-                f"{first}); re-run with --fresh to start over"
+                f"{runs.first_line(exc)}); re-run with --fresh to start over"
             ) from exc
         if note:
-            log.warning(note)
+            self.log.warning(note)
         return True
+
+
+def _same_weights(a: dict | None, b: dict) -> bool:
+    return a is not None and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)

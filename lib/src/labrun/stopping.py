@@ -32,6 +32,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import math
 import os
 import select
 import signal
@@ -60,13 +61,11 @@ class BadGrace(ValueError):
 def grace_from_env() -> float:
     """LAB_STOP_GRACE_S as seconds >= 0 (default 120); BadGrace with one line otherwise."""
     text = os.environ.get(GRACE_ENV, "").strip()
-    if not text:
-        return DEFAULT_GRACE_S
     try:
-        value = float(text)
+        value = float(text) if text else DEFAULT_GRACE_S
     except ValueError:
-        value = float("nan")
-    if not 0 <= value < float("inf"):  # 0: any second signal forces the exit
+        value = -1.0
+    if not 0 <= value < math.inf:  # NaN too; 0: any second signal forces the exit
         raise BadGrace(f"{GRACE_ENV}={text!r}: expected a number of seconds >= 0")
     return value
 
@@ -81,15 +80,10 @@ def _stdin_is_a_terminal() -> bool:
 class GracefulStop:
     """Context manager: `requested` is None, or the name of the first stop signal received."""
 
-    def __init__(
-        self,
-        log: logging.Logger | None = None,
-        grace_s: float | None = None,
-        interactive: bool | None = None,
-    ) -> None:
-        self.log = log or logging.getLogger(__name__)
-        self.grace_s = grace_from_env() if grace_s is None else grace_s
-        self.interactive = _stdin_is_a_terminal() if interactive is None else interactive
+    def __init__(self) -> None:
+        self.log = logging.getLogger(__name__)  # the job's run.log once it has one
+        self.grace_s = grace_from_env()
+        self.interactive = _stdin_is_a_terminal()
         self.requested: str | None = None
         self.on_force_exit: Callable[[], None] | None = None  # e.g. mark the status file
         self.on_request: Callable[[], None] | None = None  # at the first request (claim note)
@@ -106,7 +100,7 @@ class GracefulStop:
             self.requested = name
             self._first_at = self._first_at or time.monotonic()
             self.log.warning(
-                "%s received: finishing the current step, then checkpoint and exit", name
+                f"{name} received: finishing the current step, then checkpoint and exit"
             )
             if self.on_request is not None:
                 self.on_request()
@@ -128,11 +122,8 @@ class GracefulStop:
             self.force_exit(why)
         self._ignored += 1
         if self._ignored == 1:  # one line, however long the burst
-            self.log.info(
-                "%s received again: already stopping (signals within %.0fs are one request)",
-                name,
-                self.grace_s,
-            )
+            within = f"signals within {self.grace_s:.0f}s are one request"
+            self.log.info(f"{name} received again: already stopping ({within})")
 
     def _overdue(self) -> float | None:
         """Seconds until a stop request the main thread never took up counts as a hang (None:
@@ -143,7 +134,7 @@ class GracefulStop:
 
     def force_exit(self, why: str) -> None:
         """Exit 130 now, from any thread: status `interrupted` (on_force_exit), run.log."""
-        self.log.warning("%s: exiting now; the last checkpoint is kept", why)
+        self.log.warning(f"{why}: exiting now; the last checkpoint is kept")
         if self.on_force_exit is not None:
             with contextlib.suppress(Exception):  # the exit must happen whatever fails here
                 self.on_force_exit()
@@ -230,7 +221,7 @@ class NonFiniteLoss(RuntimeError):
 
 def check_finite(mean_loss: float, epoch: int, first_step: int, last_step: int) -> None:
     """Fail clearly when the accumulated loss of an interval is nan/inf (checked once per epoch)."""
-    if mean_loss != mean_loss or mean_loss in (float("inf"), float("-inf")):
+    if not math.isfinite(mean_loss):
         raise NonFiniteLoss(
             f"non-finite training loss ({mean_loss}) in epoch {epoch}, between "
             f"optimizer steps {first_step} and {last_step}; the last good "
@@ -249,12 +240,9 @@ class EarlyStopping:
     """
 
     def __init__(self, patience: int, start_epoch: int = 0, mode: str = "max") -> None:
-        if mode not in ("max", "min"):
-            raise ValueError(f"mode must be 'max' or 'min', got {mode!r}")
         self.patience, self.start_epoch, self.mode = patience, start_epoch, mode
-        self.best_score = float("-inf") if mode == "max" else float("inf")
-        self.best_epoch = 0
-        self.bad_epochs = 0
+        self.best_score = -math.inf if mode == "max" else math.inf
+        self.best_epoch = self.bad_epochs = 0
         self.best_state: dict[str, torch.Tensor] | None = None
 
     def update(self, score: float, epoch: int, model: nn.Module) -> bool:
@@ -277,15 +265,7 @@ class EarlyStopping:
             model.load_state_dict(self.best_state)
 
     def state_dict(self) -> dict:
-        return {
-            "patience": self.patience,
-            "best_score": self.best_score,
-            "best_epoch": self.best_epoch,
-            "bad_epochs": self.bad_epochs,
-            "best_state": self.best_state,
-        }
+        return dict(vars(self))  # numbers, the mode and the best weights: weights_only loads it
 
     def load_state_dict(self, state: dict) -> None:
-        self.patience = state["patience"]
-        self.best_score, self.best_epoch = state["best_score"], state["best_epoch"]
-        self.bad_epochs, self.best_state = state["bad_epochs"], state["best_state"]
+        vars(self).update(state)
