@@ -55,8 +55,9 @@ from .runs import atomic_path, open_own, size_text
 CHUNK_IMAGES = 256  # images per task of a decoding process (and per checksum)
 PROGRESS_EVERY_S = 10.0  # the progress line, when not on a terminal: at most this often
 # In the key: change it when the layout of the file or the decoded pixels change (v2: the
-# resize is torch's, imagefolder.cover_resize).
-FORMAT = "nhwc-uint8-v2"
+# resize is torch's, imagefolder.cover_resize; v3: an RGB or grey image's transparent colour,
+# PNG tRNS, shows white as every other transparency does).
+FORMAT = "nhwc-uint8-v3"
 DIGEST_BYTES = 16  # sha256 per chunk, cut; all zeros in the .chunks file: the chunk is not done
 
 Progress = Callable[[int, int], None]  # (chunks done, chunks in all), after every chunk
