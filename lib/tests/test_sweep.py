@@ -796,7 +796,7 @@ def test_second_signal_kills_jobs_that_ignore_the_first(tmp_path):
 
 # run.sh's check for labrun, the engine, the sweep's MLflow follower, a slot's fork server: no job
 NOT_SCRIPTS = (
-    "-c import labrun.sweep",
+    "-c import importlib.util, sys; sys.exit(not importlib.util.find_spec(",
     "-m labrun.sweep ",
     "-m labrun.tracking follow",
     "-m labrun.forkserver",

@@ -845,13 +845,15 @@ def follow(roots: list[Path], log: logging.Logger, stdin=None) -> int:
 
     threading.Thread(target=read_to_end, daemon=True).start()
     unreached = {}  # run dir -> fingerprint tried
-    sampler = _start_sampler(roots[0] / SAMPLES_FILE) if roots else threading.Event()
+    sampler = None
     seen = {d: fingerprint(d, _read_state(d)) for d in _run_dirs(roots, with_state=True)}
     while not stopping.is_set():
         final = closed.is_set()
         for run_dir in _run_dirs(roots, with_state=True):
             if stopping.is_set():
                 break
+            if sampler is None and not final:  # once a job is tracked: none with tracking off
+                sampler = _start_sampler(roots[0] / SAMPLES_FILE)
             state = _read_state(run_dir)
             now = fingerprint(run_dir, state)
             if state.get("mirrored") == now or (not final and unreached.get(run_dir) == now):
@@ -871,7 +873,8 @@ def follow(roots: list[Path], log: logging.Logger, stdin=None) -> int:
         if final:
             break
         closed.wait(FOLLOW_POLL_S)
-    sampler.set()
+    if sampler is not None:
+        sampler.set()
     return 1 if unreached else 0
 
 
