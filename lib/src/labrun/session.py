@@ -737,44 +737,11 @@ class Run:
 
     # ---- tools ---------------------------------------------------------------------------------
     def tools(self, *, model, optimizer, step, scheduler=None) -> int:
-        """--find-lr, --find-batch-size, --profile: measure, report, exit without training.
-        `step` is run.py's step (profiled as the run would take it)."""
-        import copy
+        """--find-lr, --find-batch-size, --profile: measure, report, exit without training
+        (labrun.tools.tuning.run_tools). `step` is run.py's step (profiled as the run takes it)."""
+        from .tools.tuning import run_tools
 
-        from .tools.tuning import find_batch_size, find_lr, profile_training, recommend_batch_size
-
-        args, data, out = self.args, self.data_, self.out
-        on = {"device": self.device, "amp_dtype": self.amp_dtype}  # as the run would train
-        if args.find_lr:
-            lr = find_lr(model, data.train, self.loss, optimizer, out_dir=out, **on)
-            print(f"suggested --lr {lr:.3g} (plot in {out})")
-        if args.find_batch_size:
-            train = data.splits["train"]
-            size = find_batch_size(
-                lambda: copy.deepcopy(model),
-                start=args.batch_size,
-                max_batch=len(train),
-                input_shape=data.info.input_shape,
-                loss_fn=self.loss,
-                targets=train.labels,
-                **on,
-            )
-            batch, lr = recommend_batch_size(size, self.device)
-            print(
-                f"largest batch size that fits: {size}; recommended on this device (pass "
-                f"it: the default stays 128): --batch-size {batch} --lr {lr:.3g}"
-            )
-        if args.profile:
-            accum = args.grad_accum
-            report = profile_training(
-                step,
-                data.train,
-                device=self.device,
-                grad_accum=accum,
-                scheduler=scheduler,
-                out_dir=out,
-            )
-            print(report)
+        run_tools(self, model=model, optimizer=optimizer, step=step, scheduler=scheduler)
         self.done = True
         return EXIT_OK
 

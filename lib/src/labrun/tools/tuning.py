@@ -364,3 +364,40 @@ def launches_per_step(prof, steps: int, wall_s: float, on_cuda: bool) -> str:
         f"per step: {len(kernels) / steps:.0f} kernels, GPU busy {1e3 * busy_s:.2f} of "
         f"{1e3 * wall_s:.2f} ms ({100 * busy_s / wall_s:.0f} %)"
     )
+
+
+def run_tools(run, *, model, optimizer, step, scheduler=None) -> None:
+    """What run.py's --find-lr, --find-batch-size and --profile ask of `run` (a labrun.Run that
+    has its data and loss): each measures on the run's device and precision and prints its
+    answer; `step` is run.py's step, profiled as the run would take it."""
+    args, data, out = run.args, run.data_, run.out
+    on = {"device": run.device, "amp_dtype": run.amp_dtype}  # as the run would train
+    if args.find_lr:
+        lr = find_lr(model, data.train, run.loss, optimizer, out_dir=out, **on)
+        print(f"suggested --lr {lr:.3g} (plot in {out})")
+    if args.find_batch_size:
+        train = data.splits["train"]
+        size = find_batch_size(
+            lambda: copy.deepcopy(model),
+            start=args.batch_size,
+            max_batch=len(train),
+            input_shape=data.info.input_shape,
+            loss_fn=run.loss,
+            targets=train.labels,
+            **on,
+        )
+        batch, lr = recommend_batch_size(size, run.device)
+        print(
+            f"largest batch size that fits: {size}; recommended on this device (pass "
+            f"it: the default stays 128): --batch-size {batch} --lr {lr:.3g}"
+        )
+    if args.profile:
+        report = profile_training(
+            step,
+            data.train,
+            device=run.device,
+            grad_accum=args.grad_accum,
+            scheduler=scheduler,
+            out_dir=out,
+        )
+        print(report)
