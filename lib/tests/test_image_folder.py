@@ -452,6 +452,7 @@ def test_run_log_says_memory_disk_cache_or_stream_and_why(mixed_folder, tmp_path
     assert mode == "memory" and why.startswith("disk cache: ") and "1000 bytes of RAM" in why
     mode, why = source(mode="stream")
     assert mode == "stream" and why.startswith("stream: ") and "--data-mode stream" in why
-    monkeypatch.setattr(data, "cache_fits", lambda *args: "no space")
+    monkeypatch.setattr(data, "_rlimit_headroom", lambda: 1000)
     mode, why = source()
-    assert mode == "stream" and "--data-mode auto: no space in --data-dir" in why
+    assert mode == "stream" and "--data-mode auto: its decoded cache" in why
+    assert "does not fit the address-space limit (ulimit -v" in why
