@@ -10,13 +10,14 @@ crop margin: random crops pad with zeros on the device (augment.DeviceTransform)
 
 `key` hashes the dataset's fingerprint (dataversion.data_version), the split's files, the
 decoded shape and value ranges: another version of the folder or another --image-size is
-another cache. Decoding is split into chunks of CHUNK_IMAGES images decoded by a pool of
-processes, each writing its rows in place into `decoded-<key>.partial.npy`; one checksum per
-chunk is appended after the pixels (np.load reads past them) and the finished file is renamed
-into place. A killed decode starts over at the next start. A disk or a file-size limit (ulimit
--f) too small for the cache is one error line (--data-mode stream decodes batch by batch
-instead). All of it under a file lock: jobs that start together decode once, the others wait
-and read. Delete the files `decoded-*` in --data-dir to free the space.
+another cache. Decoding is split into chunks of CHUNK_IMAGES images decoded in order by the
+streaming loader's worker processes (loaders.Loader) and written into
+`decoded-<key>.partial.npy`; one checksum per chunk is appended after the pixels (np.load reads
+past them) and the finished file is renamed into place. A killed decode starts over at the next
+start. A disk or a file-size limit (ulimit -f) too small for the cache is one error line
+(--data-mode stream decodes batch by batch instead). All of it under a file lock: jobs that
+start together decode once, the others wait and read. Delete the files `decoded-*` in
+--data-dir to free the space.
 
 Trust (README, "Use your own data"): the key can be computed by anyone who can read the folder,
 so the partial file is created anew (O_EXCL: nothing planted at its name is written through)
@@ -32,21 +33,17 @@ import contextlib
 import hashlib
 import io
 import math
-import multiprocessing
 import os
 import sys
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .augment import one_cpu_thread
 from .dataversion import file_lock
-from .imagefolder import decode_image
-from .loaders import FileSplit, Split, available_cpus, worker_init, workers_started_safely
+from .loaders import FileSplit, Loader, Split, available_cpus
 from .runs import open_own, size_text
 
 CHUNK_IMAGES = 256  # images per task of a decoding process (and per checksum)
@@ -57,11 +54,6 @@ FORMAT = "nhwc-uint8-v4"
 DIGEST_BYTES = 16  # sha256 per chunk, cut
 
 Progress = Callable[[int, int], None]  # (chunks done, chunks in all), after every chunk
-
-
-class DecodeWorkerDied(RuntimeError):
-    """A decoding process died (the OOM killer, most often): a failure of the machine, not bad
-    input (run.py: exit 1, not 2)."""
 
 
 def cache_path(split: FileSplit, data_dir: Path, version: str | None = None) -> Path:
@@ -88,7 +80,8 @@ def decode_cached(
     called after every chunk (None: a progress bar on stderr). `notes`: gets one line per
     cache not used (a link, another user's, damaged), for run.log. Raises UnreadableImage
     naming a file that does not decode, ValueError (one line) for a cache that cannot be
-    written, DecodeWorkerDied when a decoding process is killed.
+    written, RuntimeError when a decoding process is killed (the OOM killer, most often: a
+    failure of the machine, not bad input; run.py: exit 1, not 2).
     """
     notes = [] if notes is None else notes
     cache = cache_path(split, data_dir, version)
@@ -148,16 +141,15 @@ def _decode(split: FileSplit, cache: Path, shape, processes: int, progress) -> N
     np.lib.format.write_array_header_1_0(
         head, {"descr": "|u1", "fortran_order": False, "shape": shape}
     )
-    start, row = len(head.getvalue()), math.prod(shape[1:])
-    paths, decoded = list(split.paths), (split.image_shape, split.value_ranges)
-    tasks = [
-        (str(partial), start + i * row, paths[i : i + CHUNK_IMAGES], decoded)
-        for i in range(0, len(paths), CHUNK_IMAGES)
-    ]
+    # The streaming loader's workers decode the chunks, in order (processes <= 1: this one);
+    # as in training, a group SIGINT/SIGTERM (Ctrl-C, Slurm) is left to this process, and a
+    # worker that dies (the OOM killer) is an error (RuntimeError), never a wait for its chunk.
+    workers = processes if processes > 1 else 0
+    loader = Loader(split, CHUNK_IMAGES, train=False, device="cpu", workers=workers, augment=False)
     # tqdm: rewritten in place on a terminal, a line now and then (10 s) in a log.
     bar = tqdm(
-        desc=f"decoding once into {cache} ({processes} process(es))",
-        total=len(paths),
+        desc=f"decoding once into {cache} ({max(1, workers)} process(es))",
+        total=len(split),
         unit="img",
         mininterval=0.5 if sys.stderr.isatty() else 10.0,
         disable=progress is not None,
@@ -169,12 +161,13 @@ def _decode(split: FileSplit, cache: Path, shape, processes: int, progress) -> N
         with os.fdopen(os.open(partial, flags, 0o666), "wb") as f:
             f.write(head.getvalue())
             sums = []
-            for done, (images, digest) in enumerate(_run(tasks, min(processes, len(tasks))), 1):
-                sums.append(digest)
-                bar.update(images)
+            for done, (images, _) in enumerate(loader.raw_batches(), 1):
+                rows = images.numpy()  # uint8 (N, H, W, C), contiguous
+                f.write(rows.data)  # buffered: a short write (ulimit -f) is retried, raises
+                sums.append(_digest(rows))
+                bar.update(len(rows))
                 if progress is not None:
-                    progress(done, len(tasks))
-            f.seek(start + math.prod(shape))
+                    progress(done, len(loader))
             f.write(b"".join(sums))
         os.replace(partial, cache)  # replaces a name planted there, never writes through it
     except OSError as e:  # a full disk, ulimit -f, another user's file in the way
@@ -183,6 +176,7 @@ def _decode(split: FileSplit, cache: Path, shape, processes: int, progress) -> N
             f": {e.strerror}; free space (or raise ulimit -f), or use --data-mode stream"
         ) from e
     finally:
+        loader.close()  # its workers end now, whatever happened
         bar.close()
         with contextlib.suppress(OSError):  # an unreadable image, a failure: nothing left
             os.unlink(partial)
@@ -201,43 +195,3 @@ def _untrusted(path: Path) -> str | None:
     if st.st_nlink != 1:
         return f"has {st.st_nlink} hard links"
     return None
-
-
-def _run(tasks, processes: int):
-    """(images, checksum) of every task, in order."""
-    if processes <= 1:
-        yield from map(_decode_chunk, tasks)
-        return
-    context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-    # As the loader's workers: a group SIGINT/SIGTERM (Ctrl-C, Slurm) is left to the main
-    # process, and the main process's own TERM or its death ends them. A process that dies
-    # anyway (the OOM killer) breaks the pool: an error, never a wait for its lost chunk.
-    with workers_started_safely():  # the processes start (fork) at the first submit
-        pool = ProcessPoolExecutor(
-            processes, mp_context=context, initializer=worker_init, initargs=(0,)
-        )
-        results = pool.map(_decode_chunk, tasks)
-    try:
-        yield from results
-    except BrokenProcessPool as e:
-        raise DecodeWorkerDied(
-            "a process decoding images died (killed: out of memory?); give the job more "
-            "memory or fewer --workers, or use --data-mode stream, and run again"
-        ) from e
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _decode_chunk(task) -> tuple[int, bytes]:
-    """Decode a chunk's images and write them at `offset` of the partial file: (images,
-    checksum). An image that does not decode raises UnreadableImage (naming it)."""
-    path, offset, paths, ((channels, height, width), value_ranges) = task
-    # One thread per process (the pool has one process per core; processes=1 decodes here).
-    with one_cpu_thread(torch.device("cpu")):
-        rows = np.empty((len(paths), height, width, channels), dtype=np.uint8)
-        for row, file in enumerate(paths):
-            rows[row] = decode_image(file, (height, width), channels, value_ranges)
-    with os.fdopen(open_own(Path(path), os.O_WRONLY), "wb") as f:  # no link followed
-        f.seek(offset)
-        f.write(rows.data)  # a buffered write: a short one (ulimit -f) is retried, raises
-    return len(paths), _digest(rows)
