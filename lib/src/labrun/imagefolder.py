@@ -60,11 +60,8 @@ class UnreadableImage(ValueError):
     """An image that cannot be decoded: names the file (run.py: one `error:` line, exit 2)."""
 
     def __init__(self, path: str, reason: str):
-        super().__init__(path, reason)  # its args: it pickles (from a decoding process)
+        super().__init__(f"cannot decode {path}: {reason}")
         self.path, self.reason = path, reason
-
-    def __str__(self) -> str:
-        return f"cannot decode {self.path}: {self.reason}"
 
 
 @dataclass
