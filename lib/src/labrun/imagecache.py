@@ -51,9 +51,6 @@ CHUNK_IMAGES = 256  # images per task of a decoding process (and per checksum)
 # resize is torch's, imagefolder.cover_resize; v3: an RGB or grey image's transparent colour,
 # PNG tRNS, shows white as every other transparency does; v4: the checksums after the pixels).
 FORMAT = "nhwc-uint8-v4"
-DIGEST_BYTES = 16  # sha256 per chunk, cut
-
-Progress = Callable[[int, int], None]  # (chunks done, chunks in all), after every chunk
 
 
 def cache_path(split: FileSplit, data_dir: Path, version: str | None = None) -> Path:
@@ -71,17 +68,17 @@ def decode_cached(
     *,
     version: str | None = None,
     processes: int | None = None,
-    progress: Progress | None = None,
+    progress: Callable[[int, int], None] | None = None,
     notes: list[str] | None = None,
 ) -> Split:
     """`split` decoded once into its cache (see the module's docstring), memory-mapped.
 
     `processes`: decoding processes (None: every core this process may use). `progress`:
-    called after every chunk (None: a progress bar on stderr). `notes`: gets one line per
-    cache not used (a link, another user's, damaged), for run.log. Raises UnreadableImage
-    naming a file that does not decode, ValueError (one line) for a cache that cannot be
-    written, RuntimeError when a decoding process is killed (the OOM killer, most often: a
-    failure of the machine, not bad input; run.py: exit 1, not 2).
+    called with (chunks done, chunks in all) after every chunk (None: a progress bar on
+    stderr). `notes`: gets one line per cache not used (a link, another user's, damaged), for
+    run.log. Raises UnreadableImage naming a file that does not decode, ValueError (one line)
+    for a cache that cannot be written, RuntimeError when a decoding process is killed (the OOM
+    killer, most often: a failure of the machine, not bad input; run.py: exit 1, not 2).
     """
     notes = [] if notes is None else notes
     cache = cache_path(split, data_dir, version)
@@ -102,7 +99,7 @@ def decode_cached(
 
 def _digest(rows: np.ndarray) -> bytes:
     # sha256: hardware-accelerated on x86 (SHA-NI) and ARMv8, 2x blake2b's speed there.
-    return hashlib.sha256(np.ascontiguousarray(rows).data).digest()[:DIGEST_BYTES]
+    return hashlib.sha256(np.ascontiguousarray(rows).data).digest()[:16]  # 16 bytes: enough
 
 
 def _map_verified(cache: Path, shape) -> tuple[np.ndarray | None, str | None]:
