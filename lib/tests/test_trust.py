@@ -74,9 +74,22 @@ def test_a_cache_file_of_another_user_is_not_used(tmp_path):
     os.chown(cache, 65534, 65534)
     notes: list[str] = []
     again = imagecache.decode_cached(split, tmp_path, version="v", processes=1, notes=notes)
-    assert notes == [f"decoded cache {cache} belongs to uid 65534, not to you: not used, "
-                     "decoded again"]  # fmt: skip
+    assert notes == [f"decoded cache {cache} is another user's, hard-linked or not a plain file: "
+                     "not used, decoded again"]  # fmt: skip
     assert torch.equal(first, again.images) and cache.stat().st_uid == os.geteuid()
+
+
+def test_a_hard_linked_cache_is_not_used(tmp_path):
+    """A hard link at the cache's name could be someone's file (nlink > 1): decoded again."""
+    split = split_of(make_folder(tmp_path / "f", {"train": 3}, size=(16, 16)))
+    imagecache.decode_cached(split, tmp_path, version="v", processes=1)
+    cache = imagecache.cache_path(split, tmp_path, "v")
+    os.link(cache, tmp_path / "theirs.npy")
+    notes: list[str] = []
+    imagecache.decode_cached(split, tmp_path, version="v", processes=1, notes=notes)
+    assert notes == [f"decoded cache {cache} is another user's, hard-linked or not a plain file: "
+                     "not used, decoded again"]  # fmt: skip
+    assert cache.stat().st_nlink == 1
 
 
 def split_of(folder: Path) -> FileSplit:

@@ -30,6 +30,7 @@ decoded again, with a note, never trained on.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import math
@@ -44,7 +45,7 @@ import torch
 
 from .dataversion import file_lock
 from .loaders import FileSplit, Loader, Split, available_cpus
-from .runs import open_own, size_text
+from .runs import ForeignFile, open_own, size_text
 
 CHUNK_IMAGES = 256  # images per task of a decoding process (and per checksum)
 # In the key: change it when the layout of the file or the decoded pixels change (v2: the
@@ -120,8 +121,11 @@ def _map_verified(cache: Path, shape) -> tuple[np.ndarray | None, str | None]:
             sums = f.read()
     except FileNotFoundError:
         return None, None
-    except (OSError, ValueError) as e:
-        return None, _untrusted(cache) or f"is unreadable ({e})"
+    except ForeignFile:  # open_own takes only a plain file of ours with one link
+        return None, "is another user's, hard-linked or not a plain file"
+    except (OSError, ValueError) as e:  # open_own follows no link: ELOOP
+        link = isinstance(e, OSError) and e.errno == errno.ELOOP
+        return None, "is a symbolic link" if link else f"is unreadable ({e})"
     chunks = [images[i : i + CHUNK_IMAGES] for i in range(0, len(images), CHUNK_IMAGES)]
     # hashlib releases the GIL on large buffers: the chunks are checked on every core.
     with ThreadPoolExecutor(available_cpus()) as pool:
@@ -177,18 +181,3 @@ def _decode(split: FileSplit, cache: Path, shape, processes: int, progress) -> N
         bar.close()
         with contextlib.suppress(OSError):  # an unreadable image, a failure: nothing left
             os.unlink(partial)
-
-
-def _untrusted(path: Path) -> str | None:
-    """Why the file at `path` must not be used (a link, another user's, hard-linked), or None."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return None
-    if os.path.islink(path):
-        return "is a symbolic link (a cache file is never read or written through a link)"
-    if st.st_uid != os.geteuid():
-        return f"belongs to uid {st.st_uid}, not to you"
-    if st.st_nlink != 1:
-        return f"has {st.st_nlink} hard links"
-    return None

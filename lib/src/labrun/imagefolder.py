@@ -26,7 +26,6 @@ import contextlib
 import hashlib
 import json
 import os
-import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -265,12 +264,12 @@ def decode_image(
             image.draft(None, (round(w * scale + 0.5), round(h * scale + 0.5)))
             if orientation != 1:  # exif_transpose copies even an upright image: 1 ms at 500 px
                 image = ImageOps.exif_transpose(image)
-            pixels = np.asarray(_to_8bit(image, channels, value_ranges or {}))  # read-only
+            image = _to_8bit(image, channels, value_ranges or {})
+            # A bytearray: writable, so torch takes it without a warning (one copy, ~50 us).
+            pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
     except DECODE_ERRORS as e:
         raise UnreadableImage(path, f"{type(e).__name__}: {e}") from e
-    with warnings.catch_warnings():  # torch warns of read-only pixels, and only reads them
-        warnings.simplefilter("ignore", UserWarning)
-        hwc = torch.from_numpy(pixels.reshape(*pixels.shape[:2], channels))
+    hwc = pixels.view(image.height, image.width, channels)
     return cover_resize(hwc.permute(2, 0, 1), height, width).permute(1, 2, 0).numpy()
 
 
