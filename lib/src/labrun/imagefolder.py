@@ -147,11 +147,7 @@ def scan_image_folder(
         image_size = (height, width)
     bits = next((b for b in BIT_DEPTHS if int_max < 2**b), BIT_DEPTHS[-1])
     return FolderScan(
-        files={
-            s: ([p for p, _ in found], [y for _, y in found])
-            for s, found in readable.items()
-            if found
-        },
+        files={s: tuple(map(list, zip(*found))) for s, found in readable.items() if found},
         class_names=class_names,
         channels=1 if modes <= GREY_MODES else 3,  # RGBA, palette, CMYK... become RGB
         image_size=image_size,
