@@ -147,7 +147,9 @@ def scan_image_folder(
         image_size = (height, width)
     bits = next((b for b in BIT_DEPTHS if int_max < 2**b), BIT_DEPTHS[-1])
     return FolderScan(
-        files={s: tuple(map(list, zip(*found))) for s, found in readable.items() if found},
+        files={
+            s: tuple(map(list, zip(*found, strict=True))) for s, found in readable.items() if found
+        },
         class_names=class_names,
         channels=1 if modes <= GREY_MODES else 3,  # RGBA, palette, CMYK... become RGB
         image_size=image_size,
@@ -210,16 +212,13 @@ def _check_images(root: Path, paths: list[str], report_dir: Path | None, version
     """
     cache = check_cache_path(root, report_dir, version)
     relative = [os.path.relpath(p, root) for p in paths]  # the folder may move: its cache stays
-    with contextlib.ExitStack() as stack:
-        if cache is not None:
-            with contextlib.suppress(OSError):  # a read-only --data-dir: check without caching
-                stack.enter_context(file_lock(cache))
+    # A --data-dir that cannot hold it: one error line (data.load_dataset names the flag).
+    with file_lock(cache) if cache is not None else contextlib.nullcontext():
         checked = (cache and read_json_cache(cache)) or {}
         if not all(r in checked for r in relative):
             checked = {r: _inspect(p) for r, p in zip(relative, paths, strict=True)}
             if cache is not None:
-                with contextlib.suppress(OSError):
-                    atomic_write_text(cache, json.dumps(checked))
+                atomic_write_text(cache, json.dumps(checked))
     return {p: checked[r] for p, r in zip(paths, relative, strict=True)}
 
 
