@@ -218,7 +218,7 @@ def use_inductor_cache(project_root: Path) -> tuple[Path, str]:
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if current and Path(current).resolve() != Path(default_cache_dir()).resolve():
         return Path(current), "TORCHINDUCTOR_CACHE_DIR"
-    path = layout_records_dir(project_root)
+    path = records_dir(project_root)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
     lab = os.environ.get(INDUCTOR_CACHE_ENV)
     return path, INDUCTOR_CACHE_ENV if lab else "the project's folder"
@@ -239,7 +239,7 @@ def utc_now() -> str:
 
 
 class Measurement:
-    """A measurement of this machine kept for the next job (compile costs, layout, matmul peak):
+    """A measurement of this machine kept for the next job (compile costs, matmul peak):
     a small JSON file in the inductor cache folder, named by the hash of its `key` (what was
     measured, on which machine and torch). Unreadable, of another key or absent: {} (measured
     again); a read-only folder, or no folder (None), keeps nothing."""
@@ -508,81 +508,10 @@ def choose_gpu_resident(flag: str, device: torch.device, splits: dict) -> bool:
     return fits_on_device(splits, device)
 
 
-# ---- the CPU's memory layout, chosen by measurement (issue 28.9) --------------------------------
-LAYOUT_ROUNDS = 2  # interleaved rounds of the probe: the best of each layout counts
-LAYOUT_STEPS = 2  # timed forward + backward passes per layout and round
-# NCHW only when clearly faster: the loaders deliver channels_last (NCHW costs a copy per batch),
-# and a near tie decided by timing noise would change a run's numbers between machines for nothing
-LAYOUT_MARGIN = 1.1
-LAYOUTS = {"NCHW": torch.contiguous_format, "channels_last": torch.channels_last}
-
-
-def _layout_step_s(model, x, y, loss_fn, dtype, layout) -> float:
-    """Best seconds of one forward + backward of a copy of `model` in `layout` (CPU), after an
-    untimed one (oneDNN's primitive cache, allocations). Like every timing here it puts back
-    the random streams: dropout in the probe must not shift the run's."""
-    x = x.contiguous(memory_format=layout)
-    model = model.to(memory_format=layout)
-    return time_forward_backward(model, x, y, loss_fn, dtype, time.perf_counter, LAYOUT_STEPS)
-
-
-def choose_memory_format(
-    model, x: torch.Tensor, y: torch.Tensor, loss_fn, *, dtype, device, cache_dir: Path | None
-) -> tuple[torch.memory_format, str]:
-    """channels_last or NCHW for this model's training step: channels_last on CUDA (tensor
-    cores want it); on CPU measured, not assumed from the vendor: oneDNN's channels_last
-    kernels beat NCHW on some x86 CPUs and lose on others (a Xeon trained at 0.89x a plain NCHW
-    loop, an EPYC at 1.13x). A short probe on the real first batch times a copy of the model in
-    both layouts (interleaved, best of LAYOUT_ROUNDS); the result is recorded per machine, model
-    and input like the compile record, so later jobs on this machine skip the probe. The
-    probe leaves the model, its gradients and the random streams as they were."""
-    import copy
-
-    if device.type != "cpu":
-        return torch.channels_last, "channels_last (tensor cores)"
-    if x.dim() != 4:
-        return torch.contiguous_format, "NCHW (inputs are not images)"
-    record = Measurement(
-        cache_dir, "layout-", {**model_key(model, x, dtype, device), "cpu": _cpu_model_name()}
-    )
-    if seen := record.load():
-        times, source = seen["step_s"], f"recorded {seen['when']} in {record.path}"
-    else:
-        probe = copy.deepcopy(model).train()
-        timed_runs = [  # interleaved: a slow spell of the machine hits both layouts
-            (name, _layout_step_s(probe, x, y, loss_fn, dtype, layout))
-            for _ in range(LAYOUT_ROUNDS)
-            for name, layout in LAYOUTS.items()
-        ]
-        times = {name: min(t for n, t in timed_runs if n == name) for name in LAYOUTS}
-        source = "measured now"
-        record.store(step_s=times, when=utc_now())
-    name = "NCHW" if times["channels_last"] > LAYOUT_MARGIN * times["NCHW"] else "channels_last"
-    other = "NCHW" if name == "channels_last" else "channels_last"
-    return LAYOUTS[name], (
-        f"{name} on this CPU: forward + backward {1e3 * times[name]:.1f} ms vs "
-        f"{1e3 * times[other]:.1f} ms {other} ({source}; NCHW when >= "
-        f"{100 * (LAYOUT_MARGIN - 1):.0f} % faster)"
-    )
-
-
-def _cpu_model_name() -> str:
-    """The CPU's marketing name (/proc/cpuinfo), e.g. 'AMD EPYC 9R14'; '' where unknown."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor()
-
-
-def layout_records_dir(project_root: Path) -> Path:
-    """Where choose_memory_format keeps its records: the folder use_inductor_cache picks
-    ($LAB_INDUCTOR_CACHE_DIR, else <project>/.cache/inductor), found without importing
-    inductor (seconds, on a CPU run that never compiles)."""
+def records_dir(project_root: Path) -> Path:
+    """Where this machine's records are kept (the matmul peak, the compile costs): the folder
+    use_inductor_cache picks ($LAB_INDUCTOR_CACHE_DIR, else <project>/.cache/inductor), found
+    without importing inductor (seconds, on a CPU run that never compiles)."""
     lab = os.environ.get(INDUCTOR_CACHE_ENV)
     return (Path(lab).expanduser() if lab else project_root / ".cache" / "inductor").resolve()
 
