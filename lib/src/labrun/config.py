@@ -138,48 +138,35 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-
-
-def _finite(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-    return value + 0.0  # -0.0 -> 0.0: equal values must hash to one run directory
-
-
-def _bounded(parse, above=None, at_least=None, below=None):
-    """`parse` (text -> number) that refuses values outside the bounds."""
-    if above == 0 and below is None:
-        why = "must be positive"
-    elif below is None:
-        why = f"must be >= {at_least}" if at_least is not None else f"must be > {above}"
+def _number(kind: type, above=None, at_least=None, below=None):
+    """Text -> a finite `kind` (int or float) within the bounds, or argparse's one-line refusal."""
+    low = f"({above}" if above is not None else f"[{at_least}" if at_least is not None else "(-inf"
+    if below is not None:
+        why = f"in {low}, {below})"
     else:
-        low = "(-inf" if above is None and at_least is None else f"({above}"
-        why = f"must be in {f'[{at_least}' if at_least is not None else low}, {below})"
+        why = "positive" if above == 0 else f"> {above}" if above is not None else f">= {at_least}"
 
-    def check(text: str):
-        value = parse(text)
+    def parse(text: str):
+        try:
+            value = kind(text) + 0  # -0.0 -> 0.0: equal values must hash to one run directory
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         if (
             (above is not None and value <= above)
             or (at_least is not None and value < at_least)
             or (below is not None and value >= below)
         ):
-            raise argparse.ArgumentTypeError(f"{why}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be {why}, got {text}")
         return value
 
-    return check
+    return parse
 
 
-_positive_int = _bounded(_int, at_least=1)  # also analyze.py's
-_seed = _bounded(_int, at_least=0, below=MAX_SEED + 1)
+_positive_int = _number(int, at_least=1)  # also analyze.py's
+_seed = _number(int, at_least=0, below=MAX_SEED + 1)  # also analyze.py's
 
 
 def _range_of(low: float, high: float):
@@ -254,9 +241,10 @@ def flag(
     """One field of run.py's Config: `lr: float = flag(3e-3, "peak learning rate", above=0)`.
 
     The annotation types the flag (float, int, str, Path, bool: --x / --no-x when it defaults to
-    True, else a switch), or `parse` (text -> value); `choices`, `above`, `at_least` and `below`
-    refuse other values with one `error:` line. `execution=True`: how the run is executed, not
-    what it computes (left out of the run's identity and name)."""
+    True, else a switch), or `parse` (text -> value); `choices`, and on an int or float field
+    `above`, `at_least` and `below`, refuse other values with one `error:` line.
+    `execution=True`: how the run is executed, not what it computes (left out of the run's
+    identity and name)."""
     bounds = {"above": above, "at_least": at_least, "below": below}
     meta = dict(help=help, execution=execution, choices=choices, bounds=bounds, parse=parse)
     meta["metavar"] = metavar
@@ -383,7 +371,10 @@ class Experiment:
         metavar="LOW,HIGH",
     )
     seed: int = flag(
-        0, "seed of the initialisation, validation split, shuffling, augmentation", parse=_seed
+        0,
+        "seed of the initialisation, validation split, shuffling, augmentation",
+        at_least=0,
+        below=MAX_SEED + 1,
     )
     grad_accum: int = flag(1, "micro-batches per optimizer step", at_least=1)
     label_smoothing: float = flag(
@@ -534,9 +525,9 @@ def _add_field(group, field: dataclasses.Field, kind: type) -> None:
         group.add_argument(name, action=action, **options)
         return
     kind = next((k for k in typing.get_args(kind) if k is not type(None)), kind)
-    parse = meta.get("parse") or {float: _finite, int: _int}.get(kind, kind)
-    if any(v is not None for v in (meta.get("bounds") or {}).values()):
-        parse = _bounded(parse, **meta["bounds"])
+    parse = meta.get("parse")
+    if parse is None:
+        parse = _number(kind, **meta.get("bounds", {})) if kind in (int, float) else kind
     choices, metavar = meta.get("choices"), meta.get("metavar")
     group.add_argument(name, type=parse, choices=choices, metavar=metavar, **options)
 
