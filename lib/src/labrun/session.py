@@ -327,7 +327,7 @@ class Run:
         else:
             self.log = self.stop.log = dist.rank_log(out.name)
         self.opened = True
-        dist.agree(None)  # the others read the checkpoint once --fresh has deleted it
+        dist.settle(None)  # the others read the checkpoint once --fresh has deleted it
         for note in self.data_.notes:  # e.g. skipped unreadable images
             self.log.warning(f"data: {note}")
         version = self.config["data_version"] or self.config.get("data_content")
