@@ -49,12 +49,10 @@ TRIALS_EXPERIMENT = f"{DEFAULT_EXPERIMENT}-trials"
 # Both registries are read without importing a module (no torch): the `@register_dataset` and
 # `@register_model` lines of every module of the package, from their source (registry.py).
 DATASET_DECLARED = declarations("register_dataset")  # from any module of the package
-DATASET_CHOICES = tuple(DATASET_DECLARED)
 MODEL_DECLARED = declarations("register_model")
 MODEL_CHOICES = {name: d.help for name, d in MODEL_DECLARED.items()}
 TASK_DECLARED = declarations("register_task")
 TASK_CHOICES = {name: d.help for name, d in TASK_DECLARED.items()}
-TASKS_MODULE = f"{__package__}.tasks"  # the built-in tasks: which of them read which flag
 
 # The experiment-defining flags of the first release: always in the hash (their run names are
 # pinned by the tests). Every other experiment key (a flag added since, `data_version`) is hashed
@@ -81,7 +79,6 @@ FIRST_RELEASE_KEYS = frozenset(
         "width",
     }
 )
-CROPS = ("pad", "resized")  # --crop: pad-and-crop (small images), random resized crop (photos)
 CROP_SCALE = (0.08, 1.0)  # --crop-scale: the area of a random resized crop (torchvision's)
 CROP_RATIO = (3 / 4, 4 / 3)  # --crop-ratio: its width / height (torchvision's)
 # The readable part of a run's name lists its changed flags in the first release's parser order
@@ -270,7 +267,7 @@ class Experiment:
     dataset: str = flag(
         "digits",
         _choices_help({k: v.help for k, v in DATASET_DECLARED.items()}),
-        choices=DATASET_CHOICES,
+        choices=DATASET_DECLARED,
     )
     data_path: Path | None = flag(
         None,
@@ -355,7 +352,7 @@ class Experiment:
         "(small images, CIFAR's); resized = a random part of the image (--crop-scale, "
         "--crop-ratio) resized to the full size (photos, ImageNet's RandomResizedCrop); both "
         "with a random flip",
-        choices=CROPS,
+        choices=("pad", "resized"),
     )
     crop_scale: tuple = flag(
         CROP_SCALE,
@@ -569,7 +566,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
             "--data-path, or use --dataset folder (or a dataset of your own)"
         )
     task_module = TASK_DECLARED[args.task].module if args.task in TASK_DECLARED else None
-    if args.label_smoothing and args.task != "classification" and task_module == TASKS_MODULE:
+    if (
+        args.label_smoothing
+        and args.task != "classification"
+        and task_module == f"{__package__}.tasks"
+    ):
         parser.error(
             f"--label-smoothing: --task {args.task} has no class labels to smooth (only "
             "--task classification uses it); drop it"

@@ -471,12 +471,13 @@ def timed(device: torch.device) -> Callable[[], float]:
 
 
 def choose_gpu_resident(flag: str, device: torch.device, splits: dict) -> bool:
-    """auto: keep the uint8 images on the GPU when they use under a quarter of free memory."""
+    """--gpu-resident on, or auto when the uint8 images use under a quarter of free GPU memory
+    (never off CUDA)."""
     from .data import fits_on_device
 
-    if flag != "auto" or device.type != "cuda":
-        return flag == "on" and device.type == "cuda"
-    return fits_on_device(splits, device)
+    return device.type == "cuda" and (
+        flag == "on" or flag == "auto" and fits_on_device(splits, device)
+    )
 
 
 # ---- speed you can see: MFU and the share of the step the GPU was busy (issue 33.4) ------------
