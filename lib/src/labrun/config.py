@@ -53,6 +53,7 @@ MODEL_DECLARED = declarations("register_model")
 MODEL_CHOICES = {name: d.help for name, d in MODEL_DECLARED.items()}
 TASK_DECLARED = declarations("register_task")
 TASK_CHOICES = {name: d.help for name, d in TASK_DECLARED.items()}
+TASKS_MODULE = f"{__package__}.tasks"  # the built-in tasks: which of them read which flag
 
 # The experiment-defining flags of the first release: always in the hash (their run names are
 # pinned by the tests). Every other experiment key (a flag added since, `data_version`) is hashed
@@ -566,11 +567,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
             "--data-path, or use --dataset folder (or a dataset of your own)"
         )
     task_module = TASK_DECLARED[args.task].module if args.task in TASK_DECLARED else None
-    if (
-        args.label_smoothing
-        and args.task != "classification"
-        and task_module == f"{__package__}.tasks"
-    ):
+    if args.label_smoothing and args.task != "classification" and task_module == TASKS_MODULE:
         parser.error(
             f"--label-smoothing: --task {args.task} has no class labels to smooth (only "
             "--task classification uses it); drop it"
