@@ -196,9 +196,12 @@ def _fetch_cifar10(data_dir: Path) -> dict[str, np.ndarray]:
     if not tarball.exists():
         print(f"downloading {CIFAR10_URL} -> {tarball}", flush=True)
         try:
-            with atomic_path(tarball) as tmp, open(tmp, "wb") as out:
-                with urllib.request.urlopen(CIFAR10_URL, timeout=60) as response:
-                    shutil.copyfileobj(response, out, 1 << 20)
+            with (
+                atomic_path(tarball) as tmp,
+                open(tmp, "wb") as out,
+                urllib.request.urlopen(CIFAR10_URL, timeout=60) as response,
+            ):
+                shutil.copyfileobj(response, out, 1 << 20)
         except OSError as e:  # URLError, timeouts, a full disk
             raise ValueError(
                 f"could not download {CIFAR10_URL} ({e}); on an offline machine, copy the file "

@@ -20,7 +20,7 @@ import contextlib
 import inspect
 import math
 
-from .registry import REQUIRED, Declared, Entry, Registry
+from .registry import REQUIRED, Entry, Registry
 
 MODELS: dict[str, Entry] = Registry("register_model")  # imports other modules on demand
 # The template's models: held to deterministic CUDA kernels (no adaptive pooling) by the tests.
@@ -35,7 +35,7 @@ def register_model(name: str, *, help: str = ""):
     return MODELS.register(name, help)
 
 
-def own_arguments(declared: Declared) -> dict:
+def own_arguments(declared: Entry) -> dict:
     """{name: default or REQUIRED} of a model function's own size arguments that it uses."""
     return {
         k: v
@@ -44,7 +44,7 @@ def own_arguments(declared: Declared) -> dict:
     }
 
 
-def listed_arguments(declared: Declared) -> str:
+def listed_arguments(declared: Entry) -> str:
     """The model's own arguments as --help and the refusals list them: `width, depth=2`."""
     own = own_arguments(declared)
     return ", ".join(k if v == REQUIRED else f"{k}={v!r}" for k, v in own.items())
@@ -84,7 +84,7 @@ def _typed(text: str, default, where: str):
     return value
 
 
-def model_arguments(declared: Declared, width: int | None, given: dict) -> tuple:
+def model_arguments(declared: Entry, width: int | None, given: dict) -> tuple:
     """(width or None, {other own argument: value}) for the model `declared`.
 
     `width`: --width (None: not given, 64 for a model that takes it); `given`: --model-args as
