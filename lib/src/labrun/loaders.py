@@ -196,9 +196,8 @@ def own_normalization(split: Split | FileSplit, whose: str = "this split") -> No
     and std of `split` itself: data.load_dataset gives the training split's to every split."""
     if split.layout == "NCHW" and split.dtype == torch.uint8:  # image files too
         return None
+    # `rows` are only set on uint8 images (the decoded cache), answered above
     stored = split.channel_last()
-    if split.rows is not None:
-        stored = stored.index_select(0, split.rows)
     values = stored.reshape(-1, stored.shape[-1])
     total = squares = torch.zeros(values.shape[1], dtype=torch.float64)
     for rows in values.split(1 << 16):  # in chunks: float64 temporaries stay small
@@ -279,9 +278,6 @@ class _EpochBatches(torch.utils.data.Sampler):
     def __iter__(self):
         return (b.tolist() for b in self.loader.batch_indices())
 
-    def __len__(self) -> int:
-        return len(self.loader) - self.loader.skip_batches
-
 
 def _whole_batch(batch):
     return batch
@@ -316,8 +312,6 @@ class Loader:
         augment: bool | Augmentation = True,
         shard: tuple[int, int] = (0, 1),
     ):
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.device = torch.device(device)
         self.batch_size, self.train, self.seed = batch_size, train, seed
         self.shard = shard  # (rank, world): this process takes the rank-th 1/world of each batch

@@ -94,11 +94,8 @@ def model_arguments(declared: Entry, width: int | None, given: dict) -> tuple:
     own = own_arguments(declared)
     name = declared.name
     listed = listed_arguments(declared) or "none"
-    given = dict(given)
-    if "width" in given:
-        if width is not None and str(width) != given["width"]:
-            raise ValueError("--model-args: width given twice (also --width); give it once")
-        width = _typed(given.pop("width"), 0, "--model-args width")
+    if "width" in given:  # one flag for one argument
+        raise ValueError("--model-args: width is set by --width; give it there")
     unknown = [k for k in given if k not in own]
     if unknown:
         raise ValueError(

@@ -71,28 +71,19 @@ class Entry:
 
 class Registry(dict):
     """name -> entry, filled by the register functions as modules are imported. Asking for a
-    name that another module of the package registers (`name in registry`, `registry[name]`)
-    imports that module first, so a model in `models/unet.py` is found like one in model.py."""
+    name that another module of the package registers (`name in registry`: ask so before
+    `registry[name]`) imports that module first, so a model in `models/unet.py` is found like
+    one in model.py."""
 
     def __init__(self, decorator: str) -> None:
         super().__init__()
         self.decorator = decorator
 
-    def _import_declaring(self, name) -> None:
-        declared = declarations(self.decorator).get(name)
-        if declared is not None:
-            importlib.import_module(declared.module)
-
     def __contains__(self, name) -> bool:
-        if not super().__contains__(name):
-            self._import_declaring(name)
+        listed = declarations(self.decorator).get(name)
+        if not super().__contains__(name) and listed is not None:
+            importlib.import_module(listed.module)
         return super().__contains__(name)
-
-    def __missing__(self, name):
-        self._import_declaring(name)
-        if super().__contains__(name):
-            return super().__getitem__(name)
-        raise KeyError(name)
 
     def register(self, name: str, help: str = "", **keywords):
         """The decorator register_model/_dataset/_task return: `fn` registered as `name`; a name
