@@ -146,7 +146,5 @@ def create_model(
         "width": width,
         **model_args,
     }
-    params = inspect.signature(build).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return build(**offered)
+    params = inspect.signature(build).parameters  # what it names (listing.py skips **kwargs)
     return build(**{k: v for k, v in offered.items() if k in params})
