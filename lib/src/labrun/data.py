@@ -203,21 +203,17 @@ def load_dataset(
         num_classes = labels[0].numel() if labels.ndim > 1 else 1
     class_names = [str(c) for c in raw.class_names or range(num_classes)]
     files = [s for s in splits.values() if isinstance(s, FileSplit)]
+    if not files and mode == "stream":
+        raise ValueError(
+            f"--data-mode: dataset {name!r} is held in memory as arrays; "
+            "streaming needs a dataset of image files (e.g. folder)"
+        )
     notes = list(raw.notes)
-    source = ""  # files: memory, disk cache or stream, and why (run.log's `images from:`)
-    if not files:
-        if mode == "stream":
-            raise ValueError(
-                f"--data-mode: dataset {name!r} is held in memory as arrays; "
-                "streaming needs a dataset of image files (e.g. folder)"
-            )
-        mode = "memory"
-    else:
-        why_not = _why_not_cached(files, data_dir, data_version) if mode == "auto" else None
-        source = _image_source(mode, why_not, files)
-        if why_not:
-            notes.append(f"--data-mode auto: streaming (decoded every epoch): {why_not}")
-        mode = "stream" if why_not or mode == "stream" else "memory"
+    why_not = _why_not_cached(files, data_dir, data_version) if files and mode == "auto" else None
+    if why_not:
+        notes.append(f"--data-mode auto: streaming (decoded every epoch): {why_not}")
+    source = _image_source(mode, why_not, files) if files else ""  # run.log's `images from:`
+    mode = "stream" if files and (why_not or mode == "stream") else "memory"
     if files and mode == "memory":  # decoded before carving: the cache never depends on --seed
         processes = None if workers is None else max(1, workers)
         try:
