@@ -557,7 +557,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     if args.tracking not in ("on", "off"):  # argparse checks `choices` on the command line only
         parser.error(f"{TRACKING_ENV}={os.environ.get(TRACKING_ENV)!r}: expected on or off")
     dataset = DATASET_DECLARED[args.dataset]
-    reads_files = dataset.keywords.get("needs_data_path")
+    reads_files = dataset.needs_data_path
     if reads_files and args.data_path is None:
         parser.error(f"--data-path: dataset {args.dataset!r} reads your files: give --data-path")
     built_in = dataset.module == f"{__package__}.datasets"  # a dataset of yours may read it
