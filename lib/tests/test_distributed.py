@@ -334,7 +334,7 @@ def test_one_process_needs_no_process_group_and_no_torch(monkeypatch):
         "from labrun import distributed\n"
         "with distributed.session('cpu') as dist:\n"
         "    assert not dist.active and dist.is_main and dist.verdict(None) is None\n"
-        "    assert dist.agree(7) == 7 and dist.decide(True) is True and dist.ddp(None) is None\n"
+        "    assert dist.settle(7) == 7 and dist.decide(True) is True and dist.ddp(None) is None\n"
         "assert 'torch' not in sys.modules\n"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)

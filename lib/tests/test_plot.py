@@ -563,8 +563,9 @@ def test_bands_thinner_than_the_lines_are_said_and_references_drawn(tmp_path, mo
     write_sweep(tmp_path / "sweep", NEWCOMER[:2], epochs=8, spread=1e-5)
     table = aggregate(load_runs(tmp_path / "sweep")[0])
     monkeypatch.setattr(plot, "REFERENCES", {"acc": {"chance": 0.2, "Smith et al.": 0.9}})
-    fig = plot.plot_learning_curves(table, plot.PAGES["single"], "test_acc", "train_acc")
-    FigureCanvasAgg(fig).draw()
+    with matplotlib.rc_context(plot.STYLE):  # as plot.py draws it, not after another test's style
+        fig = plot.plot_learning_curves(table, plot.PAGES["single"], "test_acc", "train_acc")
+        FigureCanvasAgg(fig).draw()
     texts = [t.get_text() for t in visible_texts(fig)]
     assert "SE bands mostly narrower than the lines" in " ".join(texts).replace("\n", " ")
     assert {"chance", "Smith et al."} <= set(texts)

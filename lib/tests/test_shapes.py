@@ -25,7 +25,7 @@ def dataset(monkeypatch):
     """dataset(**DatasetSplits fields) -> the name of a registered dataset returning them."""
 
     def register(**fields):
-        entry = registry.Entry("shaped", lambda _: datasets.DatasetSplits(**fields), "", False)
+        entry = registry.Entry("shaped", build=lambda _: datasets.DatasetSplits(**fields))
         monkeypatch.setitem(datasets.DATASETS, "shaped", entry)
         return "shaped"
 
@@ -132,7 +132,7 @@ def declared_model(tmp_path, source: str):
     spec.loader.exec_module(module)
     [(name, fn)] = [(k, v) for k, v in vars(module).items()
                     if inspect.isfunction(v) and k != "register_model"]  # fmt: skip
-    return describe(name, fn, module="m")
+    return describe(registry.Entry(name, build=fn), "m")
 
 
 def test_a_model_takes_its_own_size_arguments(tmp_path, monkeypatch):

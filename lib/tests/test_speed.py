@@ -30,16 +30,6 @@ def test_flops_per_sample_counts_forward_and_backward_and_leaves_no_trace():
     assert model.weight.grad is None
 
 
-def test_the_matmul_peak_is_measured_once_per_machine_and_precision(tmp_path, monkeypatch):
-    monkeypatch.setattr(hardware, "PEAK_MATMUL_SIZE", 64)
-    flops, source = hardware.matmul_peak(CPU, None, tmp_path)
-    assert flops > 0 and source == "measured now"
-    monkeypatch.setattr(torch, "mm", lambda *a: pytest.fail("measured again"))
-    again, source = hardware.matmul_peak(CPU, None, tmp_path)
-    assert again == flops and source.startswith("measured 20")
-    assert len(list((tmp_path / hardware.RECORDS).glob("peak-*.json"))) == 1
-
-
 class FakeProfile:
     """torch.profiler.profile's part GpuBusy uses: kernels of 1.41 ms per step (gpu.md)."""
 
@@ -80,7 +70,7 @@ def test_a_launch_bound_step_says_so_and_what_a_larger_batch_gives():
 
 def test_the_cuda_speed_scale_is_measured_on_a_real_batch(monkeypatch, data_dir, tmp_path, caplog):
     c = capture_step(monkeypatch, data_dir, tmp_path / "r")
-    monkeypatch.setattr(hardware, "matmul_peak", lambda device, dtype, records: (7.69e14, "now"))
+    monkeypatch.setattr(hardware, "measure_matmul_flops", lambda device, dtype: 7.69e14)
     c.run.log = logging.getLogger("test_speed")  # run.log's logger is closed once captured
     caplog.set_level(logging.INFO, logger="test_speed")
     c.run._measure_speed_scale(c.model)

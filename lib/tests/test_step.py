@@ -303,7 +303,7 @@ def test_the_step_marks_each_step_begin_only_under_cuda_graphs(
     step_of, marks, device, mode, expected
 ):
     c = step_of(small_net())
-    marks.clear()  # the layout probe's timed passes (a CPU) mark too: count only the steps'
+    marks.clear()  # count only the steps' marks
     c.run.compiled, c.run.device = mode, torch.device(device)  # the device as graphs see it
     for micro_batches in [[b] for b in batches(3)]:
         c.step(micro_batches)

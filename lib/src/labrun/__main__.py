@@ -15,10 +15,7 @@ from pathlib import Path
 
 from labrun import __version__
 
-# Package data installed beside this file (lib/pyproject.toml ships *.sh).
-SHELL_FILES = {
-    "slurm-task": ("slurm_task.sh", "print the path of the Slurm array task script"),
-}
+SLURM_TASK = "print the path of the Slurm array task script"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,14 +24,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"labrun {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (_, help_text) in SHELL_FILES.items():
-        commands.add_parser(name, help=help_text, description=help_text + ".")
+    commands.add_parser("slurm-task", help=SLURM_TASK, description=SLURM_TASK + ".")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    path = Path(__file__).resolve().with_name(SHELL_FILES[args.command][0])
+    build_parser().parse_args(argv)  # slurm-task, the one command
+    # Package data installed beside this file (lib/pyproject.toml ships *.sh).
+    path = Path(__file__).resolve().with_name("slurm_task.sh")
     if not path.is_file():  # a broken install: say so instead of letting sbatch fail later
         print(f"error: {path} is missing (reinstall labrun)", file=sys.stderr)
         return 1

@@ -11,6 +11,7 @@ import hashlib
 import io
 import math
 import pickle
+import shutil
 import tarfile
 import urllib.request
 from pathlib import Path
@@ -189,45 +190,36 @@ def load_cifar10_arrays(data_dir: Path) -> tuple:
 
 
 def _fetch_cifar10(data_dir: Path) -> dict[str, np.ndarray]:
+    """The tarball downloaded once (written atomically: a killed download leaves nothing),
+    md5-checked (a corrupt one is deleted, never cached) and read as arrays."""
     tarball = data_dir / CIFAR10_TARBALL
     if not tarball.exists():
-        _download(CIFAR10_URL, tarball, CIFAR10_MD5)
-    else:
-        with open(tarball, "rb") as f:
-            if hashlib.file_digest(f, "md5").hexdigest() != CIFAR10_MD5:
-                tarball.unlink()
-                raise ValueError(
-                    f"{tarball} is corrupt (md5 mismatch); deleted it, run again to re-download"
-                )
+        print(f"downloading {CIFAR10_URL} -> {tarball}", flush=True)
+        try:
+            with (
+                atomic_path(tarball) as tmp,
+                open(tmp, "wb") as out,
+                urllib.request.urlopen(CIFAR10_URL, timeout=60) as response,
+            ):
+                shutil.copyfileobj(response, out, 1 << 20)
+        except OSError as e:  # URLError, timeouts, a full disk
+            raise ValueError(
+                f"could not download {CIFAR10_URL} ({e}); on an offline machine, copy the file "
+                f"to {tarball}"
+            ) from e
+    with open(tarball, "rb") as f:
+        md5 = hashlib.file_digest(f, "md5").hexdigest()
     try:  # a file of other sizes fails its reshape: never cached
+        if md5 != CIFAR10_MD5:
+            raise ValueError(f"corrupt or partial: md5 {md5}, expected {CIFAR10_MD5}")
         return _extract_cifar10(tarball)
-    except (tarfile.TarError, KeyError, EOFError, pickle.UnpicklingError, ValueError) as e:
+    # Past the md5, only a tarball other than CIFAR-10's (CIFAR10_MD5 pointed at it) fails:
+    # not a tarball, a member missing (KeyError) or a folder (None.read), other sizes
+    except (tarfile.TarError, KeyError, AttributeError, ValueError) as e:
         tarball.unlink()
         raise ValueError(
             f"{tarball} could not be read as CIFAR-10 ({e}); deleted it, run again"
         ) from e
-
-
-def _download(url: str, dest: Path, md5: str) -> None:
-    """Stream `url` into a temp file next to `dest`; rename it to `dest` only if the md5 matches."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    print(f"downloading {url} -> {dest}", flush=True)
-    digest = hashlib.md5()
-    with atomic_path(dest) as tmp:  # whatever happens (error, Ctrl-C), the partial file goes
-        try:
-            with open(tmp, "wb") as out, urllib.request.urlopen(url, timeout=60) as response:
-                while chunk := response.read(1 << 20):
-                    digest.update(chunk)
-                    out.write(chunk)
-        except OSError as e:  # URLError, timeouts, a full disk
-            raise ValueError(
-                f"could not download {url} ({e}); on an offline machine, copy the file to {dest}"
-            ) from e
-        if digest.hexdigest() != md5:
-            raise ValueError(
-                f"download of {url} is corrupt or partial (md5 {digest.hexdigest()}, expected "
-                f"{md5}); deleted it, run again to retry"
-            )
 
 
 def _extract_cifar10(tarball: Path) -> dict[str, np.ndarray]:
@@ -237,10 +229,8 @@ def _extract_cifar10(tarball: Path) -> dict[str, np.ndarray]:
         for split, batches in names.items():
             images, labels = [], []
             for name in batches:
-                member = tar.extractfile(f"cifar-10-batches-py/{name}")
-                if member is None:
-                    raise KeyError(f"cifar-10-batches-py/{name} is not a file")
                 # Our own md5-verified download, so unpickling it is safe.
+                member = tar.extractfile(f"cifar-10-batches-py/{name}")
                 batch = pickle.load(io.BytesIO(member.read()), encoding="bytes")
                 images.append(np.asarray(batch[b"data"], np.uint8).reshape(-1, *CIFAR10_SHAPE))
                 labels.append(np.asarray(batch[b"labels"], dtype=np.int64))

@@ -49,7 +49,6 @@ TRIALS_EXPERIMENT = f"{DEFAULT_EXPERIMENT}-trials"
 # Both registries are read without importing a module (no torch): the `@register_dataset` and
 # `@register_model` lines of every module of the package, from their source (registry.py).
 DATASET_DECLARED = declarations("register_dataset")  # from any module of the package
-DATASET_CHOICES = tuple(DATASET_DECLARED)
 MODEL_DECLARED = declarations("register_model")
 MODEL_CHOICES = {name: d.help for name, d in MODEL_DECLARED.items()}
 TASK_DECLARED = declarations("register_task")
@@ -81,7 +80,6 @@ FIRST_RELEASE_KEYS = frozenset(
         "width",
     }
 )
-CROPS = ("pad", "resized")  # --crop: pad-and-crop (small images), random resized crop (photos)
 CROP_SCALE = (0.08, 1.0)  # --crop-scale: the area of a random resized crop (torchvision's)
 CROP_RATIO = (3 / 4, 4 / 3)  # --crop-ratio: its width / height (torchvision's)
 # The readable part of a run's name lists its changed flags in the first release's parser order
@@ -138,48 +136,35 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-
-
-def _finite(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-    return value + 0.0  # -0.0 -> 0.0: equal values must hash to one run directory
-
-
-def _bounded(parse, above=None, at_least=None, below=None):
-    """`parse` (text -> number) that refuses values outside the bounds."""
-    if above == 0 and below is None:
-        why = "must be positive"
-    elif below is None:
-        why = f"must be >= {at_least}" if at_least is not None else f"must be > {above}"
+def _number(kind: type, above=None, at_least=None, below=None):
+    """Text -> a finite `kind` (int or float) within the bounds, or argparse's one-line refusal."""
+    low = f"({above}" if above is not None else f"[{at_least}" if at_least is not None else "(-inf"
+    if below is not None:
+        why = f"in {low}, {below})"
     else:
-        low = "(-inf" if above is None and at_least is None else f"({above}"
-        why = f"must be in {f'[{at_least}' if at_least is not None else low}, {below})"
+        why = "positive" if above == 0 else f"> {above}" if above is not None else f">= {at_least}"
 
-    def check(text: str):
-        value = parse(text)
+    def parse(text: str):
+        try:
+            value = kind(text) + 0  # -0.0 -> 0.0: equal values must hash to one run directory
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         if (
             (above is not None and value <= above)
             or (at_least is not None and value < at_least)
             or (below is not None and value >= below)
         ):
-            raise argparse.ArgumentTypeError(f"{why}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be {why}, got {text}")
         return value
 
-    return check
+    return parse
 
 
-_positive_int = _bounded(_int, at_least=1)  # also analyze.py's
-_seed = _bounded(_int, at_least=0, below=MAX_SEED + 1)
+_positive_int = _number(int, at_least=1)  # also analyze.py's
+_seed = _number(int, at_least=0, below=MAX_SEED + 1)  # also analyze.py's
 
 
 def _range_of(low: float, high: float):
@@ -254,9 +239,10 @@ def flag(
     """One field of run.py's Config: `lr: float = flag(3e-3, "peak learning rate", above=0)`.
 
     The annotation types the flag (float, int, str, Path, bool: --x / --no-x when it defaults to
-    True, else a switch), or `parse` (text -> value); `choices`, `above`, `at_least` and `below`
-    refuse other values with one `error:` line. `execution=True`: how the run is executed, not
-    what it computes (left out of the run's identity and name)."""
+    True, else a switch), or `parse` (text -> value); `choices`, and on an int or float field
+    `above`, `at_least` and `below`, refuse other values with one `error:` line.
+    `execution=True`: how the run is executed, not what it computes (left out of the run's
+    identity and name)."""
     bounds = {"above": above, "at_least": at_least, "below": below}
     meta = dict(help=help, execution=execution, choices=choices, bounds=bounds, parse=parse)
     meta["metavar"] = metavar
@@ -282,7 +268,7 @@ class Experiment:
     dataset: str = flag(
         "digits",
         _choices_help({k: v.help for k, v in DATASET_DECLARED.items()}),
-        choices=DATASET_CHOICES,
+        choices=DATASET_DECLARED,
     )
     data_path: Path | None = flag(
         None,
@@ -367,7 +353,7 @@ class Experiment:
         "(small images, CIFAR's); resized = a random part of the image (--crop-scale, "
         "--crop-ratio) resized to the full size (photos, ImageNet's RandomResizedCrop); both "
         "with a random flip",
-        choices=CROPS,
+        choices=("pad", "resized"),
     )
     crop_scale: tuple = flag(
         CROP_SCALE,
@@ -383,7 +369,10 @@ class Experiment:
         metavar="LOW,HIGH",
     )
     seed: int = flag(
-        0, "seed of the initialisation, validation split, shuffling, augmentation", parse=_seed
+        0,
+        "seed of the initialisation, validation split, shuffling, augmentation",
+        at_least=0,
+        below=MAX_SEED + 1,
     )
     grad_accum: int = flag(1, "micro-batches per optimizer step", at_least=1)
     label_smoothing: float = flag(
@@ -534,9 +523,9 @@ def _add_field(group, field: dataclasses.Field, kind: type) -> None:
         group.add_argument(name, action=action, **options)
         return
     kind = next((k for k in typing.get_args(kind) if k is not type(None)), kind)
-    parse = meta.get("parse") or {float: _finite, int: _int}.get(kind, kind)
-    if any(v is not None for v in (meta.get("bounds") or {}).values()):
-        parse = _bounded(parse, **meta["bounds"])
+    parse = meta.get("parse")
+    if parse is None:
+        parse = _number(kind, **meta.get("bounds", {})) if kind in (int, float) else kind
     choices, metavar = meta.get("choices"), meta.get("metavar")
     group.add_argument(name, type=parse, choices=choices, metavar=metavar, **options)
 
@@ -568,7 +557,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     if args.tracking not in ("on", "off"):  # argparse checks `choices` on the command line only
         parser.error(f"{TRACKING_ENV}={os.environ.get(TRACKING_ENV)!r}: expected on or off")
     dataset = DATASET_DECLARED[args.dataset]
-    reads_files = dataset.keywords.get("needs_data_path")
+    reads_files = dataset.needs_data_path
     if reads_files and args.data_path is None:
         parser.error(f"--data-path: dataset {args.dataset!r} reads your files: give --data-path")
     built_in = dataset.module == f"{__package__}.datasets"  # a dataset of yours may read it

@@ -57,7 +57,6 @@ from .loaders import build_loader as build_loader  # callers import it from here
 from .runs import size_text
 from .tasks import check_targets, first_non_finite
 
-DATA_MODES = ("auto", "memory", "stream")
 # Array datasets resized by --image-size must take at most this fraction of the available
 # memory (the rest is for the model, the workers and everyone else on the node).
 MEMORY_FRACTION = 0.25
@@ -162,19 +161,11 @@ def load_dataset(
     it to build_loader; `crop`, `crop_scale`, `crop_ratio` (--crop ...) the images' crop.
     Raises ValueError with a one-line message for every bad input.
     """
+    # --val-fraction, --data-mode and --data-path were checked by run.py's parser (config.py)
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
-    if not 0 <= val_fraction < 1:
-        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    if mode not in DATA_MODES:
-        raise ValueError(f"--data-mode: choose one of {', '.join(DATA_MODES)}, got {mode!r}")
-    entry = DATASETS[name]
-    if entry.needs_data_path and data_path is None:
-        raise ValueError(f"--data-path: dataset {name!r} needs --data-path")
-    if data_path is not None and not Path(data_path).exists():
-        raise ValueError(f"--data-path: {data_path} does not exist")
     data_dir = Path(data_dir)
-    if data_path is not None and data_version is None:
+    if data_path is not None and data_version is None:  # ValueError if it does not exist
         data_version = files_version(Path(data_path), data_dir)
     options = DataOptions(
         data_dir=data_dir,
@@ -185,7 +176,7 @@ def load_dataset(
         task=task,
     )
     with _data_dir_errors(data_dir):
-        raw = entry.build(options)
+        raw = DATASETS[name].build(options)
     if not isinstance(raw, DatasetSplits) or raw.train is None:
         raise ValueError(f"dataset {name!r}: its function must return DatasetSplits(train=...)")
     splits = {
@@ -211,29 +202,18 @@ def load_dataset(
     else:  # the model's output width: one per target column
         num_classes = labels[0].numel() if labels.ndim > 1 else 1
     class_names = [str(c) for c in raw.class_names or range(num_classes)]
-    present = set(labels.unique().tolist()) if class_ids and labels.ndim == 1 else set()
-    missing_in_train = present - set(splits["train"].labels.unique().tolist())
-    if missing_in_train:
-        raise ValueError(
-            f"dataset {name!r}: class(es) {sorted(missing_in_train)} appear in "
-            "val/test but not in train"
-        )
     files = [s for s in splits.values() if isinstance(s, FileSplit)]
+    if not files and mode == "stream":
+        raise ValueError(
+            f"--data-mode: dataset {name!r} is held in memory as arrays; "
+            "streaming needs a dataset of image files (e.g. folder)"
+        )
     notes = list(raw.notes)
-    source = ""  # files: memory, disk cache or stream, and why (run.log's `images from:`)
-    if not files:
-        if mode == "stream":
-            raise ValueError(
-                f"--data-mode: dataset {name!r} is held in memory as arrays; "
-                "streaming needs a dataset of image files (e.g. folder)"
-            )
-        mode = "memory"
-    else:
-        why_not = _why_not_cached(files, data_dir, data_version) if mode == "auto" else None
-        source = _image_source(mode, why_not, files)
-        if why_not:
-            notes.append(f"--data-mode auto: streaming (decoded every epoch): {why_not}")
-        mode = "stream" if why_not or mode == "stream" else "memory"
+    why_not = _why_not_cached(files, data_dir, data_version) if files and mode == "auto" else None
+    if why_not:
+        notes.append(f"--data-mode auto: streaming (decoded every epoch): {why_not}")
+    source = _image_source(mode, why_not, files) if files else ""  # run.log's `images from:`
+    mode = "stream" if files and (why_not or mode == "stream") else "memory"
     if files and mode == "memory":  # decoded before carving: the cache never depends on --seed
         processes = None if workers is None else max(1, workers)
         try:

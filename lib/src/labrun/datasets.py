@@ -121,8 +121,7 @@ def cifar10(options: DataOptions) -> DatasetSplits:
 def synthetic(options: DataOptions) -> DatasetSplits:
     from .arrays import load_synthetic_arrays
 
-    size, task = options.synthetic_size, options.task
-    train, test = load_synthetic_arrays(options.data_dir, size, task)
+    train, test = load_synthetic_arrays(options.data_dir, options.synthetic_size, options.task)
     return DatasetSplits(train=train, test=test)
 
 

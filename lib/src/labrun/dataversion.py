@@ -32,13 +32,12 @@ def is_hidden(name: str) -> bool:
     return name.startswith(".")
 
 
-def data_version(root: Path, cache_dir: Path | None = None) -> str:
-    """`files:<16 hex>` for the file or folder `root`; ValueError (one line) if unreadable."""
+def data_version(root: Path, cache_dir: Path) -> str:
+    """`files:<16 hex>` for the file or folder `root`; ValueError (one line) if it is missing
+    or unreadable."""
     root = Path(root)
     try:
-        if not root.exists():
-            raise ValueError(f"--data-path: {root} does not exist")
-        if not root.is_dir():
+        if not root.is_dir():  # a file, or missing: stat raises
             st = root.stat()
             return _digest([(root.name, st.st_size, st.st_mtime_ns)])
         cache = _cache_path(root, cache_dir)
@@ -51,13 +50,12 @@ def data_version(root: Path, cache_dir: Path | None = None) -> str:
         version = _digest(files)
     except OSError as e:
         raise ValueError(f"--data-path: cannot read {e.filename or root}: {e.strerror}") from e
-    if cache is not None:
-        from .runs import atomic_write_text  # a temp file renamed over the name: never a link
+    from .runs import atomic_write_text  # a temp file renamed over the name: never a link
 
-        # A read-only or full --data-dir only costs the next start the full walk again.
-        with contextlib.suppress(OSError), file_lock(cache):
-            cached = {"root": str(root), "version": version, "dirs": dirs}
-            atomic_write_text(cache, json.dumps(cached) + "\n")
+    # A read-only or full --data-dir only costs the next start the full walk again.
+    with contextlib.suppress(OSError), file_lock(cache):
+        cached = {"root": str(root), "version": version, "dirs": dirs}
+        atomic_write_text(cache, json.dumps(cached) + "\n")
     return version
 
 
@@ -77,13 +75,13 @@ def changed_since(before: dict, now: dict, run_dir: Path) -> str | None:
     )
 
 
-def forget(root: Path | None, cache_dir: Path | None) -> None:
+def forget(root: Path | None, cache_dir: Path) -> None:
     """Drop the cached fingerprint of `root` and the cached check of its images (used when a
     file fails to decode although the cheap check saw no change: it was rewritten in place, or
     made unreadable). The next start walks every file again and, as a file damaged with its
     size and mtime kept gives the same version, checks every image again: the file is then
     skipped and listed instead of refused at every start."""
-    if root is None or cache_dir is None:
+    if root is None:  # a dataset of yours that gave image files without --data-path
         return
     # Every version's check of a folder of this name: a check is only a cache, made again.
     checks = Path(cache_dir).glob(f"{CHECK_PREFIX}{Path(root).name}-*.json")
@@ -102,9 +100,7 @@ def check_cache_path(root: Path, cache_dir: Path | None, version: str | None) ->
     )
 
 
-def _cache_path(root: Path, cache_dir: Path | None) -> Path | None:
-    if cache_dir is None:
-        return None
+def _cache_path(root: Path, cache_dir: Path) -> Path:
     key = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:12]
     return Path(cache_dir) / f"{CACHE_PREFIX}{root.name}-{key}.json"
 
@@ -162,8 +158,8 @@ def read_json_cache(path: Path) -> dict | None:
     return content if isinstance(content, dict) else None
 
 
-def _read_cache(cache: Path | None, root: Path) -> dict | None:
-    cached = read_json_cache(cache) if cache is not None else None
+def _read_cache(cache: Path, root: Path) -> dict | None:
+    cached = read_json_cache(cache)
     valid = cached and cached.get("root") == str(root) and isinstance(cached.get("dirs"), dict)
     return cached if valid and str(cached.get("version")).startswith(VERSION_PREFIX) else None
 

@@ -10,7 +10,7 @@ LOCAL_RANK in their environment. Each copy is a rank; together they train ONE ru
   on CPU modules, so on CPU each rank normalises with its own share of the batch (said in the
   log); evaluation then uses rank 0's running statistics on every rank (`sync_buffers`);
 - one writer: rank 0 alone claims the run directory, writes its files and talks to MLflow; the
-  others follow its decisions (`decide`, `agree`) and exit with the same code;
+  others follow its decisions (`decide`, `settle`) and exit with the same code;
 - stops that agree: a stop signal on any rank is seen by all at the same step through one
   all_reduce MAX of a CPU flag on a gloo group every `STOP_EVERY` steps and at every epoch end
   (no GPU sync), then rank 0 checkpoints and every rank exits 75;
@@ -219,10 +219,6 @@ class Dist:
         if first != 0 and votes[first][2] and self.is_main:  # rank 0 is the one voice
             print(f"error: rank {first}: {votes[first][2]}", file=sys.stderr)
         return votes[first][0]
-
-    def agree(self, code: int | None) -> int | None:
-        """The first non-None code in rank order, on every rank (a refusal anywhere ends all)."""
-        return self.settle(code)
 
     def stopped(self, stop, step: int | None = None) -> bool:
         """Whether the job stops here: `stop.requested` (GracefulStop) on any rank. Polled every

@@ -56,7 +56,6 @@ CPU_PRIORS = {"default": (16.0, 3.1, 0.87)}
 # CUDA graphs replay one captured forward/backward; the no-graphs mode with the same kernels
 # where graphs cannot be used (graphs_blocked) or there is no GPU.
 WITHOUT_GRAPHS = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
-MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 INDUCTOR_CACHE_ENV = "LAB_INDUCTOR_CACHE_DIR"  # a lab-wide cache folder, shared by projects
 RECORDS = "lab_compile_costs"  # sub-folder of the inductor cache: one JSON per model and machine
 # Batch-size rule: one default batch size, 128, on every device: the batch size is part of the
@@ -161,15 +160,14 @@ def choose_compile(
     if deterministic:
         # Inductor's generated kernels are not covered by torch's deterministic-algorithm list.
         return None, "eager (--deterministic)"
-    if flag in MODES:
+    if flag in CUDA_PRIORS:  # a mode name
         if blocked and flag in WITHOUT_GRAPHS:
             mode = WITHOUT_GRAPHS[flag]
             return mode, f"{mode} (--compile {flag} without CUDA graphs: {blocked})"
         return flag, f"{flag} (--compile {flag})"
     if flag == "auto" and device.type != "cuda":
         return None, "eager (--compile auto: off on CPU; --compile on to compile)"
-    step_s, costs = measure()
-    costs = {**prior_costs(device), **costs}
+    step_s, costs = measure()  # every mode: measured, or its prior
     eager_s = steps * micro_batches * step_s
     work = (
         f"{steps} steps x {micro_batches} micro-batch{'es' if micro_batches > 1 else ''} x "
@@ -218,9 +216,9 @@ def use_inductor_cache(project_root: Path) -> tuple[Path, str]:
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if current and Path(current).resolve() != Path(default_cache_dir()).resolve():
         return Path(current), "TORCHINDUCTOR_CACHE_DIR"
-    path = layout_records_dir(project_root)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
     lab = os.environ.get(INDUCTOR_CACHE_ENV)
+    path = (Path(lab).expanduser() if lab else project_root / ".cache" / "inductor").resolve()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
     return path, INDUCTOR_CACHE_ENV if lab else "the project's folder"
 
 
@@ -233,64 +231,32 @@ def device_name(device: torch.device) -> str:
     return f"cpu {platform.machine()} {capability}, {torch.get_num_threads()} threads"
 
 
-def utc_now() -> str:
-    """When a record of this machine was measured, as run.log quotes it."""
-    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-
-
-class Measurement:
-    """A measurement of this machine kept for the next job (compile costs, layout, matmul peak):
-    a small JSON file in the inductor cache folder, named by the hash of its `key` (what was
-    measured, on which machine and torch). Unreadable, of another key or absent: {} (measured
-    again); a read-only folder, or no folder (None), keeps nothing."""
-
-    def __init__(self, cache_dir: Path | None, prefix: str, key: dict) -> None:
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-        self.key, self.path = (
-            key,
-            cache_dir and Path(cache_dir) / RECORDS / f"{prefix}{digest}.json",
-        )
-
-    def load(self) -> dict:
-        try:
-            seen = json.loads(self.path.read_text(encoding="utf-8")) if self.path else {}
-        except (OSError, ValueError):
-            return {}
-        return seen if isinstance(seen, dict) and seen.get("key") == self.key else {}
-
-    def store(self, **data) -> None:
-        from .runs import write_json
-
-        if self.path is None:
-            return
-        with contextlib.suppress(OSError):
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_json(self.path, {"key": self.key, **data})
-
-
-def model_key(model, x: torch.Tensor, dtype, device) -> dict:
-    """What a measurement of `model`'s step depends on: model, input, precision, machine, torch."""
-    return {
-        "model": f"{type(model).__module__}.{type(model).__qualname__}",
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "input": [list(x.shape), str(x.dtype), list(x.stride())],
-        "autocast": str(dtype),
-        "device": device_name(device),
-        "torch": torch.__version__,
-    }
-
-
-class CompileRecord(Measurement):
+class CompileRecord:
     """The measured compile costs of one model, input and precision on one machine and torch
-    version, shared by the project's jobs (the last compile's numbers win; a lost update between
-    two concurrent jobs only costs a re-measurement)."""
+    version: a small JSON file in the inductor cache folder named by the hash of that key,
+    shared by the project's jobs (the last compile's numbers win; a lost update between two
+    concurrent jobs only costs a re-measurement)."""
 
     def __init__(self, cache_dir: Path, model, x: torch.Tensor, dtype, device) -> None:
-        super().__init__(cache_dir, "", model_key(model, x, dtype, device))
+        self.key = {
+            "model": f"{type(model).__module__}.{type(model).__qualname__}",
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "input": [list(x.shape), str(x.dtype), list(x.stride())],
+            "autocast": str(dtype),
+            "device": device_name(device),
+            "torch": torch.__version__,
+        }
+        digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:16]
+        self.path = Path(cache_dir) / RECORDS / f"{digest}.json"
 
     def read(self) -> dict:
-        """Each mode's numbers; {} when none are recorded yet: the priors stand in."""
-        return self.load().get("modes", {})
+        """Each mode's numbers; {} when none are recorded yet (or the file is unreadable, or of
+        another key): the priors stand in."""
+        try:
+            seen = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+        return seen["modes"] if isinstance(seen, dict) and seen.get("key") == self.key else {}
 
     def costs(self, device: torch.device) -> dict[str, CompileCost]:
         """Each mode's cost: its measured ratio, and the warm-cache compile cost once this mode
@@ -324,9 +290,14 @@ class CompileRecord(Measurement):
         modes = self.read()
         seen = modes.get(mode, {})
         seen[("warm_" if warm else "cold_") + "compile_s"] = round(compile_s, 3)
-        seen.update(eager_step_s=eager_step_s, compiled_step_s=compiled_step_s, when=utc_now())
+        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())  # as run.log quotes it
+        seen.update(eager_step_s=eager_step_s, compiled_step_s=compiled_step_s, when=when)
         modes[mode] = seen
-        self.store(modes=modes)
+        from .runs import write_json
+
+        with contextlib.suppress(OSError):  # a read-only folder keeps nothing
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_json(self.path, {"key": self.key, "modes": modes})
 
 
 def compile_cache_counts() -> tuple[int, int]:
@@ -430,7 +401,7 @@ def decide_compile(
         blocked=blocked,
         measure=measure,
     )
-    if mode in MODES and record is None:  # a forced mode: its costs are still recorded
+    if mode in CUDA_PRIORS and record is None:  # a forced mode: its costs are still recorded
         measure()
     log.info("compile: %s", why)
     return mode, eager_s, record
@@ -500,91 +471,13 @@ def timed(device: torch.device) -> Callable[[], float]:
 
 
 def choose_gpu_resident(flag: str, device: torch.device, splits: dict) -> bool:
-    """auto: keep the uint8 images on the GPU when they use under a quarter of free memory."""
+    """--gpu-resident on, or auto when the uint8 images use under a quarter of free GPU memory
+    (never off CUDA)."""
     from .data import fits_on_device
 
-    if flag != "auto" or device.type != "cuda":
-        return flag == "on" and device.type == "cuda"
-    return fits_on_device(splits, device)
-
-
-# ---- the CPU's memory layout, chosen by measurement (issue 28.9) --------------------------------
-LAYOUT_ROUNDS = 2  # interleaved rounds of the probe: the best of each layout counts
-LAYOUT_STEPS = 2  # timed forward + backward passes per layout and round
-# NCHW only when clearly faster: the loaders deliver channels_last (NCHW costs a copy per batch),
-# and a near tie decided by timing noise would change a run's numbers between machines for nothing
-LAYOUT_MARGIN = 1.1
-LAYOUTS = {"NCHW": torch.contiguous_format, "channels_last": torch.channels_last}
-
-
-def _layout_step_s(model, x, y, loss_fn, dtype, layout) -> float:
-    """Best seconds of one forward + backward of a copy of `model` in `layout` (CPU), after an
-    untimed one (oneDNN's primitive cache, allocations). Like every timing here it puts back
-    the random streams: dropout in the probe must not shift the run's."""
-    x = x.contiguous(memory_format=layout)
-    model = model.to(memory_format=layout)
-    return time_forward_backward(model, x, y, loss_fn, dtype, time.perf_counter, LAYOUT_STEPS)
-
-
-def choose_memory_format(
-    model, x: torch.Tensor, y: torch.Tensor, loss_fn, *, dtype, device, cache_dir: Path | None
-) -> tuple[torch.memory_format, str]:
-    """channels_last or NCHW for this model's training step: channels_last on CUDA (tensor
-    cores want it); on CPU measured, not assumed from the vendor: oneDNN's channels_last
-    kernels beat NCHW on some x86 CPUs and lose on others (a Xeon trained at 0.89x a plain NCHW
-    loop, an EPYC at 1.13x). A short probe on the real first batch times a copy of the model in
-    both layouts (interleaved, best of LAYOUT_ROUNDS); the result is recorded per machine, model
-    and input like the compile record, so later jobs on this machine skip the probe. The
-    probe leaves the model, its gradients and the random streams as they were."""
-    import copy
-
-    if device.type != "cpu":
-        return torch.channels_last, "channels_last (tensor cores)"
-    if x.dim() != 4:
-        return torch.contiguous_format, "NCHW (inputs are not images)"
-    record = Measurement(
-        cache_dir, "layout-", {**model_key(model, x, dtype, device), "cpu": _cpu_model_name()}
+    return device.type == "cuda" and (
+        flag == "on" or flag == "auto" and fits_on_device(splits, device)
     )
-    if seen := record.load():
-        times, source = seen["step_s"], f"recorded {seen['when']} in {record.path}"
-    else:
-        probe = copy.deepcopy(model).train()
-        timed_runs = [  # interleaved: a slow spell of the machine hits both layouts
-            (name, _layout_step_s(probe, x, y, loss_fn, dtype, layout))
-            for _ in range(LAYOUT_ROUNDS)
-            for name, layout in LAYOUTS.items()
-        ]
-        times = {name: min(t for n, t in timed_runs if n == name) for name in LAYOUTS}
-        source = "measured now"
-        record.store(step_s=times, when=utc_now())
-    name = "NCHW" if times["channels_last"] > LAYOUT_MARGIN * times["NCHW"] else "channels_last"
-    other = "NCHW" if name == "channels_last" else "channels_last"
-    return LAYOUTS[name], (
-        f"{name} on this CPU: forward + backward {1e3 * times[name]:.1f} ms vs "
-        f"{1e3 * times[other]:.1f} ms {other} ({source}; NCHW when >= "
-        f"{100 * (LAYOUT_MARGIN - 1):.0f} % faster)"
-    )
-
-
-def _cpu_model_name() -> str:
-    """The CPU's marketing name (/proc/cpuinfo), e.g. 'AMD EPYC 9R14'; '' where unknown."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor()
-
-
-def layout_records_dir(project_root: Path) -> Path:
-    """Where choose_memory_format keeps its records: the folder use_inductor_cache picks
-    ($LAB_INDUCTOR_CACHE_DIR, else <project>/.cache/inductor), found without importing
-    inductor (seconds, on a CPU run that never compiles)."""
-    lab = os.environ.get(INDUCTOR_CACHE_ENV)
-    return (Path(lab).expanduser() if lab else project_root / ".cache" / "inductor").resolve()
 
 
 # ---- speed you can see: MFU and the share of the step the GPU was busy (issue 33.4) ------------
@@ -604,30 +497,12 @@ def flops_per_sample(model, x, y, loss_fn, dtype) -> float:
     return counter.get_total_flops() / len(x)
 
 
-def matmul_peak(device: torch.device, dtype, cache_dir: Path) -> tuple[float, str]:
-    """(FLOP/s, where from): the best of PEAK_REPEATS square matmuls in the run's precision
-    (fp32 as the backends allow: TF32 on Ampere+), measured once per machine, precision and
-    torch version and recorded beside the compile records. A measured peak, not the data
-    sheet's: MFU then says how far the job is from what this GPU does."""
-    key = {
-        "device": device_name(device),
-        "dtype": str(dtype or torch.float32),
-        "tf32": torch.backends.cuda.matmul.allow_tf32,
-        "torch": torch.__version__,
-    }
-    record = Measurement(cache_dir, "peak-", key)
-    if seen := record.load():
-        return seen["flops"], f"measured {seen['when']}"
-    flops = measure_matmul_flops(device, dtype)
-    record.store(flops=flops, when=utc_now())
-    return flops, "measured now"
-
-
-def measure_matmul_flops(device: torch.device, dtype, size: int | None = None) -> float:
-    """FLOP/s of the best of PEAK_REPEATS square matmuls in `dtype` (fp32 when None), measured
-    now (matmul_peak records it; gpucheck measures afresh). A CPU gets 1024-square ones: 8192
-    would take seconds each."""
-    n = size or (PEAK_MATMUL_SIZE if device.type == "cuda" else 1024)
+def measure_matmul_flops(device: torch.device, dtype) -> float:
+    """FLOP/s of the best of PEAK_REPEATS square matmuls in `dtype` (fp32 when None; TF32 where
+    the backends allow it): a measured peak, not the data sheet's, so MFU says how far a job is
+    from what this GPU does (a fraction of a second: measured afresh by every run). A CPU gets
+    1024-square ones: 8192 would take seconds each."""
+    n = PEAK_MATMUL_SIZE if device.type == "cuda" else 1024
     a, b = (torch.randn(n, n, device=device, dtype=dtype or torch.float32) for _ in range(2))
     now = timed(device)
     best = float("inf")

@@ -10,10 +10,10 @@ import inspect
 import json
 import sys
 import textwrap
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from . import datasets, models, tasks
-from .registry import DECORATORS, REQUIRED, Declared, Registry, _modules, _where
+from .registry import DECORATORS, REQUIRED, Entry, _modules
 
 
 def main() -> None:
@@ -28,8 +28,8 @@ def main() -> None:
 
 def collect() -> dict:
     """Import the library's registries (their modules register the built-ins) and every module
-    of the project's package that names a register function; {decorator: {name: stored
-    Declared}} of what each registered."""
+    of the project's package that names a register function; {decorator: {name: Entry as
+    JSON}} of what each registered."""
     registries = {
         "register_model": models.MODELS,
         "register_dataset": datasets.DATASETS,
@@ -42,7 +42,9 @@ def collect() -> dict:
         for decorator, registry in registries.items():
             for name, entry in registry.items():
                 if name not in listed[decorator]:
-                    stored = _stored(decorator, name, entry, module_of(entry), registry)
+                    stored = asdict(describe(entry, module_of(entry)))
+                    stored["params"] = {k: repr(v) for k, v in stored["params"].items()}
+                    stored["unused"] = sorted(stored["unused"])
                     listed[decorator][name] = stored
 
     take(lambda entry: entry.build.__module__)  # built-ins
@@ -53,20 +55,11 @@ def collect() -> dict:
     return listed
 
 
-def _stored(decorator: str, name: str, entry, module: str, registry: Registry) -> dict:
-    keywords = {"needs_data_path": entry.needs_data_path} if decorator == "register_dataset" else {}
-    declared = describe(name, entry.build, entry.help, module, registry.where[name], keywords)
-    stored = asdict(declared)
-    stored["params"] = {k: v if v == REQUIRED else repr(v) for k, v in declared.params.items()}
-    stored["unused"] = sorted(declared.unused)
-    return stored
-
-
-def describe(name: str, fn, help: str = "", module: str = "", where: str = "", keywords=None):
-    """The Declared of function `fn` registered as `name`."""
-    where = where or _where(fn)
-    params, unused = _parameters(fn, where)
-    return Declared(name, help, module, where, keywords or {}, params, unused)
+def describe(entry: Entry, module: str) -> Entry:
+    """`entry` as a listing holds it: no function, the module that registered it, and the
+    function's parameters."""
+    params, unused = _parameters(entry.build, entry.where)
+    return replace(entry, build=None, module=module, params=params, unused=unused)
 
 
 def _parameters(fn, where: str) -> tuple[dict, frozenset]:

@@ -196,9 +196,8 @@ def own_normalization(split: Split | FileSplit, whose: str = "this split") -> No
     and std of `split` itself: data.load_dataset gives the training split's to every split."""
     if split.layout == "NCHW" and split.dtype == torch.uint8:  # image files too
         return None
+    # `rows` are only set on uint8 images (the decoded cache), answered above
     stored = split.channel_last()
-    if split.rows is not None:
-        stored = stored.index_select(0, split.rows)
     values = stored.reshape(-1, stored.shape[-1])
     total = squares = torch.zeros(values.shape[1], dtype=torch.float64)
     for rows in values.split(1 << 16):  # in chunks: float64 temporaries stay small
@@ -243,22 +242,19 @@ class _FileDataset(torch.utils.data.Dataset):
     def __getitems__(self, indices: list[int]):
         channels, height, width = self.shape
         labels = self.labels[torch.as_tensor(indices)]
-        if self.gpu_jpegs:
-            from .gpudecode import read_batch
+        try:
+            if self.gpu_jpegs:
+                from .gpudecode import read_batch
 
-            try:
                 return read_batch([self.paths[i] for i in indices], self.shape, self.ranges), labels
-            except UnreadableImage as e:
-                return _Unreadable(e.path, e.reason), None
-        batch = np.empty((len(indices), height, width, channels), dtype=np.uint8)
-        # One thread: a worker has one anyway; without workers (or in a peek) the main
-        # process's pool would spin over each image's small resize (8 vs 1.3 ms per image).
-        with one_cpu_thread(torch.device("cpu")):
-            for row, i in enumerate(indices):
-                try:
+            batch = np.empty((len(indices), height, width, channels), dtype=np.uint8)
+            # One thread: a worker has one anyway; without workers (or in a peek) the main
+            # process's pool would spin over each image's small resize (8 vs 1.3 ms per image).
+            with one_cpu_thread(torch.device("cpu")):
+                for row, i in enumerate(indices):
                     batch[row] = decode_image(self.paths[i], (height, width), channels, self.ranges)
-                except UnreadableImage as e:  # to the main process as a value: it names the file
-                    return _Unreadable(e.path, e.reason), None
+        except UnreadableImage as e:  # to the main process as a value: it names the file
+            return _Unreadable(e.path, e.reason), None
         return torch.from_numpy(batch), labels
 
 
@@ -278,9 +274,6 @@ class _EpochBatches(torch.utils.data.Sampler):
 
     def __iter__(self):
         return (b.tolist() for b in self.loader.batch_indices())
-
-    def __len__(self) -> int:
-        return len(self.loader) - self.loader.skip_batches
 
 
 def _whole_batch(batch):
@@ -316,8 +309,6 @@ class Loader:
         augment: bool | Augmentation = True,
         shard: tuple[int, int] = (0, 1),
     ):
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.device = torch.device(device)
         self.batch_size, self.train, self.seed = batch_size, train, seed
         self.shard = shard  # (rank, world): this process takes the rank-th 1/world of each batch
@@ -345,17 +336,15 @@ class Loader:
 
             self.gpu_jpegs, self.decoder = choose_gpu_decode(self.device)
             self.dataset = _FileDataset(split, self.gpu_jpegs)
-        elif self.resident:
+        elif self.resident:  # of a shared cache, only this split's rows go to the device
             images = split.channel_last().contiguous()
             if split.rows is not None:
                 images = images.index_select(0, split.rows)
-            labels = split.labels.to(self.device)
-            self.dataset = _ArrayDataset(images.to(self.device), labels, None)
+            self.dataset = _ArrayDataset(images.to(self.device), split.labels.to(self.device), None)
             return
         else:
-            self.dataset = _ArrayDataset(
-                split.channel_last().contiguous(), split.labels, split.rows
-            )
+            images = split.channel_last().contiguous()
+            self.dataset = _ArrayDataset(images, split.labels, split.rows)
         self.workers = (
             default_workers(self.device, streaming=streaming) if workers is None else workers
         )

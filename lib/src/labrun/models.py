@@ -20,7 +20,7 @@ import contextlib
 import inspect
 import math
 
-from .registry import REQUIRED, Declared, Entry, Registry
+from .registry import REQUIRED, Entry, Registry
 
 MODELS: dict[str, Entry] = Registry("register_model")  # imports other modules on demand
 # The template's models: held to deterministic CUDA kernels (no adaptive pooling) by the tests.
@@ -35,7 +35,7 @@ def register_model(name: str, *, help: str = ""):
     return MODELS.register(name, help)
 
 
-def own_arguments(declared: Declared) -> dict:
+def own_arguments(declared: Entry) -> dict:
     """{name: default or REQUIRED} of a model function's own size arguments that it uses."""
     return {
         k: v
@@ -44,7 +44,7 @@ def own_arguments(declared: Declared) -> dict:
     }
 
 
-def listed_arguments(declared: Declared) -> str:
+def listed_arguments(declared: Entry) -> str:
     """The model's own arguments as --help and the refusals list them: `width, depth=2`."""
     own = own_arguments(declared)
     return ", ".join(k if v == REQUIRED else f"{k}={v!r}" for k, v in own.items())
@@ -84,7 +84,7 @@ def _typed(text: str, default, where: str):
     return value
 
 
-def model_arguments(declared: Declared, width: int | None, given: dict) -> tuple:
+def model_arguments(declared: Entry, width: int | None, given: dict) -> tuple:
     """(width or None, {other own argument: value}) for the model `declared`.
 
     `width`: --width (None: not given, 64 for a model that takes it); `given`: --model-args as
@@ -94,11 +94,8 @@ def model_arguments(declared: Declared, width: int | None, given: dict) -> tuple
     own = own_arguments(declared)
     name = declared.name
     listed = listed_arguments(declared) or "none"
-    given = dict(given)
-    if "width" in given:
-        if width is not None and str(width) != given["width"]:
-            raise ValueError("--model-args: width given twice (also --width); give it once")
-        width = _typed(given.pop("width"), 0, "--model-args width")
+    if "width" in given:  # one flag for one argument
+        raise ValueError("--model-args: width is set by --width; give it there")
     unknown = [k for k in given if k not in own]
     if unknown:
         raise ValueError(
@@ -149,7 +146,5 @@ def create_model(
         "width": width,
         **model_args,
     }
-    params = inspect.signature(build).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return build(**offered)
+    params = inspect.signature(build).parameters  # what it names (listing.py skips **kwargs)
     return build(**{k: v for k, v in offered.items() if k in params})

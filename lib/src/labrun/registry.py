@@ -47,15 +47,21 @@ CACHE = Path(".cache") / "registry.json"  # under the project's root (.gitignore
 LISTING_ENV = "LABRUN_LISTING"
 
 
+REQUIRED = "<required>"  # Entry.params: a parameter without a default
+
+
 @dataclass(frozen=True)
-class Declared:
-    """One registration: its name, help, where it is, and what a run needs to know of it."""
+class Entry:
+    """One registration: a model's or task's builder or a dataset's loader (`build`), and what a
+    run needs to know of it. A listing (listing.py) holds it without `build` (None), with the
+    module that registered it and the function's parameters."""
 
     name: str
-    help: str
-    module: str  # dotted and absolute: "labrun.datasets", "lab_project.models.unet"
-    where: str  # file:line, for error messages
-    keywords: dict = field(default_factory=dict)  # the other keywords (needs_data_path)
+    help: str = ""
+    build: Callable | None = None
+    needs_data_path: bool = False  # datasets: refused without --data-path
+    where: str = ""  # file:line, for error messages
+    module: str = ""  # dotted and absolute: "labrun.datasets", "lab_project.models.unet"
     # The function's parameters in order: name -> its literal default (REQUIRED: none). A model
     # function's parameters that the data does not give are its own size arguments
     # (models.model_arguments); `unused` are those its body never names (ignored, not shown).
@@ -63,44 +69,21 @@ class Declared:
     unused: frozenset = frozenset()
 
 
-REQUIRED = "<required>"  # Declared.params: a parameter without a default
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One registration: a model's or task's builder, a dataset's loader."""
-
-    name: str
-    build: Callable
-    help: str
-    needs_data_path: bool = False  # datasets: refused without --data-path
-
-
 class Registry(dict):
     """name -> entry, filled by the register functions as modules are imported. Asking for a
-    name that another module of the package registers (`name in registry`, `registry[name]`)
-    imports that module first, so a model in `models/unet.py` is found like one in model.py."""
+    name that another module of the package registers (`name in registry`: ask so before
+    `registry[name]`) imports that module first, so a model in `models/unet.py` is found like
+    one in model.py."""
 
     def __init__(self, decorator: str) -> None:
         super().__init__()
         self.decorator = decorator
-        self.where: dict[str, str] = {}
-
-    def _import_declaring(self, name) -> None:
-        declared = declarations(self.decorator).get(name)
-        if declared is not None:
-            importlib.import_module(declared.module)
 
     def __contains__(self, name) -> bool:
-        if not super().__contains__(name):
-            self._import_declaring(name)
+        listed = declarations(self.decorator).get(name)
+        if not super().__contains__(name) and listed is not None:
+            importlib.import_module(listed.module)
         return super().__contains__(name)
-
-    def __missing__(self, name):
-        self._import_declaring(name)
-        if super().__contains__(name):
-            return super().__getitem__(name)
-        raise KeyError(name)
 
     def register(self, name: str, help: str = "", **keywords):
         """The decorator register_model/_dataset/_task return: `fn` registered as `name`; a name
@@ -110,9 +93,9 @@ class Registry(dict):
             where = _where(fn)
             if dict.__contains__(self, name):
                 raise ValueError(
-                    f"{where}: @{self.decorator}({name!r}) is also at {self.where[name]}"
+                    f"{where}: @{self.decorator}({name!r}) is also at {dict.get(self, name).where}"
                 )
-            self[name], self.where[name] = Entry(name, fn, help, **keywords), where
+            self[name] = Entry(name, help, fn, where=where, **keywords)
             return fn
 
         return add
@@ -164,8 +147,8 @@ def _fingerprint() -> str:
 
 
 @functools.cache
-def _listing() -> dict[str, dict[str, Declared]]:
-    """{decorator: {name: Declared}}: from the cache while the sources hash the same, else
+def _listing() -> dict[str, dict[str, Entry]]:
+    """{decorator: {name: Entry}}: from the cache while the sources hash the same, else
     listed again in a child process and cached."""
     if os.environ.get(LISTING_ENV):
         return {decorator: {} for decorator in DECORATORS}
@@ -181,14 +164,15 @@ def _listing() -> dict[str, dict[str, Declared]]:
                 cache.parent.mkdir(parents=True, exist_ok=True)
                 atomic_write_text(cache, json.dumps(listed))  # atomic: jobs may list at once
     return {
-        decorator: {name: _declared(d) for name, d in listed[decorator].items()}
+        decorator: {name: _entry(e) for name, e in listed[decorator].items()}
         for decorator in DECORATORS
     }
 
 
-def _declared(stored: dict) -> Declared:
-    params = {k: v if v == REQUIRED else ast.literal_eval(v) for k, v in stored["params"].items()}
-    return Declared(**{**stored, "params": params, "unused": frozenset(stored["unused"])})
+def _entry(stored: dict) -> Entry:
+    """An Entry as listing.py stored it in JSON: the defaults as their repr."""
+    params = {k: ast.literal_eval(v) for k, v in stored["params"].items()}
+    return Entry(**{**stored, "params": params, "unused": frozenset(stored["unused"])})
 
 
 def _list_in_child() -> dict:
@@ -212,7 +196,7 @@ def _list_in_child() -> dict:
     return json.loads(done.stdout)
 
 
-def declarations(decorator: str) -> dict[str, Declared]:
-    """{name: Declared} of every registration by `decorator` in the library and the project's
-    package. A name registered twice is an error naming both places."""
+def declarations(decorator: str) -> dict[str, Entry]:
+    """{name: Entry (listed: no `build`)} of every registration by `decorator` in the library
+    and the project's package. A name registered twice is an error naming both places."""
     return _listing()[decorator]

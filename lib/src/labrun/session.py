@@ -260,37 +260,18 @@ class Run:
         return self.data_
 
     def memory_format(self, model):
-        """The memory layout to train `model` in: channels_last on CUDA; on a CPU the faster of
-        channels_last and NCHW on this machine (hardware.choose_memory_format: a short probe on
-        random inputs of the run's shape, recorded per machine). Rank 0 decides; run.log says
-        which and why."""
+        """The memory layout to train `model` in, by rule: channels_last for images (the layout
+        tensor cores convolve in, and the one the loaders deliver: no copy per batch on a CPU),
+        contiguous for other inputs. run.log says which."""
         import torch
-
-        from .hardware import choose_memory_format, layout_records_dir
 
         info = self.data_.info
         shape = tuple(info.input_shape) or (info.channels, *info.image_size)
-        choice, why = "channels_last", ""
-        if len(shape) != 3 or info.layout != "NCHW":  # signals, sequences: no image layout
-            choice, why = "NCHW", "contiguous (the inputs are not images)"
-        elif self.args.deterministic and self.device.type == "cpu":
-            why = "channels_last (--deterministic: not chosen by a timing)"
-        elif self.dist.is_main:
-            split = self.data_.splits["train"]
-            n = max(1, min(self.args.batch_size // self.dist.world, len(split)))
-            x = torch.randn(n, *shape, generator=torch.Generator().manual_seed(0))  # not ours
-            cache = layout_records_dir(PROJECT_ROOT)
-            try:  # the mean of the outputs: the same convolutions backward, any targets
-                layout, why = choose_memory_format(
-                    model, x, None, lambda out, _: out.float().mean(), dtype=self.amp_dtype,
-                    device=self.device, cache_dir=cache,
-                )  # fmt: skip
-                choice = "channels_last" if layout == torch.channels_last else "NCHW"
-            except Exception as exc:  # a model the probe cannot drive: the loaders' layout
-                why = f"channels_last (not measured: {type(exc).__name__}: {exc}"[:160] + ")"
-        choice = self.dist.decide(choice)
-        self._notes.append(("layout", why or choice))
-        self.layout = torch.channels_last if choice == "channels_last" else torch.contiguous_format
+        if len(shape) == 3 and info.layout == "NCHW":
+            self.layout, why = torch.channels_last, "channels_last (images)"
+        else:
+            self.layout, why = torch.contiguous_format, "contiguous (the inputs are not images)"
+        self._notes.append(("layout", why))
         return self.layout
 
     @property
@@ -346,7 +327,7 @@ class Run:
         else:
             self.log = self.stop.log = dist.rank_log(out.name)
         self.opened = True
-        dist.agree(None)  # the others read the checkpoint once --fresh has deleted it
+        dist.settle(None)  # the others read the checkpoint once --fresh has deleted it
         for note in self.data_.notes:  # e.g. skipped unreadable images
             self.log.warning(f"data: {note}")
         version = self.config["data_version"] or self.config.get("data_content")
@@ -446,13 +427,12 @@ class Run:
     def _measure_speed_scale(self, model) -> None:
         """What MFU needs (CUDA): the FLOPs of one sample's forward + backward on a real batch
         and this GPU's measured matmul peak in the run's precision. Never fails the run."""
-        from .hardware import flops_per_sample, layout_records_dir, matmul_peak
+        from .hardware import flops_per_sample, measure_matmul_flops
 
         try:
             x, y = self.peek_batch()
             flops = flops_per_sample(model, x, y, self.loss, self.amp_dtype)
-            records = layout_records_dir(PROJECT_ROOT)  # beside the compile records
-            peak, source = matmul_peak(self.device, self.amp_dtype, records)
+            peak = measure_matmul_flops(self.device, self.amp_dtype)
         except Exception as exc:  # an op the counter cannot run, no memory for the matmuls
             self.log.warning(f"MFU not measured ({type(exc).__name__}: {exc})")
             return
@@ -460,7 +440,7 @@ class Run:
         dtype = str(self.amp_dtype or "fp32").removeprefix("torch.")
         self.log.info(
             f"MFU scale: {flops / 1e9:.3g} GFLOP per training sample (forward + backward); "
-            f"matmul peak {peak / 1e12:.0f} TFLOP/s in {dtype} ({source})"
+            f"matmul peak {peak / 1e12:.0f} TFLOP/s in {dtype} (measured now)"
         )
 
     @property

@@ -39,8 +39,6 @@ import torch.nn.functional as F
 from .config import UsageError
 from .registry import Entry, Registry
 
-DIRECTIONS = ("max", "min")
-
 
 @dataclass(frozen=True)
 class Task:
@@ -55,7 +53,7 @@ class Task:
     directions: dict[str, str] = field(init=False)
 
     def __post_init__(self) -> None:
-        bad = {k: v for k, v in self.metrics.items() if v not in DIRECTIONS}
+        bad = {k: v for k, v in self.metrics.items() if v not in ("max", "min")}
         if bad or "loss" in self.metrics:
             raise ValueError(f"task metrics need 'max' or 'min' and no 'loss' entry, got {bad}")
         object.__setattr__(self, "directions", {"loss": "min", **self.metrics})

@@ -108,8 +108,8 @@ def build(run: labrun.Run):
     model = make_model(args, data.info)
     # torchrun: SyncBatchNorm on CUDA, and each rank its own augmentation stream.
     model = run.dist.prepare(model, args.seed)
-    # channels_last (NHWC) is the layout tensor cores convolve in: no transposes per layer. On a
-    # CPU it is measured: oneDNN's NHWC kernels win on some x86 CPUs, NCHW on others (run.log).
+    # channels_last (NHWC) is the layout tensor cores convolve in: no transposes per layer; for
+    # images on a CPU too (the loaders' layout). Other inputs: contiguous (run.log says which).
     layout = run.memory_format(model)
     model = model.to(device, memory_format=layout)
 
@@ -154,7 +154,7 @@ def build(run: labrun.Run):
         mean (LBFGS's closure reads it: README, "Another optimizer")."""
         losses = []
         for i, (x, y) in enumerate(micro_batches):
-            if layout == torch.contiguous_format:  # a CPU faster in NCHW: the loaders give NHWC
+            if layout == torch.contiguous_format:  # LBFGS (README): the loaders give images NHWC
                 x = x.contiguous()
             # DDP all-reduces the gradients once, on the last micro-batch, not on each.
             final = i == len(micro_batches) - 1

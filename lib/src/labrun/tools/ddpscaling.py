@@ -49,7 +49,7 @@ def measure_step(device_name: str, batch: int, steps: int, width: int) -> dict:
         for _ in range(5):  # warm-up: allocator, cuDNN autotune, DDP buckets
             step()
         now()
-        dist.agree(None)  # start together
+        dist.settle(None)  # start together
         started = now()
         for _ in range(steps):
             step()
