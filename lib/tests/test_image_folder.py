@@ -17,7 +17,7 @@ import torch
 from conftest import ROOT, RUN_PY, cli_command, read_metrics, run_dir_of
 from image_folders import CLASSES, make_folder
 
-from labrun import data, imagecache, loaders
+from labrun import data, loaders
 from labrun.data import FileSplit, Split, build_loader, load_dataset
 
 
@@ -123,7 +123,7 @@ def test_decoded_cache_is_reused_and_follows_the_files(tmp_path, monkeypatch):
         raise AssertionError("the second load must read the decoded cache")
 
     with monkeypatch.context() as patched:
-        patched.setattr(imagecache, "decode_image", must_not_decode)
+        patched.setattr(loaders, "decode_image", must_not_decode)
         again = load(folder, tmp_path / "cache", mode="memory", workers=0).splits
     assert torch.equal(first["train"].images, again["train"].images)
     edited = folder / "train" / CLASSES[0] / "0.png"
@@ -452,6 +452,7 @@ def test_run_log_says_memory_disk_cache_or_stream_and_why(mixed_folder, tmp_path
     assert mode == "memory" and why.startswith("disk cache: ") and "1000 bytes of RAM" in why
     mode, why = source(mode="stream")
     assert mode == "stream" and why.startswith("stream: ") and "--data-mode stream" in why
-    monkeypatch.setattr(data, "cache_fits", lambda *args: "no space")
+    monkeypatch.setattr(data, "_rlimit_headroom", lambda: 1000)
     mode, why = source()
-    assert mode == "stream" and "--data-mode auto: no space in --data-dir" in why
+    assert mode == "stream" and "--data-mode auto: its decoded cache" in why
+    assert "does not fit the address-space limit (ulimit -v" in why

@@ -45,7 +45,7 @@ def test_planted_links_in_the_data_dir_are_never_written_through_nor_trained_on(
     zeros = tmp_path / "zeros.npy"
     np.save(zeros, np.zeros((18, 16, 16, 3), np.uint8))
     (data_dir / f"{train}.partial.npy").symlink_to(victim1)
-    (data_dir / f"{train}.chunks").symlink_to(victim2)
+    (data_dir / f"{train}.npy").symlink_to(victim2)
     (data_dir / f"{test}.npy").symlink_to(zeros)
 
     results = tmp_path / "results"
@@ -56,11 +56,11 @@ def test_planted_links_in_the_data_dir_are_never_written_through_nor_trained_on(
     assert victim1.read_text() == "a colleague's notes\n"
     assert victim2.read_text() == "another file of theirs\n"
     assert np.load(zeros).sum() == 0
-    for name in (f"{test}.npy", f"{train}.npy", f"{test}.sums", f"{train}.sums"):
+    for name in (f"{test}.npy", f"{train}.npy"):
         assert not (data_dir / name).is_symlink() and (data_dir / name).stat().st_uid == os.getuid()
     assert np.load(data_dir / f"{test}.npy").sum() != 0  # the real pixels, decoded again
     log = (run_dir_of(results) / "run.log").read_text()
-    assert f"{test}.npy is a symbolic link" in log and f"{train}.chunks is a symbolic link" in log
+    assert f"{test}.npy is a symbolic link" in log and f"{train}.npy is a symbolic link" in log
     assert read_metrics(run_dir_of(results))["test_acc"] > 0.8  # the zeros gave 0.44
 
 
@@ -74,9 +74,22 @@ def test_a_cache_file_of_another_user_is_not_used(tmp_path):
     os.chown(cache, 65534, 65534)
     notes: list[str] = []
     again = imagecache.decode_cached(split, tmp_path, version="v", processes=1, notes=notes)
-    assert notes == [f"decoded cache {cache} belongs to uid 65534, not to you: not used, "
-                     "decoded again"]  # fmt: skip
+    assert notes == [f"decoded cache {cache} is another user's, hard-linked or not a plain file: "
+                     "not used, decoded again"]  # fmt: skip
     assert torch.equal(first, again.images) and cache.stat().st_uid == os.geteuid()
+
+
+def test_a_hard_linked_cache_is_not_used(tmp_path):
+    """A hard link at the cache's name could be someone's file (nlink > 1): decoded again."""
+    split = split_of(make_folder(tmp_path / "f", {"train": 3}, size=(16, 16)))
+    imagecache.decode_cached(split, tmp_path, version="v", processes=1)
+    cache = imagecache.cache_path(split, tmp_path, "v")
+    os.link(cache, tmp_path / "theirs.npy")
+    notes: list[str] = []
+    imagecache.decode_cached(split, tmp_path, version="v", processes=1, notes=notes)
+    assert notes == [f"decoded cache {cache} is another user's, hard-linked or not a plain file: "
+                     "not used, decoded again"]  # fmt: skip
+    assert cache.stat().st_nlink == 1
 
 
 def split_of(folder: Path) -> FileSplit:
@@ -97,14 +110,14 @@ def test_a_damaged_cache_is_found_by_its_checksums_and_decoded_again(tmp_path, d
     del pixels
     notes: list[str] = []
     again = imagecache.decode_cached(split, tmp_path, version="v", processes=1, notes=notes)
-    assert len(notes) == 1 and "does not match its checksums in 1 of 2 chunk(s)" in notes[0]
-    assert "images 256-359" in notes[0]
+    assert notes == [f"decoded cache {cache} does not match its checksums: damaged: not used, "
+                     "decoded again"]  # fmt: skip
     assert torch.equal(first, again.images)
     assert imagecache.decode_cached(split, tmp_path, version="v", notes=notes)  # no new note
     assert len(notes) == 1
 
 
-def test_a_file_size_limit_streams_under_auto_and_is_one_line_under_memory(tmp_path):
+def test_a_file_size_limit_too_small_for_the_cache_is_one_line(tmp_path):
     import resource
     import subprocess
     import sys
@@ -116,17 +129,14 @@ def test_a_file_size_limit_streams_under_auto_and_is_one_line_under_memory(tmp_p
         "resource.setrlimit(resource.RLIMIT_FSIZE, (20000, resource.RLIM_INFINITY))\n"
         f"d = load_dataset('folder', {str(tmp_path / 'c')!r}, data_path={str(folder)!r}, "
         "mode=sys.argv[1], workers=0)\n"
-        "print(d.mode, d.notes)\n"
     )
-    auto = subprocess.run([sys.executable, "-c", code, "auto"], capture_output=True, text=True)
-    assert auto.returncode == 0, auto.stderr
-    assert auto.stdout.startswith("stream") and "larger than the file-size limit" in auto.stdout
-    assert "(ulimit -f: 19.5 KiB)" in auto.stdout
-    memory = subprocess.run([sys.executable, "-c", code, "memory"], capture_output=True, text=True)
-    assert memory.returncode == 1
-    last = memory.stderr.strip().splitlines()[-1]
-    assert last.startswith("ValueError: --data-dir: cannot write")
-    assert "(ulimit -f: 19.5 KiB)" in last
+    for mode in ("auto", "memory"):
+        run = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True)
+        assert run.returncode == 1
+        last = run.stderr.strip().splitlines()[-1]
+        assert last.startswith("ValueError: --data-dir: cannot write the decoded cache")
+        assert "File too large; free space (or raise ulimit -f)" in last
+        assert not list((tmp_path / "c").glob("decoded-*"))  # no partial file left
     assert resource.getrlimit(resource.RLIMIT_FSIZE)  # this process: untouched
 
 
@@ -137,15 +147,17 @@ def test_small_sizes_are_never_0_0_gib():
     assert size_text(2.5 * 2**30) == "2.5 GiB" and size_text(1000) == "1000 bytes"
 
 
-def killed_by_the_oom_killer(task):
+def killed_by_the_oom_killer(*args):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def test_a_decoder_killed_by_the_oom_killer_is_not_bad_input(tmp_path, monkeypatch):
+    from labrun import loaders
+
     folder = make_folder(tmp_path / "f", {"train": 4}, size=(16, 16))
-    monkeypatch.setattr(imagecache, "_decode_chunk", killed_by_the_oom_killer)
+    monkeypatch.setattr(loaders, "decode_image", killed_by_the_oom_killer)  # in the workers
     monkeypatch.setattr(imagecache, "CHUNK_IMAGES", 4)
-    with pytest.raises(imagecache.DecodeWorkerDied, match="out of memory") as raised:
+    with pytest.raises(RuntimeError, match="DataLoader worker .* (killed|exited)") as raised:
         imagecache.decode_cached(split_of(folder), tmp_path, version="v", processes=2)
     assert not isinstance(raised.value, ValueError)  # run.py: exit 1, not 2 (bad input)
 

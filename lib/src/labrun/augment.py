@@ -186,24 +186,22 @@ class DeviceTransform:
             self._shift = shift.float().expand(1, *stored).contiguous().permute(self._to_layout)
 
     def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        augmentation = self.augmentation
         with one_cpu_thread(self.device):
-            if self.augmentation is not None:
-                batch = self._augment(batch)
+            if augmentation is not None and augmentation.resized is not None:
+                batch = random_resized_crop(batch, *augmentation.resized)
+            elif augmentation is not None:
+                py, px = augmentation.padding
+                rows = batch if batch.ndim == 4 else batch.unsqueeze(1)  # a signal is one row
+                padded = F.pad(rows, (0, 0, px, px, py, py)) if py or px else rows
+                rows = random_crop_flip(padded, (py, px), flip=augmentation.flip)
+                batch = rows if batch.ndim == 4 else rows.squeeze(1)
             # Channel-last memory viewed in the dataset's layout: for images exactly the
             # channels_last layout, no copy needed.
             x = batch.permute(self._to_layout)
             if self._scale is not None:  # addcmul promotes the stored dtype to float32
                 x = torch.addcmul(self._shift, x, self._scale)
             return x.contiguous() if self._contiguous else x
-
-    def _augment(self, batch: torch.Tensor) -> torch.Tensor:
-        if self.augmentation.resized is not None:
-            return random_resized_crop(batch, *self.augmentation.resized)
-        py, px = self.augmentation.padding
-        rows = batch if batch.ndim == 4 else batch.unsqueeze(1)  # a signal is one row
-        padded = F.pad(rows, (0, 0, px, px, py, py)) if py or px else rows
-        out = random_crop_flip(padded, (py, px), flip=self.augmentation.flip)
-        return out if batch.ndim == 4 else out.squeeze(1)
 
 
 def random_crop_flip(padded: torch.Tensor, padding, *, flip: bool = True) -> torch.Tensor:

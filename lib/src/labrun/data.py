@@ -50,7 +50,7 @@ from .augment import (
 from .datasets import DATASETS, DataOptions, DatasetSplits, ImageFiles
 from .dataversion import data_version as files_version
 from .dataversion import forget
-from .imagecache import cache_fits, decode_cached
+from .imagecache import decode_cached
 from .imagefolder import UnreadableImage
 from .loaders import FileSplit, Split, own_normalization
 from .loaders import build_loader as build_loader  # callers import it from here
@@ -153,8 +153,8 @@ def load_dataset(
     `seed` (pass the same value to every run you compare, so all validate on the same images).
     `mode` (datasets of files): "memory" (decoded once into the memory-mapped cache in
     `data_dir`, imagecache.py), "stream" (decoded every epoch by the loader's workers) or "auto"
-    (the cache, unless `data_dir` lacks the disk space or the address-space limit cannot map
-    it: then stream, with a note). `data_version`: the version of `data_path`
+    (the cache, unless the address-space limit cannot map it: then stream, with a note).
+    `data_version`: the version of `data_path`
     (dataversion.data_version; computed when None). `workers`: processes that decode the cache
     (None: every core; 0 or 1: this process). `augment` (--augment auto/on/off) and
     `spatial_targets` (the task's) decide the training augmentation, `info.augmentation`: pass
@@ -488,10 +488,6 @@ def decoded_bytes(splits) -> int:
 def _why_not_cached(files: list[FileSplit], data_dir: Path, version: str | None) -> str | None:
     """Why the decoded cache cannot serve these splits (None: it can). RAM is no limit: the
     cache is memory-mapped, and the page cache keeps what fits of it."""
-    for split in files:
-        why = cache_fits(split, data_dir, version)
-        if why is not None:
-            return f"{why} in --data-dir {data_dir}"
     headroom = _rlimit_headroom()  # a mapping takes address space, which RLIMIT_AS limits
     need = decoded_bytes(files)
     if headroom is not None and need > headroom // 2:

@@ -18,6 +18,7 @@ and the float resize differ from libjpeg-turbo's and the uint8 one by a level or
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -46,7 +47,7 @@ def choose_gpu_decode(device: torch.device) -> tuple[bool, str]:
     )
 
 
-def jpeg_bytes(path: str) -> np.ndarray | None:
+def jpeg_bytes(path: str) -> torch.Tensor | None:
     """The file's bytes when the GPU decodes it as the CPU would, else None (decode it on the
     CPU). Reads the header only; a file that does not open is the CPU's to refuse."""
     try:
@@ -54,8 +55,8 @@ def jpeg_bytes(path: str) -> np.ndarray | None:
             upright = image.getexif().get(EXIF_ORIENTATION, 1) == 1
             if image.format != "JPEG" or image.mode not in GPU_MODES or not upright:
                 return None
-        with open(path, "rb") as f:
-            return np.frombuffer(f.read(), dtype=np.uint8)
+        # A bytearray: writable, so torch takes it without a copy or a warning.
+        return torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8)
     except DECODE_ERRORS:
         return None
 
@@ -79,12 +80,10 @@ def read_batch(paths: list[str], shape, value_ranges) -> EncodedBatch:
     (imagefolder.decode_image; UnreadableImage names a file that does not decode)."""
     channels, height, width = shape
     decoded = np.zeros((len(paths), height, width, channels), dtype=np.uint8)
-    encoded = []
+    encoded = [jpeg_bytes(path) for path in paths]
     for row, path in enumerate(paths):
-        data = jpeg_bytes(path)
-        if data is None:
+        if encoded[row] is None:
             decoded[row] = decode_image(path, (height, width), channels, value_ranges)
-        encoded.append(None if data is None else torch.from_numpy(data.copy()))
     return EncodedBatch(torch.from_numpy(decoded), encoded, list(paths))
 
 

@@ -26,7 +26,6 @@ import contextlib
 import hashlib
 import json
 import os
-import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,20 +99,17 @@ def scan_image_folder(
         raise ValueError(
             f"--data-path: {root / 'train'} has no class folders (expected train/<class>/*.png)"
         )
-    files, others = _list_images(root, class_names)
-    total = sum(map(len, files.values()))
-    if total == 0:
-        raise ValueError(f"--data-path: no images ({', '.join(IMAGE_EXTENSIONS)}) under {root}")
-
+    files, others = _list_images(root, class_names)  # every class of train has an image
     checked = _check_images(
         root, [p for found in files.values() for p, _ in found], report_dir, version
     )
+    total = len(checked)
     readable = {
         s: [(p, y) for p, y in found if not isinstance(checked[p], str)]
         for s, found in files.items()
     }
     unreadable = [f"{p}\t{why}" for p, why in checked.items() if isinstance(why, str)]
-    infos = [checked[p] for found in readable.values() for p, _ in found]  # (w, h, mode, low, high)
+    infos = [info for info in checked.values() if not isinstance(info, str)]  # (w, h, mode, ...)
     sizes, modes = {(w, h) for w, h, *_ in infos}, {mode for _, _, mode, _, _ in infos}
     int_max = max((high for _, _, mode, _, high in infos if mode in INT_MODES), default=0)
     floats = [(low, high) for _, _, mode, low, high in infos if mode == "F"]
@@ -126,7 +122,12 @@ def scan_image_folder(
             f"read are {', '.join(IMAGE_EXTENSIONS)}"
         )
     if unreadable:
-        listing = _write_unreadable_list(root, unreadable, report_dir)
+        # Next to the caches (the data folder may be read-only), replaced atomically: a link
+        # planted at its name is replaced, never written through.
+        key = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:8]
+        listing = Path(report_dir or root) / f"unreadable-images-{root.name}-{key}.txt"
+        listing.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(listing, "\n".join(unreadable) + "\n")
         if len(unreadable) > MAX_UNREADABLE_FRACTION * total:
             raise ValueError(
                 f"--data-path: {len(unreadable)} of {total} images are unreadable "
@@ -147,9 +148,7 @@ def scan_image_folder(
     bits = next((b for b in BIT_DEPTHS if int_max < 2**b), BIT_DEPTHS[-1])
     return FolderScan(
         files={
-            s: ([p for p, _ in found], [y for _, y in found])
-            for s, found in readable.items()
-            if found
+            s: tuple(map(list, zip(*found, strict=True))) for s, found in readable.items() if found
         },
         class_names=class_names,
         channels=1 if modes <= GREY_MODES else 3,  # RGBA, palette, CMYK... become RGB
@@ -180,7 +179,7 @@ def _list_images(root: Path, class_names: list[str]):
                     f"--data-path: class {class_dir.name!r} is in {split}/ but not "
                     f"in train/ (train has: {', '.join(class_names)})"
                 )
-            found = 0
+            listed = len(files[split])
             for entry in sorted(os.scandir(class_dir), key=lambda e: e.name):
                 ext = os.path.splitext(entry.name)[1].lower()
                 if is_hidden(entry.name) or not entry.is_file():
@@ -197,8 +196,7 @@ def _list_images(root: Path, class_names: list[str]):
                     )
                 owner[st.st_dev, st.st_ino] = f"{split}/{class_dir.name} ({entry.path})"
                 files[split].append((entry.path, class_names.index(class_dir.name)))
-                found += 1
-            if not found and split == "train":
+            if split == "train" and len(files[split]) == listed:
                 raise ValueError(
                     f"--data-path: class folder {class_dir} has no images "
                     f"({', '.join(IMAGE_EXTENSIONS)})"
@@ -214,16 +212,13 @@ def _check_images(root: Path, paths: list[str], report_dir: Path | None, version
     """
     cache = check_cache_path(root, report_dir, version)
     relative = [os.path.relpath(p, root) for p in paths]  # the folder may move: its cache stays
-    with contextlib.ExitStack() as stack:
-        if cache is not None:
-            with contextlib.suppress(OSError):  # a read-only --data-dir: check without caching
-                stack.enter_context(file_lock(cache))
+    # A --data-dir that cannot hold it: one error line (data.load_dataset names the flag).
+    with file_lock(cache) if cache is not None else contextlib.nullcontext():
         checked = (cache and read_json_cache(cache)) or {}
         if not all(r in checked for r in relative):
             checked = {r: _inspect(p) for r, p in zip(relative, paths, strict=True)}
             if cache is not None:
-                with contextlib.suppress(OSError):
-                    atomic_write_text(cache, json.dumps(checked))
+                atomic_write_text(cache, json.dumps(checked))
     return {p: checked[r] for p, r in zip(paths, relative, strict=True)}
 
 
@@ -238,16 +233,6 @@ def _inspect(path: str) -> list | str:
             return [width, height, image.mode, float(low), float(high)]  # as JSON reads it
     except DECODE_ERRORS as e:
         return f"{type(e).__name__}: {e}"
-
-
-def _write_unreadable_list(root: Path, lines: list[str], report_dir: Path | None) -> Path:
-    """The list goes next to the caches (the data folder may be read-only), replaced
-    atomically: a link planted at its name is replaced, never written through."""
-    key = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:8]
-    listing = Path(report_dir or root) / f"unreadable-images-{root.name}-{key}.txt"
-    listing.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(listing, "\n".join(lines) + "\n")
-    return listing
 
 
 def decode_image(
@@ -266,23 +251,20 @@ def decode_image(
     height, width = size
     try:
         with Image.open(path) as image:
-            w, h = image.size
+            w, h = image.size  # as stored; the target as stored too (turned: width and height)
             orientation = image.getexif().get(EXIF_ORIENTATION, 1)
-            turned = orientation in TRANSPOSED
-            if turned:
-                w, h = h, w
-            scale = max(width / w, height / h)
+            target = (height, width) if orientation in TRANSPOSED else (width, height)
+            scale = max(target[0] / w, target[1] / h)
             # JPEG only: decode at a reduced DCT scale that still covers the target.
-            need = (round(w * scale + 0.5), round(h * scale + 0.5))
-            image.draft(None, need[::-1] if turned else need)
+            image.draft(None, (round(w * scale + 0.5), round(h * scale + 0.5)))
             if orientation != 1:  # exif_transpose copies even an upright image: 1 ms at 500 px
                 image = ImageOps.exif_transpose(image)
-            pixels = np.asarray(_to_8bit(image, channels, value_ranges or {}))  # read-only
+            image = _to_8bit(image, channels, value_ranges or {})
+            # A bytearray: writable, so torch takes it without a warning (one copy, ~50 us).
+            pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
     except DECODE_ERRORS as e:
         raise UnreadableImage(path, f"{type(e).__name__}: {e}") from e
-    with warnings.catch_warnings():  # torch warns of read-only pixels, and only reads them
-        warnings.simplefilter("ignore", UserWarning)
-        hwc = torch.from_numpy(pixels.reshape(*pixels.shape[:2], channels))
+    hwc = pixels.view(image.height, image.width, channels)
     return cover_resize(hwc.permute(2, 0, 1), height, width).permute(1, 2, 0).numpy()
 
 
