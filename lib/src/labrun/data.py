@@ -209,7 +209,7 @@ def load_dataset(
             "streaming needs a dataset of image files (e.g. folder)"
         )
     notes = list(raw.notes)
-    why_not = _why_not_cached(files, data_dir, data_version) if files and mode == "auto" else None
+    why_not = _why_not_cached(files) if files and mode == "auto" else None
     if why_not:
         notes.append(f"--data-mode auto: streaming (decoded every epoch): {why_not}")
     source = _image_source(mode, why_not, files) if files else ""  # run.log's `images from:`
@@ -485,7 +485,7 @@ def decoded_bytes(splits) -> int:
     return sum(held_bytes(split) for split in splits)
 
 
-def _why_not_cached(files: list[FileSplit], data_dir: Path, version: str | None) -> str | None:
+def _why_not_cached(files: list[FileSplit]) -> str | None:
     """Why the decoded cache cannot serve these splits (None: it can). RAM is no limit: the
     cache is memory-mapped, and the page cache keeps what fits of it."""
     headroom = _rlimit_headroom()  # a mapping takes address space, which RLIMIT_AS limits
