@@ -359,9 +359,7 @@ class Run:
         stopper = EarlyStopping(
             args.patience, start_epoch=patience_from, mode=self.task.direction(self.task.monitor)
         )
-        ident = self.config["config_hash"]
-        state = TrainingState(objects, stopper, self.train_sums, self.device, self.amp_dtype, ident)
-        self.state, state.dist, state.log, state.progress = state, dist, self.log, self.progress
+        self.state = state = TrainingState(objects, stopper, self.train_sums, self)
         if self.tool:
             return
         # Arrays keep their run name across data versions: a resume on other data is refused.
@@ -387,13 +385,10 @@ class Run:
             tags = {**provenance(self.log), "run_dir": str(out), "device": str(self.device)}
             tags.update(amp_dtype=str(self.amp_dtype), compile=args.compile)
             tags.update(workers=str(args.workers), world_size=str(dist.world))
-        try:  # config.json, status running, its MLflow run (rank 0 writes)
-            record = jobs.Record(out, self.config, args, self.log, self.held, dist, params, tags)
-            self.record = record
-        except OSError as exc:  # e.g. the disk filled since the start-up check
-            runs.try_write_status(out, "failed")
-            message = f"{exc.strerror} writing {exc.filename or out}"
-            raise _Exit(error(message, EXIT_FAILED)) from exc
+        # config.json, status running, its MLflow run (rank 0 writes); an OSError here (the
+        # disk filled since the start-up check) is _body's: one `error:` line, exit 1
+        record = jobs.Record(out, self.config, args, self.log, self.held, dist, params, tags)
+        self.record = record
         self.stop.on_force_exit = self.record.force_exited  # 130 leaves "interrupted"
         steps = f"{self.data_.steps_per_epoch} steps/epoch"
         self.log.info(f"run {out.name} on {self.device} | {steps} | {record.tracker_line()}")
