@@ -64,7 +64,7 @@ from .config import (
     tracking_default,
 )
 from .plan import NotReady  # noqa: F401  (jobs.NotReady: scripts raise it, analyze.py)
-from .stopping import BadGrace, GracefulStop
+from .stopping import GracefulStop
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_BUSY, EXIT_INTERRUPTED = 0, 1, 2, 73, 75
 
@@ -138,7 +138,7 @@ def contract(
     traceback from the project's function reads main -> lifecycle -> contract -> body."""
     try:
         stop = GracefulStop()
-    except BadGrace as exc:  # LAB_STOP_GRACE_S is not a number of seconds
+    except ValueError as exc:  # LAB_STOP_GRACE_S is not a number of seconds
         return error(str(exc), EXIT_USAGE)
     ran = False
     with stop:  # first: a stop signal at any later moment still ends in 75

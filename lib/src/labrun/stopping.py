@@ -54,19 +54,15 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 HANDLER_LATENCY_S = 2.0  # a main thread that runs Python takes up a signal far sooner
 
 
-class BadGrace(ValueError):
-    """LAB_STOP_GRACE_S is not a number of seconds >= 0."""
-
-
 def grace_from_env() -> float:
-    """LAB_STOP_GRACE_S as seconds >= 0 (default 120); BadGrace with one line otherwise."""
+    """LAB_STOP_GRACE_S as seconds >= 0 (default 120); ValueError with one line otherwise."""
     text = os.environ.get(GRACE_ENV, "").strip()
     try:
         value = float(text) if text else DEFAULT_GRACE_S
     except ValueError:
         value = -1.0
     if not 0 <= value < math.inf:  # NaN too; 0: any second signal forces the exit
-        raise BadGrace(f"{GRACE_ENV}={text!r}: expected a number of seconds >= 0")
+        raise ValueError(f"{GRACE_ENV}={text!r}: expected a number of seconds >= 0")
     return value
 
 
