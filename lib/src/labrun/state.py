@@ -15,7 +15,6 @@ checkpoint's copy wins: best_model.pt is rewritten from it.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from pathlib import Path
 
@@ -23,7 +22,6 @@ import torch
 
 from . import checkpoint as ckpt
 from . import runs
-from .distributed import Dist
 from .stopping import EarlyStopping
 
 
@@ -86,14 +84,12 @@ class TrainingState:
     off, a run without scheduler): None is recorded, and a checkpoint that disagrees is refused.
     """
 
-    def __init__(
-        self, objects: dict, stopper: EarlyStopping, sums: TrainSums, device, dtype, config_hash
-    ) -> None:
-        self.objects, self.stopper, self.sums, self.device = objects, stopper, sums, device
-        self.dtype, self.config_hash = dtype, config_hash
-        self.dist = Dist()  # torchrun: Run sets its own; rank 0 writes, with every rank's part
-        self.log = logging.getLogger(__name__)
-        self.progress = Progress()
+    def __init__(self, objects: dict, stopper: EarlyStopping, sums: TrainSums, run) -> None:
+        """`run` (session.Run): its device, precision, config hash, torchrun (rank 0 writes,
+        with every rank's part), run.log and progress."""
+        self.objects, self.stopper, self.sums = objects, stopper, sums
+        self.device, self.dtype, self.dist, self.log = run.device, run.amp_dtype, run.dist, run.log
+        self.config_hash, self.progress = run.config["config_hash"], run.progress
         self._clock = time.perf_counter()
 
     def precision(self) -> dict:
