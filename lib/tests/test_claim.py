@@ -57,7 +57,7 @@ def test_kernel_frees_the_claim_when_the_holder_is_killed(tmp_path):
     stop(proc, signal.SIGKILL)  # no clean-up code runs: the kernel drops the lock
     assert holder(run_dir) is None
     with claim(run_dir) as held:
-        assert held.held
+        assert held.still_ours()
         assert f"pid={os.getpid()} " in (run_dir / LOCK_FILE).read_text()
 
 

@@ -68,16 +68,12 @@ def set_rng_state(state: dict, device: torch.device) -> str | None:
 
 def save(path: Path, state: dict) -> None:
     """torch.save to a temp file, then os.replace: the old checkpoint survives a crash mid-write."""
-    _save({"format_version": FORMAT_VERSION, **state}, path)
+    save_weights(path, {"format_version": FORMAT_VERSION, **state})
 
 
-def save_weights(path: Path, state_dict: dict) -> None:
-    """A plain state_dict (no extra keys), atomically: what `load_state_dict(strict=True)` takes."""
-    _save(state_dict, path)
-
-
-def _save(obj, path: Path) -> None:
-    """Atomically, and a full disk is an OSError naming `path` (the run's disk message): given
+def save_weights(path: Path, obj: dict) -> None:
+    """`obj` (best_model.pt: a plain state_dict, what `load_state_dict(strict=True)` takes)
+    atomically, and a full disk is an OSError naming `path` (the run's disk message): given
     a path, torch.save reports it as `RuntimeError: [enforce fail at inline_container.cc]`;
     given a Python file, the file's own OSError is that RuntimeError's context, or raised."""
     with atomic_path(path) as tmp:

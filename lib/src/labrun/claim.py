@@ -36,7 +36,6 @@ from .runs import LOCK as LOCK_FILE
 # holder() takes the lock for an instant to see whether it is free; a claim that collides with
 # such a probe tries again for this long before reporting Busy, so a look never blocks a start.
 _RETRY_S = 0.2
-_RETRY_EVERY_S = 0.01
 STOPPING = "stopping"  # field in the lock file: the holder got a stop signal and is exiting
 
 
@@ -85,10 +84,6 @@ class Claim:
         if self._fd is not None:
             os.close(self._fd)  # closing the last descriptor drops the flock
             self._fd = None
-
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
 
     def still_ours(self) -> bool:
         """True while the file at <run_dir>/.lock is the one this claim locked (same device and
@@ -171,7 +166,7 @@ def claim(run_dir: str | os.PathLike) -> Claim:
         except BlockingIOError:  # held; any other OSError (no flock here) ends the job
             if time.monotonic() < deadline:
                 os.close(fd)
-                time.sleep(_RETRY_EVERY_S)
+                time.sleep(0.01)
                 continue
             who = _describe(_read(fd))
             os.close(fd)

@@ -53,21 +53,41 @@ from .config import (
     TRACKING_ENV,
     Parser,
     UsageError,
+    _add_field,
     _directory,
     _experiment,
     changed_args,
+    fields_of,
+    flag,
     readable_name,
     short_hash,
     tracking_default,
 )
 from .plan import NotReady  # noqa: F401  (jobs.NotReady: scripts raise it, analyze.py)
-from .stopping import BadGrace, GracefulStop
+from .stopping import GracefulStop
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_BUSY, EXIT_INTERRUPTED = 0, 1, 2, 73, 75
-# The flags parser() adds: how a job runs, never what it computes, so out of its identity.
-COMMON_KEYS = frozenset(
-    {"results_dir", "fresh", "print_run_dir", "experiment", "tracking", "init_tracking"}
-)
+
+
+@dataclass
+class JobFlags:
+    """The flags parser() adds: how a job runs, never what it computes, so out of its identity
+    (the same fields as run.py's, config.Execution and config.Tools, with a job's help)."""
+
+    results_dir: Path = flag(None, "parent of this script's run directories", parse=_directory)
+    fresh: bool = flag(False, "delete this job's directory contents and redo it")
+    print_run_dir: bool = flag(False, "print the absolute run directory and exit (no torch)")
+    experiment: str = flag(DEFAULT_EXPERIMENT, "MLflow experiment name", parse=_experiment)
+    tracking: str = flag(
+        "on", f"log to MLflow (off: only the run directory; also {TRACKING_ENV}=off)",
+        choices=("on", "off"),
+    )  # fmt: skip
+    init_tracking: bool = flag(
+        False, "create the MLflow DB and experiment, then exit (sweeps call it once)"
+    )
+
+
+COMMON_KEYS = frozenset(f.name for f, _ in fields_of(JobFlags))
 
 
 class Interrupted(Exception):
@@ -87,34 +107,9 @@ def parser(prog: str, description: str, results_dir: str | Path) -> argparse.Arg
         prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     j = p.add_argument_group("job (not part of the identity)")
-    j.add_argument(
-        "--results-dir",
-        type=_directory,
-        default=PROJECT_ROOT / results_dir,
-        help="parent of this script's run directories",
-    )
-    j.add_argument(
-        "--fresh", action="store_true", help="delete this job's directory contents and redo it"
-    )
-    j.add_argument(
-        "--print-run-dir",
-        action="store_true",
-        help="print the absolute run directory and exit (imports no torch)",
-    )
-    j.add_argument(
-        "--experiment", type=_experiment, default=DEFAULT_EXPERIMENT, help="MLflow experiment name"
-    )
-    j.add_argument(
-        "--tracking",
-        choices=("on", "off"),
-        default=tracking_default(),
-        help=f"log to MLflow (off: only the run directory; also {TRACKING_ENV}=off)",
-    )
-    j.add_argument(
-        "--init-tracking",
-        action="store_true",
-        help="create the MLflow DB and experiment, then exit (sweeps call it once)",
-    )
+    for field_, kind in fields_of(JobFlags):
+        _add_field(j, field_, kind)
+    p.set_defaults(results_dir=PROJECT_ROOT / results_dir, tracking=tracking_default())
     return p
 
 
@@ -143,7 +138,7 @@ def contract(
     traceback from the project's function reads main -> lifecycle -> contract -> body."""
     try:
         stop = GracefulStop()
-    except BadGrace as exc:  # LAB_STOP_GRACE_S is not a number of seconds
+    except ValueError as exc:  # LAB_STOP_GRACE_S is not a number of seconds
         return error(str(exc), EXIT_USAGE)
     ran = False
     with stop:  # first: a stop signal at any later moment still ends in 75
@@ -332,30 +327,24 @@ def main(
         tags["job"] = sys.argv[0]
         record = Record(out, config, args, job.log, held, dist, identity, tags, what="job")
         stop.on_force_exit = record.force_exited  # exit 130 leaves "interrupted"
-        return _work(job, work, record, started)
+        try:  # recorded as it ends: finished, interrupted or failed
+            try:
+                metrics = work(job)
+            except Interrupted as exc:
+                record.interrupted(str(exc))
+                return EXIT_INTERRUPTED
+            if not isinstance(metrics, dict) or not metrics:
+                raise TypeError(f"work() must return a non-empty dict of metrics, got {metrics!r}")
+            metrics["wall_time_s"] = time.monotonic() - started
+            record.finished(metrics, artifacts=job.artifacts)
+            job.log.info(f"finished: {job.out}")
+            return EXIT_OK
+        except Exception as exc:  # failed: one line here, the traceback in run.log and MLflow
+            return record.failed(exc)
+        finally:
+            record.close()
 
     return contract(argv, lambda a: (parser.parse_args(a), parser), locate, body, program=work)
-
-
-def _work(job: Job, work: Callable[[Job], dict], record: Record, started: float) -> int:
-    """`work(job)`, recorded as it ends: finished, interrupted or failed."""
-    try:
-        try:
-            metrics = work(job)
-        except Interrupted as exc:
-            record.interrupted(str(exc))
-            return EXIT_INTERRUPTED
-        if not isinstance(metrics, dict) or not metrics:
-            raise TypeError(f"work() must return a non-empty dict of metrics, got {metrics!r}")
-        record.finished(
-            {**metrics, "wall_time_s": time.monotonic() - started}, artifacts=job.artifacts
-        )
-        job.log.info(f"finished: {job.out}")
-        return EXIT_OK
-    except Exception as exc:  # failed: one line here, the traceback in run.log and MLflow
-        return record.failed(exc)
-    finally:
-        record.close()
 
 
 # ---- what every job leaves behind --------------------------------------------------------------
@@ -397,7 +386,7 @@ class Record:
             system_metrics=what == "run",  # a job that does not train: no machine samples
         )
 
-    def _ours(self) -> bool:
+    def ours(self) -> bool:
         """Whether this process writes the record (rank 0), once it checked that the run
         directory is still its own (else LostClaim)."""
         if self.writes:
@@ -414,31 +403,14 @@ class Record:
         return f"MLflow run {self.tracker.run_id or 'not reached (continuing without)'}"
 
     def checkpoint(self, state) -> None:
-        self._ours()
+        self.ours()
         state.save(self.out / runs.CHECKPOINT)  # the other ranks send their part, write nothing
         self.last_checkpoint = time.monotonic()
-
-    def save_best(self, stopper) -> None:
-        """best_model.pt: early stopping's best weights, a plain state_dict."""
-        if self._ours():
-            from .checkpoint import save_weights
-
-            save_weights(self.out / runs.BEST_MODEL, stopper.best_state)
-            best = f"{stopper.best_score:.4g}, epoch {stopper.best_epoch}"
-            self.log.info(f"best so far ({best}): best_model.pt")
-
-    def epoch_done(self, history: list[dict], line: str) -> None:
-        """history.csv and MLflow hold `history`; run.log says `line`."""
-        if not self._ours():
-            return
-        runs.write_history(self.out, history)
-        self.tracker.log_history(history)
-        self.log.info(line)
 
     def interrupted(self, signal_name: str, progress=None) -> None:
         """Status interrupted, MLflow KILLED. `progress`: a training run's (state.Progress),
         which resumes from its checkpoint; a job without one is redone."""
-        if not self._ours():
+        if not self.ours():
             return
         runs.write_status(self.out, "interrupted")
         self.tracker.end("KILLED", progress.history if progress else [])
@@ -457,7 +429,7 @@ class Record:
         """MLflow FINISHED (the numbers of `metrics`, `tags`, config.json and `artifacts`
         attached), status finished, then metrics.json with the MLflow run's id: last, its
         existence means done. `history`: a training run's rows, history.csv written again."""
-        if not self._ours():
+        if not self.ours():
             return
         if history is not None:
             runs.write_history(self.out, history)

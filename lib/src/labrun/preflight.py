@@ -44,10 +44,10 @@ class Needs:
 
     def parts(self, *, host_copy: bool) -> str:
         """What holds the bytes, the parts that hold none left out."""
-        best = self.best if host_copy else 0
-        named = [("parameters", self.parameters), ("gradients and AdamW state", self.training)]
-        named += [("EMA", self.ema), ("best weights", best), ("activations", self.activations)]
-        return ", ".join(f"{name} {size_text(n)}" for name, n in named if n)
+        named = {"parameters": self.parameters, "gradients and AdamW state": self.training}
+        named.update(EMA=self.ema, activations=self.activations)
+        named["best weights"] = self.best if host_copy else 0
+        return ", ".join(f"{name} {size_text(n)}" for name, n in named.items() if n)
 
 
 def estimate(model, batch_shape: tuple[int, ...], *, ema: bool, half: bool) -> Needs:
@@ -92,6 +92,7 @@ def check_memory(args, info, device, amp_dtype, *, micro_batch: int) -> str:
     from .data import available_ram_bytes
     from .models import create_model
 
+    own = getattr(args, "model_args", None) or {}  # --model-args, as config.py parsed them
     try:
         with torch.device("meta"):
             model = create_model(
@@ -101,7 +102,7 @@ def check_memory(args, info, device, amp_dtype, *, micro_batch: int) -> str:
                 image_size=info.image_size,
                 input_shape=info.input_shape,
                 width=args.width,
-                **_own(args),
+                **own,
             )
     except ValueError:
         raise  # a misfit of the model's own arguments: bad input as run.py's build says it
@@ -111,43 +112,33 @@ def check_memory(args, info, device, amp_dtype, *, micro_batch: int) -> str:
     # run.py's --ema; amp_dtype is bf16 or fp16 when set: activations of 2 bytes
     needs = estimate(model, shape, ema=getattr(args, "ema", 0) > 0, half=amp_dtype is not None)
     on_gpu = device.type == "cuda"
-    host_need = needs.best + (0 if on_gpu else needs.on_device())
-    host = f"best weights {size_text(host_need)}" if on_gpu else needs.parts(host_copy=True)
-    places = [("host memory", host_need, host, available_ram_bytes())]  # None: no limit known
-    if on_gpu:
-        gpu_free = torch.cuda.mem_get_info(device)[0]
-        places.append(
-            (f"memory on {device}", needs.on_device(), needs.parts(host_copy=False), gpu_free)
-        )
+    if on_gpu:  # the best weights on the host, the rest on the GPU
+        host = needs.best, f"best weights {size_text(needs.best)}"
+        gpu = needs.on_device(), needs.parts(host_copy=False), torch.cuda.mem_get_info(device)[0]
+    else:
+        host = needs.best + needs.on_device(), needs.parts(host_copy=True)
+    places = [("host memory", *host, available_ram_bytes())]  # None: no limit known
+    places += [(f"memory on {device}", *gpu)] if on_gpu else []
     problems = [
         f"{size_text(need)} of {where} ({detail}) but {size_text(free)} is free"
         for where, need, detail, free in places
         if free is not None and need > free
     ]
     if problems:
-        flags, advice = _advice(args, needs)
-        needed = " and ".join(problems)
-        raise UsageError(f"{flags}: training needs about {needed}; choose {advice}")
+        # the flags that size the model, then those that shrink what does not fit: the model,
+        # and the batch when the activations are a sizeable part of it
+        given = f" --width {args.width}" if args.width is not None else ""
+        given += f" --model-args {','.join(f'{k}={v}' for k, v in own.items())}" if own else ""
+        flags = ["a smaller --width"] if args.width is not None else []
+        flags = flags + (["smaller --model-args"] if own else []) or ["a smaller --model"]
+        if needs.activations * 4 >= needs.on_device():
+            flags.append("a smaller --batch-size (with --grad-accum to keep the effective batch)")
+        raise UsageError(
+            f"--model {args.model}{given}, --batch-size {args.batch_size}: training needs about "
+            f"{' and '.join(problems)}; choose {' or '.join(flags)}"
+        )
     total = needs.on_device() + needs.best
     return f"training needs about {size_text(total)} ({needs.parts(host_copy=True)})"
-
-
-def _advice(args, needs: Needs) -> str:
-    """The flags given that size the model, then the flags that shrink what does not fit: the
-    model's size, and the batch when the activations are a sizeable part of it."""
-    own = ",".join(f"{k}={v}" for k, v in _own(args).items())
-    given = f" --width {args.width}" if args.width is not None else ""
-    given += f" --model-args {own}" if own else ""
-    flags = ["a smaller --width"] if args.width is not None else []
-    flags += ["smaller --model-args"] if own else []
-    flags = flags or ["a smaller --model"]
-    if needs.activations * 4 >= needs.on_device():
-        flags.append("a smaller --batch-size (with --grad-accum to keep the effective batch)")
-    return f"--model {args.model}{given}, --batch-size {args.batch_size}", " or ".join(flags)
-
-
-def _own(args) -> dict:
-    return getattr(args, "model_args", None) or {}  # --model-args, as config.py parsed them
 
 
 def forward_problem(model, batch, loss_fn, dtype) -> str | None:

@@ -82,13 +82,12 @@ def is_tool(args) -> bool:
     return bool(args.find_lr or args.find_batch_size or args.profile)
 
 
-def lifecycle(argv: list[str] | None, train, config: type | None = None, *, tool=False) -> int:
+def lifecycle(argv: list[str] | None, train, config: type, *, tool=False) -> int:
     """run.py's main(): --plan, --print-run-dir, skip when done, the claim (exit 73), torchrun's
     ranks (rank 0 writes); then `train(Run)` with every failure mapped to its exit code.
     `config`: run.py's Config dataclass, the method's flags (config.flag). `tool`: a tool run
     whatever the flags (nothing resumed or recorded, also when the run is done: capture_step)."""
-    if config is not None:
-        use_config(config)
+    use_config(config)
     body = functools.partial(_body, train, tool)
     redo = (lambda args: True) if tool else is_tool
     return jobs.contract(argv, parse_args, run_dir, body, redo=redo, ranks=True, program=train)
@@ -341,9 +340,7 @@ class Run:
         stopper = EarlyStopping(
             args.patience, start_epoch=patience_from, mode=self.task.direction(self.task.monitor)
         )
-        ident = self.config["config_hash"]
-        state = TrainingState(objects, stopper, self.train_sums, self.device, self.amp_dtype, ident)
-        self.state, state.dist, state.log, state.progress = state, dist, self.log, self.progress
+        self.state = state = TrainingState(objects, stopper, self.train_sums, self)
         if self.tool:
             return
         # Arrays keep their run name across data versions: a resume on other data is refused.
@@ -369,13 +366,10 @@ class Run:
             tags = {**provenance(self.log), "run_dir": str(out), "device": str(self.device)}
             tags.update(amp_dtype=str(self.amp_dtype), compile=args.compile)
             tags.update(workers=str(args.workers), world_size=str(dist.world))
-        try:  # config.json, status running, its MLflow run (rank 0 writes)
-            record = jobs.Record(out, self.config, args, self.log, self.held, dist, params, tags)
-            self.record = record
-        except OSError as exc:  # e.g. the disk filled since the start-up check
-            runs.try_write_status(out, "failed")
-            message = f"{exc.strerror} writing {exc.filename or out}"
-            raise _Exit(error(message, EXIT_FAILED)) from exc
+        # config.json, status running, its MLflow run (rank 0 writes); an OSError here (the
+        # disk filled since the start-up check) is _body's: one `error:` line, exit 1
+        record = jobs.Record(out, self.config, args, self.log, self.held, dist, params, tags)
+        self.record = record
         self.stop.on_force_exit = self.record.force_exited  # 130 leaves "interrupted"
         steps = f"{self.data_.steps_per_epoch} steps/epoch"
         self.log.info(f"run {out.name} on {self.device} | {steps} | {record.tracker_line()}")
@@ -575,10 +569,8 @@ class Run:
 
     def _epoch_trained(self) -> None:
         """The epoch's training time into progress (once: at its end, or at a stop)."""
-        if self._t0 is None:
-            return
         p, busy = self.progress, self._busy
-        train_s, self._t0 = self._now() - self._t0, None
+        train_s = self._now() - self._t0
         self._bar.close()
         if busy is not None:
             busy.close(p.step - self._first_step)
@@ -632,23 +624,31 @@ class Run:
             }
         )
         row = p.history[-1]
-        self.record.epoch_done(
-            p.history,
-            f"epoch {p.epoch}/{args.epochs} step {p.step} | lr {row['lr']:.2e} | "
-            f"train {metrics_line(row, 'train_')} | val {metrics_line(row, 'val_')} | "
-            f"{row['epoch_time_s']:.1f}s {row['samples_per_sec']:.0f} samples/s",
-        )
+        if self.record.ours():  # history.csv, MLflow, run.log
+            runs.write_history(self.out, p.history)
+            self.record.tracker.log_history(p.history)
+            self.log.info(
+                f"epoch {p.epoch}/{args.epochs} step {p.step} | lr {row['lr']:.2e} | "
+                f"train {metrics_line(row, 'train_')} | val {metrics_line(row, 'val_')} | "
+                f"{row['epoch_time_s']:.1f}s {row['samples_per_sec']:.0f} samples/s"
+            )
         return row
 
     def save_best(self) -> None:
-        """best_model.pt: the best weights run.stopper holds (after its update said "new best")."""
-        self.record.save_best(self.state.stopper)
+        """best_model.pt: the best weights run.stopper holds (after its update said "new best"),
+        a plain state_dict."""
+        from .checkpoint import save_weights
 
-    def checkpoint(self, every: float | None = None) -> None:
-        """checkpoint.pt (every object given to restore, progress, RNG, early stopping) now, or
-        only once `every` seconds have passed since the last (rank 0's clock decides for all)."""
-        due = every is None or time.monotonic() - self.record.last_checkpoint >= every
-        if every is None or self.dist.decide(due):
+        if self.record.ours():
+            stopper = self.state.stopper
+            save_weights(self.out / runs.BEST_MODEL, stopper.best_state)
+            best = f"{stopper.best_score:.4g}, epoch {stopper.best_epoch}"
+            self.log.info(f"best so far ({best}): best_model.pt")
+
+    def checkpoint(self, every: float) -> None:
+        """checkpoint.pt (every object given to restore, progress, RNG, early stopping) once
+        `every` seconds have passed since the last (0: now; rank 0's clock decides for all)."""
+        if self.dist.decide(time.monotonic() - self.record.last_checkpoint >= every):
             self.record.checkpoint(self.state)
 
     def restore_best(self, model) -> None:

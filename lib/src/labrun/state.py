@@ -5,17 +5,16 @@ timers, early stopping, the partial epoch's metric sums and every object run.py 
 `run.restore(model=..., optimizer=..., ...)` (by its `state_dict()`), so saving and resuming are
 one call each. The library assumes nothing of those objects but `state_dict()` /
 `load_state_dict()`: any optimizer, a scheduler or None, any number of parameter groups.
+A checkpoint written under another precision (autocast dtype, GradScaler) is refused.
 The best weights are in the checkpoint too, not only in best_model.pt (a plain state_dict,
 written at every new best): a hard kill after a new best_model.pt but before the next checkpoint
 would otherwise resume with the weights of an epoch the checkpoint has not reached. On resume the
-checkpoint's copy wins and best_model.pt is rewritten from it when they differ.
+checkpoint's copy wins: best_model.pt is rewritten from it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
 import time
 from pathlib import Path
 
@@ -23,7 +22,6 @@ import torch
 
 from . import checkpoint as ckpt
 from . import runs
-from .distributed import Dist
 from .stopping import EarlyStopping
 
 
@@ -79,24 +77,6 @@ class TrainSums:
         self.seen = sums["seen"]
 
 
-def load_scaler(scaler, saved: dict, then: dict, now: dict, log) -> None:
-    """Continue under this run's precision, whatever the checkpoint's (a requeue may land on a GPU
-    without bf16, or with it): the GradScaler's state is taken over when both use one, dropped
-    when this run needs none, and started afresh when only this run needs one (its first steps
-    then find the scale again). run.log says which."""
-    if then["autocast"] != now["autocast"]:
-        log.warning(
-            f"precision: the checkpoint was written under {then['autocast']}, this run "
-            f"continues under {now['autocast']}"
-        )
-    if then["grad_scaler"] and now["grad_scaler"]:
-        scaler.load_state_dict(saved)
-    elif then["grad_scaler"]:
-        log.warning("precision: the checkpoint's GradScaler state is dropped (not needed)")
-    elif now["grad_scaler"]:
-        log.warning(f"precision: a new GradScaler starts at scale {scaler.get_scale():g}")
-
-
 class TrainingState:
     """Progress + registered objects + early stopping + sums, checkpointed and restored together.
 
@@ -104,14 +84,12 @@ class TrainingState:
     off, a run without scheduler): None is recorded, and a checkpoint that disagrees is refused.
     """
 
-    def __init__(
-        self, objects: dict, stopper: EarlyStopping, sums: TrainSums, device, dtype, config_hash
-    ) -> None:
-        self.objects, self.stopper, self.sums, self.device = objects, stopper, sums, device
-        self.dtype, self.config_hash = dtype, config_hash
-        self.dist = Dist()  # torchrun: Run sets its own; rank 0 writes, with every rank's part
-        self.log = logging.getLogger(__name__)
-        self.progress = Progress()
+    def __init__(self, objects: dict, stopper: EarlyStopping, sums: TrainSums, run) -> None:
+        """`run` (session.Run): its device, precision, config hash, torchrun (rank 0 writes,
+        with every rank's part), run.log and progress."""
+        self.objects, self.stopper, self.sums = objects, stopper, sums
+        self.device, self.dtype, self.dist, self.log = run.device, run.amp_dtype, run.dist, run.log
+        self.config_hash, self.progress = run.config["config_hash"], run.progress
         self._clock = time.perf_counter()
 
     def precision(self) -> dict:
@@ -146,6 +124,12 @@ class TrainingState:
         """Every registered object from the checkpoint's copy (strict: refused when it differs)."""
         from .checkpoint import CheckpointError, load_model_state
 
+        if saved["precision"] != self.precision():  # GradScaler states do not carry over
+            then, now = saved["precision"]["autocast"], self.precision()["autocast"]
+            raise CheckpointError(
+                f"the checkpoint was written under {then}, this run would go on under {now} "
+                "(another GPU, or --amp); re-run with the same precision, or --fresh"
+            )
         for name, obj in self.objects.items():
             if name not in saved:
                 raise CheckpointError(f"the checkpoint holds no {name!r}")
@@ -153,9 +137,7 @@ class TrainingState:
                 raise CheckpointError(f"the checkpoint's {name!r} setting differs from this run's")
             if obj is None:
                 continue
-            if isinstance(obj, torch.amp.GradScaler):
-                load_scaler(obj, saved[name], saved["precision"], self.precision(), self.log)
-            elif isinstance(obj, torch.nn.Module):
+            if isinstance(obj, torch.nn.Module):
                 load_model_state(obj, saved[name], f"the checkpoint's {name}")
             else:
                 obj.load_state_dict(saved[name])
@@ -175,17 +157,9 @@ class TrainingState:
         try:
             state = self.dist.own_state(state, path)
             self.load_objects(state["trainer"])
-            early, on_disk = state["early_stopping"], None
-            if early["best_epoch"] and self.dist.is_main:  # one writer
-                with contextlib.suppress(Exception):  # missing or unreadable: rewritten
-                    on_disk = torch.load(best_model, map_location="cpu", weights_only=True)
-                if not _same_weights(on_disk, early["best_state"]):
-                    self.log.warning(
-                        f"{best_model.name} is not the checkpoint's best (epoch "
-                        f"{early['best_epoch']}): a hard kill came between the two writes; "
-                        "rewritten from the checkpoint"
-                    )
-                    ckpt.save_weights(best_model, early["best_state"])
+            early = state["early_stopping"]
+            if early["best_epoch"] and self.dist.is_main:  # one writer; see the docstring
+                ckpt.save_weights(best_model, early["best_state"])
             self.stopper.load_state_dict(early)
             self.progress = Progress(**state["progress"])
             note = ckpt.set_rng_state(state["rng"], self.device)
@@ -199,7 +173,3 @@ class TrainingState:
         if note:
             self.log.warning(note)
         return True
-
-
-def _same_weights(a: dict | None, b: dict) -> bool:
-    return a is not None and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)

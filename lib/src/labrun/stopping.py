@@ -54,19 +54,15 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 HANDLER_LATENCY_S = 2.0  # a main thread that runs Python takes up a signal far sooner
 
 
-class BadGrace(ValueError):
-    """LAB_STOP_GRACE_S is not a number of seconds >= 0."""
-
-
 def grace_from_env() -> float:
-    """LAB_STOP_GRACE_S as seconds >= 0 (default 120); BadGrace with one line otherwise."""
+    """LAB_STOP_GRACE_S as seconds >= 0 (default 120); ValueError with one line otherwise."""
     text = os.environ.get(GRACE_ENV, "").strip()
     try:
         value = float(text) if text else DEFAULT_GRACE_S
     except ValueError:
         value = -1.0
     if not 0 <= value < math.inf:  # NaN too; 0: any second signal forces the exit
-        raise BadGrace(f"{GRACE_ENV}={text!r}: expected a number of seconds >= 0")
+        raise ValueError(f"{GRACE_ENV}={text!r}: expected a number of seconds >= 0")
     return value
 
 
@@ -87,32 +83,28 @@ class GracefulStop:
         self.requested: str | None = None
         self.on_force_exit: Callable[[], None] | None = None  # e.g. mark the status file
         self.on_request: Callable[[], None] | None = None  # at the first request (claim note)
-        self._first_at = 0.0
         self._seen = 0  # the first stop signal the watchdog saw (0: none yet)
+        self._first_at = 0.0
         self._ignored = 0
         self._old: dict = {}
 
     def _handle(self, signum: int, _frame) -> None:
-        """The main thread's handler: the first stop request. Later signals are the watchdog's
-        (it sees each one, also while this thread waits in C++ and runs no handler)."""
-        name = signal.Signals(signum).name
+        """The main thread's handler: the first stop request. Every signal also reaches the
+        watchdog (_watch), which sees it while this thread waits in C++ and runs no handler."""
         if self.requested is None:
-            self.requested = name
-            self._first_at = self._first_at or time.monotonic()
+            self.requested = name = signal.Signals(signum).name
             self.log.warning(
                 f"{name} received: finishing the current step, then checkpoint and exit"
             )
             if self.on_request is not None:
                 self.on_request()
-        if not _WATCHDOG.running:  # no wakeup fd (not the main thread): decide here
-            self._arrived(signum)
 
     def _arrived(self, signum: int) -> None:
         """Every stop signal, in order (from the watchdog thread): a second Ctrl-C in a
         terminal, or any signal later than the grace after the first, exits at once."""
         now = time.monotonic()
         if not self._seen:
-            self._seen, self._first_at = signum, self._first_at or now
+            self._seen, self._first_at = signum, now
             return
         name = signal.Signals(signum).name
         late = now - self._first_at > self.grace_s
@@ -124,13 +116,6 @@ class GracefulStop:
         if self._ignored == 1:  # one line, however long the burst
             within = f"signals within {self.grace_s:.0f}s are one request"
             self.log.info(f"{name} received again: already stopping ({within})")
-
-    def _overdue(self) -> float | None:
-        """Seconds until a stop request the main thread never took up counts as a hang (None:
-        nothing pending); at 0 the main thread is blocked in C++ and the watchdog exits."""
-        if not self._seen or self.requested is not None:
-            return None
-        return self._first_at + max(self.grace_s, HANDLER_LATENCY_S) - time.monotonic()
 
     def force_exit(self, why: str) -> None:
         """Exit 130 now, from any thread: status `interrupted` (on_force_exit), run.log."""
@@ -146,7 +131,7 @@ class GracefulStop:
             if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
                 continue  # started under nohup: a hang-up is to be ignored, not obeyed
             self._old[sig] = signal.signal(sig, self._handle)
-        _WATCHDOG.watch(self)
+        _watch(self)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -165,49 +150,37 @@ class GracefulStop:
         self._old.clear()
 
 
-class _Watchdog:
-    """One thread per process that reads the signal numbers Python's C-level handler writes to
-    its wakeup fd: it runs while the main thread is blocked in C++, where no Python handler
-    can (a gloo or NCCL collective, the rendezvous)."""
+_watched: list[GracefulStop] = []  # the GracefulStop the watchdog serves: the latest entered
 
-    def __init__(self) -> None:
-        self.stop: GracefulStop | None = None
-        self.running = False
-        self._reader: socket.socket | None = None
 
-    def watch(self, stop: GracefulStop) -> None:
-        self.stop = stop
-        if self.running:
-            return
-        try:
-            reader, writer = socket.socketpair()
-            writer.setblocking(False)
-            signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-        except (OSError, ValueError):  # not the main thread: the handler decides alone
-            return
-        self._reader, self._writer = reader, writer  # kept open for the life of the process
-        self.running = True
-        threading.Thread(target=self._run, name="stop-watchdog", daemon=True).start()
+def _watch(stop: GracefulStop) -> None:
+    """One watchdog thread per process reads the signal numbers Python's C-level handler writes
+    to its wakeup fd: it runs while the main thread is blocked in C++, where no Python handler
+    can (a gloo or NCCL collective, the rendezvous). Called from the main thread (as
+    signal.signal must be), where set_wakeup_fd works."""
+    started = bool(_watched)
+    _watched[:] = [stop]
+    if not started:
+        reader, writer = socket.socketpair()  # both kept open for the life of the process
+        writer.setblocking(False)
+        signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        threading.Thread(target=_watchdog, args=(reader, writer), daemon=True).start()
 
-    def _run(self) -> None:
-        while True:
-            stop = self.stop
-            wait = stop._overdue() if stop is not None else None
-            if wait is not None and wait <= 0:
-                stop.force_exit(
-                    f"{signal.Signals(stop._seen).name} not taken up in "
-                    f"{max(stop.grace_s, HANDLER_LATENCY_S):.0f}s (the process is blocked)"
-                )
-            ready, _, _ = select.select([self._reader], [], [], wait)
-            if not ready:
-                continue
-            for signum in self._reader.recv(64):
-                stop = self.stop  # only while its handler is the one installed for signum
-                if stop is not None and signal.getsignal(signum) == stop._handle:
+
+def _watchdog(reader: socket.socket, _writer: socket.socket) -> None:
+    while True:
+        stop, wait = _watched[0], None
+        if stop._seen and stop.requested is None:  # a request the main thread never took up
+            limit = max(stop.grace_s, HANDLER_LATENCY_S)
+            wait = stop._first_at + limit - time.monotonic()
+            if wait <= 0:
+                name = signal.Signals(stop._seen).name
+                stop.force_exit(f"{name} not taken up in {limit:.0f}s (the process is blocked)")
+        if select.select([reader], [], [], wait)[0]:
+            for signum in reader.recv(64):
+                stop = _watched[0]  # only while its handler is the one installed for signum
+                if signal.getsignal(signum) == stop._handle:
                     stop._arrived(signum)
-
-
-_WATCHDOG = _Watchdog()
 
 
 def _ignore_stop_signals() -> None:
