@@ -432,7 +432,7 @@ class Record:
         if not self._ours():
             return
         runs.write_history(self.out, history)
-        self.tracker.log_history(history)
+        self.tracker.log_history()  # history.csv, as just written
         self.log.info(line)
 
     def interrupted(self, signal_name: str, progress=None) -> None:
@@ -441,7 +441,7 @@ class Record:
         if not self._ours():
             return
         runs.write_status(self.out, "interrupted")
-        self.tracker.end("KILLED", progress.history if progress else [])
+        self.tracker.end("KILLED")
         where = f" at step {progress.step}" if progress else ""
         redo = "resume" if progress else "redo"
         self.log.warning(f"interrupted by {signal_name}{where}; re-run the same command to {redo}")
@@ -464,7 +464,6 @@ class Record:
         metrics["mlflow_run_id"] = None
         self.tracker.end(
             "FINISHED",
-            history or [],
             metrics={k: v for k, v in metrics.items() if v is not None},
             tags=tags,
             artifacts=[self.out / runs.CONFIG, *artifacts],
@@ -474,7 +473,7 @@ class Record:
         runs.write_status(self.out, "finished")
         runs.write_json(self.out / runs.METRICS, metrics)  # last: its existence means "done"
 
-    def failed(self, exc: BaseException, history=(), explain=None) -> int:
+    def failed(self, exc: BaseException, explain=None) -> int:
         """Call in the `except` that caught `exc`: the traceback into run.log, status failed,
         MLflow FAILED; one `error:` line; returns the exit code (1; 73 when the run directory is
         no longer ours). `explain(exc, message) -> (code, message)`: a training run's reading of
@@ -497,7 +496,7 @@ class Record:
             message = f"rank {rank} failed: {theirs.strip().splitlines()[-1]}"
         self.log.error("%s failed:\n%s", self.what, text)
         runs.try_write_status(self.out, "failed")
-        self.tracker.end("FAILED", list(history), error=text)
+        self.tracker.end("FAILED", error=text)
         code, message = explain(exc, message) if explain else (EXIT_FAILED, message)
         return error(message, code)
 

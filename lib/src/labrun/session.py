@@ -113,7 +113,7 @@ def _body(train, tool, args, parser, out, stop, held, dist) -> int:
                 dist.settle(EXIT_USAGE, why=str(exc) or type(exc).__name__)
             return error(str(exc) or type(exc).__name__, EXIT_USAGE)
         if run is not None and run.record is not None:
-            return run.record.failed(exc, run.progress.history, explain=run._explain)
+            return run.record.failed(exc, explain=run._explain)
         if run is not None and run.log is not None:
             run.log.error("run failed:\n%s", traceback.format_exc())
         if isinstance(exc, LostClaim):
