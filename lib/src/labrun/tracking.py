@@ -61,7 +61,6 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from . import runs
@@ -90,24 +89,6 @@ def _sqlite_path(uri: str) -> Path | None:
     return Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
 
 
-@contextlib.contextmanager
-def _schema_lock(uri: str) -> Iterator[None]:
-    """Serialise the first touch of a sqlite DB across processes (it creates and migrates)."""
-    db = _sqlite_path(uri)
-    if db is None:
-        yield
-        return
-    from filelock import FileLock  # flock: the kernel releases it if this process dies
-
-    db.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(f"{db}.lock"):
-        # SQLite would create the file 0644 whatever the umask; an empty file is a valid empty
-        # database, so create it here with what the umask allows (its journal copies the mode).
-        with contextlib.suppress(FileExistsError):
-            os.close(os.open(db, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666))
-        yield
-
-
 @functools.cache  # per tracking URI: one client for every sync of a follower or a process
 def _client(uri: str):
     for key, value in HTTP_DEFAULTS.items():
@@ -119,9 +100,20 @@ def _client(uri: str):
         logging.getLogger(name).setLevel(logging.WARNING)
     for name in ("mlflow.store.db.utils", "mlflow.system_metrics"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    from filelock import FileLock  # flock: the kernel releases it if this process dies
     from mlflow.tracking import MlflowClient
 
-    with _schema_lock(uri):  # creating the client opens the store, which creates the schema
+    db = _sqlite_path(uri)
+    if db is not None:  # SQLite would create it 0644 whatever the umask; an empty file is a
+        # valid empty database, so it is made here with what the umask allows (and its journal
+        # copies the mode).
+        db.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.close(os.open(db, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666))
+    # Creating the client opens the store, which creates or migrates the schema: the schema
+    # lock serialises that across processes (concurrent first migrations of one sqlite file
+    # corrupt it).
+    with FileLock(f"{db}.lock") if db else contextlib.nullcontext():
         client = MlflowClient(tracking_uri=uri)
         client.search_experiments(max_results=1)  # the store (and schema) exists after this
     return client
