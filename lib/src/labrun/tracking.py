@@ -717,25 +717,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "command",
-        choices=("init", "sync", "follow"),
-        help="init: create the DB and the experiment (and print the tracking URI); "
-        "sync: make MLflow mirror run directories, printing each change; follow: run.sh's "
-        "follower (mirrors each run once its job ends, until stdin closes)",
+        choices=("sync", "follow"),
+        help="sync: make MLflow mirror run directories, printing each change; follow: run.sh's "
+        "follower (mirrors each run once its job ends, until stdin closes); `run.py "
+        "--init-tracking` creates the DB and the experiment",
     )
     p.add_argument(
         "paths",
         nargs="*",
         type=Path,
-        help="sync, follow: run directories, or folders holding them [results]",
+        help="run directories, or folders holding them [results]",
     )
-    p.add_argument("--experiment", default=DEFAULT_EXPERIMENT, help="MLflow experiment name")
     args = p.parse_args(argv)
-    if args.command == "init":
-        experiment_id = init(args.experiment)
-        print(
-            f"MLflow ready: {tracking_uri()} (experiment {args.experiment!r}, id {experiment_id})"
-        )
-        return 0
     paths = args.paths or [PROJECT_ROOT / "results"]
     log = logging.getLogger(f"tracking.{args.command}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
