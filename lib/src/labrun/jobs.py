@@ -248,7 +248,7 @@ def _admit(dist, args, out: Path, redo, stop: GracefulStop, claimed: ExitStack):
     done = f"already finished: {out} (metrics.json exists; --fresh starts over)"
     if skip and runs.is_done(out):
         print(done)
-        if note := runs.other_code_line(out, PROJECT_ROOT, "skipped"):
+        if note := runs.other_code_line(out, PROJECT_ROOT, "note"):
             print(note)
         return EXIT_OK, None  # contract's dist.finish tells the other ranks
     # one process per run directory, freed by the kernel on death

@@ -376,7 +376,7 @@ class Run:
             if state.resume(out / runs.CHECKPOINT, out / runs.BEST_MODEL):
                 self.progress = p = state.progress
                 self.log.info(f"resuming {out} at epoch {p.epoch + 1}, step {p.step}")
-                if other := runs.other_code_line(out, PROJECT_ROOT, "resuming"):
+                if other := runs.other_code_line(out, PROJECT_ROOT, "resuming under other code"):
                     self.log.warning(other)  # README, "What a run writes"
         except ckpt.CheckpointError as exc:  # refused for good: the planner must not say resumes
             self._refuse(f"cannot resume: {exc}")

@@ -657,9 +657,9 @@ def _run_dirs(roots: list[Path], with_state: bool) -> list[Path]:
     return sorted({c.parent for root in roots if root.is_dir() for c in root.rglob(name)})
 
 
-def follow(roots: list[Path], log: logging.Logger, stdin=None) -> int:
+def follow(roots: list[Path], log: logging.Logger) -> int:
     """The sweep's follower: mirror each run directory under `roots` once its job has ended,
-    until `stdin` closes (run.sh's end), then mirror every one left and return.
+    until stdin closes (run.sh's end), then mirror every one left and return.
 
     Ctrl-C is run.sh's to handle (it stops the jobs, then closes stdin); SIGTERM (run.sh died:
     setpriv's death signal) ends it after the directory at hand: what it did not mirror, the
@@ -667,15 +667,14 @@ def follow(roots: list[Path], log: logging.Logger, stdin=None) -> int:
     it started and whose status is no longer `running`, and those done (the sweep runs no job
     there): it never claims a run the sweep may be about to start
     (that would turn its job away)."""
-    stdin = sys.stdin if stdin is None else stdin
     closed, stopping = threading.Event(), threading.Event()
-    if not stdin.isatty():  # under run.sh; at a terminal, Ctrl-C stops it as usual
+    if not sys.stdin.isatty():  # under run.sh; at a terminal, Ctrl-C stops it as usual
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: (stopping.set(), closed.set()))
 
     def read_to_end() -> None:
         with contextlib.suppress(Exception):
-            while stdin.read(4096):
+            while sys.stdin.read(4096):
                 pass
         closed.set()
 
