@@ -108,15 +108,11 @@ def _owner_name(uid: int) -> str:
 
 
 def check_ownership(run_dir: Path) -> None:
-    """Raise ForeignFile unless `run_dir` (if it exists) and every entry in it belong to this
-    process's user: a job never resumes from, appends to or "finishes" with files someone else
-    put there (a checkpoint, a metrics.json, a link to a file of yours elsewhere)."""
+    """Raise ForeignFile unless `run_dir` (claimed, so it exists) and every entry in it belong to
+    this process's user: a job never resumes from, appends to or "finishes" with files someone
+    else put there (a checkpoint, a metrics.json, a link to a file of yours elsewhere)."""
     run_dir, me = Path(run_dir), os.geteuid()
-    try:
-        entries = [run_dir, *run_dir.iterdir()]
-    except FileNotFoundError:
-        return
-    for path in entries:
+    for path in [run_dir, *run_dir.iterdir()]:
         try:
             info = path.lstat()
         except FileNotFoundError:

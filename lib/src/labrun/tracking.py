@@ -425,8 +425,9 @@ def mirror(
     RUNNING and {} at each epoch, and what it is about to write at its end; the history is
     history.csv's. `state` (tracking.json) is updated in place and saved after each step that
     must not be repeated. Missing rows are added; a run holding rows or params the directory
-    does not is rebuilt (MLflow has no delete for them). Each step is idempotent, so a kill
-    anywhere is repaired by the next mirror. Files are attached only at the end (not RUNNING)."""
+    does not is rebuilt (MLflow has no delete for them); a name given in MLflow's UI stays.
+    Each step is idempotent, so a kill anywhere is repaired by the next mirror. Files are
+    attached only at the end (not RUNNING)."""
     from mlflow.entities import Metric, RunTag
 
     run_dir = Path(run_dir)
@@ -450,7 +451,8 @@ def mirror(
     expected = expected_metrics(history, summary)
     changes: list[str] = []
 
-    run = _current_run(client, run_dir, state, changes)
+    # A live job never adopts a run by its tag: that run may be a job's that lost the claim.
+    run = _current_run(client, run_dir, state, changes, by_tag=status != "RUNNING")
     conflicts, logged = [], {}
     if run is not None:
         logged = {
@@ -466,8 +468,6 @@ def mirror(
             k for k in {**params, **run.data.params} if params.get(k) != run.data.params.get(k)
         ):
             conflicts.append(f"its params {differ} are not the directory's")
-        if run.info.run_name != state.get("run_name", run_dir.name):
-            conflicts.append(f"its name is {run.info.run_name!r}")
     if run is None or conflicts:
         old, run, logged = run, _new_run(client, run_dir, state, params, run), {}
         state.update(run_id=run.info.run_id, sent_rows=0, ended=None)
@@ -524,9 +524,9 @@ def _ms(seconds: object) -> int | None:
     return int(seconds * 1000) if isinstance(seconds, int | float) else None
 
 
-def _current_run(client, run_dir: Path, state: dict, changes: list[str]):
-    """The live MLflow run of this directory: tracking.json's, else one tagged with its path (a
-    lost tracking.json), else None."""
+def _current_run(client, run_dir: Path, state: dict, changes: list[str], by_tag: bool):
+    """The live MLflow run of this directory: tracking.json's, else (`by_tag`) one tagged with
+    its path (a lost tracking.json), else None."""
     from mlflow.exceptions import MlflowException
 
     if run_id := state.get("run_id"):
@@ -542,7 +542,7 @@ def _current_run(client, run_dir: Path, state: dict, changes: list[str]):
         state["run_id"] = None
     experiment = client.get_experiment_by_name(state.get("experiment", DEFAULT_EXPERIMENT))
     where = state.get("tags", {}).get("run_dir", str(run_dir))  # as its job wrote it
-    if experiment is None or "'" in where:
+    if not by_tag or experiment is None or "'" in where:
         return None
     found = client.search_runs(
         [experiment.experiment_id], filter_string=f"tags.run_dir = '{where}'", max_results=1
