@@ -8,7 +8,8 @@ The run directory (config.json, status, history.csv, metrics.json) is the record
   deleted (MLflow's UI lists it under "Deleted" until `mlflow gc` purges it), a new one with
   the same name, start time, tags, system metrics and the directory's numbers.
 - Interactive (`python run.py`): the job mirrors its directory as RUNNING at its start and at
-  each epoch (MLflow's own monitor samples the machine), and with its end status at its end.
+  each epoch (it reads each metric's rows back: some 50 ms an epoch on a local sqlite DB; MLflow's
+  own monitor samples the machine), and with its end status at its end.
 - In a sweep (run.sh sets `LAB_TRACKING_FOLLOWER=1`): jobs never talk to MLflow. The sweep's one
   follower (`python -m <package>.tracking follow RESULTS`) mirrors each run as soon as its job
   has released the run's claim (finished, failed, interrupted), and at the sweep's end mirrors
@@ -229,7 +230,7 @@ class Tracker:
     def run_id(self) -> str | None:
         return self.state.get("run_id")
 
-    def _guard(self, what: str, fn, *args, force: bool = False, **kwargs):
+    def _guard(self, what: str, fn, *args, force: bool = False):
         """Run fn unless tracking is off or failed recently (`force`: whatever the back-off, for
         the run's end); a failure warns once, never raises."""
         if not self.enabled or self.deferred:
@@ -238,7 +239,7 @@ class Tracker:
         if recent and not force:
             return None
         try:
-            result = fn(*args, **kwargs)
+            result = fn(*args)
         except Exception as exc:  # the tracker is never a reason to stop training
             self._failed_at = time.monotonic()
             if not self._warned:
