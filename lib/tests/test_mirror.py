@@ -168,7 +168,6 @@ def test_sync_replaces_a_run_holding_a_lost_attempts_rows(env, tmp_path, sync):
     client = MlflowClient(tracking_uri=uri)
     assert client.get_run(first).info.lifecycle_stage == "deleted"  # in the UI's "Deleted" list
     new = mlflow_runs_of(uri, run_dir)[0]
-    assert new.data.tags["labrun_replaces"] == first
     assert new.info.run_name == run_dir.name
     assert "replaced" not in sync(run_dir) and "sent" not in sync(run_dir)  # nothing left to do
 
@@ -240,12 +239,6 @@ def test_the_follower_mirrors_a_run_once_its_claim_is_released(env, tmp_path):
         state |= {"params": {"lr": "0.01", "width": "8", "experiment_keys": "['lr', 'width']"}}
         state |= {"experiment": "mirror-test", "run_name": run_dir.name}
         (run_dir / "tracking.json").write_text(json.dumps(state))
-        # The machine's samples the follower took meanwhile (one for the whole sweep).
-        samples = [{"t": started - 20 + i, "metrics": {"cpu_utilization_percentage": 50.0 + i}}
-                   for i in range(3)]  # fmt: skip
-        (results / ".system_metrics.jsonl").write_text(
-            "".join(json.dumps(s) + "\n" for s in samples)
-        )
         time.sleep(3 * tracking.FOLLOW_POLL_S)  # passes over it while it is held
         assert mlflow_runs_of(uri, run_dir) == []
         held.release()
@@ -262,12 +255,6 @@ def test_the_follower_mirrors_a_run_once_its_claim_is_released(env, tmp_path):
     assert follower.returncode == 0, out
     assert "created MLflow run" in out, out
     assert_mirrors(uri, run_dir)
-    from mlflow.tracking import MlflowClient
-
-    history = MlflowClient(tracking_uri=uri).get_metric_history(
-        mlflow_runs_of(uri, run_dir)[0].info.run_id, "system/cpu_utilization_percentage"
-    )
-    assert [(m.step, m.value) for m in history] == [(0, 50.0), (1, 51.0), (2, 52.0)]
 
 
 def test_the_follower_claims_no_run_the_sweep_may_start(env, tmp_path):

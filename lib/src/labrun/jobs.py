@@ -243,7 +243,7 @@ def _admit(dist, args, out: Path, redo, stop: GracefulStop, claimed: ExitStack):
     done = f"already finished: {out} (metrics.json exists; --fresh starts over)"
     if skip and runs.is_done(out):
         print(done)
-        if note := runs.other_code_line(out, PROJECT_ROOT, "skipped"):
+        if note := runs.other_code_line(out, PROJECT_ROOT, "note"):
             print(note)
         return EXIT_OK, None  # contract's dist.finish tells the other ranks
     # one process per run directory, freed by the kernel on death
@@ -413,7 +413,7 @@ class Record:
         if not self.ours():
             return
         runs.write_status(self.out, "interrupted")
-        self.tracker.end("KILLED", progress.history if progress else [])
+        self.tracker.end("KILLED")
         where = f" at step {progress.step}" if progress else ""
         redo = "resume" if progress else "redo"
         self.log.warning(f"interrupted by {signal_name}{where}; re-run the same command to {redo}")
@@ -436,7 +436,6 @@ class Record:
         metrics["mlflow_run_id"] = None
         self.tracker.end(
             "FINISHED",
-            history or [],
             metrics={k: v for k, v in metrics.items() if v is not None},
             tags=tags,
             artifacts=[self.out / runs.CONFIG, *artifacts],
@@ -446,7 +445,7 @@ class Record:
         runs.write_status(self.out, "finished")
         runs.write_json(self.out / runs.METRICS, metrics)  # last: its existence means "done"
 
-    def failed(self, exc: BaseException, history=(), explain=None) -> int:
+    def failed(self, exc: BaseException, explain=None) -> int:
         """Call in the `except` that caught `exc`: the traceback into run.log, status failed,
         MLflow FAILED; one `error:` line; returns the exit code (1; 73 when the run directory is
         no longer ours). `explain(exc, message) -> (code, message)`: a training run's reading of
@@ -469,7 +468,7 @@ class Record:
             message = f"rank {rank} failed: {theirs.strip().splitlines()[-1]}"
         self.log.error("%s failed:\n%s", self.what, text)
         runs.try_write_status(self.out, "failed")
-        self.tracker.end("FAILED", list(history), error=text)
+        self.tracker.end("FAILED", error=text)
         code, message = explain(exc, message) if explain else (EXIT_FAILED, message)
         return error(message, code)
 

@@ -108,15 +108,11 @@ def _owner_name(uid: int) -> str:
 
 
 def check_ownership(run_dir: Path) -> None:
-    """Raise ForeignFile unless `run_dir` (if it exists) and every entry in it belong to this
-    process's user: a job never resumes from, appends to or "finishes" with files someone else
-    put there (a checkpoint, a metrics.json, a link to a file of yours elsewhere)."""
+    """Raise ForeignFile unless `run_dir` (claimed, so it exists) and every entry in it belong to
+    this process's user: a job never resumes from, appends to or "finishes" with files someone
+    else put there (a checkpoint, a metrics.json, a link to a file of yours elsewhere)."""
     run_dir, me = Path(run_dir), os.geteuid()
-    try:
-        entries = [run_dir, *run_dir.iterdir()]
-    except FileNotFoundError:
-        return
-    for path in entries:
+    for path in [run_dir, *run_dir.iterdir()]:
         try:
             info = path.lstat()
         except FileNotFoundError:
@@ -382,10 +378,10 @@ def code_version(root: Path) -> dict[str, str]:
     }
 
 
-def other_code_line(run_dir: Path, root: Path, doing: str) -> str | None:
-    """The one line a skip or a resume of `run_dir` says when other code than `root`'s
-    (code_version) made it (README, "What a run writes"), else None (also for a run made before
-    code versions were recorded): `doing` is "skipped" or "resuming"."""
+def other_code_line(run_dir: Path, root: Path, prefix: str) -> str | None:
+    """`PREFIX: RUN was made by other code (...)`: the one line a skip ("note") or a resume of
+    `run_dir` says when other code than `root`'s (code_version) made it (README, "What a run
+    writes"), else None (also for a run made before code versions were recorded)."""
     try:
         before = json.loads(read_trusted(Path(run_dir) / CONFIG)).get("code")
     except (OSError, ValueError, AttributeError):
@@ -401,12 +397,9 @@ def other_code_line(run_dir: Path, root: Path, doing: str) -> str | None:
     if not changed:
         return None
     commit = str(before.get("git_commit", "unknown"))[:12]
-    other = f"{run_dir} was made by other code (commit {commit}, {'; '.join(changed)})"
-    if doing == "skipped":
-        return f"note: {other}: its numbers are that code's; --fresh retrains it with this code"
     return (
-        f"resuming under other code: {other}: its epochs so far are that code's; --fresh "
-        "starts it over with this code"
+        f"{prefix}: {run_dir} was made by other code (commit {commit}, {'; '.join(changed)}): "
+        "its numbers are that code's; --fresh retrains it with this code"
     )
 
 

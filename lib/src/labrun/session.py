@@ -112,7 +112,7 @@ def _body(train, tool, args, parser, out, stop, held, dist) -> int:
                 dist.settle(EXIT_USAGE, why=str(exc) or type(exc).__name__)
             return error(str(exc) or type(exc).__name__, EXIT_USAGE)
         if run is not None and run.record is not None:
-            return run.record.failed(exc, run.progress.history, explain=run._explain)
+            return run.record.failed(exc, explain=run._explain)
         if run is not None and run.log is not None:
             run.log.error("run failed:\n%s", traceback.format_exc())
         if isinstance(exc, LostClaim):
@@ -354,7 +354,7 @@ class Run:
             if state.resume(out / runs.CHECKPOINT, out / runs.BEST_MODEL):
                 self.progress = p = state.progress
                 self.log.info(f"resuming {out} at epoch {p.epoch + 1}, step {p.step}")
-                if other := runs.other_code_line(out, PROJECT_ROOT, "resuming"):
+                if other := runs.other_code_line(out, PROJECT_ROOT, "resuming under other code"):
                     self.log.warning(other)  # README, "What a run writes"
         except ckpt.CheckpointError as exc:  # refused for good: the planner must not say resumes
             self._refuse(f"cannot resume: {exc}")
@@ -626,7 +626,7 @@ class Run:
         row = p.history[-1]
         if self.record.ours():  # history.csv, MLflow, run.log
             runs.write_history(self.out, p.history)
-            self.record.tracker.log_history(p.history)
+            self.record.tracker.log_history()  # history.csv, as just written
             self.log.info(
                 f"epoch {p.epoch}/{args.epochs} step {p.step} | lr {row['lr']:.2e} | "
                 f"train {metrics_line(row, 'train_')} | val {metrics_line(row, 'val_')} | "

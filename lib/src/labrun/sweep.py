@@ -1030,10 +1030,10 @@ class Sweep:
 
     # ---- the MLflow follower (labrun/tracking.py's `follow`) ------------------------------------
     # Jobs do not talk to MLflow (LAB_TRACKING_FOLLOWER=1): one follower per sweep mirrors each run
-    # directory into MLflow once its job has ended, samples system metrics once for the machine,
-    # and mirrors what is left when its stdin closes (stop_follower). Killed with the sweep, it
-    # loses nothing: the next sweep's follower, or `python -m labrun.tracking sync`, mirrors the
-    # rest. Its stdin is a pipe whose write end jobs inherit too: it closes once every job is gone.
+    # directory into MLflow once its job has ended, and mirrors what is left when its stdin closes
+    # (stop_follower). Killed with the sweep, it loses nothing: the next sweep's follower, or
+    # `python -m labrun.tracking sync`, mirrors the rest. Its stdin is a pipe whose write end jobs
+    # inherit too: it closes once every job is gone.
 
     def start_follower(self) -> tuple[subprocess.Popen, int]:
         os.environ["LAB_TRACKING_FOLLOWER"] = "1"

@@ -1,21 +1,20 @@
 """MLflow, a mirror of the run directory: one MLflow run per run directory, built from its files.
 
 The run directory (config.json, status, history.csv, metrics.json) is the record; MLflow shows it.
-- Interactive (`python run.py`): the job sends each epoch live and, at its end, checks the MLflow
-  run against its files and repairs it (`mirror`).
+- One path, `mirror`, makes the MLflow run equal the directory: status, params, every per-epoch
+  metric (history.csv, compared at its 6 significant digits), the summaries (metrics.json, at
+  step `steps`), tags, artifacts. MLflow cannot delete a metric row, so a run holding rows the
+  directory does not (a lost attempt's epochs, a summary logged twice) is rebuilt: the old run
+  deleted (MLflow's UI lists it under "Deleted" until `mlflow gc` purges it), a new one with
+  the same name, start time, tags, system metrics and the directory's numbers.
+- Interactive (`python run.py`): the job mirrors its directory as RUNNING at its start and at
+  each epoch (it reads each metric's rows back: some 50 ms an epoch on a local sqlite DB; MLflow's
+  own monitor samples the machine), and with its end status at its end.
 - In a sweep (run.sh sets `LAB_TRACKING_FOLLOWER=1`): jobs never talk to MLflow. The sweep's one
   follower (`python -m <package>.tracking follow RESULTS`) mirrors each run as soon as its job
-  has released the run's claim (finished, failed, interrupted), samples the machine's system
-  metrics once for all jobs, and at the sweep's end mirrors everything left. A sweep killed with
-  -9 loses nothing: the next sweep's follower, or `python -m <package>.tracking sync`, mirrors
-  what was not.
-- `mirror` makes the MLflow run equal the directory: status, params, every per-epoch metric
-  (history.csv, compared at its 6 significant digits), the summaries (metrics.json, at step
-  `steps`), tags, artifacts. MLflow cannot delete a metric row, so a run holding rows the
-  directory does not (a lost attempt's epochs, a summary logged twice) is rebuilt: a new MLflow
-  run with the same name, start time, tags, system metrics and the directory's numbers, tagged
-  `labrun_replaces=<old id>`, and the old run deleted (MLflow's UI lists it under "Deleted" until
-  `mlflow gc` purges it). `sync` prints every change it makes.
+  has released the run's claim (finished, failed, interrupted), and at the sweep's end mirrors
+  everything left. A sweep killed with -9 loses nothing: the next sweep's follower, or
+  `python -m <package>.tracking sync` (which prints every change it makes), mirrors the rest.
 - Tracking URI: `MLFLOW_TRACKING_URI` if set, else an absolute `sqlite:///<project root>/mlflow.db`
   (absolute, so it does not depend on the directory you start from). Artifacts go next to the
   database, in `mlruns/`.
@@ -29,9 +28,9 @@ The run directory (config.json, status, history.csv, metrics.json) is the record
   training; what was not sent is sent at the next epoch that reaches the tracker, at the end
   (tried once more whatever the back-off), when the run is resumed, or by `sync`.
   `tracking.json` in the run directory says which MLflow run it is, what only the job knew
-  (params, tags, start and end times, the error) and, when the end could not be sent, what is
-  `missing`. It is checked before use (a run id is 32 hex digits, counts are integers...): a bad
-  one is a warning and a fresh MLflow run.
+  (params, tags, start and end times, the error) and what MLflow has (`sent_rows` history rows,
+  the `ended` status). It is checked before use (a run id is 32 hex digits, counts are
+  integers...): a bad one is a warning and a fresh MLflow run.
 - One writer per run directory: a training job holds the run's claim (claim.py), and `sync` and
   the follower take it too, skipping directories a live job holds: a directory never gets two
   MLflow runs.
@@ -53,7 +52,6 @@ import hashlib
 import io
 import json
 import logging
-import math
 import os
 import platform
 import re
@@ -64,7 +62,6 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from . import runs
@@ -76,7 +73,6 @@ RETRY_AFTER_S = 60.0  # after a failure, try the tracker again at the next epoch
 ARTIFACT_MAX_BYTES = 200 * 2**20  # larger best_model.pt files stay in the run directory only
 SYSTEM_METRICS_INTERVAL_S = 10.0  # CPU/RAM (psutil) and GPU (nvidia-ml-py) sampling period
 FOLLOWER_ENV = "LAB_TRACKING_FOLLOWER"  # "1" (run.sh): the sweep's follower mirrors this job
-SAMPLES_FILE = ".system_metrics.jsonl"  # the follower's machine samples, beside the run dirs
 FOLLOW_POLL_S = 1.0  # how often the follower looks for runs whose job has ended
 MAX_ERROR_CHARS = 20000  # a traceback kept in tracking.json for traceback.txt
 HTTP_DEFAULTS = {
@@ -94,24 +90,6 @@ def _sqlite_path(uri: str) -> Path | None:
     return Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
 
 
-@contextlib.contextmanager
-def _schema_lock(uri: str) -> Iterator[None]:
-    """Serialise the first touch of a sqlite DB across processes (it creates and migrates)."""
-    db = _sqlite_path(uri)
-    if db is None:
-        yield
-        return
-    from filelock import FileLock  # flock: the kernel releases it if this process dies
-
-    db.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(f"{db}.lock"):
-        # SQLite would create the file 0644 whatever the umask; an empty file is a valid empty
-        # database, so create it here with what the umask allows (its journal copies the mode).
-        with contextlib.suppress(FileExistsError):
-            os.close(os.open(db, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666))
-        yield
-
-
 @functools.cache  # per tracking URI: one client for every sync of a follower or a process
 def _client(uri: str):
     for key, value in HTTP_DEFAULTS.items():
@@ -123,9 +101,20 @@ def _client(uri: str):
         logging.getLogger(name).setLevel(logging.WARNING)
     for name in ("mlflow.store.db.utils", "mlflow.system_metrics"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    from filelock import FileLock  # flock: the kernel releases it if this process dies
     from mlflow.tracking import MlflowClient
 
-    with _schema_lock(uri):  # creating the client opens the store, which creates the schema
+    db = _sqlite_path(uri)
+    if db is not None:  # SQLite would create it 0644 whatever the umask; an empty file is a
+        # valid empty database, so it is made here with what the umask allows (and its journal
+        # copies the mode).
+        db.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.close(os.open(db, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666))
+    # Creating the client opens the store, which creates or migrates the schema: the schema
+    # lock serialises that across processes (concurrent first migrations of one sqlite file
+    # corrupt it).
+    with FileLock(f"{db}.lock") if db else contextlib.nullcontext():
         client = MlflowClient(tracking_uri=uri)
         client.search_experiments(max_results=1)  # the store (and schema) exists after this
     return client
@@ -199,9 +188,9 @@ def run_params(config: dict) -> dict:
 class Tracker:
     """The MLflow side of one job's run directory; every call is guarded and none raises.
 
-    `tracking.json` (in the run directory) holds the MLflow run id, what this job knows that its
-    files do not (params, tags, start and end times, the error), and how many history rows the
-    run has received, so a resumed job, the follower or `sync` continues the same MLflow run.
+    `tracking.json` (in the run directory) holds the MLflow run id and what this job knows that
+    its files do not (params, tags, start and end times, the error), so a resumed job, the
+    follower or `sync` continues the same MLflow run. Each call mirrors the directory as it is.
     Deferred (`LAB_TRACKING_FOLLOWER=1`, set by run.sh): tracking.json only, no MLflow at all.
     """
 
@@ -220,7 +209,8 @@ class Tracker:
         self.run_dir, self.log, self.enabled = Path(run_dir), log, enabled
         self.deferred = enabled and os.environ.get(FOLLOWER_ENV) == "1"
         self.state = _read_state(self.run_dir, log)
-        self.client = self.monitor = self._failed_at = None
+        self.monitor = self._failed_at = self._monitored = None  # _monitored: the monitor's run
+        self.system_metrics = system_metrics
         self._warned = self._frozen = False  # _frozen: abandon(), the directory is not ours
         if not self.enabled:
             return
@@ -234,21 +224,13 @@ class Tracker:
         )
         self.state.pop("ended_at", None)
         self._save_state()
-        if self.deferred:
-            return
-        self._guard("open the MLflow run", self._open)
-        if system_metrics and self.ready:
-            self._guard("start system metrics", self._start_monitor)
+        self.log_history()  # the MLflow run: found (a resume) or created, RUNNING
 
     @property
     def run_id(self) -> str | None:
         return self.state.get("run_id")
 
-    @property
-    def ready(self) -> bool:
-        return self.client is not None and self.run_id is not None
-
-    def _guard(self, what: str, fn, *args, force: bool = False, **kwargs):
+    def _guard(self, what: str, fn, *args, force: bool = False):
         """Run fn unless tracking is off or failed recently (`force`: whatever the back-off, for
         the run's end); a failure warns once, never raises."""
         if not self.enabled or self.deferred:
@@ -257,7 +239,7 @@ class Tracker:
         if recent and not force:
             return None
         try:
-            result = fn(*args, **kwargs)
+            result = fn(*args)
         except Exception as exc:  # the tracker is never a reason to stop training
             self._failed_at = time.monotonic()
             if not self._warned:
@@ -275,21 +257,21 @@ class Tracker:
             self._failed_at = None
         return result
 
-    def _open(self) -> None:
-        if self.client is None:
-            self.client = _client(tracking_uri())
-        if self.run_id is not None:
-            try:  # resume: the same run, back to RUNNING
-                self.client.update_run(self.run_id, status="RUNNING")
-                return
-            except Exception as exc:  # e.g. another MLFLOW_TRACKING_URI than the first attempt
-                self.log.warning(
-                    "MLflow run %s not found (%s); starting a new one", self.run_id, first_line(exc)
-                )
-                self.state = _without_run(self.state)
-        run = _new_run(self.client, self.run_dir, self.state, self.state["params"])
-        self.state.update(run_id=run.info.run_id, sent_rows=0, ended=None)
-        self._save_state()
+    def _mirror(self, status: str, summary: dict | None = None) -> list[str]:
+        changes = mirror(_client(tracking_uri()), self.run_dir, self.state, status, summary)
+        for change in changes:  # a rebuild is news; the usual rows, tags and status are not
+            if change.startswith(("replaced", "MLflow run")):
+                self.log.warning("MLflow: %s", change)
+        return changes
+
+    def log_history(self) -> None:
+        """Send history.csv's new rows: mirror the run directory as it is, RUNNING."""
+        if self._guard("log metrics", self._mirror, "RUNNING", {}) is None:
+            return
+        if self.system_metrics and self._monitored != self.run_id:
+            self.close()  # a rebuilt MLflow run: the monitor follows it
+            self._monitored = self.run_id
+            self._guard("start system metrics", self._start_monitor)
 
     def _start_monitor(self) -> None:
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
@@ -306,31 +288,9 @@ class Tracker:
         if not self._frozen:
             _save(self.run_dir, self.state)
 
-    def log_history(self, history: list[dict]) -> None:
-        """Send the history rows the MLflow run has not received yet (one log_batch call)."""
-        if not self.ready:  # (a guarded call does nothing when tracking is off or deferred)
-            self._guard("open the MLflow run", self._open)
-        if self.ready:
-            self._guard("log metrics", self._send_rows, history)
-
-    def _send_rows(self, history: list[dict]) -> None:
-        from mlflow.entities import Metric
-
-        # Called once per epoch: at most sent_rows rows means a resume from an older checkpoint
-        # replays an epoch MLflow has from the lost attempt. It goes again now (the live curve),
-        # and the end's mirror rebuilds the run if its numbers differ.
-        start = min(self.state.get("sent_rows", 0), max(len(history) - 1, 0))
-        now = int(time.time() * 1000)
-        rows = expected_metrics(history[start:], None)
-        batch = [Metric(k, v, now, step) for k, steps in rows.items() for step, v in steps]
-        self.client.log_batch(self.run_id, metrics=batch)
-        self.state["sent_rows"] = len(history)
-        self._save_state()
-
     def end(
         self,
         status: str,
-        history: list[dict],
         *,
         metrics: dict | None = None,
         tags: dict | None = None,
@@ -341,9 +301,10 @@ class Tracker:
         directory (`mirror`): FINISHED, KILLED or FAILED. Deferred: the follower does that.
 
         Tried once more whatever the retry back-off (a short outage near the end must not leave
-        the run RUNNING with half its epochs); what still did not arrive is written to
-        tracking.json as `missing`, for `sync` (or the next resume) to send. `artifacts`: files
-        of the run directory."""
+        the run RUNNING with half its epochs); what still did not arrive, `sync` (or the next
+        resume) sends: tracking.json's `sent_rows` and `ended` say what MLflow has. The
+        directory's files are sent, not what the job holds: a row a full disk kept out of
+        history.csv is no part of the record. `artifacts`: files of the run directory."""
         if not self.enabled:
             return
         self.state.update(
@@ -353,45 +314,22 @@ class Tracker:
             error=(error or "")[-MAX_ERROR_CHARS:],
         )
         self._save_state()
-        if self.deferred:
-            return
-        if not self.ready:
-            self._guard("open the MLflow run", self._open, force=True)
-        # The directory's files, not `history`: a row a full disk kept out of history.csv is
-        # no part of the record.
-        changes = self.ready and self._guard(
-            "end the MLflow run",
-            mirror,
-            *(self.client, self.run_dir, self.state),
-            status=status,
-            summary=metrics or {},
-            force=True,
-        )
-        for change in changes or []:  # a rebuild is news; the usual end (rows, status) is not
-            if change.startswith(("replaced", "MLflow run")):
-                self.log.warning("MLflow: %s", change)
-        if changes is None or changes is False:  # not mirrored ([]: mirrored, nothing changed)
-            sent, missing = self.state.get("sent_rows", 0), []
-            if sent < len(history):
-                missing.append(f"history rows {sent + 1}-{len(history)}")
-            if self.state.get("ended") != status:
-                missing.append(f"end {status}")
-            self.state = {"run_id": None, "sent_rows": 0, "ended": None, **self.state}
-            self.state["missing"] = missing
-            self._save_state()
+        if not self.deferred:
+            self._guard("end the MLflow run", self._mirror, status, metrics or {}, force=True)
         self.close()
 
     def abandon(self, reason: str) -> None:
         """The run directory is another's now (claim.LostClaim): end this MLflow run FAILED with
         `reason`, and write nothing more to the directory (not even tracking.json)."""
         self._frozen = True
-        if self.ready:
+        if self.run_id is not None:
             self._guard("end the MLflow run", self._abandon, reason, force=True)
         self.close()
 
     def _abandon(self, reason: str) -> None:
-        self.client.set_tag(self.run_id, "error", reason[:4000])
-        self.client.set_terminated(self.run_id, status="FAILED")
+        client = _client(tracking_uri())
+        client.set_tag(self.run_id, "error", reason[:4000])
+        client.set_terminated(self.run_id, status="FAILED")
 
     def close(self) -> None:
         if self.monitor is not None:
@@ -410,17 +348,11 @@ def _save(run_dir: Path, state: dict) -> None:
         runs.write_json(run_dir / STATE_FILE, state)
 
 
-def _without_run(state: dict) -> dict:
-    """The state with no MLflow run: what the job knew stays, what was sent is forgotten."""
-    gone = ("run_id", "sent_rows", "ended", "missing", "mirrored", "replaces")
-    return {k: v for k, v in state.items() if k not in gone}
-
-
 # ---- the mirror --------------------------------------------------------------------------------
 MLFLOW_STATUS = {"finished": "FINISHED", "interrupted": "KILLED", "failed": "FAILED"}
 
 
-def expected_metrics(history: list[dict], summary: dict | None) -> dict[str, list]:
+def expected_metrics(history: list[dict], summary: dict) -> dict[str, list]:
     """Every metric row the MLflow run of these files holds: {key: [(step, value)]}: one per
     history row and column (step = epoch), and one per number of metrics.json (step = steps)."""
     rows: dict[str, list] = {}
@@ -428,9 +360,7 @@ def expected_metrics(history: list[dict], summary: dict | None) -> dict[str, lis
         for key, value in row.items():
             if key not in ("epoch", "step") and value is not None:
                 rows.setdefault(key, []).append((int(row["epoch"]), float(value)))
-    summary = summary or {}
-    step = summary.get("steps", 0)
-    step = int(step) if isinstance(step, int | float) and math.isfinite(step) else 0
+    step = summary.get("steps") if type(summary.get("steps")) is int else 0  # as the job wrote it
     for key, value in summary.items():
         if isinstance(value, int | float) and not isinstance(value, bool):
             rows.setdefault(key, []).append((step, float(value)))
@@ -465,7 +395,7 @@ def _artifact_files(run_dir: Path, state: dict, status: str) -> list[Path]:
     if names is None:  # a directory tracking.json does not describe: what run.py attaches
         names = [runs.CONFIG, runs.HISTORY] + ([runs.BEST_MODEL] if status == "FINISHED" else [])
     found = []
-    for name in names:
+    for name in (n for n in names if isinstance(n, str) and Path(n).name == n):
         with contextlib.suppress(OSError):
             info = (run_dir / name).lstat()
             mine = stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid()
@@ -488,21 +418,17 @@ def fingerprint(run_dir: Path, state: dict) -> str:
 
 
 def mirror(
-    client,
-    run_dir: Path,
-    state: dict,
-    *,
-    status: str | None = None,
-    summary: dict | None = None,
+    client, run_dir: Path, state: dict, status: str | None = None, summary: dict | None = None
 ) -> list[str]:
     """Make the MLflow run of `run_dir` equal the directory; return what was changed.
 
     status and summary default to the directory's files (status, metrics.json); the job passes
-    what it is about to write; the history is history.csv's. `state` (tracking.json) is updated
-    in place and saved after each step that must not be repeated. Missing rows
-    are added; a run whose rows, params or name the directory does not hold is rebuilt (MLflow
-    has no delete for them). Each step is idempotent, so a kill anywhere is repaired by the next
-    mirror."""
+    RUNNING and {} at each epoch, and what it is about to write at its end; the history is
+    history.csv's. `state` (tracking.json) is updated in place and saved after each step that
+    must not be repeated. Missing rows are added; a run holding rows or params the directory
+    does not is rebuilt (MLflow has no delete for them); a name given in MLflow's UI stays.
+    Each step is idempotent, so a kill anywhere is repaired by the next mirror. Files are
+    attached only at the end (not RUNNING)."""
     from mlflow.entities import Metric, RunTag
 
     run_dir = Path(run_dir)
@@ -526,7 +452,8 @@ def mirror(
     expected = expected_metrics(history, summary)
     changes: list[str] = []
 
-    run = _current_run(client, run_dir, state, changes)
+    # A live job never adopts a run by its tag: that run may be a job's that lost the claim.
+    run = _current_run(client, run_dir, state, changes, by_tag=status != "RUNNING")
     conflicts, logged = [], {}
     if run is not None:
         logged = {
@@ -542,32 +469,24 @@ def mirror(
             k for k in {**params, **run.data.params} if params.get(k) != run.data.params.get(k)
         ):
             conflicts.append(f"its params {differ} are not the directory's")
-        if run.info.run_name != state.get("run_name", run_dir.name):
-            conflicts.append(f"its name is {run.info.run_name!r}")
     if run is None or conflicts:
         old, run, logged = run, _new_run(client, run_dir, state, params, run), {}
         state.update(run_id=run.info.run_id, sent_rows=0, ended=None)
         if old is None:
             changes.append(f"created MLflow run {run.info.run_id}")
         else:
-            state["replaces"] = old.info.run_id
             changes.append(
                 f"replaced MLflow run {old.info.run_id} by {run.info.run_id} (the old one is "
                 f"deleted): {'; '.join(conflicts)}"
             )
         _save(run_dir, state)
     run_id = state["run_id"] = run.info.run_id
-    if state.get("replaces"):  # the rebuilt run exists; the one it replaces goes
-        with contextlib.suppress(Exception):
-            if client.get_run(state["replaces"]).info.lifecycle_stage == "active":
-                client.delete_run(state["replaces"])
-        state.pop("replaces")
-        _save(run_dir, state)
 
     new_tags = [RunTag(k, v) for k, v in tags.items() if run.data.tags.get(k) != v]
     # A row sent after the fact is stamped with the run's start (MLflow's x axis is the step;
-    # this keeps "relative time" plots within the run).
-    row_time = _ms(state.get("started_at")) or int(time.time() * 1000)
+    # this keeps "relative time" plots within the run); a live one, with now.
+    now = int(time.time() * 1000)
+    row_time = now if status == "RUNNING" else _ms(state.get("started_at")) or now
     new_rows = []
     for key, rows in expected.items():
         wanted = _counts(rows) - _counts(logged.get(key, []))
@@ -579,24 +498,23 @@ def mirror(
         client.log_batch(run_id, metrics=new_rows, tags=new_tags)
         changes.append(f"sent {len(new_rows)} metric rows, {len(new_tags)} tags")
     state["sent_rows"] = len(history)
-    _save(run_dir, state)
 
-    changes += _mirror_system_metrics(client, run, run_dir, state)
-    have = {f.path: f.file_size for f in client.list_artifacts(run_id)}
-    for path in _artifact_files(run_dir, state, status):
-        if new_rows or have.get(path.name) != path.stat().st_size:
-            client.log_artifact(run_id, str(path))
-            changes.append(f"attached {path.name}")
-    if error and status == "FAILED" and "traceback.txt" not in have:
-        client.log_text(run_id, error, "traceback.txt")
-        changes.append("attached traceback.txt")
-
-    if run.info.status != status:
-        client.set_terminated(run_id, status=status, end_time=_ms(state.get("ended_at")))
+    if status != "RUNNING":
+        have = {f.path: f.file_size for f in client.list_artifacts(run_id)}
+        for path in _artifact_files(run_dir, state, status):
+            if new_rows or have.get(path.name) != path.stat().st_size:
+                client.log_artifact(run_id, str(path))
+                changes.append(f"attached {path.name}")
+        if error and status == "FAILED" and "traceback.txt" not in have:
+            client.log_text(run_id, error, "traceback.txt")
+            changes.append("attached traceback.txt")
+    if run.info.status != status:  # a resumed run RUNNING again, or the end (tracking.json's time)
+        if status == "RUNNING":
+            client.update_run(run_id, status)
+        else:
+            client.set_terminated(run_id, status=status, end_time=_ms(state.get("ended_at")))
         changes.append(f"status {run.info.status} -> {status}")
-    state["ended"] = status
-    if "missing" in state:
-        state["missing"] = []
+    state["ended"] = None if status == "RUNNING" else status
     state["mirrored"] = fingerprint(run_dir, state)
     _save(run_dir, state)
     return changes
@@ -607,9 +525,9 @@ def _ms(seconds: object) -> int | None:
     return int(seconds * 1000) if isinstance(seconds, int | float) else None
 
 
-def _current_run(client, run_dir: Path, state: dict, changes: list[str]):
-    """The live MLflow run of this directory: tracking.json's, else one tagged with its path (a
-    lost tracking.json), else None."""
+def _current_run(client, run_dir: Path, state: dict, changes: list[str], by_tag: bool):
+    """The live MLflow run of this directory: tracking.json's, else (`by_tag`) one tagged with
+    its path (a lost tracking.json), else None."""
     from mlflow.exceptions import MlflowException
 
     if run_id := state.get("run_id"):
@@ -625,7 +543,7 @@ def _current_run(client, run_dir: Path, state: dict, changes: list[str]):
         state["run_id"] = None
     experiment = client.get_experiment_by_name(state.get("experiment", DEFAULT_EXPERIMENT))
     where = state.get("tags", {}).get("run_dir", str(run_dir))  # as its job wrote it
-    if experiment is None or "'" in where:
+    if not by_tag or experiment is None or "'" in where:
         return None
     found = client.search_runs(
         [experiment.experiment_id], filter_string=f"tags.run_dir = '{where}'", max_results=1
@@ -636,22 +554,23 @@ def _current_run(client, run_dir: Path, state: dict, changes: list[str]):
 
 
 def _new_run(client, run_dir: Path, state: dict, params: dict, old=None):
-    """A new MLflow run for the directory, with its params, and the old one's start, tags and
-    system metrics."""
+    """A new MLflow run for the directory, with its params; in place of `old`, deleted first (a
+    kill between the two leaves no second run: the next mirror finds none and creates one),
+    with its start, tags and system metrics."""
     from mlflow.entities import Metric, Param
 
     experiment_id = init(state.get("experiment", DEFAULT_EXPERIMENT), client)
     start_ms, tags, system = _ms(state.get("started_at")), dict(state.get("tags", {})), []
     if old is not None:
         experiment_id, start_ms = old.info.experiment_id, old.info.start_time
-        kept = {k: v for k, v in old.data.tags.items() if not k.startswith("mlflow.")}
-        tags = {**kept, **tags, "labrun_replaces": old.info.run_id}
+        tags = {**{k: v for k, v in old.data.tags.items() if not k.startswith("mlflow.")}, **tags}
         system = [
             Metric(m.key, m.value, m.timestamp, m.step)
             for key in old.data.metrics
             if key.startswith("system/")
             for m in client.get_metric_history(old.info.run_id, key)
         ]
+        client.delete_run(old.info.run_id)
     run_name = state.get("run_name", run_dir.name)
     run_id = client.create_run(experiment_id, start_ms, tags, run_name).info.run_id
     client.log_batch(
@@ -660,68 +579,20 @@ def _new_run(client, run_dir: Path, state: dict, params: dict, old=None):
     return client.get_run(run_id)
 
 
-def _mirror_system_metrics(client, run, run_dir: Path, state: dict) -> list[str]:
-    """The follower's machine samples over the job's lifetime, as MLflow's own monitor would
-    have logged them (system/<name> at steps 0, 1, ...); once, and only for a run without."""
-    from mlflow.entities import Metric
-
-    started, ended = state.get("started_at"), state.get("ended_at")
-    if any(key.startswith("system/") for key in run.data.metrics) or started is None:
-        return []
-    if ended is None:  # killed: its files' last change is its end
-        ended = max((p.stat().st_mtime for p in run_dir.iterdir() if p.is_file()), default=0)
-    rows, step = [], 0  # step: the sample's number
-    with contextlib.suppress(OSError):
-        for line in (run_dir.parent / SAMPLES_FILE).read_text(encoding="utf-8").splitlines():
-            with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
-                sample = json.loads(line)
-                t, values = float(sample["t"]), sample["metrics"].items()
-                if started <= t <= ended:
-                    rows += [
-                        Metric(f"system/{k}", float(v), int(t * 1000), step) for k, v in values
-                    ]
-                    step += 1
-    if not rows:
-        return []
-    client.log_batch(run.info.run_id, metrics=rows)
-    return [f"sent {step} system-metric samples"]
-
-
 # ---- tracking.json -------------------------------------------------------------------------------
 RUN_ID = re.compile(r"[0-9a-f]{32}")  # MLflow's run ids (uuid4().hex)
-
-
-def _strings(value: object) -> bool:
-    return isinstance(value, list) and all(isinstance(v, str) for v in value)
-
-
-def _run_id(value: object) -> bool:
-    return value is None or (isinstance(value, str) and bool(RUN_ID.fullmatch(value)))
-
-
-def _time(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
+STATE_TYPES = {  # each other key of tracking.json, if present: (in words, type)
+    **dict.fromkeys(("params", "tags", "end_tags"), ("a map", dict)),
+    "artifacts": ("a list", list),  # of names: see _artifact_files
+    **dict.fromkeys(("started_at", "ended_at"), ("a time", int | float)),
+    **dict.fromkeys(("experiment", "run_name", "error", "mirrored"), ("a string", str)),
+}
 # What each key of tracking.json must be, if present: (in words, test).
 STATE_FORMS = {
-    "run_id": ("32 hex digits", _run_id),
-    "replaces": ("32 hex digits", _run_id),
+    "run_id": ("32 hex digits", lambda v: v is None or isinstance(v, str) and RUN_ID.fullmatch(v)),
     "sent_rows": ("a count", lambda v: type(v) is int and v >= 0),
-    "ended": ("an MLflow end status", lambda v: v in (None, "FINISHED", "KILLED", "FAILED")),
-    "missing": ("a list of strings", _strings),
-    "artifacts": (
-        "file names of the run directory",
-        lambda v: _strings(v) and all(Path(n).name == n and n not in ("", ".", "..") for n in v),
-    ),
-    **dict.fromkeys(
-        ("params", "tags", "end_tags"),
-        ("a map of strings", lambda v: isinstance(v, dict) and _strings(list(v.values()))),
-    ),
-    **dict.fromkeys(("started_at", "ended_at"), ("a time", _time)),
-    **dict.fromkeys(
-        ("experiment", "run_name", "error", "mirrored"), ("a string", lambda v: isinstance(v, str))
-    ),
+    "ended": ("an MLflow end status", lambda v: v in (None, *MLFLOW_STATUS.values())),
+    **{k: (form, lambda v, t=t: isinstance(v, t)) for k, (form, t) in STATE_TYPES.items()},
 }
 
 
@@ -787,43 +658,9 @@ def _run_dirs(roots: list[Path], with_state: bool) -> list[Path]:
     return sorted({c.parent for root in roots if root.is_dir() for c in root.rglob(name)})
 
 
-def _start_sampler(path: Path) -> threading.Event:
-    """Sample the machine's system metrics once for every job of the sweep (MLflow's own
-    monitors: CPU, memory, disk, network, GPU), appended to `path`, until the event is set."""
-    stopped = threading.Event()
-    # Imported here, in the caller's thread: two threads importing mlflow at once break it.
-    try:
-        import mlflow.tracking  # noqa: F401
-        from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
-        from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
-        from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-        gpu = SystemMetricsMonitor._initialize_gpu_monitor(None)
-        monitors = [CPUMonitor(), DiskMonitor(), NetworkMonitor(), *([gpu] if gpu else [])]
-    except Exception:  # a monitor that cannot start: no system metrics, as in a live job
-        return stopped
-
-    def sample() -> None:
-        while not stopped.is_set():
-            values = {}
-            for monitor in monitors:
-                with contextlib.suppress(Exception):
-                    monitor.collect_metrics()
-                    values.update(monitor.aggregate_metrics())
-                    monitor.clear_metrics()
-            line = json.dumps({"t": time.time(), "metrics": values})
-            with contextlib.suppress(OSError), open(path, "a", encoding="utf-8") as f:
-                f.write(line + "\n")
-            stopped.wait(SYSTEM_METRICS_INTERVAL_S)
-
-    threading.Thread(target=sample, daemon=True, name="system-metrics").start()
-    return stopped
-
-
-def follow(roots: list[Path], log: logging.Logger, stdin=None) -> int:
+def follow(roots: list[Path], log: logging.Logger) -> int:
     """The sweep's follower: mirror each run directory under `roots` once its job has ended,
-    until `stdin` closes (run.sh's end), then mirror every one left and return.
+    until stdin closes (run.sh's end), then mirror every one left and return.
 
     Ctrl-C is run.sh's to handle (it stops the jobs, then closes stdin); SIGTERM (run.sh died:
     setpriv's death signal) ends it after the directory at hand: what it did not mirror, the
@@ -831,29 +668,25 @@ def follow(roots: list[Path], log: logging.Logger, stdin=None) -> int:
     it started and whose status is no longer `running`, and those done (the sweep runs no job
     there): it never claims a run the sweep may be about to start
     (that would turn its job away)."""
-    stdin = sys.stdin if stdin is None else stdin
     closed, stopping = threading.Event(), threading.Event()
-    if not stdin.isatty():  # under run.sh; at a terminal, Ctrl-C stops it as usual
+    if not sys.stdin.isatty():  # under run.sh; at a terminal, Ctrl-C stops it as usual
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: (stopping.set(), closed.set()))
 
     def read_to_end() -> None:
         with contextlib.suppress(Exception):
-            while stdin.read(4096):
+            while sys.stdin.read(4096):
                 pass
         closed.set()
 
     threading.Thread(target=read_to_end, daemon=True).start()
     unreached = {}  # run dir -> fingerprint tried
-    sampler = None
     seen = {d: fingerprint(d, _read_state(d)) for d in _run_dirs(roots, with_state=True)}
     while not stopping.is_set():
         final = closed.is_set()
         for run_dir in _run_dirs(roots, with_state=True):
             if stopping.is_set():
                 break
-            if sampler is None and not final:  # once a job is tracked: none with tracking off
-                sampler = _start_sampler(roots[0] / SAMPLES_FILE)
             state = _read_state(run_dir)
             now = fingerprint(run_dir, state)
             if state.get("mirrored") == now or (not final and unreached.get(run_dir) == now):
@@ -873,8 +706,6 @@ def follow(roots: list[Path], log: logging.Logger, stdin=None) -> int:
         if final:
             break
         closed.wait(FOLLOW_POLL_S)
-    if sampler is not None:
-        sampler.set()
     return 1 if unreached else 0
 
 
@@ -886,25 +717,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "command",
-        choices=("init", "sync", "follow"),
-        help="init: create the DB and the experiment (and print the tracking URI); "
-        "sync: make MLflow mirror run directories, printing each change; follow: run.sh's "
-        "follower (mirrors each run once its job ends, until stdin closes)",
+        choices=("sync", "follow"),
+        help="sync: make MLflow mirror run directories, printing each change; follow: run.sh's "
+        "follower (mirrors each run once its job ends, until stdin closes); `run.py "
+        "--init-tracking` creates the DB and the experiment",
     )
     p.add_argument(
         "paths",
         nargs="*",
         type=Path,
-        help="sync, follow: run directories, or folders holding them [results]",
+        help="run directories, or folders holding them [results]",
     )
-    p.add_argument("--experiment", default=DEFAULT_EXPERIMENT, help="MLflow experiment name")
     args = p.parse_args(argv)
-    if args.command == "init":
-        experiment_id = init(args.experiment)
-        print(
-            f"MLflow ready: {tracking_uri()} (experiment {args.experiment!r}, id {experiment_id})"
-        )
-        return 0
     paths = args.paths or [PROJECT_ROOT / "results"]
     log = logging.getLogger(f"tracking.{args.command}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -913,16 +737,12 @@ def main(argv: list[str] | None = None) -> int:
     run_dirs = _run_dirs(paths, with_state=False)
     if not run_dirs:
         p.error("sync: no run directory (a folder with config.json) under the given paths")
-    done = {d: sync(d, log) for d in run_dirs}
-    missing = [str(d) for d, ok in done.items() if ok is False]
-    held = [str(d) for d, ok in done.items() if ok is None]
+    done = [sync(d, log) for d in run_dirs]  # each skip and failure said, with its directory
     print(
-        f"synced {len(run_dirs) - len(missing) - len(held)} of {len(run_dirs)} run directories "
-        f"to {tracking_uri()}"
-        + (f"; skipped, held by a live job: {', '.join(held)}" if held else "")
-        + (f"; not reached: {', '.join(missing)}" if missing else "")
+        f"synced {done.count(True)} of {len(run_dirs)} run directories to {tracking_uri()} "
+        f"({done.count(None)} held by a live job, {done.count(False)} not reached)"
     )
-    return 1 if missing else 0
+    return 1 if False in done else 0
 
 
 if __name__ == "__main__":
