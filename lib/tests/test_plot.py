@@ -172,10 +172,13 @@ def test_labels_are_never_cut_off(sweeps):
 
 
 def every_figure(table, page) -> dict:
-    figures = {draw.__name__: draw(table, page, "test_acc", table.monitor) for draw in plot.FIGURES}
-    figures = {name: fig for name, fig in figures.items() if fig is not None}
-    for fig in figures.values():
-        FigureCanvasAgg(fig).draw()
+    """Every figure, drawn under plot.STYLE as plot.py draws them (not under whatever style an
+    earlier test left: alone, a test must see what plot.py makes)."""
+    with matplotlib.rc_context(plot.STYLE):
+        figures = {d.__name__: d(table, page, "test_acc", table.monitor) for d in plot.FIGURES}
+        figures = {name: fig for name, fig in figures.items() if fig is not None}
+        for fig in figures.values():
+            FigureCanvasAgg(fig).draw()
     return figures
 
 
