@@ -215,6 +215,38 @@ def test_a_lost_tracking_json_finds_its_run_instead_of_a_second_one(env, tmp_pat
     assert_mirrors(uri, run_dir)
 
 
+def test_a_live_job_reads_its_rows_back_once_not_every_epoch(env, tmp_path, monkeypatch):
+    """Each epoch sends only the rows past those the job sent itself; MLflow's rows are read back
+    by the job's first mirror (a resume's check) and by its end, which makes MLflow equal the
+    directory. Reading them back every epoch made a long run's tracking quadratic."""
+    from mlflow import MlflowClient
+
+    reads = collections.Counter()
+    history_of_key = MlflowClient.get_metric_history
+
+    def counted(self, run_id, key, *args, **kwargs):
+        reads[key] += 1
+        return history_of_key(self, run_id, key, *args, **kwargs)
+
+    monkeypatch.setattr(MlflowClient, "get_metric_history", counted)
+    losses = [2.0 - 0.05 * i for i in range(30)]
+    run_dir = make_run_dir(tmp_path, history_of(losses[:1]), status="running")
+    tracker = tracking.Tracker(
+        run_dir, enabled=True, experiment="mirror-test", run_name=run_dir.name,
+        log=logging.getLogger("test"), system_metrics=False,
+        params=tracking.run_params(json.loads((run_dir / "config.json").read_text())),
+    )  # fmt: skip
+    for epoch in range(2, len(losses) + 1):
+        write_history(run_dir, history_of(losses[:epoch]))
+        tracker.log_history()
+    assert not reads, "read back while training"  # the first mirror created the run: none yet
+    tracker.end("FINISHED", metrics=SUMMARY)
+    assert reads == {"val_loss": 1, "val_acc": 1}, reads  # the end's full comparison
+    (run_dir / "metrics.json").write_text(json.dumps(SUMMARY))
+    (run_dir / "status").write_text("finished\n")
+    assert_mirrors(env["MLFLOW_TRACKING_URI"], run_dir)
+
+
 def start_follower(results: Path) -> subprocess.Popen:
     """The sweep's follower on `results`, as run.sh starts it: it follows until stdin closes."""
     return subprocess.Popen(

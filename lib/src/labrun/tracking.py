@@ -212,6 +212,7 @@ class Tracker:
         self.monitor = self._failed_at = self._monitored = None  # _monitored: the monitor's run
         self.system_metrics = system_metrics
         self._warned = self._frozen = False  # _frozen: abandon(), the directory is not ours
+        self._verified = False  # this process has compared MLflow with the directory once
         if not self.enabled:
             return
         # What only this process knows, for whoever mirrors the directory later.
@@ -257,8 +258,9 @@ class Tracker:
             self._failed_at = None
         return result
 
-    def _mirror(self, status: str, summary: dict | None = None) -> list[str]:
-        changes = mirror(_client(tracking_uri()), self.run_dir, self.state, status, summary)
+    def _mirror(self, status: str, summary: dict | None = None, known=None) -> list[str]:
+        client = _client(tracking_uri())
+        changes = mirror(client, self.run_dir, self.state, status, summary, known)
         for change in changes:  # a rebuild is news; the usual rows, tags and status are not
             if change.startswith(("replaced", "MLflow run")):
                 self.log.warning("MLflow: %s", change)
@@ -266,8 +268,12 @@ class Tracker:
 
     def log_history(self) -> None:
         """Send history.csv's new rows: mirror the run directory as it is, RUNNING."""
-        if self._guard("log metrics", self._mirror, "RUNNING", {}) is None:
+        # After one full comparison, an epoch sends the rows past those this job sent: reading
+        # every row back each epoch made a long run's tracking quadratic in its epochs.
+        known = self.state.get("sent_rows") if self._verified else None
+        if self._guard("log metrics", self._mirror, "RUNNING", {}, known) is None:
             return
+        self._verified = True
         if self.system_metrics and self._monitored != self.run_id:
             self.close()  # a rebuilt MLflow run: the monitor follows it
             self._monitored = self.run_id
@@ -418,14 +424,21 @@ def fingerprint(run_dir: Path, state: dict) -> str:
 
 
 def mirror(
-    client, run_dir: Path, state: dict, status: str | None = None, summary: dict | None = None
+    client,
+    run_dir: Path,
+    state: dict,
+    status: str | None = None,
+    summary: dict | None = None,
+    known: int | None = None,
 ) -> list[str]:
     """Make the MLflow run of `run_dir` equal the directory; return what was changed.
 
     status and summary default to the directory's files (status, metrics.json); the job passes
     RUNNING and {} at each epoch, and what it is about to write at its end; the history is
     history.csv's. `state` (tracking.json) is updated in place and saved after each step that
-    must not be repeated. Missing rows are added; a run holding rows or params the directory
+    must not be repeated. `known`: the live job's own count of history rows the run already
+    holds (tracking.json's sent_rows, which it sent itself): those are not read back. Missing
+    rows are added; a run holding rows or params the directory
     does not is rebuilt (MLflow has no delete for them); a name given in MLflow's UI stays.
     Each step is idempotent, so a kill anywhere is repaired by the next mirror. Files are
     attached only at the end (not RUNNING)."""
@@ -455,7 +468,9 @@ def mirror(
     # A live job never adopts a run by its tag: that run may be a job's that lost the claim.
     run = _current_run(client, run_dir, state, changes, by_tag=status != "RUNNING")
     conflicts, logged = [], {}
-    if run is not None:
+    if run is not None and known is not None:
+        logged = expected_metrics(history[:known], {})
+    elif run is not None:
         logged = {
             key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
             for key in run.data.metrics
