@@ -468,8 +468,8 @@ def mirror(
     # A live job never adopts a run by its tag: that run may be a job's that lost the claim.
     run = _current_run(client, run_dir, state, changes, by_tag=status != "RUNNING")
     conflicts, logged = [], {}
-    if run is not None and known is not None:
-        logged = expected_metrics(history[:known], {})
+    if run is not None and known is not None:  # what this job has not sent yet, nothing read
+        expected = expected_metrics(history[known:], summary)
     elif run is not None:
         logged = {
             key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
