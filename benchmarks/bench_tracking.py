@@ -66,7 +66,7 @@ def main() -> int:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{db}"}
     env.pop("LAB_TRACKING_FOLLOWER", None)
     python = sys.executable
-    subprocess.run([python, "-m", "labrun.tracking", "init", "--experiment", project.name],
+    subprocess.run([python, "run.py", "--init-tracking"],
                    cwd=project, env=env, check=True, capture_output=True)  # fmt: skip
     walls: dict[str, list[float]] = {"live": [], "sweep": [], "off": [], "follower": []}
     phases: dict[str, list[tuple[float, float]]] = {"live": [], "sweep": [], "off": []}
