@@ -5,7 +5,8 @@ timers, early stopping, the partial epoch's metric sums and every object run.py 
 `run.restore(model=..., optimizer=..., ...)` (by its `state_dict()`), so saving and resuming are
 one call each. The library assumes nothing of those objects but `state_dict()` /
 `load_state_dict()`: any optimizer, a scheduler or None, any number of parameter groups.
-A checkpoint written under another precision (autocast dtype, GradScaler) is refused.
+A checkpoint written under another precision (a requeue onto another GPU generation) continues
+under this run's (load_scaler).
 The best weights are in the checkpoint too, not only in best_model.pt (a plain state_dict,
 written at every new best): a hard kill after a new best_model.pt but before the next checkpoint
 would otherwise resume with the weights of an epoch the checkpoint has not reached. On resume the
@@ -77,6 +78,24 @@ class TrainSums:
         self.seen = sums["seen"]
 
 
+def load_scaler(scaler, saved: dict, then: dict, now: dict, log) -> None:
+    """Continue under this run's precision, whatever the checkpoint's (a requeue may land on a GPU
+    without bf16, or with it): the GradScaler's state is taken over when both use one, dropped
+    when this run needs none, and started afresh when only this run needs one (its first steps
+    then find the scale again). run.log says which."""
+    if then["autocast"] != now["autocast"]:
+        log.warning(
+            f"precision: the checkpoint was written under {then['autocast']}, this run "
+            f"continues under {now['autocast']}"
+        )
+    if then["grad_scaler"] and now["grad_scaler"]:
+        scaler.load_state_dict(saved)
+    elif then["grad_scaler"]:
+        log.warning("precision: the checkpoint's GradScaler state is dropped (not needed)")
+    elif now["grad_scaler"]:
+        log.warning(f"precision: a new GradScaler starts at scale {scaler.get_scale():g}")
+
+
 class TrainingState:
     """Progress + registered objects + early stopping + sums, checkpointed and restored together.
 
@@ -124,12 +143,6 @@ class TrainingState:
         """Every registered object from the checkpoint's copy (strict: refused when it differs)."""
         from .checkpoint import CheckpointError, load_model_state
 
-        if saved["precision"] != self.precision():  # GradScaler states do not carry over
-            then, now = saved["precision"]["autocast"], self.precision()["autocast"]
-            raise CheckpointError(
-                f"the checkpoint was written under {then}, this run would go on under {now} "
-                "(another GPU, or --amp); re-run with the same precision, or --fresh"
-            )
         for name, obj in self.objects.items():
             if name not in saved:
                 raise CheckpointError(f"the checkpoint holds no {name!r}")
@@ -137,7 +150,9 @@ class TrainingState:
                 raise CheckpointError(f"the checkpoint's {name!r} setting differs from this run's")
             if obj is None:
                 continue
-            if isinstance(obj, torch.nn.Module):
+            if isinstance(obj, torch.amp.GradScaler):
+                load_scaler(obj, saved[name], saved["precision"], self.precision(), self.log)
+            elif isinstance(obj, torch.nn.Module):
                 load_model_state(obj, saved[name], f"the checkpoint's {name}")
             else:
                 obj.load_state_dict(saved[name])
