@@ -231,6 +231,25 @@ def fill(disk: Path, leave: int) -> None:
             todo -= f.write(chunk[: min(len(chunk), todo)])
 
 
+def test_auto_streams_a_folder_whose_decoded_cache_the_disk_cannot_hold(small_disk, tmp_path):
+    """--data-mode auto looks at --data-dir's free space before a decode that would fill it: it
+    streams and says why; --data-mode memory insists, and fails in one line, no file left."""
+    from image_folders import make_folder
+
+    from labrun.data import load_dataset
+
+    folder = make_folder(tmp_path / "f", {"train": 6, "test": 2}, size=(64, 64))
+    data_dir = small_disk / "data"
+    data_dir.mkdir()
+    fill(small_disk, leave=96 * 1024)  # the decoded cache: 16 images x 64x64x3 = 192 KiB
+    streamed = load_dataset("folder", data_dir, data_path=folder, mode="auto", workers=0)
+    assert streamed.info.source.startswith("stream"), streamed.info.source
+    assert any("--data-dir has" in note for note in streamed.notes), streamed.notes
+    with pytest.raises(ValueError, match="^--data-dir: cannot write the decoded cache .*No space"):
+        load_dataset("folder", data_dir, data_path=folder, mode="memory", workers=0)
+    assert not list(data_dir.glob("decoded-*"))
+
+
 @pytest.mark.slow  # training until the disk is filled under it
 def test_a_disk_that_fills_inside_torch_save_is_the_disk_message(small_disk, env, data_dir):
     """Before: `RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos`."""

@@ -28,6 +28,7 @@ import contextlib
 import hashlib
 import math
 import os
+import shutil
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -50,7 +51,7 @@ from .augment import (
 from .datasets import DATASETS, DataOptions, DatasetSplits, ImageFiles
 from .dataversion import data_version as files_version
 from .dataversion import forget
-from .imagecache import decode_cached
+from .imagecache import cache_path, decode_cached
 from .imagefolder import UnreadableImage
 from .loaders import FileSplit, Split, own_normalization
 from .loaders import build_loader as build_loader  # callers import it from here
@@ -209,7 +210,7 @@ def load_dataset(
             "streaming needs a dataset of image files (e.g. folder)"
         )
     notes = list(raw.notes)
-    why_not = _why_not_cached(files) if files and mode == "auto" else None
+    why_not = _why_not_cached(files, data_dir, data_version) if files and mode == "auto" else None
     if why_not:
         notes.append(f"--data-mode auto: streaming (decoded every epoch): {why_not}")
     source = _image_source(mode, why_not, files) if files else ""  # run.log's `images from:`
@@ -485,7 +486,7 @@ def decoded_bytes(splits) -> int:
     return sum(held_bytes(split) for split in splits)
 
 
-def _why_not_cached(files: list[FileSplit]) -> str | None:
+def _why_not_cached(files: list[FileSplit], data_dir: Path, version: str | None) -> str | None:
     """Why the decoded cache cannot serve these splits (None: it can). RAM is no limit: the
     cache is memory-mapped, and the page cache keeps what fits of it."""
     headroom = _rlimit_headroom()  # a mapping takes address space, which RLIMIT_AS limits
@@ -495,6 +496,11 @@ def _why_not_cached(files: list[FileSplit]) -> str | None:
             f"its decoded cache ({need / 2**30:.1f} GiB) does not fit the address-space "
             f"limit (ulimit -v: {headroom / 2**30:.1f} GiB left)"
         )
+    # The disk, before a decode that would fail when it fills (--data-mode memory: that error).
+    to_write = sum(held_bytes(f) for f in files if not cache_path(f, data_dir, version).exists())
+    free = shutil.disk_usage(next(p for p in (data_dir, *data_dir.parents) if p.exists())).free
+    if to_write > free:
+        return f"its decoded cache needs {size_text(to_write)}, --data-dir has {size_text(free)}"
     return None
 
 
