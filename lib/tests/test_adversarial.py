@@ -134,13 +134,13 @@ def test_a_crafted_tracking_json_is_ignored_not_logged(main_in_process, tmp_path
     ],
 )
 def test_tracking_json_values_are_checked(tmp_path, state, caplog):
-    from labrun.tracking import _read_state
+    from labrun.tracking import read_state
 
     (tmp_path / "tracking.json").write_text(json.dumps(state))
-    assert _read_state(tmp_path, __import__("logging").getLogger("t")) == {}
+    assert read_state(tmp_path, __import__("logging").getLogger("t")) == {}
     assert "ignored" in caplog.text
     (tmp_path / "tracking.json").write_text(json.dumps({"run_id": "0" * 32, "sent_rows": 3}))
-    assert _read_state(tmp_path)["sent_rows"] == 3
+    assert read_state(tmp_path)["sent_rows"] == 3
 
 
 @pytest.mark.skipif(not IS_ROOT, reason="files owned by another user need root to make")
@@ -351,7 +351,7 @@ def test_a_short_outage_near_the_end_still_reports_the_end(env, data_dir, tmp_pa
 def test_an_outage_through_the_end_is_written_down_and_sync_completes_it(
     env, data_dir, tmp_path, monkeypatch
 ):
-    from labrun import tracking
+    from labrun import follower
 
     uri = env["MLFLOW_TRACKING_URI"]
     results = tmp_path / "results"
@@ -368,7 +368,7 @@ def test_an_outage_through_the_end_is_written_down_and_sync_completes_it(
     state = json.loads((run_dir / "tracking.json").read_text())
     assert (state["sent_rows"], state["ended"]) == (1, None), state  # what MLflow has
     assert mlflow_run(uri, state["run_id"]).info.status == "RUNNING"
-    assert tracking.main(["sync", str(results)]) == 0
+    assert follower.main(["sync", str(results)]) == 0
     run = mlflow_run(uri, state["run_id"])
     assert run.info.status == "FINISHED" and _history_epochs(uri, state["run_id"]) == [1, 2, 3]
     state = json.loads((run_dir / "tracking.json").read_text())
@@ -378,18 +378,18 @@ def test_an_outage_through_the_end_is_written_down_and_sync_completes_it(
 # ---- tracking sync beside a live job ---
 @pytest.mark.slow
 def test_sync_beside_a_live_job_sends_every_row_once_to_one_run(env, data_dir, tmp_path):
-    from labrun import tracking
+    from labrun import follower
 
     uri, results = env["MLFLOW_TRACKING_URI"], tmp_path / "results"
     proc = popen_cli("--epochs", "12", results_dir=results, data_dir=data_dir, env=env)
     wait_while_running(lambda: any(results.glob("*/config.json")), proc)
     syncs = 0
     while proc.poll() is None:  # before the job reaches MLflow, and at every epoch after
-        tracking.main(["sync", str(results)])
+        follower.main(["sync", str(results)])
         syncs += 1
     _, err = proc.communicate()
     assert proc.returncode == 0, err
-    assert tracking.main(["sync", str(results)]) == 0
+    assert follower.main(["sync", str(results)]) == 0
     run_dir = run_dir_of(results)
     found = _runs_named(uri, run_dir.name)
     assert len(found) == 1, [r.info.run_id for r in found]

@@ -208,7 +208,7 @@ def test_the_same_run_started_twice_trains_once(env, data_dir, tmp_path):
 def test_a_tracker_that_is_down_never_stops_training_and_sync_sends_it_later(
     main_in_process, tmp_path, monkeypatch, capsys
 ):
-    from labrun import tracking
+    from labrun import follower
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_free_port()}")
     results = tmp_path / "results"
@@ -223,12 +223,12 @@ def test_a_tracker_that_is_down_never_stops_training_and_sync_sends_it_later(
 
     uri = f"sqlite:///{tmp_path / 'later.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    assert tracking.main(["sync", str(results)]) == 0
+    assert follower.main(["sync", str(results)]) == 0
     run_id = json.loads((run_dir / "tracking.json").read_text())["run_id"]
     run = mlflow_run(uri, run_id)
     assert run.info.status == "FINISHED"
     assert run.data.metrics["test_acc"] == pytest.approx(read_metrics(run_dir)["test_acc"])
-    assert tracking.main(["sync", str(results)]) == 0  # again: nothing is sent twice
+    assert follower.main(["sync", str(results)]) == 0  # again: nothing is sent twice
     assert len(mlflow_run_history(uri, run_id, "val_acc")) == 1
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, cli_command, popen_cli, wait_while_running
 
+from labrun import follower as tracking_cli  # `python -m labrun.tracking sync|follow`
 from labrun import tracking
 from labrun.claim import claim
 
@@ -146,7 +147,7 @@ def sync(caplog):
     def call(*paths: Path) -> str:
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="tracking.sync"):
-            assert tracking.main(["sync", *map(str, paths)]) == 0
+            assert tracking_cli.main(["sync", *map(str, paths)]) == 0
         return caplog.text
 
     return call
@@ -193,8 +194,8 @@ def test_a_kill_inside_the_final_mlflow_call_is_completed_by_the_next_sync(env, 
         "import os, signal, sys\n"
         "from mlflow.tracking import MlflowClient\n"
         "MlflowClient.set_terminated = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)\n"
-        "from labrun import tracking\n"
-        "sys.exit(tracking.main(['sync', sys.argv[1]]))\n"
+        "from labrun import follower\n"
+        "sys.exit(follower.main(['sync', sys.argv[1]]))\n"
     )
     killed = subprocess.run(
         [sys.executable, "-c", killer, str(run_dir)], capture_output=True, text=True, timeout=300
@@ -271,7 +272,7 @@ def test_the_follower_mirrors_a_run_once_its_claim_is_released(env, tmp_path):
         state |= {"params": {"lr": "0.01", "width": "8", "experiment_keys": "['lr', 'width']"}}
         state |= {"experiment": "mirror-test", "run_name": run_dir.name}
         (run_dir / "tracking.json").write_text(json.dumps(state))
-        time.sleep(3 * tracking.FOLLOW_POLL_S)  # passes over it while it is held
+        time.sleep(3 * tracking_cli.FOLLOW_POLL_S)  # passes over it while it is held
         assert mlflow_runs_of(uri, run_dir) == []
         held.release()
         deadline = time.monotonic() + 120
@@ -297,7 +298,7 @@ def test_the_follower_claims_no_run_the_sweep_may_start(env, tmp_path):
     run_dir = make_run_dir(results, history_of([2.0]), status="interrupted")
     (run_dir / "tracking.json").write_text(json.dumps({"started_at": time.time() - 5}))
     follower = start_follower(results)
-    time.sleep(3 * tracking.FOLLOW_POLL_S)
+    time.sleep(3 * tracking_cli.FOLLOW_POLL_S)
     assert mlflow_runs_of(uri, run_dir) == []
     out, _ = follower.communicate(timeout=120)
     assert follower.returncode == 0, out

@@ -126,6 +126,10 @@ class UsageError(ValueError):
     """Bad command line or bad input: run.py prints `error: <message>` and exits 2."""
 
 
+class NotReady(UsageError):
+    """An input is not there yet (a run still training): exit 2; run.sh lists it as waiting."""
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, but a refusal is one line, `error: --flag: why`, and exit 2 (no usage dump)."""
 

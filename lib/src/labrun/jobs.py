@@ -45,12 +45,13 @@ from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import distributed, plan, runs
+from . import distributed, runs
 from .claim import Busy, Claim, LostClaim, claim
 from .config import (
     DEFAULT_EXPERIMENT,
     PROJECT_ROOT,
     TRACKING_ENV,
+    NotReady,  # noqa: F401  (jobs.NotReady: scripts raise it, analyze.py)
     Parser,
     UsageError,
     _add_field,
@@ -63,7 +64,6 @@ from .config import (
     short_hash,
     tracking_default,
 )
-from .plan import NotReady  # noqa: F401  (jobs.NotReady: scripts raise it, analyze.py)
 from .stopping import GracefulStop
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_BUSY, EXIT_INTERRUPTED = 0, 1, 2, 73, 75
@@ -143,6 +143,8 @@ def contract(
     ran = False
     with stop:  # first: a stop signal at any later moment still ends in 75
         if (sys.argv[1:] if argv is None else argv) == ["--plan"]:  # run.sh: all jobs, one call
+            from . import plan  # the sweep's query (side): one interpreter answers for all
+
             return plan.main(plan.resolver(parse, locate))
         args, parser_ = parse(argv)  # bad flags: one `error:` line, exit 2
         try:

@@ -33,12 +33,7 @@ from typing import BinaryIO
 
 from labrun import config, runs
 from labrun.claim import holder, is_stopping
-from labrun.config import UsageError, parse_args, run_dir
-
-
-class NotReady(UsageError):
-    """An input is not there yet (a run still training): exit 2; run.sh lists it as waiting.
-    Here, not in jobs.py (which re-exports it), so that jobs imports plan and never the reverse."""
+from labrun.config import NotReady, UsageError, parse_args, run_dir
 
 
 def resolver(parse: Callable, locate: Callable) -> Callable[[list[str]], Path]:

@@ -7,14 +7,14 @@ The run directory (config.json, status, history.csv, metrics.json) is the record
   directory does not (a lost attempt's epochs, a summary logged twice) is rebuilt: the old run
   deleted (MLflow's UI lists it under "Deleted" until `mlflow gc` purges it), a new one with
   the same name, start time, tags, system metrics and the directory's numbers.
-- Interactive (`python run.py`): the job mirrors its directory as RUNNING at its start and at
-  each epoch (it reads each metric's rows back: some 50 ms an epoch on a local sqlite DB; MLflow's
-  own monitor samples the machine), and with its end status at its end.
-- In a sweep (run.sh sets `LAB_TRACKING_FOLLOWER=1`): jobs never talk to MLflow. The sweep's one
-  follower (`python -m <package>.tracking follow RESULTS`) mirrors each run as soon as its job
-  has released the run's claim (finished, failed, interrupted), and at the sweep's end mirrors
-  everything left. A sweep killed with -9 loses nothing: the next sweep's follower, or
-  `python -m <package>.tracking sync` (which prints every change it makes), mirrors the rest.
+- Interactive (`python run.py`): the job mirrors its directory as RUNNING at its start (MLflow's
+  rows read back once), after each epoch (the history rows past `sent_rows`: some 10 ms on a
+  local sqlite DB; MLflow's own monitor samples the machine), and with its end status at its end
+  (read back again: MLflow then equals the directory).
+- In a sweep (run.sh sets `LAB_TRACKING_FOLLOWER=1`): jobs never talk to MLflow; the sweep's one
+  follower mirrors each run once its job has released the run's claim (follower.py). A sweep
+  killed with -9 loses nothing: the next sweep's follower, or `python -m labrun.tracking sync`
+  (which prints every change it makes), mirrors the rest.
 - Tracking URI: `MLFLOW_TRACKING_URI` if set, else an absolute `sqlite:///<project root>/mlflow.db`
   (absolute, so it does not depend on the directory you start from). Artifacts go next to the
   database, in `mlruns/`.
@@ -43,7 +43,6 @@ Imports neither torch nor mlflow at module level (mlflow costs ~1.5 s to import)
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import csv
@@ -56,11 +55,9 @@ import os
 import platform
 import re
 import shlex
-import signal
 import socket
 import stat
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -73,7 +70,6 @@ RETRY_AFTER_S = 60.0  # after a failure, try the tracker again at the next epoch
 ARTIFACT_MAX_BYTES = 200 * 2**20  # larger best_model.pt files stay in the run directory only
 SYSTEM_METRICS_INTERVAL_S = 10.0  # CPU/RAM (psutil) and GPU (nvidia-ml-py) sampling period
 FOLLOWER_ENV = "LAB_TRACKING_FOLLOWER"  # "1" (run.sh): the sweep's follower mirrors this job
-FOLLOW_POLL_S = 1.0  # how often the follower looks for runs whose job has ended
 MAX_ERROR_CHARS = 20000  # a traceback kept in tracking.json for traceback.txt
 HTTP_DEFAULTS = {
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
@@ -91,7 +87,7 @@ def _sqlite_path(uri: str) -> Path | None:
 
 
 @functools.cache  # per tracking URI: one client for every sync of a follower or a process
-def _client(uri: str):
+def mlflow_client(uri: str):
     for key, value in HTTP_DEFAULTS.items():
         os.environ.setdefault(key, value)
     # MLflow's INFO lines (creating tables, system metrics started) are not the job's news, and
@@ -123,7 +119,7 @@ def _client(uri: str):
 def init(experiment: str = DEFAULT_EXPERIMENT, client=None) -> str:
     """Create the DB (schema) and the experiment if missing; return the experiment id.
     Artifacts go to `mlruns/` next to a sqlite DB, to the server's default for anything else."""
-    client = client or _client(tracking_uri())
+    client = client or mlflow_client(tracking_uri())
     found = client.get_experiment_by_name(experiment)
     if found is not None:
         return found.experiment_id
@@ -208,7 +204,7 @@ class Tracker:
     ) -> None:
         self.run_dir, self.log, self.enabled = Path(run_dir), log, enabled
         self.deferred = enabled and os.environ.get(FOLLOWER_ENV) == "1"
-        self.state = _read_state(self.run_dir, log)
+        self.state = read_state(self.run_dir, log)
         self.monitor = self._failed_at = self._monitored = None  # _monitored: the monitor's run
         self.system_metrics = system_metrics
         self._warned = self._frozen = False  # _frozen: abandon(), the directory is not ours
@@ -259,7 +255,7 @@ class Tracker:
         return result
 
     def _mirror(self, status: str, summary: dict | None = None, known=None) -> list[str]:
-        client = _client(tracking_uri())
+        client = mlflow_client(tracking_uri())
         changes = mirror(client, self.run_dir, self.state, status, summary, known)
         for change in changes:  # a rebuild is news; the usual rows, tags and status are not
             if change.startswith(("replaced", "MLflow run")):
@@ -333,7 +329,7 @@ class Tracker:
         self.close()
 
     def _abandon(self, reason: str) -> None:
-        client = _client(tracking_uri())
+        client = mlflow_client(tracking_uri())
         client.set_tag(self.run_id, "error", reason[:4000])
         client.set_terminated(self.run_id, status="FAILED")
 
@@ -611,7 +607,7 @@ STATE_FORMS = {
 }
 
 
-def _read_state(run_dir: Path, log: logging.Logger | None = None) -> dict:
+def read_state(run_dir: Path, log: logging.Logger | None = None) -> dict:
     """tracking.json, checked; {} (a fresh start) if missing, and with a warning if unusable:
     not a plain file of the run directory's owner, not JSON, or a value of the wrong form
     (said in our words, never its content)."""
@@ -636,129 +632,10 @@ def _read_state(run_dir: Path, log: logging.Logger | None = None) -> dict:
 
 def mlflow_run_id(run_dir: Path) -> str | None:
     """The MLflow run that mirrors `run_dir` (tracking.json's), or None."""
-    return _read_state(Path(run_dir)).get("run_id")
+    return read_state(Path(run_dir)).get("run_id")
 
 
-# ---- sync and the sweep's follower -------------------------------------------------------------
-def sync(run_dir: Path, log: logging.Logger) -> bool | None:
-    """Make MLflow mirror a run directory, saying each change; True if it does now, False if
-    it could not be reached, None if a live job holds the directory (its job mirrors it).
+if __name__ == "__main__":  # `python -m labrun.tracking sync|follow`: follower.py's command
+    from labrun.follower import main
 
-    Holds the run's claim while it works, like a training job: no job starts meanwhile, and no
-    second sync, so the directory keeps one MLflow run."""
-    from .claim import Busy, claim
-
-    try:
-        held = claim(run_dir)
-    except Busy as exc:
-        log.info("skipped %s: %s (that job mirrors it)", run_dir, exc)
-        return None
-    except OSError as exc:  # e.g. a colleague's directory without a .lock: cannot claim it
-        log.warning("skipped %s: cannot claim it (%s)", run_dir, exc.strerror or exc)
-        return False
-    with held:
-        state = _read_state(run_dir, log)
-        try:
-            changes = mirror(_client(tracking_uri()), run_dir, state)
-        except Exception as exc:
-            log.warning("%s: not mirrored: %s: %s", run_dir, type(exc).__name__, first_line(exc))
-            return False
-    for change in changes:
-        log.info("%s: %s", run_dir, change)
-    return True
-
-
-def _run_dirs(roots: list[Path], with_state: bool) -> list[Path]:
-    name = STATE_FILE if with_state else runs.CONFIG
-    return sorted({c.parent for root in roots if root.is_dir() for c in root.rglob(name)})
-
-
-def follow(roots: list[Path], log: logging.Logger) -> int:
-    """The sweep's follower: mirror each run directory under `roots` once its job has ended,
-    until stdin closes (run.sh's end), then mirror every one left and return.
-
-    Ctrl-C is run.sh's to handle (it stops the jobs, then closes stdin); SIGTERM (run.sh died:
-    setpriv's death signal) ends it after the directory at hand: what it did not mirror, the
-    next sweep or `sync` does. During the sweep it touches only directories that changed since
-    it started and whose status is no longer `running`, and those done (the sweep runs no job
-    there): it never claims a run the sweep may be about to start
-    (that would turn its job away)."""
-    closed, stopping = threading.Event(), threading.Event()
-    if not sys.stdin.isatty():  # under run.sh; at a terminal, Ctrl-C stops it as usual
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: (stopping.set(), closed.set()))
-
-    def read_to_end() -> None:
-        with contextlib.suppress(Exception):
-            while sys.stdin.read(4096):
-                pass
-        closed.set()
-
-    threading.Thread(target=read_to_end, daemon=True).start()
-    unreached = {}  # run dir -> fingerprint tried
-    seen = {d: fingerprint(d, _read_state(d)) for d in _run_dirs(roots, with_state=True)}
-    while not stopping.is_set():
-        final = closed.is_set()
-        for run_dir in _run_dirs(roots, with_state=True):
-            if stopping.is_set():
-                break
-            state = _read_state(run_dir)
-            now = fingerprint(run_dir, state)
-            if state.get("mirrored") == now or (not final and unreached.get(run_dir) == now):
-                continue  # mirrored; or failed: again when it changes
-            if not final and not (
-                runs.read_status(run_dir) != "running"
-                and (seen.get(run_dir) != now or runs.is_done(run_dir))
-            ):
-                continue
-            synced = sync(run_dir, log)
-            if synced is False:
-                unreached[run_dir] = now
-            else:
-                unreached.pop(run_dir, None)
-            if synced is None:  # a job still held it: look again next pass, changed or not
-                seen[run_dir] = None
-        if final:
-            break
-        closed.wait(FOLLOW_POLL_S)
-    return 1 if unreached else 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog=f"python -m {__package__}.tracking",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument(
-        "command",
-        choices=("sync", "follow"),
-        help="sync: make MLflow mirror run directories, printing each change; follow: run.sh's "
-        "follower (mirrors each run once its job ends, until stdin closes); `run.py "
-        "--init-tracking` creates the DB and the experiment",
-    )
-    p.add_argument(
-        "paths",
-        nargs="*",
-        type=Path,
-        help="run directories, or folders holding them [results]",
-    )
-    args = p.parse_args(argv)
-    paths = args.paths or [PROJECT_ROOT / "results"]
-    log = logging.getLogger(f"tracking.{args.command}")
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.command == "follow":
-        return follow(paths, log)
-    run_dirs = _run_dirs(paths, with_state=False)
-    if not run_dirs:
-        p.error("sync: no run directory (a folder with config.json) under the given paths")
-    done = [sync(d, log) for d in run_dirs]  # each skip and failure said, with its directory
-    print(
-        f"synced {done.count(True)} of {len(run_dirs)} run directories to {tracking_uri()} "
-        f"({done.count(None)} held by a live job, {done.count(False)} not reached)"
-    )
-    return 1 if False in done else 0
-
-
-if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,153 @@
+"""`python -m labrun.tracking sync|follow`: MLflow made to mirror run directories from outside
+their jobs (tracking.py's `mirror`, the one path).
+
+- `sync PATHS`: every run directory under PATHS, each change printed (after a sweep killed with
+  -9, a tracker outage, or runs copied from another machine).
+- `follow RESULTS`: the sweep's follower (sweep.py starts it; its jobs run with
+  `LAB_TRACKING_FOLLOWER=1` and never talk to MLflow): mirrors each run once its job has released
+  the run's claim, and everything left when the sweep ends (stdin closes).
+
+Neither is part of one run: a job's own tracking is tracking.py's. Imports no mlflow until a
+directory is mirrored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from . import runs
+from .config import PROJECT_ROOT
+from .runs import first_line
+from .tracking import STATE_FILE, fingerprint, mirror, mlflow_client, read_state, tracking_uri
+
+FOLLOW_POLL_S = 1.0  # how often the follower looks for runs whose job has ended
+
+
+def sync(run_dir: Path, log: logging.Logger) -> bool | None:
+    """Make MLflow mirror a run directory, saying each change; True if it does now, False if
+    it could not be reached, None if a live job holds the directory (its job mirrors it).
+
+    Holds the run's claim while it works, like a training job: no job starts meanwhile, and no
+    second sync, so the directory keeps one MLflow run."""
+    from .claim import Busy, claim
+
+    try:
+        held = claim(run_dir)
+    except Busy as exc:
+        log.info("skipped %s: %s (that job mirrors it)", run_dir, exc)
+        return None
+    except OSError as exc:  # e.g. a colleague's directory without a .lock: cannot claim it
+        log.warning("skipped %s: cannot claim it (%s)", run_dir, exc.strerror or exc)
+        return False
+    with held:
+        state = read_state(run_dir, log)
+        try:
+            changes = mirror(mlflow_client(tracking_uri()), run_dir, state)
+        except Exception as exc:
+            log.warning("%s: not mirrored: %s: %s", run_dir, type(exc).__name__, first_line(exc))
+            return False
+    for change in changes:
+        log.info("%s: %s", run_dir, change)
+    return True
+
+
+def _run_dirs(roots: list[Path], with_state: bool) -> list[Path]:
+    name = STATE_FILE if with_state else runs.CONFIG
+    return sorted({c.parent for root in roots if root.is_dir() for c in root.rglob(name)})
+
+
+def follow(roots: list[Path], log: logging.Logger) -> int:
+    """The sweep's follower: mirror each run directory under `roots` once its job has ended,
+    until stdin closes (run.sh's end), then mirror every one left and return.
+
+    Ctrl-C is run.sh's to handle (it stops the jobs, then closes stdin); SIGTERM (run.sh died:
+    setpriv's death signal) ends it after the directory at hand: what it did not mirror, the
+    next sweep or `sync` does. During the sweep it touches only directories that changed since
+    it started and whose status is no longer `running`, and those done (the sweep runs no job
+    there): it never claims a run the sweep may be about to start
+    (that would turn its job away)."""
+    closed, stopping = threading.Event(), threading.Event()
+    if not sys.stdin.isatty():  # under run.sh; at a terminal, Ctrl-C stops it as usual
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: (stopping.set(), closed.set()))
+
+    def read_to_end() -> None:
+        with contextlib.suppress(Exception):
+            while sys.stdin.read(4096):
+                pass
+        closed.set()
+
+    threading.Thread(target=read_to_end, daemon=True).start()
+    unreached = {}  # run dir -> fingerprint tried
+    seen = {d: fingerprint(d, read_state(d)) for d in _run_dirs(roots, with_state=True)}
+    while not stopping.is_set():
+        final = closed.is_set()
+        for run_dir in _run_dirs(roots, with_state=True):
+            if stopping.is_set():
+                break
+            state = read_state(run_dir)
+            now = fingerprint(run_dir, state)
+            if state.get("mirrored") == now or (not final and unreached.get(run_dir) == now):
+                continue  # mirrored; or failed: again when it changes
+            if not final and not (
+                runs.read_status(run_dir) != "running"
+                and (seen.get(run_dir) != now or runs.is_done(run_dir))
+            ):
+                continue
+            synced = sync(run_dir, log)
+            if synced is False:
+                unreached[run_dir] = now
+            else:
+                unreached.pop(run_dir, None)
+            if synced is None:  # a job still held it: look again next pass, changed or not
+                seen[run_dir] = None
+        if final:
+            break
+        closed.wait(FOLLOW_POLL_S)
+    return 1 if unreached else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m labrun.tracking",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "command",
+        choices=("sync", "follow"),
+        help="sync: make MLflow mirror run directories, printing each change; follow: run.sh's "
+        "follower (mirrors each run once its job ends, until stdin closes); `run.py "
+        "--init-tracking` creates the DB and the experiment",
+    )
+    p.add_argument(
+        "paths",
+        nargs="*",
+        type=Path,
+        help="run directories, or folders holding them [results]",
+    )
+    args = p.parse_args(argv)
+    paths = args.paths or [PROJECT_ROOT / "results"]
+    log = logging.getLogger(f"tracking.{args.command}")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.command == "follow":
+        return follow(paths, log)
+    run_dirs = _run_dirs(paths, with_state=False)
+    if not run_dirs:
+        print(
+            "error: sync: no run directory (a folder with config.json) under the given paths",
+            file=sys.stderr,
+        )
+        return 2
+    done = [sync(d, log) for d in run_dirs]  # each skip and failure said, with its directory
+    print(
+        f"synced {done.count(True)} of {len(run_dirs)} run directories to {tracking_uri()} "
+        f"({done.count(None)} held by a live job, {done.count(False)} not reached)"
+    )
+    return 1 if False in done else 0
