@@ -1238,9 +1238,11 @@ def test_real_two_job_sweep_then_plot(tmp_path):
 def test_an_interrupted_and_resumed_sweep_ends_with_the_uninterrupted_numbers(tmp_path):
     # Two real jobs on 2 cores: a job per core, 1 thread each. Stopped once the short job is
     # done and the long one has trained an epoch, the re-run has one job left: it must resume
-    # with its 1 thread (not both cores') and end with the uninterrupted sweep's numbers.
+    # with its 1 thread (not both cores') and end with the uninterrupted sweep's numbers. The
+    # long job's 7 epochs after the stop point leave the signal time to land on a loaded machine
+    # (with 2 left, it once finished first).
     tiny = "--dataset digits --width 8 --workers 0 --compile off --progress off"
-    copy_real_project(tmp_path, [f"{tiny} --epochs 1 --seed 0", f"{tiny} --epochs 3 --seed 1"])
+    copy_real_project(tmp_path, [f"{tiny} --epochs 1 --seed 0", f"{tiny} --epochs 8 --seed 1"])
     env = real_env(PYTHON=sys.executable, GPUS="", LAB_TRACKING="off")
     env.pop("OMP_NUM_THREADS", None)  # the sweep shares the cores out
     cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))[:2]))
