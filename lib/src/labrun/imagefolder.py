@@ -27,13 +27,13 @@ import hashlib
 import json
 import os
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 from PIL import Image, ImageOps
 
+from .datasets import DatasetSplits, ImageFiles
 from .dataversion import check_cache_path, file_lock, is_hidden, read_json_cache
 from .runs import atomic_write_text
 
@@ -59,20 +59,11 @@ class UnreadableImage(ValueError):
     """An image that cannot be decoded: names the file (run.py: one `error:` line, exit 2)."""
 
     def __init__(self, path: str, reason: str):
-        super().__init__(f"cannot decode {path}: {reason}")
+        super().__init__(path, reason)  # its arguments: a loader worker sends it pickled
         self.path, self.reason = path, reason
 
-
-@dataclass
-class FolderScan:
-    """The readable images of each split, and what describes them (datasets.DatasetSplits)."""
-
-    files: dict[str, tuple[list[str], list[int]]]  # split -> (paths, labels); absent: none
-    class_names: list[str]
-    channels: int
-    image_size: tuple[int, int]
-    notes: list[str] = field(default_factory=list)
-    value_ranges: dict | None = None
+    def __str__(self) -> str:
+        return f"cannot decode {self.path}: {self.reason}"
 
 
 def scan_image_folder(
@@ -80,8 +71,9 @@ def scan_image_folder(
     image_size: tuple[int, int] | None,
     report_dir: Path | None = None,
     version: str | None = None,
-) -> FolderScan:
-    """Find the images of `root`, check them, and describe the dataset (one-line errors).
+) -> DatasetSplits:
+    """Find the images of `root`, check them, and describe the dataset (one-line errors): the
+    `folder` dataset's splits of ImageFiles (the splits without a readable image: None).
 
     `version` (dataversion.data_version) keys the cached result of the checks in `report_dir`.
     (data.load_dataset has refused a missing --data-path.)
@@ -146,10 +138,8 @@ def scan_image_folder(
         ((width, height),) = sizes
         image_size = (height, width)
     bits = next((b for b in BIT_DEPTHS if int_max < 2**b), BIT_DEPTHS[-1])
-    return FolderScan(
-        files={
-            s: tuple(map(list, zip(*found, strict=True))) for s, found in readable.items() if found
-        },
+    return DatasetSplits(
+        **{s: ImageFiles(*zip(*found, strict=True)) for s, found in readable.items() if found},
         class_names=class_names,
         channels=1 if modes <= GREY_MODES else 3,  # RGBA, palette, CMYK... become RGB
         image_size=image_size,

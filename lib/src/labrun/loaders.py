@@ -179,18 +179,6 @@ def workers_started_safely() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-def _fix_malloc_mmap_threshold(threshold: int = 4 << 20) -> None:
-    """Serve every allocation above `threshold` by mmap, so it goes back to the OS when freed.
-
-    glibc raises its mmap threshold after each large free (up to 32 MB), after which batch-sized
-    buffers come from the heap and fragment it: streaming 256 px images in batches of 64, the
-    main process's RSS grew from 301 to 871 MB in 40 batches; with a fixed threshold, from 302
-    to 319 MB (the lab template's benchmarks/RESULTS.md, bench_data.py). Same as
-    MALLOC_MMAP_THRESHOLD_=4194304.
-    """
-    _libc("mallopt", -3, threshold)  # -3: M_MMAP_THRESHOLD, from glibc's malloc.h
-
-
 def own_normalization(split: Split | FileSplit, whose: str = "this split") -> Normalization | None:
     """None for uint8 images (their constants); else per channel (the last stored axis) mean
     and std of `split` itself: data.load_dataset gives the training split's to every split."""
@@ -218,12 +206,10 @@ class _ArrayDataset(torch.utils.data.Dataset):
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor | None):
         self.images, self.labels, self.rows = images, labels, rows
 
-    def __getitems__(self, indices: list[int]):
-        # The DataLoader asks for a whole batch at once: one gather instead of N small tensors.
-        return self.gather(torch.as_tensor(indices))
-
-    def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        index = index.to(self.images.device)
+    def __getitems__(self, index) -> tuple[torch.Tensor, torch.Tensor]:
+        # The DataLoader asks for a whole batch at once (a list of indices; the resident loader
+        # a tensor): one gather instead of N small tensors.
+        index = torch.as_tensor(index, device=self.images.device)
         rows = index if self.rows is None else self.rows.index_select(0, index)
         # index_select, not images[index]: the latter is ~300x slower for uint8 on CPU.
         with one_cpu_thread(self.images.device):
@@ -254,16 +240,8 @@ class _FileDataset(torch.utils.data.Dataset):
                 for row, i in enumerate(indices):
                     batch[row] = decode_image(self.paths[i], (height, width), channels, self.ranges)
         except UnreadableImage as e:  # to the main process as a value: it names the file
-            return _Unreadable(e.path, e.reason), None
+            return e, None
         return torch.from_numpy(batch), labels
-
-
-@dataclass
-class _Unreadable:
-    """A batch that could not be decoded (raised as UnreadableImage by the main process)."""
-
-    path: str
-    reason: str
 
 
 class _EpochBatches(torch.utils.data.Sampler):
@@ -328,7 +306,6 @@ class Loader:
         )
         streaming = isinstance(split, FileSplit)
         self.resident = gpu_resident and not streaming
-        self.image_shape = split.image_shape
         self.gpu_jpegs, self.decoder = False, ""  # decoder: run.log's `decode:` (streaming)
         self._loader, self._batches = None, None  # _batches: the iterator holding the workers
         if streaming:
@@ -336,20 +313,25 @@ class Loader:
 
             self.gpu_jpegs, self.decoder = choose_gpu_decode(self.device)
             self.dataset = _FileDataset(split, self.gpu_jpegs)
-        elif self.resident:  # of a shared cache, only this split's rows go to the device
-            images = split.channel_last().contiguous()
-            if split.rows is not None:
-                images = images.index_select(0, split.rows)
-            self.dataset = _ArrayDataset(images.to(self.device), split.labels.to(self.device), None)
-            return
         else:
-            images = split.channel_last().contiguous()
-            self.dataset = _ArrayDataset(images, split.labels, split.rows)
+            images, rows, labels = split.channel_last().contiguous(), split.rows, split.labels
+            if self.resident:  # of a shared cache, only this split's rows go to the device
+                images = images if rows is None else images.index_select(0, rows)
+                images, rows, labels = images.to(self.device), None, labels.to(self.device)
+            self.dataset = _ArrayDataset(images, labels, rows)
+        self._on_cuda = self.device.type == "cuda"
+        if self.resident:
+            return
         self.workers = (
             default_workers(self.device, streaming=streaming) if workers is None else workers
         )
-        _fix_malloc_mmap_threshold()  # batch-sized buffers, freed, must not fragment the heap
-        self._on_cuda = self.device.type == "cuda"
+        # Every allocation above 4 MB served by mmap, so it goes back to the OS when freed:
+        # glibc raises its mmap threshold after each large free (up to 32 MB), after which
+        # batch-sized buffers come from the heap and fragment it (streaming 256 px images in
+        # batches of 64, the main process's RSS grew from 301 to 871 MB in 40 batches; fixed,
+        # from 302 to 319 MB: benchmarks/RESULTS.md, bench_data.py). As
+        # MALLOC_MMAP_THRESHOLD_=4194304; -3 is M_MMAP_THRESHOLD (glibc's malloc.h).
+        _libc("mallopt", -3, 4 << 20)
         background = self._on_cuda and self.workers > 0
         self._loader = torch.utils.data.DataLoader(
             self.dataset,
@@ -412,7 +394,7 @@ class Loader:
         # One copy of the epoch's order to the device, then every gather happens there.
         order = torch.cat(batches).to(self.device, non_blocking=True)
         for index in order.split([len(b) for b in batches]):
-            images, labels = self.dataset.gather(index)
+            images, labels = self.dataset.__getitems__(index)
             yield self.transform(images), labels
 
     def peek(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -420,21 +402,17 @@ class Loader:
         process: no worker is started, no batch is prefetched and thrown away (the compile
         probe's, whose ~20 prefetched batches halved a short streamed run's rate). The order
         is not moved; the augmentation's RNG draws are the caller's to put back."""
-        index = self.batch_indices()[0]
-        if self.resident:
-            images, labels = self.dataset.gather(index)
-        else:
-            images, labels = self.dataset.__getitems__(index.tolist())
-            if isinstance(images, _Unreadable):
-                raise UnreadableImage(images.path, images.reason)
-            images, labels = self._to_device(images, labels)
+        images, labels = self.dataset.__getitems__(self.batch_indices()[0].tolist())
+        if isinstance(images, UnreadableImage):
+            raise images
+        images, labels = self._to_device(images, labels)
         return self.transform(images), labels
 
     def _to_device(self, images, labels):
         if self.gpu_jpegs:  # JPEG bytes to nvJPEG, the rows decoded by a worker copied
             from .gpudecode import decode_batch
 
-            images = decode_batch(images, self.image_shape, self.device)
+            images = decode_batch(images, self.dataset.shape, self.device)
         # uint8 crosses the bus (4x fewer bytes than float32); non_blocking lets the copy
         # overlap with the GPU still computing the previous step.
         images = images.to(self.device, non_blocking=self._on_cuda)
@@ -454,8 +432,8 @@ class Loader:
         self._batches = weakref.ref(batches)
         try:
             for images, labels in batches:
-                if isinstance(images, _Unreadable):
-                    raise UnreadableImage(images.path, images.reason)
+                if isinstance(images, UnreadableImage):
+                    raise images
                 yield images, labels
         except Exception:
             self.close()
