@@ -75,12 +75,13 @@ class EncodedBatch:
         return self
 
 
-def read_batch(paths: list[str], shape, value_ranges) -> EncodedBatch:
-    """In a loader worker: the bytes of the JPEGs the GPU decodes, every other file decoded
-    (imagefolder.decode_image; UnreadableImage names a file that does not decode)."""
+def read_batch(paths: list[str], shape, value_ranges, jpegs: bool = True) -> EncodedBatch:
+    """In a loader worker: the bytes of the JPEGs the GPU decodes (`jpegs`; else none), every
+    other file decoded (imagefolder.decode_image; UnreadableImage names a file that does not
+    decode)."""
     channels, height, width = shape
     decoded = np.zeros((len(paths), height, width, channels), dtype=np.uint8)
-    encoded = [jpeg_bytes(path) for path in paths]
+    encoded = [jpeg_bytes(path) if jpegs else None for path in paths]
     for row, path in enumerate(paths):
         if encoded[row] is None:
             decoded[row] = decode_image(path, (height, width), channels, value_ranges)

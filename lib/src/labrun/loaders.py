@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import gpudecode
 from .augment import (
     LAYOUTS,
     Augmentation,
@@ -35,7 +36,7 @@ from .augment import (
     choose_augmentation,
     one_cpu_thread,
 )
-from .imagefolder import UnreadableImage, decode_image
+from .imagefolder import UnreadableImage
 
 
 @dataclass
@@ -221,27 +222,21 @@ class _FileDataset(torch.utils.data.Dataset):
     `gpu_jpegs`, the JPEGs' bytes for the GPU and the rest decoded (gpudecode.EncodedBatch)."""
 
     def __init__(self, split: FileSplit, gpu_jpegs: bool = False):
-        self.paths, self.labels, self.shape = split.paths, split.labels, split.image_shape
-        self.ranges = split.value_ranges
-        self.gpu_jpegs = gpu_jpegs
+        self.split, self.gpu_jpegs = split, gpu_jpegs
 
     def __getitems__(self, indices: list[int]):
-        channels, height, width = self.shape
-        labels = self.labels[torch.as_tensor(indices)]
+        split = self.split
+        paths = [split.paths[i] for i in indices]
         try:
-            if self.gpu_jpegs:
-                from .gpudecode import read_batch
-
-                return read_batch([self.paths[i] for i in indices], self.shape, self.ranges), labels
-            batch = np.empty((len(indices), height, width, channels), dtype=np.uint8)
             # One thread: a worker has one anyway; without workers (or in a peek) the main
             # process's pool would spin over each image's small resize (8 vs 1.3 ms per image).
             with one_cpu_thread(torch.device("cpu")):
-                for row, i in enumerate(indices):
-                    batch[row] = decode_image(self.paths[i], (height, width), channels, self.ranges)
+                batch = gpudecode.read_batch(
+                    paths, split.image_shape, split.value_ranges, jpegs=self.gpu_jpegs
+                )
         except UnreadableImage as e:  # to the main process as a value: it names the file
             return e, None
-        return torch.from_numpy(batch), labels
+        return batch if self.gpu_jpegs else batch.decoded, split.labels[torch.as_tensor(indices)]
 
 
 class _EpochBatches(torch.utils.data.Sampler):
@@ -309,9 +304,7 @@ class Loader:
         self.gpu_jpegs, self.decoder = False, ""  # decoder: run.log's `decode:` (streaming)
         self._loader, self._batches = None, None  # _batches: the iterator holding the workers
         if streaming:
-            from .gpudecode import choose_gpu_decode
-
-            self.gpu_jpegs, self.decoder = choose_gpu_decode(self.device)
+            self.gpu_jpegs, self.decoder = gpudecode.choose_gpu_decode(self.device)
             self.dataset = _FileDataset(split, self.gpu_jpegs)
         else:
             images, rows, labels = split.channel_last().contiguous(), split.rows, split.labels
@@ -322,9 +315,8 @@ class Loader:
         self._on_cuda = self.device.type == "cuda"
         if self.resident:
             return
-        self.workers = (
-            default_workers(self.device, streaming=streaming) if workers is None else workers
-        )
+        if workers is None:
+            workers = default_workers(self.device, streaming=streaming)
         # Every allocation above 4 MB served by mmap, so it goes back to the OS when freed:
         # glibc raises its mmap threshold after each large free (up to 32 MB), after which
         # batch-sized buffers come from the heap and fragment it (streaming 256 px images in
@@ -332,12 +324,12 @@ class Loader:
         # from 302 to 319 MB: benchmarks/RESULTS.md, bench_data.py). As
         # MALLOC_MMAP_THRESHOLD_=4194304; -3 is M_MMAP_THRESHOLD (glibc's malloc.h).
         _libc("mallopt", -3, 4 << 20)
-        background = self._on_cuda and self.workers > 0
+        background = self._on_cuda and workers > 0
         self._loader = torch.utils.data.DataLoader(
             self.dataset,
             batch_sampler=_EpochBatches(self),
             collate_fn=_whole_batch,
-            num_workers=self.workers,
+            num_workers=workers,
             worker_init_fn=worker_init,
             # Pinned host memory makes the copy below truly asynchronous; only CUDA has it.
             pin_memory=self._on_cuda,
@@ -368,12 +360,9 @@ class Loader:
 
     def batch_indices(self) -> list[torch.Tensor]:
         """This epoch's batches as index tensors: a pure function of (seed, epoch, skip)."""
-        if self.train:
-            order = torch.from_numpy(
-                np.random.default_rng([self.seed, self.epoch]).permutation(self.num_samples)
-            )
-        else:
-            order = torch.arange(self.num_samples)
+        n = self.num_samples
+        rng = np.random.default_rng([self.seed, self.epoch])
+        order = torch.from_numpy(rng.permutation(n) if self.train else np.arange(n))
         batches = list(order.split(self.batch_size))[: len(self)][self.skip_batches :]
         rank, world = self.shard
         if world > 1:  # torchrun: contiguous, disjoint shards of the same global batches
@@ -410,9 +399,7 @@ class Loader:
 
     def _to_device(self, images, labels):
         if self.gpu_jpegs:  # JPEG bytes to nvJPEG, the rows decoded by a worker copied
-            from .gpudecode import decode_batch
-
-            images = decode_batch(images, self.dataset.shape, self.device)
+            images = gpudecode.decode_batch(images, self.dataset.split.image_shape, self.device)
         # uint8 crosses the bus (4x fewer bytes than float32); non_blocking lets the copy
         # overlap with the GPU still computing the previous step.
         images = images.to(self.device, non_blocking=self._on_cuda)
@@ -448,13 +435,12 @@ class Loader:
         81794: 19 s after `finished` with 2 workers per loader; benchmarks/RESULTS.md, "Leave at
         once"); joined here, they end at once and that hook finds them gone.
         """
-        batches = self._batches() if self._batches is not None else None
+        batches = self._batches and self._batches()  # a weak reference, or None
         self._batches = None
         if self._loader is not None:
             self._loader._iterator = None  # persistent workers: a fresh set if iterated again
-        shutdown = getattr(batches, "_shutdown_workers", None)  # none without workers
-        if shutdown is not None:
-            shutdown()
+        if hasattr(batches, "_shutdown_workers"):  # none without workers
+            batches._shutdown_workers()
 
 
 # The one way to make a loader; its name from before Loader did both kinds.
