@@ -202,12 +202,12 @@ def own_normalization(split: Split | FileSplit, whose: str = "this split") -> No
 
 class _ArrayDataset(torch.utils.data.Dataset):
     """The whole split channel-last in RAM (or on the device): no per-sample work. The
-    DataLoader asks it (and _FileDataset) for whole batches (`__getitems__`), never a sample."""
+    DataLoader asks it (and _FileDataset) for whole batches (a list of indices), never a sample."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor | None):
         self.images, self.labels, self.rows = images, labels, rows
 
-    def __getitems__(self, index) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index) -> tuple[torch.Tensor, torch.Tensor]:
         # The DataLoader asks for a whole batch at once (a list of indices; the resident loader
         # a tensor): one gather instead of N small tensors.
         index = torch.as_tensor(index, device=self.images.device)
@@ -224,7 +224,7 @@ class _FileDataset(torch.utils.data.Dataset):
     def __init__(self, split: FileSplit, gpu_jpegs: bool = False):
         self.split, self.gpu_jpegs = split, gpu_jpegs
 
-    def __getitems__(self, indices: list[int]):
+    def __getitem__(self, indices: list[int]):
         split = self.split
         paths = [split.paths[i] for i in indices]
         try:
@@ -247,10 +247,6 @@ class _EpochBatches(torch.utils.data.Sampler):
 
     def __iter__(self):
         return (b.tolist() for b in self.loader.batch_indices())
-
-
-def _whole_batch(batch):
-    return batch
 
 
 class Loader:
@@ -327,8 +323,10 @@ class Loader:
         background = self._on_cuda and workers > 0
         self._loader = torch.utils.data.DataLoader(
             self.dataset,
-            batch_sampler=_EpochBatches(self),
-            collate_fn=_whole_batch,
+            # Each index the sampler yields is a batch's list, read whole by the dataset; no
+            # collation (batch_size None: the batch is left as the dataset returns it).
+            sampler=_EpochBatches(self),
+            batch_size=None,
             num_workers=workers,
             worker_init_fn=worker_init,
             # Pinned host memory makes the copy below truly asynchronous; only CUDA has it.
@@ -383,7 +381,7 @@ class Loader:
         # One copy of the epoch's order to the device, then every gather happens there.
         order = torch.cat(batches).to(self.device, non_blocking=True)
         for index in order.split([len(b) for b in batches]):
-            images, labels = self.dataset.__getitems__(index)
+            images, labels = self.dataset[index]
             yield self.transform(images), labels
 
     def peek(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -391,7 +389,7 @@ class Loader:
         process: no worker is started, no batch is prefetched and thrown away (the compile
         probe's, whose ~20 prefetched batches halved a short streamed run's rate). The order
         is not moved; the augmentation's RNG draws are the caller's to put back."""
-        images, labels = self.dataset.__getitems__(self.batch_indices()[0].tolist())
+        images, labels = self.dataset[self.batch_indices()[0].tolist()]
         if isinstance(images, UnreadableImage):
             raise images
         images, labels = self._to_device(images, labels)
