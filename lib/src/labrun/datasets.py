@@ -133,6 +133,8 @@ def synthetic(options: DataOptions) -> DatasetSplits:
 def folder(options: DataOptions) -> DatasetSplits:
     from .imagefolder import scan_image_folder
 
-    return scan_image_folder(
+    found = scan_image_folder(
         options.data_path, options.image_size, options.data_dir, options.data_version
     )
+    splits = {s: ImageFiles(*found.pop(s)) for s in ("train", "val", "test") if s in found}
+    return DatasetSplits(**splits, **found)

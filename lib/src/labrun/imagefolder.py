@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 from PIL import Image, ImageOps
 
-from .datasets import DatasetSplits, ImageFiles
 from .dataversion import check_cache_path, file_lock, is_hidden, read_json_cache
 from .runs import atomic_write_text
 
@@ -71,9 +70,10 @@ def scan_image_folder(
     image_size: tuple[int, int] | None,
     report_dir: Path | None = None,
     version: str | None = None,
-) -> DatasetSplits:
+) -> dict:
     """Find the images of `root`, check them, and describe the dataset (one-line errors): the
-    `folder` dataset's splits of ImageFiles (the splits without a readable image: None).
+    keyword arguments of the `folder` dataset's DatasetSplits, a split as (paths, labels) (no
+    key for a split without a readable image). Imports nothing of datasets.py (no circle).
 
     `version` (dataversion.data_version) keys the cached result of the checks in `report_dir`.
     (data.load_dataset has refused a missing --data-path.)
@@ -138,8 +138,8 @@ def scan_image_folder(
         ((width, height),) = sizes
         image_size = (height, width)
     bits = next((b for b in BIT_DEPTHS if int_max < 2**b), BIT_DEPTHS[-1])
-    return DatasetSplits(
-        **{s: ImageFiles(*zip(*found, strict=True)) for s, found in readable.items() if found},
+    return dict(
+        **{s: tuple(zip(*found, strict=True)) for s, found in readable.items() if found},
         class_names=class_names,
         channels=1 if modes <= GREY_MODES else 3,  # RGBA, palette, CMYK... become RGB
         image_size=image_size,

@@ -282,8 +282,7 @@ class Loader:
         self.batch_size, self.train, self.seed = batch_size, train, seed
         self.shard = shard  # (rank, world): this process takes the rank-th 1/world of each batch
         self.num_samples = len(split)
-        self.epoch, self.skip_batches = 0, 0
-        self._epoch_set = True
+        self.set_epoch(0)
         # Augmentation and normalisation on the device (augment.py): the loaders only gather.
         # augment=True: --augment auto's choice for this data; False: normalised only.
         if augment is True:
@@ -362,17 +361,13 @@ class Loader:
         rng = np.random.default_rng([self.seed, self.epoch])
         order = torch.from_numpy(rng.permutation(n) if self.train else np.arange(n))
         batches = list(order.split(self.batch_size))[: len(self)][self.skip_batches :]
-        rank, world = self.shard
-        if world > 1:  # torchrun: contiguous, disjoint shards of the same global batches
-            batches = [b.tensor_split(world)[rank] for b in batches]
-            batches = [b for b in batches if len(b)]  # an evaluation's short last batch
-        return batches
+        rank, world = self.shard  # torchrun: contiguous, disjoint shards of the same batches
+        batches = [b.tensor_split(world)[rank] for b in batches]
+        return [b for b in batches if len(b)]  # a shard of an evaluation's short last batch
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if not self.resident:
-            for images, labels in self.raw_batches():
-                images, labels = self._to_device(images, labels)
-                yield self.transform(images), labels
+            yield from (self._on_device(*batch) for batch in self.raw_batches())
             return
         self._next_epoch()
         batches = self.batch_indices()
@@ -381,8 +376,7 @@ class Loader:
         # One copy of the epoch's order to the device, then every gather happens there.
         order = torch.cat(batches).to(self.device, non_blocking=True)
         for index in order.split([len(b) for b in batches]):
-            images, labels = self.dataset[index]
-            yield self.transform(images), labels
+            yield self._on_device(*self.dataset[index])
 
     def peek(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This epoch's first batch as iterating gives it (shape, dtype, device), read in this
@@ -392,16 +386,17 @@ class Loader:
         images, labels = self.dataset[self.batch_indices()[0].tolist()]
         if isinstance(images, UnreadableImage):
             raise images
-        images, labels = self._to_device(images, labels)
-        return self.transform(images), labels
+        return self._on_device(images, labels)
 
-    def _to_device(self, images, labels):
+    def _on_device(self, images, labels) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch as the dataset gives it -> the model's input and the labels, on the device."""
         if self.gpu_jpegs:  # JPEG bytes to nvJPEG, the rows decoded by a worker copied
             images = gpudecode.decode_batch(images, self.dataset.split.image_shape, self.device)
         # uint8 crosses the bus (4x fewer bytes than float32); non_blocking lets the copy
         # overlap with the GPU still computing the previous step.
-        images = images.to(self.device, non_blocking=self._on_cuda)
-        return images, labels.to(self.device, non_blocking=self._on_cuda)
+        # (Resident batches are there already: no copy.)
+        images, labels = (t.to(self.device, non_blocking=self._on_cuda) for t in (images, labels))
+        return self.transform(images), labels
 
     def raw_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This epoch's batches as the DataLoader's workers give them: uint8 NHWC
