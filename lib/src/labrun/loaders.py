@@ -167,6 +167,18 @@ def _libc(function: str, *args: int) -> None:
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1}
 
 
+def _fix_malloc_mmap_threshold(threshold: int = 4 << 20) -> None:
+    """Serve every allocation above `threshold` by mmap, so it goes back to the OS when freed.
+
+    glibc raises its mmap threshold after each large free (up to 32 MB), after which batch-sized
+    buffers come from the heap and fragment it: streaming 256 px images in batches of 64, the
+    main process's RSS grew from 301 to 871 MB in 40 batches; with a fixed threshold, from 302
+    to 319 MB (the lab template's benchmarks/RESULTS.md, bench_data.py, which turns it off).
+    Same as MALLOC_MMAP_THRESHOLD_=4194304.
+    """
+    _libc("mallopt", -3, threshold)  # -3: M_MMAP_THRESHOLD, from glibc's malloc.h
+
+
 @contextlib.contextmanager
 def workers_started_safely() -> Iterator[None]:
     """Block the stop signals while DataLoader workers are forked: a group signal landing between
@@ -186,8 +198,7 @@ def own_normalization(split: Split | FileSplit, whose: str = "this split") -> No
     if split.layout == "NCHW" and split.dtype == torch.uint8:  # image files too
         return None
     # `rows` are only set on uint8 images (the decoded cache), answered above
-    stored = split.channel_last()
-    values = stored.reshape(-1, stored.shape[-1])
+    values = split.channel_last().flatten(0, -2)  # (N * spatial, C)
     total = squares = torch.zeros(values.shape[1], dtype=torch.float64)
     for rows in values.split(1 << 16):  # in chunks: float64 temporaries stay small
         chunk = rows.double()
@@ -312,13 +323,7 @@ class Loader:
             return
         if workers is None:
             workers = default_workers(self.device, streaming=streaming)
-        # Every allocation above 4 MB served by mmap, so it goes back to the OS when freed:
-        # glibc raises its mmap threshold after each large free (up to 32 MB), after which
-        # batch-sized buffers come from the heap and fragment it (streaming 256 px images in
-        # batches of 64, the main process's RSS grew from 301 to 871 MB in 40 batches; fixed,
-        # from 302 to 319 MB: benchmarks/RESULTS.md, bench_data.py). As
-        # MALLOC_MMAP_THRESHOLD_=4194304; -3 is M_MMAP_THRESHOLD (glibc's malloc.h).
-        _libc("mallopt", -3, 4 << 20)
+        _fix_malloc_mmap_threshold()  # batch-sized buffers, freed, must not fragment the heap
         background = self._on_cuda and workers > 0
         self._loader = torch.utils.data.DataLoader(
             self.dataset,
@@ -356,10 +361,13 @@ class Loader:
         self._epoch_set = False
 
     def batch_indices(self) -> list[torch.Tensor]:
-        """This epoch's batches as index tensors: a pure function of (seed, epoch, skip)."""
+        """This epoch's batches as index tensors (on the device when resident): a pure function
+        of (seed, epoch, skip)."""
         n = self.num_samples
         rng = np.random.default_rng([self.seed, self.epoch])
         order = torch.from_numpy(rng.permutation(n) if self.train else np.arange(n))
+        if self.resident:  # one copy of the epoch's order to the device: every gather is there
+            order = order.to(self.device)
         batches = list(order.split(self.batch_size))[: len(self)][self.skip_batches :]
         rank, world = self.shard  # torchrun: contiguous, disjoint shards of the same batches
         batches = [b.tensor_split(world)[rank] for b in batches]
@@ -370,12 +378,7 @@ class Loader:
             yield from (self._on_device(*batch) for batch in self.raw_batches())
             return
         self._next_epoch()
-        batches = self.batch_indices()
-        if not batches:
-            return
-        # One copy of the epoch's order to the device, then every gather happens there.
-        order = torch.cat(batches).to(self.device, non_blocking=True)
-        for index in order.split([len(b) for b in batches]):
+        for index in self.batch_indices():
             yield self._on_device(*self.dataset[index])
 
     def peek(self) -> tuple[torch.Tensor, torch.Tensor]:
