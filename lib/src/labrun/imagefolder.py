@@ -84,9 +84,7 @@ def scan_image_folder(
             f"--data-path: {root / 'train'} is not a folder; expected "
             "DIR/train/<class>/*.png|jpg (and optionally DIR/val, DIR/test)"
         )
-    class_names = sorted(
-        p.name for p in (root / "train").iterdir() if p.is_dir() and not is_hidden(p.name)
-    )
+    class_names = [p.name for p in _class_dirs(root / "train")]
     if not class_names:
         raise ValueError(
             f"--data-path: {root / 'train'} has no class folders (expected train/<class>/*.png)"
@@ -161,9 +159,7 @@ def _list_images(root: Path, class_names: list[str]):
     owner: dict[tuple[int, int], str] = {}  # -> "split/class (path)" that has it
     for split in [s for s in SPLIT_DIRS if (root / s).is_dir()]:
         files[split] = []
-        for class_dir in sorted((root / split).iterdir()):
-            if not class_dir.is_dir() or is_hidden(class_dir.name):
-                continue
+        for class_dir in _class_dirs(root / split):
             if class_dir.name not in class_names:
                 raise ValueError(
                     f"--data-path: class {class_dir.name!r} is in {split}/ but not "
@@ -194,6 +190,11 @@ def _list_images(root: Path, class_names: list[str]):
     return files, others
 
 
+def _class_dirs(folder: Path) -> list[Path]:
+    """The class folders of a split's folder, sorted: its folders but hidden ones."""
+    return sorted(p for p in folder.iterdir() if p.is_dir() and not is_hidden(p.name))
+
+
 def _check_images(root: Path, paths: list[str], report_dir: Path | None, version: str | None):
     """{path: [width, height, mode, low, high] or "why unreadable"}, cached per version.
 
@@ -216,9 +217,8 @@ def _inspect(path: str) -> list | str:
     try:
         with Image.open(path) as image:
             image.load()  # the whole file: a truncated one fails here, with a reason
-            width, height = image.size
-            if image.getexif().get(EXIF_ORIENTATION, 1) in TRANSPOSED:
-                width, height = height, width
+            turned = image.getexif().get(EXIF_ORIENTATION, 1) in TRANSPOSED
+            width, height = image.size[::-1] if turned else image.size
             low, high = image.getextrema() if image.mode in INT_MODES | {"F"} else (0, 255)
             return [width, height, image.mode, float(low), float(high)]  # as JSON reads it
     except DECODE_ERRORS as e:

@@ -199,13 +199,12 @@ def own_normalization(split: Split | FileSplit, whose: str = "this split") -> No
         return None
     # `rows` are only set on uint8 images (the decoded cache), answered above
     values = split.channel_last().flatten(0, -2)  # (N * spatial, C)
-    total = squares = torch.zeros(values.shape[1], dtype=torch.float64)
+    sums = torch.zeros(2, values.shape[1], dtype=torch.float64)  # of x and of x^2, per channel
     for rows in values.split(1 << 16):  # in chunks: float64 temporaries stay small
         chunk = rows.double()
-        total, squares = total + chunk.sum(0), squares + chunk.square().sum(0)
-    count = max(len(values), 1)
-    mean = total / count
-    std = (squares / count - mean.square()).clamp_min(0).sqrt()
+        sums += torch.stack([chunk.sum(0), chunk.square().sum(0)])
+    mean, squares = sums / max(len(values), 1)
+    std = (squares - mean.square()).clamp_min(0).sqrt()
     std = torch.where(std > 1e-12, std, torch.ones_like(std))  # a constant channel: shifted only
     why = f"per channel ({len(mean)}), mean and std of {whose}"
     return Normalization(tuple(mean.tolist()), tuple(std.tolist()), why)
