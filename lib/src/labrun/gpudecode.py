@@ -26,8 +26,6 @@ from PIL import Image
 
 from .imagefolder import DECODE_ERRORS, EXIF_ORIENTATION, cover_resize, decode_image
 
-GPU_MODES = frozenset({"RGB", "L"})  # what nvJPEG decodes as Pillow does (not CMYK, YCCK)
-
 
 def choose_gpu_decode(device: torch.device) -> tuple[bool, str]:
     """(decode JPEGs on `device`, why): on CUDA where torchvision imports."""
@@ -53,7 +51,8 @@ def jpeg_bytes(path: str) -> torch.Tensor | None:
     try:
         with Image.open(path) as image:
             upright = image.getexif().get(EXIF_ORIENTATION, 1) == 1
-            if image.format != "JPEG" or image.mode not in GPU_MODES or not upright:
+            # The modes nvJPEG decodes as Pillow does (not CMYK, YCCK).
+            if image.format != "JPEG" or image.mode not in ("RGB", "L") or not upright:
                 return None
         # A bytearray: writable, so torch takes it without a copy or a warning.
         return torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8)

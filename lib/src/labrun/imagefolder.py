@@ -40,14 +40,12 @@ if TYPE_CHECKING:
     import torch
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".webp", ".gif", ".bmp")
-SPLIT_DIRS = ("train", "val", "test")
 # Unreadable files are skipped (and listed) up to this fraction of the images; above it the
 # folder is more likely wrong than a few files damaged, and the run refuses to start.
 MAX_UNREADABLE_FRACTION = 0.01
 GREY_MODES = frozenset({"1", "L", "LA", "La", "I", "I;16", "I;16B", "I;16L", "I;16N", "F"})
 INT_MODES = frozenset({"I", "I;16", "I;16B", "I;16L", "I;16N"})  # more than 8 bits
 BIT_DEPTHS = (8, 10, 12, 14, 16, 24, 32)
-BACKGROUND = (255, 255, 255)  # what a transparent pixel shows: white, as image viewers do
 EXIF_ORIENTATION = 0x0112
 TRANSPOSED = frozenset({5, 6, 7, 8})  # orientations that swap width and height
 # What Pillow raises for a file it cannot decode (SyntaxError: some truncated headers).
@@ -157,7 +155,7 @@ def _list_images(root: Path, class_names: list[str]):
     # An image by its file, not its name: a symlink, a linked folder or a hard link (cp -al,
     # DVC's cache, which keeps no path in common) is the same (st_dev, st_ino).
     owner: dict[tuple[int, int], str] = {}  # -> "split/class (path)" that has it
-    for split in [s for s in SPLIT_DIRS if (root / s).is_dir()]:
+    for split in [s for s in ("train", "val", "test") if (root / s).is_dir()]:
         files[split] = []
         for class_dir in _class_dirs(root / split):
             if class_dir.name not in class_names:
@@ -267,8 +265,8 @@ def _to_8bit(image: Image.Image, channels: int, value_ranges: dict) -> Image.Ima
         # The scan's range holds every value; the clip only guards a file changed since.
         image = Image.fromarray(np.clip(np.rint(values), 0, 255).astype(np.uint8), "L")
     elif image.has_transparency_data:  # alpha, or a palette's transparent colour
-        rgba = image.convert("RGBA")
-        image = Image.alpha_composite(Image.new("RGBA", rgba.size, (*BACKGROUND, 255)), rgba)
+        rgba = image.convert("RGBA")  # composited on white, as image viewers show it
+        image = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
     target = "L" if channels == 1 else "RGB"
     return image if image.mode == target else image.convert(target)  # convert() always copies
 
