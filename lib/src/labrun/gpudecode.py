@@ -4,6 +4,9 @@
     batch = read_batch(paths, shape, ranges)  # in a loader worker: JPEG bytes, the rest decoded
     images = decode_batch(batch, shape, device)  # in the main process: uint8 NHWC on the device
 
+read_batch is every streamed batch's reader: without the GPU decode (jpegs=False) it decodes
+every file and the loader takes `batch.decoded`.
+
 On a 16-core H100 box the CPU decode of 224-px ResNet-18's JPEGs fed 1,808 img/s, nvJPEG in
 batches of 128 with the resize on the GPU 10,272 (../shared/notes/gpu.md). Where a CUDA device
 and torchvision (the optional extra `labrun[gpu-decode]`) are there, the loader's workers only
