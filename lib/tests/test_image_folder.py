@@ -17,7 +17,7 @@ import torch
 from conftest import ROOT, RUN_PY, cli_command, read_metrics, run_dir_of
 from image_folders import CLASSES, make_folder
 
-from labrun import data, loaders
+from labrun import data, gpudecode, loaders
 from labrun.data import FileSplit, Split, build_loader, load_dataset
 
 
@@ -123,7 +123,7 @@ def test_decoded_cache_is_reused_and_follows_the_files(tmp_path, monkeypatch):
         raise AssertionError("the second load must read the decoded cache")
 
     with monkeypatch.context() as patched:
-        patched.setattr(loaders, "decode_image", must_not_decode)
+        patched.setattr(gpudecode, "decode_image", must_not_decode)  # every batch reader
         again = load(folder, tmp_path / "cache", mode="memory", workers=0).splits
     assert torch.equal(first["train"].images, again["train"].images)
     edited = folder / "train" / CLASSES[0] / "0.png"

@@ -152,10 +152,10 @@ def killed_by_the_oom_killer(*args):
 
 
 def test_a_decoder_killed_by_the_oom_killer_is_not_bad_input(tmp_path, monkeypatch):
-    from labrun import loaders
+    from labrun import gpudecode
 
     folder = make_folder(tmp_path / "f", {"train": 4}, size=(16, 16))
-    monkeypatch.setattr(loaders, "decode_image", killed_by_the_oom_killer)  # in the workers
+    monkeypatch.setattr(gpudecode, "decode_image", killed_by_the_oom_killer)  # in the workers
     monkeypatch.setattr(imagecache, "CHUNK_IMAGES", 4)
     with pytest.raises(RuntimeError, match="DataLoader worker .* (killed|exited)") as raised:
         imagecache.decode_cached(split_of(folder), tmp_path, version="v", processes=2)

@@ -133,17 +133,8 @@ def synthetic(options: DataOptions) -> DatasetSplits:
 def folder(options: DataOptions) -> DatasetSplits:
     from .imagefolder import scan_image_folder
 
-    scan = scan_image_folder(
+    found = scan_image_folder(
         options.data_path, options.image_size, options.data_dir, options.data_version
     )
-    split = {name: ImageFiles(*found) for name, found in scan.files.items()}
-    return DatasetSplits(
-        train=split.get("train"),
-        val=split.get("val"),
-        test=split.get("test"),
-        class_names=scan.class_names,
-        channels=scan.channels,
-        image_size=scan.image_size,
-        notes=scan.notes,
-        value_ranges=scan.value_ranges,
-    )
+    splits = {s: ImageFiles(*found.pop(s)) for s in ("train", "val", "test") if s in found}
+    return DatasetSplits(**splits, **found)

@@ -4,6 +4,9 @@
     batch = read_batch(paths, shape, ranges)  # in a loader worker: JPEG bytes, the rest decoded
     images = decode_batch(batch, shape, device)  # in the main process: uint8 NHWC on the device
 
+read_batch is every streamed batch's reader: without the GPU decode (jpegs=False) it decodes
+every file and the loader takes `batch.decoded`.
+
 On a 16-core H100 box the CPU decode of 224-px ResNet-18's JPEGs fed 1,808 img/s, nvJPEG in
 batches of 128 with the resize on the GPU 10,272 (../shared/notes/gpu.md). Where a CUDA device
 and torchvision (the optional extra `labrun[gpu-decode]`) are there, the loader's workers only
@@ -25,8 +28,6 @@ import torch
 from PIL import Image
 
 from .imagefolder import DECODE_ERRORS, EXIF_ORIENTATION, cover_resize, decode_image
-
-GPU_MODES = frozenset({"RGB", "L"})  # what nvJPEG decodes as Pillow does (not CMYK, YCCK)
 
 
 def choose_gpu_decode(device: torch.device) -> tuple[bool, str]:
@@ -53,7 +54,8 @@ def jpeg_bytes(path: str) -> torch.Tensor | None:
     try:
         with Image.open(path) as image:
             upright = image.getexif().get(EXIF_ORIENTATION, 1) == 1
-            if image.format != "JPEG" or image.mode not in GPU_MODES or not upright:
+            # The modes nvJPEG decodes as Pillow does (not CMYK, YCCK).
+            if image.format != "JPEG" or image.mode not in ("RGB", "L") or not upright:
                 return None
         # A bytearray: writable, so torch takes it without a copy or a warning.
         return torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8)
@@ -75,12 +77,13 @@ class EncodedBatch:
         return self
 
 
-def read_batch(paths: list[str], shape, value_ranges) -> EncodedBatch:
-    """In a loader worker: the bytes of the JPEGs the GPU decodes, every other file decoded
-    (imagefolder.decode_image; UnreadableImage names a file that does not decode)."""
+def read_batch(paths: list[str], shape, value_ranges, jpegs: bool = True) -> EncodedBatch:
+    """In a loader worker: the bytes of the JPEGs the GPU decodes (`jpegs`; else none), every
+    other file decoded (imagefolder.decode_image; UnreadableImage names a file that does not
+    decode)."""
     channels, height, width = shape
     decoded = np.zeros((len(paths), height, width, channels), dtype=np.uint8)
-    encoded = [jpeg_bytes(path) for path in paths]
+    encoded = [jpeg_bytes(path) if jpegs else None for path in paths]
     for row, path in enumerate(paths):
         if encoded[row] is None:
             decoded[row] = decode_image(path, (height, width), channels, value_ranges)

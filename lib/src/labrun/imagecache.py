@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import io
 import math
 import os
 import sys
@@ -81,14 +80,13 @@ def decode_cached(
     for a cache that cannot be written, RuntimeError when a decoding process is killed (the OOM
     killer, most often: a failure of the machine, not bad input; run.py: exit 1, not 2).
     """
-    notes = [] if notes is None else notes
     cache = cache_path(split, data_dir, version)
     c, h, w = split.image_shape
     shape = (len(split), h, w, c)
     with file_lock(cache):
         images, why = _map_verified(cache, shape)
         if images is None:
-            if why is not None:  # never trained on: replaced by a new decode
+            if why is not None and notes is not None:  # never trained on: decoded again
                 notes.append(f"decoded cache {cache} {why}: not used, decoded again")
             _decode(split, cache, shape, processes or available_cpus(), progress)
             images, why = _map_verified(cache, shape)
@@ -138,10 +136,6 @@ def _decode(split: FileSplit, cache: Path, shape, processes: int, progress) -> N
     from tqdm import tqdm  # here: --help never needs it
 
     partial = cache.with_name(cache.stem + ".partial.npy")
-    head = io.BytesIO()
-    np.lib.format.write_array_header_1_0(
-        head, {"descr": "|u1", "fortran_order": False, "shape": shape}
-    )
     # The streaming loader's workers decode the chunks, in order (processes <= 1: this one);
     # as in training, a group SIGINT/SIGTERM (Ctrl-C, Slurm) is left to this process, and a
     # worker that dies (the OOM killer) is an error (RuntimeError), never a wait for its chunk.
@@ -160,7 +154,8 @@ def _decode(split: FileSplit, cache: Path, shape, processes: int, progress) -> N
             os.unlink(partial)  # a killed decode's (or a planted link: the name, not its target)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         with os.fdopen(os.open(partial, flags, 0o666), "wb") as f:
-            f.write(head.getvalue())
+            header = {"descr": "|u1", "fortran_order": False, "shape": shape}
+            np.lib.format.write_array_header_1_0(f, header)
             sums = []
             for done, (images, _) in enumerate(loader.raw_batches(), 1):
                 rows = images.numpy()  # uint8 (N, H, W, C), contiguous

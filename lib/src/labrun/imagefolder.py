@@ -27,7 +27,6 @@ import hashlib
 import json
 import os
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,14 +40,12 @@ if TYPE_CHECKING:
     import torch
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".webp", ".gif", ".bmp")
-SPLIT_DIRS = ("train", "val", "test")
 # Unreadable files are skipped (and listed) up to this fraction of the images; above it the
 # folder is more likely wrong than a few files damaged, and the run refuses to start.
 MAX_UNREADABLE_FRACTION = 0.01
 GREY_MODES = frozenset({"1", "L", "LA", "La", "I", "I;16", "I;16B", "I;16L", "I;16N", "F"})
 INT_MODES = frozenset({"I", "I;16", "I;16B", "I;16L", "I;16N"})  # more than 8 bits
 BIT_DEPTHS = (8, 10, 12, 14, 16, 24, 32)
-BACKGROUND = (255, 255, 255)  # what a transparent pixel shows: white, as image viewers do
 EXIF_ORIENTATION = 0x0112
 TRANSPOSED = frozenset({5, 6, 7, 8})  # orientations that swap width and height
 # What Pillow raises for a file it cannot decode (SyntaxError: some truncated headers).
@@ -59,20 +56,11 @@ class UnreadableImage(ValueError):
     """An image that cannot be decoded: names the file (run.py: one `error:` line, exit 2)."""
 
     def __init__(self, path: str, reason: str):
-        super().__init__(f"cannot decode {path}: {reason}")
+        super().__init__(path, reason)  # its arguments: a loader worker sends it pickled
         self.path, self.reason = path, reason
 
-
-@dataclass
-class FolderScan:
-    """The readable images of each split, and what describes them (datasets.DatasetSplits)."""
-
-    files: dict[str, tuple[list[str], list[int]]]  # split -> (paths, labels); absent: none
-    class_names: list[str]
-    channels: int
-    image_size: tuple[int, int]
-    notes: list[str] = field(default_factory=list)
-    value_ranges: dict | None = None
+    def __str__(self) -> str:
+        return f"cannot decode {self.path}: {self.reason}"
 
 
 def scan_image_folder(
@@ -80,8 +68,10 @@ def scan_image_folder(
     image_size: tuple[int, int] | None,
     report_dir: Path | None = None,
     version: str | None = None,
-) -> FolderScan:
-    """Find the images of `root`, check them, and describe the dataset (one-line errors).
+) -> dict:
+    """Find the images of `root`, check them, and describe the dataset (one-line errors): the
+    keyword arguments of the `folder` dataset's DatasetSplits, a split as (paths, labels) (no
+    key for a split without a readable image). Imports nothing of datasets.py (no circle).
 
     `version` (dataversion.data_version) keys the cached result of the checks in `report_dir`.
     (data.load_dataset has refused a missing --data-path.)
@@ -92,9 +82,7 @@ def scan_image_folder(
             f"--data-path: {root / 'train'} is not a folder; expected "
             "DIR/train/<class>/*.png|jpg (and optionally DIR/val, DIR/test)"
         )
-    class_names = sorted(
-        p.name for p in (root / "train").iterdir() if p.is_dir() and not is_hidden(p.name)
-    )
+    class_names = [p.name for p in _class_dirs(root / "train")]
     if not class_names:
         raise ValueError(
             f"--data-path: {root / 'train'} has no class folders (expected train/<class>/*.png)"
@@ -146,10 +134,8 @@ def scan_image_folder(
         ((width, height),) = sizes
         image_size = (height, width)
     bits = next((b for b in BIT_DEPTHS if int_max < 2**b), BIT_DEPTHS[-1])
-    return FolderScan(
-        files={
-            s: tuple(map(list, zip(*found, strict=True))) for s, found in readable.items() if found
-        },
+    return dict(
+        **{s: tuple(zip(*found, strict=True)) for s, found in readable.items() if found},
         class_names=class_names,
         channels=1 if modes <= GREY_MODES else 3,  # RGBA, palette, CMYK... become RGB
         image_size=image_size,
@@ -169,11 +155,9 @@ def _list_images(root: Path, class_names: list[str]):
     # An image by its file, not its name: a symlink, a linked folder or a hard link (cp -al,
     # DVC's cache, which keeps no path in common) is the same (st_dev, st_ino).
     owner: dict[tuple[int, int], str] = {}  # -> "split/class (path)" that has it
-    for split in [s for s in SPLIT_DIRS if (root / s).is_dir()]:
+    for split in [s for s in ("train", "val", "test") if (root / s).is_dir()]:
         files[split] = []
-        for class_dir in sorted((root / split).iterdir()):
-            if not class_dir.is_dir() or is_hidden(class_dir.name):
-                continue
+        for class_dir in _class_dirs(root / split):
             if class_dir.name not in class_names:
                 raise ValueError(
                     f"--data-path: class {class_dir.name!r} is in {split}/ but not "
@@ -204,6 +188,11 @@ def _list_images(root: Path, class_names: list[str]):
     return files, others
 
 
+def _class_dirs(folder: Path) -> list[Path]:
+    """The class folders of a split's folder, sorted: its folders but hidden ones."""
+    return sorted(p for p in folder.iterdir() if p.is_dir() and not is_hidden(p.name))
+
+
 def _check_images(root: Path, paths: list[str], report_dir: Path | None, version: str | None):
     """{path: [width, height, mode, low, high] or "why unreadable"}, cached per version.
 
@@ -226,9 +215,8 @@ def _inspect(path: str) -> list | str:
     try:
         with Image.open(path) as image:
             image.load()  # the whole file: a truncated one fails here, with a reason
-            width, height = image.size
-            if image.getexif().get(EXIF_ORIENTATION, 1) in TRANSPOSED:
-                width, height = height, width
+            turned = image.getexif().get(EXIF_ORIENTATION, 1) in TRANSPOSED
+            width, height = image.size[::-1] if turned else image.size
             low, high = image.getextrema() if image.mode in INT_MODES | {"F"} else (0, 255)
             return [width, height, image.mode, float(low), float(high)]  # as JSON reads it
     except DECODE_ERRORS as e:
@@ -277,8 +265,8 @@ def _to_8bit(image: Image.Image, channels: int, value_ranges: dict) -> Image.Ima
         # The scan's range holds every value; the clip only guards a file changed since.
         image = Image.fromarray(np.clip(np.rint(values), 0, 255).astype(np.uint8), "L")
     elif image.has_transparency_data:  # alpha, or a palette's transparent colour
-        rgba = image.convert("RGBA")
-        image = Image.alpha_composite(Image.new("RGBA", rgba.size, (*BACKGROUND, 255)), rgba)
+        rgba = image.convert("RGBA")  # composited on white, as image viewers show it
+        image = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
     target = "L" if channels == 1 else "RGB"
     return image if image.mode == target else image.convert(target)  # convert() always copies
 

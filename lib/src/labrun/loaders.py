@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import gpudecode
 from .augment import (
     LAYOUTS,
     Augmentation,
@@ -35,7 +36,7 @@ from .augment import (
     choose_augmentation,
     one_cpu_thread,
 )
-from .imagefolder import UnreadableImage, decode_image
+from .imagefolder import UnreadableImage
 
 
 @dataclass
@@ -166,6 +167,18 @@ def _libc(function: str, *args: int) -> None:
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1}
 
 
+def _fix_malloc_mmap_threshold(threshold: int = 4 << 20) -> None:
+    """Serve every allocation above `threshold` by mmap, so it goes back to the OS when freed.
+
+    glibc raises its mmap threshold after each large free (up to 32 MB), after which batch-sized
+    buffers come from the heap and fragment it: streaming 256 px images in batches of 64, the
+    main process's RSS grew from 301 to 871 MB in 40 batches; with a fixed threshold, from 302
+    to 319 MB (the lab template's benchmarks/RESULTS.md, bench_data.py, which turns it off).
+    Same as MALLOC_MMAP_THRESHOLD_=4194304.
+    """
+    _libc("mallopt", -3, threshold)  # -3: M_MMAP_THRESHOLD, from glibc's malloc.h
+
+
 @contextlib.contextmanager
 def workers_started_safely() -> Iterator[None]:
     """Block the stop signals while DataLoader workers are forked: a group signal landing between
@@ -179,33 +192,19 @@ def workers_started_safely() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-def _fix_malloc_mmap_threshold(threshold: int = 4 << 20) -> None:
-    """Serve every allocation above `threshold` by mmap, so it goes back to the OS when freed.
-
-    glibc raises its mmap threshold after each large free (up to 32 MB), after which batch-sized
-    buffers come from the heap and fragment it: streaming 256 px images in batches of 64, the
-    main process's RSS grew from 301 to 871 MB in 40 batches; with a fixed threshold, from 302
-    to 319 MB (the lab template's benchmarks/RESULTS.md, bench_data.py). Same as
-    MALLOC_MMAP_THRESHOLD_=4194304.
-    """
-    _libc("mallopt", -3, threshold)  # -3: M_MMAP_THRESHOLD, from glibc's malloc.h
-
-
 def own_normalization(split: Split | FileSplit, whose: str = "this split") -> Normalization | None:
     """None for uint8 images (their constants); else per channel (the last stored axis) mean
     and std of `split` itself: data.load_dataset gives the training split's to every split."""
     if split.layout == "NCHW" and split.dtype == torch.uint8:  # image files too
         return None
     # `rows` are only set on uint8 images (the decoded cache), answered above
-    stored = split.channel_last()
-    values = stored.reshape(-1, stored.shape[-1])
-    total = squares = torch.zeros(values.shape[1], dtype=torch.float64)
+    values = split.channel_last().flatten(0, -2)  # (N * spatial, C)
+    sums = torch.zeros(2, values.shape[1], dtype=torch.float64)  # of x and of x^2, per channel
     for rows in values.split(1 << 16):  # in chunks: float64 temporaries stay small
         chunk = rows.double()
-        total, squares = total + chunk.sum(0), squares + chunk.square().sum(0)
-    count = max(len(values), 1)
-    mean = total / count
-    std = (squares / count - mean.square()).clamp_min(0).sqrt()
+        sums += torch.stack([chunk.sum(0), chunk.square().sum(0)])
+    mean, squares = sums / max(len(values), 1)
+    std = (squares - mean.square()).clamp_min(0).sqrt()
     std = torch.where(std > 1e-12, std, torch.ones_like(std))  # a constant channel: shifted only
     why = f"per channel ({len(mean)}), mean and std of {whose}"
     return Normalization(tuple(mean.tolist()), tuple(std.tolist()), why)
@@ -213,17 +212,15 @@ def own_normalization(split: Split | FileSplit, whose: str = "this split") -> No
 
 class _ArrayDataset(torch.utils.data.Dataset):
     """The whole split channel-last in RAM (or on the device): no per-sample work. The
-    DataLoader asks it (and _FileDataset) for whole batches (`__getitems__`), never a sample."""
+    DataLoader asks it (and _FileDataset) for whole batches (a list of indices), never a sample."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor | None):
         self.images, self.labels, self.rows = images, labels, rows
 
-    def __getitems__(self, indices: list[int]):
-        # The DataLoader asks for a whole batch at once: one gather instead of N small tensors.
-        return self.gather(torch.as_tensor(indices))
-
-    def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        index = index.to(self.images.device)
+    def __getitem__(self, index) -> tuple[torch.Tensor, torch.Tensor]:
+        # The DataLoader asks for a whole batch at once (a list of indices; the resident loader
+        # a tensor): one gather instead of N small tensors.
+        index = torch.as_tensor(index, device=self.images.device)
         rows = index if self.rows is None else self.rows.index_select(0, index)
         # index_select, not images[index]: the latter is ~300x slower for uint8 on CPU.
         with one_cpu_thread(self.images.device):
@@ -235,35 +232,21 @@ class _FileDataset(torch.utils.data.Dataset):
     `gpu_jpegs`, the JPEGs' bytes for the GPU and the rest decoded (gpudecode.EncodedBatch)."""
 
     def __init__(self, split: FileSplit, gpu_jpegs: bool = False):
-        self.paths, self.labels, self.shape = split.paths, split.labels, split.image_shape
-        self.ranges = split.value_ranges
-        self.gpu_jpegs = gpu_jpegs
+        self.split, self.gpu_jpegs = split, gpu_jpegs
 
-    def __getitems__(self, indices: list[int]):
-        channels, height, width = self.shape
-        labels = self.labels[torch.as_tensor(indices)]
+    def __getitem__(self, indices: list[int]):
+        split = self.split
+        paths = [split.paths[i] for i in indices]
         try:
-            if self.gpu_jpegs:
-                from .gpudecode import read_batch
-
-                return read_batch([self.paths[i] for i in indices], self.shape, self.ranges), labels
-            batch = np.empty((len(indices), height, width, channels), dtype=np.uint8)
             # One thread: a worker has one anyway; without workers (or in a peek) the main
             # process's pool would spin over each image's small resize (8 vs 1.3 ms per image).
             with one_cpu_thread(torch.device("cpu")):
-                for row, i in enumerate(indices):
-                    batch[row] = decode_image(self.paths[i], (height, width), channels, self.ranges)
+                batch = gpudecode.read_batch(
+                    paths, split.image_shape, split.value_ranges, jpegs=self.gpu_jpegs
+                )
         except UnreadableImage as e:  # to the main process as a value: it names the file
-            return _Unreadable(e.path, e.reason), None
-        return torch.from_numpy(batch), labels
-
-
-@dataclass
-class _Unreadable:
-    """A batch that could not be decoded (raised as UnreadableImage by the main process)."""
-
-    path: str
-    reason: str
+            return e, None
+        return batch if self.gpu_jpegs else batch.decoded, split.labels[torch.as_tensor(indices)]
 
 
 class _EpochBatches(torch.utils.data.Sampler):
@@ -274,10 +257,6 @@ class _EpochBatches(torch.utils.data.Sampler):
 
     def __iter__(self):
         return (b.tolist() for b in self.loader.batch_indices())
-
-
-def _whole_batch(batch):
-    return batch
 
 
 class Loader:
@@ -313,8 +292,7 @@ class Loader:
         self.batch_size, self.train, self.seed = batch_size, train, seed
         self.shard = shard  # (rank, world): this process takes the rank-th 1/world of each batch
         self.num_samples = len(split)
-        self.epoch, self.skip_batches = 0, 0
-        self._epoch_set = True
+        self.set_epoch(0)
         # Augmentation and normalisation on the device (augment.py): the loaders only gather.
         # augment=True: --augment auto's choice for this data; False: normalised only.
         if augment is True:
@@ -328,34 +306,31 @@ class Loader:
         )
         streaming = isinstance(split, FileSplit)
         self.resident = gpu_resident and not streaming
-        self.image_shape = split.image_shape
         self.gpu_jpegs, self.decoder = False, ""  # decoder: run.log's `decode:` (streaming)
         self._loader, self._batches = None, None  # _batches: the iterator holding the workers
         if streaming:
-            from .gpudecode import choose_gpu_decode
-
-            self.gpu_jpegs, self.decoder = choose_gpu_decode(self.device)
+            self.gpu_jpegs, self.decoder = gpudecode.choose_gpu_decode(self.device)
             self.dataset = _FileDataset(split, self.gpu_jpegs)
-        elif self.resident:  # of a shared cache, only this split's rows go to the device
-            images = split.channel_last().contiguous()
-            if split.rows is not None:
-                images = images.index_select(0, split.rows)
-            self.dataset = _ArrayDataset(images.to(self.device), split.labels.to(self.device), None)
-            return
         else:
-            images = split.channel_last().contiguous()
-            self.dataset = _ArrayDataset(images, split.labels, split.rows)
-        self.workers = (
-            default_workers(self.device, streaming=streaming) if workers is None else workers
-        )
-        _fix_malloc_mmap_threshold()  # batch-sized buffers, freed, must not fragment the heap
+            images, rows, labels = split.channel_last().contiguous(), split.rows, split.labels
+            if self.resident:  # of a shared cache, only this split's rows go to the device
+                images = images if rows is None else images.index_select(0, rows)
+                images, rows, labels = images.to(self.device), None, labels.to(self.device)
+            self.dataset = _ArrayDataset(images, labels, rows)
         self._on_cuda = self.device.type == "cuda"
-        background = self._on_cuda and self.workers > 0
+        if self.resident:
+            return
+        if workers is None:
+            workers = default_workers(self.device, streaming=streaming)
+        _fix_malloc_mmap_threshold()  # batch-sized buffers, freed, must not fragment the heap
+        background = self._on_cuda and workers > 0
         self._loader = torch.utils.data.DataLoader(
             self.dataset,
-            batch_sampler=_EpochBatches(self),
-            collate_fn=_whole_batch,
-            num_workers=self.workers,
+            # Each index the sampler yields is a batch's list, read whole by the dataset; no
+            # collation (batch_size None: the batch is left as the dataset returns it).
+            sampler=_EpochBatches(self),
+            batch_size=None,
+            num_workers=workers,
             worker_init_fn=worker_init,
             # Pinned host memory makes the copy below truly asynchronous; only CUDA has it.
             pin_memory=self._on_cuda,
@@ -385,60 +360,45 @@ class Loader:
         self._epoch_set = False
 
     def batch_indices(self) -> list[torch.Tensor]:
-        """This epoch's batches as index tensors: a pure function of (seed, epoch, skip)."""
-        if self.train:
-            order = torch.from_numpy(
-                np.random.default_rng([self.seed, self.epoch]).permutation(self.num_samples)
-            )
-        else:
-            order = torch.arange(self.num_samples)
+        """This epoch's batches as index tensors (on the device when resident): a pure function
+        of (seed, epoch, skip)."""
+        n = self.num_samples
+        rng = np.random.default_rng([self.seed, self.epoch])
+        order = torch.from_numpy(rng.permutation(n) if self.train else np.arange(n))
+        if self.resident:  # one copy of the epoch's order to the device: every gather is there
+            order = order.to(self.device)
         batches = list(order.split(self.batch_size))[: len(self)][self.skip_batches :]
-        rank, world = self.shard
-        if world > 1:  # torchrun: contiguous, disjoint shards of the same global batches
-            batches = [b.tensor_split(world)[rank] for b in batches]
-            batches = [b for b in batches if len(b)]  # an evaluation's short last batch
-        return batches
+        rank, world = self.shard  # torchrun: contiguous, disjoint shards of the same batches
+        batches = [b.tensor_split(world)[rank] for b in batches]
+        return [b for b in batches if len(b)]  # a shard of an evaluation's short last batch
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if not self.resident:
-            for images, labels in self.raw_batches():
-                images, labels = self._to_device(images, labels)
-                yield self.transform(images), labels
+            yield from (self._on_device(*batch) for batch in self.raw_batches())
             return
         self._next_epoch()
-        batches = self.batch_indices()
-        if not batches:
-            return
-        # One copy of the epoch's order to the device, then every gather happens there.
-        order = torch.cat(batches).to(self.device, non_blocking=True)
-        for index in order.split([len(b) for b in batches]):
-            images, labels = self.dataset.gather(index)
-            yield self.transform(images), labels
+        for index in self.batch_indices():
+            yield self._on_device(*self.dataset[index])
 
     def peek(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This epoch's first batch as iterating gives it (shape, dtype, device), read in this
         process: no worker is started, no batch is prefetched and thrown away (the compile
         probe's, whose ~20 prefetched batches halved a short streamed run's rate). The order
         is not moved; the augmentation's RNG draws are the caller's to put back."""
-        index = self.batch_indices()[0]
-        if self.resident:
-            images, labels = self.dataset.gather(index)
-        else:
-            images, labels = self.dataset.__getitems__(index.tolist())
-            if isinstance(images, _Unreadable):
-                raise UnreadableImage(images.path, images.reason)
-            images, labels = self._to_device(images, labels)
-        return self.transform(images), labels
+        images, labels = self.dataset[self.batch_indices()[0].tolist()]
+        if isinstance(images, UnreadableImage):
+            raise images
+        return self._on_device(images, labels)
 
-    def _to_device(self, images, labels):
+    def _on_device(self, images, labels) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch as the dataset gives it -> the model's input and the labels, on the device."""
         if self.gpu_jpegs:  # JPEG bytes to nvJPEG, the rows decoded by a worker copied
-            from .gpudecode import decode_batch
-
-            images = decode_batch(images, self.image_shape, self.device)
+            images = gpudecode.decode_batch(images, self.dataset.split.image_shape, self.device)
         # uint8 crosses the bus (4x fewer bytes than float32); non_blocking lets the copy
         # overlap with the GPU still computing the previous step.
-        images = images.to(self.device, non_blocking=self._on_cuda)
-        return images, labels.to(self.device, non_blocking=self._on_cuda)
+        # (Resident batches are there already: no copy.)
+        images, labels = (t.to(self.device, non_blocking=self._on_cuda) for t in (images, labels))
+        return self.transform(images), labels
 
     def raw_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This epoch's batches as the DataLoader's workers give them: uint8 NHWC
@@ -454,8 +414,8 @@ class Loader:
         self._batches = weakref.ref(batches)
         try:
             for images, labels in batches:
-                if isinstance(images, _Unreadable):
-                    raise UnreadableImage(images.path, images.reason)
+                if isinstance(images, UnreadableImage):
+                    raise images
                 yield images, labels
         except Exception:
             self.close()
@@ -470,13 +430,12 @@ class Loader:
         81794: 19 s after `finished` with 2 workers per loader; benchmarks/RESULTS.md, "Leave at
         once"); joined here, they end at once and that hook finds them gone.
         """
-        batches = self._batches() if self._batches is not None else None
+        batches = self._batches and self._batches()  # a weak reference, or None
         self._batches = None
         if self._loader is not None:
             self._loader._iterator = None  # persistent workers: a fresh set if iterated again
-        shutdown = getattr(batches, "_shutdown_workers", None)  # none without workers
-        if shutdown is not None:
-            shutdown()
+        if hasattr(batches, "_shutdown_workers"):  # none without workers
+            batches._shutdown_workers()
 
 
 # The one way to make a loader; its name from before Loader did both kinds.
