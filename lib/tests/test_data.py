@@ -228,6 +228,30 @@ def test_shuffle_is_a_function_of_seed_and_epoch(small_split, gpu_resident):
     assert all(map(torch.equal, full[4:], resumed))
 
 
+@pytest.mark.parametrize("train", [True, False])
+def test_a_resident_loader_gives_the_batches_of_a_copying_one(small_split, train):
+    """The GPU-resident path (whole split on the device, a gather per batch) is the copying
+    loader's batches exactly: order, augmentation, a torchrun shard, peek and a resumed epoch."""
+
+    def batches(gpu_resident: bool, skip: int = 0):
+        torch.manual_seed(7)  # the augmentation's draws
+        loader = build_loader(
+            small_split, 12, train=train, device="cpu", seed=3, shard=(1, 3),
+            gpu_resident=gpu_resident,
+        )  # fmt: skip
+        loader.set_epoch(2, skip_batches=skip)
+        return [loader.peek(), *loader]
+
+    for skip in (0, 2):
+        copied, resident = batches(False, skip), batches(True, skip)
+        assert len(copied) == len(resident) > 2
+        for (x, y), (rx, ry) in zip(copied, resident, strict=True):
+            assert x.shape[0] == 4 or not train  # rank 1's third of a batch of 12 (eval: the
+            # last batch of 4 gives it 1)
+            torch.testing.assert_close(rx, x, rtol=0, atol=0)
+            assert torch.equal(ry, y)
+
+
 def test_resume_with_restored_rng_is_exact(small_split):
     loader = build_loader(small_split, 10, train=True, device="cpu")
     loader.set_epoch(2)
