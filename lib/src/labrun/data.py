@@ -154,7 +154,8 @@ def load_dataset(
     `seed` (pass the same value to every run you compare, so all validate on the same images).
     `mode` (datasets of files): "memory" (decoded once into the memory-mapped cache in
     `data_dir`, imagecache.py), "stream" (decoded every epoch by the loader's workers) or "auto"
-    (the cache, unless the address-space limit cannot map it: then stream, with a note).
+    (the cache, unless the address-space limit or the disk cannot hold it: then stream, and
+    `info.source` says why).
     `data_version`: the version of `data_path`
     (dataversion.data_version; computed when None). `workers`: processes that decode the cache
     (None: every core; 0 or 1: this process). `augment` (--augment auto/on/off) and
@@ -186,7 +187,6 @@ def load_dataset(
         if getattr(raw, s) is not None
     }
     content = None if data_path is not None else content_hash(raw)  # of splits checked above
-    check_targets(splits, task, name)  # non-finite targets, a multilabel split without a label
     shapes = {(split.image_shape, split.layout, split.dtype) for split in splits.values()}
     if len(shapes) > 1:
         found = sorted(describe(*shape) for shape in shapes)
@@ -197,11 +197,10 @@ def load_dataset(
     class_ids = not labels.is_floating_point()  # else float targets: regression, multi-hot
     if class_ids:
         num_classes = len(raw.class_names) if raw.class_names else int(labels.max()) + 1
-        for where, split in splits.items():
-            if split.labels.min() < 0 or split.labels.max() >= num_classes:
-                raise ValueError(f"{name}/{where}: labels outside 0..{num_classes - 1}")
     else:  # the model's output width: one per target column
         num_classes = labels[0].numel() if labels.ndim > 1 else 1
+    # ids outside 0..num_classes-1, non-finite targets, a multilabel split without a label
+    check_targets(splits, task, name, num_classes if class_ids else None)
     class_names = [str(c) for c in raw.class_names or range(num_classes)]
     files = [s for s in splits.values() if isinstance(s, FileSplit)]
     if not files and mode == "stream":
@@ -211,28 +210,20 @@ def load_dataset(
         )
     notes = list(raw.notes)
     why_not = _why_not_cached(files, data_dir, data_version) if files and mode == "auto" else None
-    if why_not:
-        notes.append(f"--data-mode auto: streaming (decoded every epoch): {why_not}")
     source = _image_source(mode, why_not, files) if files else ""  # run.log's `images from:`
     mode = "stream" if files and (why_not or mode == "stream") else "memory"
     if files and mode == "memory":  # decoded before carving: the cache never depends on --seed
         processes = None if workers is None else max(1, workers)
         try:
             with _data_dir_errors(data_dir):
-                splits = {
-                    k: decode_cached(
-                        s, data_dir, version=data_version, processes=processes, notes=notes
-                    )
-                    if isinstance(s, FileSplit)
-                    else s
-                    for k, s in splits.items()
-                }
+                for key, split in splits.items():  # (each key replaced: the dict keeps its size)
+                    if isinstance(split, FileSplit):
+                        splits[key] = decode_cached(
+                            split, data_dir, version=data_version, processes=processes, notes=notes
+                        )
         except UnreadableImage as e:  # checked by the scan, so it changed since: rewritten
-            forget(data_path, data_dir)  # in place; the next start fingerprints every file
-            raise ValueError(
-                f"{e}; it changed after its folder was checked (rewritten in place); re-run: "
-                "the folder is fingerprinted again, the file skipped and listed"
-            ) from e
+            # in place; the next start fingerprints every file
+            raise ValueError(f"{e}; {forget(data_path, data_dir)}") from e
     if "test" not in splits:  # a fixed carve: the test set never depends on --seed
         splits["train"], splits["test"] = _carve(splits["train"], TEST_FRACTION, TEST_SPLIT_SEED)
     if "val" not in splits:

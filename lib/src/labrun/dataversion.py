@@ -75,19 +75,23 @@ def changed_since(before: dict, now: dict, run_dir: Path) -> str | None:
     )
 
 
-def forget(root: Path | None, cache_dir: Path) -> None:
+def forget(root: Path | None, cache_dir: Path) -> str:
     """Drop the cached fingerprint of `root` and the cached check of its images (used when a
     file fails to decode although the cheap check saw no change: it was rewritten in place, or
     made unreadable). The next start walks every file again and, as a file damaged with its
     size and mtime kept gives the same version, checks every image again: the file is then
-    skipped and listed instead of refused at every start."""
-    if root is None:  # a dataset of yours that gave image files without --data-path
-        return
-    # Every version's check of a folder of this name: a check is only a cache, made again.
-    checks = Path(cache_dir).glob(f"{CHECK_PREFIX}{Path(root).name}-*.json")
-    for path in [_cache_path(Path(root), cache_dir), *checks]:
-        with contextlib.suppress(OSError):
-            path.unlink()
+    skipped and listed instead of refused at every start. Returns the hint that says so, for
+    the `error:` line after the UnreadableImage's own message."""
+    if root is not None:  # None: a dataset of yours that gave image files without --data-path
+        # Every version's check of a folder of this name: a check is only a cache, made again.
+        checks = Path(cache_dir).glob(f"{CHECK_PREFIX}{Path(root).name}-*.json")
+        for path in [_cache_path(Path(root), cache_dir), *checks]:
+            with contextlib.suppress(OSError):
+                path.unlink()
+    return (
+        "it changed after its folder was checked (rewritten in place); re-run: the folder is "
+        "fingerprinted again (a new data version, a new run directory), the file skipped and listed"
+    )
 
 
 def check_cache_path(root: Path, cache_dir: Path | None, version: str | None) -> Path | None:

@@ -87,9 +87,9 @@ def _typed(text: str, default, where: str):
 def model_arguments(declared: Entry, width: int | None, given: dict) -> tuple:
     """(width or None, {other own argument: value}) for the model `declared`.
 
-    `width`: --width (None: not given, 64 for a model that takes it); `given`: --model-args as
-    text. A model that does not take (or never names) `width` gets None. Raises ValueError
-    (`--flag: why`) for an argument the model does not take or a required one missing.
+    `width`: --width (None: not given, or the default: 64 for a model that takes it); `given`:
+    --model-args as text. A model that does not take (or never names) `width` gets None. Raises
+    ValueError (`--flag: why`) for an argument the model does not take or a required one missing.
     """
     own = own_arguments(declared)
     name = declared.name
@@ -102,23 +102,17 @@ def model_arguments(declared: Entry, width: int | None, given: dict) -> tuple:
             f"--model-args: model {name!r} takes no {', '.join(map(repr, unknown))}; "
             f"its own arguments: {listed}"
         )
-    if "width" not in own:
-        if width is not None and width != WIDTH_DEFAULT:
-            raise ValueError(f"--width: model {name!r} takes no width; its arguments: {listed}")
-        width = None
-    elif width is None:
-        width = WIDTH_DEFAULT
-    values = {}
-    for key, default in own.items():
-        if key == "width":
-            continue
-        if key in given:
-            values[key] = _typed(given[key], default, f"--model-args {key}")
-        elif default == REQUIRED:
-            raise ValueError(f"--model-args: model {name!r} needs {key}=VALUE ({listed})")
-        else:
-            values[key] = default
-    return width, values
+    if "width" not in own and width is not None:  # (config.py passes None for the default)
+        raise ValueError(f"--width: model {name!r} takes no width; its arguments: {listed}")
+    values = {
+        key: _typed(given[key], default, f"--model-args {key}") if key in given else default
+        for key, default in own.items()
+        if key != "width"
+    }
+    missing = [key for key, value in values.items() if value == REQUIRED]
+    if missing:
+        raise ValueError(f"--model-args: model {name!r} needs {missing[0]}=VALUE ({listed})")
+    return (WIDTH_DEFAULT if width is None else width) if "width" in own else None, values
 
 
 def create_model(
@@ -146,5 +140,5 @@ def create_model(
         "width": width,
         **model_args,
     }
-    params = inspect.signature(build).parameters  # what it names (listing.py skips **kwargs)
+    params = inspect.signature(build).parameters  # what it names (registry.describe skips **kwargs)
     return build(**{k: v for k, v in offered.items() if k in params})

@@ -97,23 +97,26 @@ def first_non_finite(rows: torch.Tensor) -> tuple[int, float, int] | None:
     return row, rows[row][~torch.isfinite(rows[row])][0].item(), int(bad.sum())
 
 
-def check_targets(splits: dict, task: str, dataset: str) -> None:
+def check_targets(splits: dict, task: str, dataset: str, num_classes: int | None) -> None:
     """Refuse targets no reported number could be trusted on (UsageError: one line, exit 2):
-    a non-finite float target (NaN or inf: the loss, r2 and the best epoch would be made up),
+    class ids outside 0..num_classes-1 (None: float targets in some split), a non-finite
+    float target (NaN or inf: the loss, r2 and the best epoch would be made up),
     under --task multilabel a split without one positive label (its mAP is undefined: the
     monitored val_map would never be finite, test_map would be made up), and under --task
     classification a train split of one class (test acc 1, whatever the model). `splits`: {name:
     Split or FileSplit} as the dataset gave them, so a row is the row of the user's data."""
     for name, split in splits.items():
         labels = split.labels
-        if task == "classification" and labels.is_floating_point():
+        if not labels.is_floating_point():  # (no split is empty: data._as_split)
+            if num_classes is not None and (labels.min() < 0 or labels.max() >= num_classes):
+                raise UsageError(f"{dataset}/{name}: labels outside 0..{num_classes - 1}")
+            continue
+        if task == "classification":
             raise UsageError(
                 f"dataset {dataset!r}: --task classification needs integer class ids; the "
                 f"{name} split's labels are floats (such as {labels.flatten()[0].item()}): "
                 "give integer labels (labels.astype(int)), or choose --task regression"
             )
-        if not labels.is_floating_point() or len(labels) == 0:
-            continue
         rows = labels.reshape(len(labels), -1)
         found = first_non_finite(rows)
         if found is not None:
