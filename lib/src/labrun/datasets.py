@@ -42,7 +42,8 @@ from .registry import Entry, Registry
 
 @dataclass(frozen=True)
 class DataOptions:
-    """What the command line says about the data; a dataset function reads what it needs."""
+    """What the command line says about the data: data.load_dataset's options. A dataset
+    function reads what it needs (the first six); load_dataset the rest."""
 
     data_dir: Path  # --data-dir: downloads and caches
     data_path: Path | None = None  # --data-path: the user's own data
@@ -50,6 +51,19 @@ class DataOptions:
     synthetic_size: int = 10_000  # --synthetic-size
     data_version: str | None = None  # dataversion.data_version(data_path): keys the scan's cache
     task: str = "classification"  # --task: the kind of targets a dataset may offer
+    # A missing val split: carved out of train with --val-fraction and --seed (pass the same seed
+    # to every run you compare, so all validate on the same samples).
+    val_fraction: float = 0.1
+    seed: int = 0
+    mode: str = "auto"  # --data-mode of image files (data.load_dataset)
+    workers: int | None = None  # processes that decode the cache (None: every core; 0, 1: this)
+    # --augment (auto/on/off) and the task's spatial_targets decide the training augmentation
+    # (DatasetInfo.augmentation: pass it to build_loader); --crop, --crop-* the images' crop.
+    augment: str = "auto"
+    spatial_targets: bool = False
+    crop: str = "pad"
+    crop_scale: tuple[float, float] | None = None
+    crop_ratio: tuple[float, float] | None = None
 
 
 @dataclass
@@ -86,11 +100,8 @@ class DatasetSplits:
 
 
 DATASETS: dict[str, Entry] = Registry("register_dataset")  # any module (registry.py)
-
-
-def register_dataset(name: str, *, help: str = "", needs_data_path: bool = False):
-    """Decorator: register `fn(options: DataOptions) -> DatasetSplits` as dataset `name`."""
-    return DATASETS.register(name, help, needs_data_path=needs_data_path)
+# @register_dataset(name, help=..., needs_data_path=False) on `fn(options) -> DatasetSplits`
+register_dataset = DATASETS.register
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,17 +144,11 @@ def synthetic(options: DataOptions) -> DatasetSplits:
 def folder(options: DataOptions) -> DatasetSplits:
     from .imagefolder import scan_image_folder
 
-    scan = scan_image_folder(
-        options.data_path, options.image_size, options.data_dir, options.data_version
+    # FolderScan's fields are DatasetSplits' own: the files of each split, and what describes them
+    scan = vars(
+        scan_image_folder(
+            options.data_path, options.image_size, options.data_dir, options.data_version
+        )
     )
-    split = {name: ImageFiles(*found) for name, found in scan.files.items()}
-    return DatasetSplits(
-        train=split.get("train"),
-        val=split.get("val"),
-        test=split.get("test"),
-        class_names=scan.class_names,
-        channels=scan.channels,
-        image_size=scan.image_size,
-        notes=scan.notes,
-        value_ranges=scan.value_ranges,
-    )
+    files = {name: ImageFiles(*found) for name, found in scan.pop("files").items()}
+    return DatasetSplits(**files, **scan)

@@ -30,9 +30,8 @@ DATA_PARAMS = ("num_classes", "channels", "image_size", "input_shape")
 WIDTH_DEFAULT = 64  # --width's default: the built-in models' run names depend on it
 
 
-def register_model(name: str, *, help: str = ""):
-    """Decorator: register `fn(num_classes, channels, image_size, ...) -> nn.Module`."""
-    return MODELS.register(name, help)
+# @register_model(name, help=...) on `fn(num_classes, channels, image_size, ...) -> nn.Module`
+register_model = MODELS.register
 
 
 def own_arguments(declared: Entry) -> dict:

@@ -86,7 +86,7 @@ class Registry(dict):
             importlib.import_module(listed.module)
         return super().__contains__(name)
 
-    def register(self, name: str, help: str = "", **keywords):
+    def register(self, name: str, *, help: str = "", **keywords):
         """The decorator register_model/_dataset/_task return: `fn` registered as `name`; a name
         registered twice is an error naming both places."""
 
@@ -106,9 +106,7 @@ def _where(fn) -> str:
     """file:line of a registered function (of the function a functools.partial wraps)."""
     fn = inspect.unwrap(getattr(fn, "func", fn))
     code = getattr(fn, "__code__", None)
-    if code is None:
-        return repr(fn)
-    return f"{code.co_filename}:{code.co_firstlineno}"
+    return repr(fn) if code is None else f"{code.co_filename}:{code.co_firstlineno}"
 
 
 def packages() -> list[tuple[str, Path]]:
@@ -184,13 +182,8 @@ def _list_in_child() -> dict:
     paths = [str(root), str(LIBRARY_DIR.parent), *sys.path]
     env = {**os.environ, "LABRUN_PROJECT": str(root), "PYTHONPATH": os.pathsep.join(paths)}
     env[LISTING_ENV] = "1"
-    done = subprocess.run(
-        [sys.executable, "-c", "from labrun.registry import main; main()"],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
+    child = [sys.executable, "-c", "from labrun.registry import main; main()"]
+    done = subprocess.run(child, cwd=root, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]
         raise ValueError(f"listing the registered names: {lines[-1].removeprefix('error: ')}")
