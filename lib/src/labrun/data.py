@@ -256,8 +256,7 @@ def _data_dir_errors(data_dir: Path) -> Iterator[None]:
     try:
         yield
     except OSError as e:
-        where = str(e.filename or "")
-        if not where.startswith(str(data_dir)):
+        if not str(e.filename or "").startswith(str(data_dir)):
             raise
         raise ValueError(f"--data-dir: cannot write to {data_dir}: {e.strerror}") from e
 
@@ -498,7 +497,6 @@ def fits_on_device(splits, device, *, max_fraction: float = 0.25) -> bool:
     device = torch.device(device)
     needed = decoded_bytes(splits.values() if isinstance(splits, Mapping) else splits)
     if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        free = available_ram_bytes() if device.type == "cpu" else None
+        return needed <= max_fraction * torch.cuda.mem_get_info(device)[0]
+    free = available_ram_bytes() if device.type == "cpu" else None
     return free is not None and needed <= max_fraction * free

@@ -111,10 +111,10 @@ register_dataset = DATASETS.register
 
 @register_dataset("digits", help="scikit-learn's 1797 8x8 digits upscaled to 32x32 (offline)")
 def digits(options: DataOptions) -> DatasetSplits:
-    from .arrays import DIGITS_CLASSES, load_digits_arrays
+    from .arrays import load_digits_arrays
 
     train, test = load_digits_arrays(options.data_dir)
-    return DatasetSplits(train=train, test=test, class_names=DIGITS_CLASSES)
+    return DatasetSplits(train=train, test=test)  # class names: the ids "0".."9"
 
 
 @register_dataset("cifar10", help="CIFAR-10, downloaded once into --data-dir")
