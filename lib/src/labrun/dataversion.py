@@ -41,10 +41,11 @@ def data_version(root: Path, cache_dir: Path) -> str:
             st = root.stat()
             return _digest([(root.name, st.st_size, st.st_mtime_ns)])
         cache = _cache_path(root, cache_dir)
-        cached = _read_cache(cache, root)
+        cached = read_json_cache(cache) or {}  # a cache of this folder, as written below?
+        stamps = cached.get("dirs") if cached.get("root") == str(root) else None
+        valid = isinstance(stamps, dict) and str(cached.get("version")).startswith(VERSION_PREFIX)
         with contextlib.suppress(OSError):  # a directory went away: changed
-            stamps = cached["dirs"].items() if cached is not None else ()
-            if cached and all(_dir_stamp(os.path.join(root, d)) == s for d, s in stamps):
+            if valid and all(_dir_stamp(os.path.join(root, d)) == s for d, s in stamps.items()):
                 return cached["version"]
         dirs, files = _walk(root)
         version = _digest(files)
@@ -98,10 +99,8 @@ def check_cache_path(root: Path, cache_dir: Path | None, version: str | None) ->
     """Where imagefolder.py caches the check of every image of `root` at `version`."""
     if cache_dir is None or version is None:
         return None
-    return (
-        Path(cache_dir)
-        / f"{CHECK_PREFIX}{Path(root).name}-{version.removeprefix(VERSION_PREFIX)}.json"
-    )
+    name = f"{CHECK_PREFIX}{Path(root).name}-{version.removeprefix(VERSION_PREFIX)}.json"
+    return Path(cache_dir) / name
 
 
 def _cache_path(root: Path, cache_dir: Path) -> Path:
@@ -160,12 +159,6 @@ def read_json_cache(path: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return content if isinstance(content, dict) else None
-
-
-def _read_cache(cache: Path, root: Path) -> dict | None:
-    cached = read_json_cache(cache)
-    valid = cached and cached.get("root") == str(root) and isinstance(cached.get("dirs"), dict)
-    return cached if valid and str(cached.get("version")).startswith(VERSION_PREFIX) else None
 
 
 @contextlib.contextmanager

@@ -87,11 +87,14 @@ class Registry(dict):
         return super().__contains__(name)
 
     def register(self, name: str, *, help: str = "", **keywords):
-        """The decorator register_model/_dataset/_task return: `fn` registered as `name`; a name
-        registered twice is an error naming both places."""
+        """register_model/_dataset/_task(name, help=...): a decorator that registers `fn` as
+        `name` (Entry's other fields by keyword); a name registered twice is an error naming
+        both places."""
 
-        def add(fn):
-            where = _where(fn)
+        def add(fn):  # `where`: file:line, of the function a functools.partial wraps
+            target = inspect.unwrap(getattr(fn, "func", fn))
+            code = getattr(target, "__code__", None)
+            where = repr(target) if code is None else f"{code.co_filename}:{code.co_firstlineno}"
             if dict.__contains__(self, name):
                 raise ValueError(
                     f"{where}: @{self.decorator}({name!r}) is also at {dict.get(self, name).where}"
@@ -100,13 +103,6 @@ class Registry(dict):
             return fn
 
         return add
-
-
-def _where(fn) -> str:
-    """file:line of a registered function (of the function a functools.partial wraps)."""
-    fn = inspect.unwrap(getattr(fn, "func", fn))
-    code = getattr(fn, "__code__", None)
-    return repr(fn) if code is None else f"{code.co_filename}:{code.co_firstlineno}"
 
 
 def packages() -> list[tuple[str, Path]]:
