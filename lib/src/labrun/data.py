@@ -344,13 +344,15 @@ def _as_split(raw, described: DatasetSplits, image_size, where: str) -> Split | 
 def check_finite(values: torch.Tensor, where: str, what: str) -> None:
     """Refuse NaN or inf inputs or targets (`what`; ValueError naming the first row): every
     loss would be NaN, which reads as a learning rate that diverged, and r2 and the best epoch
-    would be made up. Rows of the user's data (before any carving); in chunks: little memory."""
-    rows = values.reshape(len(values), -1)
-    bad = torch.cat([~torch.isfinite(chunk).all(1) for chunk in rows.split(1024)])
+    would be made up. Rows of the user's data (before any carving); in chunks: little memory
+    (a chunk of a non-contiguous array is copied, never the whole array)."""
+    chunks = values.split(1024)
+    bad = torch.cat([~torch.isfinite(chunk.reshape(len(chunk), -1)).all(1) for chunk in chunks])
     if bad.any():
         row = int(bad.nonzero()[0, 0])
+        found = values[row].reshape(-1)
         raise ValueError(
-            f"{where}: {what} row {row} holds {rows[row][~torch.isfinite(rows[row])][0].item()} "
+            f"{where}: {what} row {row} holds {found[~torch.isfinite(found)][0].item()} "
             f"({int(bad.sum())} row(s) with a non-finite {what}: every loss NaN); fix or drop them"
         )
 
