@@ -104,11 +104,10 @@ class DatasetInfo:
 
     def describe(self) -> dict:
         """What the data layer did with the inputs: run.log's `data:` lines, config.json."""
-        norm = self.normalization
         fixed = "per channel, fixed constants of uint8 images (CIFAR-10's)"
         described = {
             "data": describe(self.input_shape, self.layout, self.dtype),
-            "normalization": fixed if norm is None else norm.why,
+            "normalization": fixed if self.normalization is None else self.normalization.why,
             "augmentation": self.augmentation.why,
         }
         if self.source:

@@ -251,13 +251,11 @@ def _parameters(fn, where: str) -> tuple[dict, list]:
                 f"{where}: the default of {param.name!r} must be a literal, got {default!r}"
             ) from None
         params[param.name] = repr(default)
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
     try:
         source = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(fn))))
-    except (OSError, TypeError, SyntaxError):
-        return params, []
-    functions = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
-    node = next((n for n in ast.walk(source) if isinstance(n, functions)), None)
-    if node is None:
+        node = next(n for n in ast.walk(source) if isinstance(n, functions))
+    except (OSError, TypeError, SyntaxError, StopIteration):
         return params, []
     body = node.body if isinstance(node.body, list) else [node.body]
     named = {n.id for stmt in body for n in ast.walk(stmt) if isinstance(n, ast.Name)}
