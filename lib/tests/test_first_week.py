@@ -118,7 +118,7 @@ def test_own_model_and_dataset_in_new_files_train_and_keep_pytest_green(tmp_path
 
 
 def test_a_name_registered_twice_names_both_places(tmp_path, monkeypatch):
-    from labrun import models, registry
+    from labrun import listing, models, registry
 
     package = tmp_path / "pkg"
     package.mkdir()
@@ -132,7 +132,7 @@ def test_a_name_registered_twice_names_both_places(tmp_path, monkeypatch):
     monkeypatch.setattr(models, "MODELS", registry.Registry("register_model"))  # ours alone
     monkeypatch.setattr(models, "register_model", models.MODELS.register)
     with pytest.raises(ValueError, match=r"b.py:4: @register_model\('twin'\) is also at .*a.py:4"):
-        registry.collect()
+        listing.collect()
 
 
 def test_trial_runs_and_sweep_runs_go_to_their_own_experiments():

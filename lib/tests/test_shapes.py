@@ -17,7 +17,7 @@ from labrun import config, datasets, registry
 from labrun.analysis import RunResult, aggregate
 from labrun.augment import choose_augmentation
 from labrun.data import Split, build_loader, load_dataset
-from labrun.registry import describe
+from labrun.listing import describe
 
 
 @pytest.fixture

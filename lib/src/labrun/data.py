@@ -317,7 +317,7 @@ def _as_split(raw, described: DatasetSplits, image_size, where: str) -> Split | 
         raise ValueError(f"{where}: expected {len(images)} labels, got {tuple(labels.shape)}")
     for values, what in ((images, "input"), (labels, "target")):
         if values.is_floating_point():
-            check_finite(values, where, what)
+            refuse_non_finite(values, where, what)
     if image_size is not None and tuple(images.shape[2:]) != tuple(image_size):
         if layout != "NCHW":
             raise ValueError(
@@ -340,7 +340,7 @@ def _as_split(raw, described: DatasetSplits, image_size, where: str) -> Split | 
     return Split(_in_layout(images.permute(order).contiguous(), order), labels, layout=layout)
 
 
-def check_finite(values: torch.Tensor, where: str, what: str) -> None:
+def refuse_non_finite(values: torch.Tensor, where: str, what: str) -> None:
     """Refuse NaN or inf inputs or targets (`what`; ValueError naming the first row): every
     loss would be NaN, which reads as a learning rate that diverged, and r2 and the best epoch
     would be made up. Rows of the user's data (before any carving); in chunks: little memory

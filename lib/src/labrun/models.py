@@ -139,5 +139,5 @@ def create_model(
         "width": width,
         **model_args,
     }
-    params = inspect.signature(build).parameters  # what it names (registry.describe skips **kwargs)
+    params = inspect.signature(build).parameters  # what it names (listing.py skips **kwargs)
     return build(**{k: v for k, v in offered.items() if k in params})

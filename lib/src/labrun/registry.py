@@ -10,7 +10,7 @@ be registered by a decorator or by a call, in a loop as well:
 
 `--help` and the sweep's planning need every name, its help and a model function's parameters,
 but must not wait for torch, which the registering modules import. So the registrations are
-listed once by running them, in a child process (`main` below: it imports every module of the
+listed once by running them, in a child process (listing.py: it imports every module of the
 package that names a register function), and kept in `<project>/.cache/registry.json` with a
 hash of those modules' sources: while no source changes, reading the names costs a file read and
 the hashes (measured: benchmarks/RESULTS.md); after an edit, the first command pays one import
@@ -29,7 +29,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +40,7 @@ from .runs import atomic_write_text
 LIBRARY_DIR = Path(__file__).resolve().parent
 DECORATORS = ("register_model", "register_dataset", "register_task")
 # The library's modules whose code makes the listing (the built-ins, the register functions).
-LISTING_INPUTS = ("datasets.py", "tasks.py", "models.py", "registry.py")
+LISTING_INPUTS = ("datasets.py", "tasks.py", "models.py", "registry.py", "listing.py")
 CACHE = Path(".cache") / "registry.json"  # under the project's root (.gitignore: .cache/)
 # Set in the child that lists: there the listing is empty (labrun.config, imported by the
 # registering modules, asks for it at import), never listed again in a grandchild.
@@ -54,7 +53,7 @@ REQUIRED = "<required>"  # Entry.params: a parameter without a default
 @dataclass(frozen=True)
 class Entry:
     """One registration: a model's or task's builder or a dataset's loader (`build`), and what a
-    run needs to know of it. A listing (`describe`) holds it without `build` (None), with the
+    run needs to know of it. A listing (listing.py) holds it without `build` (None), with the
     module that registered it and the function's parameters."""
 
     name: str
@@ -165,7 +164,7 @@ def _listing() -> dict[str, dict[str, Entry]]:
 
 
 def _entry(stored: dict) -> Entry:
-    """An Entry as `describe` stored it in JSON: the defaults as their repr."""
+    """An Entry as listing.describe stored it in JSON: the defaults as their repr."""
     params = {k: ast.literal_eval(v) for k, v in stored["params"].items()}
     return Entry(**{**stored, "params": params, "unused": frozenset(stored["unused"])})
 
@@ -178,7 +177,7 @@ def _list_in_child() -> dict:
     paths = [str(root), str(LIBRARY_DIR.parent), *sys.path]
     env = {**os.environ, "LABRUN_PROJECT": str(root), "PYTHONPATH": os.pathsep.join(paths)}
     env[LISTING_ENV] = "1"
-    child = [sys.executable, "-c", "from labrun.registry import main; main()"]
+    child = [sys.executable, "-m", "labrun.listing"]
     done = subprocess.run(child, cwd=root, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]
@@ -190,73 +189,3 @@ def declarations(decorator: str) -> dict[str, Entry]:
     """{name: Entry (listed: no `build`)} of every registration by `decorator` in the library
     and the project's package. A name registered twice is an error naming both places."""
     return _listing()[decorator]
-
-
-# ---- the child process that lists ---------------------------------------------------------------
-def main() -> None:
-    """The child of _list_in_child (LISTING_ENV set): the listing as JSON on stdout, or one
-    `error:` line."""
-    try:
-        listed = collect()
-    except Exception as exc:  # noqa: BLE001 (any import failure is the user's to read)
-        print(f"error: {type(exc).__name__}: {exc}".splitlines()[0], file=sys.stderr)
-        sys.exit(2)
-    json.dump(listed, sys.stdout)
-
-
-def collect() -> dict:
-    """Import the library's registries (their modules register the built-ins) and every module
-    of the project's package that names a register function; {decorator: {name: Entry as
-    JSON}} of what each registered."""
-    from . import datasets, models, tasks  # here: each of them imports this module
-
-    registries = (models.MODELS, datasets.DATASETS, tasks.TASKS)
-    listed: dict = {registry.decorator: {} for registry in registries}
-
-    def take(module_of) -> None:
-        """Store what was registered since the last call, by the module module_of(entry)."""
-        for registry in registries:
-            for name, entry in registry.items():
-                if name not in listed[registry.decorator]:
-                    listed[registry.decorator][name] = describe(entry, module_of(entry))
-
-    take(lambda entry: entry.build.__module__)  # built-ins
-    for module, path in _modules():
-        if any(d in path.read_text(encoding="utf-8") for d in DECORATORS):
-            importlib.import_module(module)
-            take(lambda entry, module=module: module)
-    return listed
-
-
-def describe(entry: Entry, module: str) -> dict:
-    """`entry` as a listing stores it (JSON; `_entry` reads it back): no function, the
-    module that registered it, the function's parameters (defaults as their repr)."""
-    params, unused = _parameters(entry.build, entry.where)
-    return {**vars(entry), "build": None, "module": module, "params": params, "unused": unused}
-
-
-def _parameters(fn, where: str) -> tuple[dict, list]:
-    """{name: repr of its literal default (or of REQUIRED)} of a function's parameters, and
-    the ones its body never names, sorted (read from its source; none when it has no source,
-    e.g. a lambda's)."""
-    params = {}
-    for param in inspect.signature(fn).parameters.values():
-        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            continue
-        default = REQUIRED if param.default is param.empty else param.default
-        try:  # a literal, so that the listing can hold it (and --model-args type by it)
-            ast.literal_eval(repr(default))
-        except (ValueError, SyntaxError):
-            raise ValueError(
-                f"{where}: the default of {param.name!r} must be a literal, got {default!r}"
-            ) from None
-        params[param.name] = repr(default)
-    functions = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
-    try:
-        source = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(fn))))
-        node = next(n for n in ast.walk(source) if isinstance(n, functions))
-    except (OSError, TypeError, SyntaxError, StopIteration):
-        return params, []
-    body = node.body if isinstance(node.body, list) else [node.body]
-    named = {n.id for stmt in body for n in ast.walk(stmt) if isinstance(n, ast.Name)}
-    return params, sorted(set(params) - named)

@@ -87,7 +87,7 @@ def create_task(name: str, args: argparse.Namespace, monitor: str | None = None)
 def check_targets(splits: dict, task: str, dataset: str, num_classes: int | None) -> None:
     """Refuse targets no reported number could be trusted on (UsageError: one line, exit 2):
     class ids outside 0..num_classes-1 (None: float targets in some split; a NaN or inf one
-    is refused by data.check_finite), under --task multilabel a split without one positive
+    is refused by data.refuse_non_finite), under --task multilabel a split without one positive
     label (its mAP is undefined: the monitored val_map would never be finite, test_map would be
     made up), and under --task classification a train split of one class (test acc 1,
     whatever the model). `splits`: {name: Split or FileSplit} as the dataset gave them."""
