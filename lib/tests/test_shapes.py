@@ -132,7 +132,7 @@ def declared_model(tmp_path, source: str):
     spec.loader.exec_module(module)
     [(name, fn)] = [(k, v) for k, v in vars(module).items()
                     if inspect.isfunction(v) and k != "register_model"]  # fmt: skip
-    return describe(registry.Entry(name, build=fn), "m")
+    return registry._entry(describe(registry.Entry(name, build=fn), "m"))
 
 
 def test_a_model_takes_its_own_size_arguments(tmp_path, monkeypatch):

@@ -165,9 +165,9 @@ def test_a_decoder_killed_by_the_oom_killer_is_not_bad_input(tmp_path, monkeypat
 @pytest.mark.parametrize(
     ("task", "damage", "message"),
     [
-        ("regression", "nan", "the test split's target in row 7 is nan (1 row(s)"),
-        ("regression", "inf", "the test split's target in row 7 is inf (1 row(s)"),
-        ("multilabel", "none", "the test split has no positive label in any of its 40 rows"),
+        ("regression", "nan", "synthetic/test: target row 7 holds nan (1 row(s)"),
+        ("regression", "inf", "synthetic/test: target row 7 holds inf (1 row(s)"),
+        ("multilabel", "none", "dataset 'synthetic': the test split has no positive label"),
     ],
 )
 def test_targets_no_metric_can_trust_are_refused_when_the_data_loads(
@@ -190,7 +190,7 @@ def test_targets_no_metric_can_trust_are_refused_when_the_data_loads(
     args = ("--dataset", "synthetic", "--synthetic-size", "200", "--task", task)
     assert main_in_process(*args, "--results-dir", str(tmp_path)) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: dataset 'synthetic': ") and message in err[0]
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
 
 
 @pytest.mark.parametrize(("scale", "noise"), [(12, 3), (40, 8), (3, 1.5), (1, 2), (0.01, 0.02)])

@@ -49,7 +49,6 @@ SYNTHETIC_CLASSES = 10
 
 
 DIGITS_CACHE = "digits_32px.npz"  # the decoded arrays below; rename it when they change
-DIGITS_CLASSES = [str(d) for d in range(10)]
 
 
 def load_digits_arrays(data_dir: Path) -> tuple:

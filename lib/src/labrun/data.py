@@ -56,7 +56,7 @@ from .imagefolder import UnreadableImage
 from .loaders import FileSplit, Split, own_normalization
 from .loaders import build_loader as build_loader  # callers import it from here
 from .runs import size_text
-from .tasks import check_targets, first_non_finite
+from .tasks import check_targets
 
 # Array datasets resized by --image-size must take at most this fraction of the available
 # memory (the rest is for the model, the workers and everyone else on the node).
@@ -71,7 +71,6 @@ EMPTY_SPLIT = "the split is empty; give it samples, or leave it out (None: carve
 class DatasetInfo:
     """What the model and config.json need to know about a dataset."""
 
-    name: str
     num_classes: int
     channels: int
     image_size: tuple[int, int]
@@ -105,11 +104,10 @@ class DatasetInfo:
 
     def describe(self) -> dict:
         """What the data layer did with the inputs: run.log's `data:` lines, config.json."""
-        norm = self.normalization
         fixed = "per channel, fixed constants of uint8 images (CIFAR-10's)"
         described = {
             "data": describe(self.input_shape, self.layout, self.dtype),
-            "normalization": fixed if norm is None else norm.why,
+            "normalization": fixed if self.normalization is None else self.normalization.why,
             "augmentation": self.augmentation.why,
         }
         if self.source:
@@ -129,64 +127,37 @@ class LoadedDataset:
 # Datasets
 
 
-def load_dataset(
-    name: str,
-    data_dir: str | os.PathLike,
-    *,
-    data_path: str | os.PathLike | None = None,
-    image_size: tuple[int, int] | None = None,
-    val_fraction: float = 0.1,
-    seed: int = 0,
-    synthetic_size: int = 10_000,
-    mode: str = "auto",
-    workers: int | None = None,
-    data_version: str | None = None,
-    task: str = "classification",
-    augment: str = "auto",
-    spatial_targets: bool = False,
-    crop: str = "pad",
-    crop_scale: tuple[float, float] | None = None,
-    crop_ratio: tuple[float, float] | None = None,
-) -> LoadedDataset:
+def load_dataset(name: str, data_dir: str | os.PathLike, **options) -> LoadedDataset:
     """Load the registered dataset `name` as {"train", "val", "test"} splits and describe it.
 
-    A missing test split is carved out of train with a fixed seed; a missing val split with
-    `seed` (pass the same value to every run you compare, so all validate on the same images).
-    `mode` (datasets of files): "memory" (decoded once into the memory-mapped cache in
-    `data_dir`, imagecache.py), "stream" (decoded every epoch by the loader's workers) or "auto"
-    (the cache, unless the address-space limit cannot map it: then stream, with a note).
-    `data_version`: the version of `data_path`
-    (dataversion.data_version; computed when None). `workers`: processes that decode the cache
-    (None: every core; 0 or 1: this process). `augment` (--augment auto/on/off) and
-    `spatial_targets` (the task's) decide the training augmentation, `info.augmentation`: pass
-    it to build_loader; `crop`, `crop_scale`, `crop_ratio` (--crop ...) the images' crop.
+    `options`: datasets.DataOptions' fields (keywords). A missing test split is carved out of
+    train with a fixed seed; a missing val split with `seed`. `mode` (datasets of files):
+    "memory" (decoded once into the memory-mapped cache in `data_dir`, imagecache.py),
+    "stream" (decoded every epoch by the loader's workers) or "auto" (the cache, unless the
+    address-space limit or the disk cannot hold it: then stream, and `info.source` says why).
+    `data_version`: the version of `data_path` (dataversion.data_version; computed when None).
     Raises ValueError with a one-line message for every bad input.
     """
     # --val-fraction, --data-mode and --data-path were checked by run.py's parser (config.py)
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
     data_dir = Path(data_dir)
-    if data_path is not None and data_version is None:  # ValueError if it does not exist
-        data_version = files_version(Path(data_path), data_dir)
-    options = DataOptions(
-        data_dir=data_dir,
-        data_path=Path(data_path) if data_path else None,
-        image_size=image_size,
-        synthetic_size=synthetic_size,
-        data_version=data_version,
-        task=task,
-    )
+    options = DataOptions(data_dir, **options)
+    data_path, data_version = options.data_path, options.data_version
+    if data_path:  # data_version: a ValueError if it does not exist
+        data_path = Path(data_path)
+        data_version = data_version or files_version(data_path, data_dir)
+        options = replace(options, data_path=data_path, data_version=data_version)
     with _data_dir_errors(data_dir):
         raw = DATASETS[name].build(options)
     if not isinstance(raw, DatasetSplits) or raw.train is None:
         raise ValueError(f"dataset {name!r}: its function must return DatasetSplits(train=...)")
     splits = {
-        s: _as_split(getattr(raw, s), raw, image_size, f"{name}/{s}")
+        s: _as_split(getattr(raw, s), raw, options.image_size, f"{name}/{s}")
         for s in ("train", "val", "test")
         if getattr(raw, s) is not None
     }
     content = None if data_path is not None else content_hash(raw)  # of splits checked above
-    check_targets(splits, task, name)  # non-finite targets, a multilabel split without a label
     shapes = {(split.image_shape, split.layout, split.dtype) for split in splits.values()}
     if len(shapes) > 1:
         found = sorted(describe(*shape) for shape in shapes)
@@ -197,13 +168,13 @@ def load_dataset(
     class_ids = not labels.is_floating_point()  # else float targets: regression, multi-hot
     if class_ids:
         num_classes = len(raw.class_names) if raw.class_names else int(labels.max()) + 1
-        for where, split in splits.items():
-            if split.labels.min() < 0 or split.labels.max() >= num_classes:
-                raise ValueError(f"{name}/{where}: labels outside 0..{num_classes - 1}")
     else:  # the model's output width: one per target column
         num_classes = labels[0].numel() if labels.ndim > 1 else 1
+    # ids outside 0..num_classes-1, a multilabel split without a label, a train split of 1 class
+    check_targets(splits, options.task, name, num_classes if class_ids else None)
     class_names = [str(c) for c in raw.class_names or range(num_classes)]
     files = [s for s in splits.values() if isinstance(s, FileSplit)]
+    mode = options.mode
     if not files and mode == "stream":
         raise ValueError(
             f"--data-mode: dataset {name!r} is held in memory as arrays; "
@@ -211,32 +182,24 @@ def load_dataset(
         )
     notes = list(raw.notes)
     why_not = _why_not_cached(files, data_dir, data_version) if files and mode == "auto" else None
-    if why_not:
-        notes.append(f"--data-mode auto: streaming (decoded every epoch): {why_not}")
     source = _image_source(mode, why_not, files) if files else ""  # run.log's `images from:`
     mode = "stream" if files and (why_not or mode == "stream") else "memory"
     if files and mode == "memory":  # decoded before carving: the cache never depends on --seed
-        processes = None if workers is None else max(1, workers)
+        processes = None if options.workers is None else max(1, options.workers)
         try:
             with _data_dir_errors(data_dir):
-                splits = {
-                    k: decode_cached(
-                        s, data_dir, version=data_version, processes=processes, notes=notes
-                    )
-                    if isinstance(s, FileSplit)
-                    else s
-                    for k, s in splits.items()
-                }
+                for key, split in splits.items():  # (each key replaced: the dict keeps its size)
+                    if isinstance(split, FileSplit):
+                        splits[key] = decode_cached(
+                            split, data_dir, version=data_version, processes=processes, notes=notes
+                        )
         except UnreadableImage as e:  # checked by the scan, so it changed since: rewritten
-            forget(data_path, data_dir)  # in place; the next start fingerprints every file
-            raise ValueError(
-                f"{e}; it changed after its folder was checked (rewritten in place); re-run: "
-                "the folder is fingerprinted again, the file skipped and listed"
-            ) from e
+            # in place; the next start fingerprints every file
+            raise ValueError(f"{e}; {forget(data_path, data_dir)}") from e
     if "test" not in splits:  # a fixed carve: the test set never depends on --seed
         splits["train"], splits["test"] = _carve(splits["train"], TEST_FRACTION, TEST_SPLIT_SEED)
     if "val" not in splits:
-        splits["train"], splits["val"] = _carve(splits["train"], val_fraction, seed)
+        splits["train"], splits["val"] = _carve(splits["train"], options.val_fraction, options.seed)
     if len(splits["train"]) == 0 or len(splits["test"]) == 0:
         raise ValueError(f"dataset {name!r}: too few images to split into train and test")
     sizes = {k: len(splits[k]) for k in ("train", "val", "test")}
@@ -247,11 +210,10 @@ def load_dataset(
     for split in splits.values():
         split.normalization = normalization
     augmentation = choose_augmentation(
-        input_shape, layout, dtype, augment, raw.augment, spatial_targets,
-        crop=crop, crop_scale=crop_scale, crop_ratio=crop_ratio,
+        input_shape, layout, dtype, options.augment, raw.augment, options.spatial_targets,
+        crop=options.crop, crop_scale=options.crop_scale, crop_ratio=options.crop_ratio,
     )  # fmt: skip
     info = DatasetInfo(
-        name,
         num_classes,
         channels,
         spatial_sizes(input_shape, layout),
@@ -293,8 +255,7 @@ def _data_dir_errors(data_dir: Path) -> Iterator[None]:
     try:
         yield
     except OSError as e:
-        where = str(e.filename or "")
-        if not where.startswith(str(data_dir)):
+        if not str(e.filename or "").startswith(str(data_dir)):
             raise
         raise ValueError(f"--data-dir: cannot write to {data_dir}: {e.strerror}") from e
 
@@ -324,8 +285,7 @@ def _as_split(raw, described: DatasetSplits, image_size, where: str) -> Split | 
             raise ValueError(f"{where}: {len(raw.paths)} files but {len(labels)} labels")
         if len(labels) == 0:
             raise ValueError(f"{where}: {EMPTY_SPLIT}")
-        size = tuple(image_size or described.image_size)
-        shape = (described.channels, *size)
+        shape = (described.channels, *(image_size or described.image_size))
         return FileSplit(list(raw.paths), labels, shape, described.value_ranges)
     try:
         images, labels = raw
@@ -355,8 +315,9 @@ def _as_split(raw, described: DatasetSplits, image_size, where: str) -> Split | 
         )
     if labels.ndim == 0 or len(labels) != len(images):
         raise ValueError(f"{where}: expected {len(images)} labels, got {tuple(labels.shape)}")
-    if images.is_floating_point():
-        check_finite_inputs(images, where)
+    for values, what in ((images, "input"), (labels, "target")):
+        if values.is_floating_point():
+            refuse_non_finite(values, where, what)
     if image_size is not None and tuple(images.shape[2:]) != tuple(image_size):
         if layout != "NCHW":
             raise ValueError(
@@ -379,17 +340,20 @@ def _as_split(raw, described: DatasetSplits, image_size, where: str) -> Split | 
     return Split(_in_layout(images.permute(order).contiguous(), order), labels, layout=layout)
 
 
-def check_finite_inputs(images: torch.Tensor, where: str) -> None:
-    """Refuse NaN or inf inputs (ValueError naming the first row): every loss would be NaN, which
-    reads as a learning rate that diverged. In chunks: the check takes little memory."""
-    for start in range(0, len(images), 1024):
-        found = first_non_finite(images[start : start + 1024].reshape(-1, images[0].numel()))
-        if found is not None:
-            row, value, _ = found
-            raise ValueError(
-                f"{where}: input row {start + row} holds {value} (a NaN or infinite input makes "
-                "every loss NaN); fix or drop those rows"
-            )
+def refuse_non_finite(values: torch.Tensor, where: str, what: str) -> None:
+    """Refuse NaN or inf inputs or targets (`what`; ValueError naming the first row): every
+    loss would be NaN, which reads as a learning rate that diverged, and r2 and the best epoch
+    would be made up. Rows of the user's data (before any carving); in chunks: little memory
+    (a chunk of a non-contiguous array is copied, never the whole array)."""
+    chunks = values.split(1024)
+    bad = torch.cat([~torch.isfinite(chunk.reshape(len(chunk), -1)).all(1) for chunk in chunks])
+    if bad.any():
+        row = int(bad.nonzero()[0, 0])
+        found = values[row].reshape(-1)
+        raise ValueError(
+            f"{where}: {what} row {row} holds {found[~torch.isfinite(found)][0].item()} "
+            f"({int(bad.sum())} row(s) with a non-finite {what}: every loss NaN); fix or drop them"
+        )
 
 
 def _in_layout(stored: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
@@ -534,7 +498,6 @@ def fits_on_device(splits, device, *, max_fraction: float = 0.25) -> bool:
     device = torch.device(device)
     needed = decoded_bytes(splits.values() if isinstance(splits, Mapping) else splits)
     if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        free = available_ram_bytes() if device.type == "cpu" else None
+        return needed <= max_fraction * torch.cuda.mem_get_info(device)[0]
+    free = available_ram_bytes() if device.type == "cpu" else None
     return free is not None and needed <= max_fraction * free

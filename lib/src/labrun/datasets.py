@@ -42,7 +42,8 @@ from .registry import Entry, Registry
 
 @dataclass(frozen=True)
 class DataOptions:
-    """What the command line says about the data; a dataset function reads what it needs."""
+    """What the command line says about the data: data.load_dataset's options. A dataset
+    function reads what it needs (the first six); load_dataset the rest."""
 
     data_dir: Path  # --data-dir: downloads and caches
     data_path: Path | None = None  # --data-path: the user's own data
@@ -50,6 +51,19 @@ class DataOptions:
     synthetic_size: int = 10_000  # --synthetic-size
     data_version: str | None = None  # dataversion.data_version(data_path): keys the scan's cache
     task: str = "classification"  # --task: the kind of targets a dataset may offer
+    # A missing val split: carved out of train with --val-fraction and --seed (pass the same seed
+    # to every run you compare, so all validate on the same samples).
+    val_fraction: float = 0.1
+    seed: int = 0
+    mode: str = "auto"  # --data-mode of image files (data.load_dataset)
+    workers: int | None = None  # processes that decode the cache (None: every core; 0, 1: this)
+    # --augment (auto/on/off) and the task's spatial_targets decide the training augmentation
+    # (DatasetInfo.augmentation: pass it to build_loader); --crop, --crop-* the images' crop.
+    augment: str = "auto"
+    spatial_targets: bool = False
+    crop: str = "pad"
+    crop_scale: tuple[float, float] | None = None
+    crop_ratio: tuple[float, float] | None = None
 
 
 @dataclass
@@ -86,11 +100,8 @@ class DatasetSplits:
 
 
 DATASETS: dict[str, Entry] = Registry("register_dataset")  # any module (registry.py)
-
-
-def register_dataset(name: str, *, help: str = "", needs_data_path: bool = False):
-    """Decorator: register `fn(options: DataOptions) -> DatasetSplits` as dataset `name`."""
-    return DATASETS.register(name, help, needs_data_path=needs_data_path)
+# @register_dataset(name, help=..., needs_data_path=False) on `fn(options) -> DatasetSplits`
+register_dataset = DATASETS.register
 
 
 # --------------------------------------------------------------------------------------------
@@ -100,10 +111,10 @@ def register_dataset(name: str, *, help: str = "", needs_data_path: bool = False
 
 @register_dataset("digits", help="scikit-learn's 1797 8x8 digits upscaled to 32x32 (offline)")
 def digits(options: DataOptions) -> DatasetSplits:
-    from .arrays import DIGITS_CLASSES, load_digits_arrays
+    from .arrays import load_digits_arrays
 
     train, test = load_digits_arrays(options.data_dir)
-    return DatasetSplits(train=train, test=test, class_names=DIGITS_CLASSES)
+    return DatasetSplits(train=train, test=test)  # class names: the ids "0".."9"
 
 
 @register_dataset("cifar10", help="CIFAR-10, downloaded once into --data-dir")

@@ -41,10 +41,11 @@ def data_version(root: Path, cache_dir: Path) -> str:
             st = root.stat()
             return _digest([(root.name, st.st_size, st.st_mtime_ns)])
         cache = _cache_path(root, cache_dir)
-        cached = _read_cache(cache, root)
+        cached = read_json_cache(cache) or {}  # a cache of this folder, as written below?
+        stamps = cached.get("dirs") if cached.get("root") == str(root) else None
+        valid = isinstance(stamps, dict) and str(cached.get("version")).startswith(VERSION_PREFIX)
         with contextlib.suppress(OSError):  # a directory went away: changed
-            stamps = cached["dirs"].items() if cached is not None else ()
-            if cached and all(_dir_stamp(os.path.join(root, d)) == s for d, s in stamps):
+            if valid and all(_dir_stamp(os.path.join(root, d)) == s for d, s in stamps.items()):
                 return cached["version"]
         dirs, files = _walk(root)
         version = _digest(files)
@@ -75,29 +76,31 @@ def changed_since(before: dict, now: dict, run_dir: Path) -> str | None:
     )
 
 
-def forget(root: Path | None, cache_dir: Path) -> None:
+def forget(root: Path | None, cache_dir: Path) -> str:
     """Drop the cached fingerprint of `root` and the cached check of its images (used when a
     file fails to decode although the cheap check saw no change: it was rewritten in place, or
     made unreadable). The next start walks every file again and, as a file damaged with its
     size and mtime kept gives the same version, checks every image again: the file is then
-    skipped and listed instead of refused at every start."""
-    if root is None:  # a dataset of yours that gave image files without --data-path
-        return
-    # Every version's check of a folder of this name: a check is only a cache, made again.
-    checks = Path(cache_dir).glob(f"{CHECK_PREFIX}{Path(root).name}-*.json")
-    for path in [_cache_path(Path(root), cache_dir), *checks]:
-        with contextlib.suppress(OSError):
-            path.unlink()
+    skipped and listed instead of refused at every start. Returns the hint that says so, for
+    the `error:` line after the UnreadableImage's own message."""
+    if root is not None:  # None: a dataset of yours that gave image files without --data-path
+        # Every version's check of a folder of this name: a check is only a cache, made again.
+        checks = Path(cache_dir).glob(f"{CHECK_PREFIX}{Path(root).name}-*.json")
+        for path in [_cache_path(Path(root), cache_dir), *checks]:
+            with contextlib.suppress(OSError):
+                path.unlink()
+    return (
+        "it changed after its folder was checked (rewritten in place); re-run: the folder is "
+        "fingerprinted again (a new data version, a new run directory), the file skipped and listed"
+    )
 
 
 def check_cache_path(root: Path, cache_dir: Path | None, version: str | None) -> Path | None:
     """Where imagefolder.py caches the check of every image of `root` at `version`."""
     if cache_dir is None or version is None:
         return None
-    return (
-        Path(cache_dir)
-        / f"{CHECK_PREFIX}{Path(root).name}-{version.removeprefix(VERSION_PREFIX)}.json"
-    )
+    name = f"{CHECK_PREFIX}{Path(root).name}-{version.removeprefix(VERSION_PREFIX)}.json"
+    return Path(cache_dir) / name
 
 
 def _cache_path(root: Path, cache_dir: Path) -> Path:
@@ -156,12 +159,6 @@ def read_json_cache(path: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return content if isinstance(content, dict) else None
-
-
-def _read_cache(cache: Path, root: Path) -> dict | None:
-    cached = read_json_cache(cache)
-    valid = cached and cached.get("root") == str(root) and isinstance(cached.get("dirs"), dict)
-    return cached if valid and str(cached.get("version")).startswith(VERSION_PREFIX) else None
 
 
 @contextlib.contextmanager

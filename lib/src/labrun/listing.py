@@ -10,7 +10,6 @@ import inspect
 import json
 import sys
 import textwrap
-from dataclasses import asdict, replace
 
 from . import datasets, models, tasks
 from .registry import DECORATORS, REQUIRED, Entry, _modules
@@ -30,22 +29,15 @@ def collect() -> dict:
     """Import the library's registries (their modules register the built-ins) and every module
     of the project's package that names a register function; {decorator: {name: Entry as
     JSON}} of what each registered."""
-    registries = {
-        "register_model": models.MODELS,
-        "register_dataset": datasets.DATASETS,
-        "register_task": tasks.TASKS,
-    }
-    listed: dict = {d: {} for d in DECORATORS}
+    registries = (models.MODELS, datasets.DATASETS, tasks.TASKS)
+    listed: dict = {registry.decorator: {} for registry in registries}
 
     def take(module_of) -> None:
         """Store what was registered since the last call, by the module module_of(entry)."""
-        for decorator, registry in registries.items():
+        for registry in registries:
             for name, entry in registry.items():
-                if name not in listed[decorator]:
-                    stored = asdict(describe(entry, module_of(entry)))
-                    stored["params"] = {k: repr(v) for k, v in stored["params"].items()}
-                    stored["unused"] = sorted(stored["unused"])
-                    listed[decorator][name] = stored
+                if name not in listed[registry.decorator]:
+                    listed[registry.decorator][name] = describe(entry, module_of(entry))
 
     take(lambda entry: entry.build.__module__)  # built-ins
     for module, path in _modules():
@@ -55,42 +47,38 @@ def collect() -> dict:
     return listed
 
 
-def describe(entry: Entry, module: str) -> Entry:
-    """`entry` as a listing holds it: no function, the module that registered it, and the
-    function's parameters."""
+def describe(entry: Entry, module: str) -> dict:
+    """`entry` as a listing stores it (JSON; registry._entry reads it back): no function, the
+    module that registered it, the function's parameters (defaults as their repr)."""
     params, unused = _parameters(entry.build, entry.where)
-    return replace(entry, build=None, module=module, params=params, unused=unused)
+    return {**vars(entry), "build": None, "module": module, "params": params, "unused": unused}
 
 
-def _parameters(fn, where: str) -> tuple[dict, frozenset]:
-    """{name: literal default or REQUIRED} of a function's parameters, and the ones its body
-    never names (read from its source; none when it has no source, e.g. a lambda's)."""
+def _parameters(fn, where: str) -> tuple[dict, list]:
+    """{name: repr of its literal default (or of REQUIRED)} of a function's parameters, and
+    the ones its body never names, sorted (read from its source; none when it has no source,
+    e.g. a lambda's)."""
     params = {}
     for param in inspect.signature(fn).parameters.values():
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             continue
-        default = param.default
-        if default is param.empty:
-            params[param.name] = REQUIRED
-            continue
+        default = REQUIRED if param.default is param.empty else param.default
         try:  # a literal, so that the listing can hold it (and --model-args type by it)
             ast.literal_eval(repr(default))
         except (ValueError, SyntaxError):
             raise ValueError(
                 f"{where}: the default of {param.name!r} must be a literal, got {default!r}"
             ) from None
-        params[param.name] = default
+        params[param.name] = repr(default)
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
     try:
         source = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(fn))))
-    except (OSError, TypeError, SyntaxError):
-        return params, frozenset()
-    functions = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
-    node = next((n for n in ast.walk(source) if isinstance(n, functions)), None)
-    if node is None:
-        return params, frozenset()
+        node = next(n for n in ast.walk(source) if isinstance(n, functions))
+    except (OSError, TypeError, SyntaxError, StopIteration):
+        return params, []
     body = node.body if isinstance(node.body, list) else [node.body]
     named = {n.id for stmt in body for n in ast.walk(stmt) if isinstance(n, ast.Name)}
-    return params, frozenset(params) - named
+    return params, sorted(set(params) - named)
 
 
 if __name__ == "__main__":

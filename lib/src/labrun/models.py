@@ -30,9 +30,8 @@ DATA_PARAMS = ("num_classes", "channels", "image_size", "input_shape")
 WIDTH_DEFAULT = 64  # --width's default: the built-in models' run names depend on it
 
 
-def register_model(name: str, *, help: str = ""):
-    """Decorator: register `fn(num_classes, channels, image_size, ...) -> nn.Module`."""
-    return MODELS.register(name, help)
+# @register_model(name, help=...) on `fn(num_classes, channels, image_size, ...) -> nn.Module`
+register_model = MODELS.register
 
 
 def own_arguments(declared: Entry) -> dict:
@@ -87,9 +86,9 @@ def _typed(text: str, default, where: str):
 def model_arguments(declared: Entry, width: int | None, given: dict) -> tuple:
     """(width or None, {other own argument: value}) for the model `declared`.
 
-    `width`: --width (None: not given, 64 for a model that takes it); `given`: --model-args as
-    text. A model that does not take (or never names) `width` gets None. Raises ValueError
-    (`--flag: why`) for an argument the model does not take or a required one missing.
+    `width`: --width (None: not given, or the default: 64 for a model that takes it); `given`:
+    --model-args as text. A model that does not take (or never names) `width` gets None. Raises
+    ValueError (`--flag: why`) for an argument the model does not take or a required one missing.
     """
     own = own_arguments(declared)
     name = declared.name
@@ -102,23 +101,17 @@ def model_arguments(declared: Entry, width: int | None, given: dict) -> tuple:
             f"--model-args: model {name!r} takes no {', '.join(map(repr, unknown))}; "
             f"its own arguments: {listed}"
         )
-    if "width" not in own:
-        if width is not None and width != WIDTH_DEFAULT:
-            raise ValueError(f"--width: model {name!r} takes no width; its arguments: {listed}")
-        width = None
-    elif width is None:
-        width = WIDTH_DEFAULT
-    values = {}
-    for key, default in own.items():
-        if key == "width":
-            continue
-        if key in given:
-            values[key] = _typed(given[key], default, f"--model-args {key}")
-        elif default == REQUIRED:
-            raise ValueError(f"--model-args: model {name!r} needs {key}=VALUE ({listed})")
-        else:
-            values[key] = default
-    return width, values
+    if "width" not in own and width is not None:  # (config.py passes None for the default)
+        raise ValueError(f"--width: model {name!r} takes no width; its arguments: {listed}")
+    values = {
+        key: _typed(given[key], default, f"--model-args {key}") if key in given else default
+        for key, default in own.items()
+        if key != "width"
+    }
+    missing = [key for key, value in values.items() if value == REQUIRED]
+    if missing:
+        raise ValueError(f"--model-args: model {name!r} needs {missing[0]}=VALUE ({listed})")
+    return (WIDTH_DEFAULT if width is None else width) if "width" in own else None, values
 
 
 def create_model(

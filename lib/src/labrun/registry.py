@@ -85,12 +85,15 @@ class Registry(dict):
             importlib.import_module(listed.module)
         return super().__contains__(name)
 
-    def register(self, name: str, help: str = "", **keywords):
-        """The decorator register_model/_dataset/_task return: `fn` registered as `name`; a name
-        registered twice is an error naming both places."""
+    def register(self, name: str, *, help: str = "", **keywords):
+        """register_model/_dataset/_task(name, help=...): a decorator that registers `fn` as
+        `name` (Entry's other fields by keyword); a name registered twice is an error naming
+        both places."""
 
-        def add(fn):
-            where = _where(fn)
+        def add(fn):  # `where`: file:line, of the function a functools.partial wraps
+            target = inspect.unwrap(getattr(fn, "func", fn))
+            code = getattr(target, "__code__", None)
+            where = repr(target) if code is None else f"{code.co_filename}:{code.co_firstlineno}"
             if dict.__contains__(self, name):
                 raise ValueError(
                     f"{where}: @{self.decorator}({name!r}) is also at {dict.get(self, name).where}"
@@ -99,15 +102,6 @@ class Registry(dict):
             return fn
 
         return add
-
-
-def _where(fn) -> str:
-    """file:line of a registered function (of the function a functools.partial wraps)."""
-    fn = inspect.unwrap(getattr(fn, "func", fn))
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return repr(fn)
-    return f"{code.co_filename}:{code.co_firstlineno}"
 
 
 def packages() -> list[tuple[str, Path]]:
@@ -170,7 +164,7 @@ def _listing() -> dict[str, dict[str, Entry]]:
 
 
 def _entry(stored: dict) -> Entry:
-    """An Entry as listing.py stored it in JSON: the defaults as their repr."""
+    """An Entry as listing.describe stored it in JSON: the defaults as their repr."""
     params = {k: ast.literal_eval(v) for k, v in stored["params"].items()}
     return Entry(**{**stored, "params": params, "unused": frozenset(stored["unused"])})
 
@@ -183,13 +177,8 @@ def _list_in_child() -> dict:
     paths = [str(root), str(LIBRARY_DIR.parent), *sys.path]
     env = {**os.environ, "LABRUN_PROJECT": str(root), "PYTHONPATH": os.pathsep.join(paths)}
     env[LISTING_ENV] = "1"
-    done = subprocess.run(
-        [sys.executable, "-m", "labrun.listing"],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
+    child = [sys.executable, "-m", "labrun.listing"]
+    done = subprocess.run(child, cwd=root, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]
         raise ValueError(f"listing the registered names: {lines[-1].removeprefix('error: ')}")

@@ -59,11 +59,6 @@ from .config import (
 )
 from .jobs import EXIT_BUSY, EXIT_FAILED, EXIT_OK, EXIT_USAGE, Interrupted, error
 
-UNREADABLE_HINT = (
-    "it changed after its folder was checked (rewritten in place); re-run: the folder is "
-    "fingerprinted again (a new data version, a new run directory), the file skipped and listed"
-)
-
 
 class RunFailed(RuntimeError):
     """The run cannot give a result (e.g. its monitored metric was never finite): status
@@ -737,8 +732,8 @@ class Run:
         if isinstance(exc, UnreadableImage):  # changed since the scan: bad input, not a retry
             from .dataversion import forget
 
-            forget(args.data_path, args.data_dir)  # the next start fingerprints every file
-            return EXIT_USAGE, f"{exc}; {UNREADABLE_HINT}"
+            # the next start fingerprints every file; the hint says so
+            return EXIT_USAGE, f"{exc}; {forget(args.data_path, args.data_dir)}"
         if isinstance(exc, RunFailed):
             return EXIT_FAILED, str(exc)
         if isinstance(exc, torch.OutOfMemoryError):

@@ -28,9 +28,8 @@ The contract (README, "Your own task"; docs/design.md, "Metric names"):
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -60,16 +59,14 @@ class Task:
 
     def direction(self, column: str) -> str:
         """'max' or 'min' of a history or metrics.json name: val_r2, test_loss, best_val_acc."""
-        name = column.removeprefix("best_").split("_", 1)[-1]
-        return self.directions[name]
+        return self.directions[column.removeprefix("best_").split("_", 1)[-1]]
 
 
 TASKS: dict[str, Entry] = Registry("register_task")  # the project may add its own
 
 
-def register_task(name: str, *, help: str = ""):
-    """Decorator: register `fn(args) -> Task` as task `name` (args: run.py's arguments)."""
-    return TASKS.register(name, help)
+# @register_task(name, help=...) on `fn(args) -> Task` (args: run.py's arguments)
+register_task = TASKS.register
 
 
 def create_task(name: str, args: argparse.Namespace, monitor: str | None = None) -> Task:
@@ -84,48 +81,32 @@ def create_task(name: str, args: argparse.Namespace, monitor: str | None = None)
             f"--monitor: {monitor!r} is not a metric of task {name!r}; choose one of "
             f"{', '.join(valid)}"
         )
-    return dataclasses.replace(task, name=name, monitor=monitor)
+    return replace(task, name=name, monitor=monitor)
 
 
-def first_non_finite(rows: torch.Tensor) -> tuple[int, float, int] | None:
-    """The first of `rows` (one sample a row) holding a NaN or inf, as (row, that value, how
-    many rows hold one), or None."""
-    bad = ~torch.isfinite(rows).all(1)
-    if not bad.any():
-        return None
-    row = int(bad.nonzero()[0, 0])
-    return row, rows[row][~torch.isfinite(rows[row])][0].item(), int(bad.sum())
-
-
-def check_targets(splits: dict, task: str, dataset: str) -> None:
+def check_targets(splits: dict, task: str, dataset: str, num_classes: int | None) -> None:
     """Refuse targets no reported number could be trusted on (UsageError: one line, exit 2):
-    a non-finite float target (NaN or inf: the loss, r2 and the best epoch would be made up),
-    under --task multilabel a split without one positive label (its mAP is undefined: the
-    monitored val_map would never be finite, test_map would be made up), and under --task
-    classification a train split of one class (test acc 1, whatever the model). `splits`: {name:
-    Split or FileSplit} as the dataset gave them, so a row is the row of the user's data."""
+    class ids outside 0..num_classes-1 (None: float targets in some split; a NaN or inf one
+    is refused by data.refuse_non_finite), under --task multilabel a split without one positive
+    label (its mAP is undefined: the monitored val_map would never be finite, test_map would be
+    made up), and under --task classification a train split of one class (test acc 1,
+    whatever the model). `splits`: {name: Split or FileSplit} as the dataset gave them."""
     for name, split in splits.items():
         labels = split.labels
-        if task == "classification" and labels.is_floating_point():
+        if not labels.is_floating_point():  # (no split is empty: data._as_split)
+            if num_classes is not None and (labels.min() < 0 or labels.max() >= num_classes):
+                raise UsageError(f"{dataset}/{name}: labels outside 0..{num_classes - 1}")
+            continue
+        if task == "classification":
             raise UsageError(
                 f"dataset {dataset!r}: --task classification needs integer class ids; the "
                 f"{name} split's labels are floats (such as {labels.flatten()[0].item()}): "
                 "give integer labels (labels.astype(int)), or choose --task regression"
             )
-        if not labels.is_floating_point() or len(labels) == 0:
-            continue
-        rows = labels.reshape(len(labels), -1)
-        found = first_non_finite(rows)
-        if found is not None:
-            row, value, count = found
-            raise UsageError(
-                f"dataset {dataset!r}: the {name} split's target in row {row} is {value} "
-                f"({count} row(s) with a non-finite target); fix or drop them"
-            )
-        if task == "multilabel" and not (rows > 0.5).any():
+        if task == "multilabel" and not (labels > 0.5).any():
             raise UsageError(
                 f"dataset {dataset!r}: the {name} split has no positive label in any of its "
-                f"{len(rows)} rows: its mAP is undefined; give it rows with a label"
+                f"{len(labels)} rows: its mAP is undefined; give it rows with a label"
             )
     classes = splits["train"].labels.unique().numel()
     if task == "classification" and classes < 2:
