@@ -140,9 +140,9 @@ def choose_compile(
     flag: str,
     steps: int,
     deterministic: bool = False,
-    *,
     micro_batches: int = 1,
     blocked: str | None = None,
+    *,
     measure: Callable[[], tuple[float, dict[str, CompileCost]]],
 ) -> tuple[str | None, str]:
     """(torch.compile mode or None for eager, why), from --compile and the measured work.
@@ -264,29 +264,17 @@ class CompileRecord:
         priors = CUDA_PRIORS if device.type == "cuda" else CPU_PRIORS
         costs = prior_costs(device)
         for mode, seen in self.read().items():
-            if mode not in costs:
-                continue
-            ratio, source = costs[mode].ratio, "prior"
-            if seen.get("eager_step_s"):
+            if mode in costs:  # save() records every number below
+                warm_s = seen.get("warm_compile_s", priors[mode][1])
                 ratio = seen["compiled_step_s"] / seen["eager_step_s"]
-                source = f"measured {seen['when']}"
-            warm_s = seen.get("warm_compile_s", priors[mode][1])
-            costs[mode] = CompileCost(warm_s, ratio, source, cache="warm")
+                costs[mode] = CompileCost(warm_s, ratio, f"measured {seen['when']}", "warm")
         return costs
 
     def eager_step_s(self) -> float | None:
         """The eager forward + backward recorded here by an earlier job, if any."""
         return next((m["eager_step_s"] for m in self.read().values() if "eager_step_s" in m), None)
 
-    def save(
-        self,
-        mode: str,
-        *,
-        compile_s: float,
-        warm: bool,
-        eager_step_s: float,
-        compiled_step_s: float,
-    ):
+    def save(self, mode: str, *, compile_s: float, warm: bool, eager_step_s, compiled_step_s):
         modes = self.read()
         seen = modes.get(mode, {})
         seen[("warm_" if warm else "cold_") + "compile_s"] = round(compile_s, 3)
@@ -393,13 +381,7 @@ def decide_compile(
 
     blocked = graphs_blocked(device, micro_batches, ddp, dtype)
     mode, why = choose_compile(
-        device,
-        flag,
-        steps,
-        deterministic,
-        micro_batches=micro_batches,
-        blocked=blocked,
-        measure=measure,
+        device, flag, steps, deterministic, micro_batches, blocked, measure=measure
     )
     if mode in CUDA_PRIORS and record is None:  # a forced mode: its costs are still recorded
         measure()
