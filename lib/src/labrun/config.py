@@ -165,8 +165,7 @@ def _image_size(text: str) -> tuple[int, int]:
     parts = text.lower().split("x")
     if len(parts) > 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
         raise argparse.ArgumentTypeError(f"must be N or HxW with positive integers, got {text}")
-    height, width = (int(parts[0]),) * 2 if len(parts) == 1 else map(int, parts)
-    return height, width
+    return (int(parts[0]),) * 2 if len(parts) == 1 else (int(parts[0]), int(parts[1]))
 
 
 def _model_args(text: str) -> dict:
@@ -492,15 +491,13 @@ def _add_field(group, field: dataclasses.Field, kind: type) -> None:
     default = field.default_factory() if field.default is dataclasses.MISSING else field.default
     options = {"default": default, "help": help_text.replace("%", "%%")}
     if kind is bool:
-        action = argparse.BooleanOptionalAction if default else "store_true"
-        group.add_argument(name, action=action, **options)
-        return
-    kind = next((k for k in typing.get_args(kind) if k is not type(None)), kind)
-    parse = meta.get("parse")
-    if parse is None:
-        parse = _number(kind, **meta.get("bounds", {})) if kind in (int, float) else kind
-    choices, metavar = meta.get("choices"), meta.get("metavar")
-    group.add_argument(name, type=parse, choices=choices, metavar=metavar, **options)
+        options["action"] = argparse.BooleanOptionalAction if default else "store_true"
+    else:
+        kind = next((k for k in typing.get_args(kind) if k is not type(None)), kind)
+        number = kind in (int, float) and _number(kind, **meta.get("bounds", {}))
+        options.update(choices=meta.get("choices"), metavar=meta.get("metavar"))
+        options["type"] = meta.get("parse") or number or kind
+    group.add_argument(name, **options)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -579,16 +576,11 @@ def check_model_fits(args: argparse.Namespace) -> None:
     from .models import create_model
 
     def error(size, channels) -> Exception | None:
+        shape = dict(channels=channels, image_size=size, input_shape=(channels, *size))
         try:
             with torch.device("meta"):
                 create_model(
-                    args.model,
-                    num_classes=10,
-                    channels=channels,
-                    image_size=size,
-                    input_shape=(channels, *size),
-                    width=args.width,
-                    **(getattr(args, "model_args", None) or {}),
+                    args.model, num_classes=10, width=args.width, **shape, **args.model_args
                 )
         except Exception as e:  # noqa: BLE001 (only a ValueError refuses, below)
             return e
@@ -625,10 +617,11 @@ def config_hash(args: argparse.Namespace) -> str:
     return short_hash(identity_args(args))
 
 
-def short_hash(identity: dict) -> str:
-    """8 hex digits of sha256 over the sorted-key JSON of `identity` (any job's identity)."""
+def short_hash(identity: dict, digits: int = 8) -> str:
+    """`digits` hex digits of sha256 over the sorted-key JSON of `identity` (any job's identity,
+    a compile record's key)."""
     blob = json.dumps(identity, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:8]
+    return hashlib.sha256(blob.encode()).hexdigest()[:digits]
 
 
 def changed_args(

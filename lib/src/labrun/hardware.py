@@ -21,7 +21,6 @@ No speed figure is claimed here: the lab template's benchmarks/RESULTS.md measur
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import os
@@ -246,8 +245,9 @@ class CompileRecord:
             "device": device_name(device),
             "torch": torch.__version__,
         }
-        digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:16]
-        self.path = Path(cache_dir) / RECORDS / f"{digest}.json"
+        from .config import short_hash
+
+        self.path = Path(cache_dir) / RECORDS / f"{short_hash(self.key, digits=16)}.json"
 
     def read(self) -> dict:
         """Each mode's numbers; {} when none are recorded yet (or the file is unreadable, or of
