@@ -51,7 +51,6 @@ TRIALS_EXPERIMENT = f"{DEFAULT_EXPERIMENT}-trials"
 DATASET_DECLARED = declarations("register_dataset")  # from any module of the package
 MODEL_DECLARED = declarations("register_model")
 TASK_DECLARED = declarations("register_task")
-TASKS_MODULE = f"{__package__}.tasks"  # the built-in tasks: which of them read which flag
 
 CROP_SCALE = (0.08, 1.0)  # --crop-scale: the area of a random resized crop (torchvision's)
 CROP_RATIO = (3 / 4, 4 / 3)  # --crop-ratio: its width / height (torchvision's)
@@ -536,8 +535,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
             f"--data-path: --dataset {args.dataset} reads no files of yours; drop "
             "--data-path, or use --dataset folder (or a dataset of your own)"
         )
-    task_module = TASK_DECLARED[args.task].module
-    if args.label_smoothing and args.task != "classification" and task_module == TASKS_MODULE:
+    built_in_task = TASK_DECLARED[args.task].module == f"{__package__}.tasks"  # yours may read it
+    if args.label_smoothing and args.task != "classification" and built_in_task:
         parser.error(
             f"--label-smoothing: --task {args.task} has no class labels to smooth (only "
             "--task classification uses it); drop it"
@@ -674,11 +673,9 @@ def run_dir(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Path:
 def resolved_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     """What config.json holds: all arguments (paths as strings) plus the run's identity."""
     cfg = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    cfg["run_name"] = run_name(args, parser)
-    cfg["config_hash"] = config_hash(args)
+    cfg.update(run_name=run_name(args, parser), config_hash=config_hash(args))
     # The model's own arguments as keys of their own, so tables and legends name them.
-    model_args = getattr(args, "model_args", None) or {}
-    cfg.update(model_args)
-    cfg["experiment_keys"] = sorted({*experiment_args(args), *model_args} - {"model_args"})
+    cfg.update(args.model_args)
+    cfg["experiment_keys"] = sorted({*experiment_args(args), *args.model_args} - {"model_args"})
     cfg["code"] = runs.code_version(PROJECT_ROOT)  # which code made it: never in the identity
     return cfg

@@ -181,15 +181,15 @@ class Dist:
             return None
         everyone: list = [None] * self.world
         self.td.all_gather_object(everyone, identity, group=self.cpu_group)
+        ours = everyone[0]
         for rank, theirs in enumerate(everyone[1:], start=1):
-            for key in [*everyone[0], *(k for k in theirs if k not in everyone[0])]:
-                ours, other = everyone[0].get(key), theirs.get(key)
-                if ours != other:
-                    return (
-                        f"torchrun: rank {rank} runs another experiment than rank 0: {key} is "
-                        f"{other} there, {ours} on rank 0; start every process with the same "
-                        "arguments, code and data"
-                    )
+            key = next((k for k in {**ours, **theirs} if ours.get(k) != theirs.get(k)), None)
+            if key is not None:
+                return (
+                    f"torchrun: rank {rank} runs another experiment than rank 0: {key} is "
+                    f"{theirs.get(key)} there, {ours.get(key)} on rank 0; start every process "
+                    "with the same arguments, code and data"
+                )
         return None
 
     def settle(self, code: int | None, stop=None, why: str = "") -> int | None:

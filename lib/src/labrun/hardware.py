@@ -304,9 +304,10 @@ def compile_cache_counts() -> tuple[int, int]:
 @contextlib.contextmanager
 def put_back(module, device: torch.device):
     """Undo what trial passes change: buffers (BatchNorm statistics), gradients, RNG."""
+    from .checkpoint import rng_state, set_rng_state
+
     buffers = [b.detach().clone() for b in module.buffers()]
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    rng = rng_state(device)  # Python, numpy, torch and this GPU's generators
     try:
         yield
     finally:
@@ -314,9 +315,7 @@ def put_back(module, device: torch.device):
             for live, saved in zip(module.buffers(), buffers, strict=True):
                 live.copy_(saved)
         module.zero_grad(set_to_none=True)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state(cuda_rng, device)
+        set_rng_state(rng, device)
 
 
 def forward_backward(module, x, y, loss_fn, dtype) -> None:
@@ -408,8 +407,7 @@ def setup_backends(device: torch.device, deterministic: bool) -> str:
         torch.backends.cudnn.benchmark = False
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.allow_tf32 = False
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.set_float32_matmul_precision("highest")
+        torch.set_float32_matmul_precision("highest")  # also matmul.allow_tf32 = False
         # warn_only=False: an op without a deterministic kernel raises instead of silently
         # breaking reproducibility. The default model and loss use only covered ops (amax
         # pooling, a gather-based cross-entropy, see tasks.cross_entropy).
