@@ -340,10 +340,7 @@ class Experiment:
         metavar="LOW,HIGH",
     )
     seed: int = flag(
-        0,
-        "seed of the initialisation, validation split, shuffling, augmentation",
-        at_least=0,
-        below=MAX_SEED + 1,
+        0, "seed of the initialisation, validation split, shuffling, augmentation", parse=_seed
     )
     grad_accum: int = flag(1, "micro-batches per optimizer step", at_least=1)
     label_smoothing: float = flag(
