@@ -335,13 +335,19 @@ def time_forward_backward(module, x, y, loss_fn, dtype, now, repeats: int = 3) -
     everything it touched. `module` is what the step calls (compiled, in DDP): the passes
     compile it and, under torchrun, are collective (every rank calls this)."""
     with put_back(module, x.device):
-        forward_backward(module, x, y, loss_fn, dtype)
-        best = float("inf")
-        for _ in range(repeats):
-            start = now()
-            forward_backward(module, x, y, loss_fn, dtype)
-            best = min(best, now() - start)
-    return best
+        return fastest(lambda: forward_backward(module, x, y, loss_fn, dtype), now, repeats)
+
+
+def fastest(work: Callable[[], object], now: Callable[[], float], repeats: int) -> float:
+    """Seconds of the fastest of `repeats` timed calls of `work`, after one untimed call (memory
+    allocation, cuDNN's and cuBLAS's choices of kernels); `now` waits for the device (`timed`)."""
+    work()
+    seconds = []
+    for _ in range(repeats):
+        start = now()
+        work()
+        seconds.append(now() - start)
+    return min(seconds)
 
 
 def decide_compile(
@@ -484,13 +490,7 @@ def measure_matmul_flops(device: torch.device, dtype) -> float:
     1024-square ones: 8192 would take seconds each."""
     n = PEAK_MATMUL_SIZE if device.type == "cuda" else 1024
     a, b = (torch.randn(n, n, device=device, dtype=dtype or torch.float32) for _ in range(2))
-    now = timed(device)
-    best = float("inf")
-    for _ in range(PEAK_REPEATS + 1):  # the first: cuBLAS's heuristics, allocation
-        start = now()
-        torch.mm(a, b)
-        best = min(best, now() - start)
-    return 2 * n**3 / best
+    return 2 * n**3 / fastest(lambda: torch.mm(a, b), timed(device), PEAK_REPEATS)
 
 
 class GpuBusy:
