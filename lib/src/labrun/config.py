@@ -24,11 +24,11 @@ import argparse
 import dataclasses
 import functools
 import hashlib
-import importlib.util
 import json
 import math
 import os
 import re
+import runpy
 import typing
 from collections.abc import Collection
 from fractions import Fraction
@@ -453,10 +453,7 @@ def _project_config() -> type | None:
     path = PROJECT_ROOT / "run.py"
     if not path.is_file():
         return None
-    spec = importlib.util.spec_from_file_location("_labrun_project_run", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return getattr(module, "Config", None)
+    return runpy.run_path(str(path), run_name="_labrun_project_run").get("Config")
 
 
 def fields_of(config: type | None) -> list[tuple[dataclasses.Field, type]]:
