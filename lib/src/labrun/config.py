@@ -52,6 +52,8 @@ DATASET_DECLARED = declarations("register_dataset")  # from any module of the pa
 MODEL_DECLARED = declarations("register_model")
 TASK_DECLARED = declarations("register_task")
 
+CROP_SCALE = (0.08, 1.0)  # --crop-scale: the area of a random resized crop (torchvision's)
+CROP_RATIO = (3 / 4, 4 / 3)  # --crop-ratio: its width / height (torchvision's)
 # The readable part of a run's name lists its changed flags in the first release's parser order
 # (names are pinned by the tests), the flags added since placed among them, then any other in the
 # order of --help.
@@ -325,13 +327,13 @@ class Experiment:
         choices=("pad", "resized"),
     )
     crop_scale: tuple = flag(
-        (0.08, 1.0),  # torchvision's RandomResizedCrop's
+        CROP_SCALE,
         "--crop resized: the part's area, a fraction of the image's, drawn from LOW..HIGH",
         parse=_range_of(0.0, 1.0),
         metavar="LOW,HIGH",
     )
     crop_ratio: tuple = flag(
-        (3 / 4, 4 / 3),  # torchvision's
+        CROP_RATIO,
         "--crop resized: the part's width / height, drawn log-uniformly from LOW..HIGH "
         "(fractions allowed: 3/4,4/3)",
         parse=_range_of(0.0, math.inf),
