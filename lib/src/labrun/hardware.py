@@ -264,7 +264,7 @@ class CompileRecord:
         priors = CUDA_PRIORS if device.type == "cuda" else CPU_PRIORS
         costs = prior_costs(device)
         for mode, seen in self.read().items():
-            if mode in costs:  # save() records every number below
+            if mode in costs and seen.get("eager_step_s"):  # save() writes all three, > 0
                 warm_s = seen.get("warm_compile_s", priors[mode][1])
                 ratio = seen["compiled_step_s"] / seen["eager_step_s"]
                 costs[mode] = CompileCost(warm_s, ratio, f"measured {seen['when']}", "warm")
