@@ -144,7 +144,6 @@ def test_a_model_takes_its_own_size_arguments(tmp_path, monkeypatch):
         "    return make(num_classes, input_shape)\n",
     )
     monkeypatch.setitem(config.MODEL_DECLARED, "logreg", logreg)
-    monkeypatch.setitem(config.MODEL_CHOICES, "logreg", "")
 
     def name(*argv):
         args, parser = config.parse_args([*argv, "--results-dir", "/r"])

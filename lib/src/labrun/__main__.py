@@ -18,18 +18,14 @@ from labrun import __version__
 SLURM_TASK = "print the path of the Slurm array task script"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m labrun", description="labrun's command line (the library's shell files)."
     )
     parser.add_argument("--version", action="version", version=f"labrun {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser("slurm-task", help=SLURM_TASK, description=SLURM_TASK + ".")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    build_parser().parse_args(argv)  # slurm-task, the one command
+    parser.parse_args(argv)  # slurm-task, the one command
     # Package data installed beside this file (lib/pyproject.toml ships *.sh).
     path = Path(__file__).resolve().with_name("slurm_task.sh")
     if not path.is_file():  # a broken install: say so instead of letting sbatch fail later

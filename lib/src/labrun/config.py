@@ -24,11 +24,11 @@ import argparse
 import dataclasses
 import functools
 import hashlib
-import importlib.util
 import json
 import math
 import os
 import re
+import runpy
 import typing
 from collections.abc import Collection
 from fractions import Fraction
@@ -50,40 +50,13 @@ TRIALS_EXPERIMENT = f"{DEFAULT_EXPERIMENT}-trials"
 # `@register_model` lines of every module of the package, from their source (registry.py).
 DATASET_DECLARED = declarations("register_dataset")  # from any module of the package
 MODEL_DECLARED = declarations("register_model")
-MODEL_CHOICES = {name: d.help for name, d in MODEL_DECLARED.items()}
 TASK_DECLARED = declarations("register_task")
-TASK_CHOICES = {name: d.help for name, d in TASK_DECLARED.items()}
-TASKS_MODULE = f"{__package__}.tasks"  # the built-in tasks: which of them read which flag
 
-# The experiment-defining flags of the first release: always in the hash (their run names are
-# pinned by the tests). Every other experiment key (a flag added since, `data_version`) is hashed
-# only while it differs from its default: adding a flag with a default never moves a run.
-FIRST_RELEASE_KEYS = frozenset(
-    {
-        "batch_size",
-        "clip_grad",
-        "data_path",
-        "dataset",
-        "ema",
-        "epochs",
-        "grad_accum",
-        "image_size",
-        "label_smoothing",
-        "lr",
-        "max_steps",
-        "model",
-        "patience",
-        "seed",
-        "synthetic_size",
-        "val_fraction",
-        "weight_decay",
-        "width",
-    }
-)
 CROP_SCALE = (0.08, 1.0)  # --crop-scale: the area of a random resized crop (torchvision's)
 CROP_RATIO = (3 / 4, 4 / 3)  # --crop-ratio: its width / height (torchvision's)
 # The readable part of a run's name lists its changed flags in the first release's parser order
-# (names are pinned by the tests), then any other in the order of --help.
+# (names are pinned by the tests), the flags added since placed among them, then any other in the
+# order of --help.
 NAME_ORDER = (
     "dataset",
     "data_path",
@@ -109,6 +82,11 @@ NAME_ORDER = (
     "ema",
     "label_smoothing",
 )
+# The experiment-defining flags of the first release: always in the hash (their run names are
+# pinned by the tests). Every other experiment key (a flag added since, `data_version`) is hashed
+# only while it differs from its default: adding a flag with a default never moves a run.
+ADDED_SINCE = {"model_args", "task", "monitor", "min_epochs", "augment"}  # in NAME_ORDER too
+FIRST_RELEASE_KEYS = frozenset(NAME_ORDER) - ADDED_SINCE
 MAX_READABLE = 80
 MAX_SEED = 2**32 - 1  # numpy's seed range; torch takes 64 bits, but one seed feeds both
 MAX_EXPERIMENT_NAME = 500  # MLflow's limit (mlflow.utils.validation.MAX_EXPERIMENT_NAME_LENGTH)
@@ -156,11 +134,8 @@ def _number(kind: type, above=None, at_least=None, below=None):
             raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
         if not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-        if (
-            (above is not None and value <= above)
-            or (at_least is not None and value < at_least)
-            or (below is not None and value >= below)
-        ):
+        inside = (above is None or value > above) and (at_least is None or value >= at_least)
+        if not inside or (below is not None and value >= below):
             raise argparse.ArgumentTypeError(f"must be {why}, got {text}")
         return value
 
@@ -193,8 +168,7 @@ def _image_size(text: str) -> tuple[int, int]:
     parts = text.lower().split("x")
     if len(parts) > 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
         raise argparse.ArgumentTypeError(f"must be N or HxW with positive integers, got {text}")
-    height, width = (int(parts[0]),) * 2 if len(parts) == 1 else map(int, parts)
-    return height, width
+    return (int(parts[0]),) * 2 if len(parts) == 1 else (int(parts[0]), int(parts[1]))
 
 
 def _model_args(text: str) -> dict:
@@ -204,8 +178,10 @@ def _model_args(text: str) -> dict:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _choices_help(entries: dict[str, str]) -> str:
-    return "; ".join(f"{name}: {text}" for name, text in entries.items())
+def _choices_help(declared: dict, more=lambda entry: "") -> str:
+    """`name: help (more); ...` of registry entries (registry.declarations)."""
+    parts = (f"{name}: {d.help} ({more(d)})".removesuffix(" ()") for name, d in declared.items())
+    return "; ".join(parts)
 
 
 def _experiment(text: str) -> str:
@@ -271,7 +247,7 @@ class Experiment:
 
     dataset: str = flag(
         "digits",
-        _choices_help({k: v.help for k, v in DATASET_DECLARED.items()}),
+        _choices_help(DATASET_DECLARED),
         choices=DATASET_DECLARED,
     )
     data_path: Path | None = flag(
@@ -285,13 +261,8 @@ class Experiment:
     )
     model: str = flag(
         "cnn",
-        _choices_help(  # each model with its own size arguments: `cnn1d: ... (width, depth=2)`
-            {
-                n: f"{d.help} ({listed_arguments(d)})".removesuffix(" ()")
-                for n, d in MODEL_DECLARED.items()
-            }
-        ),
-        choices=MODEL_CHOICES,  # the dict itself: a model registered later is a choice too
+        _choices_help(MODEL_DECLARED, listed_arguments),  # `cnn1d: ... (width, depth=2)`
+        choices=MODEL_DECLARED,  # the dict itself: a model registered later is a choice too
     )
     model_args: dict = flag(
         {},
@@ -301,7 +272,7 @@ class Experiment:
         parse=_model_args,
         metavar="K=V,...",
     )
-    task: str = flag("classification", _choices_help(TASK_CHOICES), choices=TASK_CHOICES)
+    task: str = flag("classification", _choices_help(TASK_DECLARED), choices=TASK_DECLARED)
     monitor: str | None = flag(
         None,
         "the validation metric early stopping and best_model.pt follow, e.g. val_loss, val_r2 "
@@ -373,10 +344,7 @@ class Experiment:
         metavar="LOW,HIGH",
     )
     seed: int = flag(
-        0,
-        "seed of the initialisation, validation split, shuffling, augmentation",
-        at_least=0,
-        below=MAX_SEED + 1,
+        0, "seed of the initialisation, validation split, shuffling, augmentation", parse=_seed
     )
     grad_accum: int = flag(1, "micro-batches per optimizer step", at_least=1)
     label_smoothing: float = flag(
@@ -491,10 +459,7 @@ def _project_config() -> type | None:
     path = PROJECT_ROOT / "run.py"
     if not path.is_file():
         return None
-    spec = importlib.util.spec_from_file_location("_labrun_project_run", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return getattr(module, "Config", None)
+    return runpy.run_path(str(path), run_name="_labrun_project_run").get("Config")
 
 
 def fields_of(config: type | None) -> list[tuple[dataclasses.Field, type]]:
@@ -523,15 +488,13 @@ def _add_field(group, field: dataclasses.Field, kind: type) -> None:
     default = field.default_factory() if field.default is dataclasses.MISSING else field.default
     options = {"default": default, "help": help_text.replace("%", "%%")}
     if kind is bool:
-        action = argparse.BooleanOptionalAction if default else "store_true"
-        group.add_argument(name, action=action, **options)
-        return
-    kind = next((k for k in typing.get_args(kind) if k is not type(None)), kind)
-    parse = meta.get("parse")
-    if parse is None:
-        parse = _number(kind, **meta.get("bounds", {})) if kind in (int, float) else kind
-    choices, metavar = meta.get("choices"), meta.get("metavar")
-    group.add_argument(name, type=parse, choices=choices, metavar=metavar, **options)
+        options["action"] = argparse.BooleanOptionalAction if default else "store_true"
+    else:
+        kind = next((k for k in typing.get_args(kind) if k is not type(None)), kind)
+        number = kind in (int, float) and _number(kind, **meta.get("bounds", {}))
+        options.update(choices=meta.get("choices"), metavar=meta.get("metavar"))
+        options["type"] = meta.get("parse") or number or kind
+    group.add_argument(name, **options)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -570,19 +533,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
             f"--data-path: --dataset {args.dataset} reads no files of yours; drop "
             "--data-path, or use --dataset folder (or a dataset of your own)"
         )
-    task_module = TASK_DECLARED[args.task].module if args.task in TASK_DECLARED else None
-    if args.label_smoothing and args.task != "classification" and task_module == TASKS_MODULE:
+    built_in_task = TASK_DECLARED[args.task].module == f"{__package__}.tasks"  # yours may read it
+    if args.label_smoothing and args.task != "classification" and built_in_task:
         parser.error(
             f"--label-smoothing: --task {args.task} has no class labels to smooth (only "
             "--task classification uses it); drop it"
         )
-    args.data_version = None
-    if args.data_path is not None:
-        try:  # cheap: a stat per directory while none changed (dataversion.py)
-            args.data_version = data_version(args.data_path, args.data_dir)
-        except ValueError as exc:
-            parser.error(str(exc))
-    try:  # the model's own size arguments, read from its function without importing it
+    try:  # the data's version: cheap, a stat per directory while none changed (dataversion.py)
+        args.data_version = args.data_path and data_version(args.data_path, args.data_dir)
+        # the model's own size arguments, read from its function without importing it
         given = None if args.width == WIDTH_DEFAULT else args.width
         declared = MODEL_DECLARED[args.model]
         args.width, args.model_args = model_arguments(declared, given, args.model_args)
@@ -614,16 +573,11 @@ def check_model_fits(args: argparse.Namespace) -> None:
     from .models import create_model
 
     def error(size, channels) -> Exception | None:
+        shape = dict(channels=channels, image_size=size, input_shape=(channels, *size))
         try:
             with torch.device("meta"):
                 create_model(
-                    args.model,
-                    num_classes=10,
-                    channels=channels,
-                    image_size=size,
-                    input_shape=(channels, *size),
-                    width=args.width,
-                    **(getattr(args, "model_args", None) or {}),
+                    args.model, num_classes=10, width=args.width, **shape, **args.model_args
                 )
         except Exception as e:  # noqa: BLE001 (only a ValueError refuses, below)
             return e
@@ -660,10 +614,11 @@ def config_hash(args: argparse.Namespace) -> str:
     return short_hash(identity_args(args))
 
 
-def short_hash(identity: dict) -> str:
-    """8 hex digits of sha256 over the sorted-key JSON of `identity` (any job's identity)."""
+def short_hash(identity: dict, digits: int = 8) -> str:
+    """`digits` hex digits of sha256 over the sorted-key JSON of `identity` (any job's identity,
+    a compile record's key)."""
     blob = json.dumps(identity, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:8]
+    return hashlib.sha256(blob.encode()).hexdigest()[:digits]
 
 
 def changed_args(
@@ -674,30 +629,27 @@ def changed_args(
 ) -> list[str]:
     """`key=value` for every argument not at its default: those named in `order` first, in its
     order, then the others in parser order (stable names)."""
-    parts = []
-    actions = sorted(
-        parser._actions,
-        key=lambda a: order.index(a.dest) if a.dest in order else len(order),
-    )  # a stable sort: the unnamed keep their parser order
-    for action in actions:
-        key = action.dest
-        if key in skip or key == "help" or not hasattr(args, key):
+    rank, changed = {key: i for i, key in enumerate(order)}, []
+    for action in sorted(parser._actions, key=lambda a: rank.get(a.dest, len(rank))):  # stable
+        key, value = action.dest, getattr(args, action.dest, None)
+        # None: --help, or an argument the model does not take (its width)
+        if key in skip or value is None or value == action.default:
             continue
-        value = getattr(args, key)
         if key == "model_args":  # those set on the command line, each as its own part
             defaults = MODEL_DECLARED[args.model].params if args.model in MODEL_DECLARED else {}
-            parts += [f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
-                      for k, v in value.items() if defaults.get(k, REQUIRED) != v]  # fmt: skip
-            continue
-        if value is None and action.default is not None:  # an argument the model does not take
-            continue
-        if value != action.default:
-            if isinstance(value, Path):  # the hash holds the full path; the name its folder
-                value = value.name
-            elif isinstance(value, tuple | list):
-                value = "x".join(map(str, value))
-            parts.append(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}")
-    return parts
+            changed += [(k, v) for k, v in value.items() if defaults.get(k, REQUIRED) != v]
+        else:
+            changed.append((key, value))
+    return [f"{key}={_shown(value)}" for key, value in changed]
+
+
+def _shown(value) -> str:
+    """A value as a run's name shows it."""
+    if isinstance(value, Path):  # the hash holds the full path; the name its folder
+        return value.name
+    if isinstance(value, tuple | list):
+        return "x".join(map(str, value))
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def readable_name(parts: list[str], identity: dict) -> str:
@@ -719,11 +671,9 @@ def run_dir(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Path:
 def resolved_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     """What config.json holds: all arguments (paths as strings) plus the run's identity."""
     cfg = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    cfg["run_name"] = run_name(args, parser)
-    cfg["config_hash"] = config_hash(args)
+    cfg.update(run_name=run_name(args, parser), config_hash=config_hash(args))
     # The model's own arguments as keys of their own, so tables and legends name them.
-    model_args = getattr(args, "model_args", None) or {}
-    cfg.update(model_args)
-    cfg["experiment_keys"] = sorted({*experiment_args(args), *model_args} - {"model_args"})
+    cfg.update(args.model_args)
+    cfg["experiment_keys"] = sorted({*experiment_args(args), *args.model_args} - {"model_args"})
     cfg["code"] = runs.code_version(PROJECT_ROOT)  # which code made it: never in the identity
     return cfg

@@ -107,6 +107,7 @@ class Dist:
         self.rank, self.world, self.local_rank = rank, world, local_rank
         self.cuda = False
         self.cpu_group = None  # gloo: decisions and stop polls never wait for the GPU
+        self.td = None  # torch.distributed: imported by start(), in a job of several processes
         self._stop = False
         self._told = False
 
@@ -127,6 +128,7 @@ class Dist:
         import torch
         import torch.distributed as td
 
+        self.td = td
         timeout = datetime.timedelta(seconds=timeout_from_env())
         self.cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
         if self.cuda:
@@ -150,9 +152,7 @@ class Dist:
             return code
         code = self.verdict(code)  # rank 0 ended before training: tell the others why
         if code != EXIT_FAILED:  # a failure is one rank's: the others may be mid-collective
-            import torch.distributed as td
-
-            td.barrier(group=self.cpu_group)
+            self.td.barrier(group=self.cpu_group)
         return code
 
     # ---- decisions -------------------------------------------------------------------------
@@ -168,10 +168,8 @@ class Dist:
         """Rank 0's `value` on every rank (a broadcast over the CPU group)."""
         if not self.active:
             return value
-        import torch.distributed as td
-
         box = [value]
-        td.broadcast_object_list(box, src=0, group=self.cpu_group)
+        self.td.broadcast_object_list(box, src=0, group=self.cpu_group)
         return box[0]
 
     def agree_on(self, identity: dict) -> str | None:
@@ -181,19 +179,17 @@ class Dist:
         rank, before anything is written)."""
         if not self.active:
             return None
-        import torch.distributed as td
-
         everyone: list = [None] * self.world
-        td.all_gather_object(everyone, identity, group=self.cpu_group)
+        self.td.all_gather_object(everyone, identity, group=self.cpu_group)
+        ours = everyone[0]
         for rank, theirs in enumerate(everyone[1:], start=1):
-            for key in [*everyone[0], *(k for k in theirs if k not in everyone[0])]:
-                ours, other = everyone[0].get(key), theirs.get(key)
-                if ours != other:
-                    return (
-                        f"torchrun: rank {rank} runs another experiment than rank 0: {key} is "
-                        f"{other} there, {ours} on rank 0; start every process with the same "
-                        "arguments, code and data"
-                    )
+            key = next((k for k in {**ours, **theirs} if ours.get(k) != theirs.get(k)), None)
+            if key is not None:
+                return (
+                    f"torchrun: rank {rank} runs another experiment than rank 0: {key} is "
+                    f"{theirs.get(key)} there, {ours.get(key)} on rank 0; start every process "
+                    "with the same arguments, code and data"
+                )
         return None
 
     def settle(self, code: int | None, stop=None, why: str = "") -> int | None:
@@ -206,10 +202,8 @@ class Dist:
         stopping = stop is not None and stop.requested is not None
         if not self.active:
             return code if code is not None else (EXIT_INTERRUPTED if stopping else None)
-        import torch.distributed as td
-
         votes: list = [None] * self.world
-        td.all_gather_object(votes, (code, stopping, why), group=self.cpu_group)
+        self.td.all_gather_object(votes, (code, stopping, why), group=self.cpu_group)
         first = next((rank for rank, vote in enumerate(votes) if vote[0] is not None), None)
         if first is None:
             if any(vote[1] for vote in votes):
@@ -227,21 +221,24 @@ class Dist:
             return stop.requested is not None
         if not self._stop and (step is None or step % STOP_EVERY == 0):
             import torch
-            import torch.distributed as td
 
             flag = torch.tensor([int(stop.requested is not None)])
-            td.all_reduce(flag, op=td.ReduceOp.MAX, group=self.cpu_group)
+            self.td.all_reduce(flag, op=self.td.ReduceOp.MAX, group=self.cpu_group)
             self._stop = bool(flag.item())
         return self._stop
 
     # ---- a rank that fails: its cause reaches rank 0 (run.log, MLflow) ------------------------
+    def _store(self):
+        """torchrun's key-value store of this job (raises outside a process group)."""
+        return self.td.distributed_c10d._get_default_store()
+
     def report_failure(self, text: str) -> None:
         """Leave this rank's traceback in torchrun's store (not a collective: the others may
         be anywhere), where rank 0 reads it when its own collective breaks."""
         if not self.active:
             return
         with contextlib.suppress(Exception):  # the store may be gone: stderr still has it
-            _store().set(f"{FAILURE_KEY}{self.rank}", text)
+            self._store().set(f"{FAILURE_KEY}{self.rank}", text)
 
     def peer_failures(self, wait_s: float = 2.0) -> list[tuple[int, str]]:
         """[(rank, traceback)] of the other ranks that reported a failure (report_failure);
@@ -255,7 +252,7 @@ class Dist:
         keys = [f"{FAILURE_KEY}{r}" for r in range(self.world) if r != self.rank]
         deadline = time.monotonic() + wait_s
         with contextlib.suppress(Exception):  # no store (the group is gone): nothing to read
-            store = _store()
+            store = self._store()
             while not found and time.monotonic() <= deadline:
                 found = [
                     (int(k.removeprefix(FAILURE_KEY)), store.get(k).decode(errors="replace"))
@@ -307,17 +304,14 @@ class Dist:
         came from the common seed, and DDP starts every rank from rank 0's weights anyway)."""
         if not self.active:
             return model
-        import random
-
         import numpy as np
         import torch
 
+        from .train import seed_everything
+
         if self.cuda:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        own = int(np.random.SeedSequence([seed, self.rank]).generate_state(1)[0])
-        random.seed(own)
-        np.random.seed(own)
-        torch.manual_seed(own)  # also seeds every CUDA device
+        seed_everything(int(np.random.SeedSequence([seed, self.rank]).generate_state(1)[0]))
         return model
 
     def describe(self) -> str:
@@ -342,18 +336,14 @@ class Dist:
     def sum(self, totals):
         """The element-wise sum over ranks of a vector of sums (one all_reduce)."""
         if self.active:
-            import torch.distributed as td
-
-            td.all_reduce(totals)
+            self.td.all_reduce(totals)
         return totals
 
     def sync_buffers(self, model) -> None:
         """Rank 0's buffers (BatchNorm statistics) on every rank: what its checkpoint holds."""
         if self.active and not self.cuda:
-            import torch.distributed as td
-
             for buffer in model.buffers():
-                td.broadcast(buffer, src=0)
+                self.td.broadcast(buffer, src=0)
 
     # ---- checkpoint: the full state once, each rank's own part ---------------------------------
     def gather_state(self, state: dict) -> dict | None:
@@ -362,12 +352,10 @@ class Dist:
         state["world_size"] = self.world
         if not self.active:
             return state
-        import torch.distributed as td
-
         sums = {k: v.cpu() if hasattr(v, "cpu") else v for k, v in state["trainer"]["sums"].items()}
         own = {"rng": state["rng"], "sums": sums}
         parts: list | None = [None] * self.world if self.is_main else None
-        td.gather_object(own, parts, dst=0, group=self.cpu_group)
+        self.td.gather_object(own, parts, dst=0, group=self.cpu_group)
         if not self.is_main:
             return None
         return {**state, "ranks": parts}
@@ -402,13 +390,6 @@ class Dist:
         return log
 
 
-def _store():
-    """torchrun's key-value store of this job (raises outside a process group)."""
-    import torch.distributed as td
-
-    return td.distributed_c10d._get_default_store()
-
-
 @contextlib.contextmanager
 def session(device: str) -> Iterator[Dist]:
     """This process's Dist: under torchrun with WORLD_SIZE > 1 inside the job's process group
@@ -420,10 +401,8 @@ def session(device: str) -> Iterator[Dist]:
     try:
         dist.start(device)
     except Exception as exc:  # a peer that never came, a port taken: one line, not 40
-        import torch.distributed as td
-
-        if td.is_initialized():
-            td.destroy_process_group()
+        if dist.td is not None and dist.td.is_initialized():
+            dist.td.destroy_process_group()
         raise JoinFailed(
             f"torchrun: rank {dist.rank} could not join the {dist.world} processes of the job "
             f"(waited at most {TIMEOUT_ENV}={timeout_from_env():.0f}s): {first_line(exc)}"
@@ -431,6 +410,4 @@ def session(device: str) -> Iterator[Dist]:
     try:
         yield dist
     finally:
-        import torch.distributed as td
-
-        td.destroy_process_group()
+        dist.td.destroy_process_group()

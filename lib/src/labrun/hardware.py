@@ -21,7 +21,6 @@ No speed figure is claimed here: the lab template's benchmarks/RESULTS.md measur
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import os
@@ -140,9 +139,9 @@ def choose_compile(
     flag: str,
     steps: int,
     deterministic: bool = False,
-    *,
     micro_batches: int = 1,
     blocked: str | None = None,
+    *,
     measure: Callable[[], tuple[float, dict[str, CompileCost]]],
 ) -> tuple[str | None, str]:
     """(torch.compile mode or None for eager, why), from --compile and the measured work.
@@ -246,8 +245,9 @@ class CompileRecord:
             "device": device_name(device),
             "torch": torch.__version__,
         }
-        digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:16]
-        self.path = Path(cache_dir) / RECORDS / f"{digest}.json"
+        from .config import short_hash
+
+        self.path = Path(cache_dir) / RECORDS / f"{short_hash(self.key, digits=16)}.json"
 
     def read(self) -> dict:
         """Each mode's numbers; {} when none are recorded yet (or the file is unreadable, or of
@@ -264,29 +264,17 @@ class CompileRecord:
         priors = CUDA_PRIORS if device.type == "cuda" else CPU_PRIORS
         costs = prior_costs(device)
         for mode, seen in self.read().items():
-            if mode not in costs:
-                continue
-            ratio, source = costs[mode].ratio, "prior"
-            if seen.get("eager_step_s"):
+            if mode in costs and seen.get("eager_step_s"):  # save() writes all three, > 0
+                warm_s = seen.get("warm_compile_s", priors[mode][1])
                 ratio = seen["compiled_step_s"] / seen["eager_step_s"]
-                source = f"measured {seen['when']}"
-            warm_s = seen.get("warm_compile_s", priors[mode][1])
-            costs[mode] = CompileCost(warm_s, ratio, source, cache="warm")
+                costs[mode] = CompileCost(warm_s, ratio, f"measured {seen['when']}", "warm")
         return costs
 
     def eager_step_s(self) -> float | None:
         """The eager forward + backward recorded here by an earlier job, if any."""
         return next((m["eager_step_s"] for m in self.read().values() if "eager_step_s" in m), None)
 
-    def save(
-        self,
-        mode: str,
-        *,
-        compile_s: float,
-        warm: bool,
-        eager_step_s: float,
-        compiled_step_s: float,
-    ):
+    def save(self, mode: str, *, compile_s: float, warm: bool, eager_step_s, compiled_step_s):
         modes = self.read()
         seen = modes.get(mode, {})
         seen[("warm_" if warm else "cold_") + "compile_s"] = round(compile_s, 3)
@@ -316,9 +304,10 @@ def compile_cache_counts() -> tuple[int, int]:
 @contextlib.contextmanager
 def put_back(module, device: torch.device):
     """Undo what trial passes change: buffers (BatchNorm statistics), gradients, RNG."""
+    from .checkpoint import rng_state, set_rng_state
+
     buffers = [b.detach().clone() for b in module.buffers()]
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    rng = rng_state(device)  # Python, numpy, torch and this GPU's generators
     try:
         yield
     finally:
@@ -326,9 +315,7 @@ def put_back(module, device: torch.device):
             for live, saved in zip(module.buffers(), buffers, strict=True):
                 live.copy_(saved)
         module.zero_grad(set_to_none=True)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state(cuda_rng, device)
+        set_rng_state(rng, device)
 
 
 def forward_backward(module, x, y, loss_fn, dtype) -> None:
@@ -348,13 +335,19 @@ def time_forward_backward(module, x, y, loss_fn, dtype, now, repeats: int = 3) -
     everything it touched. `module` is what the step calls (compiled, in DDP): the passes
     compile it and, under torchrun, are collective (every rank calls this)."""
     with put_back(module, x.device):
-        forward_backward(module, x, y, loss_fn, dtype)
-        best = float("inf")
-        for _ in range(repeats):
-            start = now()
-            forward_backward(module, x, y, loss_fn, dtype)
-            best = min(best, now() - start)
-    return best
+        return fastest(lambda: forward_backward(module, x, y, loss_fn, dtype), now, repeats)
+
+
+def fastest(work: Callable[[], object], now: Callable[[], float], repeats: int) -> float:
+    """Seconds of the fastest of `repeats` timed calls of `work`, after one untimed call (memory
+    allocation, cuDNN's and cuBLAS's choices of kernels); `now` waits for the device (`timed`)."""
+    work()
+    seconds = []
+    for _ in range(repeats):
+        start = now()
+        work()
+        seconds.append(now() - start)
+    return min(seconds)
 
 
 def decide_compile(
@@ -393,13 +386,7 @@ def decide_compile(
 
     blocked = graphs_blocked(device, micro_batches, ddp, dtype)
     mode, why = choose_compile(
-        device,
-        flag,
-        steps,
-        deterministic,
-        micro_batches=micro_batches,
-        blocked=blocked,
-        measure=measure,
+        device, flag, steps, deterministic, micro_batches, blocked, measure=measure
     )
     if mode in CUDA_PRIORS and record is None:  # a forced mode: its costs are still recorded
         measure()
@@ -426,8 +413,7 @@ def setup_backends(device: torch.device, deterministic: bool) -> str:
         torch.backends.cudnn.benchmark = False
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.allow_tf32 = False
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.set_float32_matmul_precision("highest")
+        torch.set_float32_matmul_precision("highest")  # also matmul.allow_tf32 = False
         # warn_only=False: an op without a deterministic kernel raises instead of silently
         # breaking reproducibility. The default model and loss use only covered ops (amax
         # pooling, a gather-based cross-entropy, see tasks.cross_entropy).
@@ -504,13 +490,7 @@ def measure_matmul_flops(device: torch.device, dtype) -> float:
     1024-square ones: 8192 would take seconds each."""
     n = PEAK_MATMUL_SIZE if device.type == "cuda" else 1024
     a, b = (torch.randn(n, n, device=device, dtype=dtype or torch.float32) for _ in range(2))
-    now = timed(device)
-    best = float("inf")
-    for _ in range(PEAK_REPEATS + 1):  # the first: cuBLAS's heuristics, allocation
-        start = now()
-        torch.mm(a, b)
-        best = min(best, now() - start)
-    return 2 * n**3 / best
+    return 2 * n**3 / fastest(lambda: torch.mm(a, b), timed(device), PEAK_REPEATS)
 
 
 class GpuBusy:

@@ -42,28 +42,17 @@ def _pyproject(folder: Path) -> dict:
         return {}
 
 
-def _declared(folder: Path) -> dict | None:
-    """The [tool.labrun] table of folder/pyproject.toml, or None."""
-    table = _pyproject(folder).get("tool", {}).get("labrun")
-    return table if isinstance(table, dict) else None
-
-
-def _candidates() -> list[Path]:
-    if os.environ.get("LABRUN_PROJECT"):
-        return [Path(os.environ["LABRUN_PROJECT"]).resolve()]
-    found = []
-    script = getattr(sys.modules.get("__main__"), "__file__", None)
-    if script:
-        found.append(Path(script).resolve().parent)
-    cwd = Path.cwd().resolve()
-    return found + [cwd, *cwd.parents]
-
-
 @functools.cache
 def current() -> Project:
-    for folder in _candidates():
-        table = _declared(folder)
-        if table is not None:
+    if os.environ.get("LABRUN_PROJECT"):
+        folders = [Path(os.environ["LABRUN_PROJECT"]).resolve()]
+    else:  # the script's folder first, then the working directory and its parents
+        script = getattr(sys.modules.get("__main__"), "__file__", None)
+        folders, cwd = [Path(script).resolve().parent] if script else [], Path.cwd().resolve()
+        folders += [cwd, *cwd.parents]
+    for folder in folders:
+        table = _pyproject(folder).get("tool", {}).get("labrun")  # [tool.labrun]
+        if isinstance(table, dict):
             package = table.get("package")
             return Project(folder, package, str(table.get("experiment") or package or "labrun"))
     return Project(Path.cwd().resolve(), None, "labrun")
