@@ -325,20 +325,18 @@ def main(
         config["experiment_keys"] = sorted(identity)
         tags = {**(provenance() if args.tracking == "on" else {}), "run_dir": str(out)}
         tags["job"] = sys.argv[0]
-        record = Record(out, config, args, job.log, held, dist, identity, tags, what="job")
-        stop.on_force_exit = record.force_exited  # exit 130 leaves "interrupted"
+        record = Record(out, config, args, stop, held, dist, identity, tags, what="job")
         try:  # recorded as it ends: finished, interrupted or failed
-            try:
-                metrics = work(job)
-            except Interrupted as exc:
-                record.interrupted(str(exc))
-                return EXIT_INTERRUPTED
+            metrics = work(job)
             if not isinstance(metrics, dict) or not metrics:
                 raise TypeError(f"work() must return a non-empty dict of metrics, got {metrics!r}")
             metrics["wall_time_s"] = time.monotonic() - started
             record.finished(metrics, artifacts=job.artifacts)
             job.log.info(f"finished: {job.out}")
             return EXIT_OK
+        except Interrupted as exc:
+            record.interrupted(str(exc))
+            return EXIT_INTERRUPTED
         except Exception as exc:  # failed: one line here, the traceback in run.log and MLflow
             return record.failed(exc)
         finally:
@@ -362,12 +360,12 @@ class Record:
     "job", as run.log names it."""
 
     def __init__(
-        self, out, config: dict, args, log, held: Claim | None, dist, params, tags, what="run"
+        self, out, config: dict, args, stop, held: Claim | None, dist, params, tags, what="run"
     ) -> None:
-        self.out, self.log, self.claim, self.dist, self.what = out, log, held, dist, what
-        self.writes = dist.is_main
-        self.last_checkpoint = time.monotonic()
-        self.tracker = None
+        """`stop` (GracefulStop): its log is the run's; its exit 130 leaves "interrupted"."""
+        self.out, self.log, self.claim, self.dist, self.what = out, stop.log, held, dist, what
+        self.writes, self.last_checkpoint, self.tracker = dist.is_main, time.monotonic(), None
+        stop.on_force_exit = self.force_exited
         if not self.writes:
             return
         from .tracking import Tracker
@@ -380,7 +378,7 @@ class Record:
             enabled=args.tracking == "on",
             experiment=args.experiment,
             run_name=out.name,
-            log=log,
+            log=self.log,
             params=params,
             tags=tags,
             system_metrics=what == "run",  # a job that does not train: no machine samples
@@ -433,7 +431,6 @@ class Record:
             return
         if history is not None:
             runs.write_history(self.out, history)
-        metrics["mlflow_run_id"] = None
         self.tracker.end(
             "FINISHED",
             metrics={k: v for k, v in metrics.items() if v is not None},

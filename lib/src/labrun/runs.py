@@ -248,11 +248,9 @@ def try_write_status(run_dir: Path, status: str) -> bool:
 
     Falls back to an in-place write of the tiny file when there is no room for a temporary copy.
     """
-    try:
+    with contextlib.suppress(OSError):
         write_status(run_dir, status)
         return True
-    except OSError:
-        pass
     try:
         fd = open_own(Path(run_dir) / STATUS, os.O_WRONLY | os.O_CREAT)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -296,18 +294,16 @@ def write_history(run_dir: Path, rows: list[dict]) -> None:
 def ensure_writable(directory: Path, need_bytes: int = 0) -> None:
     """Create `directory`, prove we can write there and that `need_bytes` fit; raise OSError.
 
-    The probe writes `need_bytes` for real (not just checks statvfs), so quotas and nearly full
-    disks are caught before any work is done rather than at the first checkpoint.
+    The probe allocates `need_bytes` for real (posix_fallocate; glibc writes the blocks where
+    the file system cannot allocate), not just checks statvfs, so quotas and nearly full disks
+    are caught before any work is done rather than at the first checkpoint.
     """
     try:
         Path(directory).mkdir(parents=True, exist_ok=True)
         probe = {"prefix": f".{PROBE}.", "suffix": TEMP_SUFFIX}
         with tempfile.NamedTemporaryFile(dir=directory, **probe) as f:
-            chunk = b"\0" * (1 << 20)
-            for start in range(0, need_bytes, len(chunk)):
-                f.write(chunk[: min(len(chunk), need_bytes - start)])
-            f.flush()
-            os.fsync(f.fileno())
+            if need_bytes:
+                os.posix_fallocate(f.fileno(), 0, need_bytes)
     except OSError as exc:
         if is_disk_error(exc):
             raise OSError(
@@ -404,13 +400,9 @@ def other_code_line(run_dir: Path, root: Path, prefix: str) -> str | None:
 
 
 def _git_lines(root: Path, *command: str, z: bool = True) -> list[str] | None:
+    git = ["git", "-C", str(root), *command]
     try:
-        out = subprocess.run(
-            ["git", "-C", str(root), *command],
-            capture_output=True,
-            timeout=30,
-            check=True,
-        ).stdout
+        out = subprocess.run(git, capture_output=True, timeout=30, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     text = out.decode("utf-8", "surrogateescape")

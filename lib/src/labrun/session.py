@@ -70,14 +70,6 @@ class RunFailed(RuntimeError):
     failed, exit 1, this message as the one `error:` line."""
 
 
-class _Exit(Exception):  # noqa: N818 (a control-flow signal, not an error)
-    """End the run now with this exit code (its message already printed and logged)."""
-
-    def __init__(self, code: int) -> None:
-        super().__init__(code)
-        self.code = code
-
-
 def is_tool(args) -> bool:
     return bool(args.find_lr or args.find_batch_size or args.profile)
 
@@ -101,7 +93,7 @@ def _body(train, tool, args, parser, out, stop, held, dist) -> int:
         if code is None and not run.done:
             raise RunFailed("train() returned before run.finish(): the run has no result")
         return EXIT_OK if code is None else code
-    except _Exit as exc:
+    except SystemExit as exc:  # a refusal, its line printed and logged: end with its code
         return exc.code
     except Interrupted:
         return jobs.EXIT_INTERRUPTED
@@ -300,7 +292,7 @@ class Run:
         # Refusals that need the model (no room for a checkpoint), then the run directory and
         # run.log; a refusal on any rank ends all (torchrun).
         args, out, dist = self.args, self.out, self.dist
-        code, why = None, ""
+        why = ""
         try:
             # one forward pass and the loss on a real batch: a misfit of model, data and task
             # (not for tools: capture_step drives the step with its caller's own batches)
@@ -310,17 +302,16 @@ class Run:
                     f"--model {args.model} cannot train on --dataset {args.dataset} under "
                     f"--task {args.task} ({problem}); choose another --model, --task or --dataset"
                 )
-                code = error(why, EXIT_USAGE)
             elif dist.is_main:
                 runs.ensure_writable(out, need_bytes=room_needed(out, model, ema))
         except OSError as exc:  # not writable, or no room for a checkpoint: before any work
             why = f"--results-dir: {exc.strerror or exc}"
-            code = error(why, EXIT_USAGE)
+        code = error(why, EXIT_USAGE) if why else None
         self._agreed = True
         # torchrun: one collective whatever each rank found (a refusal, a stop while starting:
         # nothing of this run exists yet), so that no rank waits in another one (issue 28.2)
         if (code := dist.settle(code, self.stop, why)) is not None:
-            raise _Exit(code)
+            raise SystemExit(code)
         if dist.is_main:  # one writer (--fresh, run.log); the other ranks log to stderr
             self.log = jobs.open_dir(out, args.fresh, self.stop)
         else:
@@ -368,17 +359,15 @@ class Run:
             tags.update(workers=str(args.workers), world_size=str(dist.world))
         # config.json, status running, its MLflow run (rank 0 writes); an OSError here (the
         # disk filled since the start-up check) is _body's: one `error:` line, exit 1
-        record = jobs.Record(out, self.config, args, self.log, self.held, dist, params, tags)
-        self.record = record
-        self.stop.on_force_exit = self.record.force_exited  # 130 leaves "interrupted"
+        self.record = jobs.Record(out, self.config, args, self.stop, self.held, dist, params, tags)
         steps = f"{self.data_.steps_per_epoch} steps/epoch"
-        self.log.info(f"run {out.name} on {self.device} | {steps} | {record.tracker_line()}")
+        self.log.info(f"run {out.name} on {self.device} | {steps} | {self.record.tracker_line()}")
 
     def _refuse(self, message: str) -> None:
         self.log.error(message)
         if self.dist.is_main:  # one writer
             runs.try_write_status(self.out, "refused")
-        raise _Exit(error(message, EXIT_USAGE))
+        raise SystemExit(error(message, EXIT_USAGE))
 
     # ---- compile and DDP -------------------------------------------------------------------------
     def compile_mode(self, model) -> str | None:
@@ -792,9 +781,7 @@ def finite_or_null(metrics: dict) -> dict:
         for k, v in metrics.items()
         if isinstance(v, float) and not math.isfinite(v)
     }
-    if not reasons:
-        return metrics
-    return {**{k: None if k in reasons else v for k, v in metrics.items()}, "null_reasons": reasons}
+    return {**metrics, **dict.fromkeys(reasons), "null_reasons": reasons} if reasons else metrics
 
 
 def capture_step(run_py, argv: list[str]):

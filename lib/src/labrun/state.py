@@ -23,6 +23,7 @@ import torch
 
 from . import checkpoint as ckpt
 from . import runs
+from .checkpoint import CheckpointError
 from .stopping import EarlyStopping
 
 
@@ -113,12 +114,10 @@ class TrainingState:
 
     def precision(self) -> dict:
         """What the checkpoint records of the arithmetic: the autocast dtype and the scaler."""
-        scalers = [o for o in self.objects.values() if isinstance(o, torch.amp.GradScaler)]
         names = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}
-        return {
-            "autocast": names.get(self.dtype, str(self.dtype)),
-            "grad_scaler": any(s.is_enabled() for s in scalers),
-        }
+        scaled = (o for o in self.objects.values() if isinstance(o, torch.amp.GradScaler))
+        scaler = any(s.is_enabled() for s in scaled)
+        return {"autocast": names.get(self.dtype, str(self.dtype)), "grad_scaler": scaler}
 
     def state_dict(self) -> dict:
         objects = {k: None if o is None else o.state_dict() for k, o in self.objects.items()}
@@ -141,8 +140,6 @@ class TrainingState:
 
     def load_objects(self, saved: dict) -> None:
         """Every registered object from the checkpoint's copy (strict: refused when it differs)."""
-        from .checkpoint import CheckpointError, load_model_state
-
         for name, obj in self.objects.items():
             if name not in saved:
                 raise CheckpointError(f"the checkpoint holds no {name!r}")
@@ -153,7 +150,7 @@ class TrainingState:
             if isinstance(obj, torch.amp.GradScaler):
                 load_scaler(obj, saved[name], saved["precision"], self.precision(), self.log)
             elif isinstance(obj, torch.nn.Module):
-                load_model_state(obj, saved[name], f"the checkpoint's {name}")
+                ckpt.load_model_state(obj, saved[name], f"the checkpoint's {name}")
             else:
                 obj.load_state_dict(saved[name])
         self.sums.load_state_dict(saved["sums"])
@@ -178,10 +175,10 @@ class TrainingState:
             self.stopper.load_state_dict(early)
             self.progress = Progress(**state["progress"])
             note = ckpt.set_rng_state(state["rng"], self.device)
-        except ckpt.CheckpointError:
+        except CheckpointError:
             raise
         except Exception as exc:  # whatever torch or this code raises: refused, with the reason
-            raise ckpt.CheckpointError(
+            raise CheckpointError(
                 f"{path} does not fit this code or this machine ({type(exc).__name__}: "
                 f"{runs.first_line(exc)}); re-run with --fresh to start over"
             ) from exc
