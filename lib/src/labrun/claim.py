@@ -52,9 +52,7 @@ class Claim:
     """A held claim; released by `release()`, by leaving a `with` block, or at process end."""
 
     def __init__(self, run_dir: Path, fd: int, created: bool, info: str = "") -> None:
-        self.run_dir, self.created = run_dir, created
-        self._fd: int | None = fd
-        self._info = info
+        self.run_dir, self.created, self._fd, self._info = run_dir, created, fd, info
 
     def mark_stopping(self) -> None:
         """Note in the lock file that this holder is stopping (checkpointing, then exiting): the

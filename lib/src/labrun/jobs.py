@@ -189,8 +189,7 @@ def contract(
 def _is_program(function: Callable) -> bool:
     """`function` belongs to the script this interpreter runs (`python run.py`), not to a module
     imported by a test, a notebook or another tool that goes on after main() returns."""
-    main = sys.modules.get("__main__")
-    script = getattr(main, "__file__", None)
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
     return (
         getattr(function, "__module__", None) == "__main__"
         and script is not None
@@ -320,9 +319,8 @@ def main(
 
         job = Job(args, out, open_dir(out, args.fresh, stop), stop, prepared)
         started, identity = time.monotonic(), ident(args)
-        config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-        config.update(identity=identity, run_name=out.name, config_hash=short_hash(identity))
-        config["experiment_keys"] = sorted(identity)
+        config = dict(vars(args), identity=identity, experiment_keys=sorted(identity))  # a Path:
+        config.update(run_name=out.name, config_hash=short_hash(identity))  # str in config.json
         tags = {**(provenance() if args.tracking == "on" else {}), "run_dir": str(out)}
         tags["job"] = sys.argv[0]
         record = Record(out, config, args, stop, held, dist, identity, tags, what="job")

@@ -438,9 +438,7 @@ def setup_logging(run_dir: Path, name: str) -> logging.Logger:
     logger = logging.getLogger(f"run.{name}")
     logger.setLevel(logging.INFO)
     logger.propagate = False
-    for handler in list(logger.handlers):  # a second main() in one process (tests) starts clean
-        logger.removeHandler(handler)
-        handler.close()
+    close_logging(logger)  # a second main() in one process (tests) starts clean
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S")
     for handler in (logging.StreamHandler(sys.stderr), NoFollowFileHandler(Path(run_dir) / LOG)):
         handler.setFormatter(fmt)

@@ -131,7 +131,10 @@ class Run:
     Attributes for run.py: args, device, amp_dtype (autocast dtype or None: fp32), task (loss,
     device-side metric sums, the monitored metric), dist (torchrun), ddp (True when `net` is
     DistributedDataParallel), train_sums (add each micro-batch in the step), total_steps, tool,
-    log (run.log, once `restore` has opened the run directory), progress.
+    log (run.log, once `restore` has opened the run directory), progress, stopper (from
+    `restore` on: early stopping, stopping.EarlyStopping: `update(score, epoch, model)` is True
+    at a new best, its weights copied; `should_stop` once patience ran out, which counts only
+    after the LR peak and --min-epochs; checkpointed with the run).
     """
 
     def __init__(self, args, parser, out, stop, held, dist, *, tool=False) -> None:
@@ -147,16 +150,16 @@ class Run:
         self.args, self.out, self.stop, self.held, self.dist = args, out, stop, held, dist
         self.tool = tool or is_tool(args)
         self.opened, self._agreed, self.ddp, self.done = False, False, False, False
-        self.log = self.record = self.state = self.data_ = None
-        self.objects: dict = {}
-        self.speed: dict = {}  # CUDA: flops_per_sample, peak_flops, gpu_busy (metrics.json)
+        # loss, report_loss: run.py's, given by use_loss (never guessed here)
+        self.log = self.record = self.state = self.data_ = self.loss = self.report_loss = None
+        self.objects, self.speed = {}, {}  # speed: CUDA's flops_per_sample, peak_flops, gpu_busy
         self.progress = Progress()
         # ---- config: every bad input is found before a file of the run is written ----
         self.config = config = resolved_config(args, parser)
-        config["world_size"] = dist.world  # processes of this job (torchrun), not of its identity
-        # The CPU share it computes with (its numbers depend on the thread count): run.sh gives
-        # a resumed job the same again.
-        config.update(torch_threads=torch.get_num_threads(), job_cpus=available_cpus())
+        # The processes of this job (torchrun), not of its identity; the CPU share it computes
+        # with (its numbers depend on the thread count): run.sh gives a resumed job the same.
+        config.update(world_size=dist.world, torch_threads=torch.get_num_threads())
+        config["job_cpus"] = available_cpus()
         runs.check_ownership(out)  # a colleague's run directory, or files planted in ours
         self.task = create_task(args.task, args, args.monitor)  # loss, metrics, the monitored one
         config.update(monitored=self.task.monitor, metric_directions=self.task.directions)
@@ -173,8 +176,6 @@ class Run:
 
             start_memory_history(self.device)
         self.train_sums = TrainSums(self.task, self.device)
-        self.loss = self.report_loss = None  # run.py's, given by use_loss: never guessed here
-        self._t0 = self._bar = None  # the epoch being trained (batches, tick)
 
     def use_loss(self, loss_fn, report=None):
         """`loss_fn(outputs, targets)`: the loss run.py's step trains on, which the model check,
@@ -235,18 +236,18 @@ class Run:
         # num_classes, channels, image_size, class names, split sizes, the arrays' content hash
         self.config.update(loaded.info.as_config())
         seed_everything(args.seed)
+        version = self.config["data_version"] or self.config.get("data_content")
+        sizes = f"{self.config['split_sizes']} samples (train/val/test) | {version}"
         # dtype and shape, normalisation, augmentation: what was done to the inputs, and why
-        self._notes += list(loaded.info.describe().items())
+        self._notes += [("data", sizes), *loaded.info.describe().items()]
         if getattr(loaders["train"], "decoder", ""):  # streamed files: on the GPU or the CPU
             self._notes.append(("decode", loaders["train"].decoder))
         train, val, test = (loaders[k] for k in ("train", "val", "test"))
         self.data_ = Data(splits, train, val, test, steps_per_epoch, loaded.info, loaded.notes)
         # Before run.py builds the model: a model or batch too big for the free memory is
         # refused here (exit 2), not ended by the OOM killer (preflight.py)
-        micro_batch = max(1, args.batch_size // self.dist.world)
-        needs = check_memory(
-            args, loaded.info, self.device, self.amp_dtype, micro_batch=micro_batch
-        )
+        micro = max(1, args.batch_size // self.dist.world)
+        needs = check_memory(args, loaded.info, self.device, self.amp_dtype, micro_batch=micro)
         self._notes.append(("memory", needs))
         return self.data_
 
@@ -320,18 +321,15 @@ class Run:
         dist.settle(None)  # the others read the checkpoint once --fresh has deleted it
         for note in self.data_.notes:  # e.g. skipped unreadable images
             self.log.warning(f"data: {note}")
-        version = self.config["data_version"] or self.config.get("data_content")
-        sizes = f"{self.config['split_sizes']} samples (train/val/test) | {version}"
-        notes = [("data", sizes), *self._notes]
-        for what, why in notes + ([("distributed", dist.describe())] if dist.active else []):
+        for what, why in self._notes + ([("distributed", dist.describe())] if dist.active else []):
             self.log.info(f"{what}: {why}")
         # Patience counts only after the LR peak and --min-epochs: no stop during the warm-up.
         peak = lr_peak_step(objects.get("scheduler"))
         patience_from = max(args.min_epochs, peak_epoch(peak, self.data_.steps_per_epoch))
-        stopper = EarlyStopping(
+        self.stopper = EarlyStopping(
             args.patience, start_epoch=patience_from, mode=self.task.direction(self.task.monitor)
         )
-        self.state = state = TrainingState(objects, stopper, self.train_sums, self)
+        self.state = state = TrainingState(objects, self.stopper, self.train_sums, self)
         if self.tool:
             return
         # Arrays keep their run name across data versions: a resume on other data is refused.
@@ -438,9 +436,8 @@ class Run:
     def distributed(self, module):
         """`module` in DistributedDataParallel under torchrun (gradients all-reduced over the
         processes), else `module` itself. Give it the compiled module: DDP goes outermost."""
-        wrapped = self.dist.ddp(module)
-        self.ddp = wrapped is not None
-        return module if wrapped is None else wrapped
+        self.ddp = (wrapped := self.dist.ddp(module)) is not None
+        return wrapped if self.ddp else module
 
     def warm_up(self, net, *, eager):
         """Compile `net` (what the step calls) on a real batch before the timed loop, and time
@@ -502,13 +499,6 @@ class Run:
         per_epoch = max(self.data_.steps_per_epoch, 1)
         return min(self.args.epochs, math.ceil(self.total_steps / per_epoch))
 
-    @property
-    def stopper(self):
-        """Early stopping (stopping.EarlyStopping): `update(score, epoch, model)` is True at a new
-        best (its weights copied); `should_stop` once patience ran out. Patience counts only
-        after the LR peak and --min-epochs. Checkpointed with the run."""
-        return self.state.stopper
-
     def batches(self, loader):
         """This epoch's optimizer steps, each a list of --grad-accum micro-batches on the device,
         from where the run is (the order is f(seed, epoch): a resumed epoch skips the
@@ -527,9 +517,8 @@ class Run:
         off = {"on": False, "off": True, "auto": None}[self.args.progress] if main else True
         desc, steps = f"epoch {p.epoch + 1}/{self.args.epochs}", self.data_.steps_per_epoch
         self._bar = tqdm(total=steps, initial=p.batch // accum, leave=False, desc=desc, disable=off)
-        self._busy = None
-        if self.device.type == "cuda" and main and "gpu_busy" not in self.speed:
-            self._busy = GpuBusy(self.device)  # profiles a few steps of this epoch
+        profile = self.device.type == "cuda" and main and "gpu_busy" not in self.speed
+        self._busy = GpuBusy(self.device) if profile else None  # a few steps of this epoch
         try:
             while p.batch < self.data_.steps_per_epoch * accum and p.step < self.total_steps:
                 if self._busy is not None:
@@ -552,8 +541,7 @@ class Run:
         if self.dist.stopped(self.stop, p.step):
             self._epoch_trained()
             self.record.checkpoint(self.state)
-            why = self.stop.requested or "a stop signal to another rank"
-            self.record.interrupted(why, self.progress)
+            self.record.interrupted(self.stop.requested or "a stop signal to another rank", p)
             raise Interrupted(self.stop.requested)
 
     def _epoch_trained(self) -> None:
@@ -601,18 +589,16 @@ class Run:
         self.train_sums.reset()
         p.epoch, p.batch, p.samples = p.epoch + 1, 0, p.samples + seen
         optimizer = self.objects.get("optimizer")
-        p.history.append(
-            {
-                "epoch": p.epoch,
-                "step": p.step,
-                "lr": optimizer.param_groups[0]["lr"] if optimizer is not None else math.nan,
-                **{f"train_{name}": value for name, value in train.items()},
-                **{f"val_{name}": value for name, value in val.items()},
-                "epoch_time_s": p.epoch_time_s,
-                "samples_per_sec": seen / max(p.epoch_time_s, 1e-9),
-            }
-        )
-        row = p.history[-1]
+        row = {
+            "epoch": p.epoch,
+            "step": p.step,
+            "lr": optimizer.param_groups[0]["lr"] if optimizer is not None else math.nan,
+            **{f"train_{name}": value for name, value in train.items()},
+            **{f"val_{name}": value for name, value in val.items()},
+            "epoch_time_s": p.epoch_time_s,
+            "samples_per_sec": seen / max(p.epoch_time_s, 1e-9),
+        }
+        p.history.append(row)
         if self.record.ours():  # history.csv, MLflow, run.log
             runs.write_history(self.out, p.history)
             self.record.tracker.log_history()  # history.csv, as just written
@@ -629,9 +615,8 @@ class Run:
         from .checkpoint import save_weights
 
         if self.record.ours():
-            stopper = self.state.stopper
-            save_weights(self.out / runs.BEST_MODEL, stopper.best_state)
-            best = f"{stopper.best_score:.4g}, epoch {stopper.best_epoch}"
+            save_weights(self.out / runs.BEST_MODEL, self.stopper.best_state)
+            best = f"{self.stopper.best_score:.4g}, epoch {self.stopper.best_epoch}"
             self.log.info(f"best so far ({best}): best_model.pt")
 
     def checkpoint(self, every: float) -> None:
@@ -643,12 +628,12 @@ class Run:
     def restore_best(self, model) -> None:
         """The best epoch's weights into `model` (to test once); RunFailed when the monitored
         metric was never finite (nothing to test)."""
-        if self.state.stopper.best_state is None:
+        if self.stopper.best_state is None:
             raise RunFailed(
                 f"{self.task.monitor} was never finite in {self.progress.epoch} epoch(s): no "
                 "best weights to test (try a lower --lr or --clip-grad)"
             )
-        self.state.stopper.restore(model)
+        self.stopper.restore(model)
 
     def finish(self, test: dict[str, float]) -> None:
         """Checkpoint, metrics.json (last: the run is done; strict JSON: finite_or_null),
@@ -656,7 +641,7 @@ class Run:
         from .hardware import peak_memory_bytes
 
         self.record.checkpoint(self.state)
-        p, stopper, task, speed = self.progress, self.state.stopper, self.task, self.speed
+        p, stopper, task, speed = self.progress, self.stopper, self.task, self.speed
         reason, weights = self.stop_reason(), self.args.test_weights
         rate = p.samples / max(p.train_time_s, 1e-9)
         metrics = {
@@ -698,7 +683,7 @@ class Run:
     def stop_reason(self) -> str:
         """ "early_stopping" only when patience ended the run before its last step (patience
         that runs out on the last epoch changed nothing)."""
-        p, args, stopper = self.progress, self.args, self.state.stopper
+        p, args, stopper = self.progress, self.args, self.stopper
         at_max_steps = bool(args.max_steps) and p.step >= args.max_steps
         if stopper.should_stop and p.epoch < args.epochs and not at_max_steps:
             return "early_stopping"
