@@ -258,7 +258,6 @@ def _admit(dist, args, out: Path, redo, stop: GracefulStop, claimed: ExitStack):
 def open_dir(out: Path, fresh: bool, stop: GracefulStop):
     """The claimed run directory made ready for its work: `fresh` (--fresh) deletes its files,
     a killed writer's temps go; returns run.log's logger, where stop requests go from now on."""
-    out.mkdir(parents=True, exist_ok=True)
     if fresh:
         print(f"--fresh: deleting {', '.join(runs.clear_run_dir(out)) or 'nothing'} in {out}")
     runs.remove_stale_temps(out)
@@ -346,8 +345,8 @@ def main(
 # ---- what every job leaves behind --------------------------------------------------------------
 class Record:
     """A job's record: config.json, status (running -> finished | failed | interrupted),
-    metrics.json last (its existence means done) and its MLflow run; a training run's record adds
-    history.csv, checkpoint.pt and best_model.pt (session.Run says when). Every fault path is
+    metrics.json last (its existence means done) and its MLflow run; a training run adds
+    history.csv, checkpoint.pt and best_model.pt (session.Run, after `ours()`). Every fault path is
     best-effort: a full disk or a dead tracker never turns an ending job into a traceback.
     Before each write it checks that the run directory is still this process's
     (`claim.check()`): if it was deleted meanwhile, LostClaim, and nothing more is written there.
@@ -362,7 +361,7 @@ class Record:
     ) -> None:
         """`stop` (GracefulStop): its log is the run's; its exit 130 leaves "interrupted"."""
         self.out, self.log, self.claim, self.dist, self.what = out, stop.log, held, dist, what
-        self.writes, self.last_checkpoint, self.tracker = dist.is_main, time.monotonic(), None
+        self.writes, self.tracker = dist.is_main, None
         stop.on_force_exit = self.force_exited
         if not self.writes:
             return
@@ -397,11 +396,6 @@ class Record:
         if self.tracker.deferred:
             return "MLflow: the sweep's follower mirrors this run once it ends"
         return f"MLflow run {self.tracker.run_id or 'not reached (continuing without)'}"
-
-    def checkpoint(self, state) -> None:
-        self.ours()
-        state.save(self.out / runs.CHECKPOINT)  # the other ranks send their part, write nothing
-        self.last_checkpoint = time.monotonic()
 
     def interrupted(self, signal_name: str, progress=None) -> None:
         """Status interrupted, MLflow KILLED. `progress`: a training run's (state.Progress),

@@ -123,8 +123,7 @@ def check_ownership(run_dir: Path) -> None:
                 f"{path} is a symbolic link: a run directory holds plain files only (nothing "
                 "is written through a link); remove it, or use another --results-dir",
             )
-        owner = info.st_uid
-        if owner != me:
+        if (owner := info.st_uid) != me:
             what = "the run directory" if path == run_dir else path.name
             raise ForeignFile(
                 errno.EPERM,
@@ -292,14 +291,14 @@ def write_history(run_dir: Path, rows: list[dict]) -> None:
 
 
 def ensure_writable(directory: Path, need_bytes: int = 0) -> None:
-    """Create `directory`, prove we can write there and that `need_bytes` fit; raise OSError.
+    """Prove we can write to `directory` (claimed: it exists) and that `need_bytes` fit there;
+    raise OSError.
 
     The probe allocates `need_bytes` for real (posix_fallocate; glibc writes the blocks where
     the file system cannot allocate), not just checks statvfs, so quotas and nearly full disks
     are caught before any work is done rather than at the first checkpoint.
     """
     try:
-        Path(directory).mkdir(parents=True, exist_ok=True)
         probe = {"prefix": f".{PROBE}.", "suffix": TEMP_SUFFIX}
         with tempfile.NamedTemporaryFile(dir=directory, **probe) as f:
             if need_bytes:

@@ -99,7 +99,8 @@ def _body(train, tool, args, parser, out, stop, held, dist) -> int:
         return jobs.EXIT_INTERRUPTED
     except Exception as exc:  # failed: one line here, the traceback in run.log and MLflow
         bad_input = isinstance(exc, UsageError | ValueError | OSError)
-        if bad_input and (run is None or not run.opened):  # found before any file of the run
+        # found before any file of the run (run.restore opens its directory and run.log)
+        if bad_input and (run is None or run.log is None):
             if run is None or not run._agreed:  # torchrun: the ranks still starting end too
                 dist.settle(EXIT_USAGE, why=str(exc) or type(exc).__name__)
             return error(str(exc) or type(exc).__name__, EXIT_USAGE)
@@ -149,7 +150,7 @@ class Run:
 
         self.args, self.out, self.stop, self.held, self.dist = args, out, stop, held, dist
         self.tool = tool or is_tool(args)
-        self.opened, self._agreed, self.ddp, self.done = False, False, False, False
+        self._agreed, self.ddp, self.done = False, False, False
         # loss, report_loss: run.py's, given by use_loss (never guessed here)
         self.log = self.record = self.state = self.data_ = self.loss = self.report_loss = None
         self.objects, self.speed = {}, {}  # speed: CUDA's flops_per_sample, peak_flops, gpu_busy
@@ -317,7 +318,6 @@ class Run:
             self.log = jobs.open_dir(out, args.fresh, self.stop)
         else:
             self.log = self.stop.log = dist.rank_log(out.name)
-        self.opened = True
         dist.settle(None)  # the others read the checkpoint once --fresh has deleted it
         for note in self.data_.notes:  # e.g. skipped unreadable images
             self.log.warning(f"data: {note}")
@@ -540,7 +540,7 @@ class Run:
         self._bar.update()
         if self.dist.stopped(self.stop, p.step):
             self._epoch_trained()
-            self.record.checkpoint(self.state)
+            self._save()
             self.record.interrupted(self.stop.requested or "a stop signal to another rank", p)
             raise Interrupted(self.stop.requested)
 
@@ -622,8 +622,13 @@ class Run:
     def checkpoint(self, every: float) -> None:
         """checkpoint.pt (every object given to restore, progress, RNG, early stopping) once
         `every` seconds have passed since the last (0: now; rank 0's clock decides for all)."""
-        if self.dist.decide(time.monotonic() - self.record.last_checkpoint >= every):
-            self.record.checkpoint(self.state)
+        if self.dist.decide(time.monotonic() - self.state.saved_at >= every):
+            self._save()
+
+    def _save(self) -> None:
+        """checkpoint.pt now: collective under torchrun (the other ranks send their part)."""
+        self.record.ours()  # LostClaim once the run directory is another's
+        self.state.save(self.out / runs.CHECKPOINT)
 
     def restore_best(self, model) -> None:
         """The best epoch's weights into `model` (to test once); RunFailed when the monitored
@@ -640,7 +645,7 @@ class Run:
         MLflow FINISHED."""
         from .hardware import peak_memory_bytes
 
-        self.record.checkpoint(self.state)
+        self._save()
         p, stopper, task, speed = self.progress, self.stopper, self.task, self.speed
         reason, weights = self.stop_reason(), self.args.test_weights
         rate = p.samples / max(p.train_time_s, 1e-9)
@@ -745,10 +750,8 @@ def room_needed(out, model, ema=None) -> int:
     best_model.pt a re-run replaces (their space is the run's already, and comes back as each
     new file replaces the old one)."""
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    kept = 0
-    for name in (runs.CHECKPOINT, runs.BEST_MODEL):
-        with contextlib.suppress(OSError):
-            kept += (out / name).stat().st_size
+    ours = [out / name for name in (runs.CHECKPOINT, runs.BEST_MODEL)]  # claimed: none goes
+    kept = sum(path.stat().st_size for path in ours if path.is_file())
     return max(weights * (2 * (4 + (ema is not None)) + 1) - kept, 0)
 
 

@@ -110,7 +110,7 @@ class TrainingState:
         self.objects, self.stopper, self.sums = objects, stopper, sums
         self.device, self.dtype, self.dist, self.log = run.device, run.amp_dtype, run.dist, run.log
         self.config_hash, self.progress = run.config["config_hash"], run.progress
-        self._clock = time.perf_counter()
+        self.saved_at = time.monotonic()  # the last save (the start): wall time, checkpoint()
 
     def precision(self) -> dict:
         """What the checkpoint records of the arithmetic: the autocast dtype and the scaler."""
@@ -132,8 +132,8 @@ class TrainingState:
 
     def save(self, path: Path) -> None:
         """Collective under torchrun: every rank calls it, rank 0 writes."""
-        now = time.perf_counter()  # wall time is accumulated across resumes
-        self.progress.wall_time_s, self._clock = self.progress.wall_time_s + now - self._clock, now
+        now, p = time.monotonic(), self.progress  # wall time is accumulated across resumes
+        p.wall_time_s, self.saved_at = p.wall_time_s + now - self.saved_at, now
         state = self.dist.gather_state(self.state_dict())
         if state is not None:
             ckpt.save(path, state)
