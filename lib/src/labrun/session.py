@@ -39,6 +39,7 @@ input or a refused checkpoint (nothing written), 73 its directory is another's, 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import sys
@@ -152,7 +153,7 @@ class Run:
         self.tool = tool or is_tool(args)
         self._agreed, self.ddp, self.done = False, False, False
         # loss, report_loss: run.py's, given by use_loss (never guessed here)
-        self.log = self.record = self.state = self.data_ = self.loss = self.report_loss = None
+        self.log = self.record = self.data_ = self.loss = self.report_loss = None
         self.objects, self.speed = {}, {}  # speed: CUDA's flops_per_sample, peak_flops, gpu_busy
         self.progress = Progress()
         # ---- config: every bad input is found before a file of the run is written ----
@@ -211,9 +212,8 @@ class Run:
         )
         splits = loaded.splits
         # Only decoded in-memory data can live on the GPU; streamed files come through workers.
-        resident = loaded.mode == "memory" and choose_gpu_resident(
-            args.gpu_resident, self.device, splits
-        )
+        in_memory = loaded.mode == "memory"
+        resident = in_memory and choose_gpu_resident(args.gpu_resident, self.device, splits)
         loaders = {
             name: build_loader(
                 split,
@@ -280,10 +280,7 @@ class Run:
         running, MLflow). A checkpoint that cannot be loaded is refused (status refused, exit 2);
         so is a resume on other data. The first object is the model (its size: the disk check).
         Tools (--find-lr ...) only open the run directory."""
-        from . import checkpoint as ckpt
-        from .dataversion import changed_since
         from .preflight import forward_problem
-        from .state import TrainingState
         from .stopping import EarlyStopping
         from .train import lr_peak_step, peak_epoch
 
@@ -329,24 +326,10 @@ class Run:
         self.stopper = EarlyStopping(
             args.patience, start_epoch=patience_from, mode=self.task.direction(self.task.monitor)
         )
-        self.state = state = TrainingState(objects, self.stopper, self.train_sums, self)
+        self._saved_at = time.monotonic()  # the last save (the start): wall time, checkpoint()
         if self.tool:
             return
-        # Arrays keep their run name across data versions: a resume on other data is refused.
-        before = {}
-        if (out / runs.CHECKPOINT).is_file():  # nothing to resume: it starts on today's data
-            with contextlib.suppress(OSError, ValueError):
-                before = runs.read_json(out / runs.CONFIG)
-        if before and (changed := changed_since(before, self.config, out)):
-            self._refuse(changed)
-        try:
-            if state.resume(out / runs.CHECKPOINT, out / runs.BEST_MODEL):
-                self.progress = p = state.progress
-                self.log.info(f"resuming {out} at epoch {p.epoch + 1}, step {p.step}")
-                if other := runs.other_code_line(out, PROJECT_ROOT, "resuming under other code"):
-                    self.log.warning(other)  # README, "What a run writes"
-        except ckpt.CheckpointError as exc:  # refused for good: the planner must not say resumes
-            self._refuse(f"cannot resume: {exc}")
+        self._resume()
         params = tags = None
         if dist.is_main:
             from .tracking import provenance, run_params
@@ -366,6 +349,106 @@ class Run:
         if self.dist.is_main:  # one writer
             runs.try_write_status(self.out, "refused")
         raise SystemExit(error(message, EXIT_USAGE))
+
+    # ---- checkpoint.pt (state.py says what it holds and why) -----------------------------------
+    def precision(self) -> dict:
+        """What the checkpoint records of the arithmetic: the autocast dtype and the scaler."""
+        import torch
+
+        names = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}
+        scaled = (o for o in self.objects.values() if isinstance(o, torch.amp.GradScaler))
+        scaler = any(s.is_enabled() for s in scaled)
+        return {"autocast": names.get(self.amp_dtype, str(self.amp_dtype)), "grad_scaler": scaler}
+
+    def state_dict(self) -> dict:
+        """Every object given to restore by its state_dict (None recorded as None), progress,
+        early stopping with the best weights, the partial epoch's sums, RNG, the config hash."""
+        from .checkpoint import rng_state
+
+        objects = {k: None if o is None else o.state_dict() for k, o in self.objects.items()}
+        objects.update(precision=self.precision(), sums=self.train_sums.state_dict())
+        return {
+            "trainer": objects,  # the name distributed.py's gather_state / own_state read
+            "early_stopping": self.stopper.state_dict(),
+            "progress": dataclasses.asdict(self.progress),
+            "rng": rng_state(self.device),
+            "config_hash": self.config["config_hash"],
+        }
+
+    def _save(self) -> None:
+        """checkpoint.pt now: collective under torchrun (every rank calls it, rank 0 writes)."""
+        from . import checkpoint as ckpt
+
+        self.record.ours()  # LostClaim once the run directory is another's
+        now, p = time.monotonic(), self.progress  # wall time is accumulated across resumes
+        p.wall_time_s, self._saved_at = p.wall_time_s + now - self._saved_at, now
+        if (state := self.dist.gather_state(self.state_dict())) is not None:
+            ckpt.save(self.out / runs.CHECKPOINT, state)
+
+    def load_objects(self, saved: dict) -> None:
+        """Every object given to restore from the checkpoint's copy (strict: refused when it
+        differs, or when one is None here and not there: an EMA that is off)."""
+        import torch
+
+        from .checkpoint import CheckpointError, load_model_state
+        from .state import load_scaler
+
+        for name, obj in self.objects.items():
+            if name not in saved:
+                raise CheckpointError(f"the checkpoint holds no {name!r}")
+            if (saved[name] is None) != (obj is None):
+                raise CheckpointError(f"the checkpoint's {name!r} setting differs from this run's")
+            if obj is None:
+                continue
+            if isinstance(obj, torch.amp.GradScaler):
+                load_scaler(obj, saved[name], saved["precision"], self.precision(), self.log)
+            elif isinstance(obj, torch.nn.Module):
+                load_model_state(obj, saved[name], f"the checkpoint's {name}")
+            else:
+                obj.load_state_dict(saved[name])
+        self.train_sums.load_state_dict(saved["sums"])
+
+    def _resume(self) -> None:
+        """Load checkpoint.pt if there is one. One that cannot be loaded (corrupt, another
+        configuration, another model, anything that fails while loading it) is refused in one
+        line with the reason, never a traceback (_refuse). The checkpoint's best weights
+        rewrite best_model.pt (state.py). The RNG state is restored last: nothing after it
+        draws."""
+        from . import checkpoint as ckpt
+        from .dataversion import changed_since
+        from .state import Progress
+
+        path, before = self.out / runs.CHECKPOINT, {}
+        if not path.exists():  # nothing to resume: it starts on today's data
+            return
+        # Arrays keep their run name across data versions: a resume on other data is refused.
+        with contextlib.suppress(OSError, ValueError):
+            before = runs.read_json(self.out / runs.CONFIG)
+        if before and (changed := changed_since(before, self.config, self.out)):
+            self._refuse(changed)
+        try:  # a refusal is for good: the planner must not say "resumes" (status refused)
+            state = ckpt.load(path, config_hash=self.config["config_hash"])
+            state = self.dist.own_state(state, path)
+            self.load_objects(state["trainer"])
+            early = state["early_stopping"]
+            if early["best_epoch"] and self.dist.is_main:  # one writer
+                ckpt.save_weights(self.out / runs.BEST_MODEL, early["best_state"])
+            self.stopper.load_state_dict(early)
+            self.progress = Progress(**state["progress"])
+            note = ckpt.set_rng_state(state["rng"], self.device)
+        except ckpt.CheckpointError as exc:
+            self._refuse(f"cannot resume: {exc}")
+        except Exception as exc:  # whatever torch or this code raises: refused, with the reason
+            self._refuse(
+                f"cannot resume: {path} does not fit this code or this machine "
+                f"({type(exc).__name__}: {runs.first_line(exc)}); re-run with --fresh to start over"
+            )
+        if note:
+            self.log.warning(note)
+        p = self.progress
+        self.log.info(f"resuming {self.out} at epoch {p.epoch + 1}, step {p.step}")
+        if other := runs.other_code_line(self.out, PROJECT_ROOT, "resuming under other code"):
+            self.log.warning(other)  # README, "What a run writes"
 
     # ---- compile and DDP -------------------------------------------------------------------------
     def compile_mode(self, model) -> str | None:
@@ -622,13 +705,8 @@ class Run:
     def checkpoint(self, every: float) -> None:
         """checkpoint.pt (every object given to restore, progress, RNG, early stopping) once
         `every` seconds have passed since the last (0: now; rank 0's clock decides for all)."""
-        if self.dist.decide(time.monotonic() - self.state.saved_at >= every):
+        if self.dist.decide(time.monotonic() - self._saved_at >= every):
             self._save()
-
-    def _save(self) -> None:
-        """checkpoint.pt now: collective under torchrun (the other ranks send their part)."""
-        self.record.ours()  # LostClaim once the run directory is another's
-        self.state.save(self.out / runs.CHECKPOINT)
 
     def restore_best(self, model) -> None:
         """The best epoch's weights into `model` (to test once); RunFailed when the monitored
@@ -778,7 +856,7 @@ def capture_step(run_py, argv: list[str]):
     that drive the project's own step (gpucheck, benchmarks, tests). In this process, as a tool
     run (nothing is resumed or recorded, also when the run is done); works under torchrun (each
     rank gets its own; `run.ddp` says whether the step's module is in DDP). `run` is the live
-    Run (device, amp_dtype, train_sums, state, data_, peek_batch, warm_up...)."""
+    Run (device, amp_dtype, train_sums, state_dict, data_, peek_batch, warm_up...)."""
     import types
 
     captured: dict = {}
