@@ -352,9 +352,9 @@ class Record:
     (`claim.check()`): if it was deleted meanwhile, LostClaim, and nothing more is written there.
 
     One writer: under torchrun the ranks other than 0 keep a Record that writes nothing
-    (`writes` False) but their part of the collective checkpoint, and sends a failure's
-    traceback to rank 0, which puts it into run.log and MLflow. `what`: "run" (training) or
-    "job", as run.log names it."""
+    (`writes` False; their part of the collective checkpoint goes to rank 0), and sends a
+    failure's traceback to rank 0, which puts it into run.log and MLflow. `what`: "run"
+    (training) or "job", as run.log names it."""
 
     def __init__(
         self, out, config: dict, args, stop, held: Claim | None, dist, params, tags, what="run"
@@ -404,8 +404,7 @@ class Record:
             return
         runs.write_status(self.out, "interrupted")
         self.tracker.end("KILLED")
-        where = f" at step {progress.step}" if progress else ""
-        redo = "resume" if progress else "redo"
+        where, redo = (f" at step {progress.step}", "resume") if progress else ("", "redo")
         self.log.warning(f"interrupted by {signal_name}{where}; re-run the same command to {redo}")
 
     def force_exited(self) -> None:
