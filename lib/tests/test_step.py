@@ -129,7 +129,7 @@ def test_grad_scaler_on_cpu_unscales_before_clipping_and_accumulates(step_of, mo
     x, y = torch.randn(8, 8) * 0.1, torch.randint(0, 3, (8,))
     torch.manual_seed(0)
     scaled = step_of(nn.Linear(8, 3), "--clip-grad", "0.01", amp_dtype=torch.float16)
-    assert scaled.run.state.precision() == {"autocast": "fp16", "grad_scaler": True}
+    assert scaled.run.precision() == {"autocast": "fp16", "grad_scaler": True}
     lr = scaled.optimizer.param_groups[0]["lr"]
     start = [p.detach().clone() for p in scaled.model.parameters()]
     scaled.step([(x[:4], y[:4]), (x[4:], y[4:])])
@@ -146,7 +146,7 @@ def test_grad_scaler_on_cpu_unscales_before_clipping_and_accumulates(step_of, mo
     for p, q, p0 in zip(scaled.model.parameters(), reference.parameters(), start, strict=True):
         assert not torch.equal(p, p0)  # the step was taken, not skipped
         torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-3)
-    assert scaled.run.state.state_dict()["trainer"]["scaler"]["scale"] == 65536.0
+    assert scaled.run.state_dict()["trainer"]["scaler"]["scale"] == 65536.0
     metrics, seen = scaled.run.train_sums.take()
     assert seen == 8 and 0 <= metrics["acc"] <= 1  # both micro-batches counted, once
 
@@ -157,7 +157,7 @@ def test_grad_scaler_skips_a_step_with_inf_gradients_and_halves_the_scale(step_o
     before = [p.detach().clone() for p in c.model.parameters()]
     x = torch.full((4, 8), float("inf"))
     c.step([(x, torch.zeros(4, dtype=torch.long))])
-    assert c.run.state.state_dict()["trainer"]["scaler"]["scale"] == 32768.0
+    assert c.run.state_dict()["trainer"]["scaler"]["scale"] == 32768.0
     for p, q in zip(c.model.parameters(), before, strict=True):
         assert torch.equal(p, q)
 
@@ -252,10 +252,10 @@ def test_the_state_resumes_the_step_exactly(step_of):
     for batch in data[:2]:
         first.step([batch])
     buffer = io.BytesIO()
-    torch.save(first.run.state.state_dict()["trainer"], buffer)
+    torch.save(first.run.state_dict()["trainer"], buffer)
     buffer.seek(0)
     resumed = step_of(small_net(7), "--clip-grad", "1", "--ema", "0.5")  # all must be loaded
-    resumed.run.state.load_objects(torch.load(buffer, weights_only=True))
+    resumed.run.load_objects(torch.load(buffer, weights_only=True))
     for batch in data[2:]:
         resumed.step([batch])
     for name in ("model", "ema"):

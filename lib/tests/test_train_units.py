@@ -108,8 +108,7 @@ def test_stop_reason_is_early_stopping_only_if_patience_ended_the_run_early():
     from labrun.state import Progress
 
     def stop_reason(progress, args, stopper):
-        state = types.SimpleNamespace(stopper=stopper)
-        return Run.stop_reason(types.SimpleNamespace(progress=progress, args=args, state=state))
+        return Run.stop_reason(types.SimpleNamespace(progress=progress, args=args, stopper=stopper))
 
     stopper, model = EarlyStopping(patience=1), _model_with_weight(0.0)
     stopper.update(0.5, 1, model)

@@ -22,6 +22,7 @@ import torch
 from .runs import atomic_path
 
 FORMAT_VERSION = 2  # 2: the objects' state_dicts under "trainer", one CUDA RNG state
+NUMPY_STATE = ("name", "keys", "pos", "has_gauss", "cached")  # np.random.get_state()'s tuple
 
 
 class CheckpointError(RuntimeError):
@@ -31,18 +32,9 @@ class CheckpointError(RuntimeError):
 def rng_state(device: torch.device) -> dict:
     """Python, numpy and torch CPU generators, plus the training GPU's (only that one: a resume
     may see another number of GPUs)."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": {
-            "name": name,
-            "keys": torch.from_numpy(keys.astype(np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached": float(cached),
-        },
-        "torch": torch.get_rng_state(),
-    }
+    numpy = dict(zip(NUMPY_STATE, np.random.get_state(), strict=True))  # str, ints, a float
+    numpy["keys"] = torch.from_numpy(numpy["keys"].astype(np.int64))  # and the generator's keys
+    state = {"python": random.getstate(), "numpy": numpy, "torch": torch.get_rng_state()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
@@ -54,9 +46,8 @@ def set_rng_state(state: dict, device: torch.device) -> str | None:
     seed). A CPU run ignores saved CUDA states."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
-    n = state["numpy"]
-    keys = n["keys"].numpy().astype(np.uint32)
-    np.random.set_state((n["name"], keys, n["pos"], n["has_gauss"], n["cached"]))
+    numpy = {**state["numpy"], "keys": state["numpy"]["keys"].numpy().astype(np.uint32)}
+    np.random.set_state(tuple(numpy[k] for k in NUMPY_STATE))
     torch.set_rng_state(state["torch"])
     if device.type != "cuda":
         return None

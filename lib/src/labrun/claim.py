@@ -52,9 +52,7 @@ class Claim:
     """A held claim; released by `release()`, by leaving a `with` block, or at process end."""
 
     def __init__(self, run_dir: Path, fd: int, created: bool, info: str = "") -> None:
-        self.run_dir, self.created = run_dir, created
-        self._fd: int | None = fd
-        self._info = info
+        self.run_dir, self.created, self._fd, self._info = run_dir, created, fd, info
 
     def mark_stopping(self) -> None:
         """Note in the lock file that this holder is stopping (checkpointing, then exiting): the
@@ -71,11 +69,10 @@ class Claim:
         """Release, and remove the run directory if this claim created it and it holds nothing
         else (a run refused before any work leaves nothing behind). The lock file goes first,
         while still held: a process waiting on it sees another inode at the path and retries."""
-        if self._fd is None or not self.created or not self.still_ours():
-            self.release()  # not ours to remove: a deleted directory's path may be another's
-            return
+        # Not ours to remove unless still_ours(): a deleted directory's path may be another's.
+        ours = self.created and self.still_ours()
         with contextlib.suppress(OSError):
-            if [p.name for p in self.run_dir.iterdir()] == [LOCK_FILE]:
+            if ours and [p.name for p in self.run_dir.iterdir()] == [LOCK_FILE]:
                 (self.run_dir / LOCK_FILE).unlink()
                 self.run_dir.rmdir()
         self.release()
@@ -163,19 +160,17 @@ def claim(run_dir: str | os.PathLike) -> Claim:
         fd = _open_lock(path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # The file we locked must still be the one at `path` (someone may have deleted
+            # it): otherwise a later process would lock a new file and both would train.
+            if _locked_is_at(fd, path):
+                break
         except BlockingIOError:  # held; any other OSError (no flock here) ends the job
-            if time.monotonic() < deadline:
+            if time.monotonic() >= deadline:
+                who = _describe(_read(fd))
                 os.close(fd)
-                time.sleep(0.01)
-                continue
-            who = _describe(_read(fd))
-            os.close(fd)
-            raise Busy(f"{directory} is claimed by {who}") from None
-        # The file we locked must still be the one at `path` (someone may have deleted it):
-        # otherwise a later process would lock a new file and both would train.
-        if _locked_is_at(fd, path):
-            break
-        os.close(fd)
+                raise Busy(f"{directory} is claimed by {who}") from None
+            time.sleep(0.01)
+        os.close(fd)  # and try again
     start = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     info = f"pid={os.getpid()} host={socket.gethostname()} start={start}\n".encode()
     with contextlib.suppress(OSError):  # read-only lock file: the claim holds, unnamed

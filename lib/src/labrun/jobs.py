@@ -191,8 +191,7 @@ def contract(
 def _is_program(function: Callable) -> bool:
     """`function` belongs to the script this interpreter runs (`python run.py`), not to a module
     imported by a test, a notebook or another tool that goes on after main() returns."""
-    main = sys.modules.get("__main__")
-    script = getattr(main, "__file__", None)
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
     return (
         getattr(function, "__module__", None) == "__main__"
         and script is not None
@@ -261,7 +260,6 @@ def _admit(dist, args, out: Path, redo, stop: GracefulStop, claimed: ExitStack):
 def open_dir(out: Path, fresh: bool, stop: GracefulStop):
     """The claimed run directory made ready for its work: `fresh` (--fresh) deletes its files,
     a killed writer's temps go; returns run.log's logger, where stop requests go from now on."""
-    out.mkdir(parents=True, exist_ok=True)
     if fresh:
         print(f"--fresh: deleting {', '.join(runs.clear_run_dir(out)) or 'nothing'} in {out}")
     runs.remove_stale_temps(out)
@@ -322,25 +320,22 @@ def main(
 
         job = Job(args, out, open_dir(out, args.fresh, stop), stop, prepared)
         started, identity = time.monotonic(), ident(args)
-        config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-        config.update(identity=identity, run_name=out.name, config_hash=short_hash(identity))
-        config["experiment_keys"] = sorted(identity)
+        config = dict(vars(args), identity=identity, experiment_keys=sorted(identity))  # a Path:
+        config.update(run_name=out.name, config_hash=short_hash(identity))  # str in config.json
         tags = {**(provenance() if args.tracking == "on" else {}), "run_dir": str(out)}
         tags["job"] = sys.argv[0]
-        record = Record(out, config, args, job.log, held, dist, identity, tags, what="job")
-        stop.on_force_exit = record.force_exited  # exit 130 leaves "interrupted"
+        record = Record(out, config, args, stop, held, dist, identity, tags, what="job")
         try:  # recorded as it ends: finished, interrupted or failed
-            try:
-                metrics = work(job)
-            except Interrupted as exc:
-                record.interrupted(str(exc))
-                return EXIT_INTERRUPTED
+            metrics = work(job)
             if not isinstance(metrics, dict) or not metrics:
                 raise TypeError(f"work() must return a non-empty dict of metrics, got {metrics!r}")
             metrics["wall_time_s"] = time.monotonic() - started
             record.finished(metrics, artifacts=job.artifacts)
             job.log.info(f"finished: {job.out}")
             return EXIT_OK
+        except Interrupted as exc:
+            record.interrupted(str(exc))
+            return EXIT_INTERRUPTED
         except Exception as exc:  # failed: one line here, the traceback in run.log and MLflow
             return record.failed(exc)
         finally:
@@ -352,24 +347,24 @@ def main(
 # ---- what every job leaves behind --------------------------------------------------------------
 class Record:
     """A job's record: config.json, status (running -> finished | failed | interrupted),
-    metrics.json last (its existence means done) and its MLflow run; a training run's record adds
-    history.csv, checkpoint.pt and best_model.pt (session.Run says when). Every fault path is
+    metrics.json last (its existence means done) and its MLflow run; a training run adds
+    history.csv, checkpoint.pt and best_model.pt (session.Run, after `ours()`). Every fault path is
     best-effort: a full disk or a dead tracker never turns an ending job into a traceback.
     Before each write it checks that the run directory is still this process's
     (`claim.check()`): if it was deleted meanwhile, LostClaim, and nothing more is written there.
 
     One writer: under torchrun the ranks other than 0 keep a Record that writes nothing
-    (`writes` False) but their part of the collective checkpoint, and sends a failure's
-    traceback to rank 0, which puts it into run.log and MLflow. `what`: "run" (training) or
-    "job", as run.log names it."""
+    (`writes` False; their part of the collective checkpoint goes to rank 0), and sends a
+    failure's traceback to rank 0, which puts it into run.log and MLflow. `what`: "run"
+    (training) or "job", as run.log names it."""
 
     def __init__(
-        self, out, config: dict, args, log, held: Claim | None, dist, params, tags, what="run"
+        self, out, config: dict, args, stop, held: Claim | None, dist, params, tags, what="run"
     ) -> None:
-        self.out, self.log, self.claim, self.dist, self.what = out, log, held, dist, what
-        self.writes = dist.is_main
-        self.last_checkpoint = time.monotonic()
-        self.tracker = None
+        """`stop` (GracefulStop): its log is the run's; its exit 130 leaves "interrupted"."""
+        self.out, self.log, self.claim, self.dist, self.what = out, stop.log, held, dist, what
+        self.writes, self.tracker = dist.is_main, None
+        stop.on_force_exit = self.force_exited
         if not self.writes:
             return
         from .tracking import Tracker
@@ -382,7 +377,7 @@ class Record:
             enabled=args.tracking == "on",
             experiment=args.experiment,
             run_name=out.name,
-            log=log,
+            log=self.log,
             params=params,
             tags=tags,
             system_metrics=what == "run",  # a job that does not train: no machine samples
@@ -404,11 +399,6 @@ class Record:
             return "MLflow: the sweep's follower mirrors this run once it ends"
         return f"MLflow run {self.tracker.run_id or 'not reached (continuing without)'}"
 
-    def checkpoint(self, state) -> None:
-        self.ours()
-        state.save(self.out / runs.CHECKPOINT)  # the other ranks send their part, write nothing
-        self.last_checkpoint = time.monotonic()
-
     def interrupted(self, signal_name: str, progress=None) -> None:
         """Status interrupted, MLflow KILLED. `progress`: a training run's (state.Progress),
         which resumes from its checkpoint; a job without one is redone."""
@@ -416,8 +406,7 @@ class Record:
             return
         runs.write_status(self.out, "interrupted")
         self.tracker.end("KILLED")
-        where = f" at step {progress.step}" if progress else ""
-        redo = "resume" if progress else "redo"
+        where, redo = (f" at step {progress.step}", "resume") if progress else ("", "redo")
         self.log.warning(f"interrupted by {signal_name}{where}; re-run the same command to {redo}")
 
     def force_exited(self) -> None:
@@ -435,7 +424,6 @@ class Record:
             return
         if history is not None:
             runs.write_history(self.out, history)
-        metrics["mlflow_run_id"] = None
         self.tracker.end(
             "FINISHED",
             metrics={k: v for k, v in metrics.items() if v is not None},

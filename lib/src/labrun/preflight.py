@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import UsageError
-from .runs import size_text
+from .runs import first_line, size_text
 
 
 @dataclass(frozen=True)
@@ -39,15 +39,16 @@ class Needs:
     best: int  # early stopping's copy of the best weights, always on the host
     activations: int  # what the forward pass keeps for backward, for one micro-batch
 
-    def on_device(self) -> int:
-        return self.parameters + self.training + self.ema + self.activations
+    def held(self, *names: str) -> tuple[int, str]:
+        """The bytes the fields `names` hold, and what holds them (those that hold none left
+        out)."""
+        parts = {LABELS.get(name, name): getattr(self, name) for name in names}
+        text = ", ".join(f"{label} {size_text(n)}" for label, n in parts.items() if n)
+        return sum(parts.values()), text
 
-    def parts(self, *, host_copy: bool) -> str:
-        """What holds the bytes, the parts that hold none left out."""
-        named = {"parameters": self.parameters, "gradients and AdamW state": self.training}
-        named.update(EMA=self.ema, activations=self.activations)
-        named["best weights"] = self.best if host_copy else 0
-        return ", ".join(f"{name} {size_text(n)}" for name, n in named.items() if n)
+
+LABELS = {"training": "gradients and AdamW state", "ema": "EMA", "best": "best weights"}
+ON_DEVICE = ("parameters", "training", "ema", "activations")  # the rest: the best weights
 
 
 def estimate(model, batch_shape: tuple[int, ...], *, ema: bool, half: bool) -> Needs:
@@ -57,8 +58,7 @@ def estimate(model, batch_shape: tuple[int, ...], *, ema: bool, half: bool) -> N
     leaves the activations at 0: the rest still refuses what cannot fit."""
     import torch
 
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     outputs: dict[int, torch.Tensor] = {}  # by identity: an in-place ReLU's output is its input
 
@@ -80,7 +80,6 @@ def estimate(model, batch_shape: tuple[int, ...], *, ema: bool, half: bool) -> N
         t.numel() * (2 if half and t.is_floating_point() else t.element_size())
         for t in outputs.values()
     )
-    weights = params + buffers
     return Needs(weights, 3 * trainable, weights if ema else 0, weights, kept)
 
 
@@ -111,18 +110,14 @@ def check_memory(args, info, device, amp_dtype, *, micro_batch: int) -> str:
     shape = (micro_batch, *info.input_shape)
     # run.py's --ema; amp_dtype is bf16 or fp16 when set: activations of 2 bytes
     needs = estimate(model, shape, ema=getattr(args, "ema", 0) > 0, half=amp_dtype is not None)
-    on_gpu = device.type == "cuda"
-    if on_gpu:  # the best weights on the host, the rest on the GPU
-        host = needs.best, f"best weights {size_text(needs.best)}"
-        gpu = needs.on_device(), needs.parts(host_copy=False), torch.cuda.mem_get_info(device)[0]
-    else:
-        host = needs.best + needs.on_device(), needs.parts(host_copy=True)
-    places = [("host memory", *host, available_ram_bytes())]  # None: no limit known
-    places += [(f"memory on {device}", *gpu)] if on_gpu else []
+    on_gpu = device.type == "cuda"  # the best weights on the host, the rest on the GPU
+    places = [("host memory", needs.held(*() if on_gpu else ON_DEVICE, "best"))]
+    places += [(f"memory on {device}", needs.held(*ON_DEVICE))] if on_gpu else []
+    free = [available_ram_bytes(), *([torch.cuda.mem_get_info(device)[0]] if on_gpu else [])]
     problems = [
-        f"{size_text(need)} of {where} ({detail}) but {size_text(free)} is free"
-        for where, need, detail, free in places
-        if free is not None and need > free
+        f"{size_text(need)} of {where} ({detail}) but {size_text(room)} is free"
+        for (where, (need, detail)), room in zip(places, free, strict=True)
+        if room is not None and need > room  # None: no limit known
     ]
     if problems:
         # the flags that size the model, then those that shrink what does not fit: the model,
@@ -131,14 +126,14 @@ def check_memory(args, info, device, amp_dtype, *, micro_batch: int) -> str:
         given += f" --model-args {','.join(f'{k}={v}' for k, v in own.items())}" if own else ""
         flags = ["a smaller --width"] if args.width is not None else []
         flags = flags + (["smaller --model-args"] if own else []) or ["a smaller --model"]
-        if needs.activations * 4 >= needs.on_device():
+        if needs.activations * 4 >= needs.held(*ON_DEVICE)[0]:
             flags.append("a smaller --batch-size (with --grad-accum to keep the effective batch)")
         raise UsageError(
             f"--model {args.model}{given}, --batch-size {args.batch_size}: training needs about "
             f"{' and '.join(problems)}; choose {' or '.join(flags)}"
         )
-    total = needs.on_device() + needs.best
-    return f"training needs about {size_text(total)} ({needs.parts(host_copy=True)})"
+    total, detail = needs.held(*ON_DEVICE, "best")
+    return f"training needs about {size_text(total)} ({detail})"
 
 
 def forward_problem(model, batch, loss_fn, dtype) -> str | None:
@@ -155,8 +150,7 @@ def forward_problem(model, batch, loss_fn, dtype) -> str | None:
     except torch.OutOfMemoryError:
         raise
     except Exception as exc:  # noqa: BLE001 (any failure here is the misfit to report)
-        first = (str(exc).strip().splitlines() or [""])[0]
-        return f"{type(exc).__name__}: {first}"
+        return f"{type(exc).__name__}: {first_line(exc)}"
     finally:
         model.train(was_training)
     return None

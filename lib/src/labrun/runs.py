@@ -123,8 +123,7 @@ def check_ownership(run_dir: Path) -> None:
                 f"{path} is a symbolic link: a run directory holds plain files only (nothing "
                 "is written through a link); remove it, or use another --results-dir",
             )
-        owner = info.st_uid
-        if owner != me:
+        if (owner := info.st_uid) != me:
             what = "the run directory" if path == run_dir else path.name
             raise ForeignFile(
                 errno.EPERM,
@@ -248,11 +247,9 @@ def try_write_status(run_dir: Path, status: str) -> bool:
 
     Falls back to an in-place write of the tiny file when there is no room for a temporary copy.
     """
-    try:
+    with contextlib.suppress(OSError):
         write_status(run_dir, status)
         return True
-    except OSError:
-        pass
     try:
         fd = open_own(Path(run_dir) / STATUS, os.O_WRONLY | os.O_CREAT)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -294,20 +291,18 @@ def write_history(run_dir: Path, rows: list[dict]) -> None:
 
 
 def ensure_writable(directory: Path, need_bytes: int = 0) -> None:
-    """Create `directory`, prove we can write there and that `need_bytes` fit; raise OSError.
+    """Prove we can write to `directory` (claimed: it exists) and that `need_bytes` fit there;
+    raise OSError.
 
-    The probe writes `need_bytes` for real (not just checks statvfs), so quotas and nearly full
-    disks are caught before any work is done rather than at the first checkpoint.
+    The probe allocates `need_bytes` for real (posix_fallocate; glibc writes the blocks where
+    the file system cannot allocate), not just checks statvfs, so quotas and nearly full disks
+    are caught before any work is done rather than at the first checkpoint.
     """
     try:
-        Path(directory).mkdir(parents=True, exist_ok=True)
         probe = {"prefix": f".{PROBE}.", "suffix": TEMP_SUFFIX}
         with tempfile.NamedTemporaryFile(dir=directory, **probe) as f:
-            chunk = b"\0" * (1 << 20)
-            for start in range(0, need_bytes, len(chunk)):
-                f.write(chunk[: min(len(chunk), need_bytes - start)])
-            f.flush()
-            os.fsync(f.fileno())
+            if need_bytes:
+                os.posix_fallocate(f.fileno(), 0, need_bytes)
     except OSError as exc:
         if is_disk_error(exc):
             raise OSError(
@@ -404,13 +399,9 @@ def other_code_line(run_dir: Path, root: Path, prefix: str) -> str | None:
 
 
 def _git_lines(root: Path, *command: str, z: bool = True) -> list[str] | None:
+    git = ["git", "-C", str(root), *command]
     try:
-        out = subprocess.run(
-            ["git", "-C", str(root), *command],
-            capture_output=True,
-            timeout=30,
-            check=True,
-        ).stdout
+        out = subprocess.run(git, capture_output=True, timeout=30, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     text = out.decode("utf-8", "surrogateescape")
@@ -446,9 +437,7 @@ def setup_logging(run_dir: Path, name: str) -> logging.Logger:
     logger = logging.getLogger(f"run.{name}")
     logger.setLevel(logging.INFO)
     logger.propagate = False
-    for handler in list(logger.handlers):  # a second main() in one process (tests) starts clean
-        logger.removeHandler(handler)
-        handler.close()
+    close_logging(logger)  # a second main() in one process (tests) starts clean
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S")
     for handler in (logging.StreamHandler(sys.stderr), NoFollowFileHandler(Path(run_dir) / LOG)):
         handler.setFormatter(fmt)

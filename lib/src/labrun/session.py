@@ -39,6 +39,7 @@ input or a refused checkpoint (nothing written), 73 its directory is another's, 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import sys
@@ -65,14 +66,6 @@ class RunFailed(RuntimeError):
     failed, exit 1, this message as the one `error:` line."""
 
 
-class _Exit(Exception):  # noqa: N818 (a control-flow signal, not an error)
-    """End the run now with this exit code (its message already printed and logged)."""
-
-    def __init__(self, code: int) -> None:
-        super().__init__(code)
-        self.code = code
-
-
 def is_tool(args) -> bool:
     return bool(args.find_lr or args.find_batch_size or args.profile)
 
@@ -96,13 +89,14 @@ def _body(train, tool, args, parser, out, stop, held, dist) -> int:
         if code is None and not run.done:
             raise RunFailed("train() returned before run.finish(): the run has no result")
         return EXIT_OK if code is None else code
-    except _Exit as exc:
+    except SystemExit as exc:  # a refusal, its line printed and logged: end with its code
         return exc.code
     except Interrupted:
         return jobs.EXIT_INTERRUPTED
     except Exception as exc:  # failed: one line here, the traceback in run.log and MLflow
         bad_input = isinstance(exc, UsageError | ValueError | OSError)
-        if bad_input and (run is None or not run.opened):  # found before any file of the run
+        # found before any file of the run (run.restore opens its directory and run.log)
+        if bad_input and (run is None or run.log is None):
             if run is None or not run._agreed:  # torchrun: the ranks still starting end too
                 dist.settle(EXIT_USAGE, why=str(exc) or type(exc).__name__)
             return error(str(exc) or type(exc).__name__, EXIT_USAGE)
@@ -134,7 +128,10 @@ class Run:
     Attributes for run.py: args, device, amp_dtype (autocast dtype or None: fp32), task (loss,
     device-side metric sums, the monitored metric), dist (torchrun), ddp (True when `net` is
     DistributedDataParallel), train_sums (add each micro-batch in the step), total_steps, tool,
-    log (run.log, once `restore` has opened the run directory), progress.
+    log (run.log, once `restore` has opened the run directory), progress, stopper (from
+    `restore` on: early stopping, stopping.EarlyStopping: `update(score, epoch, model)` is True
+    at a new best, its weights copied; `should_stop` once patience ran out, which counts only
+    after the LR peak and --min-epochs; checkpointed with the run).
     """
 
     def __init__(self, args, parser, out, stop, held, dist, *, tool=False) -> None:
@@ -149,17 +146,17 @@ class Run:
 
         self.args, self.out, self.stop, self.held, self.dist = args, out, stop, held, dist
         self.tool = tool or is_tool(args)
-        self.opened, self._agreed, self.ddp, self.done = False, False, False, False
-        self.log = self.record = self.state = self.data_ = None
-        self.objects: dict = {}
-        self.speed: dict = {}  # CUDA: flops_per_sample, peak_flops, gpu_busy (metrics.json)
+        self._agreed, self.ddp, self.done = False, False, False
+        # loss, report_loss: run.py's, given by use_loss (never guessed here)
+        self.log = self.record = self.data_ = self.loss = self.report_loss = None
+        self.objects, self.speed = {}, {}  # speed: CUDA's flops_per_sample, peak_flops, gpu_busy
         self.progress = Progress()
         # ---- config: every bad input is found before a file of the run is written ----
         self.config = config = resolved_config(args, parser)
-        config["world_size"] = dist.world  # processes of this job (torchrun), not of its identity
-        # The CPU share it computes with (its numbers depend on the thread count): run.sh gives
-        # a resumed job the same again.
-        config.update(torch_threads=torch.get_num_threads(), job_cpus=available_cpus())
+        # The processes of this job (torchrun), not of its identity; the CPU share it computes
+        # with (its numbers depend on the thread count): run.sh gives a resumed job the same.
+        config.update(world_size=dist.world, torch_threads=torch.get_num_threads())
+        config["job_cpus"] = available_cpus()
         runs.check_ownership(out)  # a colleague's run directory, or files planted in ours
         self.task = create_task(args.task, args, args.monitor)  # loss, metrics, the monitored one
         config.update(monitored=self.task.monitor, metric_directions=self.task.directions)
@@ -176,8 +173,6 @@ class Run:
 
             start_memory_history(self.device)
         self.train_sums = TrainSums(self.task, self.device)
-        self.loss = self.report_loss = None  # run.py's, given by use_loss: never guessed here
-        self._t0 = self._bar = None  # the epoch being trained (batches, tick)
 
     def use_loss(self, loss_fn, report=None):
         """`loss_fn(outputs, targets)`: the loss run.py's step trains on, which the model check,
@@ -212,9 +207,8 @@ class Run:
         )
         splits = loaded.splits
         # Only decoded in-memory data can live on the GPU; streamed files come through workers.
-        resident = loaded.mode == "memory" and choose_gpu_resident(
-            args.gpu_resident, self.device, splits
-        )
+        in_memory = loaded.mode == "memory"
+        resident = in_memory and choose_gpu_resident(args.gpu_resident, self.device, splits)
         loaders = {
             name: build_loader(
                 split,
@@ -238,18 +232,18 @@ class Run:
         # num_classes, channels, image_size, class names, split sizes, the arrays' content hash
         self.config.update(loaded.info.as_config())
         seed_everything(args.seed)
+        version = self.config["data_version"] or self.config.get("data_content")
+        sizes = f"{self.config['split_sizes']} samples (train/val/test) | {version}"
         # dtype and shape, normalisation, augmentation: what was done to the inputs, and why
-        self._notes += list(loaded.info.describe().items())
+        self._notes += [("data", sizes), *loaded.info.describe().items()]
         if getattr(loaders["train"], "decoder", ""):  # streamed files: on the GPU or the CPU
             self._notes.append(("decode", loaders["train"].decoder))
         train, val, test = (loaders[k] for k in ("train", "val", "test"))
         self.data_ = Data(splits, train, val, test, steps_per_epoch, loaded.info, loaded.notes)
         # Before run.py builds the model: a model or batch too big for the free memory is
         # refused here (exit 2), not ended by the OOM killer (preflight.py)
-        micro_batch = max(1, args.batch_size // self.dist.world)
-        needs = check_memory(
-            args, loaded.info, self.device, self.amp_dtype, micro_batch=micro_batch
-        )
+        micro = max(1, args.batch_size // self.dist.world)
+        needs = check_memory(args, loaded.info, self.device, self.amp_dtype, micro_batch=micro)
         self._notes.append(("memory", needs))
         return self.data_
 
@@ -281,10 +275,7 @@ class Run:
         running, MLflow). A checkpoint that cannot be loaded is refused (status refused, exit 2);
         so is a resume on other data. The first object is the model (its size: the disk check).
         Tools (--find-lr ...) only open the run directory."""
-        from . import checkpoint as ckpt
-        from .dataversion import changed_since
         from .preflight import forward_problem
-        from .state import TrainingState
         from .stopping import EarlyStopping
         from .train import lr_peak_step, peak_epoch
 
@@ -295,7 +286,7 @@ class Run:
         # Refusals that need the model (no room for a checkpoint), then the run directory and
         # run.log; a refusal on any rank ends all (torchrun).
         args, out, dist = self.args, self.out, self.dist
-        code, why = None, ""
+        why = ""
         try:
             # one forward pass and the loss on a real batch: a misfit of model, data and task
             # (not for tools: capture_step drives the step with its caller's own batches)
@@ -305,54 +296,35 @@ class Run:
                     f"--model {args.model} cannot train on --dataset {args.dataset} under "
                     f"--task {args.task} ({problem}); choose another --model, --task or --dataset"
                 )
-                code = error(why, EXIT_USAGE)
             elif dist.is_main:
                 runs.ensure_writable(out, need_bytes=room_needed(out, model, ema))
         except OSError as exc:  # not writable, or no room for a checkpoint: before any work
             why = f"--results-dir: {exc.strerror or exc}"
-            code = error(why, EXIT_USAGE)
+        code = error(why, EXIT_USAGE) if why else None
         self._agreed = True
         # torchrun: one collective whatever each rank found (a refusal, a stop while starting:
         # nothing of this run exists yet), so that no rank waits in another one (issue 28.2)
         if (code := dist.settle(code, self.stop, why)) is not None:
-            raise _Exit(code)
+            raise SystemExit(code)
         if dist.is_main:  # one writer (--fresh, run.log); the other ranks log to stderr
             self.log = jobs.open_dir(out, args.fresh, self.stop)
         else:
             self.log = self.stop.log = dist.rank_log(out.name)
-        self.opened = True
         dist.settle(None)  # the others read the checkpoint once --fresh has deleted it
         for note in self.data_.notes:  # e.g. skipped unreadable images
             self.log.warning(f"data: {note}")
-        version = self.config["data_version"] or self.config.get("data_content")
-        sizes = f"{self.config['split_sizes']} samples (train/val/test) | {version}"
-        notes = [("data", sizes), *self._notes]
-        for what, why in notes + ([("distributed", dist.describe())] if dist.active else []):
+        for what, why in self._notes + ([("distributed", dist.describe())] if dist.active else []):
             self.log.info(f"{what}: {why}")
         # Patience counts only after the LR peak and --min-epochs: no stop during the warm-up.
         peak = lr_peak_step(objects.get("scheduler"))
         patience_from = max(args.min_epochs, peak_epoch(peak, self.data_.steps_per_epoch))
-        stopper = EarlyStopping(
+        self.stopper = EarlyStopping(
             args.patience, start_epoch=patience_from, mode=self.task.direction(self.task.monitor)
         )
-        self.state = state = TrainingState(objects, stopper, self.train_sums, self)
+        self._saved_at = time.monotonic()  # the last save (the start): wall time, checkpoint()
         if self.tool:
             return
-        # Arrays keep their run name across data versions: a resume on other data is refused.
-        before = {}
-        if (out / runs.CHECKPOINT).is_file():  # nothing to resume: it starts on today's data
-            with contextlib.suppress(OSError, ValueError):
-                before = runs.read_json(out / runs.CONFIG)
-        if before and (changed := changed_since(before, self.config, out)):
-            self._refuse(changed)
-        try:
-            if state.resume(out / runs.CHECKPOINT, out / runs.BEST_MODEL):
-                self.progress = p = state.progress
-                self.log.info(f"resuming {out} at epoch {p.epoch + 1}, step {p.step}")
-                if other := runs.other_code_line(out, PROJECT_ROOT, "resuming under other code"):
-                    self.log.warning(other)  # README, "What a run writes"
-        except ckpt.CheckpointError as exc:  # refused for good: the planner must not say resumes
-            self._refuse(f"cannot resume: {exc}")
+        self._resume()
         params = tags = None
         if dist.is_main:
             from .tracking import provenance, run_params
@@ -363,17 +335,115 @@ class Run:
             tags.update(workers=str(args.workers), world_size=str(dist.world))
         # config.json, status running, its MLflow run (rank 0 writes); an OSError here (the
         # disk filled since the start-up check) is _body's: one `error:` line, exit 1
-        record = jobs.Record(out, self.config, args, self.log, self.held, dist, params, tags)
-        self.record = record
-        self.stop.on_force_exit = self.record.force_exited  # 130 leaves "interrupted"
+        self.record = jobs.Record(out, self.config, args, self.stop, self.held, dist, params, tags)
         steps = f"{self.data_.steps_per_epoch} steps/epoch"
-        self.log.info(f"run {out.name} on {self.device} | {steps} | {record.tracker_line()}")
+        self.log.info(f"run {out.name} on {self.device} | {steps} | {self.record.tracker_line()}")
 
     def _refuse(self, message: str) -> None:
         self.log.error(message)
         if self.dist.is_main:  # one writer
             runs.try_write_status(self.out, "refused")
-        raise _Exit(error(message, EXIT_USAGE))
+        raise SystemExit(error(message, EXIT_USAGE))
+
+    # ---- checkpoint.pt (state.py says what it holds and why) -----------------------------------
+    def precision(self) -> dict:
+        """What the checkpoint records of the arithmetic: the autocast dtype and the scaler."""
+        import torch
+
+        names = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}
+        scaled = (o for o in self.objects.values() if isinstance(o, torch.amp.GradScaler))
+        scaler = any(s.is_enabled() for s in scaled)
+        return {"autocast": names.get(self.amp_dtype, str(self.amp_dtype)), "grad_scaler": scaler}
+
+    def state_dict(self) -> dict:
+        """Every object given to restore by its state_dict (None recorded as None), progress,
+        early stopping with the best weights, the partial epoch's sums, RNG, the config hash."""
+        from .checkpoint import rng_state
+
+        objects = {k: None if o is None else o.state_dict() for k, o in self.objects.items()}
+        objects.update(precision=self.precision(), sums=self.train_sums.state_dict())
+        return {
+            "trainer": objects,  # the name distributed.py's gather_state / own_state read
+            "early_stopping": self.stopper.state_dict(),
+            "progress": dataclasses.asdict(self.progress),
+            "rng": rng_state(self.device),
+            "config_hash": self.config["config_hash"],
+        }
+
+    def _save(self) -> None:
+        """checkpoint.pt now: collective under torchrun (every rank calls it, rank 0 writes)."""
+        from . import checkpoint as ckpt
+
+        self.record.ours()  # LostClaim once the run directory is another's
+        now, p = time.monotonic(), self.progress  # wall time is accumulated across resumes
+        p.wall_time_s, self._saved_at = p.wall_time_s + now - self._saved_at, now
+        if (state := self.dist.gather_state(self.state_dict())) is not None:
+            ckpt.save(self.out / runs.CHECKPOINT, state)
+
+    def load_objects(self, saved: dict) -> None:
+        """Every object given to restore from the checkpoint's copy (strict: refused when it
+        differs, or when one is None here and not there: an EMA that is off)."""
+        import torch
+
+        from .checkpoint import CheckpointError, load_model_state
+        from .state import load_scaler
+
+        for name, obj in self.objects.items():
+            if name not in saved:
+                raise CheckpointError(f"the checkpoint holds no {name!r}")
+            if (saved[name] is None) != (obj is None):
+                raise CheckpointError(f"the checkpoint's {name!r} setting differs from this run's")
+            if obj is None:
+                continue
+            if isinstance(obj, torch.amp.GradScaler):
+                load_scaler(obj, saved[name], saved["precision"], self.precision(), self.log)
+            elif isinstance(obj, torch.nn.Module):
+                load_model_state(obj, saved[name], f"the checkpoint's {name}")
+            else:
+                obj.load_state_dict(saved[name])
+        self.train_sums.load_state_dict(saved["sums"])
+
+    def _resume(self) -> None:
+        """Load checkpoint.pt if there is one. One that cannot be loaded (corrupt, another
+        configuration, another model, anything that fails while loading it) is refused in one
+        line with the reason, never a traceback (_refuse). The checkpoint's best weights
+        rewrite best_model.pt (state.py). The RNG state is restored last: nothing after it
+        draws."""
+        from . import checkpoint as ckpt
+        from .dataversion import changed_since
+        from .state import Progress
+
+        path, before = self.out / runs.CHECKPOINT, {}
+        if not path.exists():  # nothing to resume: it starts on today's data
+            return
+        # Arrays keep their run name across data versions: a resume on other data is refused.
+        with contextlib.suppress(OSError, ValueError):
+            before = runs.read_json(self.out / runs.CONFIG)
+        if before and (changed := changed_since(before, self.config, self.out)):
+            self._refuse(changed)
+        try:  # a refusal is for good: the planner must not say "resumes" (status refused)
+            state = ckpt.load(path, config_hash=self.config["config_hash"])
+            state = self.dist.own_state(state, path)
+            self.load_objects(state["trainer"])
+            early = state["early_stopping"]
+            if early["best_epoch"] and self.dist.is_main:  # one writer
+                ckpt.save_weights(self.out / runs.BEST_MODEL, early["best_state"])
+            self.stopper.load_state_dict(early)
+            self.progress = Progress(**state["progress"])
+            note = ckpt.set_rng_state(state["rng"], self.device)
+        except ckpt.CheckpointError as exc:
+            self._refuse(f"cannot resume: {exc}")
+        except Exception as exc:  # whatever torch or this code raises: refused, with the reason
+            self._refuse(
+                f"cannot resume: {path} does not fit this code or this machine "
+                f"({type(exc).__name__}: {runs.first_line(exc)}); re-run with --fresh to start over"
+            )
+        if note:
+            self.log.warning(note)
+        p = self.progress
+        self.log.info(f"resuming {self.out} at epoch {p.epoch + 1}, step {p.step}")
+        if other := runs.other_code_line(self.out, PROJECT_ROOT, "resuming under other code"):
+            self.log.warning(other)  # README, "What a run writes"
 
     # ---- compile and DDP -------------------------------------------------------------------------
     def compile_mode(self, model) -> str | None:
@@ -444,9 +514,8 @@ class Run:
     def distributed(self, module):
         """`module` in DistributedDataParallel under torchrun (gradients all-reduced over the
         processes), else `module` itself. Give it the compiled module: DDP goes outermost."""
-        wrapped = self.dist.ddp(module)
-        self.ddp = wrapped is not None
-        return module if wrapped is None else wrapped
+        self.ddp = (wrapped := self.dist.ddp(module)) is not None
+        return wrapped if self.ddp else module
 
     def warm_up(self, net, *, eager):
         """Compile `net` (what the step calls) on a real batch before the timed loop, and time
@@ -508,13 +577,6 @@ class Run:
         per_epoch = max(self.data_.steps_per_epoch, 1)
         return min(self.args.epochs, math.ceil(self.total_steps / per_epoch))
 
-    @property
-    def stopper(self):
-        """Early stopping (stopping.EarlyStopping): `update(score, epoch, model)` is True at a new
-        best (its weights copied); `should_stop` once patience ran out. Patience counts only
-        after the LR peak and --min-epochs. Checkpointed with the run."""
-        return self.state.stopper
-
     def batches(self, loader):
         """This epoch's optimizer steps, each a list of --grad-accum micro-batches on the device,
         from where the run is (the order is f(seed, epoch): a resumed epoch skips the
@@ -533,9 +595,8 @@ class Run:
         off = {"on": False, "off": True, "auto": None}[self.args.progress] if main else True
         desc, steps = f"epoch {p.epoch + 1}/{self.args.epochs}", self.data_.steps_per_epoch
         self._bar = tqdm(total=steps, initial=p.batch // accum, leave=False, desc=desc, disable=off)
-        self._busy = None
-        if self.device.type == "cuda" and main and "gpu_busy" not in self.speed:
-            self._busy = GpuBusy(self.device)  # profiles a few steps of this epoch
+        profile = self.device.type == "cuda" and main and "gpu_busy" not in self.speed
+        self._busy = GpuBusy(self.device) if profile else None  # a few steps of this epoch
         try:
             while p.batch < self.data_.steps_per_epoch * accum and p.step < self.total_steps:
                 if self._busy is not None:
@@ -557,9 +618,8 @@ class Run:
         self._bar.update()
         if self.dist.stopped(self.stop, p.step):
             self._epoch_trained()
-            self.record.checkpoint(self.state)
-            why = self.stop.requested or "a stop signal to another rank"
-            self.record.interrupted(why, self.progress)
+            self._save()
+            self.record.interrupted(self.stop.requested or "a stop signal to another rank", p)
             raise Interrupted(self.stop.requested)
 
     def _epoch_trained(self) -> None:
@@ -607,18 +667,16 @@ class Run:
         self.train_sums.reset()
         p.epoch, p.batch, p.samples = p.epoch + 1, 0, p.samples + seen
         optimizer = self.objects.get("optimizer")
-        p.history.append(
-            {
-                "epoch": p.epoch,
-                "step": p.step,
-                "lr": optimizer.param_groups[0]["lr"] if optimizer is not None else math.nan,
-                **{f"train_{name}": value for name, value in train.items()},
-                **{f"val_{name}": value for name, value in val.items()},
-                "epoch_time_s": p.epoch_time_s,
-                "samples_per_sec": seen / max(p.epoch_time_s, 1e-9),
-            }
-        )
-        row = p.history[-1]
+        row = {
+            "epoch": p.epoch,
+            "step": p.step,
+            "lr": optimizer.param_groups[0]["lr"] if optimizer is not None else math.nan,
+            **{f"train_{name}": value for name, value in train.items()},
+            **{f"val_{name}": value for name, value in val.items()},
+            "epoch_time_s": p.epoch_time_s,
+            "samples_per_sec": seen / max(p.epoch_time_s, 1e-9),
+        }
+        p.history.append(row)
         if self.record.ours():  # history.csv, MLflow, run.log
             runs.write_history(self.out, p.history)
             self.record.tracker.log_history()  # history.csv, as just written
@@ -635,34 +693,33 @@ class Run:
         from .checkpoint import save_weights
 
         if self.record.ours():
-            stopper = self.state.stopper
-            save_weights(self.out / runs.BEST_MODEL, stopper.best_state)
-            best = f"{stopper.best_score:.4g}, epoch {stopper.best_epoch}"
+            save_weights(self.out / runs.BEST_MODEL, self.stopper.best_state)
+            best = f"{self.stopper.best_score:.4g}, epoch {self.stopper.best_epoch}"
             self.log.info(f"best so far ({best}): best_model.pt")
 
     def checkpoint(self, every: float) -> None:
         """checkpoint.pt (every object given to restore, progress, RNG, early stopping) once
         `every` seconds have passed since the last (0: now; rank 0's clock decides for all)."""
-        if self.dist.decide(time.monotonic() - self.record.last_checkpoint >= every):
-            self.record.checkpoint(self.state)
+        if self.dist.decide(time.monotonic() - self._saved_at >= every):
+            self._save()
 
     def restore_best(self, model) -> None:
         """The best epoch's weights into `model` (to test once); RunFailed when the monitored
         metric was never finite (nothing to test)."""
-        if self.state.stopper.best_state is None:
+        if self.stopper.best_state is None:
             raise RunFailed(
                 f"{self.task.monitor} was never finite in {self.progress.epoch} epoch(s): no "
                 "best weights to test (try a lower --lr or --clip-grad)"
             )
-        self.state.stopper.restore(model)
+        self.stopper.restore(model)
 
     def finish(self, test: dict[str, float]) -> None:
         """Checkpoint, metrics.json (last: the run is done; strict JSON: finite_or_null),
         MLflow FINISHED."""
         from .hardware import peak_memory_bytes
 
-        self.record.checkpoint(self.state)
-        p, stopper, task, speed = self.progress, self.state.stopper, self.task, self.speed
+        self._save()
+        p, stopper, task, speed = self.progress, self.stopper, self.task, self.speed
         reason, weights = self.stop_reason(), self.args.test_weights
         rate = p.samples / max(p.train_time_s, 1e-9)
         metrics = {
@@ -704,7 +761,7 @@ class Run:
     def stop_reason(self) -> str:
         """ "early_stopping" only when patience ended the run before its last step (patience
         that runs out on the last epoch changed nothing)."""
-        p, args, stopper = self.progress, self.args, self.state.stopper
+        p, args, stopper = self.progress, self.args, self.stopper
         at_max_steps = bool(args.max_steps) and p.step >= args.max_steps
         if stopper.should_stop and p.epoch < args.epochs and not at_max_steps:
             return "early_stopping"
@@ -766,10 +823,8 @@ def room_needed(out, model, ema=None) -> int:
     best_model.pt a re-run replaces (their space is the run's already, and comes back as each
     new file replaces the old one)."""
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    kept = 0
-    for name in (runs.CHECKPOINT, runs.BEST_MODEL):
-        with contextlib.suppress(OSError):
-            kept += (out / name).stat().st_size
+    ours = [out / name for name in (runs.CHECKPOINT, runs.BEST_MODEL)]  # claimed: none goes
+    kept = sum(path.stat().st_size for path in ours if path.is_file())
     return max(weights * (2 * (4 + (ema is not None)) + 1) - kept, 0)
 
 
@@ -787,9 +842,7 @@ def finite_or_null(metrics: dict) -> dict:
         for k, v in metrics.items()
         if isinstance(v, float) and not math.isfinite(v)
     }
-    if not reasons:
-        return metrics
-    return {**{k: None if k in reasons else v for k, v in metrics.items()}, "null_reasons": reasons}
+    return {**metrics, **dict.fromkeys(reasons), "null_reasons": reasons} if reasons else metrics
 
 
 def capture_step(run_py, argv: list[str]):
@@ -798,7 +851,7 @@ def capture_step(run_py, argv: list[str]):
     that drive the project's own step (gpucheck, benchmarks, tests). In this process, as a tool
     run (nothing is resumed or recorded, also when the run is done); works under torchrun (each
     rank gets its own; `run.ddp` says whether the step's module is in DDP). `run` is the live
-    Run (device, amp_dtype, train_sums, state, data_, peek_batch, warm_up...)."""
+    Run (device, amp_dtype, train_sums, state_dict, data_, peek_batch, warm_up...)."""
     import types
 
     captured: dict = {}

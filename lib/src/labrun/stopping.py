@@ -57,13 +57,10 @@ HANDLER_LATENCY_S = 2.0  # a main thread that runs Python takes up a signal far 
 def grace_from_env() -> float:
     """LAB_STOP_GRACE_S as seconds >= 0 (default 120); ValueError with one line otherwise."""
     text = os.environ.get(GRACE_ENV, "").strip()
-    try:
-        value = float(text) if text else DEFAULT_GRACE_S
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < math.inf:  # NaN too; 0: any second signal forces the exit
-        raise ValueError(f"{GRACE_ENV}={text!r}: expected a number of seconds >= 0")
-    return value
+    with contextlib.suppress(ValueError):  # NaN and inf fail too; 0: a second signal forces
+        if 0 <= (value := float(text or DEFAULT_GRACE_S)) < math.inf:
+            return value
+    raise ValueError(f"{GRACE_ENV}={text!r}: expected a number of seconds >= 0")
 
 
 def _stdin_is_a_terminal() -> bool:
@@ -83,9 +80,8 @@ class GracefulStop:
         self.requested: str | None = None
         self.on_force_exit: Callable[[], None] | None = None  # e.g. mark the status file
         self.on_request: Callable[[], None] | None = None  # at the first request (claim note)
-        self._seen = 0  # the first stop signal the watchdog saw (0: none yet)
-        self._first_at = 0.0
-        self._ignored = 0
+        # the first stop signal the watchdog saw (0: none yet), when, and how many came since
+        self._seen, self._first_at, self._ignored = 0, 0.0, 0
         self._old: dict = {}
 
     def _handle(self, signum: int, _frame) -> None:
@@ -234,8 +230,7 @@ class EarlyStopping:
         return self.patience > 0 and self.bad_epochs >= self.patience
 
     def restore(self, model: nn.Module) -> None:
-        if self.best_state is not None:
-            model.load_state_dict(self.best_state)
+        model.load_state_dict(self.best_state)
 
     def state_dict(self) -> dict:
         return dict(vars(self))  # numbers, the mode and the best weights: weights_only loads it
