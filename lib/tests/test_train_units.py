@@ -339,3 +339,20 @@ def test_a_run_py_that_names_no_loss_is_refused_before_any_file_of_the_run(
     )
     [run_dir] = tmp_path.iterdir()  # the claim's folder: nothing of the run in it
     assert {p.name for p in run_dir.iterdir()} <= {".lock"}
+
+
+@pytest.mark.parametrize(
+    ("text", "zero", "expected"),
+    [("", False, 120.0), (" 5 ", False, 5.0), ("0", True, 0.0), ("0", False, None),
+     ("-1", True, None), ("nan", True, None), ("inf", False, None), ("abc", True, None)],
+)  # fmt: skip
+def test_seconds_from_the_environment_are_finite_and_positive_or_refused(
+    monkeypatch, text, zero, expected
+):
+    """LAB_STOP_GRACE_S (0 allowed: a second signal forces) and LAB_DIST_TIMEOUT_S (> 0)."""
+    monkeypatch.setenv("SECONDS_TEST", text)
+    if expected is None:
+        with pytest.raises(ValueError, match=f"^SECONDS_TEST={text!r}: expected a number of sec"):
+            runs.seconds_from_env("SECONDS_TEST", 120.0, zero=zero)
+    else:
+        assert runs.seconds_from_env("SECONDS_TEST", 120.0, zero=zero) == expected

@@ -31,10 +31,8 @@ from collections.abc import Iterator
 
 from .config import UsageError
 from .project import current
-from .runs import code_version, first_line
+from .runs import EXIT_FAILED, EXIT_INTERRUPTED, code_version, first_line, seconds_from_env
 
-EXIT_FAILED = 1
-EXIT_INTERRUPTED = 75
 TIMEOUT_ENV = "LAB_DIST_TIMEOUT_S"  # how long any collective or the rendezvous may wait
 DEFAULT_TIMEOUT_S = 600.0  # longer than a checkpoint write or a compile; torch's gloo waits 30 min
 FAILURE_KEY = "labrun/failed/"  # + rank: a rank's traceback, in torchrun's store
@@ -58,16 +56,9 @@ class JoinFailed(RuntimeError):
 
 
 def timeout_from_env() -> float:
-    """LAB_DIST_TIMEOUT_S as seconds > 0 (default 600): no rank waits longer than this in the
-    rendezvous or in a collective; then it fails (status failed) instead of hanging."""
-    text = os.environ.get(TIMEOUT_ENV, "").strip()
-    try:
-        value = float(text) if text else DEFAULT_TIMEOUT_S
-    except ValueError:
-        value = float("nan")
-    if not 0 < value < float("inf"):
-        raise UsageError(f"{TIMEOUT_ENV}={text!r}: expected a number of seconds > 0")
-    return value
+    """LAB_DIST_TIMEOUT_S (default 600): no rank waits longer than this in the rendezvous or in
+    a collective; then it fails (status failed) instead of hanging."""
+    return seconds_from_env(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
 
 
 def launch_problem() -> str | None:

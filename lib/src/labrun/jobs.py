@@ -64,9 +64,8 @@ from .config import (
     short_hash,
     tracking_default,
 )
+from .runs import EXIT_BUSY, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from .stopping import GracefulStop
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_BUSY, EXIT_INTERRUPTED = 0, 1, 2, 73, 75
 
 
 @dataclass

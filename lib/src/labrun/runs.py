@@ -48,6 +48,10 @@ RUN_FILES = (CONFIG, STATUS, HISTORY, CHECKPOINT, BEST_MODEL, METRICS, TRACKING)
 PROBE = "probe"  # ensure_writable's space probe: `.probe.<random>.tmp`
 # refused: run.py will not continue this run as it is (its checkpoint cannot be loaded); the
 # sweep does not re-run it, and `run.py ... --fresh` starts it over.
+# How a job's process ends (README, "Exit codes"): finished (or already), failed, bad input,
+# running elsewhere (another process holds the directory), interrupted (re-run to resume), forced
+# (a second signal: no checkpoint).
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_BUSY, EXIT_INTERRUPTED, EXIT_FORCED = 0, 1, 2, 73, 75, 130
 STATUSES = ("running", "interrupted", "failed", "finished", "refused")
 # history.csv's columns as classification writes them (and every run before tasks did); another
 # task writes train_loss, train_<metric>..., val_loss, val_<metric>... in their place.
@@ -192,6 +196,17 @@ def remove_stale_temps(run_dir: Path, older_than_s: float = 60.0) -> list[str]:
 
 def is_disk_error(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in DISK_ERRNOS
+
+
+def seconds_from_env(name: str, default: float, *, zero: bool = False) -> float:
+    """The environment's `name` as a finite number of seconds > 0 (>= 0 with `zero`), `default`
+    when unset; ValueError with one line otherwise (NaN and inf too)."""
+    text = os.environ.get(name, "").strip()
+    with contextlib.suppress(ValueError):
+        value = float(text or default)
+        if (value >= 0 if zero else value > 0) and value < math.inf:  # NaN is neither
+            return value
+    raise ValueError(f"{name}={text!r}: expected a number of seconds {'>=' if zero else '>'} 0")
 
 
 def first_line(exc: BaseException) -> str:

@@ -43,24 +43,16 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from .runs import EXIT_FORCED, seconds_from_env
+
 if TYPE_CHECKING:  # torch is imported after the handlers are installed (it takes ~2 s)
     import torch
     from torch import nn
 
-EXIT_FORCED = 130
 GRACE_ENV = "LAB_STOP_GRACE_S"
 DEFAULT_GRACE_S = 120.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 HANDLER_LATENCY_S = 2.0  # a main thread that runs Python takes up a signal far sooner
-
-
-def grace_from_env() -> float:
-    """LAB_STOP_GRACE_S as seconds >= 0 (default 120); ValueError with one line otherwise."""
-    text = os.environ.get(GRACE_ENV, "").strip()
-    with contextlib.suppress(ValueError):  # NaN and inf fail too; 0: a second signal forces
-        if 0 <= (value := float(text or DEFAULT_GRACE_S)) < math.inf:
-            return value
-    raise ValueError(f"{GRACE_ENV}={text!r}: expected a number of seconds >= 0")
 
 
 def _stdin_is_a_terminal() -> bool:
@@ -75,7 +67,8 @@ class GracefulStop:
 
     def __init__(self) -> None:
         self.log = logging.getLogger(__name__)  # the job's run.log once it has one
-        self.grace_s = grace_from_env()
+        # LAB_STOP_GRACE_S: 0 makes a second signal force the exit at once
+        self.grace_s = seconds_from_env(GRACE_ENV, DEFAULT_GRACE_S, zero=True)
         self.interactive = _stdin_is_a_terminal()
         self.requested: str | None = None
         self.on_force_exit: Callable[[], None] | None = None  # e.g. mark the status file

@@ -52,6 +52,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from .runs import EXIT_BUSY, EXIT_INTERRUPTED
+
 ENVIRONMENT = """\
 Environment (defaults in brackets):
   PYTHON        interpreter that runs run.py [python]
@@ -99,7 +101,6 @@ DEFAULTS = {
     "SLURM_MAX_PARALLEL": "16", "SLURM_SIGNAL_SECS": "300", "SLURM_EXTRA": "",
     "SLURM_LOG_DIR": "logs/slurm", "SWEEP_JOB_NAME": "", "GPUS_PER_JOB": "1", "NODES_PER_JOB": "1",
 }  # fmt: skip
-EXIT_BUSY, EXIT_INTERRUPTED = 73, 75
 # CUDA MPS would run the slots' kernels side by side; not measured to help yet (no GPU at hand
 # when this was written), so it stays off.
 MPS = "; CUDA MPS off (not measured to help)"
