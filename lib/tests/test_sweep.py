@@ -1182,8 +1182,12 @@ def test_the_engine_and_the_labrun_cli_import_no_torch():
             [sys.executable, "-X", "importtime", *argv], capture_output=True, text=True, check=True
         )
         assert "torch" not in result.stderr and "mlflow" not in result.stderr
-    bad = subprocess.run([sys.executable, "-m", "labrun", "nonsense"], capture_output=True)
-    assert bad.returncode == 2
+    for bad_argv in ([], ["nonsense"]):  # one `error:` line, no usage dump
+        bad = subprocess.run(
+            [sys.executable, "-m", "labrun", *bad_argv], capture_output=True, text=True
+        )
+        assert bad.returncode == 2 and bad.stderr.startswith("error: "), bad.stderr
+        assert bad.stderr.count("\n") == 1, bad.stderr
 
 
 SHELL_SCRIPTS = [SLURM_TASK]

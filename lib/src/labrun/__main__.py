@@ -9,17 +9,17 @@ pyproject.toml pins. Imports no torch: it answers in the time Python takes to st
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from labrun import __version__
+from labrun.config import Parser  # a bad command line: one `error:` line, exit 2
 
 SLURM_TASK = "print the path of the Slurm array task script"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m labrun", description="labrun's command line (the library's shell files)."
     )
     parser.add_argument("--version", action="version", version=f"labrun {__version__}")
