@@ -24,7 +24,7 @@ from pathlib import Path
 from . import runs
 from .config import PROJECT_ROOT
 from .runs import first_line
-from .tracking import STATE_FILE, fingerprint, mirror, mlflow_client, read_state, tracking_uri
+from .tracking import fingerprint, mirror, mlflow_client, read_state, tracking_uri
 
 FOLLOW_POLL_S = 1.0  # how often the follower looks for runs whose job has ended
 
@@ -58,7 +58,7 @@ def sync(run_dir: Path, log: logging.Logger) -> bool | None:
 
 
 def _run_dirs(roots: list[Path], with_state: bool) -> list[Path]:
-    name = STATE_FILE if with_state else runs.CONFIG
+    name = runs.TRACKING if with_state else runs.CONFIG
     return sorted({c.parent for root in roots if root.is_dir() for c in root.rglob(name)})
 
 

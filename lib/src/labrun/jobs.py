@@ -319,8 +319,9 @@ def main(
 
         job = Job(args, out, open_dir(out, args.fresh, stop), stop, prepared)
         started, identity = time.monotonic(), ident(args)
-        config = dict(vars(args), identity=identity, experiment_keys=sorted(identity))  # a Path:
-        config.update(run_name=out.name, config_hash=short_hash(identity))  # str in config.json
+        # (write_json turns the Paths of args into strings in config.json)
+        config = dict(vars(args), identity=identity, experiment_keys=sorted(identity))
+        config.update(run_name=out.name, config_hash=short_hash(identity))
         tags = {**(provenance() if args.tracking == "on" else {}), "run_dir": str(out)}
         tags["job"] = sys.argv[0]
         record = Record(out, config, args, stop, held, dist, identity, tags, what="job")

@@ -65,7 +65,6 @@ from . import runs
 from .config import DEFAULT_EXPERIMENT, PROJECT_ROOT
 from .runs import first_line
 
-STATE_FILE = "tracking.json"
 RETRY_AFTER_S = 60.0  # after a failure, try the tracker again at the next epoch this much later
 ARTIFACT_MAX_BYTES = 200 * 2**20  # larger best_model.pt files stay in the run directory only
 SYSTEM_METRICS_INTERVAL_S = 10.0  # CPU/RAM (psutil) and GPU (nvidia-ml-py) sampling period
@@ -347,7 +346,7 @@ def _texts(values: dict, limit: int) -> dict[str, str]:
 
 def _save(run_dir: Path, state: dict) -> None:
     with contextlib.suppress(OSError):  # a full disk must not turn tracking into a crash
-        runs.write_json(run_dir / STATE_FILE, state)
+        runs.write_json(run_dir / runs.TRACKING, state)
 
 
 # ---- the mirror --------------------------------------------------------------------------------
@@ -611,7 +610,7 @@ def read_state(run_dir: Path, log: logging.Logger | None = None) -> dict:
     """tracking.json, checked; {} (a fresh start) if missing, and with a warning if unusable:
     not a plain file of the run directory's owner, not JSON, or a value of the wrong form
     (said in our words, never its content)."""
-    path = Path(run_dir) / STATE_FILE
+    path = Path(run_dir) / runs.TRACKING
     try:
         state = json.loads(runs.read_trusted(path))
     except FileNotFoundError:
