@@ -93,10 +93,32 @@ class Interrupted(Exception):
     """Raised by Job.check_stop() after a stop signal: the job ends `interrupted`, exit 75."""
 
 
-def error(message: str, code: int) -> int:
-    if not distributed.other_rank():  # torchrun: one line, from rank 0
-        print(f"error: {message}", file=sys.stderr)
+def error(message: str, code: int, exc: BaseException | None = None) -> int:
+    """One `error:` line on stderr (torchrun: from rank 0); when `exc` passed through the
+    project's own code, the traceback's frames there follow it (project_frames)."""
+    if not distributed.other_rank():
+        frames = project_frames(exc) if exc is not None else ""
+        where = f"in your code:\n{frames}" if frames else ""
+        print(f"error: {message}\n{where}", end="", file=sys.stderr)
     return code
+
+
+def project_frames(exc: BaseException) -> str:
+    """The frames of `exc`'s traceback (and of the exceptions it was raised from) that stand in
+    the project's own files (run.py, analyze.py, its package; not an environment inside it), as
+    Python prints them: the student's line, without labrun's frames around it."""
+    frames, seen = [], set()
+    while exc is not None and id(exc) not in seen:  # the chain: `raise ... from`, or during
+        seen.add(id(exc))
+        frames[:0] = [f for f in traceback.extract_tb(exc.__traceback__) if _ours(f.filename)]
+        exc = exc.__cause__ or exc.__context__
+    return "".join(traceback.format_list(frames))
+
+
+def _ours(filename: str) -> bool:
+    path = Path(filename).resolve()
+    inside = path.is_relative_to(PROJECT_ROOT) and path.is_file()
+    return inside and not {"site-packages", ".venv", "venv"} & set(path.parts)
 
 
 def parser(prog: str, description: str, results_dir: str | Path) -> argparse.ArgumentParser:
@@ -312,7 +334,7 @@ def main(
         try:
             prepared = prepare(args) if prepare else None
         except (UsageError, ValueError, OSError) as exc:
-            return error(str(exc), EXIT_USAGE)
+            return error(str(exc), EXIT_USAGE, exc)
         if stop.requested:
             return EXIT_INTERRUPTED  # stopped while starting: nothing of this job exists yet
         from .tracking import provenance
@@ -460,7 +482,7 @@ class Record:
         runs.try_write_status(self.out, "failed")
         self.tracker.end("FAILED", error=text)
         code, message = explain(exc, message) if explain else (EXIT_FAILED, message)
-        return error(message, code)
+        return error(message, code)  # the traceback went to stderr with run.log's lines
 
     def close(self) -> None:
         if self.writes:

@@ -99,14 +99,18 @@ def _body(train, tool, args, parser, out, stop, held, dist) -> int:
         if bad_input and (run is None or run.log is None):
             if run is None or not run._agreed:  # torchrun: the ranks still starting end too
                 dist.settle(EXIT_USAGE, why=str(exc) or type(exc).__name__)
-            return error(str(exc) or type(exc).__name__, EXIT_USAGE)
+            return error(str(exc) or type(exc).__name__, EXIT_USAGE, exc)
         if run is not None and run.record is not None:
             return run.record.failed(exc, explain=run._explain)
-        if run is not None and run.log is not None:
+        logged = run is not None and run.log is not None
+        if logged:  # the whole traceback: run.log, and stderr with its lines
             run.log.error("run failed:\n%s", traceback.format_exc())
         if isinstance(exc, LostClaim):
             return error(str(exc), EXIT_BUSY)
-        return error(f"{type(exc).__name__}: {exc}".splitlines()[0], EXIT_FAILED)
+        # before run.log: the project's frames of the traceback under the line (a typo's line)
+        return error(
+            f"{type(exc).__name__}: {exc}".splitlines()[0], EXIT_FAILED, None if logged else exc
+        )
     finally:
         if run is not None:
             run._close()
