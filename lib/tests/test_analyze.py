@@ -333,7 +333,9 @@ def test_analyze_two_runs_end_to_end(two_runs, tmp_path):
     first = analyze(a, b, results=results)
     assert first.returncode == 0, first.stderr
     (out,) = results.iterdir()
-    assert out.name.startswith(f"cka_{a.name}") and runs.read_status(out) == "finished"
+    # Both runs' distinguishing arguments in the name (seed=0 too, which run names leave out)
+    assert out.name.endswith("_seed=0_vs_seed=1-" + out.name[-8:]), out.name
+    assert runs.read_status(out) == "finished"
     metrics = runs.read_metrics(out)
     rows, cols, table = read_table(out / "cka_layers.csv")
     assert rows == cols == [str(i) for i in range(7)]
@@ -352,7 +354,8 @@ def test_analyze_two_runs_end_to_end(two_runs, tmp_path):
     assert runs.read_metrics(same)["cka"] == pytest.approx(1.0, abs=1e-5)
     assert np.allclose(np.diagonal(read_table(same / "cka_layers.csv")[2]), 1.0, atol=1e-5)
 
-    # plot.py draws each result as a heat map of the declared size.
+    # plot.py draws each result as a heat map of the declared size, and the mean over the seed
+    # pairs (here one: A and B differ only in --seed; A with itself is no pair) with its table.
     figures = tmp_path / "figures"
     drawn = subprocess.run(
         [sys.executable, str(ROOT / "plot.py"), "--analysis", str(results), "--out",
@@ -360,9 +363,17 @@ def test_analyze_two_runs_end_to_end(two_runs, tmp_path):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert drawn.returncode == 0, drawn.stderr
+    seeds = "cka_seeds_" + a.name[:-9]  # run A's name without its hash (and seed=0)
     assert sorted(p.name for p in figures.iterdir()) == sorted(
-        f"{d.name}.{ext}" for d in (out, same) for ext in ("pdf", "png")
-    )
+        f"{d}.{ext}" for d in (out.name, same.name) for ext in ("pdf", "png")
+    ) + sorted(f"{seeds}.{ext}" for ext in ("csv", "pdf", "png", "tex"))
+    with open(figures / f"{seeds}.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["layer_a"] for r in rows] == [str(i) for i in range(7)]
+    assert float(rows[5]["same_mean"]) == pytest.approx(table[5, 5], abs=1e-5)  # one pair: itself
+    assert all(float(r["best_mean"]) == pytest.approx(table[i].max(), abs=1e-5)
+               for i, r in enumerate(rows)) and rows[0]["n"] == "1"  # fmt: skip
+    assert "mean $\\pm$ SE over 1 seed pair of " in (figures / f"{seeds}.tex").read_text()
     pdf = (figures / f"{out.name}.pdf").read_bytes()
     assert b"/MediaBox [ 0 0 234 " in pdf  # 3.25 in = 234 pt wide: no tight crop
 
