@@ -28,6 +28,9 @@ from labrun.models import create_model, register_model
 from labrun.tools.similarity import activations, default_layer, first_tensor, layers, linear_cka
 
 
+CNN_LAYERS = ["stem", "stage1", "stage2", "stage3", "pool", "flatten", "fc"]  # the default model's
+
+
 def random_features(n=64, p=20, seed=0) -> torch.Tensor:
     return torch.randn(n, p, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
@@ -88,7 +91,7 @@ def test_cka_lies_in_the_unit_interval_and_matches_the_feature_space_formula():
 
 def test_layers_of_the_registered_models_and_their_default():
     cnn = layers(create_model("cnn", num_classes=10, channels=1, image_size=(8, 8), width=8))
-    assert list(cnn) == [str(i) for i in range(7)] and default_layer(list(cnn)) == "5"
+    assert list(cnn) == CNN_LAYERS and default_layer(list(cnn)) == "flatten"
     resnet = layers(
         create_model("resnet18", num_classes=10, channels=3, image_size=(32, 32), width=8)
     )
@@ -338,8 +341,8 @@ def test_analyze_two_runs_end_to_end(two_runs, tmp_path):
     assert runs.read_status(out) == "finished"
     metrics = runs.read_metrics(out)
     rows, cols, table = read_table(out / "cka_layers.csv")
-    assert rows == cols == [str(i) for i in range(7)]
-    assert metrics["layer_a"] == metrics["layer_b"] == "5"  # the last hidden layer of each
+    assert rows == cols == CNN_LAYERS
+    assert metrics["layer_a"] == metrics["layer_b"] == "flatten"  # the last hidden layer of each
     assert metrics["images"] == 360  # digits' whole test split: fewer than --images 500
     assert metrics["cka"] == pytest.approx(table[5, 5], abs=1e-6)
     assert ((table >= 0) & (table <= 1)).all() and 0 < metrics["cka"] < 0.999
@@ -369,7 +372,7 @@ def test_analyze_two_runs_end_to_end(two_runs, tmp_path):
     ) + sorted(f"{seeds}.{ext}" for ext in ("csv", "pdf", "png", "tex"))
     with open(figures / f"{seeds}.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert [r["layer_a"] for r in rows] == [str(i) for i in range(7)]
+    assert [r["layer_a"] for r in rows] == CNN_LAYERS
     assert float(rows[5]["same_mean"]) == pytest.approx(table[5, 5], abs=1e-5)  # one pair: itself
     assert all(float(r["best_mean"]) == pytest.approx(table[i].max(), abs=1e-5)
                for i, r in enumerate(rows)) and rows[0]["n"] == "1"  # fmt: skip
@@ -399,7 +402,7 @@ def test_analyze_identity_and_refusals(two_runs, tmp_path):
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert (
         bad.stderr.startswith("error: --layer: 'nope' is not a layer")
-        and "6 (Linear)" in bad.stderr
+        and "fc (Linear)" in bad.stderr
     )
     assert not results.exists() or not any(results.iterdir())  # refused: nothing left behind
 
