@@ -58,7 +58,8 @@ def readable(args) -> list[str]:
     """`cka_<run A's name less what differs>_<A's differing arguments>_vs_<B's>`: both runs'
     distinguishing arguments (seed=0 too, a default that run names leave out) stay within the
     name's length cap (MAX_READABLE), the shared part cut first."""
-    configs = [finished_config(r, f"RUN_{s}") for r, s in zip((args.run_a, args.run_b), "AB")]
+    sides = {"RUN_A": args.run_a, "RUN_B": args.run_b}
+    configs = [finished_config(run, side) for side, run in sides.items()]
     keys = dict.fromkeys(k for c in configs for k in c.get("experiment_keys", []))
     differ = [k for k in keys if configs[0].get(k) != configs[1].get(k)]
     mine = [[f"{k}={_shown(c.get(k))}" for k in differ] for c in configs]

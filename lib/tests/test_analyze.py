@@ -27,7 +27,6 @@ from labrun import runs
 from labrun.models import create_model, register_model
 from labrun.tools.similarity import activations, default_layer, first_tensor, layers, linear_cka
 
-
 CNN_LAYERS = ["stem", "stage1", "stage2", "stage3", "pool", "flatten", "fc"]  # the default model's
 
 
