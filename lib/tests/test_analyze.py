@@ -8,6 +8,7 @@ whitening would make every invertible linear map look identical.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import importlib.util
 import json
@@ -255,6 +256,62 @@ def registered_rowgru():
     register_model("rowgru", help="a GRU over image rows (tests)")(rowgru)
     yield
     dict.pop(MODELS, "rowgru", None)
+
+
+def finished_run(where: Path, **experiment) -> Path:
+    """A run directory as analyze.py reads it before loading a model: config.json, metrics.json."""
+    where.mkdir(parents=True)
+    config = {"config_hash": "0", "experiment_keys": sorted(experiment), **experiment}
+    (where / "config.json").write_text(json.dumps(config))
+    (where / "metrics.json").write_text('{"test_acc": 0.5}')
+    return where
+
+
+def test_an_analysis_name_keeps_what_tells_its_runs_apart(tmp_path):
+    """Issue 50: the issue's pair of long run names lost B's seed to the length cap; now each
+    run's differing arguments (seed=0 too, which run names leave out) stay, the shared part is
+    cut first, and arguments too long for the cap get half of it each."""
+    from labrun.config import MAX_READABLE
+
+    def name(a: Path, b: Path, layer=None) -> str:
+        return "_".join(load_analyze().readable(argparse.Namespace(run_a=a, run_b=b, layer=layer)))
+
+    shared = dict(dataset="digits", model="resnet18", width=8, epochs=40, image_size=[16, 16])
+    long = "digits_model=resnet18_width=8_epochs=40_image_size=16x16_patience=0_weight_decay=0.001"
+    a = finished_run(tmp_path / f"{long}-01f16fa3", **shared, seed=0)
+    b = finished_run(tmp_path / f"{long}_seed=1-68654187", **shared, seed=1)
+    assert (
+        name(a, b)
+        == "cka_digits_model=resnet18_width=8_epochs=40_image_size=16x16_seed=0_vs_seed=1"
+    )
+    assert len(name(a, b, "blocks.7")) <= MAX_READABLE
+    assert name(a, b, "blocks.7").endswith("_seed=0_vs_seed=1_layer=blocks.7")
+    assert name(a, a).startswith("cka_digits_model=") and name(a, a).endswith("_vs_same")
+    assert len(name(a, a)) <= MAX_READABLE
+    many = {f"key{i}": "x" * 9 for i in range(6)}
+    c = finished_run(tmp_path / "c-00000000", **shared, **many, seed=2)
+    far = name(a, c)  # every difference of A then of B, cut to half the room each
+    assert len(far) <= MAX_READABLE and far.startswith("cka_seed=0_key0=None_key1=None_")
+    assert "_vs_seed=2_key0=xxxxxxxxx_" in far
+
+
+def test_a_run_named_by_its_arguments_is_the_one_its_sweep_trains(monkeypatch, tmp_path):
+    """Issue 50: `job analyze.py "--seed 1" ...` names the run the same sweep trains for the job
+    line `--seed 1`: its results folder and preset first, `-- ARGS` last (LAB_SWEEP_RUN_ARGS);
+    outside a sweep, the run `python run.py --seed 1` writes."""
+    from labrun.config import TRIALS_DIR, run_of
+
+    first, last = ["--results-dir", str(tmp_path / "quick"), "--epochs", "6", "--width", "16"], [
+        "--image-size", "12"]  # fmt: skip
+    monkeypatch.setenv("LAB_SWEEP_RUN_ARGS", json.dumps([first, last]))
+    argv = [sys.executable, str(ROOT / "run.py"), *first, "--seed", "1", "--width", "8", *last]
+    printed = subprocess.run(
+        [*argv, "--print-run-dir"], capture_output=True, text=True, timeout=120
+    )
+    assert run_of("--seed 1 --width 8") == Path(printed.stdout.strip())
+    assert "width=8" in printed.stdout and "image_size=12x12" in printed.stdout
+    monkeypatch.delenv("LAB_SWEEP_RUN_ARGS")
+    assert run_of("--seed 1").parent == TRIALS_DIR
 
 
 def test_a_model_with_a_gru_is_analysed(two_runs, tmp_path, capsys, registered_rowgru):
