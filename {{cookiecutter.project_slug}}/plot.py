@@ -7,7 +7,7 @@
     python plot.py --curve val_loss --metric test_loss    # other columns than the monitored one
     python plot.py --table test_acc train_acc@final "train_acc>=0.99"   # aggregate.tex's columns
     python plot.py --system RUN        # GPU/CPU utilisation over time of one run (MLflow)
-    python plot.py --analysis          # a CKA heat map per analyze.py result
+    python plot.py --analysis          # CKA heat maps of analyze.py, mean +- SE over seed pairs
 
 Style in code: PAGES in inches (a PDF page is that size: include it at 100 %), STYLE's 10 pt text.
 What a paper needs of this experiment, each in one line below: TABLE (the columns of the paper's
@@ -215,24 +215,32 @@ def plot_system(series: dict, page, title: str) -> Figure:
 
 
 def plot_cka(frame, metrics: dict, config: dict, page) -> Figure:
-    """Layer-by-layer linear CKA of two runs on a fixed 0-1 scale (a colour means one value in
-    every such figure); the pair `cka` is of is outlined, its value in the title."""
+    """Layer-by-layer linear CKA of two runs; the pair `cka` is of is outlined, its value in the
+    title."""
     names = {side: Path(config[f"run_{side.lower()}"]).name for side in "AB"}
     caption = "\n".join(F.wrap(f"{side}: {name}", page[0] - 0.1) for side, name in names.items())
     height = max(page[1], 0.22 * len(frame) + 0.9) + 0.15 * caption.count("\n")
-    fig = Figure(figsize=(page[0], height), layout="constrained")
-    ax = fig.add_subplot()
-    image = ax.imshow(frame.to_numpy(), vmin=0, vmax=1, cmap="viridis", aspect="auto")
-    ax.set_xticks(range(frame.shape[1]), frame.columns, rotation=90 * (frame.shape[1] > 8))
-    ax.set_yticks(range(len(frame)), frame.index)
-    ax.set(xlabel="layer of B", ylabel="layer of A")
+    fig = Figure(figsize=page, layout="constrained")
+    ax = F.heat_map(fig, frame, height)
     a, b = str(metrics["layer_a"]), str(metrics["layer_b"])
     if a in frame.index and b in frame.columns:
         xy = (list(frame.columns).index(b) - 0.5, list(frame.index).index(a) - 0.5)
         ax.add_patch(matplotlib.patches.Rectangle(xy, 1, 1, fill=False, ec="white", lw=1.2))
     ax.set_title(f"linear CKA, layer {a if a == b else f'{a} / {b}'}: {metrics['cka']:.3f}")
-    fig.colorbar(image, ax=ax, label="linear CKA", shrink=0.9)
     fig.suptitle(caption, fontsize=8)
+    return fig
+
+
+def plot_cka_seeds(pairs: A.SeedPairs, page) -> Figure:
+    """The mean over seed pairs (results of runs that differ only in --seed) of plot_cka's map;
+    a dot marks each row's best match (the table beside it: mean +- SE, and the same layer's)."""
+    mean = pairs.mean
+    fig = Figure(figsize=page, layout="constrained")
+    ax = F.heat_map(fig, mean, max(page[1], 0.22 * len(mean) + 0.9))
+    best = [list(mean.columns).index(b) for b in pairs.per_row().best_b]
+    ax.plot(best, range(len(mean)), ls="none", marker="o", mfc="white", mec="black", mew=0.5)
+    ax.set_title(f"linear CKA, mean of {len(pairs.results)} seed pairs")
+    fig.suptitle(F.wrap(pairs.name, page[0] - 0.1), fontsize=8)
     return fig
 
 
@@ -250,7 +258,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--system", metavar="RUN", help="instead: GPU/CPU utilisation and memory over "
                    "time of one run (its run directory or MLflow run id)")
     p.add_argument("--analysis", metavar="DIR", type=Path, nargs="?", const=RESULTS / "analysis",
-                   help="instead: a CKA heat map per analyze.py result in DIR (results/analysis)")
+                   help="instead: a CKA heat map per analyze.py result in DIR (results/analysis), "
+                   "and their mean over seed pairs with its table")
     p.add_argument("--width", choices=sorted(PAGES), default="single", help="figure width: column "
                    "(3.25 in), text width (6.75 in), slide (10 in)")
     p.add_argument("--formats", nargs="+", choices=("pdf", "png", "svg"), default=["pdf", "png"],
@@ -285,8 +294,15 @@ def main(argv=None) -> int:
             found, skipped = A.load_cka_results(args.analysis)
             for name, cka in found.items():
                 F.save(plot_cka(*cka, page), name, args.out, args.formats)
-            print(f"{args.out}/: {len(found)} CKA heat map(s) from {args.analysis}")
-            return warn(A.skipped_line(skipped))
+            groups, unread = A.seed_pairs(found, PROJECT_ROOT)
+            for i, pairs in enumerate(groups):  # two groups of one name (another layer): numbered
+                stem = f"cka_seeds_{pairs.name}" + f"_{i}" * (len(groups) > len(
+                    {g.name for g in groups}))  # fmt: skip
+                F.save(plot_cka_seeds(pairs, page), stem, args.out, args.formats)
+                A.write_seed_pair_table(pairs, args.out, stem)
+            print(f"{args.out}/: {len(found)} CKA heat map(s) from {args.analysis}, "
+                  f"{len(groups)} mean(s) over seed pairs (cka_seeds_*)")  # fmt: skip
+            return warn(A.skipped_line(skipped + unread))
         runs, skipped = A.load_runs_from(args.results, args.from_mlflow, args.experiment,
                                          args.tracking_uri)  # fmt: skip
     except A.NoResults as e:

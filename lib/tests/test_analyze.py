@@ -8,6 +8,7 @@ whitening would make every invertible linear map look identical.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import importlib.util
 import json
@@ -26,6 +27,8 @@ from torch import nn
 from labrun import runs
 from labrun.models import create_model, register_model
 from labrun.tools.similarity import activations, default_layer, first_tensor, layers, linear_cka
+
+CNN_LAYERS = ["stem", "stage1", "stage2", "stage3", "pool", "flatten", "fc"]  # the default model's
 
 
 def random_features(n=64, p=20, seed=0) -> torch.Tensor:
@@ -88,7 +91,7 @@ def test_cka_lies_in_the_unit_interval_and_matches_the_feature_space_formula():
 
 def test_layers_of_the_registered_models_and_their_default():
     cnn = layers(create_model("cnn", num_classes=10, channels=1, image_size=(8, 8), width=8))
-    assert list(cnn) == [str(i) for i in range(7)] and default_layer(list(cnn)) == "5"
+    assert list(cnn) == CNN_LAYERS and default_layer(list(cnn)) == "flatten"
     resnet = layers(
         create_model("resnet18", num_classes=10, channels=3, image_size=(32, 32), width=8)
     )
@@ -255,6 +258,62 @@ def registered_rowgru():
     dict.pop(MODELS, "rowgru", None)
 
 
+def finished_run(where: Path, **experiment) -> Path:
+    """A run directory as analyze.py reads it before loading a model: config.json, metrics.json."""
+    where.mkdir(parents=True)
+    config = {"config_hash": "0", "experiment_keys": sorted(experiment), **experiment}
+    (where / "config.json").write_text(json.dumps(config))
+    (where / "metrics.json").write_text('{"test_acc": 0.5}')
+    return where
+
+
+def test_an_analysis_name_keeps_what_tells_its_runs_apart(tmp_path):
+    """Issue 50: the issue's pair of long run names lost B's seed to the length cap; now each
+    run's differing arguments (seed=0 too, which run names leave out) stay, the shared part is
+    cut first, and arguments too long for the cap get half of it each."""
+    from labrun.config import MAX_READABLE
+
+    def name(a: Path, b: Path, layer=None) -> str:
+        return "_".join(load_analyze().readable(argparse.Namespace(run_a=a, run_b=b, layer=layer)))
+
+    shared = dict(dataset="digits", model="resnet18", width=8, epochs=40, image_size=[16, 16])
+    long = "digits_model=resnet18_width=8_epochs=40_image_size=16x16_patience=0_weight_decay=0.001"
+    a = finished_run(tmp_path / f"{long}-01f16fa3", **shared, seed=0)
+    b = finished_run(tmp_path / f"{long}_seed=1-68654187", **shared, seed=1)
+    assert (
+        name(a, b)
+        == "cka_digits_model=resnet18_width=8_epochs=40_image_size=16x16_seed=0_vs_seed=1"
+    )
+    assert len(name(a, b, "blocks.7")) <= MAX_READABLE
+    assert name(a, b, "blocks.7").endswith("_seed=0_vs_seed=1_layer=blocks.7")
+    assert name(a, a).startswith("cka_digits_model=") and name(a, a).endswith("_vs_same")
+    assert len(name(a, a)) <= MAX_READABLE
+    many = {f"key{i}": "x" * 9 for i in range(6)}
+    c = finished_run(tmp_path / "c-00000000", **shared, **many, seed=2)
+    far = name(a, c)  # every difference of A then of B, cut to half the room each
+    assert len(far) <= MAX_READABLE and far.startswith("cka_seed=0_key0=None_key1=None_")
+    assert "_vs_seed=2_key0=xxxxxxxxx_" in far
+
+
+def test_a_run_named_by_its_arguments_is_the_one_its_sweep_trains(monkeypatch, tmp_path):
+    """Issue 50: `job analyze.py "--seed 1" ...` names the run the same sweep trains for the job
+    line `--seed 1`: its results folder and preset first, `-- ARGS` last (LAB_SWEEP_RUN_ARGS);
+    outside a sweep, the run `python run.py --seed 1` writes."""
+    from labrun.config import TRIALS_DIR, run_of
+
+    first, last = ["--results-dir", str(tmp_path / "quick"), "--epochs", "6", "--width", "16"], [
+        "--image-size", "12"]  # fmt: skip
+    monkeypatch.setenv("LAB_SWEEP_RUN_ARGS", json.dumps([first, last]))
+    argv = [sys.executable, str(ROOT / "run.py"), *first, "--seed", "1", "--width", "8", *last]
+    printed = subprocess.run(
+        [*argv, "--print-run-dir"], capture_output=True, text=True, timeout=120
+    )
+    assert run_of("--seed 1 --width 8") == Path(printed.stdout.strip())
+    assert "width=8" in printed.stdout and "image_size=12x12" in printed.stdout
+    monkeypatch.delenv("LAB_SWEEP_RUN_ARGS")
+    assert run_of("--seed 1").parent == TRIALS_DIR
+
+
 def test_a_model_with_a_gru_is_analysed(two_runs, tmp_path, capsys, registered_rowgru):
     """Issue 30.5: analyze.py on a model whose layer returns a tuple (today: AttributeError in
     the hook, exit 1, status failed)."""
@@ -333,11 +392,13 @@ def test_analyze_two_runs_end_to_end(two_runs, tmp_path):
     first = analyze(a, b, results=results)
     assert first.returncode == 0, first.stderr
     (out,) = results.iterdir()
-    assert out.name.startswith(f"cka_{a.name}") and runs.read_status(out) == "finished"
+    # Both runs' distinguishing arguments in the name (seed=0 too, which run names leave out)
+    assert out.name.endswith("_seed=0_vs_seed=1-" + out.name[-8:]), out.name
+    assert runs.read_status(out) == "finished"
     metrics = runs.read_metrics(out)
     rows, cols, table = read_table(out / "cka_layers.csv")
-    assert rows == cols == [str(i) for i in range(7)]
-    assert metrics["layer_a"] == metrics["layer_b"] == "5"  # the last hidden layer of each
+    assert rows == cols == CNN_LAYERS
+    assert metrics["layer_a"] == metrics["layer_b"] == "flatten"  # the last hidden layer of each
     assert metrics["images"] == 360  # digits' whole test split: fewer than --images 500
     assert metrics["cka"] == pytest.approx(table[5, 5], abs=1e-6)
     assert ((table >= 0) & (table <= 1)).all() and 0 < metrics["cka"] < 0.999
@@ -352,7 +413,8 @@ def test_analyze_two_runs_end_to_end(two_runs, tmp_path):
     assert runs.read_metrics(same)["cka"] == pytest.approx(1.0, abs=1e-5)
     assert np.allclose(np.diagonal(read_table(same / "cka_layers.csv")[2]), 1.0, atol=1e-5)
 
-    # plot.py draws each result as a heat map of the declared size.
+    # plot.py draws each result as a heat map of the declared size, and the mean over the seed
+    # pairs (here one: A and B differ only in --seed; A with itself is no pair) with its table.
     figures = tmp_path / "figures"
     drawn = subprocess.run(
         [sys.executable, str(ROOT / "plot.py"), "--analysis", str(results), "--out",
@@ -360,9 +422,17 @@ def test_analyze_two_runs_end_to_end(two_runs, tmp_path):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert drawn.returncode == 0, drawn.stderr
+    seeds = "cka_seeds_" + a.name[:-9]  # run A's name without its hash (and seed=0)
     assert sorted(p.name for p in figures.iterdir()) == sorted(
-        f"{d.name}.{ext}" for d in (out, same) for ext in ("pdf", "png")
-    )
+        f"{d}.{ext}" for d in (out.name, same.name) for ext in ("pdf", "png")
+    ) + sorted(f"{seeds}.{ext}" for ext in ("csv", "pdf", "png", "tex"))
+    with open(figures / f"{seeds}.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["layer_a"] for r in rows] == CNN_LAYERS
+    assert float(rows[5]["same_mean"]) == pytest.approx(table[5, 5], abs=1e-5)  # one pair: itself
+    assert all(float(r["best_mean"]) == pytest.approx(table[i].max(), abs=1e-5)
+               for i, r in enumerate(rows)) and rows[0]["n"] == "1"  # fmt: skip
+    assert "mean $\\pm$ SE over 1 seed pair of " in (figures / f"{seeds}.tex").read_text()
     pdf = (figures / f"{out.name}.pdf").read_bytes()
     assert b"/MediaBox [ 0 0 234 " in pdf  # 3.25 in = 234 pt wide: no tight crop
 
@@ -388,7 +458,7 @@ def test_analyze_identity_and_refusals(two_runs, tmp_path):
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert (
         bad.stderr.startswith("error: --layer: 'nope' is not a layer")
-        and "6 (Linear)" in bad.stderr
+        and "fc (Linear)" in bad.stderr
     )
     assert not results.exists() or not any(results.iterdir())  # refused: nothing left behind
 

@@ -3,6 +3,7 @@ these tests follow the owner's edits), and ShellCheck passes. labrun's tests cov
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -50,7 +51,8 @@ def defined_jobs(project: Path, tmp_path: Path, preset: str = "") -> list[list[s
 def dry_run(project: Path, *options: str) -> list[list[str]]:
     """The command lines `run.sh --dry-run` lists (indented under each job's state)."""
     out = run_sh(project, "--dry-run", *options)
-    return [line.split() for line in out.splitlines() if re.match(r" {12}\S+\.py( |$)", line)]
+    lines = [line for line in out.splitlines() if re.match(r" {12}\S+\.py( |$)", line)]
+    return [shlex.split(line) for line in lines]  # quoted: `job analyze.py "--seed 0" ...`
 
 
 @pytest.mark.parametrize("preset", ["", "quick"])

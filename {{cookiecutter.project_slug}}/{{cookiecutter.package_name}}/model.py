@@ -29,8 +29,25 @@ any op, and --deterministic then raises if one has no deterministic kernel).
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from labrun.models import register_model
 from torch import nn
+
+
+def named(*layers: tuple[str, nn.Module]) -> nn.Sequential:
+    """A Sequential of named layers (analyze.py's tables and figures show the names). It still
+    loads the weights of runs saved when its layers were numbered ("0.0.weight": runs of the
+    template before the names), so they resume and are analysed as before."""
+    model, names = nn.Sequential(OrderedDict(layers)), [name for name, _ in layers]
+
+    def numbered(module, state: dict, prefix: str, *_) -> None:
+        for key in [k for k in state if k.startswith(prefix) and k[len(prefix)].isdigit()]:
+            index, _, rest = key[len(prefix) :].partition(".")
+            state[f"{prefix}{names[int(index)]}.{rest}"] = state.pop(key)
+
+    model.register_load_state_dict_pre_hook(numbered)
+    return model
 
 
 def conv_bn_relu(in_channels: int, out_channels: int) -> nn.Sequential:
@@ -81,15 +98,15 @@ def build_model(num_classes: int = 10, width: int = 64, *, channels: int = 3) ->
     if width < 2:
         raise ValueError(f"--width: must be >= 2 (the stem has width // 2 channels), got {width}")
     widths = (width, 2 * width, 4 * width)
-    model = nn.Sequential(
-        conv_bn_relu(channels, width // 2),
-        stage(width // 2, widths[0]),
-        stage(widths[0], widths[1]),
-        stage(widths[1], widths[2]),
+    model = named(
+        ("stem", conv_bn_relu(channels, width // 2)),
+        ("stage1", stage(width // 2, widths[0])),
+        ("stage2", stage(widths[0], widths[1])),
+        ("stage3", stage(widths[1], widths[2])),
         # Max rather than average pooling: it trains faster on small images (airbench's choice).
-        GlobalMaxPool(),
-        nn.Flatten(),
-        nn.Linear(widths[2], num_classes),
+        ("pool", GlobalMaxPool()),
+        ("flatten", nn.Flatten()),
+        ("fc", nn.Linear(widths[2], num_classes)),
     )
     for module in model.modules():
         if isinstance(module, nn.Conv2d):
@@ -117,13 +134,19 @@ def cnn1d(num_classes: int, channels: int, width: int, depth: int = 2, kernel: i
     """`depth` conv-BN-ReLU layers of `width` channels, a global max over the length, a linear
     classifier: it finds a pattern wherever it sits in the signal."""
     layers = []
-    for i in range(depth):
+    for i in range(1, depth + 1):
         layers += [  # no conv bias: the BatchNorm right after subtracts the mean
-            nn.Conv1d(width if i else channels, width, kernel, padding=kernel // 2, bias=False),
-            nn.BatchNorm1d(width),
-            nn.ReLU(inplace=True),
+            (
+                f"conv{i}",
+                nn.Conv1d(
+                    width if i > 1 else channels, width, kernel, padding=kernel // 2, bias=False
+                ),
+            ),  # fmt: skip
+            (f"bn{i}", nn.BatchNorm1d(width)),
+            (f"relu{i}", nn.ReLU(inplace=True)),
         ]
-    return nn.Sequential(*layers, GlobalMaxPool(), nn.Flatten(), nn.Linear(width, num_classes))
+    pool = [("pool", GlobalMaxPool()), ("flatten", nn.Flatten())]
+    return named(*layers, *pool, ("fc", nn.Linear(width, num_classes)))
 
 
 # --------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ import math
 import os
 import re
 import runpy
+import shlex
 import typing
 from collections.abc import Collection
 from fractions import Fraction
@@ -92,6 +93,8 @@ MAX_SEED = 2**32 - 1  # numpy's seed range; torch takes 64 bits, but one seed fe
 MAX_EXPERIMENT_NAME = 500  # MLflow's limit (mlflow.utils.validation.MAX_EXPERIMENT_NAME_LENGTH)
 MAX_NAME_BYTES = 255  # NAME_MAX of Linux file systems: longest single path component
 TRACKING_ENV = "LAB_TRACKING"  # LAB_TRACKING=off runs without MLflow, like --tracking off
+# Set by the sweep for its jobs: JSON [run.py's arguments before a job's own, those after] (run_of)
+SWEEP_RUN_ARGS = "LAB_SWEEP_RUN_ARGS"
 
 
 def tracking_default() -> str:
@@ -666,6 +669,15 @@ def run_name(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
 
 def run_dir(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Path:
     return args.results_dir / run_name(args, parser)
+
+
+def run_of(text: str) -> Path:
+    """The run directory of `run.py TEXT` (e.g. "--lr 0.01 --seed 1"): as the sweep that runs this
+    job runs that line (its results folder, QUICK_ARGS under --quick, `-- ARGS`), else as `python
+    run.py TEXT` would (results/trials). So a job line names a run by its arguments, and one list
+    serves every preset. Bad arguments: run.py's one `error:` line, exit 2."""
+    first, last = json.loads(os.environ.get(SWEEP_RUN_ARGS) or "[[], []]")
+    return run_dir(*parse_args([*first, *shlex.split(text), *last]))
 
 
 def resolved_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:

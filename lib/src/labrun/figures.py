@@ -138,6 +138,20 @@ def legend(fig: Figure, handles, labels, width: float, title: str = "") -> float
     return 0.15 + 0.155 * lines + (0.19 * (title.count("\n") + 1) if title else 0)
 
 
+def heat_map(fig: Figure, frame, height: float):
+    """`frame` (rows x columns, e.g. linear CKA of layer pairs) as a heat map on a fixed 0-1
+    scale (a colour means one value in every such figure), each row and column named, with its
+    colour bar; `fig` set to `height` inches. Returns the axes."""
+    fig.set_figheight(height)
+    ax = fig.add_subplot()
+    image = ax.imshow(frame.to_numpy(), vmin=0, vmax=1, cmap="viridis", aspect="auto")
+    ax.set_xticks(range(frame.shape[1]), frame.columns, rotation=90 * (frame.shape[1] > 8))
+    ax.set_yticks(range(len(frame)), frame.index)
+    ax.set(xlabel="layer of B", ylabel="layer of A")
+    fig.colorbar(image, ax=ax, label="linear CKA", shrink=0.9)
+    return ax
+
+
 def time_unit(seconds: float) -> tuple[float, str]:
     """(seconds per unit, unit) for an axis of durations up to `seconds`."""
     return (3600, "h") if seconds >= 7200 else (60, "min") if seconds >= 120 else (1, "s")

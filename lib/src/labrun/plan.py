@@ -17,7 +17,8 @@ Output on stdout, for each job three NUL-terminated fields: STATE, RUN_DIR, NOTE
     refused      run.py refused to continue it (its checkpoint cannot be loaded): not re-run;
                  `run.py ARGS --fresh` starts it over (NOTE says so)
     pending      never started
-    waiting      an input of the job is not finished yet (NotReady; RUN_DIR empty)
+    waiting      an input of the job is not finished yet (NotReady; RUN_DIR: the folder its run
+                 directory will be in, for the sweep's MLflow follower)
     invalid      the script would refuse the command line (RUN_DIR empty, NOTE = its error)
 """
 
@@ -45,7 +46,11 @@ def resolver(parse: Callable, locate: Callable) -> Callable[[list[str]], Path]:
         try:
             with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
                 args, parser = parse(argv)
-                return locate(args, parser)
+                try:
+                    return locate(args, parser)
+                except NotReady as exc:  # its folder is known before its inputs are
+                    exc.folder = getattr(args, "results_dir", "")
+                    raise
         except SystemExit:  # argparse reports the error on stderr, then exits
             lines = captured.getvalue().strip().splitlines() or ["rejected"]
             raise UsageError(lines[-1].removeprefix("run.py: ")) from None
@@ -113,7 +118,7 @@ def _plan_one(argv: list[str], where: Callable[[list[str]], Path]) -> tuple[str,
     try:
         directory = where(argv)
     except NotReady as exc:  # e.g. analyze.py of a run still training: run.sh again later
-        return "waiting", "", str(exc)
+        return "waiting", str(getattr(exc, "folder", "")), str(exc)
     except (UsageError, ValueError) as exc:
         return "invalid", "", str(exc)
     state, note = job_state(directory)

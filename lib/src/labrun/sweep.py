@@ -42,6 +42,7 @@ import os
 import pwd
 import re
 import select
+import shlex
 import shutil
 import signal
 import subprocess
@@ -494,6 +495,7 @@ class Sweep:
     forking: bool = False  # FORK_JOBS=auto and the sweep is a subreaper: slots fork run.py jobs
     servers: dict[int, Server] = field(default_factory=dict)  # per slot: its fork server
     follower_pid: int = 0
+    folders: set[str] = field(default_factory=set)  # where jobs write: the follower mirrors them
 
     @property
     def python(self) -> str:
@@ -539,12 +541,14 @@ class Sweep:
                 job.state, job.dir, job.note = fields[3 * k : 3 * k + 3]
         seen: dict[str, int] = {}
         for job in self.jobs:  # in job order: of two equal jobs, the first one runs
+            if job.dir:  # a waiting job's is the folder it will write in (plan.py)
+                self.folders.add(job.dir if job.state == "waiting" else str(Path(job.dir).parent))
             job.name = job.dir.rsplit("/", 1)[-1]
             if job.state == "invalid":
                 job.name = f"job-{job.index}"
                 job.note = f"{job.script} rejected the arguments: {job.note}"
             elif job.state == "waiting":
-                job.name = f"job-{job.index}"
+                job.name, job.dir = f"job-{job.index}", ""
             elif job.dir in seen:
                 job.state, job.note = "duplicate", f"same run as job {seen[job.dir]}"
             else:
@@ -574,7 +578,7 @@ class Sweep:
         for job in self.jobs:
             note = f"  ({job.note})" if job.note else ""
             print(f"{job.state:<11} {job.name}{note}")
-            print(f"            {job.script} {' '.join(self.argv(job))}")
+            print(f"            {shlex.join([job.script, *self.argv(job)])}")  # as typed
             count[job.state] = count.get(job.state, 0) + 1
         line = (
             f"{len(self.jobs)} jobs: {count.get('done', 0)} done, {count.get('pending', 0)} "
@@ -956,9 +960,12 @@ class Sweep:
         every = int(settings.STATUS_EVERY if sys.stdout.isatty() else settings.STATUS_EVERY_LOG)
         next_status = None
         if self.queue:
+            waiting = sum(job.result == "waiting" for job in self.jobs)  # inputs not done yet
+            later = f", {waiting} waiting for their inputs" * bool(waiting)
+            rest = len(self.jobs) - len(self.queue) - waiting
             log(
-                f"{len(self.queue)} job(s) to run, {len(self.jobs) - len(self.queue)} done or "
-                f"skipped; {self.describe_slots()}; logs in {settings.LOG_DIR}/"
+                f"{len(self.queue)} job(s) to run{later}, {rest} done or skipped; "
+                f"{self.describe_slots()}; logs in {settings.LOG_DIR}/"
             )
             next_status = time.monotonic() + every if every else None
         planned = False
@@ -1040,9 +1047,10 @@ class Sweep:
         os.environ["LAB_TRACKING_FOLLOWER"] = "1"
         read_end, write_end = os.pipe()
         name = self.settings.SWEEP_NAME
+        roots = sorted({str(Path(f"results/{name}").resolve()), *self.folders})  # analyze.py's too
         with open(Path(self.settings.LOG_DIR) / "mlflow-follower.out", "a") as out:
             follower = subprocess.Popen(
-                [self.python, "-m", "labrun.tracking", "follow", f"results/{name}"],
+                [self.python, "-m", "labrun.tracking", "follow", *roots],
                 stdin=read_end,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -1365,6 +1373,10 @@ def _main(script: str, args: list[str], stdin: BinaryIO) -> int:
         raise Refused(f"run.py not found in {os.getcwd()}")
     jobs = [SweepJob.from_line(i, line) for i, line in enumerate(lines)]
     sweep = Sweep(settings, jobs, quick=quick, extra=extra)
+    # A job of another script may name a run by run.py's arguments (`job analyze.py "--seed 0"
+    # ...`): config.run_of finds the directory this sweep gives that line, from this variable.
+    both = sweep.argv(SweepJob(0, "run.py", []))  # the preset's arguments, then those after --
+    os.environ["LAB_SWEEP_RUN_ARGS"] = json.dumps([both[: len(both) - len(extra)], extra])
     if not slurm:
         sweep.gpus = choose_gpus(env)  # bad GPUS: refused before any work
     if not jobs:

@@ -1,14 +1,18 @@
 """Compare two trained runs: linear CKA between their layers on the same test inputs.
 
     python analyze.py RUN_A RUN_B                  # the last hidden layer of each (default)
+    python analyze.py "--seed 0" "--seed 1"        # runs named by run.py's arguments
     python analyze.py RUN_A RUN_B --layer 3        # another layer; a wrong name lists them all
     python analyze.py RUN_A RUN_B --images 2000    # more test inputs (a seeded random choice)
     python analyze.py RUN_A RUN_B --print-run-dir  # where it writes (imports no torch)
 
-RUN_A and RUN_B: finished runs of run.py on the same data. Each model is built by run.py's
-make_model from the run's config.json and loads its best_model.pt (tensors only: no pickled code
-runs); forward hooks record every layer on the same test inputs. A layer returning a tuple, dict
-or PackedSequence (GRU, LSTM, attention) is read as its first tensor (similarity.first_tensor).
+RUN_A and RUN_B: finished runs of run.py on the same data, each its directory or the arguments
+of run.py that make it (starting with `-`): in run.sh's job list, `job analyze.py "--seed 0"
+"--seed 1"` names the runs of that sweep and preset (labrun.config.run_of). Each model is built
+by run.py's make_model from the run's config.json and loads its best_model.pt (tensors only: no
+pickled code runs); forward hooks record every layer on the same test inputs. A layer returning
+a tuple, dict or PackedSequence (GRU, LSTM, attention) is read as its first tensor
+(similarity.first_tensor).
 Writes results/analysis/<name>-<hash>/: cka_layers.csv (every layer of A x every layer of B),
 metrics.json (`cka` of the chosen pair), config.json, status, run.log. A labrun job: exit codes,
 claim, --fresh, MLflow and sweeps as for run.py; a failure is one `error:` line, status `failed`,
@@ -16,12 +20,13 @@ MLflow FAILED. Its identity: both runs' configurations and trainings, the layer,
 """
 
 import hashlib
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 from labrun import jobs, runs
-from labrun.config import UsageError, _positive_int, _seed
+from labrun.config import MAX_READABLE, UsageError, _positive_int, _seed, _shown, run_of
 
 DATA_KEYS = ("dataset", "data_path", "image_size", "synthetic_size")  # what decides the inputs
 
@@ -29,8 +34,9 @@ DATA_KEYS = ("dataset", "data_path", "image_size", "synthetic_size")  # what dec
 def build_parser():
     p = jobs.parser("analyze.py", __doc__.split("\n")[0], "results/analysis")
     a = p.add_argument_group("analysis (these define the job's hash)")
-    a.add_argument("run_a", type=Path, help="finished run directory of run.py (rows)")
-    a.add_argument("run_b", type=Path, help="finished run directory of run.py (columns)")
+    a.add_argument("run_a", type=run_path, help="finished run of run.py (rows): its directory, "
+                   "or run.py's arguments that make it, e.g. \"--seed 0\"")  # fmt: skip
+    a.add_argument("run_b", type=run_path, help="finished run of run.py (columns), as RUN_A")
     a.add_argument("--layer", help="layer compared for `cka`, by name in both models; default: "
                    "each model's last hidden layer (the one before the output)")  # fmt: skip
     a.add_argument("--images", type=_positive_int, default=500, help="test inputs (at most all)")
@@ -41,6 +47,33 @@ def build_parser():
     x.add_argument("--batch-size", type=_positive_int, default=256, help="inputs per forward")
     x.add_argument("--data-dir", type=Path, help="dataset cache; default: the one RUN_A used")
     return p
+
+
+def run_path(text: str) -> Path:
+    """A run directory; text starting with `-` is run.py's arguments (config.run_of)."""
+    return run_of(text) if text.startswith("-") else Path(text)
+
+
+def readable(args) -> list[str]:
+    """`cka_<run A's name less what differs>_<A's differing arguments>_vs_<B's>`: both runs'
+    distinguishing arguments (seed=0 too, a default that run names leave out) stay within the
+    name's length cap (MAX_READABLE), the shared part cut first."""
+    sides = {"RUN_A": args.run_a, "RUN_B": args.run_b}
+    configs = [finished_config(run, side) for side, run in sides.items()]
+    keys = dict.fromkeys(k for c in configs for k in c.get("experiment_keys", []))
+    differ = [k for k in keys if configs[0].get(k) != configs[1].get(k)]
+    mine = [[f"{k}={_shown(c.get(k))}" for k in differ] for c in configs]
+    own = ["_".join(m) for m in mine] if differ else ["", "same"]  # a run with itself: `_vs_same`
+    shared = re.sub(r"-[0-9a-f]{8}$", "", args.run_a.resolve().name)
+    for part in mine[0]:  # A's differing values: in its own part, not twice
+        shared = re.sub(rf"(^|_){re.escape(part)}(?=_|$)", "", shared)
+    tail = [f"layer={args.layer}"] if args.layer else []
+    room = MAX_READABLE - len("_".join(["cka", "vs", *tail])) - 3  # - the joining underscores
+    if len(own[0]) + len(own[1]) > room:  # no room for the shared part: half each
+        shared, own = "", [o[: room // 2] for o in own]
+    while len(shared) + len(own[0]) + len(own[1]) > room:
+        shared = shared.rpartition("_")[0]
+    return [p for p in ("cka", shared, own[0], "vs", own[1], *tail) if p]
 
 
 def finished_config(run: Path, flag: str) -> dict:
@@ -123,8 +156,6 @@ def work(job: jobs.Job) -> dict:
 
 
 def main(argv=None) -> int:
-    readable = lambda a: ["cka", a.run_a.resolve().name, "vs", a.run_b.resolve().name] + (  # noqa: E731
-        [f"layer={a.layer}"] if a.layer else [])  # fmt: skip
     return jobs.main(build_parser(), work, argv, identity=identity, readable=readable,
                      prepare=prepare)  # fmt: skip
 

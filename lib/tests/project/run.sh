@@ -31,8 +31,9 @@ SWEEP_JOBS=()
 job() { SWEEP_JOBS+=("$#" "$@"); }
 
 # ---- The sweep: edit here. Call `job` once per run.py command line. -------------------------
-# A job of another script names it first: `job analyze.py RUN_A RUN_B` (labrun's README, "A job
-# that does not train"); it keeps its own --results-dir; neither QUICK_ARGS nor `-- ARGS` reach it.
+# A job of another script names it first: `job analyze.py RUN_A RUN_B` (README, "A job that does
+# not train"); it keeps its own --results-dir; neither QUICK_ARGS nor `-- ARGS` reach it. It names
+# a run by run.py's arguments ("--seed 0"): that run of this sweep, under --quick the quick one.
 define_jobs() {
   local lr seed
   local -a lrs=(1e-3 3e-3 1e-2)
@@ -45,8 +46,12 @@ define_jobs() {
       job --lr "${lr}" --seed "${seed}"
     done
   done
-  # E.g. the CKA of two of these runs (it waits until both have finished):
-  # job analyze.py results/sweep/digits_lr=0.001-95f69369 results/sweep/digits_lr=0.01-57e9003b
+  # E.g. the CKA of each seed pair of one learning rate (a job waits until both runs are done;
+  # `python plot.py --analysis` draws each and their mean over the pairs):
+  # local pair
+  # for pair in "0 1" "0 2" "1 2"; do
+  #   job analyze.py "--lr ${lrs[1]} --seed ${pair% *}" "--lr ${lrs[1]} --seed ${pair#* }"
+  # done
 }
 
 # The quick preset (`bash run.sh --quick`): these arguments come first on every run.py job's

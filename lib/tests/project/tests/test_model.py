@@ -70,6 +70,21 @@ def test_registered_models_adapt_to_the_data(name, channels, image_size):
     logits.sum().backward()
 
 
+@pytest.mark.parametrize("name", ["cnn", "cnn1d"])
+def test_weights_saved_with_numbered_layers_still_load(name):
+    """Runs saved before the layers had names ("0.0.weight", now "stem.0.weight") resume and are
+    analysed as before: the same weights give the same outputs."""
+    x, size = sample(name, 2, 2, (16, 16))
+    make = lambda: create_model(name, num_classes=3, channels=2, image_size=size, width=8).eval()  # noqa: E731
+    saved, model = make(), make()
+    names = [n for n, _ in saved.named_children()]
+    assert not any(n.isdigit() for n in names)  # analyze.py shows these names
+    numbered = {f"{names.index(k.split('.')[0])}.{k.partition('.')[2]}": v
+                for k, v in saved.state_dict().items()}  # fmt: skip
+    model.load_state_dict(numbered)  # strict: every key found
+    torch.testing.assert_close(model(x), saved(x))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("name", BUILT_IN)
 def test_backward_is_deterministic_on_cuda(name):
