@@ -32,7 +32,7 @@ from .imagefolder import DECODE_ERRORS, EXIF_ORIENTATION, cover_resize, decode_i
 
 def choose_gpu_decode(device: torch.device) -> tuple[bool, str]:
     """(decode JPEGs on `device`, why): on CUDA where torchvision imports."""
-    cpu = "in the loader's workers (imagefolder.decode_image)"
+    cpu = "on the CPU (Pillow, imagefolder.decode_image, in the loader's workers)"
     if device.type != "cuda":
         return False, f"{cpu}: no CUDA device"
     try:
@@ -43,8 +43,8 @@ def choose_gpu_decode(device: torch.device) -> tuple[bool, str]:
             "pip install 'labrun[gpu-decode]' for nvJPEG on the GPU"
         )
     return True, (
-        "JPEGs on the GPU (nvJPEG, torchvision.io.decode_jpeg, batch by batch); PNG, CMYK, "
-        "16-bit and EXIF-rotated files in the loader's workers"
+        "on the GPU (nvJPEG, torchvision.io.decode_jpeg, batch by batch) for JPEGs; PNG, "
+        "CMYK, 16-bit and EXIF-rotated files on the CPU in the loader's workers"
     )
 
 
