@@ -24,7 +24,6 @@ import io
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from PIL import Image
 
@@ -104,13 +103,17 @@ def read_batch(paths: list[str], shape, value_ranges, jpegs: bool = True) -> Enc
     channels, height, width = shape
     encoded = [jpeg_bytes(path) if jpegs else None for path in paths]
     cpu = [path for path, data in zip(paths, encoded, strict=True) if data is None]
-    decoded = np.empty((len(cpu), height, width, channels), dtype=np.uint8)
+    decoded = torch.empty((len(cpu), height, width, channels), dtype=torch.uint8)
+    if torch.utils.data.get_worker_info() is not None:
+        # Decoded straight into shared memory, as DataLoader's own collation does: sent to the
+        # main process without a copy of the batch (which a tensor in private memory takes).
+        decoded.share_memory_()
     for row, path in enumerate(cpu):
-        decoded[row] = decode_image(path, (height, width), channels, value_ranges)
+        decoded[row] = torch.from_numpy(decode_image(path, (height, width), channels, value_ranges))
     gpu = [data for data in encoded if data is not None]
     on_gpu = [data is not None for data in encoded]
     data = _as_tensor(b"".join(gpu))
-    return EncodedBatch(torch.from_numpy(decoded), data, list(map(len, gpu)), on_gpu, list(paths))
+    return EncodedBatch(decoded, data, list(map(len, gpu)), on_gpu, list(paths))
 
 
 def decode_batch(batch: EncodedBatch, shape, device) -> torch.Tensor:
