@@ -462,10 +462,15 @@ def test_run_log_says_memory_disk_cache_or_stream_and_why(mixed_folder, tmp_path
         return loaded.mode, loaded.info.describe()["images from"]
 
     mode, why = source()
-    assert mode == "memory" and why.startswith("memory: decoded once into") and "fits" in why
+    assert mode == "memory" and why.startswith("memory: decoded once at 12x12 into")
+    assert "fits" in why and why.endswith("; decoded by this start")
     monkeypatch.setattr(data, "available_ram_bytes", lambda: 1000)  # less than the cache
     mode, why = source()
     assert mode == "memory" and why.startswith("disk cache: ") and "1000 bytes of RAM" in why
+    assert why.endswith("; found, decoded by an earlier start")  # the next start's is free
+    for cache in tmp_path.glob("decoded-*.npy"):  # damaged: not used, decoded again
+        cache.write_bytes(cache.read_bytes()[:-1] + b"x")
+    assert source()[1].endswith("; decoded by this start")
     mode, why = source(mode="stream")
     assert mode == "stream" and why.startswith("stream: ") and "--data-mode stream" in why
     monkeypatch.setattr(data, "_rlimit_headroom", lambda: 1000)
