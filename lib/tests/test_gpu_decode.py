@@ -85,7 +85,7 @@ def test_the_choice_needs_cuda_and_an_importable_torchvision(monkeypatch, torchv
     assert not use and why.endswith("no CUDA device")
     use, why = gpudecode.choose_gpu_decode(torch.device("cuda"))
     assert use and why.startswith("on the GPU (nvJPEG")
-    assert torchvision_io == [1]  # the probe: one JPEG decoded on the device
+    assert torchvision_io == [2]  # the probe: a batch of two JPEGs decoded on the device
     monkeypatch.setitem(sys.modules, "torchvision.io", None)  # import fails, as here
     use, why = gpudecode.choose_gpu_decode(torch.device("cuda"))
     assert not use and "pip install 'labrun[gpu-decode]'" in why
@@ -118,6 +118,28 @@ def test_png_cmyk_16_bit_and_rotated_files_stay_on_the_cpu(files):
     # the GPU's JPEGs in one buffer (one shared-memory segment per batch), end to end
     jpegs = [Path(files[kind]).read_bytes() for kind in ("jpeg", "grey")]
     assert batch.sizes == list(map(len, jpegs)) and batch.data.numpy().tobytes() == b"".join(jpegs)
+
+
+def test_a_batch_nvjpeg_fails_whole_is_counted_on_the_loader_line(
+    files, monkeypatch, torchvision_io
+):
+    """Readable JPEGs nvJPEG refuses (its own failure, every batch) are decoded again in the
+    main process, on one core: a slow run that must not be silent."""
+    monkeypatch.setattr(gpudecode, "choose_gpu_decode", lambda device: (True, "patched"))
+
+    def broken(data, mode, device):
+        raise RuntimeError("nvjpegDecodeBatched failed: 7\nmore")
+
+    monkeypatch.setattr(sys.modules["torchvision.io"], "decode_jpeg", broken)
+    paths = [files["jpeg"], files["png"], files["grey"], files["jpeg"]]
+    split = FileSplit(paths, torch.zeros(len(paths), dtype=torch.long), SHAPE)
+    loader = build_loader(split, 2, train=False, device="cpu", workers=0)
+    assert sum(len(y) for _, y in loader) == 4
+    assert loader.nvjpeg_refused == ["RuntimeError: nvjpegDecodeBatched failed: 7"] * 2
+    assert loader.wait_line().endswith(
+        "; nvJPEG failed on 2 batch(es) of readable JPEGs, decoded again in the main process "
+        "(RuntimeError: nvjpegDecodeBatched failed: 7)"
+    )
 
 
 def test_jpegs_of_one_size_are_resized_in_one_call(files, tmp_path, monkeypatch, torchvision_io):

@@ -28,6 +28,7 @@ import torch
 from PIL import Image
 
 from .imagefolder import DECODE_ERRORS, EXIF_ORIENTATION, cover_resize, decode_image
+from .runs import first_line
 
 
 def choose_gpu_decode(device: torch.device) -> tuple[bool, str]:
@@ -44,10 +45,13 @@ def choose_gpu_decode(device: torch.device) -> tuple[bool, str]:
             f"{cpu}: torchvision does not import ({type(e).__name__}); "
             "pip install 'labrun[gpu-decode]' for nvJPEG on the GPU"
         )
-    probe = io.BytesIO()
-    Image.new("RGB", (16, 16), (90, 120, 200)).save(probe, format="JPEG")
+    probes = []  # a batch of two sizes, as a folder's batches are
+    for size in ((16, 16), (24, 8)):
+        probes.append(io.BytesIO())
+        Image.new("RGB", size, (90, 120, 200)).save(probes[-1], format="JPEG")
     try:  # also starts nvJPEG (its handle: ~0.1 s) here, not inside the first timed step
-        decode_jpeg([_as_tensor(probe.getvalue())], mode=ImageReadMode.RGB, device=device)
+        data = [_as_tensor(probe.getvalue()) for probe in probes]
+        decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
     except Exception as e:  # noqa: BLE001 (RuntimeError, or torch's AssertionError without CUDA)
         return False, f"{cpu}: torchvision's decode_jpeg fails on {device} ({type(e).__name__})"
     return True, (
@@ -116,11 +120,13 @@ def read_batch(paths: list[str], shape, value_ranges, jpegs: bool = True) -> Enc
     return EncodedBatch(decoded, data, list(map(len, gpu)), on_gpu, list(paths))
 
 
-def decode_batch(batch: EncodedBatch, shape, device) -> torch.Tensor:
+def decode_batch(batch: EncodedBatch, shape, device, refused: list | None = None) -> torch.Tensor:
     """A worker's batch -> uint8 (N, H, W, C) on `device`. A JPEG nvJPEG refuses (truncated,
     corrupt) is decoded again on the CPU, which raises UnreadableImage naming it, as the CPU
-    path does. JPEGs of one size are cut and resized in one call (a folder of one camera's
-    photos: one per batch, not one per image)."""
+    path does; a batch nvJPEG refused that the CPU decodes whole is appended to `refused`
+    (nvJPEG's error: decoded in this process, on one core, it slows the run; the loader's
+    `loader:` line counts them). JPEGs of one size are cut and resized in one call (a folder
+    of one camera's photos: one per batch, not one per image)."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
     channels, height, width = shape
@@ -131,8 +137,10 @@ def decode_batch(batch: EncodedBatch, shape, device) -> torch.Tensor:
     mode = ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB
     try:
         images = decode_jpeg(list(batch.data.split(batch.sizes)), mode=mode, device=device)
-    except RuntimeError:  # one bad file fails the batch: the CPU decodes them, naming a bad one
-        cpu = (decode_image(batch.paths[i], (height, width), channels) for i in rows)
+    except RuntimeError as e:  # one bad file fails the batch: the CPU decodes, naming a bad one
+        cpu = [decode_image(batch.paths[i], (height, width), channels) for i in rows]
+        if refused is not None:  # every file decoded: nvJPEG's own failure
+            refused.append(f"{type(e).__name__}: {first_line(e)}")
         images = [torch.from_numpy(pixels).permute(2, 0, 1).to(device) for pixels in cpu]
     by_size: dict[tuple, list[int]] = {}  # the positions in `images` of each source size
     for position, image in enumerate(images):

@@ -308,6 +308,7 @@ class Loader:
         streaming = isinstance(split, FileSplit)
         self.resident = gpu_resident and not streaming
         self.gpu_jpegs, self.decoder = False, ""  # decoder: run.log's `decode:` (streaming)
+        self.nvjpeg_refused: list[str] = []  # batches nvJPEG failed and the CPU decoded whole
         self._loader, self._batches = None, None  # _batches: the iterator holding the workers
         if streaming:
             self.gpu_jpegs, self.decoder = gpudecode.choose_gpu_decode(self.device)
@@ -410,9 +411,16 @@ class Loader:
         this loader's batches (a worker's decode the step did not hide, the copy, the
         transform), over every epoch this process iterated."""
         share = self.waited_s / max(self.spanned_s, 1e-9)
+        refused = self.nvjpeg_refused
+        slow = (
+            f"; nvJPEG failed on {len(refused)} batch(es) of readable JPEGs, decoded again in "
+            f"the main process ({refused[0]})"
+            if refused
+            else ""
+        )
         return (
             f"loader: the loop waited {self.waited_s:.1f} s of {self.spanned_s:.1f} s for "
-            f"batches ({100 * share:.0f} %; {self.how})"
+            f"batches ({100 * share:.0f} %; {self.how}){slow}"
         )
 
     def peek(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -428,7 +436,8 @@ class Loader:
     def _on_device(self, images, labels) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch as the dataset gives it -> the model's input and the labels, on the device."""
         if self.gpu_jpegs:  # JPEG bytes to nvJPEG, the rows decoded by a worker copied
-            images = gpudecode.decode_batch(images, self.dataset.split.image_shape, self.device)
+            shape = self.dataset.split.image_shape
+            images = gpudecode.decode_batch(images, shape, self.device, self.nvjpeg_refused)
         # uint8 crosses the bus (4x fewer bytes than float32); non_blocking lets the copy
         # overlap with the GPU still computing the previous step.
         # (Resident batches are there already: no copy.)
