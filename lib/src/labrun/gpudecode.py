@@ -64,12 +64,13 @@ def jpeg_bytes(path: str) -> bytes | None:
     """The file's bytes when the GPU decodes it as the CPU would, else None (decode it on the
     CPU). Reads the header only; a file that does not open is the CPU's to refuse."""
     try:
-        with Image.open(path) as image:
+        data = Path(path).read_bytes()  # read once: the header below is parsed from memory
+        with Image.open(io.BytesIO(data)) as image:
             upright = image.getexif().get(EXIF_ORIENTATION, 1) == 1
             # The modes nvJPEG decodes as Pillow does (not CMYK, YCCK).
             if image.format != "JPEG" or image.mode not in ("RGB", "L") or not upright:
                 return None
-        return Path(path).read_bytes()
+        return data
     except DECODE_ERRORS:
         return None
 
