@@ -330,7 +330,7 @@ def test_the_loader_counts_the_loops_wait_for_batches_not_its_steps(small_split,
     now[0] += 3.0
     batches.close()  # a run that ends within an epoch (--max-steps): its time counts till then
     assert loader.waited_s == 11.0 and loader.spanned_s == 44.0
-    line = "loader: the loop waited 11.0 s of 44.0 s for batches (25 %; 0 worker(s))"
+    line = "loader: the loop waited 11.0 s of 44.0 s for batches (25 %; in memory, 0 worker(s))"
     assert loader.wait_line() == line
 
 

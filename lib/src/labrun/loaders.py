@@ -327,10 +327,10 @@ class Loader:
         cpus, default = available_cpus(), workers is None
         if default:
             workers = default_workers(self.device, streaming=streaming)
-        self.how = f"{workers} worker(s)"
+        self.how = f"in memory, {workers} worker(s)"
         if streaming:  # run.log's `decode:`: the decode path and who decodes
             where = "on the GPU (nvJPEG)" if self.gpu_jpegs else "on the CPU (Pillow)"
-            self.how = f"streamed, decoded {where}, {self.how}"
+            self.how = f"streamed, decoded {where}, {workers} worker(s)"
             whose = f"of the {cpus} core(s) this job may use" if default else "(--workers)"
             self.decoder += f"; {workers} loader worker(s) {whose}"
         _fix_malloc_mmap_threshold()  # batch-sized buffers, freed, must not fragment the heap
