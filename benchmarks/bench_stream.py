@@ -179,6 +179,7 @@ def gpu_table(paths, labels, args, root: Path) -> list[str]:
             drop_last=True, pin_memory=True, persistent_workers=True, prefetch_factor=4,
         )  # fmt: skip
         nvjpeg = labrun_loader(paths, labels, args, workers, device="cuda")
+        decoder = nvjpeg.decoder
         try:  # the same loader with the decode left to its workers
             gpudecode.choose_gpu_decode = lambda device: (False, "on the CPU (Pillow): forced")
             cpu = labrun_loader(paths, labels, args, workers, device="cuda")
@@ -205,6 +206,7 @@ def gpu_table(paths, labels, args, root: Path) -> list[str]:
                 f"| {listed} |"
             )
     return [
+        f"labrun's `decode:` line: {decoder}\n",
         f"img/s on {torch.cuda.get_device_name()}, {len(paths)} JPEGs of 500x375 -> "
         f"{args.size}px, batch {args.batch_size}, one epoch each, best of {args.repeats}\n",
         "| workers | loader | img/s (best) | vs torchvision | all runs |",
