@@ -142,6 +142,15 @@ def test_a_batch_nvjpeg_fails_whole_is_counted_on_the_loader_line(
     )
 
 
+def test_a_worker_decodes_into_shared_memory(files, monkeypatch):
+    """As DataLoader's collation does: the batch goes to the main process without a copy (a
+    private one is copied into shared memory to be sent: 3.1 ms per 32 images at 224 px)."""
+    paths = [files["png"], files["jpeg"]]
+    assert not gpudecode.read_batch(paths, SHAPE, None, jpegs=False).decoded.is_shared()
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: object())  # in a worker
+    assert gpudecode.read_batch(paths, SHAPE, None, jpegs=False).decoded.is_shared()
+
+
 def test_jpegs_of_one_size_are_resized_in_one_call(files, tmp_path, monkeypatch, torchvision_io):
     """A camera's photos (one size): one resize per batch, not one per image; same pixels."""
     sizes = []
