@@ -226,6 +226,17 @@ def synced_rate(batches) -> float:
     return seen / (time.perf_counter() - start)
 
 
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else what platform knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(
+                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
+            )
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -237,8 +248,8 @@ def main(argv=None) -> int:
     table = gpu_table(paths, labels, args, root) if args.gpu else cpu_table(paths, labels, args)
     print("```")
     print(
-        f"- device: {platform.processor() or platform.machine()}, "
-        f"{len(os.sched_getaffinity(0))} cores available, 1 torch thread per process"
+        f"- device: {cpu_name()}, {len(os.sched_getaffinity(0))} cores available, "
+        "1 torch thread per process"
     )
     print(
         f"- torch {torch.__version__}, Python {platform.python_version()}, {datetime.date.today()}"
