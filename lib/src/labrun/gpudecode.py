@@ -9,13 +9,15 @@ every file and the loader takes `batch.decoded`.
 
 On a 16-core H100 box the CPU decode of 224-px ResNet-18's JPEGs fed 1,808 img/s, nvJPEG in
 batches of 128 with the resize on the GPU 10,272 (../shared/notes/gpu.md). Where a CUDA device
-and torchvision (the optional extra `labrun[gpu-decode]`) are there, the loader's workers only
-read the bytes of each JPEG the GPU decodes as the CPU would (8-bit RGB or greyscale, upright)
+and torchvision (the optional extra `labrun[gpu-decode]`) are there and its decode_jpeg decodes
+on the device (probed when a loader is made), the loader's workers only read the bytes of each
+JPEG the GPU decodes as the CPU would (8-bit RGB or greyscale, upright; a batch's in one buffer)
 and decode everything else as before (imagefolder.decode_image: PNG, CMYK, 16-bit, EXIF-rotated
 files); the main process decodes the batch's JPEGs on the device, cuts the same centered box
-and resizes it (imagefolder.cover_resize: antialiased bilinear, rounded to uint8): the same data
-contract (uint8, the run's size, the same files and splits), not the same bits (nvJPEG's IDCT
-and the float resize differ from libjpeg-turbo's and the uint8 one by a level or two).
+and resizes it (imagefolder.cover_resize: antialiased bilinear, rounded to uint8; the JPEGs of
+one size in one call): the same data contract (uint8, the run's size, the same files and
+splits), not the same bits (nvJPEG's IDCT and the float resize differ from libjpeg-turbo's and
+the uint8 one by a level or two).
 """
 
 from __future__ import annotations
