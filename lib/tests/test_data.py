@@ -308,6 +308,32 @@ def test_dataloader_workers(small_split):
     assert sum(len(y) for _, y in loader) == 100
 
 
+def test_the_loader_counts_the_loops_wait_for_batches_not_its_steps(small_split, monkeypatch):
+    """run.log's `loader:` line: the time spent inside the loader's __next__ over the time the
+    epochs took, on a fake clock: each batch takes 1 s to gather, each step 3 s."""
+    from labrun import loaders
+
+    now = [0.0]
+    monkeypatch.setattr(loaders.time, "perf_counter", lambda: now[0])
+    gather = loaders._ArrayDataset.__getitem__
+
+    def slow_gather(self, index):
+        now[0] += 1.0
+        return gather(self, index)
+
+    monkeypatch.setattr(loaders._ArrayDataset, "__getitem__", slow_gather)
+    loader = build_loader(small_split, 10, train=True, device="cpu", workers=0)
+    for _ in loader:  # 10 batches
+        now[0] += 3.0  # the step
+    batches = iter(loader)
+    next(batches)
+    now[0] += 3.0
+    batches.close()  # a run that ends within an epoch (--max-steps): its time counts till then
+    assert loader.waited_s == 11.0 and loader.spanned_s == 44.0
+    line = "loader: the loop waited 11.0 s of 44.0 s for batches (25 %; in memory, 0 worker(s))"
+    assert loader.wait_line() == line
+
+
 def test_fits_on_device(small_split):
     assert fits_on_device({"train": small_split}, "cpu")
     assert not fits_on_device([10**12], "cpu")  # ~5 PB of images: more than any node's RAM

@@ -209,5 +209,8 @@ def test_dry_run_on_cpu_runs_run_py_itself_and_never_crashes():
         assert f"  {PASS}  " in rows[name] or f"  {FAIL}  " in rows[name], result.stdout
     for name in ("sync", "accum", "precision", "feed"):
         assert f"  {NOT_CHECKED}  no CUDA" in rows[name], result.stdout
+    # where the streamed job's time went: its decode path and the loop's wait for batches
+    assert "streamed job's loader: the loop waited " in rows["feed stream 32px"], result.stdout
+    assert "decoded on the CPU (Pillow)" in rows["feed stream 32px"], result.stdout
     failed = any(f"  {FAIL}  " in row for row in rows.values())
     assert result.returncode == (1 if failed else 0), result.stdout + result.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -299,6 +300,9 @@ def test_run_trains_on_a_folder_the_same_on_both_paths(
         assert config["class_names"] == list(CLASSES) and config["image_size"] == [12, 12]
         assert config["data_path"] == str(mixed_folder.resolve())
         finished[mode] = read_metrics(run_dir)
+        log = (run_dir / "run.log").read_text()
+        assert (" decode: on the CPU (Pillow" in log) == (mode == "stream")
+        assert re.search(r" loader: the loop waited [\d.]+ s of [\d.]+ s for batches \(\d+ %", log)
     for key in ("best_val_acc", "test_acc", "test_loss", "steps"):
         assert finished["memory"][key] == finished["stream"][key], key
 
@@ -440,16 +444,33 @@ def test_streaming_workers_use_every_core_the_job_may_use_but_one(monkeypatch):
     assert loaders.default_workers(torch.device("cpu"), streaming=True) == 1
 
 
+def test_the_decode_note_names_the_path_and_its_workers(mixed_folder, tmp_path, monkeypatch):
+    """run.log's `decode:` line (a streamed run): who decodes, and how many workers."""
+    split = load(mixed_folder, tmp_path, image_size=(12, 12), mode="stream").splits["train"]
+    monkeypatch.setattr(loaders, "available_cpus", lambda: 2)
+    default = build_loader(split, 4, train=True, device="cpu")
+    assert default.decoder.startswith("on the CPU (Pillow")
+    assert default.decoder.endswith("; 1 loader worker(s) of the 2 core(s) this job may use")
+    assert default.how == "streamed, decoded on the CPU (Pillow), 1 worker(s)"
+    given = build_loader(split, 4, train=True, device="cpu", workers=2)
+    assert given.decoder.endswith("; 2 loader worker(s) (--workers)")
+
+
 def test_run_log_says_memory_disk_cache_or_stream_and_why(mixed_folder, tmp_path, monkeypatch):
     def source(**kwargs):
         loaded = load(mixed_folder, tmp_path, image_size=(12, 12), workers=0, **kwargs)
         return loaded.mode, loaded.info.describe()["images from"]
 
     mode, why = source()
-    assert mode == "memory" and why.startswith("memory: decoded once into") and "fits" in why
+    assert mode == "memory" and why.startswith("memory: decoded once at 12x12 into")
+    assert "fits" in why and why.endswith("; decoded by this start")
     monkeypatch.setattr(data, "available_ram_bytes", lambda: 1000)  # less than the cache
     mode, why = source()
     assert mode == "memory" and why.startswith("disk cache: ") and "1000 bytes of RAM" in why
+    assert why.endswith("; found, decoded by an earlier start")  # the next start's is free
+    for cache in tmp_path.glob("decoded-*.npy"):  # damaged: not used, decoded again
+        cache.write_bytes(cache.read_bytes()[:-1] + b"x")
+    assert source()[1].endswith("; decoded by this start")
     mode, why = source(mode="stream")
     assert mode == "stream" and why.startswith("stream: ") and "--data-mode stream" in why
     monkeypatch.setattr(data, "_rlimit_headroom", lambda: 1000)

@@ -186,6 +186,8 @@ def load_dataset(name: str, data_dir: str | os.PathLike, **options) -> LoadedDat
     mode = "stream" if files and (why_not or mode == "stream") else "memory"
     if files and mode == "memory":  # decoded before carving: the cache never depends on --seed
         processes = None if options.workers is None else max(1, options.workers)
+        found = all(cache_path(f, data_dir, data_version).exists() for f in files)
+        damaged = len(notes)  # a cache found but not used (decode_cached's notes): decoded again
         try:
             with _data_dir_errors(data_dir):
                 for key, split in splits.items():  # (each key replaced: the dict keeps its size)
@@ -196,6 +198,9 @@ def load_dataset(name: str, data_dir: str | os.PathLike, **options) -> LoadedDat
         except UnreadableImage as e:  # checked by the scan, so it changed since: rewritten
             # in place; the next start fingerprints every file
             raise ValueError(f"{e}; {forget(data_path, data_dir)}") from e
+        # run.log: whether this start paid for the decode (the later ones never do)
+        found = found and len(notes) == damaged
+        source += "; found, decoded by an earlier start" if found else "; decoded by this start"
     if "test" not in splits:  # a fixed carve: the test set never depends on --seed
         splits["train"], splits["test"] = _carve(splits["train"], TEST_FRACTION, TEST_SPLIT_SEED)
     if "val" not in splits:
@@ -236,10 +241,16 @@ def _image_source(mode: str, why_not: str | None, files: list[FileSplit]) -> str
     job may use it is read back from disk every epoch (the page cache keeps what fits), still
     without a decode."""
     if mode == "stream" or why_not:
-        why = "--data-mode stream" if mode == "stream" else f"--data-mode auto: {why_not}"
+        if mode == "stream":
+            why = "--data-mode stream; memory or auto decode once, and later epochs only gather"
+        else:
+            why = f"--data-mode auto: {why_not}"
         return f"stream: decoded every epoch by the loader's workers ({why})"
     need, ram = decoded_bytes(files), available_ram_bytes()
-    decoded = f"decoded once into {size_text(need)} in --data-dir, memory-mapped"
+    _, height, width = files[0].image_shape  # the training size: no resize left per epoch
+    decoded = (
+        f"decoded once at {height}x{width} into {size_text(need)} in --data-dir, memory-mapped"
+    )
     if ram is not None and need > ram:
         return (
             f"disk cache: {decoded}; more than the {size_text(ram)} of RAM this job may use, "

@@ -19,6 +19,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -307,6 +308,7 @@ class Loader:
         streaming = isinstance(split, FileSplit)
         self.resident = gpu_resident and not streaming
         self.gpu_jpegs, self.decoder = False, ""  # decoder: run.log's `decode:` (streaming)
+        self.nvjpeg_refused: list[str] = []  # batches nvJPEG failed and the CPU decoded whole
         self._loader, self._batches = None, None  # _batches: the iterator holding the workers
         if streaming:
             self.gpu_jpegs, self.decoder = gpudecode.choose_gpu_decode(self.device)
@@ -318,10 +320,19 @@ class Loader:
                 images, rows, labels = images.to(self.device), None, labels.to(self.device)
             self.dataset = _ArrayDataset(images, labels, rows)
         self._on_cuda = self.device.type == "cuda"
+        self.waited_s = self.spanned_s = 0.0  # __iter__'s waits for batches, its epochs' time
         if self.resident:
+            self.how = "resident on the device, gathered there"
             return
-        if workers is None:
+        cpus, default = available_cpus(), workers is None
+        if default:
             workers = default_workers(self.device, streaming=streaming)
+        self.how = f"in memory, {workers} worker(s)"
+        if streaming:  # run.log's `decode:`: the decode path and who decodes
+            where = "on the GPU (nvJPEG)" if self.gpu_jpegs else "on the CPU (Pillow)"
+            self.how = f"streamed, decoded {where}, {workers} worker(s)"
+            whose = f"of the {cpus} core(s) this job may use" if default else "(--workers)"
+            self.decoder += f"; {workers} loader worker(s) {whose}"
         _fix_malloc_mmap_threshold()  # batch-sized buffers, freed, must not fragment the heap
         background = self._on_cuda and workers > 0
         self._loader = torch.utils.data.DataLoader(
@@ -373,12 +384,44 @@ class Loader:
         return [b for b in batches if len(b)]  # a shard of an evaluation's short last batch
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The epoch's batches; the time the caller waits for each (this __next__: a worker's
+        batch from the queue, its copy and transform) counts into `waited_s`, the time from
+        the first request to the epoch's end (or its close) into `spanned_s` (wait_line)."""
+        batches = self._batches_on_device()
+        start = asked = time.perf_counter()
+        try:
+            for batch in batches:
+                self.waited_s += time.perf_counter() - asked
+                yield batch
+                asked = time.perf_counter()  # the caller asks for the next batch
+        finally:
+            self.spanned_s += time.perf_counter() - start
+            batches.close()  # a caller that stops early: the workers end now, not at collection
+
+    def _batches_on_device(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if not self.resident:
             yield from (self._on_device(*batch) for batch in self.raw_batches())
             return
         self._next_epoch()
         for index in self.batch_indices():
             yield self._on_device(*self.dataset[index])
+
+    def wait_line(self) -> str:
+        """run.log's `loader:` line: the share of the training loop's time spent waiting for
+        this loader's batches (a worker's decode the step did not hide, the copy, the
+        transform), over every epoch this process iterated."""
+        share = self.waited_s / max(self.spanned_s, 1e-9)
+        refused = self.nvjpeg_refused
+        slow = (
+            f"; nvJPEG failed on {len(refused)} batch(es) of readable JPEGs, decoded again in "
+            f"the main process ({refused[0]})"
+            if refused
+            else ""
+        )
+        return (
+            f"loader: the loop waited {self.waited_s:.1f} s of {self.spanned_s:.1f} s for "
+            f"batches ({100 * share:.0f} %; {self.how}){slow}"
+        )
 
     def peek(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This epoch's first batch as iterating gives it (shape, dtype, device), read in this
@@ -393,7 +436,8 @@ class Loader:
     def _on_device(self, images, labels) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch as the dataset gives it -> the model's input and the labels, on the device."""
         if self.gpu_jpegs:  # JPEG bytes to nvJPEG, the rows decoded by a worker copied
-            images = gpudecode.decode_batch(images, self.dataset.split.image_shape, self.device)
+            shape = self.dataset.split.image_shape
+            images = gpudecode.decode_batch(images, shape, self.device, self.nvjpeg_refused)
         # uint8 crosses the bus (4x fewer bytes than float32); non_blocking lets the copy
         # overlap with the GPU still computing the previous step.
         # (Resident batches are there already: no copy.)

@@ -723,6 +723,7 @@ class Run:
         from .hardware import peak_memory_bytes
 
         self._save()
+        self.log.info(self.data_.train.wait_line())  # the loader's share of the training time
         p, stopper, task, speed = self.progress, self.stopper, self.task, self.speed
         reason, weights = self.stop_reason(), self.args.test_weights
         rate = p.samples / max(p.train_time_s, 1e-9)

@@ -568,6 +568,7 @@ def check_streamed_folder(ctx: Context) -> list[Result]:
         name, streamed.metrics["samples_per_sec"], memory.metrics["samples_per_sec"]
     )
     result.detail += f"; {options.stream_model}, streamed vs decoded in memory"
+    result.detail += f"; streamed job's {streamed.line('loader: ')}"  # the decode path, its wait
     return [result]
 
 
