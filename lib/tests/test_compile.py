@@ -214,11 +214,16 @@ def counted_compile(monkeypatch, tmp_path):
     real = torch.compile
 
     def counting(gm, example_inputs):
-        graphs.append(str([tuple(t.stride()) for t in example_inputs if hasattr(t, "stride")]))
+        tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+        # A symbolic size (automatic dynamic): a SymInt among the inputs or in a shape.
+        symbolic = any(isinstance(s, torch.SymInt) for t in tensors for s in t.shape)
+        symbolic |= any(isinstance(t, torch.SymInt) for t in example_inputs)
+        strides = str([tuple(t.stride()) for t in tensors])
+        graphs.append(f"symbolic {strides}" if symbolic else strides)
         return gm.forward
 
-    def compile_counted(fn, mode=None, **kwargs):
-        return real(fn, backend=counting)
+    def compile_counted(fn, mode=None, dynamic=None, **kwargs):
+        return real(fn, backend=counting, dynamic=dynamic)  # run.py's dynamic= as it gives it
 
     torch._dynamo.reset()
     monkeypatch.setattr(torch, "compile", compile_counted)
@@ -267,6 +272,30 @@ def test_warm_up_on_a_real_batch_leaves_no_recompile(
     assert "compile: default (--compile on): " in log and "ms = " in log
     assert "inductor cache: " in log and "compiled (default) in " in log
     assert list((tmp_path / "inductor" / hardware.RECORDS).glob("*.json"))  # costs recorded
+
+
+def test_the_compiled_step_is_one_static_graph_whatever_this_process_compiled_before(
+    counted_compile, main_in_process, tmp_path, monkeypatch
+):
+    """gpu.md (H200): every node of the step's graphs used a symbolic size ("dynamic shape
+    ops"), and CUDA graphs never replayed. Dynamo remembers the shapes each code object saw,
+    across torch.compile calls in a process, and a size it saw change becomes symbolic
+    (automatic dynamic): a job compiled after another batch size in the same process (an
+    earlier job, a notebook, gpucheck's loops) traced a symbolic batch from its first call.
+    run.py's batches have one shape: the warm-up and the steps must be one static graph, no
+    graph break, no recompile."""
+    from torch._dynamo.utils import counters
+
+    before = ("--compile", "on", "--batch-size", "32", "--max-steps", "2")
+    assert main_in_process(*before, "--results-dir", str(tmp_path / "before")) == 0
+    counted_compile.clear()
+    counters.clear()
+    after_warm_up = graphs_after_warm_up(monkeypatch, counted_compile)
+    out = tmp_path / "r"
+    assert main_in_process("--compile", "on", "--epochs", "2", "--results-dir", str(out)) == 0
+    assert after_warm_up == [1] and len(counted_compile) == 1, counted_compile
+    assert not counted_compile[0].startswith("symbolic"), counted_compile
+    assert not counters["graph_break"], dict(counters["graph_break"])
 
 
 def history(run_dir):

@@ -9,7 +9,7 @@ writes"):
     ...model, optimizer, scheduler, scaler, EMA...
     run.restore(model=..., optimizer=..., scheduler=..., scaler=..., ema=...)  # resume or start
     mode = run.compile_mode(model)          # times eager passes on a real batch (rank 0 decides)
-    net = run.distributed(torch.compile(model, mode=mode) if mode else model)  # DDP outermost
+    net = run.distributed(torch.compile(model, mode=mode, dynamic=False) if mode else model)
     net = run.warm_up(net, eager=model)     # compiles outside the timed loop
     if run.tool: return run.tools(...)      # --find-lr, --find-batch-size, --profile
     p = run.progress
@@ -471,16 +471,6 @@ class Run:
         self.compiled = self.dist.decide(self._compile[0])  # torchrun: rank 0's, on every rank
         if self.device.type == "cuda" and self.dist.is_main:
             self._measure_speed_scale(model)
-        if self.cuda_graphs:
-            import torch._inductor.config
-
-            # A batch of another shape (a model whose shapes change per batch) runs its
-            # recompiled graph without CUDA graphs instead of recording a graph per shape.
-            torch._inductor.config.triton.cudagraph_skip_dynamic_graphs = True
-            self.log.info(
-                "CUDA graphs: the step replays captured kernels; a batch of another shape "
-                "runs without them (cudagraph_skip_dynamic_graphs)"
-            )
         return self.compiled
 
     def _measure_speed_scale(self, model) -> None:

@@ -62,7 +62,9 @@ def best_practice_rate(
     device = next(model.parameters()).device
     model = model.to(memory_format=torch.channels_last).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=5e-4, fused=True)
-    net = torch.compile(model, mode=compile_mode) if compile_mode else model
+    # dynamic=False: gpucheck compiles several models and batch sizes in one process; dynamo's
+    # automatic dynamic would give the later ones a symbolic batch size.
+    net = torch.compile(model, mode=compile_mode, dynamic=False) if compile_mode else model
     mean = torch.tensor(MEAN, device=device).view(1, -1, 1, 1)
     std = torch.tensor(STD, device=device).view(1, -1, 1, 1)
     n, _, height, width = images.shape
