@@ -26,6 +26,9 @@ FAILed (checks that cannot run here say "not checked" and why); 1: at least one 
                resumes without one recompile (TORCH_LOGS=recompiles)
   ddp compile  the same on 2 processes under torchrun: DDP around the compiled module, the
                warm-up through the object the step calls: no recompile in the loop
+  graphs       a --compile reduce-overhead job replays CUDA graphs (TORCH_LOGS=cudagraphs):
+               no non-cudagraphable partition, no skipped graph, no re-recording, and a graph
+               recorded for the forward and the backward
   accum        a compiled run with --grad-accum 2 (max-autotune where run.py picks it, CUDA)
                learns what the eager run learns: its losses within ACCUM_RTOL
   layout       the memory layout run.py trains in (channels_last on CUDA: every conv output)
@@ -638,6 +641,58 @@ def check_ddp_compile(ctx: Context) -> list[Result]:
     return [recompile_result("ddp compile", job, "2 ranks' training and evaluation")]
 
 
+# torch's cudagraphs log (inductor's scheduler and cudagraph_trees, torch 2.11-2.13)
+PARTITIONS = re.compile(r"Created (\d+) graph partitions: (\d+) cudagraphable, (\d+) non-cud")
+RECORDED = re.compile(r"(?<!Re-r)(?<!re-r)Recording function=\S+, mode=(\w+)")
+RERECORDED = re.compile(r"Re-recording function=\S+, mode=\w+, reason=(.*)$", re.MULTILINE)
+SKIPPED = re.compile(r"skipping cudagraphs due to (.*)$", re.MULTILINE)
+REASON = re.compile(r"reason=([a-zA-Z -]+),")
+
+
+def check_graphs(ctx: Context) -> list[Result]:
+    """--compile reduce-overhead on the default model: do its CUDA graphs replay?"""
+    if "graphs" in ctx.options.skip:
+        return []
+    if ctx.device.type != "cuda":
+        return [Result("graphs", NOT_CHECKED, "skipped: no GPU (CUDA graphs need one)")]
+    flags = (*small_flags(ctx), "--compile", "reduce-overhead")
+    job = run_job(ctx, *flags, env={"TORCH_LOGS": "cudagraphs"})
+    if job.code != 0:
+        return [failed("graphs", job)]
+    return [graphs_result(job.stderr + job.log)]
+
+
+def graphs_result(text: str) -> Result:
+    """From a run's TORCH_LOGS=cudagraphs output: FAIL when any part of the compiled step would
+    run without a CUDA graph (a non-cudagraphable partition, a skipped graph), when a graph is
+    re-recorded, or when no graph was recorded for the forward and the backward."""
+    partitions = [tuple(map(int, found)) for found in PARTITIONS.findall(text)]
+    graphable = sum(p[1] for p in partitions)
+    outside = sum(p[2] for p in partitions)
+    recorded = RECORDED.findall(text)
+    modes = {mode.lower() for mode in recorded}
+    detail = (
+        f"{len(recorded)} CUDA graphs recorded ({', '.join(sorted(modes)) or 'none'}); "
+        f"partitions: {graphable} cudagraphable, {outside} not (threshold 0)"
+    )
+    problems = []
+    if outside:
+        reasons = sorted(set(REASON.findall(text)))
+        problems.append(f"non-cudagraphable nodes ({', '.join(reasons) or 'reason not logged'})")
+    if skipped := SKIPPED.findall(text):
+        problems.append(f"{len(skipped)} graphs skipped: {skipped[0].strip()[:120]}")
+    if rerecorded := RERECORDED.findall(text):
+        problems.append(f"{len(rerecorded)} re-recordings: {rerecorded[0].strip()[:120]}")
+    if not {"forward", "backward"} <= modes:
+        problems.append(
+            "no graph recorded for "
+            + " and ".join(m for m in ("forward", "backward") if m not in modes)
+        )
+    if problems:
+        return Result("graphs", FAIL, f"{detail}; {'; '.join(problems)}")
+    return Result("graphs", PASS, detail)
+
+
 def check_accumulation(ctx: Context) -> list[Result]:
     """--grad-accum 2 compiled (max-autotune where run.py picks it: CUDA graphs must not
     overwrite the accumulated gradients) against eager: the same losses within ACCUM_RTOL."""
@@ -851,6 +906,7 @@ CHECKS: list[Callable[[Context], list[Result]]] = [
     check_streamed_folder,
     check_recompiles,
     check_ddp_compile,
+    check_graphs,
     check_accumulation,
     check_layout,
     check_resume,
