@@ -243,6 +243,48 @@ def labrun_source() -> str:
     )
 
 
+def model_key(model, x: torch.Tensor, dtype, device) -> dict:
+    """What a measurement of `model`'s step depends on: the model, its input, the precision,
+    this machine's device, torch and labrun."""
+    return {
+        "model": f"{type(model).__module__}.{type(model).__qualname__}",
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "input": [list(x.shape), str(x.dtype), list(x.stride())],
+        "autocast": str(dtype),
+        "device": device_name(device),
+        "torch": torch.__version__,
+        # A record measured under a defect since fixed (CUDA graphs that never replayed:
+        # "measured slower") must not outlive that labrun.
+        "labrun": labrun_source(),
+    }
+
+
+def record_path(cache_dir: Path, key: dict) -> Path:
+    from .config import short_hash
+
+    return Path(cache_dir) / RECORDS / f"{short_hash(key, digits=16)}.json"
+
+
+def read_record(cache_dir: Path, key: dict) -> dict | None:
+    """The values write_record kept for `key` beside the compile records, or None."""
+    try:
+        seen = json.loads(record_path(cache_dir, key).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return seen if isinstance(seen, dict) and seen.get("key") == key else None
+
+
+def write_record(cache_dir: Path, key: dict, **values) -> None:
+    """Keep `values` (numbers a machine measures once) for `key`, with the UTC time."""
+    from .runs import write_json
+
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    path = record_path(cache_dir, key)
+    with contextlib.suppress(OSError):  # a read-only folder keeps nothing
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, {"key": key, **values, "when": when})
+
+
 class CompileRecord:
     """The measured compile costs of one model, input and precision on one machine, torch and
     labrun: a small JSON file in the inductor cache folder named by the hash of that key,
@@ -250,20 +292,8 @@ class CompileRecord:
     concurrent jobs only costs a re-measurement)."""
 
     def __init__(self, cache_dir: Path, model, x: torch.Tensor, dtype, device) -> None:
-        self.key = {
-            "model": f"{type(model).__module__}.{type(model).__qualname__}",
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "input": [list(x.shape), str(x.dtype), list(x.stride())],
-            "autocast": str(dtype),
-            "device": device_name(device),
-            "torch": torch.__version__,
-            # A record measured under a defect since fixed (CUDA graphs that never replayed:
-            # "measured slower") must not outlive that labrun.
-            "labrun": labrun_source(),
-        }
-        from .config import short_hash
-
-        self.path = Path(cache_dir) / RECORDS / f"{short_hash(self.key, digits=16)}.json"
+        self.key = model_key(model, x, dtype, device)
+        self.path = record_path(cache_dir, self.key)
 
     def read(self) -> dict:
         """Each mode's numbers; {} when none are recorded yet (or the file is unreadable, or of
@@ -499,11 +529,23 @@ def flops_per_sample(model, x, y, loss_fn, dtype) -> float:
     return counter.get_total_flops() / len(x)
 
 
+def matmul_peak(cache_dir: Path, device: torch.device, dtype) -> tuple[float, str]:
+    """(FLOP/s, "measured now" or "recorded <when>"): measure_matmul_flops once per GPU model,
+    precision, torch and labrun, kept beside the compile records; not by every job."""
+    key = {"matmul_peak": str(dtype), "device": device_name(device), "torch": torch.__version__}
+    key["labrun"] = labrun_source()
+    if (seen := read_record(cache_dir, key)) and isinstance(seen.get("flops"), float):
+        return seen["flops"], f"recorded {seen['when']}"
+    flops = float(measure_matmul_flops(device, dtype))
+    write_record(cache_dir, key, flops=flops)
+    return flops, "measured now"
+
+
 def measure_matmul_flops(device: torch.device, dtype) -> float:
     """FLOP/s of the best of PEAK_REPEATS square matmuls in `dtype` (fp32 when None; TF32 where
     the backends allow it): a measured peak, not the data sheet's, so MFU says how far a job is
-    from what this GPU does (a fraction of a second: measured afresh by every run). A CPU gets
-    1024-square ones: 8192 would take seconds each."""
+    from what this GPU does (matmul_peak keeps it per machine). A CPU gets 1024-square ones:
+    8192 would take seconds each."""
     n = PEAK_MATMUL_SIZE if device.type == "cuda" else 1024
     a, b = (torch.randn(n, n, device=device, dtype=dtype or torch.float32) for _ in range(2))
     return 2 * n**3 / fastest(lambda: torch.mm(a, b), timed(device), PEAK_REPEATS)
@@ -534,10 +576,22 @@ class GpuBusy:
             return
         wall = timed(self.device)() - self._started
         self._profile.stop()
-        busy_us = sum(e.self_device_time_total for e in self._profile.key_averages())
+        busy_us = kernel_time_us(self._profile.events())
         self._profile = None
         self.share = min(1.0, busy_us / 1e6 / wall)
         self.step_s = wall / (steps - BUSY_FIRST)
+
+
+def kernels(events) -> list:
+    """The GPU's work among a profile's events: device events that are not annotations (the
+    profiler's `optimizer_step_N`, torch.compile's regions span a step on the GPU's timeline)."""
+    from torch.autograd import DeviceType
+
+    return [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+
+
+def kernel_time_us(events) -> float:
+    return sum(e.self_device_time_total for e in kernels(events))
 
 
 def busy_line(share: float, step_s: float, batch_size: int) -> str:
