@@ -9,10 +9,11 @@ import logging
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
-from conftest import ROOT, load_run_py, run_dir_of
+from conftest import ROOT, capture_step, load_run_py, run_dir_of
 from image_folders import make_folder
 from lab_project.model import build_model
 
@@ -198,6 +199,38 @@ def test_a_record_does_not_outlive_a_change_of_labrun_or_torch(tmp_path, monkeyp
     monkeypatch.setattr(hardware, "labrun_source", labrun_source)
     monkeypatch.setattr(torch, "__version__", "2.14.0")
     assert CompileRecord(tmp_path, model, x, None, CUDA).costs(CUDA) == priors()
+
+
+def test_a_mode_is_judged_on_the_training_steps_own_time(tmp_path, monkeypatch, data_dir):
+    """gpu.md: reduce-overhead was judged on the warm-up's passes through the compiled module
+    (forward + backward 5.8 ms against eager 5.2) and recorded "measured slower". Once jobs
+    of this model ran eager and compiled, their first epochs' training steps decide."""
+    monkeypatch.setattr(hardware, "device_name", lambda device: "NVIDIA H200")
+    model, x = build_model(width=8), torch.zeros(4, 3, 32, 32)
+    record = CompileRecord(tmp_path, model, x, torch.bfloat16, CUDA)
+    record.save(
+        "reduce-overhead", compile_s=15.0, warm=False, eager_step_s=0.0052, compiled_step_s=0.0058
+    )
+    assert record.costs(CUDA)["reduce-overhead"].ratio == pytest.approx(0.0058 / 0.0052)
+    record.save_step("reduce-overhead", 0.0021)  # no eager step time yet: the passes' ratio
+    assert record.costs(CUDA)["reduce-overhead"].ratio == pytest.approx(0.0058 / 0.0052)
+    record.save_step(None, 0.0062)  # an eager job's first epoch
+    cost = record.costs(CUDA)["reduce-overhead"]
+    assert cost.ratio == pytest.approx(0.0021 / 0.0062) and cost.source.endswith("training steps")
+    assert record.eager_step_s() == 0.0052  # the probe's forward + backward, as before
+    mode, why = choose_compile(CUDA, "auto", 7020, measure=lambda: (0.0052, record.costs(CUDA)))
+    assert mode == "reduce-overhead" and "training steps" in why
+    # The run records its first epoch's step time in the mode it trained in, once.
+    c = capture_step(monkeypatch, data_dir, tmp_path / "r")
+    saved = []
+    fake = types.SimpleNamespace(save_step=lambda mode, s: saved.append((mode, s)))
+    c.run._compile, c.run.compiled = (None, 0.0, fake), None
+    c.run._bar, c.run._busy = types.SimpleNamespace(close=print), None
+    for resumed, epoch in ((False, 0), (True, 0), (False, 1)):
+        c.run._now, c.run._t0, c.run._first_step = (lambda: 2.5), 0.0, 0
+        c.run.progress.step, c.run.progress.epoch, c.run._resumed_in_epoch = 25, epoch, resumed
+        c.run._epoch_trained()
+    assert saved == [(None, 0.1)]
 
 
 def test_inductor_cache_is_the_projects_unless_set(tmp_path, monkeypatch):

@@ -60,6 +60,8 @@ CPU_PRIORS = {"default": (16.0, 3.1, 0.87)}
 WITHOUT_GRAPHS = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
 INDUCTOR_CACHE_ENV = "LAB_INDUCTOR_CACHE_DIR"  # a lab-wide cache folder, shared by projects
 RECORDS = "lab_compile_costs"  # sub-folder of the inductor cache: one JSON per model and machine
+EAGER = "eager"  # a CompileRecord's entry for the eager step (its training steps' time)
+LOOP_MIN_STEPS = 20  # a first epoch this long times the training step (CompileRecord.save_step)
 # Batch-size rule: one default batch size, 128, on every device: the batch size is part of the
 # run's identity (it changes the numbers), so a default that followed the device would put the
 # same command into different run directories on a laptop and on a GPU node, and a sweep's
@@ -278,11 +280,14 @@ def write_record(cache_dir: Path, key: dict, **values) -> None:
     """Keep `values` (numbers a machine measures once) for `key`, with the UTC time."""
     from .runs import write_json
 
-    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     path = record_path(cache_dir, key)
     with contextlib.suppress(OSError):  # a read-only folder keeps nothing
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, {"key": key, **values, "when": when})
+        write_json(path, {"key": key, **values, "when": utc_now()})
+
+
+def utc_now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())  # as run.log quotes it
 
 
 class CompileRecord:
@@ -292,28 +297,32 @@ class CompileRecord:
     concurrent jobs only costs a re-measurement)."""
 
     def __init__(self, cache_dir: Path, model, x: torch.Tensor, dtype, device) -> None:
-        self.key = model_key(model, x, dtype, device)
+        self.cache_dir, self.key = Path(cache_dir), model_key(model, x, dtype, device)
         self.path = record_path(cache_dir, self.key)
 
     def read(self) -> dict:
         """Each mode's numbers; {} when none are recorded yet (or the file is unreadable, or of
         another key): the priors stand in."""
-        try:
-            seen = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return {}
-        return seen["modes"] if isinstance(seen, dict) and seen.get("key") == self.key else {}
+        seen = read_record(self.cache_dir, self.key)
+        return seen["modes"] if seen and isinstance(seen.get("modes"), dict) else {}
 
     def costs(self, device: torch.device) -> dict[str, CompileCost]:
         """Each mode's cost: its measured ratio, and the warm-cache compile cost once this mode
-        compiled here (the cache beside this record holds its kernels), else the cold one."""
+        compiled here (the cache beside this record holds its kernels), else the cold one. The
+        ratio of the training steps' own times where jobs ran both eager and in this mode."""
         priors = CUDA_PRIORS if device.type == "cuda" else CPU_PRIORS
         costs = prior_costs(device)
-        for mode, seen in self.read().items():
+        modes = self.read()
+        eager_loop_s = modes.get(EAGER, {}).get("loop_step_s")
+        for mode, seen in modes.items():
             if mode in costs and seen.get("eager_step_s"):  # save() writes all three, > 0
                 warm_s = seen.get("warm_compile_s", priors[mode][1])
                 ratio = seen["compiled_step_s"] / seen["eager_step_s"]
-                costs[mode] = CompileCost(warm_s, ratio, f"measured {seen['when']}", "warm")
+                source = f"measured {seen['when']}"
+                if eager_loop_s and seen.get("loop_step_s"):
+                    ratio = seen["loop_step_s"] / eager_loop_s
+                    source = f"measured {seen['loop_when']}, training steps"
+                costs[mode] = CompileCost(warm_s, ratio, source, "warm")
         return costs
 
     def eager_step_s(self) -> float | None:
@@ -322,16 +331,18 @@ class CompileRecord:
 
     def save(self, mode: str, *, compile_s: float, warm: bool, eager_step_s, compiled_step_s):
         modes = self.read()
-        seen = modes.get(mode, {})
+        seen = modes.setdefault(mode, {})
         seen[("warm_" if warm else "cold_") + "compile_s"] = round(compile_s, 3)
-        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())  # as run.log quotes it
-        seen.update(eager_step_s=eager_step_s, compiled_step_s=compiled_step_s, when=when)
-        modes[mode] = seen
-        from .runs import write_json
+        seen.update(eager_step_s=eager_step_s, compiled_step_s=compiled_step_s, when=utc_now())
+        write_record(self.cache_dir, self.key, modes=modes)
 
-        with contextlib.suppress(OSError):  # a read-only folder keeps nothing
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_json(self.path, {"key": self.key, "modes": modes})
+    def save_step(self, mode: str | None, step_s: float) -> None:
+        """The training loop's mean step time in `mode` (None: eager), from a run's first
+        epoch: what a mode is judged on once eager's is known too, rather than the warm-up's
+        passes through the compiled module (CUDA graphs warm up, record and replay there)."""
+        modes = self.read()
+        modes.setdefault(mode or EAGER, {}).update(loop_step_s=step_s, loop_when=utc_now())
+        write_record(self.cache_dir, self.key, modes=modes)
 
 
 def compile_cache_counts() -> tuple[int, int]:

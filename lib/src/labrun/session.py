@@ -644,6 +644,13 @@ class Run:
                     write_record(*record, share=busy.share, step_s=busy.step_s)
         p.train_time_s += train_s
         p.epoch_time_s = train_s + (p.epoch_time_s if self._resumed_in_epoch else 0.0)
+        from .hardware import LOOP_MIN_STEPS
+
+        # A mode is judged on the training step's own time: the first epoch's, once.
+        record, steps = getattr(self, "_compile", (None,) * 3)[2], p.step - self._first_step
+        first = p.epoch == 0 and not self._resumed_in_epoch and steps >= LOOP_MIN_STEPS
+        if record is not None and first:
+            record.save_step(self.compiled, train_s / steps)
 
     def evaluate(self, model, loader) -> dict[str, float]:
         """{loss, metric...} of the task over `loader` in eval mode, summed over ranks; the loss
