@@ -242,6 +242,11 @@ def test_the_graphs_check_fails_where_the_step_would_not_replay_cuda_graphs(tmp_
     assert gpucheck.graphs_result(REPLAYED_LOG + rerecorded).status == FAIL
     forward_only = "\n".join(x for x in REPLAYED_LOG.splitlines() if "BACKWARD" not in x)
     assert "no graph recorded for backward" in gpucheck.graphs_result(forward_only).detail
+    older = (
+        "Recording function 0 of graph recording id 0\nRecording function 1 of graph recording id 1"
+    )
+    assert gpucheck.graphs_result(older).status == PASS  # torch before the mode was logged
+    assert gpucheck.graphs_result(older.splitlines()[0]).status == FAIL
     # A CPU run claims nothing; on a (patched) GPU the job is run.py --compile reduce-overhead.
     options = argparse.Namespace(width=8, batch_size=16, skip=[], timeout=60)
     log = logging.getLogger("t")

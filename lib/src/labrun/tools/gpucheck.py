@@ -643,7 +643,8 @@ def check_ddp_compile(ctx: Context) -> list[Result]:
 
 # torch's cudagraphs log (inductor's scheduler and cudagraph_trees, torch 2.11-2.13)
 PARTITIONS = re.compile(r"Created (\d+) graph partitions: (\d+) cudagraphable, (\d+) non-cud")
-RECORDED = re.compile(r"(?<!Re-r)(?<!re-r)Recording function=\S+, mode=(\w+)")
+RECORDED = re.compile(r"Recording function=\S+, mode=(\w+)")
+RECORDED_BEFORE = re.compile(r"Recording function \d+ of graph recording id")  # no mode named
 RERECORDED = re.compile(r"Re-recording function=\S+, mode=\w+, reason=(.*)$", re.MULTILINE)
 SKIPPED = re.compile(r"skipping cudagraphs due to (.*)$", re.MULTILINE)
 REASON = re.compile(r"reason=([a-zA-Z -]+),")
@@ -669,10 +670,12 @@ def graphs_result(text: str) -> Result:
     partitions = [tuple(map(int, found)) for found in PARTITIONS.findall(text)]
     graphable = sum(p[1] for p in partitions)
     outside = sum(p[2] for p in partitions)
-    recorded = RECORDED.findall(text)
+    recorded, unnamed = RECORDED.findall(text), len(RECORDED_BEFORE.findall(text))
     modes = {mode.lower() for mode in recorded}
+    if unnamed >= 2 and not recorded:  # an older torch's log: forward and backward, unnamed
+        modes = {"forward", "backward"}
     detail = (
-        f"{len(recorded)} CUDA graphs recorded ({', '.join(sorted(modes)) or 'none'}); "
+        f"{len(recorded) + unnamed} CUDA graphs recorded ({', '.join(sorted(modes)) or 'none'}); "
         f"partitions: {graphable} cudagraphable, {outside} not (threshold 0)"
     )
     problems = []
