@@ -256,12 +256,15 @@ def test_the_graphs_check_fails_where_the_step_would_not_replay_cuda_graphs(tmp_
     seen = []
 
     def run_job(ctx, *flags, env=None, **kwargs):
-        seen.append((flags, env))
-        return job_with(tmp_path, "ro", [1.0], stderr=H200_LOG)
+        seen.append((flags, env))  # the graphed job, then the eager one: other losses
+        name, losses = ("ro", [2.0, 1.0]) if len(seen) == 1 else ("eager", [2.0, 1.5])
+        return job_with(tmp_path, name, losses, stderr=H200_LOG)
 
     cuda = gpucheck.Context(options, torch.device("cuda"), tmp_path, log, ROOT)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(gpucheck, "run_job", run_job)
-        assert gpucheck.check_graphs(cuda)[0].status == FAIL
-    [(flags, env)] = seen
+        graphs, numbers = gpucheck.check_graphs(cuda)
+    assert graphs.status == FAIL and numbers.status == FAIL and numbers.name == "graphs = eager"
+    [(flags, env), (eager, _)] = seen
     assert "reduce-overhead" in flags and env == {"TORCH_LOGS": "cudagraphs"}
+    assert eager[eager.index("--compile") + 1] == "off" and "--seed" in eager

@@ -28,7 +28,8 @@ FAILed (checks that cannot run here say "not checked" and why); 1: at least one 
                warm-up through the object the step calls: no recompile in the loop
   graphs       a --compile reduce-overhead job replays CUDA graphs (TORCH_LOGS=cudagraphs):
                no non-cudagraphable partition, no skipped graph, no re-recording, and a graph
-               recorded for the forward and the backward
+               recorded for the forward and the backward; and its training losses are the
+               eager job's within ACCUM_RTOL
   accum        a compiled run with --grad-accum 2 (max-autotune where run.py picks it, CUDA)
                learns what the eager run learns: its losses within ACCUM_RTOL
   layout       the memory layout run.py trains in (channels_last on CUDA: every conv output)
@@ -656,11 +657,13 @@ def check_graphs(ctx: Context) -> list[Result]:
         return []
     if ctx.device.type != "cuda":
         return [Result("graphs", NOT_CHECKED, "skipped: no GPU (CUDA graphs need one)")]
-    flags = (*small_flags(ctx), "--compile", "reduce-overhead")
-    job = run_job(ctx, *flags, env={"TORCH_LOGS": "cudagraphs"})
-    if job.code != 0:
-        return [failed("graphs", job)]
-    return [graphs_result(job.stderr + job.log)]
+    flags = (*small_flags(ctx), "--seed", "3")
+    job = run_job(ctx, *flags, "--compile", "reduce-overhead", env={"TORCH_LOGS": "cudagraphs"})
+    eager = run_job(ctx, *flags, "--compile", "off")  # the same steps' numbers, eager
+    if job.code or eager.code:
+        return [failed("graphs", job if job.code else eager)]
+    numbers = accumulation_result(job, eager, name="graphs = eager", what="reduce-overhead")
+    return [graphs_result(job.stderr + job.log), numbers]
 
 
 def graphs_result(text: str) -> Result:
@@ -709,15 +712,18 @@ def check_accumulation(ctx: Context) -> list[Result]:
     return [accumulation_result(compiled, eager)]
 
 
-def accumulation_result(compiled: JobResult, eager: JobResult) -> Result:
+def accumulation_result(
+    compiled: JobResult, eager: JobResult, name: str = "accum", what: str = "--grad-accum 2"
+) -> Result:
+    """The compiled job's training losses against the eager job's, epoch by epoch."""
     a = [float(r["train_loss"]) for r in compiled.history()]
     b = [float(r["train_loss"]) for r in eager.history()]
     worst = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
     mode = compiled.line("compile: ") or "compile: ?"
     return Result(
-        "accum",
+        name,
         PASS if worst <= ACCUM_RTOL else FAIL,
-        f"--grad-accum 2, run.py's {mode[:80]}: train loss {a[-1]:.4g} vs eager {b[-1]:.4g}, "
+        f"{what}, run.py's {mode[:80]}: train loss {a[-1]:.4g} vs eager {b[-1]:.4g}, "
         f"largest difference {100 * worst:.1f} % (threshold {100 * ACCUM_RTOL:.0f} %)",
     )
 
