@@ -657,7 +657,7 @@ def check_graphs(ctx: Context) -> list[Result]:
         return []
     if ctx.device.type != "cuda":
         return [Result("graphs", NOT_CHECKED, "skipped: no GPU (CUDA graphs need one)")]
-    flags = (*small_flags(ctx), "--seed", "3")
+    flags = (*small_flags(ctx, 1), "--seed", "3")  # one epoch: measure.sh's lease is short
     job = run_job(ctx, *flags, "--compile", "reduce-overhead", env={"TORCH_LOGS": "cudagraphs"})
     eager = run_job(ctx, *flags, "--compile", "off")  # the same steps' numbers, eager
     if job.code or eager.code:
