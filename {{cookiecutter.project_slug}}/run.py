@@ -144,7 +144,10 @@ def build(run: labrun.Run):
     # run.compile_mode times eager passes on a real batch against this machine's recorded
     # compile cost (run.log says why); None: eager. Rank 0 decides for all.
     mode = run.compile_mode(model)
-    net = torch.compile(model, mode=mode) if mode else model
+    # dynamic=False: every training batch has one shape (the last ragged one is dropped), so
+    # the graphs stay static even where this process compiled another shape before (dynamo's
+    # automatic dynamic would otherwise trace a symbolic batch size, which CUDA graphs skip).
+    net = torch.compile(model, mode=mode, dynamic=False) if mode else model
     net = run.distributed(net)  # torchrun: DistributedDataParallel, gradients all-reduced
     net = run.warm_up(net, eager=model)  # compiles now, outside the timed loop
 

@@ -214,3 +214,60 @@ def test_dry_run_on_cpu_runs_run_py_itself_and_never_crashes():
     assert "decoded on the CPU (Pillow)" in rows["feed stream 32px"], result.stdout
     failed = any(f"  {FAIL}  " in row for row in rows.values())
     assert result.returncode == (1 if failed else 0), result.stdout + result.stderr
+
+
+# What TORCH_LOGS=cudagraphs printed for run.py --compile reduce-overhead on the H200 (gpu.md,
+# forward and backward alike), and what a step whose graphs replay prints (cudagraph_trees).
+H200_LOG = """\
+Created 3 graph partitions: 1 cudagraphable, 2 non-cudagraphable
+  Partition 1: 92 nodes, non-cudagraphable, inputs=40, outputs=30
+    buf0: reason=dynamic shape ops, ir=ComputedBuffer, fx=convert_element_type(primals_1, torch.bfloat16)
+Created 3 graph partitions: 1 cudagraphable, 2 non-cudagraphable
+"""  # noqa: E501
+REPLAYED_LOG = """\
+Created 1 graph partitions: 1 cudagraphable, 0 non-cudagraphable
+Created 1 graph partitions: 1 cudagraphable, 0 non-cudagraphable
+[0/0] Running warmup function=partition_0, mode=FORWARD
+[0/0] Recording function=partition_0, mode=FORWARD, cuda_graph_id=0, inputs: 63
+[0/0] Recording function=partition_0, mode=BACKWARD, cuda_graph_id=1, inputs: 80
+"""
+
+
+def test_the_graphs_check_fails_where_the_step_would_not_replay_cuda_graphs(tmp_path):
+    ok = gpucheck.graphs_result(REPLAYED_LOG)
+    assert ok.status == PASS and "2 CUDA graphs recorded (backward, forward)" in ok.detail, ok
+    h200 = gpucheck.graphs_result(H200_LOG)
+    assert h200.status == FAIL and "4 not (threshold 0)" in h200.detail, h200
+    assert "non-cudagraphable nodes (dynamic shape ops)" in h200.detail
+    skipped = "skipping cudagraphs due to mutated inputs (1 instances)\n"
+    assert gpucheck.graphs_result(REPLAYED_LOG + skipped).status == FAIL
+    rerecorded = "Re-recording function=partition_0, mode=FORWARD, reason=static input changed\n"
+    assert gpucheck.graphs_result(REPLAYED_LOG + rerecorded).status == FAIL
+    forward_only = "\n".join(x for x in REPLAYED_LOG.splitlines() if "BACKWARD" not in x)
+    assert "no graph recorded for backward" in gpucheck.graphs_result(forward_only).detail
+    older = (
+        "Recording function 0 of graph recording id 0\nRecording function 1 of graph recording id 1"
+    )
+    assert gpucheck.graphs_result(older).status == PASS  # torch before the mode was logged
+    assert gpucheck.graphs_result(older.splitlines()[0]).status == FAIL
+    # A CPU run claims nothing; on a (patched) GPU the job is run.py --compile reduce-overhead.
+    options = argparse.Namespace(width=8, batch_size=16, skip=[], timeout=60)
+    log = logging.getLogger("t")
+    cpu = gpucheck.Context(options, torch.device("cpu"), tmp_path, log, ROOT)
+    [result] = gpucheck.check_graphs(cpu)
+    assert result.status == NOT_CHECKED and result.detail.startswith("skipped: no GPU")
+    seen = []
+
+    def run_job(ctx, *flags, env=None, **kwargs):
+        seen.append((flags, env))  # the graphed job, then the eager one: other losses
+        name, losses = ("ro", [2.0, 1.0]) if len(seen) == 1 else ("eager", [2.0, 1.5])
+        return job_with(tmp_path, name, losses, stderr=H200_LOG)
+
+    cuda = gpucheck.Context(options, torch.device("cuda"), tmp_path, log, ROOT)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gpucheck, "run_job", run_job)
+        graphs, numbers = gpucheck.check_graphs(cuda)
+    assert graphs.status == FAIL and numbers.status == FAIL and numbers.name == "graphs = eager"
+    [(flags, env), (eager, _)] = seen
+    assert "reduce-overhead" in flags and env == {"TORCH_LOGS": "cudagraphs"}
+    assert eager[eager.index("--compile") + 1] == "off" and "--seed" in eager

@@ -42,9 +42,12 @@ class FakeProfile:
     def stop(self):
         self.running = False
 
-    def key_averages(self):
+    def events(self):
+        from torch.autograd import DeviceType
+
         steps = hardware.BUSY_STEPS
-        return [types.SimpleNamespace(self_device_time_total=1410.0 * steps)]
+        kernel = {"device_type": DeviceType.CUDA, "is_user_annotation": False}
+        return [types.SimpleNamespace(self_device_time_total=1410.0 * steps, **kernel)]
 
 
 def test_gpu_busy_profiles_a_few_real_steps(monkeypatch):
@@ -68,15 +71,37 @@ def test_a_launch_bound_step_says_so_and_what_a_larger_batch_gives():
     assert "under 50" not in hardware.busy_line(0.8, 0.01, 512)
 
 
-def test_the_cuda_speed_scale_is_measured_on_a_real_batch(monkeypatch, data_dir, tmp_path, caplog):
-    c = capture_step(monkeypatch, data_dir, tmp_path / "r")
-    monkeypatch.setattr(hardware, "measure_matmul_flops", lambda device, dtype: 7.69e14)
-    c.run.log = logging.getLogger("test_speed")  # run.log's logger is closed once captured
+def test_the_cuda_speed_scale_is_measured_once_per_machine_and_model(
+    monkeypatch, data_dir, tmp_path, caplog
+):
+    """gpu.md: every CUDA job measured the matmul peak (8192-square products) and profiled 10
+    steps. The peak is measured once per GPU model, precision, torch and labrun, the busy
+    share once per model, input and compile mode: both kept beside the compile records."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    peaks = []
+    monkeypatch.setattr(
+        hardware, "measure_matmul_flops", lambda device, dtype: peaks.append(1) or 7.69e14
+    )
     caplog.set_level(logging.INFO, logger="test_speed")
-    c.run._measure_speed_scale(c.model)
-    assert c.run.speed["flops_per_sample"] > 0 and c.run.speed["peak_flops"] == 7.69e14
-    assert "GFLOP per training sample" in caplog.text and "769 TFLOP/s" in caplog.text
-    assert all(p.grad is None for p in c.model.parameters())
+    for job in ("first", "second"):
+        c = capture_step(monkeypatch, data_dir, tmp_path / job)
+        c.run.log = logging.getLogger("test_speed")  # run.log's logger is closed once captured
+        c.run._measure_speed_scale(c.model)
+        assert c.run.speed["flops_per_sample"] > 0 and c.run.speed["peak_flops"] == 7.69e14
+        assert all(p.grad is None for p in c.model.parameters())
+        if job == "first":
+            assert "769 TFLOP/s in fp32 (measured now)" in caplog.text
+            assert "gpu_busy" not in c.run.speed  # batches() profiles the first epoch
+            # The first epoch's end with a profile of it (GpuBusy's numbers, gpu.md's step).
+            c.run._busy = types.SimpleNamespace(share=0.186, step_s=0.00759, close=print)
+            c.run._now, c.run._t0, c.run._first_step = (lambda: 1.0), 0.0, 0
+            c.run._bar, c.run._resumed_in_epoch = types.SimpleNamespace(close=print), False
+            c.run._epoch_trained()
+            caplog.clear()
+    assert peaks == [1], "the second job measured the peak again"
+    assert "769 TFLOP/s in fp32 (recorded " in caplog.text
+    assert c.run.speed["gpu_busy"] == 0.186  # batches() profiles nothing
+    assert "GPU busy 19 % of the step (1.41 of 7.59 ms)" in caplog.text
 
 
 @pytest.mark.parametrize("cuda", [False, True])
@@ -110,13 +135,21 @@ def test_run_log_and_metrics_give_samples_per_sec_and_on_cuda_mfu(
 
 
 def test_profile_counts_each_steps_kernels_and_the_gpus_busy_time():
-    """--profile on CUDA (the profiler's events patched in): gpu.md's default step at 128."""
+    """--profile on CUDA (the profiler's events patched in): gpu.md's default step at 128.
+    Its `optimizer_step_N` regions are on the GPU's timeline too (user annotations, a whole
+    step each): counted, they made "GPU busy 25.77 of 18.08 ms (143 %)"."""
     from torch.autograd import DeviceType
 
     from labrun.tools.tuning import launches_per_step
 
-    kernel = types.SimpleNamespace(device_type=DeviceType.CUDA, self_device_time_total=1410 / 243)
-    host = types.SimpleNamespace(device_type=DeviceType.CPU, self_device_time_total=0.0)
-    prof = types.SimpleNamespace(events=lambda: [kernel] * 243 * 2 + [host] * 100)
+    def event(device, us, annotation=False):
+        return types.SimpleNamespace(
+            device_type=device, self_device_time_total=us, is_user_annotation=annotation
+        )
+
+    kernel, host = event(DeviceType.CUDA, 1410 / 243), event(DeviceType.CPU, 0.0)
+    step = event(DeviceType.CUDA, 7590.0, annotation=True)  # optimizer_step_N on the GPU
+    prof = types.SimpleNamespace(events=lambda: [kernel] * 243 * 2 + [host] * 100 + [step] * 2)
     line = launches_per_step(prof, 2, 0.00759, on_cuda=True)
     assert line == "per step: 243 kernels, GPU busy 1.41 of 7.59 ms (19 %)"
+    assert hardware.kernel_time_us(prof.events()) == pytest.approx(2 * 1410)  # GpuBusy's sum

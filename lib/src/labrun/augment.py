@@ -11,6 +11,7 @@ state replays an epoch exactly. A new augmentation goes here, after the crop.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -254,14 +255,18 @@ def random_resized_crop(
 def crop_flip_gather(padded, dy, dx, flip, size) -> torch.Tensor:
     """One index_select for the whole batch: no host sync (the offsets stay on the device)."""
     n, hp, wp, c = padded.shape
-    h, w = size
-    dev = padded.device
-    # Pixel offsets of one window, plain and mirrored; each sample adds its own start pixel.
-    window = torch.arange(h, device=dev).view(h, 1) * wp + torch.arange(w, device=dev)
-    windows = torch.stack([window, window.flip(1)])
-    start = torch.arange(n, device=dev) * (hp * wp) + dy * wp + dx
+    windows, first = _crop_windows(n, hp, wp, *size, padded.device)
+    start = first + dy * wp + dx  # each sample's first pixel
     pixels = (windows[flip] + start.view(n, 1, 1)).view(-1)
-    return padded.reshape(-1, c).index_select(0, pixels).view(n, h, w, c)
+    return padded.reshape(-1, c).index_select(0, pixels).view(n, *size, c)
+
+
+@functools.lru_cache(maxsize=8)
+def _crop_windows(n, hp, wp, h, w, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Constants of a batch's shape, made once, not per batch (8 fewer kernels a step): the
+    pixel offsets of one window, plain and mirrored, and each sample's first padded pixel."""
+    window = torch.arange(h, device=device).view(h, 1) * wp + torch.arange(w, device=device)
+    return torch.stack([window, window.flip(1)]), torch.arange(n, device=device) * (hp * wp)
 
 
 def crop_flip_slices(padded, dy, dx, flip, size) -> torch.Tensor:

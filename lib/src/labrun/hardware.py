@@ -37,16 +37,19 @@ import torch
 # the inductor cache already holds this model) and its compiled/eager time ratio come from this
 # model's last compiles on this machine (CompileRecord, kept in the inductor cache folder). Until
 # one exists, the priors below stand in: what this lab measured, named where it was measured.
-PAYBACK = 2.0  # compile when the estimated saving is at least twice the compile time
+# A margin over 1x for the estimate's error: the priors are GPU measurements, not guesses.
+PAYBACK = 1.25  # compile when the estimated saving is at least 1.25 x the compile time
 # mode: (cold compile s, warm-cache compile s, compiled/eager time of forward + backward)
 CUDA_PRIORS = {
     # H100, default CNN (shared notes, gpu.md): 17-18 s cold; slower than eager at batch 128
     # and 512 (9.2 vs 5.0 ms), 0.89x at 1024: no saving expected until this machine measures one
     "default": (18.0, 4.0, 1.0),
-    # H100: 21 s cold; the unchanged step trained 2.33x eager (launch-bound at batch 128)
-    "reduce-overhead": (21.0, 4.0, 1 / 2.33),
+    # H200 (gpu.md, 2026-11-28), default CNN at batch 128: the hand-written loop's step 2.1 ms
+    # compiled (15 s cold) vs 6.2 ms eager: 0.34x. So the default job (20 epochs of CIFAR-10's
+    # size, 7,020 steps of ~5.2 ms eager forward + backward) compiles on a machine's first job.
+    "reduce-overhead": (15.0, 4.0, 0.34),
     # Not measured here: reduce-overhead's CUDA graphs plus a search over kernels (minutes)
-    "max-autotune": (300.0, 30.0, 0.4),
+    "max-autotune": (300.0, 30.0, 0.3),
     "max-autotune-no-cudagraphs": (300.0, 30.0, 0.9),  # the same search, no graphs
 }
 # The GPU warm-cache costs above are not measured: they assume the CPU's cold/warm ratio.
@@ -57,6 +60,8 @@ CPU_PRIORS = {"default": (16.0, 3.1, 0.87)}
 WITHOUT_GRAPHS = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
 INDUCTOR_CACHE_ENV = "LAB_INDUCTOR_CACHE_DIR"  # a lab-wide cache folder, shared by projects
 RECORDS = "lab_compile_costs"  # sub-folder of the inductor cache: one JSON per model and machine
+EAGER = "eager"  # a CompileRecord's entry for the eager step (its training steps' time)
+LOOP_MIN_STEPS = 20  # a first epoch this long times the training step (CompileRecord.save_step)
 # Batch-size rule: one default batch size, 128, on every device: the batch size is part of the
 # run's identity (it changes the numbers), so a default that followed the device would put the
 # same command into different run directories on a laptop and on a GPU node, and a sweep's
@@ -230,44 +235,94 @@ def device_name(device: torch.device) -> str:
     return f"cpu {platform.machine()} {capability}, {torch.get_num_threads()} threads"
 
 
+def labrun_source() -> str:
+    """labrun's version and a hash of its source, as runs.code_version records them."""
+    from . import __version__, runs
+
+    library = Path(runs.__file__).parent
+    return (
+        f"{__version__}+{runs._files_hash(library, sorted(p.name for p in library.glob('*.py')))}"
+    )
+
+
+def model_key(model, x: torch.Tensor, dtype, device) -> dict:
+    """What a measurement of `model`'s step depends on: the model, its input, the precision,
+    this machine's device, torch and labrun."""
+    return {
+        "model": f"{type(model).__module__}.{type(model).__qualname__}",
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "input": [list(x.shape), str(x.dtype), list(x.stride())],
+        "autocast": str(dtype),
+        "device": device_name(device),
+        "torch": torch.__version__,
+        # A record measured under a defect since fixed (CUDA graphs that never replayed:
+        # "measured slower") must not outlive that labrun.
+        "labrun": labrun_source(),
+    }
+
+
+def record_path(cache_dir: Path, key: dict) -> Path:
+    from .config import short_hash
+
+    return Path(cache_dir) / RECORDS / f"{short_hash(key, digits=16)}.json"
+
+
+def read_record(cache_dir: Path, key: dict) -> dict | None:
+    """The values write_record kept for `key` beside the compile records, or None."""
+    try:
+        seen = json.loads(record_path(cache_dir, key).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return seen if isinstance(seen, dict) and seen.get("key") == key else None
+
+
+def write_record(cache_dir: Path, key: dict, **values) -> None:
+    """Keep `values` (numbers a machine measures once) for `key`, with the UTC time."""
+    from .runs import write_json
+
+    path = record_path(cache_dir, key)
+    with contextlib.suppress(OSError):  # a read-only folder keeps nothing
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, {"key": key, **values, "when": utc_now()})
+
+
+def utc_now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())  # as run.log quotes it
+
+
 class CompileRecord:
-    """The measured compile costs of one model, input and precision on one machine and torch
-    version: a small JSON file in the inductor cache folder named by the hash of that key,
+    """The measured compile costs of one model, input and precision on one machine, torch and
+    labrun: a small JSON file in the inductor cache folder named by the hash of that key,
     shared by the project's jobs (the last compile's numbers win; a lost update between two
     concurrent jobs only costs a re-measurement)."""
 
     def __init__(self, cache_dir: Path, model, x: torch.Tensor, dtype, device) -> None:
-        self.key = {
-            "model": f"{type(model).__module__}.{type(model).__qualname__}",
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "input": [list(x.shape), str(x.dtype), list(x.stride())],
-            "autocast": str(dtype),
-            "device": device_name(device),
-            "torch": torch.__version__,
-        }
-        from .config import short_hash
-
-        self.path = Path(cache_dir) / RECORDS / f"{short_hash(self.key, digits=16)}.json"
+        self.cache_dir, self.key = Path(cache_dir), model_key(model, x, dtype, device)
+        self.path = record_path(cache_dir, self.key)
 
     def read(self) -> dict:
         """Each mode's numbers; {} when none are recorded yet (or the file is unreadable, or of
         another key): the priors stand in."""
-        try:
-            seen = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return {}
-        return seen["modes"] if isinstance(seen, dict) and seen.get("key") == self.key else {}
+        seen = read_record(self.cache_dir, self.key)
+        return seen["modes"] if seen and isinstance(seen.get("modes"), dict) else {}
 
     def costs(self, device: torch.device) -> dict[str, CompileCost]:
         """Each mode's cost: its measured ratio, and the warm-cache compile cost once this mode
-        compiled here (the cache beside this record holds its kernels), else the cold one."""
+        compiled here (the cache beside this record holds its kernels), else the cold one. The
+        ratio of the training steps' own times where jobs ran both eager and in this mode."""
         priors = CUDA_PRIORS if device.type == "cuda" else CPU_PRIORS
         costs = prior_costs(device)
-        for mode, seen in self.read().items():
+        modes = self.read()
+        eager_loop_s = modes.get(EAGER, {}).get("loop_step_s")
+        for mode, seen in modes.items():
             if mode in costs and seen.get("eager_step_s"):  # save() writes all three, > 0
                 warm_s = seen.get("warm_compile_s", priors[mode][1])
                 ratio = seen["compiled_step_s"] / seen["eager_step_s"]
-                costs[mode] = CompileCost(warm_s, ratio, f"measured {seen['when']}", "warm")
+                source = f"measured {seen['when']}"
+                if eager_loop_s and seen.get("loop_step_s"):
+                    ratio = seen["loop_step_s"] / eager_loop_s
+                    source = f"measured {seen['loop_when']}, training steps"
+                costs[mode] = CompileCost(warm_s, ratio, source, "warm")
         return costs
 
     def eager_step_s(self) -> float | None:
@@ -276,16 +331,18 @@ class CompileRecord:
 
     def save(self, mode: str, *, compile_s: float, warm: bool, eager_step_s, compiled_step_s):
         modes = self.read()
-        seen = modes.get(mode, {})
+        seen = modes.setdefault(mode, {})
         seen[("warm_" if warm else "cold_") + "compile_s"] = round(compile_s, 3)
-        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())  # as run.log quotes it
-        seen.update(eager_step_s=eager_step_s, compiled_step_s=compiled_step_s, when=when)
-        modes[mode] = seen
-        from .runs import write_json
+        seen.update(eager_step_s=eager_step_s, compiled_step_s=compiled_step_s, when=utc_now())
+        write_record(self.cache_dir, self.key, modes=modes)
 
-        with contextlib.suppress(OSError):  # a read-only folder keeps nothing
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_json(self.path, {"key": self.key, "modes": modes})
+    def save_step(self, mode: str | None, step_s: float) -> None:
+        """The training loop's mean step time in `mode` (None: eager), from a run's first
+        epoch: what a mode is judged on once eager's is known too, rather than the warm-up's
+        passes through the compiled module (CUDA graphs warm up, record and replay there)."""
+        modes = self.read()
+        modes.setdefault(mode or EAGER, {}).update(loop_step_s=step_s, loop_when=utc_now())
+        write_record(self.cache_dir, self.key, modes=modes)
 
 
 def compile_cache_counts() -> tuple[int, int]:
@@ -483,11 +540,23 @@ def flops_per_sample(model, x, y, loss_fn, dtype) -> float:
     return counter.get_total_flops() / len(x)
 
 
+def matmul_peak(cache_dir: Path, device: torch.device, dtype) -> tuple[float, str]:
+    """(FLOP/s, "measured now" or "recorded <when>"): measure_matmul_flops once per GPU model,
+    precision, torch and labrun, kept beside the compile records; not by every job."""
+    key = {"matmul_peak": str(dtype), "device": device_name(device), "torch": torch.__version__}
+    key["labrun"] = labrun_source()
+    if (seen := read_record(cache_dir, key)) and isinstance(seen.get("flops"), float):
+        return seen["flops"], f"recorded {seen['when']}"
+    flops = float(measure_matmul_flops(device, dtype))
+    write_record(cache_dir, key, flops=flops)
+    return flops, "measured now"
+
+
 def measure_matmul_flops(device: torch.device, dtype) -> float:
     """FLOP/s of the best of PEAK_REPEATS square matmuls in `dtype` (fp32 when None; TF32 where
     the backends allow it): a measured peak, not the data sheet's, so MFU says how far a job is
-    from what this GPU does (a fraction of a second: measured afresh by every run). A CPU gets
-    1024-square ones: 8192 would take seconds each."""
+    from what this GPU does (matmul_peak keeps it per machine). A CPU gets 1024-square ones:
+    8192 would take seconds each."""
     n = PEAK_MATMUL_SIZE if device.type == "cuda" else 1024
     a, b = (torch.randn(n, n, device=device, dtype=dtype or torch.float32) for _ in range(2))
     return 2 * n**3 / fastest(lambda: torch.mm(a, b), timed(device), PEAK_REPEATS)
@@ -518,10 +587,22 @@ class GpuBusy:
             return
         wall = timed(self.device)() - self._started
         self._profile.stop()
-        busy_us = sum(e.self_device_time_total for e in self._profile.key_averages())
+        busy_us = kernel_time_us(self._profile.events())
         self._profile = None
         self.share = min(1.0, busy_us / 1e6 / wall)
         self.step_s = wall / (steps - BUSY_FIRST)
+
+
+def kernels(events) -> list:
+    """The GPU's work among a profile's events: device events that are not annotations (the
+    profiler's `optimizer_step_N`, torch.compile's regions span a step on the GPU's timeline)."""
+    from torch.autograd import DeviceType
+
+    return [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+
+
+def kernel_time_us(events) -> float:
+    return sum(e.self_device_time_total for e in kernels(events))
 
 
 def busy_line(share: float, step_s: float, batch_size: int) -> str:

@@ -9,7 +9,7 @@ writes"):
     ...model, optimizer, scheduler, scaler, EMA...
     run.restore(model=..., optimizer=..., scheduler=..., scaler=..., ema=...)  # resume or start
     mode = run.compile_mode(model)          # times eager passes on a real batch (rank 0 decides)
-    net = run.distributed(torch.compile(model, mode=mode) if mode else model)  # DDP outermost
+    net = run.distributed(torch.compile(model, mode=mode, dynamic=False) if mode else model)
     net = run.warm_up(net, eager=model)     # compiles outside the timed loop
     if run.tool: return run.tools(...)      # --find-lr, --find-batch-size, --profile
     p = run.progress
@@ -475,27 +475,26 @@ class Run:
         self.compiled = self.dist.decide(self._compile[0])  # torchrun: rank 0's, on every rank
         if self.device.type == "cuda" and self.dist.is_main:
             self._measure_speed_scale(model)
-        if self.cuda_graphs:
-            import torch._inductor.config
-
-            # A batch of another shape (a model whose shapes change per batch) runs its
-            # recompiled graph without CUDA graphs instead of recording a graph per shape.
-            torch._inductor.config.triton.cudagraph_skip_dynamic_graphs = True
-            self.log.info(
-                "CUDA graphs: the step replays captured kernels; a batch of another shape "
-                "runs without them (cudagraph_skip_dynamic_graphs)"
-            )
         return self.compiled
 
     def _measure_speed_scale(self, model) -> None:
         """What MFU needs (CUDA): the FLOPs of one sample's forward + backward on a real batch
-        and this GPU's measured matmul peak in the run's precision. Never fails the run."""
-        from .hardware import flops_per_sample, measure_matmul_flops
+        and this GPU's matmul peak in the run's precision (measured once per machine); the
+        GPU's busy share where a job of this model and mode recorded one. Never fails the run."""
+        from .hardware import (
+            busy_line,
+            flops_per_sample,
+            matmul_peak,
+            model_key,
+            read_record,
+            use_inductor_cache,
+        )
 
         try:
             x, y = self.peek_batch()
             flops = flops_per_sample(model, x, y, self.loss, self.amp_dtype)
-            peak = measure_matmul_flops(self.device, self.amp_dtype)
+            cache = use_inductor_cache(PROJECT_ROOT)[0]  # the compile records' folder
+            peak, when = matmul_peak(cache, self.device, self.amp_dtype)
         except Exception as exc:  # an op the counter cannot run, no memory for the matmuls
             self.log.warning(f"MFU not measured ({type(exc).__name__}: {exc})")
             return
@@ -503,8 +502,15 @@ class Run:
         dtype = str(self.amp_dtype or "fp32").removeprefix("torch.")
         self.log.info(
             f"MFU scale: {flops / 1e9:.3g} GFLOP per training sample (forward + backward); "
-            f"matmul peak {peak / 1e12:.0f} TFLOP/s in {dtype} (measured now)"
+            f"matmul peak {peak / 1e12:.0f} TFLOP/s in {dtype} ({when})"
         )
+        # The busy share: profiled in one job of this model, input and compile mode, then read.
+        key = {**model_key(model, x, self.amp_dtype, self.device), "busy": self.compiled}
+        self._busy_record = (cache, key)
+        if seen := read_record(cache, key):
+            self.speed["gpu_busy"] = seen["share"]
+            line = busy_line(seen["share"], seen["step_s"], self.args.batch_size)
+            self.log.info(f"{line} (recorded {seen['when']})")
 
     @property
     def cuda_graphs(self) -> bool:
@@ -634,12 +640,21 @@ class Run:
         if busy is not None:
             busy.close(p.step - self._first_step)
             if busy.share is not None:
-                from .hardware import busy_line
+                from .hardware import busy_line, write_record
 
                 self.speed["gpu_busy"] = busy.share
                 self.log.info(busy_line(busy.share, busy.step_s, self.args.batch_size))
+                if record := getattr(self, "_busy_record", None):
+                    write_record(*record, share=busy.share, step_s=busy.step_s)
         p.train_time_s += train_s
         p.epoch_time_s = train_s + (p.epoch_time_s if self._resumed_in_epoch else 0.0)
+        from .hardware import LOOP_MIN_STEPS
+
+        # A mode is judged on the training step's own time: the first epoch's, once.
+        record, steps = getattr(self, "_compile", (None,) * 3)[2], p.step - self._first_step
+        first = p.epoch == 0 and not self._resumed_in_epoch and steps >= LOOP_MIN_STEPS
+        if record is not None and first:
+            record.save_step(self.compiled, train_s / steps)
 
     def evaluate(self, model, loader) -> dict[str, float]:
         """{loss, metric...} of the task over `loader` in eval mode, summed over ranks; the loss

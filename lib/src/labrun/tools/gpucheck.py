@@ -26,6 +26,10 @@ FAILed (checks that cannot run here say "not checked" and why); 1: at least one 
                resumes without one recompile (TORCH_LOGS=recompiles)
   ddp compile  the same on 2 processes under torchrun: DDP around the compiled module, the
                warm-up through the object the step calls: no recompile in the loop
+  graphs       a --compile reduce-overhead job replays CUDA graphs (TORCH_LOGS=cudagraphs):
+               no non-cudagraphable partition, no skipped graph, no re-recording, and a graph
+               recorded for the forward and the backward; and its training losses are the
+               eager job's within ACCUM_RTOL
   accum        a compiled run with --grad-accum 2 (max-autotune where run.py picks it, CUDA)
                learns what the eager run learns: its losses within ACCUM_RTOL
   layout       the memory layout run.py trains in (channels_last on CUDA: every conv output)
@@ -639,6 +643,63 @@ def check_ddp_compile(ctx: Context) -> list[Result]:
     return [recompile_result("ddp compile", job, "2 ranks' training and evaluation")]
 
 
+# torch's cudagraphs log (inductor's scheduler and cudagraph_trees, torch 2.11-2.13)
+PARTITIONS = re.compile(r"Created (\d+) graph partitions: (\d+) cudagraphable, (\d+) non-cud")
+RECORDED = re.compile(r"Recording function=\S+, mode=(\w+)")
+RECORDED_BEFORE = re.compile(r"Recording function \d+ of graph recording id")  # no mode named
+RERECORDED = re.compile(r"Re-recording function=\S+, mode=\w+, reason=(.*)$", re.MULTILINE)
+SKIPPED = re.compile(r"skipping cudagraphs due to (.*)$", re.MULTILINE)
+REASON = re.compile(r"reason=([a-zA-Z -]+),")
+
+
+def check_graphs(ctx: Context) -> list[Result]:
+    """--compile reduce-overhead on the default model: do its CUDA graphs replay?"""
+    if "graphs" in ctx.options.skip:
+        return []
+    if ctx.device.type != "cuda":
+        return [Result("graphs", NOT_CHECKED, "skipped: no GPU (CUDA graphs need one)")]
+    flags = (*small_flags(ctx, 1), "--seed", "3")  # one epoch: measure.sh's lease is short
+    job = run_job(ctx, *flags, "--compile", "reduce-overhead", env={"TORCH_LOGS": "cudagraphs"})
+    eager = run_job(ctx, *flags, "--compile", "off")  # the same steps' numbers, eager
+    if job.code or eager.code:
+        return [failed("graphs", job if job.code else eager)]
+    numbers = accumulation_result(job, eager, name="graphs = eager", what="reduce-overhead")
+    return [graphs_result(job.stderr + job.log), numbers]
+
+
+def graphs_result(text: str) -> Result:
+    """From a run's TORCH_LOGS=cudagraphs output: FAIL when any part of the compiled step would
+    run without a CUDA graph (a non-cudagraphable partition, a skipped graph), when a graph is
+    re-recorded, or when no graph was recorded for the forward and the backward."""
+    partitions = [tuple(map(int, found)) for found in PARTITIONS.findall(text)]
+    graphable = sum(p[1] for p in partitions)
+    outside = sum(p[2] for p in partitions)
+    recorded, unnamed = RECORDED.findall(text), len(RECORDED_BEFORE.findall(text))
+    modes = {mode.lower() for mode in recorded}
+    if unnamed >= 2 and not recorded:  # an older torch's log: forward and backward, unnamed
+        modes = {"forward", "backward"}
+    detail = (
+        f"{len(recorded) + unnamed} CUDA graphs recorded ({', '.join(sorted(modes)) or 'none'}); "
+        f"partitions: {graphable} cudagraphable, {outside} not (threshold 0)"
+    )
+    problems = []
+    if outside:
+        reasons = sorted(set(REASON.findall(text)))
+        problems.append(f"non-cudagraphable nodes ({', '.join(reasons) or 'reason not logged'})")
+    if skipped := SKIPPED.findall(text):
+        problems.append(f"{len(skipped)} graphs skipped: {skipped[0].strip()[:120]}")
+    if rerecorded := RERECORDED.findall(text):
+        problems.append(f"{len(rerecorded)} re-recordings: {rerecorded[0].strip()[:120]}")
+    if not {"forward", "backward"} <= modes:
+        problems.append(
+            "no graph recorded for "
+            + " and ".join(m for m in ("forward", "backward") if m not in modes)
+        )
+    if problems:
+        return Result("graphs", FAIL, f"{detail}; {'; '.join(problems)}")
+    return Result("graphs", PASS, detail)
+
+
 def check_accumulation(ctx: Context) -> list[Result]:
     """--grad-accum 2 compiled (max-autotune where run.py picks it: CUDA graphs must not
     overwrite the accumulated gradients) against eager: the same losses within ACCUM_RTOL."""
@@ -652,15 +713,18 @@ def check_accumulation(ctx: Context) -> list[Result]:
     return [accumulation_result(compiled, eager)]
 
 
-def accumulation_result(compiled: JobResult, eager: JobResult) -> Result:
+def accumulation_result(
+    compiled: JobResult, eager: JobResult, name: str = "accum", what: str = "--grad-accum 2"
+) -> Result:
+    """The compiled job's training losses against the eager job's, epoch by epoch."""
     a = [float(r["train_loss"]) for r in compiled.history()]
     b = [float(r["train_loss"]) for r in eager.history()]
     worst = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
     mode = compiled.line("compile: ") or "compile: ?"
     return Result(
-        "accum",
+        name,
         PASS if worst <= ACCUM_RTOL else FAIL,
-        f"--grad-accum 2, run.py's {mode[:80]}: train loss {a[-1]:.4g} vs eager {b[-1]:.4g}, "
+        f"{what}, run.py's {mode[:80]}: train loss {a[-1]:.4g} vs eager {b[-1]:.4g}, "
         f"largest difference {100 * worst:.1f} % (threshold {100 * ACCUM_RTOL:.0f} %)",
     )
 
@@ -852,6 +916,7 @@ CHECKS: list[Callable[[Context], list[Result]]] = [
     check_streamed_folder,
     check_recompiles,
     check_ddp_compile,
+    check_graphs,
     check_accumulation,
     check_layout,
     check_resume,

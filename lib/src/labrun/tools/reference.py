@@ -59,10 +59,20 @@ def best_practice_rate(
 ) -> float:
     """samples/s of the hand-written best-practice loop; `images` uint8 (N, C, H, W) and
     `labels` already on the model's device (their place for the whole run)."""
+    step = best_practice_step(model, images, labels, batch_size, dtype, compile_mode)
+    device = next(model.parameters()).device
+    return timed_rate(step, warmup=warmup, steps=steps, batch_size=batch_size, device=device)
+
+
+def best_practice_step(model, images, labels, batch_size, dtype, compile_mode=None):
+    """best_practice_rate's step(i): batch i (crop + flip on the device), forward, backward,
+    fused AdamW."""
     device = next(model.parameters()).device
     model = model.to(memory_format=torch.channels_last).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=5e-4, fused=True)
-    net = torch.compile(model, mode=compile_mode) if compile_mode else model
+    # dynamic=False: gpucheck compiles several models and batch sizes in one process; dynamo's
+    # automatic dynamic would give the later ones a symbolic batch size.
+    net = torch.compile(model, mode=compile_mode, dynamic=False) if compile_mode else model
     mean = torch.tensor(MEAN, device=device).view(1, -1, 1, 1)
     std = torch.tensor(STD, device=device).view(1, -1, 1, 1)
     n, _, height, width = images.shape
@@ -97,7 +107,7 @@ def best_practice_rate(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return timed_rate(step, warmup=warmup, steps=steps, batch_size=batch_size, device=device)
+    return step
 
 
 def naive_rate(
@@ -110,6 +120,13 @@ def naive_rate(
     batch_size: int,
 ) -> float:
     """samples/s of a student's first loop with the data on the device (no augmentation)."""
+    step = naive_step(model, images, labels, batch_size)
+    device = next(model.parameters()).device
+    return timed_rate(step, warmup=warmup, steps=steps, batch_size=batch_size, device=device)
+
+
+def naive_step(model, images, labels, batch_size):
+    """naive_rate's step(i): batch i, forward, backward, AdamW, the loss printed."""
     device = next(model.parameters()).device
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=5e-4, foreach=False)
@@ -126,4 +143,4 @@ def naive_rate(
         optimizer.step()
         loss.item()  # the printed loss: a host sync every step
 
-    return timed_rate(step, warmup=warmup, steps=steps, batch_size=batch_size, device=device)
+    return step
