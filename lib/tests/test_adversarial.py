@@ -631,3 +631,81 @@ def test_a_second_ctrl_c_ends_a_sweep_whose_follower_waits_on_a_silent_server(tm
     finally:
         server.close()
 
+
+# ---- flags bounded by the machine; an ending that says what happened ---
+def _exit_code(main_in_process, *args: str) -> int:
+    try:
+        return main_in_process(*args)
+    except SystemExit as exc:  # argparse's refusal
+        return exc.code
+
+
+def test_more_workers_than_cores_is_refused_before_anything_is_written(
+    main_in_process, tmp_path, capsys
+):
+    cores = len(os.sched_getaffinity(0))
+    code = _exit_code(main_in_process, *QUICK, "--workers", "1000", "--results-dir", str(tmp_path))
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --workers: at most {cores} ") and err.count("\n") == 1, err
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_synthetic_set_larger_than_memory_is_refused(main_in_process, tmp_path, capsys):
+    args = ("--dataset", "synthetic", "--synthetic-size", "100000000000")
+    assert _exit_code(main_in_process, *QUICK, *args, "--results-dir", str(tmp_path / "r")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --synthetic-size: ") and err.count("\n") == 1, err
+    assert not list(tmp_path.iterdir())
+
+
+def test_an_empty_results_dir_is_refused(main_in_process, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # '' would be this folder: the project's root, for run.py
+    assert _exit_code(main_in_process, *QUICK, "--results-dir", "") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --results-dir: ") and err.count("\n") == 1, err
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_dataset_that_calls_sys_exit_0_fails_the_run(main_in_process, tmp_path, monkeypatch):
+    from labrun import arrays
+
+    monkeypatch.setattr(arrays, "load_synthetic_arrays", lambda *args: sys.exit(0))
+    args = ("--dataset", "synthetic", "--synthetic-size", "100", "--results-dir", str(tmp_path))
+    assert main_in_process(*QUICK, *args) == 1  # failed: no result, whatever the exit said
+    assert not list(tmp_path.glob("*/metrics.json"))
+
+
+@pytest.mark.parametrize("visible", ["-1", "0"])
+def test_cuda_visible_devices_names_no_gpu_on_a_machine_without_one(tmp_path, visible):
+    """The sweep's dry run (GPUS unset, no nvidia-smi): CPU slots, a job per core."""
+    project = _standin_sweep(tmp_path, ["--tag a", "--tag b"])
+    env = {k: v for k, v in os.environ.items() if k != "GPUS"}
+    env.update(PYTHON=str(project / "python-standin"), CUDA_VISIBLE_DEVICES=visible)
+    env["PATH"] = os.pathsep.join(  # as on a machine without a GPU
+        d for d in env["PATH"].split(os.pathsep) if not (Path(d) / "nvidia-smi").exists()
+    )
+    dry = subprocess.run(["bash", "sweep.sh", "--dry-run"], cwd=project, env=env,
+                         capture_output=True, text=True, timeout=DEADLINE)  # fmt: skip
+    assert dry.returncode == 0, dry.stderr
+    assert "would run on " in dry.stdout and " CPU slot(s)" in dry.stdout, dry.stdout
+
+
+def test_cuda_stops_at_the_first_invalid_visible_device(monkeypatch):
+    from labrun import sweep
+
+    monkeypatch.setattr(sweep.shutil, "which", lambda name: f"/usr/bin/{name}")  # a GPU machine
+    assert sweep.choose_gpus({"CUDA_VISIBLE_DEVICES": "-1"}) == []
+    assert sweep.choose_gpus({"CUDA_VISIBLE_DEVICES": "1,-1,0"}) == ["1"]
+
+
+def test_sigusr1_stops_the_sweep_as_sigterm_does(tmp_path):
+    from test_sweep import start_sweep, started_pids
+
+    project = _standin_sweep(tmp_path, ["--sleep 60 --tag a"])
+    proc = start_sweep(project)
+    wait_while_running(lambda: started_pids(project), proc)
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=DEADLINE)
+    assert proc.returncode == 128 + signal.SIGUSR1, out
+    assert "0 failed, 1 interrupted" in out and "sweep summary:" in out, out

@@ -1355,7 +1355,8 @@ def test_settings_refuse_bad_values(env, message):
         sweep.Settings(env).check()
 
 
-def test_gpus_are_chosen_from_the_visible_ones():
+def test_gpus_are_chosen_from_the_visible_ones(monkeypatch):
+    monkeypatch.setattr(sweep.shutil, "which", lambda name: f"/usr/bin/{name}")  # a GPU machine
     visible = {"CUDA_VISIBLE_DEVICES": "0,1,GPU-ab12"}
     assert sweep.choose_gpus(visible) == ["0", "1", "GPU-ab12"]
     assert sweep.choose_gpus({**visible, "GPUS": "GPU-ab12,0"}) == ["GPU-ab12", "0"]

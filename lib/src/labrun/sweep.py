@@ -388,7 +388,12 @@ def visible_gpus(env: dict[str, str]) -> list[str]:
     """The devices jobs may use: CUDA_VISIBLE_DEVICES's entries when it is set (jobs stay inside
     it), else what nvidia-smi lists."""
     if "CUDA_VISIBLE_DEVICES" in env:
-        return env["CUDA_VISIBLE_DEVICES"].replace(",", " ").split()
+        visible = []
+        for dev in env["CUDA_VISIBLE_DEVICES"].replace(",", " ").split():
+            if not GPU_ID.fullmatch(dev):  # CUDA stops at the first invalid entry: -1 hides all
+                break
+            visible.append(dev)
+        return visible
     if not shutil.which("nvidia-smi"):
         return []
     query = ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"]
@@ -401,7 +406,9 @@ def choose_gpus(env: dict[str, str]) -> list[str]:
     else every visible one."""
     visible = visible_gpus(env)
     if "GPUS" not in env:
-        return visible
+        # CUDA_VISIBLE_DEVICES=0 on a machine without a GPU (no nvidia-smi) names none: a CPU
+        # sweep, a job per core, not one job at a time on a GPU slot that does not exist
+        return visible if shutil.which("nvidia-smi") else []
     listed: list[str] = []
     for dev in env["GPUS"].replace(",", " ").split():
         if not GPU_ID.fullmatch(dev):
@@ -967,11 +974,12 @@ class Sweep:
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_r, False)
         os.set_blocking(wake_w, False)
-        # Every signal (a job ended: SIGCHLD; a stop: INT, TERM, HUP) writes a byte to wake_w,
+        # Every signal (a job ended: SIGCHLD; a stop: INT, TERM, HUP, USR1) writes a byte to wake_w,
         # which wakes the select below: no polling, no race with a child that ends meanwhile.
         old_wakeup_fd = signal.set_wakeup_fd(wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        # USR1 too: Slurm's --signal and run.py (labrun.stopping) take it for "stop".
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
             signal.signal(signum, self.on_signal)
         # Status lines: every STATUS_EVERY s on a terminal, every STATUS_EVERY_LOG s into a file.
         every = int(settings.STATUS_EVERY if sys.stdout.isatty() else settings.STATUS_EVERY_LOG)
