@@ -52,6 +52,10 @@ os.environ["LABRUN_PROJECT"] = str(ROOT)
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+# How long a test waits for an event (a file, a log line, a process's end): only a hang reaches
+# it. A shorter wait fails on a loaded machine (2 cores, other tests and sweeps beside it).
+DEADLINE = 600.0
+
 # Small and fast on 2 CPU cores, yet well above chance on digits after a few epochs.
 TINY = ["--device", "cpu", "--width", "8", "--batch-size", "64", "--lr", "0.01"]
 TINY += ["--progress", "off"]
@@ -208,7 +212,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def wait_while_running(predicate, proc, timeout: float = 120.0) -> None:
+def wait_while_running(predicate, proc, timeout: float = DEADLINE) -> None:
     """Poll `predicate` until true; fail if `proc` ends first or nothing happens in time."""
     import time
 
@@ -264,7 +268,7 @@ def capture_step(monkeypatch, data_dir, results_dir, *args: str, model=None, amp
             signal.signal(sig, handler)
 
 
-def wait_for_handler(proc, signum: int, timeout: float = 60.0) -> None:
+def wait_for_handler(proc, signum: int, timeout: float = DEADLINE) -> None:
     """Wait until `proc` has installed a handler for `signum` (its SigCgt mask in /proc): a signal
     sent earlier meets Python's default action (death by that signal), which no job can change,
     and a fixed sleep races the interpreter's start-up on a loaded machine."""

@@ -4,6 +4,7 @@ shared MLflow DB, a tracker outage at the end, `tracking sync` beside a live job
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pwd
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import (
+    DEADLINE,
     ROOT,
     cli_command,
     mlflow_run,
@@ -240,7 +242,7 @@ def test_a_stop_signal_after_the_checkpoint_still_ends_in_75(env, data_dir, tmp_
     while proc.poll() is None:  # TERM after TERM while main() returns and Python exits
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.002)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=DEADLINE)
     assert proc.returncode == 75, err
 
 
@@ -320,7 +322,7 @@ def _lock_db(db: Path) -> subprocess.Popen:
 
 
 def _unlock(locker: subprocess.Popen) -> None:
-    locker.communicate(b"\n", timeout=30)
+    locker.communicate(b"\n", timeout=DEADLINE)
 
 
 @pytest.mark.slow
@@ -445,3 +447,265 @@ def test_claim_knows_when_its_directory_is_gone(tmp_path):
             held.check()
         held.discard()  # must not remove the new owner's lock
         assert (tmp_path / "run" / ".lock").exists()
+
+
+# ---- the sweep and `sync` beside others: links, other users' directories, a silent tracker ---
+def _standin_sweep(tmp_path: Path, jobs: list[str]) -> Path:
+    """test_sweep.py's stand-in project (no torch) with these job lines."""
+    from test_sweep import make_project
+
+    return make_project(tmp_path / "p", jobs)
+
+
+def test_the_sweep_marks_a_killed_job_without_writing_through_a_planted_link(tmp_path):
+    from labrun.sweep import mark_interrupted
+
+    run_dir, victim = tmp_path / "run", tmp_path / "victim"
+    run_dir.mkdir()
+    (run_dir / "status").write_text("running\n")  # its job was killed before writing its own
+    victim.write_text(ATTACK)
+    (run_dir / ".status.sweep.tmp").symlink_to(victim)
+    mark_interrupted(str(run_dir))
+    assert victim.read_text() == ATTACK
+    assert not (run_dir / "status").is_symlink()
+    assert (run_dir / "status").read_text() == "interrupted\n"
+
+
+def test_the_sweep_never_appends_to_a_log_through_a_planted_link(tmp_path):
+    from test_sweep import run_sweep
+
+    project = _standin_sweep(tmp_path, ["--tag a"])
+    name = Path(
+        subprocess.run(
+            [sys.executable, "run.py", "--tag", "a", "--results-dir", "results/sweep",
+             "--print-run-dir"],
+            cwd=project, capture_output=True, text=True, check=True,
+        ).stdout.strip()
+    ).name  # fmt: skip
+    victim = tmp_path / "victim"
+    victim.write_text(ATTACK)
+    (project / "logs" / "sweep").mkdir(parents=True)
+    (project / "logs" / "sweep" / f"{name}.log").symlink_to(victim)
+    done = run_sweep(project)
+    assert victim.read_text() == ATTACK
+    assert done.returncode == 1 and f"FAILED   {name}  (not started: its log:" in done.stdout
+    assert "1 failed" in done.stdout, done.stdout + done.stderr
+
+    (project / "logs" / "sweep" / f"{name}.log").unlink()
+    (project / "logs" / "sweep" / "mlflow-follower.out").unlink()  # the first sweep's
+    (project / "logs" / "sweep" / "mlflow-follower.out").symlink_to(victim)
+    done = run_sweep(project)
+    assert victim.read_text() == ATTACK
+    assert done.returncode == 2 and "mlflow-follower.out" in done.stderr, done.stderr
+    assert not list(project.glob("results/sweep/*/attempts.jsonl"))  # no job started
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="a directory of another user needs root to make")
+def test_the_sweep_refuses_a_log_folder_of_another_user(tmp_path):
+    from test_sweep import run_sweep
+
+    project = _standin_sweep(tmp_path, ["--tag a"])
+    (project / "logs" / "sweep").mkdir(parents=True)
+    os.chown(project / "logs" / "sweep", _nobody(), _nobody())
+    done = run_sweep(project)
+    assert done.returncode == 2 and "LOG_DIR" in done.stderr and "nobody" in done.stderr
+    assert not list((project / "logs" / "sweep").iterdir())
+
+
+def _finished(run_dir: Path, lr: float) -> Path:
+    """A finished run directory, as a job leaves it (what sync reads)."""
+    run_dir.mkdir(parents=True)
+    config = {"experiment": "adversarial", "experiment_keys": ["lr"], "lr": lr}
+    (run_dir / "config.json").write_text(json.dumps(config))
+    (run_dir / "history.csv").write_text(f"epoch,val_acc\n1,{lr}\n")
+    (run_dir / "metrics.json").write_text(json.dumps({"val_acc": lr, "epochs_run": 1}))
+    (run_dir / "status").write_text("finished\n")
+    return run_dir
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="a directory of another user needs root to make")
+def test_sync_never_writes_into_another_users_run_directory(env, tmp_path):
+    from labrun import follower
+
+    theirs = _finished(tmp_path / "results" / "theirs", 0.1)
+    for path in [theirs, *theirs.iterdir()]:
+        os.chown(path, _nobody(), _nobody())
+    theirs.chmod(0o777)  # a shared folder: writable by all, yet not ours to write
+    before = sorted(p.name for p in theirs.iterdir())
+    assert follower.main(["sync", str(tmp_path / "results")]) == 1
+    assert sorted(p.name for p in theirs.iterdir()) == before  # no .lock, no tracking.json
+    assert not _runs_named(env["MLFLOW_TRACKING_URI"], "theirs")
+
+
+def test_sync_never_deletes_the_mlflow_run_another_directory_names(env, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from labrun import follower
+
+    uri = env["MLFLOW_TRACKING_URI"]
+    other = _finished(tmp_path / "results" / "other", 0.1)
+    assert follower.main(["sync", str(other)]) == 0
+    other_run = json.loads((other / "tracking.json").read_text())["run_id"]
+    mine = _finished(tmp_path / "results" / "mine", 0.2)  # other params: a rebuild, were it its
+    (mine / "tracking.json").write_text(json.dumps({"run_id": other_run}))
+    assert follower.main(["sync", str(mine)]) == 0
+    run = MlflowClient(tracking_uri=uri).get_run(other_run)
+    assert run.info.lifecycle_stage == "active" and run.data.params["lr"] == "0.1"
+    assert run.data.tags["run_dir"] == str(other)
+    new = json.loads((mine / "tracking.json").read_text())["run_id"]
+    assert (
+        new != other_run and MlflowClient(tracking_uri=uri).get_run(new).data.params["lr"] == "0.2"
+    )
+
+
+class SilentServer:
+    """A loopback port that accepts connections and never answers (a hung tracking server)."""
+
+    def __init__(self):
+        import socket
+        import threading
+
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.uri = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.accepted, self.held = 0, []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                self.held.append(self.sock.accept()[0])
+                self.accepted += 1
+
+    def close(self) -> None:
+        for conn in [*self.held, self.sock]:
+            conn.close()
+
+
+def test_a_silent_tracking_server_is_asked_once_per_follower_not_per_run(tmp_path):
+    server = SilentServer()
+    try:
+        for i in range(6):
+            _finished(tmp_path / "results" / f"run{i}", i / 10)
+            (tmp_path / "results" / f"run{i}" / "tracking.json").write_text("{}")
+        env = {
+            **os.environ,
+            "MLFLOW_TRACKING_URI": server.uri,
+            "MLFLOW_HTTP_REQUEST_TIMEOUT": "1",
+            "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+        }
+        follow = subprocess.run(  # stdin at its end: the sweep is over, mirror what is left
+            [sys.executable, "-m", "labrun.tracking", "follow", str(tmp_path / "results")],
+            env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=DEADLINE,
+        )  # fmt: skip
+        assert follow.returncode == 1, follow.stderr  # not mirrored: `sync` later
+        assert "does not answer" in follow.stderr
+        # One request (and MLflow's one retry) for the sweep; per run, six times that.
+        assert server.accepted <= 2, (server.accepted, follow.stderr)
+    finally:
+        server.close()
+
+
+def test_a_second_ctrl_c_ends_a_sweep_whose_follower_waits_on_a_silent_server(tmp_path):
+    from test_sweep import run_dirs, start_sweep
+
+    server = SilentServer()
+    try:
+        project = _standin_sweep(tmp_path, ["--sleep 60 --tag a"])
+        # a run of an earlier sweep, finished: the follower mirrors it at once
+        _finished(project / "results" / "sweep" / "earlier", 0.1)
+        (project / "results" / "sweep" / "earlier" / "tracking.json").write_text("{}")
+        # MLflow's timeout, here an hour: a server that never answers holds the follower
+        proc = start_sweep(project, MLFLOW_TRACKING_URI=server.uri,
+                           MLFLOW_HTTP_REQUEST_TIMEOUT="3600")  # fmt: skip
+        wait_while_running(
+            lambda: server.accepted and any((d / "attempts.jsonl").exists()
+                                            for d in run_dirs(project)), proc)  # fmt: skip
+        proc.send_signal(signal.SIGINT)
+        wait_while_running(
+            lambda: any(runs.read_status(d) == "interrupted" for d in run_dirs(project)), proc
+        )
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=DEADLINE)
+        assert proc.returncode == 128 + signal.SIGINT, out
+        assert "1 interrupted" in out
+    finally:
+        server.close()
+
+
+# ---- flags bounded by the machine; an ending that says what happened ---
+def _exit_code(main_in_process, *args: str) -> int:
+    try:
+        return main_in_process(*args)
+    except SystemExit as exc:  # argparse's refusal
+        return exc.code
+
+
+def test_more_workers_than_cores_is_refused_before_anything_is_written(
+    main_in_process, tmp_path, capsys
+):
+    cores = len(os.sched_getaffinity(0))
+    code = _exit_code(main_in_process, *QUICK, "--workers", "1000", "--results-dir", str(tmp_path))
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --workers: at most {cores} ") and err.count("\n") == 1, err
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_synthetic_set_larger_than_memory_is_refused(main_in_process, tmp_path, capsys):
+    args = ("--dataset", "synthetic", "--synthetic-size", "100000000000")
+    assert _exit_code(main_in_process, *QUICK, *args, "--results-dir", str(tmp_path / "r")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --synthetic-size: ") and err.count("\n") == 1, err
+    assert not list(tmp_path.iterdir())
+
+
+def test_an_empty_results_dir_is_refused(main_in_process, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # '' would be this folder: the project's root, for run.py
+    assert _exit_code(main_in_process, *QUICK, "--results-dir", "") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --results-dir: ") and err.count("\n") == 1, err
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_dataset_that_calls_sys_exit_0_fails_the_run(main_in_process, tmp_path, monkeypatch):
+    from labrun import arrays
+
+    monkeypatch.setattr(arrays, "load_synthetic_arrays", lambda *args: sys.exit(0))
+    args = ("--dataset", "synthetic", "--synthetic-size", "100", "--results-dir", str(tmp_path))
+    assert main_in_process(*QUICK, *args) == 1  # failed: no result, whatever the exit said
+    assert not list(tmp_path.glob("*/metrics.json"))
+
+
+@pytest.mark.parametrize("visible", ["-1", "0"])
+def test_cuda_visible_devices_names_no_gpu_on_a_machine_without_one(tmp_path, visible):
+    """The sweep's dry run (GPUS unset, no nvidia-smi): CPU slots, a job per core."""
+    project = _standin_sweep(tmp_path, ["--tag a", "--tag b"])
+    env = {k: v for k, v in os.environ.items() if k != "GPUS"}
+    env.update(PYTHON=str(project / "python-standin"), CUDA_VISIBLE_DEVICES=visible)
+    env["PATH"] = os.pathsep.join(  # as on a machine without a GPU
+        d for d in env["PATH"].split(os.pathsep) if not (Path(d) / "nvidia-smi").exists()
+    )
+    dry = subprocess.run(["bash", "sweep.sh", "--dry-run"], cwd=project, env=env,
+                         capture_output=True, text=True, timeout=DEADLINE)  # fmt: skip
+    assert dry.returncode == 0, dry.stderr
+    assert "would run on " in dry.stdout and " CPU slot(s)" in dry.stdout, dry.stdout
+
+
+def test_cuda_stops_at_the_first_invalid_visible_device(monkeypatch):
+    from labrun import sweep
+
+    monkeypatch.setattr(sweep.shutil, "which", lambda name: f"/usr/bin/{name}")  # a GPU machine
+    assert sweep.choose_gpus({"CUDA_VISIBLE_DEVICES": "-1"}) == []
+    assert sweep.choose_gpus({"CUDA_VISIBLE_DEVICES": "1,-1,0"}) == ["1"]
+
+
+def test_sigusr1_stops_the_sweep_as_sigterm_does(tmp_path):
+    from test_sweep import start_sweep, started_pids
+
+    project = _standin_sweep(tmp_path, ["--sleep 60 --tag a"])
+    proc = start_sweep(project)
+    wait_while_running(lambda: started_pids(project), proc)
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=DEADLINE)
+    assert proc.returncode == 128 + signal.SIGUSR1, out
+    assert "0 failed, 1 interrupted" in out and "sweep summary:" in out, out

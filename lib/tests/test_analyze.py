@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TINY, load_run_py
+from conftest import DEADLINE, ROOT, TINY, load_run_py
 from torch import nn
 
 from labrun import runs
@@ -105,7 +105,7 @@ def test_help_and_print_run_dir_import_neither_torch_nor_mlflow(tmp_path):
             [sys.executable, "-X", "importtime", str(ROOT / "analyze.py"), *args],
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=DEADLINE,
         )
         imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines()}
         assert not {"torch", "mlflow"} & imported, args
@@ -419,7 +419,7 @@ def test_analyze_two_runs_end_to_end(two_runs, tmp_path):
     drawn = subprocess.run(
         [sys.executable, str(ROOT / "plot.py"), "--analysis", str(results), "--out",
          str(figures), "--formats", "pdf", "png"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=DEADLINE,
     )  # fmt: skip
     assert drawn.returncode == 0, drawn.stderr
     seeds = "cka_seeds_" + a.name[:-9]  # run A's name without its hash (and seed=0)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import DEADLINE
 
 from labrun.claim import LOCK_FILE, Busy, claim, holder
 
@@ -36,7 +37,7 @@ def start_holder(run_dir: Path) -> subprocess.Popen:
 
 def stop(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
     proc.send_signal(sig)
-    proc.wait(timeout=10)
+    proc.wait(timeout=DEADLINE)
 
 
 def test_second_process_is_refused_and_told_who_holds_it(tmp_path):

@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import (
+    DEADLINE,
     ROOT,
     RUN_PY,
     TINY,
@@ -175,9 +176,9 @@ def test_sigterm_burst_stops_all_ranks_at_one_step_and_resumes_exactly(
     results = tmp_path / "b"
     proc = start(torchrun(*run_py(*args, results_dir=results, data_dir=data_dir)), env)
     # Stop in epoch 2: its first line in the history means training is under way.
-    wait_while_running(lambda: len(list(results.glob("*/history.csv"))) == 1, proc, timeout=240)
+    wait_while_running(lambda: len(list(results.glob("*/history.csv"))) == 1, proc)
     signal_job(proc, who)
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=DEADLINE)
     stopped = run_dir_of(results)
     assert (stopped / "status").read_text() == "interrupted\n", err
     assert not (stopped / "metrics.json").exists() and (stopped / "checkpoint.pt").exists()
@@ -289,9 +290,9 @@ def test_slurm_task_under_torchrun_reads_75_from_the_run_directory(tmp_path, env
         text=True,
     )
     history = tmp_path / "results" / run_dir.rsplit("/", 1)[1] / "history.csv"
-    wait_while_running(history.exists, task, timeout=240)
+    wait_while_running(history.exists, task)
     task.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@N sends, to the script only
-    out, _ = task.communicate(timeout=120)
+    out, _ = task.communicate(timeout=DEADLINE)
     assert task.returncode == 75, out
     assert "rank 0 wrote status interrupted" in out and "run.py exited with 75" in out
     assert "requeueing 1_0" in out
@@ -445,7 +446,7 @@ def test_a_rank_waiting_for_its_peers_stops_on_a_second_signal_and_times_out(
     for _ in range(2):
         waiting.send_signal(signal.SIGTERM)
         time.sleep(0.5)
-    _, err = waiting.communicate(timeout=30)
+    _, err = waiting.communicate(timeout=DEADLINE)
     assert waiting.returncode == 130, err
     assert not any(tmp_path.glob("*/status"))
 

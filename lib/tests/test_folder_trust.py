@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, RUN_PY, cli_command, read_metrics
+from conftest import DEADLINE, ROOT, RUN_PY, cli_command, read_metrics
 from image_folders import CLASSES, make_folder, make_image
 from PIL import Image
 
@@ -99,12 +99,12 @@ def test_interrupted_folder_run_then_more_images_starts_a_new_run(env, tmp_path)
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + DEADLINE
     while not any("steps/epoch" in p.read_text() for p in results.glob("*/run.log")):
         assert run.poll() is None and time.monotonic() < deadline, run.communicate()
         time.sleep(0.05)
     run.terminate()
-    assert run.wait(timeout=120) == 75, run.communicate()
+    assert run.wait(timeout=DEADLINE) == 75, run.communicate()
     (old,) = results.iterdir()
     before = {p.name: p.stat().st_mtime_ns for p in old.iterdir()}
     for i in range(30):  # the folder grows by a quarter
@@ -256,7 +256,7 @@ def test_a_decode_error_in_a_worker_names_the_file_and_the_process_exits(tmp_pat
         text=True,
     )
     try:
-        out, err = proc.communicate(timeout=60)  # today: never exits (workers ignore TERM)
+        out, err = proc.communicate(timeout=DEADLINE)  # today: never exits (workers ignore TERM)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -283,7 +283,7 @@ def test_a_file_cut_short_after_the_scan_ends_a_streamed_run_cleanly(env, tmp_pa
             cwd=ROOT,
             capture_output=True,
             text=True,
-            timeout=120,  # today: killed here, still holding .lock
+            timeout=DEADLINE,  # today: killed here, still holding .lock
         )
         return done, time.monotonic() - started
 
@@ -480,7 +480,7 @@ def test_print_run_dir_of_a_folder_imports_no_torch(tmp_path):
         "except SystemExit:\n    pass\nassert 'torch' not in sys.modules, 'torch imported'"
     )
     done = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=DEADLINE
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().startswith(str(ROOT / "results" / "trials" / "folder_"))

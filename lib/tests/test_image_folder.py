@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, RUN_PY, cli_command, read_metrics, run_dir_of
+from conftest import DEADLINE, ROOT, RUN_PY, cli_command, read_metrics, run_dir_of
 from image_folders import CLASSES, make_folder
 
 from labrun import data, gpudecode, loaders
@@ -225,7 +225,7 @@ def test_workers_survive_a_process_group_signal(tmp_path):
         assert proc.stdout.readline() == "workers running\n", proc.stderr.read()
         for sig in (signal.SIGHUP, signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
             os.killpg(proc.pid, sig)  # the whole group: main process and both workers
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=DEADLINE)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -347,12 +347,12 @@ def test_streamed_run_stopped_by_a_group_sigterm_resumes_exactly(env, data_dir, 
 
     results = tmp_path / "stopped"
     cmd = start(results)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + DEADLINE
     while not any("steps/epoch" in p.read_text() for p in results.glob("*/run.log")):
         assert cmd.poll() is None and time.monotonic() < deadline, cmd.communicate()
         time.sleep(0.02)
     os.killpg(cmd.pid, signal.SIGTERM)
-    _, err = cmd.communicate(timeout=120)
+    _, err = cmd.communicate(timeout=DEADLINE)
     assert cmd.returncode == 75, err
     assert "killed by signal" not in err
     resumed = start(results)
@@ -384,7 +384,7 @@ def test_data_path_is_part_of_the_run_identity(tmp_path):
             cwd=cwd,
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=DEADLINE,
         )
         assert done.returncode == 0, done.stderr
         return Path(done.stdout.strip()).name
@@ -397,7 +397,7 @@ def test_data_path_is_part_of_the_run_identity(tmp_path):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=DEADLINE,
     )
     assert missing.returncode == 2
     assert "--data-path" in missing.stderr.splitlines()[-1] and "Traceback" not in missing.stderr

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT
+from conftest import DEADLINE, ROOT
 from image_folders import make_folder
 from PIL import Image
 
@@ -86,7 +86,7 @@ def decode(folder, data_dir, processes=1, kill_after=0, ready="-", go="-", wait=
     if not wait:
         return proc
     try:
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=DEADLINE)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
@@ -133,13 +133,13 @@ def test_two_jobs_starting_together_decode_once(tmp_path):
     data_dir, go = tmp_path / "cache", tmp_path / "go"
     ready = [tmp_path / "ready0", tmp_path / "ready1"]
     procs = [decode(folder, data_dir, 2, ready=r, go=go, wait=False) for r in ready]
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + DEADLINE
     while not all(r.exists() for r in ready) and time.monotonic() < deadline:
         time.sleep(0.01)
     go.touch()
     results = []
     for proc in procs:
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=DEADLINE)
         assert proc.returncode == 0, err.decode()
         results.append(json.loads(out))
     assert sorted(len(r["calls"]) for r in results) == [0, 8]  # one decoded, one waited

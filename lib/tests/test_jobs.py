@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import LIB, ROOT
+from conftest import DEADLINE, LIB, ROOT
 
 import labrun
 from labrun import plan, runs
@@ -76,7 +76,7 @@ def count(script: Path, *args: str, results: Path, env: dict | None = None, **kw
         env={**os.environ, "PYTHONPATH": PYTHONPATH, "LAB_TRACKING": "off", **(env or {})},
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=DEADLINE,
         **kw,
     )
 
@@ -135,12 +135,12 @@ def test_a_stop_signal_ends_the_job_interrupted_with_75(count_py, tmp_path):
         env={**os.environ, "PYTHONPATH": PYTHONPATH, "LAB_TRACKING": "off"},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + DEADLINE
     while runs.read_status(out) != "running":
         assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
         time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=60)
+    _, stderr = proc.communicate(timeout=DEADLINE)
     assert proc.returncode == 75, stderr
     assert runs.read_status(out) == "interrupted" and not runs.is_done(out)
     assert "SIGTERM" in (out / "run.log").read_text()
@@ -157,7 +157,7 @@ def test_a_forced_exit_leaves_the_job_interrupted(count_py, tmp_path):
              "LAB_STOP_GRACE_S": "0"},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + DEADLINE
     wchan = Path(f"/proc/{proc.pid}/wchan")  # where the main thread waits in the kernel
     # Running, and asleep past its one check_stop: a SIGTERM before that check is a graceful
     # stop (75), which a loaded machine made this test see once.
@@ -167,7 +167,7 @@ def test_a_forced_exit_leaves_the_job_interrupted(count_py, tmp_path):
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=30)
+    _, stderr = proc.communicate(timeout=DEADLINE)
     assert proc.returncode == 130, stderr
     assert runs.read_status(out) == "interrupted" and not runs.is_done(out)
 
@@ -209,7 +209,7 @@ def test_plan_answers_for_every_job_of_a_script_in_one_call(count_py, tmp_path):
         env={**os.environ, "PYTHONPATH": PYTHONPATH},
         input=stdin,
         capture_output=True,
-        timeout=60,
+        timeout=DEADLINE,
     )
     fields = answer.stdout.decode().split("\0")[:-1]
     states = [tuple(fields[i : i + 3]) for i in range(0, len(fields), 3)]
@@ -287,7 +287,7 @@ def test_a_slurm_task_runs_the_script_its_job_line_named(count_py, tmp_path):
         cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": PYTHONPATH, "LAB_TRACKING": "off",
              "SLURM_ARRAY_TASK_ID": "0"},
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=DEADLINE,
     )  # fmt: skip
     assert task.returncode == 0, task.stdout + task.stderr
     assert f"{count_py} --results-dir" in task.stdout

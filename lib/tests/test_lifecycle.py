@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import (
+    DEADLINE,
     ROOT,
     cli_command,
     mlflow_run,
@@ -195,7 +196,7 @@ def test_the_same_run_started_twice_trains_once(env, data_dir, tmp_path):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=DEADLINE,
     )
     assert second.returncode == 73, second.stderr
     assert second.stderr.startswith("error: running elsewhere: ")
@@ -312,7 +313,7 @@ def test_a_burst_of_signals_checkpoints_once_and_exits_75(env, data_dir, tmp_pat
     for name in burst:
         proc.send_signal(getattr(signal, name))
         time.sleep(0.005)
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=DEADLINE)
     assert proc.returncode == 75, err
     run_dir = run_dir_of(results)
     assert (run_dir / "status").read_text() == "interrupted\n"
@@ -366,7 +367,7 @@ def test_a_stop_signal_during_start_up_exits_75(env, data_dir, tmp_path):
     # the training loop.
     wait_for_handler(proc, signal.SIGUSR1)
     proc.send_signal(signal.SIGUSR1)
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=DEADLINE)
     assert proc.returncode == 75, err
 
 

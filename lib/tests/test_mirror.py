@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, cli_command, popen_cli, wait_while_running
+from conftest import DEADLINE, ROOT, cli_command, popen_cli, wait_while_running
 
 from labrun import follower as tracking_cli  # `python -m labrun.tracking sync|follow`
 from labrun import tracking
@@ -275,7 +275,7 @@ def test_the_follower_mirrors_a_run_once_its_claim_is_released(env, tmp_path):
         time.sleep(3 * tracking_cli.FOLLOW_POLL_S)  # passes over it while it is held
         assert mlflow_runs_of(uri, run_dir) == []
         held.release()
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + DEADLINE
         while not mlflow_runs_of(uri, run_dir) or "mirrored" not in (
             json.loads((run_dir / "tracking.json").read_text())
         ):
@@ -284,7 +284,7 @@ def test_the_follower_mirrors_a_run_once_its_claim_is_released(env, tmp_path):
             time.sleep(0.1)
         assert follower.poll() is None  # it follows on until the sweep closes its stdin
     finally:
-        out, _ = follower.communicate(timeout=120)
+        out, _ = follower.communicate(timeout=DEADLINE)
     assert follower.returncode == 0, out
     assert "created MLflow run" in out, out
     assert_mirrors(uri, run_dir)
@@ -300,7 +300,7 @@ def test_the_follower_claims_no_run_the_sweep_may_start(env, tmp_path):
     follower = start_follower(results)
     time.sleep(3 * tracking_cli.FOLLOW_POLL_S)
     assert mlflow_runs_of(uri, run_dir) == []
-    out, _ = follower.communicate(timeout=120)
+    out, _ = follower.communicate(timeout=DEADLINE)
     assert follower.returncode == 0, out
     assert_mirrors(uri, run_dir)
 

@@ -21,7 +21,7 @@ import matplotlib.text
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import ROOT, load_run_py
+from conftest import DEADLINE, ROOT, load_run_py
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from labrun import analysis as A
@@ -345,7 +345,7 @@ def test_plot_imports_neither_torch_nor_mlflow(sweeps, tmp_path):
             "    print('rc', e.code, sorted({'torch', 'mlflow'} & set(sys.modules)))")  # fmt: skip
     done = subprocess.run([sys.executable, "-c", code, "--results", str(sweeps["comparison"]),
                            "--out", str(tmp_path), "--formats", "png"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+                          capture_output=True, text=True, timeout=DEADLINE)  # fmt: skip
     assert "rc 0 []" in done.stdout, done.stdout + done.stderr
 
 
@@ -397,7 +397,7 @@ def test_from_mlflow_plots_what_run_py_tracked(run_cli, env, tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "plot.py"), "--from-mlflow", "--experiment", experiment,
          "--tracking-uri", env["MLFLOW_TRACKING_URI"], "--out", str(out), "--formats", "png"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=DEADLINE,
     )  # fmt: skip
     assert proc.returncode == 0 and "skipped" not in proc.stderr, proc.stderr
     assert (out / "learning_curves.png").is_file() and (out / "final_vs_hparam.png").is_file()
@@ -430,13 +430,13 @@ def test_from_mlflow_plots_what_run_py_tracked(run_cli, env, tmp_path):
         proc = subprocess.run(
             [sys.executable, str(ROOT / "plot.py"), *args, "--tracking-uri",
              env["MLFLOW_TRACKING_URI"], "--out", str(out), "--formats", "png"],
-            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=DEADLINE,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr
     assert "warning: skipped 1 run (failed: crashed)" in subprocess.run(
         [sys.executable, str(ROOT / "plot.py"), "--from-mlflow", "--experiment", experiment,
          "--tracking-uri", env["MLFLOW_TRACKING_URI"], "--out", str(out), "--formats", "png"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120).stderr  # fmt: skip
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=DEADLINE).stderr  # fmt: skip
     assert (out / f"system_{run_dir.name}.png").is_file()
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import (
+    DEADLINE,
     mlflow_run,
     popen_cli,
     read_metrics,
@@ -60,7 +61,7 @@ def test_sigterm_then_rerun_gives_the_same_final_metrics(
         lambda: any("steps/epoch" in p.read_text() for p in results.glob("*/run.log")), proc
     )
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=DEADLINE)
     assert proc.returncode == 75, err
     run_dir = run_dir_of(results)
     assert (run_dir / "status").read_text() == "interrupted\n"

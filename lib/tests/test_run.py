@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 from conftest import (
+    DEADLINE,
     ROOT,
     RUN_PY,
     cli_command,
@@ -122,7 +123,9 @@ def test_digits_run_learns_and_writes_every_file(finished_run, mlflow_uri):
 def test_finished_run_is_not_retrained(finished_run):
     run_dir, _, cmd, env = finished_run
     before = (run_dir / "metrics.json").stat().st_mtime_ns
-    result = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=DEADLINE
+    )
     assert result.returncode == 0 and "already finished" in result.stdout
     assert (run_dir / "metrics.json").stat().st_mtime_ns == before
 

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import DEADLINE
 from test_sweep import (
     attempts,
     copy_real_project,
@@ -74,7 +75,7 @@ def squeue(job_id: str) -> list[str]:
     return out.stdout.split("\n")[:-1] if out.returncode == 0 else []
 
 
-def wait_gone(job_id: str, timeout: float = 90) -> None:
+def wait_gone(job_id: str, timeout: float = DEADLINE) -> None:
     # Polling squeue is much faster than `sbatch --wait` (which polls every ~10 s).
     wait_for(lambda: not squeue(job_id), timeout, f"Slurm job {job_id} to finish")
 
@@ -103,10 +104,10 @@ def test_slurm_array_runs_the_pending_jobs_one_gpu_each(tmp_path):
 def test_slurm_warning_signal_checkpoints_and_requeues(tmp_path):
     project = make_project(tmp_path, ["--sleep 0.2 --first-sleep 120 --tag r"])
     job_id = submit(project)
-    wait_for(lambda: attempts(project, finished_only=False), 30, "the task to start")
+    wait_for(lambda: attempts(project, finished_only=False), DEADLINE, "the task to start")
     # What Slurm sends SLURM_SIGNAL_SECS before the time limit (--signal=B:USR1@N).
     subprocess.run(["scancel", "--batch", "--signal=USR1", f"{job_id}_0"], check=True)
-    wait_for(lambda: squeue(job_id) == ["0 PD"], 30, "the task to be requeued")
+    wait_for(lambda: squeue(job_id) == ["0 PD"], DEADLINE, "the task to be requeued")
     (run_dir,) = run_dirs(project)
     assert (run_dir / "status").read_text().strip() == "interrupted"
     # Slurm holds a requeued job back for a couple of minutes (BeginTime); let it start soon.
@@ -120,7 +121,7 @@ def test_slurm_warning_signal_checkpoints_and_requeues(tmp_path):
 def test_cancelled_task_checkpoints_and_stays_cancelled(tmp_path):
     project = make_project(tmp_path, ["--sleep 0.2 --first-sleep 120 --tag c"])
     job_id = submit(project)
-    wait_for(lambda: attempts(project, finished_only=False), 30, "the task to start")
+    wait_for(lambda: attempts(project, finished_only=False), DEADLINE, "the task to start")
     subprocess.run(["scancel", job_id], check=True)  # TERM to every process, then KILL
     wait_gone(job_id)  # not requeued
     (run_dir,) = run_dirs(project)
@@ -135,7 +136,7 @@ def test_resubmitting_skips_tasks_queued_or_running_from_an_earlier_array(tmp_pa
     project = make_project(tmp_path, jobs)
     job_id = submit(project, SLURM_MAX_PARALLEL="1")  # task 0 runs, tasks 1 and 2 wait
     try:
-        wait_for(lambda: attempts(project, finished_only=False), 30, "task 0 to start")
+        wait_for(lambda: attempts(project, finished_only=False), DEADLINE, "task 0 to start")
         dry = run_sweep(project, "--slurm", "--dry-run", **SLURM_ENV)
         assert dry.returncode == 0, dry.stdout + dry.stderr
         assert "0 pending, 0 interrupted, 0 failed, 1 running elsewhere, 2 queued" in dry.stdout
@@ -217,14 +218,14 @@ def submit_real(project: Path, env: dict, **extra: str) -> str:
         env={**env, **extra},
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=DEADLINE,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     return re.search(r"as Slurm array (\d+)", result.stdout)[1]
 
 
 def finish_after_requeue(project: Path, job_id: str) -> tuple[Path, str]:
-    wait_for(lambda: squeue(job_id) == ["0 PD"], 120, "the task to be requeued")
+    wait_for(lambda: squeue(job_id) == ["0 PD"], DEADLINE, "the task to be requeued")
     (run_dir,) = (project / "results" / "sweep").iterdir()
     assert (run_dir / "status").read_text().strip() == "interrupted"
     assert (run_dir / "checkpoint.pt").exists()

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import DEADLINE
 from conftest import ROOT as PROJECT
 
 import labrun
@@ -265,7 +266,7 @@ def sweep_env(project: Path, **overrides: str) -> dict[str, str]:
 
 
 def run_sweep(
-    project: Path, *args: str, script: str = "sweep.sh", timeout: float = 60, **env: str
+    project: Path, *args: str, script: str = "sweep.sh", timeout: float = DEADLINE, **env: str
 ) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["bash", script, *args],
@@ -430,7 +431,7 @@ def cpu_sweep(project: Path, cores: int, **env: str) -> subprocess.CompletedProc
         env=full_env,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=DEADLINE,
     )
 
 
@@ -550,10 +551,12 @@ def test_a_job_whose_holder_stops_is_taken_over(tmp_path):
     with claim(run_dir):
         (run_dir / "status").write_text("running\n")
         proc = start_sweep(project, GPUS="0")
-        wait_for(lambda: any("--tag b" in c for c in job_calls(project)), 60, "job b to start")
+        wait_for(
+            lambda: any("--tag b" in c for c in job_calls(project)), DEADLINE, "job b to start"
+        )
         (run_dir / "status").write_text("interrupted\n")  # the holder checkpointed and left
     release.touch()
-    out, _ = proc.communicate(timeout=120)
+    out, _ = proc.communicate(timeout=DEADLINE)
     assert proc.returncode == 0, out
     assert re.search(r"taking +tag_a-\w+ +\(its holder let go: interrupted\)", out), out
     assert "2 done (2 ran now, 0 skipped: already done), 0 failed" in out
@@ -599,7 +602,7 @@ def test_jobs_per_gpu_auto_measures_a_first_job_then_fills_the_gpu(tmp_path):
     # OMP_NUM_THREADS empty: the tests' 1 (conftest) would win over the share, as a user's does.
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "GPUS": "0", "CUDA_VISIBLE_DEVICES": "0"}
     env["OMP_NUM_THREADS"] = ""
-    result = run_sweep(project, timeout=120, **env)
+    result = run_sweep(project, **env)
     assert result.returncode == 0, result.stdout + result.stderr
     why = "JOBS_PER_GPU=auto: 16 core(s) -> 8 per GPU"
     assert (
@@ -619,7 +622,7 @@ def test_jobs_per_gpu_auto_measures_a_first_job_then_fills_the_gpu(tmp_path):
     # A re-run finds the peak recorded: both slots at once. An explicit number still wins.
     for d in run_dirs(project)[:4]:
         shutil.rmtree(d)
-    again = run_sweep(project, timeout=120, **env)
+    again = run_sweep(project, **env)
     assert (
         "4 job(s) to run, 5 done or skipped; 2 slot(s) on GPU(s) 0 0, 2 thread(s)" in again.stdout
     )
@@ -755,15 +758,15 @@ def started_pids(project: Path) -> list[int]:
 def test_sigterm_stops_every_job_and_leaves_no_process(tmp_path):
     project = make_project(tmp_path, [f"--sleep 60 --child --tag {i}" for i in range(6)])
     proc = start_sweep(project, GPUS="0 1 2 3")
-    wait_for(lambda: len(started_pids(project)) == 8, 20, "4 jobs with a child each")
+    wait_for(lambda: len(started_pids(project)) == 8, DEADLINE, "4 jobs with a child each")
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=20)
+    out, _ = proc.communicate(timeout=DEADLINE)
     assert proc.returncode == 128 + signal.SIGTERM, out
     assert (
         "0 done (0 ran now, 0 skipped: already done), 0 failed, 4 interrupted, 2 not started" in out
     )
     pids = started_pids(project)
-    wait_for(lambda: all(is_gone(p) for p in pids), 5, "every job and its child to end")
+    wait_for(lambda: all(is_gone(p) for p in pids), DEADLINE, "every job and its child to end")
     statuses = [(d / "status").read_text().strip() for d in run_dirs(project)]
     assert statuses == ["interrupted"] * 4  # each job got the signal and checkpointed
     assert not list(project.glob("results/*/*/metrics.json"))  # nothing marked done
@@ -774,15 +777,15 @@ def test_second_signal_kills_jobs_that_ignore_the_first(tmp_path):
         tmp_path, [f"--sleep 60 --child --ignore-term --tag {i}" for i in range(2)]
     )
     proc = start_sweep(project)
-    wait_for(lambda: len(started_pids(project)) == 4, 20, "2 jobs with a child each")
+    wait_for(lambda: len(started_pids(project)) == 4, DEADLINE, "2 jobs with a child each")
     proc.send_signal(signal.SIGINT)
     time.sleep(0.5)
     assert proc.poll() is None  # still waiting for the jobs to checkpoint
     proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=20)
+    out, _ = proc.communicate(timeout=DEADLINE)
     assert proc.returncode == 128 + signal.SIGINT, out
     pids = started_pids(project)
-    wait_for(lambda: all(is_gone(p) for p in pids), 5, "every job and its child to end")
+    wait_for(lambda: all(is_gone(p) for p in pids), DEADLINE, "every job and its child to end")
     assert not list(project.glob("results/*/*/metrics.json"))
     # Killed jobs could not write their status: run.sh marked them, then summarised.
     assert (
@@ -821,9 +824,9 @@ def test_start_up_kill_is_interrupted_not_failed(tmp_path):
     # of the signal (143). run.sh stopped it, so that is "interrupted", not "FAILED".
     project = make_project(tmp_path, ["--startup-sleep 30 --tag a"])
     proc = start_sweep(project)
-    wait_for(lambda: job_calls(project), 20, "the job to start")
+    wait_for(lambda: job_calls(project), DEADLINE, "the job to start")
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=20)
+    out, _ = proc.communicate(timeout=DEADLINE)
     assert proc.returncode == 128 + signal.SIGTERM, out
     assert "FAILED" not in out
     assert "0 failed, 1 interrupted" in out
@@ -832,12 +835,12 @@ def test_start_up_kill_is_interrupted_not_failed(tmp_path):
 def test_sigkill_of_run_sh_stops_its_jobs(tmp_path):
     project = make_project(tmp_path, [f"--sleep 60 --tag {i}" for i in range(2)])
     proc = start_sweep(project)
-    wait_for(lambda: len(started_pids(project)) == 2, 20, "2 jobs")
+    wait_for(lambda: len(started_pids(project)) == 2, DEADLINE, "2 jobs")
     proc.kill()  # SIGKILL: run.sh runs no code at all
-    proc.communicate(timeout=10)
+    proc.communicate(timeout=DEADLINE)
     pids = started_pids(project)
     # The kernel sent each job SIGTERM (parent-death signal): it checkpointed and ended.
-    wait_for(lambda: all(is_gone(p) for p in pids), 10, "the orphaned jobs to end")
+    wait_for(lambda: all(is_gone(p) for p in pids), DEADLINE, "the orphaned jobs to end")
     assert [(d / "status").read_text().strip() for d in run_dirs(project)] == ["interrupted"] * 2
 
 
@@ -875,7 +878,7 @@ def test_a_re_run_right_after_kill_9_waits_for_the_stopping_orphans(tmp_path):
 def test_two_sweeps_on_one_folder_train_each_job_once(tmp_path):
     project = make_project(tmp_path, [f"--sleep 0.4 --tag {i}" for i in range(6)])
     first, second = (start_sweep(project) for _ in range(2))
-    outs = [p.communicate(timeout=60)[0] for p in (first, second)]
+    outs = [p.communicate(timeout=DEADLINE)[0] for p in (first, second)]
     started = [
         r["name"] for r in attempts(project, finished_only=False) if r.get("phase") == "started"
     ]
@@ -914,9 +917,9 @@ def test_exit_73_is_running_elsewhere_not_failed(tmp_path):
     dry = run_sweep(project, "--dry-run")
     run_dir = project / "results" / "sweep" / dry.stdout.split()[1]
     proc = start_sweep(project)
-    wait_for(lambda: job_calls(project), 20, "the job to start")
+    wait_for(lambda: job_calls(project), DEADLINE, "the job to start")
     with claim(run_dir):
-        out, _ = proc.communicate(timeout=20)
+        out, _ = proc.communicate(timeout=DEADLINE)
     assert proc.returncode == 1, out
     assert "running elsewhere" in out and "FAILED" not in out
     assert "0 failed, 0 interrupted, 0 not started, 1 running elsewhere" in out
@@ -979,14 +982,14 @@ def test_gpus_from_nvidia_smi_when_nothing_is_set(tmp_path):
     env = sweep_env(project, PATH=f"{bin_dir}:{os.environ['PATH']}")
     del env["GPUS"], env["CUDA_VISIBLE_DEVICES"]
     ok = subprocess.run(
-        ["bash", "sweep.sh"], cwd=project, env=env, capture_output=True, text=True, timeout=60
+        ["bash", "sweep.sh"], cwd=project, env=env, capture_output=True, text=True, timeout=DEADLINE
     )
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "2 slot(s) on GPU(s) 0 1" in ok.stdout
     assert {r["cvd"] for r in attempts(project)} <= {"0", "1"}
     env["GPUS"] = "2"
     bad = subprocess.run(
-        ["bash", "sweep.sh"], cwd=project, env=env, capture_output=True, text=True, timeout=60
+        ["bash", "sweep.sh"], cwd=project, env=env, capture_output=True, text=True, timeout=DEADLINE
     )
     assert bad.returncode == 2 and "GPU 2 does not exist (visible: 0 1)" in bad.stderr
 
@@ -1007,7 +1010,7 @@ def real_plan(jobs: list[list[str]], cwd: Path) -> list[tuple[str, str, str]]:
         input=data,
         capture_output=True,
         cwd=cwd,
-        timeout=60,
+        timeout=DEADLINE,
         check=True,
     ).stdout
     fields = out.decode().split("\0")[:-1]
@@ -1072,9 +1075,9 @@ def start_task(project: Path, args: str) -> subprocess.Popen:
 def test_slurm_task_passes_usr1_on_and_returns_the_exact_exit_code(tmp_path):
     project = make_project(tmp_path)
     task = start_task(project, "--results-dir results/sweep --sleep 60 --tag u")
-    wait_for(lambda: attempts(project, finished_only=False), 20, "the job to start")
+    wait_for(lambda: attempts(project, finished_only=False), DEADLINE, "the job to start")
     task.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@N sends, to the script only
-    out, _ = task.communicate(timeout=20)
+    out, _ = task.communicate(timeout=DEADLINE)
     assert task.returncode == 75, out  # run.py's own code, not 138 (128 + USR1)
     assert "run.py exited with 75" in out
     assert "requeueing 1_0: run.py checkpointed and exited 75 after SIGUSR1" in out
@@ -1084,9 +1087,9 @@ def test_slurm_task_does_not_pass_term_on(tmp_path):
     # Slurm sends TERM to every process of the step: passing it on would double it.
     project = make_project(tmp_path)
     task = start_task(project, "--results-dir results/sweep --sleep 1.5 --tag t")
-    wait_for(lambda: attempts(project, finished_only=False), 20, "the job to start")
+    wait_for(lambda: attempts(project, finished_only=False), DEADLINE, "the job to start")
     task.send_signal(signal.SIGTERM)  # to the script only: run.py must not get it from there
-    out, _ = task.communicate(timeout=20)
+    out, _ = task.communicate(timeout=DEADLINE)
     assert task.returncode == 0, out
     assert "run.py exited with 0" in out
     assert [r["rc"] for r in attempts(project)] == [0]  # the job ran to its end
@@ -1352,7 +1355,8 @@ def test_settings_refuse_bad_values(env, message):
         sweep.Settings(env).check()
 
 
-def test_gpus_are_chosen_from_the_visible_ones():
+def test_gpus_are_chosen_from_the_visible_ones(monkeypatch):
+    monkeypatch.setattr(sweep.shutil, "which", lambda name: f"/usr/bin/{name}")  # a GPU machine
     visible = {"CUDA_VISIBLE_DEVICES": "0,1,GPU-ab12"}
     assert sweep.choose_gpus(visible) == ["0", "1", "GPU-ab12"]
     assert sweep.choose_gpus({**visible, "GPUS": "GPU-ab12,0"}) == ["GPU-ab12", "0"]

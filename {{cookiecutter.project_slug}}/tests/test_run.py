@@ -41,8 +41,10 @@ def test_tiny_run_learns_and_writes_every_file(train):
     assert metrics["epochs_run"] == 3 and metrics["stop_reason"] == "max_epochs"
     rows = history(out)
     assert list(rows.epoch) == [1, 2, 3]
-    assert rows.train_loss.iloc[-1] < rows.train_loss.iloc[0]
-    assert metrics["test_loss"] < rows.train_loss.iloc[0]
+    # Learned, whatever the optimizer (README, "Another optimizer"): well above chance (digits'
+    # 10 classes: 0.1). Not the train loss epoch by epoch: a one-cycle peak or a line search
+    # may raise it for an epoch on the way down.
+    assert metrics["best_val_acc"] > 0.3 and metrics["test_acc"] > 0.3
     best = torch.load(out / "best_model.pt", weights_only=True)  # a plain state_dict
     config = argparse.Namespace(**json.loads((out / "config.json").read_text()))
     config.image_size = tuple(config.image_size)

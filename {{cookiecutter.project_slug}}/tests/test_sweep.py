@@ -26,7 +26,8 @@ def run_sh(project: Path, *args: str, python: str = sys.executable, **env: str) 
     full_env = {k: v for k, v in os.environ.items() if k not in ("PRESET", "SWEEP_NAME")}
     full_env.update(PYTHON=python, GPUS="", LABRUN_PROJECT=str(project), **env)
     cmd = ["bash", str(project / "run.sh"), *args]
-    result = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=120)
+    # A hang's limit: a loaded machine may take minutes to start bash and the recorder.
+    result = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 

@@ -196,6 +196,8 @@ def _experiment(text: str) -> str:
 
 
 def _directory(text: str) -> Path:
+    if not text.strip():  # Path("") is the working directory: a run in the project's root
+        raise argparse.ArgumentTypeError("empty: name a folder")
     path = Path(text).expanduser()
     for part in path.parts:
         if len(part.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES:
@@ -526,6 +528,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     args = parser.parse_args(argv)
     if args.tracking not in ("on", "off"):  # argparse checks `choices` on the command line only
         parser.error(f"{TRACKING_ENV}={os.environ.get(TRACKING_ENV)!r}: expected on or off")
+    # Bounded by the machine, before anything is written: more loader processes than the cores
+    # this job may use only compete for them; a synthetic set is made whole in memory (3x32x32
+    # bytes an image, and a fifth as many for its test split).
+    cores = len(os.sched_getaffinity(0))
+    if args.workers is not None and args.workers > cores:
+        parser.error(f"--workers: at most {cores} (the cores this job may use), got {args.workers}")
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if args.dataset == "synthetic" and args.synthetic_size * 6 // 5 * 3 * 32 * 32 > ram:
+        parser.error(f"--synthetic-size: {args.synthetic_size} images do not fit in this "
+                     f"machine's {runs.size_text(ram)} of memory")  # fmt: skip
     dataset = DATASET_DECLARED[args.dataset]
     reads_files = dataset.needs_data_path
     if reads_files and args.data_path is None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -37,7 +38,13 @@ def sync(run_dir: Path, log: logging.Logger) -> bool | None:
     second sync, so the directory keeps one MLflow run."""
     from .claim import Busy, claim
 
+    # Another user's directory is theirs to sync: a claim would put our .lock (and then our
+    # tracking.json) in it, and their next job would refuse the foreign files.
     try:
+        if (owner := Path(run_dir).lstat().st_uid) != os.geteuid():
+            log.warning("skipped %s: it is %s's, not yours (its owner syncs it)", run_dir,
+                        runs.owner_name(owner))  # fmt: skip
+            return False
         held = claim(run_dir)
     except Busy as exc:
         log.info("skipped %s: %s (that job mirrors it)", run_dir, exc)
@@ -46,6 +53,11 @@ def sync(run_dir: Path, log: logging.Logger) -> bool | None:
         log.warning("skipped %s: cannot claim it (%s)", run_dir, exc.strerror or exc)
         return False
     with held:
+        try:  # a file in it that is not ours: its job would refuse it too
+            runs.check_ownership(run_dir)
+        except OSError as exc:
+            log.warning("skipped %s: %s", run_dir, exc)
+            return False
         state = read_state(run_dir, log)
         try:
             changes = mirror(mlflow_client(tracking_uri()), run_dir, state)
@@ -55,6 +67,20 @@ def sync(run_dir: Path, log: logging.Logger) -> bool | None:
     for change in changes:
         log.info("%s: %s", run_dir, change)
     return True
+
+
+def _answers(log: logging.Logger) -> bool:
+    """Whether the tracking server answers one request (within MLflow's HTTP timeout and
+    retries, tracking.HTTP_DEFAULTS); if not, said once."""
+    uri = tracking_uri()
+    try:
+        mlflow_client(uri).search_experiments(max_results=1)
+        return True
+    except Exception as exc:
+        log.warning("MLflow at %s does not answer (%s): nothing more is mirrored by this "
+                    "follower; `python -m labrun.tracking sync` sends it later", uri,
+                    first_line(exc))  # fmt: skip
+        return False
 
 
 def _run_dirs(roots: list[Path], with_state: bool) -> list[Path]:
@@ -85,6 +111,10 @@ def follow(roots: list[Path], log: logging.Logger) -> int:
 
     threading.Thread(target=read_to_end, daemon=True).start()
     unreached = {}  # run dir -> fingerprint tried
+    # MLflow answers (None: not asked yet). One probe before the first directory, another after
+    # a directory fails; a server that does not answer is down for the rest of the sweep: each
+    # try would cost MLflow's timeout and retries again, per directory (`sync` later sends all).
+    answers: bool | None = None
     seen = {d: fingerprint(d, read_state(d)) for d in _run_dirs(roots, with_state=True)}
     while not stopping.is_set():
         final = closed.is_set()
@@ -100,7 +130,11 @@ def follow(roots: list[Path], log: logging.Logger) -> int:
                 and (seen.get(run_dir) != now or runs.is_done(run_dir))
             ):
                 continue
-            synced = sync(run_dir, log)
+            if answers is None:
+                answers = _answers(log)
+            synced = sync(run_dir, log) if answers else False
+            if synced is False and answers:  # this directory's fault, or the server's?
+                answers = _answers(log)
             if synced is False:
                 unreached[run_dir] = now
             else:

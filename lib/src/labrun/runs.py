@@ -104,7 +104,7 @@ class ForeignFile(OSError):
         return str(self.strerror)
 
 
-def _owner_name(uid: int) -> str:
+def owner_name(uid: int) -> str:
     try:
         return pwd.getpwuid(uid).pw_name
     except KeyError:
@@ -131,8 +131,8 @@ def check_ownership(run_dir: Path) -> None:
             what = "the run directory" if path == run_dir else path.name
             raise ForeignFile(
                 errno.EPERM,
-                f"{path} ({what}) belongs to {_owner_name(owner)}, not to you "
-                f"({_owner_name(me)}): a run directory is written by one user only. Use your "
+                f"{path} ({what}) belongs to {owner_name(owner)}, not to you "
+                f"({owner_name(me)}): a run directory is written by one user only. Use your "
                 "own --results-dir, or have its owner remove or finish it (docs/design.md, "
                 "'Sharing a results folder')",
             )
@@ -149,14 +149,42 @@ def open_own(path: Path, flags: int, owner: int | None = None) -> int:
         if not stat.S_ISREG(st.st_mode) or st.st_uid != owner or st.st_nlink != 1:
             raise ForeignFile(
                 errno.EPERM,
-                f"{path} is not a plain file of {_owner_name(owner)} (owner "
-                f"{_owner_name(st.st_uid)}, {st.st_nlink} link(s)): not used",
+                f"{path} is not a plain file of {owner_name(owner)} (owner "
+                f"{owner_name(st.st_uid)}, {st.st_nlink} link(s)): not used",
             )
         os.set_blocking(fd, True)
         return fd
     except BaseException:
         os.close(fd)
         raise
+
+
+def open_append(path: Path):
+    """`path` opened for appending text (created if missing), as open_own allows: a plain file
+    of ours, never a link someone planted at its name (run.log, a sweep's logs)."""
+    try:
+        fd = open_own(Path(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise ForeignFile(errno.ELOOP, f"{path} is a symbolic link: not written through") from None
+    return os.fdopen(fd, "a", encoding="utf-8")
+
+
+def own_dir(path: Path) -> Path:
+    """`path` made if missing (with its parents); ForeignFile unless it is a directory of this
+    user, not a link: another user's folder is not one to write our files into."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+        raise ForeignFile(
+            errno.EPERM,
+            f"{path} is not a directory of {owner_name(os.geteuid())} (owner "
+            f"{owner_name(info.st_uid)}{', a link' if stat.S_ISLNK(info.st_mode) else ''}): "
+            "nothing is written there",
+        )
+    return path
 
 
 def size_text(nbytes: float) -> str:

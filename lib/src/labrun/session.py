@@ -85,7 +85,13 @@ def _body(train, tool, args, parser, out, stop, held, dist) -> int:
     run = None
     try:
         run = Run(args, parser, out, stop, held, dist, tool=tool)
-        code = train(run)
+        try:
+            code = train(run)
+        except SystemExit as exc:  # sys.exit(0) in the method's code (a dataset, a model)
+            if exc.code not in (0, None) or run.done:
+                raise
+            message = f"sys.exit({exc.code}) before run.finish(): the run has no result"
+            raise RunFailed(message) from None
         if code is None and not run.done:
             raise RunFailed("train() returned before run.finish(): the run has no result")
         return EXIT_OK if code is None else code

@@ -53,7 +53,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from .runs import EXIT_BUSY, EXIT_INTERRUPTED
+from .runs import (
+    EXIT_BUSY,
+    EXIT_INTERRUPTED,
+    ForeignFile,
+    open_append,
+    own_dir,
+    read_status,
+    write_status,
+)
 
 ENVIRONMENT = """\
 Environment (defaults in brackets):
@@ -381,7 +389,12 @@ def visible_gpus(env: dict[str, str]) -> list[str]:
     """The devices jobs may use: CUDA_VISIBLE_DEVICES's entries when it is set (jobs stay inside
     it), else what nvidia-smi lists."""
     if "CUDA_VISIBLE_DEVICES" in env:
-        return env["CUDA_VISIBLE_DEVICES"].replace(",", " ").split()
+        visible = []
+        for dev in env["CUDA_VISIBLE_DEVICES"].replace(",", " ").split():
+            if not GPU_ID.fullmatch(dev):  # CUDA stops at the first invalid entry: -1 hides all
+                break
+            visible.append(dev)
+        return visible
     if not shutil.which("nvidia-smi"):
         return []
     query = ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"]
@@ -394,7 +407,9 @@ def choose_gpus(env: dict[str, str]) -> list[str]:
     else every visible one."""
     visible = visible_gpus(env)
     if "GPUS" not in env:
-        return visible
+        # CUDA_VISIBLE_DEVICES=0 on a machine without a GPU (no nvidia-smi) names none: a CPU
+        # sweep, a job per core, not one job at a time on a GPU slot that does not exist
+        return visible if shutil.which("nvidia-smi") else []
     listed: list[str] = []
     for dev in env["GPUS"].replace(",", " ").split():
         if not GPU_ID.fullmatch(dev):
@@ -729,6 +744,10 @@ class Sweep:
             err(f"{name} again: killing all jobs")
             for pid in self.running:
                 _kill(-pid, signal.SIGKILL)
+            # and the follower, which may wait on a silent tracking server: the sweep ends now
+            # (what it did not mirror, `tracking sync` or the next sweep does)
+            if self.follower_pid:
+                _kill(self.follower_pid, signal.SIGKILL)
             return
         self.stop_signal = signum
         err(
@@ -760,7 +779,13 @@ class Sweep:
         )
         proc = self.fork(job, slot, env, argv, log_file, header + "  (forked)", follower_fd)
         if proc is None:
-            with open(log_file, "a") as out:
+            try:  # never through a link planted at the log's name
+                out = open_append(log_file)
+            except OSError as exc:
+                job.result = "failed"
+                log(f"FAILED   {job.name}  (not started: its log: {exc})")
+                return
+            with out:
                 out.write(f"{header}\n")
                 out.flush()
                 proc = subprocess.Popen(
@@ -942,7 +967,10 @@ class Sweep:
         # by it (JOBS_PER_GPU=auto may open more slots once a job has measured its memory).
         slots = len(self.gpus) * self.gpu_width if self.gpus else len(self.slots)
         os.environ["LAB_JOBS_PER_NODE"] = os.environ.get("LAB_JOBS_PER_NODE") or str(slots)
-        Path(settings.LOG_DIR).mkdir(parents=True, exist_ok=True)
+        try:  # the jobs' logs go into a folder of ours only
+            own_dir(Path(settings.LOG_DIR))
+        except OSError as exc:
+            raise Refused(f"LOG_DIR: {exc}") from None
         self.guard = _guard()
         self.forking = settings.FORK_JOBS == "auto" and _subreaper()
         follower, follower_fd = self.start_follower()
@@ -950,11 +978,12 @@ class Sweep:
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_r, False)
         os.set_blocking(wake_w, False)
-        # Every signal (a job ended: SIGCHLD; a stop: INT, TERM, HUP) writes a byte to wake_w,
+        # Every signal (a job ended: SIGCHLD; a stop: INT, TERM, HUP, USR1) writes a byte to wake_w,
         # which wakes the select below: no polling, no race with a child that ends meanwhile.
         old_wakeup_fd = signal.set_wakeup_fd(wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        # USR1 too: Slurm's --signal and run.py (labrun.stopping) take it for "stop".
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
             signal.signal(signum, self.on_signal)
         # Status lines: every STATUS_EVERY s on a terminal, every STATUS_EVERY_LOG s into a file.
         every = int(settings.STATUS_EVERY if sys.stdout.isatty() else settings.STATUS_EVERY_LOG)
@@ -1048,7 +1077,7 @@ class Sweep:
         read_end, write_end = os.pipe()
         name = self.settings.SWEEP_NAME
         roots = sorted({str(Path(f"results/{name}").resolve()), *self.folders})  # analyze.py's too
-        with open(Path(self.settings.LOG_DIR) / "mlflow-follower.out", "a") as out:
+        with open_append(Path(self.settings.LOG_DIR) / "mlflow-follower.out") as out:
             follower = subprocess.Popen(
                 [self.python, "-m", "labrun.tracking", "follow", *roots],
                 stdin=read_end,
@@ -1274,16 +1303,15 @@ def _alive(pid: int) -> bool:
 
 
 def mark_interrupted(run_dir: str) -> None:
-    """A job killed before it could write its own status leaves "running": say what happened."""
-    status = Path(run_dir) / "status"
-    if not run_dir or _read(status).strip() != "running":
+    """A job killed before it could write its own status leaves "running": say what happened.
+    Only in a directory of ours, by a temporary file of a fresh name moved into place: a link
+    planted in a run directory is never written through."""
+    if not run_dir or read_status(Path(run_dir)) != "running":
         return
-    tmp = Path(run_dir) / ".status.sweep.tmp"
     try:
-        tmp.write_text("interrupted\n")
-        tmp.replace(status)
-    except OSError:
-        err(f"could not mark {run_dir} interrupted")
+        write_status(own_dir(Path(run_dir)), "interrupted")
+    except OSError as exc:
+        err(f"could not mark {run_dir} interrupted: {exc}")
 
 
 def finished_elsewhere(run_dir: Path, pid: int) -> bool:
@@ -1330,6 +1358,9 @@ def main(argv: list[str] | None = None, stdin: BinaryIO | None = None) -> int:
         return 2
     except BadSetting as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ForeignFile as exc:  # a link or another user's file where the sweep writes its own
+        err(str(exc))
         return 2
 
 

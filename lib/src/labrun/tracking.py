@@ -548,8 +548,13 @@ def _current_run(client, run_dir: Path, state: dict, changes: list[str], by_tag:
                 raise
             run = None
         if run is not None and run.info.lifecycle_stage == "active":
-            return run
-        changes.append(f"MLflow run {run_id} is gone")
+            if _mirrors(run, run_dir):
+                return run
+            # tracking.json names another directory's run (copied, or crafted): that run is
+            # not ours to rebuild or delete.
+            changes.append(f"MLflow run {run_id} mirrors {run.data.tags.get('run_dir')}: not used")
+        else:
+            changes.append(f"MLflow run {run_id} is gone")
         state["run_id"] = None
     experiment = client.get_experiment_by_name(state.get("experiment", DEFAULT_EXPERIMENT))
     where = state.get("tags", {}).get("run_dir", str(run_dir))  # as its job wrote it
@@ -558,9 +563,16 @@ def _current_run(client, run_dir: Path, state: dict, changes: list[str], by_tag:
     found = client.search_runs(
         [experiment.experiment_id], filter_string=f"tags.run_dir = '{where}'", max_results=1
     )
-    if found:
-        changes.append(f"found MLflow run {found[0].info.run_id} by its run_dir tag")
-    return found[0] if found else None
+    if not found or not _mirrors(found[0], run_dir):
+        return None
+    changes.append(f"found MLflow run {found[0].info.run_id} by its run_dir tag")
+    return found[0]
+
+
+def _mirrors(run, run_dir: Path) -> bool:
+    """Whether MLflow's `run` is the one of `run_dir`: its run_dir tag names this directory."""
+    tag = run.data.tags.get("run_dir")
+    return tag is not None and Path(tag).resolve() == Path(run_dir).resolve()
 
 
 def _new_run(client, run_dir: Path, state: dict, params: dict, old=None):
