@@ -336,7 +336,9 @@ class Run:
         # config.json, status running, its MLflow run (rank 0 writes); an OSError here (the
         # disk filled since the start-up check) is _body's: one `error:` line, exit 1
         self.record = jobs.Record(out, self.config, args, self.stop, self.held, dist, params, tags)
-        steps = f"{self.data_.steps_per_epoch} steps/epoch"
+        from . import __version__
+
+        steps = f"{self.data_.steps_per_epoch} steps/epoch | labrun {__version__}"
         self.log.info(f"run {out.name} on {self.device} | {steps} | {self.record.tracker_line()}")
 
     def _refuse(self, message: str) -> None:
