@@ -223,3 +223,21 @@ def test_stressing_renders_pass_what_their_ci_runs_offline(answers, template_cop
         assert result.returncode == 0, f"{cmd}: {result.stdout[-3000:]}{result.stderr[-2000:]}"
     cloned = [p.name for p in (tmp_path / "pre-commit-home").iterdir() if p.is_dir()]
     assert not cloned, f"pre-commit fetched hook repositories: {cloned}"
+
+
+def test_installer_uv_installs_uv_first_on_a_machine_without_it(template_copy, tmp_path):
+    """`INSTALLER=uv` where no uv is on PATH: venv.sh installs uv into .venv with pip (pinned by
+    constraints.txt), then installs with it (here the demo extra: cookiecutter)."""
+    work = tmp_path / "template"
+    shutil.copytree(template_copy, work)
+    path = f"{Path(sys.executable).parent.parent / 'no-uv-here'}{os.pathsep}/usr/bin:/bin"
+    assert shutil.which("uv", path=path) is None
+    env = {**os.environ, "PATH": path, "INSTALLER": "uv", "PYTHON3": sys.executable}
+    done = subprocess.run(["bash", "-c", "source scripts/venv.sh && ensure_venv demo"], cwd=work,
+                          env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "[venv] no uv on PATH: installing it into .venv with pip" in done.stdout
+    assert (work / ".venv" / "bin" / "uv").is_file() and "[venv] ready" in done.stdout
+    version = subprocess.run([work / ".venv" / "bin" / "cookiecutter", "--version"],
+                             capture_output=True, text=True)  # fmt: skip
+    assert version.returncode == 0 and "2.7.1" in version.stdout
