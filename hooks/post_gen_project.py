@@ -5,6 +5,7 @@ Python string literal, see rendered_context); the functions take plain arguments
 tests import and call them on a directory of their own.
 """
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -127,6 +128,14 @@ def build_wheel(lib_dir: Path, out_dir: Path) -> Path:
     pip's isolated build environment. The project installs it with
     `pip install wheels/labrun-*.whl -e .` until the lab publishes it."""
     version = code_version(lib_dir)
+    name = f"labrun-{version}-py3-none-any.whl"
+    # The same version is the same code: a wheel built before is taken as it is (renders of
+    # one checkout, the template's tests, build it once: pip takes seconds).
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lab-template"
+    if (cache / name).is_file():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(cache / name, out_dir / name)
+        return out_dir / name
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / "lib"
         for path in library_files(lib_dir):
@@ -151,7 +160,12 @@ def build_wheel(lib_dir: Path, out_dir: Path) -> Path:
     if built.returncode != 0:
         last = (built.stderr.strip().splitlines() or ["no message"])[-1]
         raise SystemExit(f"error: building labrun's wheel from {lib_dir} failed: {last}")
-    return out_dir / f"labrun-{version}-py3-none-any.whl"
+    with contextlib.suppress(OSError):  # a cache that cannot be written is no cache
+        cache.mkdir(parents=True, exist_ok=True)
+        partial = cache / f".{name}.{os.getpid()}"
+        shutil.copyfile(out_dir / name, partial)
+        partial.replace(cache / name)  # whole or not at all: another render may read it
+    return out_dir / name
 
 
 def pin_library(project: Path, version: str) -> None:
