@@ -183,7 +183,7 @@ def plot_throughput(table: A.Table, page, metric: str, curve: str) -> Figure:
             ax.plot(v, np.full(len(v), y), ls="none", alpha=0.8, **look[c])
             ax.plot([v.median()] * 2, [y - 0.35, y + 0.35], color="0.2", lw=1.0)
         ax.set_xlim(0, 1.1 * values.max() if len(values) else 1)  # from 0: the spread to scale
-        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(nbins=4, min_n_ticks=3))
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator("auto", min_n_ticks=3))
     axes[0].set_yticks(range(len(configs)), names)
     axes[0].set_ylim(len(configs) - 0.5, -0.5)  # the first configuration on top
     axes[0].set(xlabel="samples/s", ylabel=F.wrap(F.title(table, note), height - 0.5, 10))
