@@ -136,12 +136,13 @@ def build_wheel(lib_dir: Path, out_dir: Path) -> Path:
         out_dir.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(cache / name, out_dir / name)
         return out_dir / name
+    os.umask(0o022)  # the wheel keeps its files' modes: the same whatever the user's umask
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / "lib"
         for path in library_files(lib_dir):
             target = copy / path.relative_to(lib_dir)
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(path.read_bytes())  # mode 644 whatever the checkout's umask
+            target.write_bytes(path.read_bytes())
         pyproject = copy / "pyproject.toml"
         text = re.sub(r'^version = ".*"$', f'version = "{version}"',
                       pyproject.read_text(encoding="utf-8"), count=1, flags=re.M)  # fmt: skip

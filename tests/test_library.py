@@ -79,9 +79,13 @@ def test_the_wheel_has_full_metadata_and_its_extras(bake):
 
 def test_the_wheel_holds_every_module_and_is_the_same_bytes_each_build(bake, tmp_path, monkeypatch):
     built = []
-    for name in ("a", "b"):  # each built anew: the hook's cache of built wheels left out
+    for name, umask in (("a", 0o022), ("b", 0o002)):  # each built anew (no cache), any umask
         monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / f"cache-{name}"))
-        built.append(the_wheel(bake(output_dir=tmp_path / name)))
+        previous = os.umask(umask)
+        try:
+            built.append(the_wheel(bake(output_dir=tmp_path / name)))
+        finally:
+            os.umask(previous)
     assert (tmp_path / "cache-b" / "lab-template" / built[1].name).is_file()
     first, second = built
     assert (
