@@ -5,15 +5,18 @@ Python string literal, see rendered_context); the functions take plain arguments
 tests import and call them on a directory of their own.
 """
 
-import base64
+import contextlib
 import hashlib
+import importlib.metadata
 import json
+import os
+import re
 import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import tomllib
-import zipfile
 from pathlib import Path
 
 EXECUTABLES = ("run.sh",)
@@ -93,56 +96,97 @@ def write_cruft_state(project: Path, context: dict, repo_dir: Path) -> bool:
     return True
 
 
-# A fixed time stamp for every file of the wheel: the same library gives the same bytes, so an
-# unchanged library makes no diff in a project's `cruft update`.
-WHEEL_DATE = (2020, 1, 1, 0, 0, 0)
+# SOURCE_DATE_EPOCH: the wheel's time stamps (2020-01-01), so the same library gives the same
+# bytes and an unchanged library makes no diff in a project's `cruft update`.
+WHEEL_EPOCH = "1577836800"
+LIB_FILES = ("pyproject.toml", "README.md")  # beside src/: the metadata the wheel carries
+
+
+def library_files(lib_dir: Path) -> list[Path]:
+    """What the wheel is built from: the metadata files and the package's code (no caches)."""
+    code = [p for p in sorted((lib_dir / "src").rglob("*")) if p.is_file()
+            and "__pycache__" not in p.parts and p.suffix in (".py", ".sh")]  # fmt: skip
+    return [lib_dir / name for name in LIB_FILES if (lib_dir / name).is_file()] + code
+
+
+def code_version(lib_dir: Path) -> str:
+    """The release in lib/pyproject.toml with a local part naming the code: `0.1.0+g<12 hex>`,
+    a hash of library_files, so every change of the library is a new version that pip installs
+    over the old one (the same version with other code would be skipped as already there)."""
+    release = tomllib.loads((lib_dir / "pyproject.toml").read_text(encoding="utf-8"))
+    digest = hashlib.sha256()
+    for path in library_files(lib_dir):
+        digest.update(path.relative_to(lib_dir).as_posix().encode() + b"\0")
+        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return f"{release['project']['version']}+g{digest.hexdigest()[:12]}"
 
 
 def build_wheel(lib_dir: Path, out_dir: Path) -> Path:
-    """A pure-Python wheel of the library (lib/) in out_dir, written directly (a wheel is a zip
-    with three metadata files): no build backend and no network needed while rendering. The
-    project installs it with `pip install wheels/labrun-*.whl -e .` until the lab publishes it
-    (a file named on the command line, not --find-links, which would replace pip's configured
-    find-links, where a machine may keep its torch build)."""
-    meta = tomllib.loads((lib_dir / "pyproject.toml").read_text(encoding="utf-8"))["project"]
-    name, version = meta["name"], meta["version"]
-    dist_info = f"{name}-{version}.dist-info"
-    files = {}
-    package_dir = lib_dir / "src" / name
-    for path in sorted(package_dir.rglob("*")):
-        if path.is_file() and "__pycache__" not in path.parts and path.suffix in (".py", ".sh"):
-            files[f"{name}/{path.relative_to(package_dir).as_posix()}"] = path.read_bytes()
-    metadata = [
-        "Metadata-Version: 2.1",
-        f"Name: {name}",
-        f"Version: {version}",
-        f"Summary: {meta.get('description', '')}",
-        f"Requires-Python: {meta.get('requires-python', '>=3.11')}",
-        *(f"Requires-Dist: {dep}" for dep in meta.get("dependencies", [])),
+    """The library's wheel, versioned by its code (code_version), built by pip's standard build
+    (setuptools, full metadata) from a copy of lib/ (the template checkout is left as it was):
+    without build isolation where this Python has setuptools >= 77 (no network needed), else in
+    pip's isolated build environment. The project installs it with
+    `pip install wheels/labrun-*.whl -e .` until the lab publishes it."""
+    version = code_version(lib_dir)
+    name = f"labrun-{version}-py3-none-any.whl"
+    # The same version is the same code: a wheel built before is taken as it is (renders of
+    # one checkout, the template's tests, build it once: pip takes seconds).
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lab-template"
+    if (cache / name).is_file():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(cache / name, out_dir / name)
+        return out_dir / name
+    os.umask(0o022)  # the wheel keeps its files' modes: the same whatever the user's umask
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / "lib"
+        for path in library_files(lib_dir):
+            target = copy / path.relative_to(lib_dir)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(path.read_bytes())
+        pyproject = copy / "pyproject.toml"
+        text = re.sub(r'^version = ".*"$', f'version = "{version}"',
+                      pyproject.read_text(encoding="utf-8"), count=1, flags=re.M)  # fmt: skip
+        pyproject.write_text(text, encoding="utf-8")
+        try:
+            setuptools = importlib.metadata.version("setuptools")
+        except importlib.metadata.PackageNotFoundError:
+            setuptools = "0"
+        isolation = ["--no-build-isolation"] if int(setuptools.split(".")[0]) >= 77 else []
+        out_dir.mkdir(parents=True, exist_ok=True)
+        built = subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "--quiet",
+             "--wheel-dir", str(out_dir), str(copy)],
+            capture_output=True, text=True, env={**os.environ, "SOURCE_DATE_EPOCH": WHEEL_EPOCH},
+        )  # fmt: skip
+    if built.returncode != 0:
+        last = (built.stderr.strip().splitlines() or ["no message"])[-1]
+        raise SystemExit(f"error: building labrun's wheel from {lib_dir} failed: {last}")
+    with contextlib.suppress(OSError):  # a cache that cannot be written is no cache
+        cache.mkdir(parents=True, exist_ok=True)
+        partial = cache / f".{name}.{os.getpid()}"
+        shutil.copyfile(out_dir / name, partial)
+        partial.replace(cache / name)  # whole or not at all: another render may read it
+    return out_dir / name
+
+
+def pin_library(project: Path, version: str) -> None:
+    """The project's pyproject.toml pins the wheel it carries, local part included."""
+    pyproject = project / "pyproject.toml"
+    text = re.sub(r'"labrun==[^"]*"', f'"labrun=={version}"', pyproject.read_text(), count=1)
+    pyproject.write_text(text)
+
+
+def write_constraints(template: Path, project: Path) -> None:
+    """constraints.txt: the versions the template was tested with (its own constraints.txt, its
+    comments left out), for the README's `pip install -c constraints.txt ...`: the resolver
+    takes them at once instead of backtracking through releases."""
+    lines = [line for line in (template / "constraints.txt").read_text().splitlines()
+             if line.strip() and not line.startswith("#")]  # fmt: skip
+    header = [
+        "# The versions the lab template tested this project with (README, Install:",
+        "# pip install -c constraints.txt ...). Raise one here to upgrade it.",
     ]
-    files[f"{dist_info}/METADATA"] = ("\n".join(metadata) + "\n").encode()
-    files[f"{dist_info}/WHEEL"] = (
-        b"Wheel-Version: 1.0\nGenerator: lab-template\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
-    )
-    scripts = meta.get("scripts", {})
-    if scripts:
-        lines = ["[console_scripts]", *(f"{k} = {v}" for k, v in scripts.items())]
-        files[f"{dist_info}/entry_points.txt"] = ("\n".join(lines) + "\n").encode()
-    record = []
-    for arcname, data in files.items():
-        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-        record.append(f"{arcname},sha256={digest},{len(data)}")
-    record.append(f"{dist_info}/RECORD,,")
-    files[f"{dist_info}/RECORD"] = ("\n".join(record) + "\n").encode()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    wheel = out_dir / f"{name}-{version}-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as archive:
-        for arcname, data in files.items():
-            info = zipfile.ZipInfo(arcname, date_time=WHEEL_DATE)
-            info.external_attr = 0o644 << 16
-            info.compress_type = zipfile.ZIP_DEFLATED
-            archive.writestr(info, data)
-    return wheel
+    (project / "constraints.txt").write_text("\n".join(header + lines) + "\n")
 
 
 def next_steps(slug: str) -> str:
@@ -150,8 +194,8 @@ def next_steps(slug: str) -> str:
         [
             f"Created {slug}/. Next (README.md, 'Install' and 'First steps'):",
             f"  cd {slug}",
-            "  pip install torch --index-url https://download.pytorch.org/whl/cpu  # CPU build",
-            "  pip install wheels/labrun-*.whl -e '.[dev]'   # the lab's library, then the project",
+            "  python -m venv .venv && source .venv/bin/activate",
+            "  pip install -c constraints.txt wheels/labrun-*.whl -e '.[dev]'  # PyPI alone",
             "  git init && git add -A && git commit -m 'Start from the lab template'",
             "  pre-commit install           # the lint on every commit (offline)",
             "  bash run.sh --quick          # the sweep small and short, into results/quick/",
@@ -185,7 +229,10 @@ def main() -> int:
     make_executable(project)
     lib_dir = render_dir / "lib"
     if (lib_dir / "pyproject.toml").is_file():
-        build_wheel(lib_dir, project / "wheels")
+        wheel = build_wheel(lib_dir, project / "wheels")
+        pin_library(project, wheel.name.split("-")[1])
+    if (render_dir / "constraints.txt").is_file():
+        write_constraints(render_dir, project)
     else:
         print(f"note: no library at {lib_dir}; install labrun from the package index")
     remove_excluded(

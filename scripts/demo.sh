@@ -11,7 +11,6 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/venv.sh
 ensure_venv demo  # cookiecutter, to render
 
-readonly TEMPLATE_DIR="${PWD}"
 readonly OUT_DIR="${1:-build/demo}"
 
 mkdir -p "${OUT_DIR}"
@@ -24,9 +23,9 @@ echo "[demo] installing the project as its README says, into ${PWD}/.venv"
 if [[ ! -x .venv/bin/python ]]; then
   "${PYTHON3:-python3}" -m venv .venv
 fi
-# The README's command; PIP_CONSTRAINT holds it to the versions the template's CI tests.
-PIP_CONSTRAINT="${TEMPLATE_DIR}/constraints.txt" .venv/bin/python -m pip install \
-  --disable-pip-version-check --progress-bar off wheels/labrun-*.whl -e '.[dev]' \
+# The README's command (constraints.txt: the template's, rendered into the project).
+.venv/bin/python -m pip install --disable-pip-version-check --progress-bar off \
+  -c constraints.txt wheels/labrun-*.whl -e '.[dev]' \
   | { grep --line-buffered -v -e '^Requirement already satisfied' -e '^  Using cached' || true; }
 readonly VENV_PYTHON="${PWD}/.venv/bin/python"
 

@@ -185,13 +185,13 @@ def test_post_gen_removes_what_options_exclude(tmp_path):
     assert (tmp_path / "run.sh").stat().st_mode & 0o111
 
 
-def test_post_gen_prints_the_next_commands_with_the_cpu_build_of_torch():
+def test_post_gen_prints_the_next_commands_of_the_readme_from_the_package_index_alone():
     lines = [line.strip() for line in post_gen.next_steps("vision_lab").splitlines()]
     assert lines[1] == "cd vision_lab"
-    # A plain `pip install` would pull the CUDA build of torch (GBs) on a CPU-only machine.
-    assert "download.pytorch.org/whl/cpu" in lines[2]
-    # The library's wheel by its file name (a --find-links would replace pip's configured one).
-    assert lines[3].startswith("pip install wheels/labrun-*.whl -e '.[dev]'")
+    assert lines[2].startswith("python -m venv .venv")
+    # The library's wheel by its file name (a --find-links would replace pip's configured one),
+    # at the versions the template was tested with: no index but PyPI, no backtracking.
+    assert lines[3].startswith("pip install -c constraints.txt wheels/labrun-*.whl -e '.[dev]'")
     # A git repository first: provenance records its commit, pre-commit needs one.
     assert lines[4].startswith("git init && git add -A && git commit")
     assert lines[5].startswith("pre-commit install") and lines[6].startswith("bash run.sh --quick")

@@ -1,5 +1,6 @@
 """Render the option matrix derived from cookiecutter.json and check every render."""
 
+import importlib.util
 import re
 import subprocess
 import tomllib
@@ -11,14 +12,16 @@ from conftest import BIN, CONFIG, TEMPLATE, option_matrix, prompted
 
 MATRIX = option_matrix()
 
-LIBRARY_VERSION = tomllib.loads((TEMPLATE / "lib" / "pyproject.toml").read_text())["project"][
-    "version"
-]
+# The release with a local part naming the library's code (the post-generation hook's).
+_spec = importlib.util.spec_from_file_location("hook", TEMPLATE / "hooks" / "post_gen_project.py")
+_hook = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_hook)
+LIBRARY_VERSION = _hook.code_version(TEMPLATE / "lib")
 # The method only: the machinery is the library (labrun), pinned and shipped as a wheel.
 PACKAGE_FILES = ["__init__.py", "model.py", "data.py"]
 BASE_FILES = [
     ".gitignore", ".pre-commit-config.yaml", "LICENSE", "README.md", "pyproject.toml",
-    "run.py", "run.sh", "plot.py", "analyze.py",
+    "run.py", "run.sh", "plot.py", "analyze.py", "constraints.txt",
     f"wheels/labrun-{LIBRARY_VERSION}-py3-none-any.whl",
     "tests/conftest.py", "tests/test_run.py", "tests/test_model.py", "tests/test_sweep.py",
     "tests/test_plot.py",

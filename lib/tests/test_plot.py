@@ -679,3 +679,19 @@ def test_test_weights_final_is_recorded_and_best_keeps_the_identity(tmp_path):
     assert done["best"]["test_weights"] == "best"
     assert done["best"]["tested_epoch"] == done["best"]["best_epoch"]
     assert done["final"]["test_weights"] == "final" and done["final"]["tested_epoch"] == 3
+
+
+def test_throughput_axes_have_ticks_to_read_and_one_swept_key_needs_no_legend(sweeps):
+    """The x axes of the throughput figure carry at least three ticks, more where the page is
+    wider (as many as their labels leave room for); final_vs_hparam over one swept key with
+    every seed present has no legend (it would repeat the x axis)."""
+    runs, _ = load_runs(sweeps["hparam"])
+    runs = [r for r in by_monitor(runs)["val_acc"] if LRS[r.config["lr"]] == 3]
+    table = aggregate(runs)
+    for width in sorted(plot.PAGES):
+        figures = every_figure(table, plot.PAGES[width])
+        for ax in figures["plot_throughput"].axes:
+            lo, hi = ax.get_xlim()
+            shown = sum(lo <= t <= hi for t in ax.get_xticks())
+            assert shown >= (5 if width == "double" else 3), (width, ax.get_xticks())
+        assert not figures["plot_final_vs_hparam"].legends, width

@@ -339,3 +339,25 @@ def test_a_labrun_other_than_the_pin_is_one_warning_line(env, data_dir, tmp_path
         f"warning: labrun {labrun.__version__} is installed but {pyproject} pins "
         "labrun==0.0.9: pip install labrun==0.0.9, or raise the pin (README, 'Update')"
     )
+
+
+def test_a_pin_with_the_code_in_its_version_names_the_projects_wheel(tmp_path):
+    """The template pins its wheel's version, local part included (`+g<hash>`: the library's
+    code): another build of the release is a warning whose hint installs the project's wheel;
+    an editable install (no local part) or a release pin (none either) match any build."""
+    from labrun.project import version_warning
+
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text('[project]\ndependencies = ["labrun==0.1.0+g0123456789ab"]\n')
+    assert version_warning(tmp_path, "0.1.0+g0123456789ab") is None
+    assert version_warning(tmp_path, "0.1.0") is None
+    wheel = tmp_path / "wheels" / "labrun-0.1.0+g0123456789ab-py3-none-any.whl"
+    wheel.parent.mkdir()
+    wheel.write_bytes(b"")
+    assert version_warning(tmp_path, "0.1.0+gba9876543210") == (
+        f"labrun 0.1.0+gba9876543210 is installed but {pyproject} pins "
+        f"labrun==0.1.0+g0123456789ab: pip install {wheel}, or raise the pin (README, 'Update')"
+    )
+    pyproject.write_text('[project]\ndependencies = ["labrun==0.1.0"]\n')
+    assert version_warning(tmp_path, "0.1.0+gba9876543210") is None
+    assert "pip install labrun==0.1.0," in version_warning(tmp_path, "0.2.0")

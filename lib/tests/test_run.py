@@ -251,3 +251,20 @@ def test_exception_marks_run_failed_without_partial_files(
     )
     assert run.info.status == "FAILED" and "boom" in run.data.tags["error"]
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["traceback.txt"]
+
+
+def test_a_job_writing_to_a_file_prints_progress_lines_inside_its_epochs(env, data_dir, tmp_path):
+    """As under nohup (stdout and stderr a file, no bar): a line every --log-every seconds with
+    the step, the pace and the epoch's ETA, in the log file and in run.log."""
+    out = tmp_path / "nohup.out"
+    cmd = cli_command("--epochs", "1", "--tracking", "off", "--log-every", "0.001",
+                      results_dir=tmp_path / "results", data_dir=data_dir)  # fmt: skip
+    with out.open("w") as log:
+        done = subprocess.run(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL, timeout=300)  # fmt: skip
+    text = out.read_text()
+    assert done.returncode == 0, text[-3000:]
+    lines = [line for line in text.splitlines() if " steps/s " in line]
+    assert len(lines) >= 2 and all("samples/s" in line and "ETA" in line for line in lines)
+    assert "epoch 1/1 step " in lines[0]
+    assert lines[0].split(" | ")[0] in (run_dir_of(tmp_path / "results") / "run.log").read_text()

@@ -11,7 +11,19 @@ run.py's API: `labrun.lifecycle(argv, train, Config)` calls `train(run)` with a 
 (train.py); `labrun.Interrupted`, `labrun.RunFailed`.
 """
 
-__version__ = "0.1.0"
+
+def _installed_version() -> str:
+    """The version pip installed (the wheel a project carries names its code: 0.1.0+g<hash>);
+    "0+unknown" for a source tree on sys.path that was never installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(__name__)
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+__version__ = _installed_version()
 
 _LAZY = {
     "Run": "session",

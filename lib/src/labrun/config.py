@@ -420,6 +420,12 @@ class Execution:
         choices=("on", "off"),
     )
     progress: str = _auto("tqdm progress bar; auto = when stderr is a terminal")
+    log_every: float = flag(
+        60.0,
+        "seconds between progress lines inside an epoch when no bar is shown (a log file: "
+        "nohup, sweeps, Slurm); 0 = off",
+        at_least=0,
+    )
     checkpoint_every: float = flag(
         300.0,
         "seconds between end-of-epoch checkpoints (0 = every epoch); a stop signal and the end "

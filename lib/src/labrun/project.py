@@ -60,14 +60,24 @@ def current() -> Project:
 
 def version_warning(root: Path, installed: str) -> str | None:
     """Why the installed labrun is not the one `root`'s pyproject.toml pins (`labrun==X`, the
-    template's pin: a project's numbers are those of its pinned machinery), or None."""
+    template's pin: a project's numbers are those of its pinned machinery), or None. The local
+    part (`+g<hash>`: the code of the wheel a template built) counts where both have one: a
+    release pin takes any build of it, as pip does, and an editable install names no code.
+    The hint installs the project's own wheel where it carries one (wheels/), else the release
+    from the package index."""
     needs = _pyproject(root).get("project", {}).get("dependencies", [])
     for requirement in needs if isinstance(needs, list) else []:
         name, pin, version = str(requirement).partition(";")[0].partition("==")
-        if pin and name.strip().lower() == "labrun" and version.strip() != installed:
+        version, want, have = version.strip(), version.strip(), installed
+        if "+" not in want or "+" not in have:  # a release: its public part alone
+            want, have = want.split("+")[0], have.split("+")[0]
+        if pin and name.strip().lower() == "labrun" and want != have:
+            wheel = root / "wheels" / f"labrun-{version}-py3-none-any.whl"
+            install = (
+                f"pip install {wheel}" if wheel.is_file() else f"pip install labrun=={version}"
+            )
             return (
                 f"labrun {installed} is installed but {root / 'pyproject.toml'} pins "
-                f"labrun=={version.strip()}: pip install labrun=={version.strip()}, or raise "
-                "the pin (README, 'Update')"
+                f"labrun=={version}: {install}, or raise the pin (README, 'Update')"
             )
     return None

@@ -346,7 +346,9 @@ class Run:
         # config.json, status running, its MLflow run (rank 0 writes); an OSError here (the
         # disk filled since the start-up check) is _body's: one `error:` line, exit 1
         self.record = jobs.Record(out, self.config, args, self.stop, self.held, dist, params, tags)
-        steps = f"{self.data_.steps_per_epoch} steps/epoch"
+        from . import __version__
+
+        steps = f"{self.data_.steps_per_epoch} steps/epoch | labrun {__version__}"
         self.log.info(f"run {out.name} on {self.device} | {steps} | {self.record.tracker_line()}")
 
     def _refuse(self, message: str) -> None:
@@ -611,6 +613,11 @@ class Run:
         off = {"on": False, "off": True, "auto": None}[self.args.progress] if main else True
         desc, steps = f"epoch {p.epoch + 1}/{self.args.epochs}", self.data_.steps_per_epoch
         self._bar = tqdm(total=steps, initial=p.batch // accum, leave=False, desc=desc, disable=off)
+        # No bar (a log file: nohup, sweeps, Slurm): a line every --log-every seconds instead,
+        # from the wall clock and the step counter only (no wait for the device).
+        self._every = self.args.log_every if main and self._bar.disable else 0.0
+        self._wall0 = time.monotonic()
+        self._line_at = self._wall0 + self._every
         profile = self.device.type == "cuda" and main and "gpu_busy" not in self.speed
         self._busy = GpuBusy(self.device) if profile else None  # a few steps of this epoch
         try:
@@ -632,11 +639,27 @@ class Run:
         p = self.progress
         p.step, p.batch = p.step + 1, p.batch + self.args.grad_accum
         self._bar.update()
+        if self._every and time.monotonic() >= self._line_at:
+            self._progress_line()
         if self.dist.stopped(self.stop, p.step):
             self._epoch_trained()
             self._save()
             self.record.interrupted(self.stop.requested or "a stop signal to another rank", p)
             raise Interrupted(self.stop.requested)
+
+    def _progress_line(self) -> None:
+        """run.log: where the epoch is, its pace since the epoch (or the resume) began, and when
+        it ends. Steps are counted as launched: on a GPU the pace includes the queue ahead."""
+        p, args, now = self.progress, self.args, time.monotonic()
+        self._line_at = now + self._every
+        rate = (p.step - self._first_step) / max(now - self._wall0, 1e-9)
+        done = p.batch // args.grad_accum
+        left = min(self.data_.steps_per_epoch - done, self.total_steps - p.step)
+        self.log.info(
+            f"epoch {p.epoch + 1}/{args.epochs} step {done}/{self.data_.steps_per_epoch} | "
+            f"{rate:.2f} steps/s {rate * args.batch_size * args.grad_accum:.0f} samples/s | "
+            f"epoch ETA {left / max(rate, 1e-9):.0f}s"
+        )
 
     def _epoch_trained(self) -> None:
         """The epoch's training time into progress (once: at its end, or at a stop)."""

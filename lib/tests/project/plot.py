@@ -118,9 +118,12 @@ def plot_final_vs_hparam(table: A.Table, page, metric: str, curve: str) -> Figur
     for ax in axes:
         F.references(ax, REFERENCES, metric)
     axes[0].set_ylabel(A.readable(metric, LABELS))
-    handles = [matplotlib.lines.Line2D([], [], ls="none", mfc="none", **look[c]) for c in configs]
     labels = [F.label(table, c, metric) for c in configs]  # n: the finite values of `metric`
-    fig.set_figheight(page[1] + F.legend(fig, handles, labels, page[0], F.title(table, note)))
+    if len(table.keys) > 1 or note or any("(n=" in s for s in labels):  # else it repeats x
+        handles = [
+            matplotlib.lines.Line2D([], [], ls="none", mfc="none", **look[c]) for c in configs
+        ]
+        fig.set_figheight(page[1] + F.legend(fig, handles, labels, page[0], F.title(table, note)))
     return fig
 
 
@@ -180,7 +183,7 @@ def plot_throughput(table: A.Table, page, metric: str, curve: str) -> Figure:
             ax.plot(v, np.full(len(v), y), ls="none", alpha=0.8, **look[c])
             ax.plot([v.median()] * 2, [y - 0.35, y + 0.35], color="0.2", lw=1.0)
         ax.set_xlim(0, 1.1 * values.max() if len(values) else 1)  # from 0: the spread to scale
-        ax.locator_params(axis="x", nbins=3)
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator("auto", min_n_ticks=3))
     axes[0].set_yticks(range(len(configs)), names)
     axes[0].set_ylim(len(configs) - 0.5, -0.5)  # the first configuration on top
     axes[0].set(xlabel="samples/s", ylabel=F.wrap(F.title(table, note), height - 0.5, 10))
