@@ -59,8 +59,10 @@ Environment (defaults in brackets):
   GPUS          GPU ids to use, e.g. "0 2" [all visible: CUDA_VISIBLE_DEVICES, else nvidia-smi;
                 none: run on CPU]
   JOBS_PER_GPU  jobs sharing one GPU [auto: one per 2 cores of the GPU's share and per job,
-                as many as the GPU's free memory holds at the largest peak a finished job
-                of the sweep recorded; one per GPU until a job has measured it]
+                as many as the GPU's free memory holds at 2 x the memory a job's preflight
+                estimated, then at 1.25 x the largest peak a finished job recorded; one per
+                GPU until the first job has estimated, seconds after its start]. A job out of
+                GPU memory beside others is re-queued to run alone
   CPU_JOBS      jobs at a time when there is no GPU [auto: one per core, at most one per
                 job and per CPU_JOB_MEM_GB of free memory]
                 Either way each job gets its share of the cores: OMP_NUM_THREADS (unless

@@ -12,7 +12,8 @@ The run directory (config.json, status, history.csv, metrics.json) is the record
   local sqlite DB; MLflow's own monitor samples the machine), and with its end status at its end
   (read back again: MLflow then equals the directory).
 - In a sweep (run.sh sets `LAB_TRACKING_FOLLOWER=1`): jobs never talk to MLflow; the sweep's one
-  follower mirrors each run once its job has released the run's claim (follower.py). A sweep
+  follower mirrors each running run live as its epochs land, without writing its tracking.json,
+  and finishes it once its job has released the run's claim (follower.py). A sweep
   killed with -9 loses nothing: the next sweep's follower, or `python -m labrun.tracking sync`
   (which prints every change it makes), mirrors the rest.
 - Tracking URI: `MLFLOW_TRACKING_URI` if set, else an absolute `sqlite:///<project root>/mlflow.db`
