@@ -523,8 +523,9 @@ exec "%s" "$@"
 
 @pytest.mark.slow
 def test_a_sweep_shows_each_run_live_in_mlflow_then_finished(tmp_path):
-    # A real 2-job sweep, polled through MLflow: each run RUNNING with its epochs while its job
-    # trains (held after epoch 2), then FINISHED with exactly history.csv's rows.
+    # A real 2-job sweep, polled through MLflow: each run RUNNING with its epochs and the
+    # machine's system metrics (sampled every second here) while its job trains (held after
+    # epoch 2), then FINISHED with exactly history.csv's rows.
     from test_sweep import copy_real_project, real_env
 
     tiny = "--dataset digits --epochs 3 --width 8 --workers 0 --compile off --progress off"
@@ -535,6 +536,7 @@ def test_a_sweep_shows_each_run_live_in_mlflow_then_finished(tmp_path):
     gates = tmp_path / "gates"
     gates.mkdir()
     env = real_env(PYTHON=str(python), GPUS="", CPU_JOBS="2", GATED=GATED, GATE_DIR=str(gates))
+    env["MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"] = "1"
     env.pop("MLFLOW_TRACKING_URI", None)  # the project's own mlflow.db
     uri = f"sqlite:///{project / 'mlflow.db'}"
     client = tracking.mlflow_client(uri)  # the schema made once, under tracking.py's lock
@@ -547,7 +549,8 @@ def test_a_sweep_shows_each_run_live_in_mlflow_then_finished(tmp_path):
         found = mlflow_runs_of(uri, run_dir)
         if not found or found[0].info.status != "RUNNING":
             return False
-        return len(client.get_metric_history(found[0].info.run_id, "val_loss")) == 2
+        system = any(key.startswith("system/cpu") for key in found[0].data.metrics)
+        return system and len(client.get_metric_history(found[0].info.run_id, "val_loss")) == 2
 
     def both_live() -> bool:
         run_dirs = [p for p in results.glob("*") if p.is_dir()] if results.is_dir() else []
