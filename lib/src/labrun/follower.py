@@ -208,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         "command",
         choices=("sync", "follow"),
         help="sync: make MLflow mirror run directories, printing each change; follow: run.sh's "
-        "follower (mirrors each run once its job ends, until stdin closes); `run.py "
+        "follower (mirrors each run of its jobs live, finishes it once its job ends, until stdin "
+        "closes); `run.py "
         "--init-tracking` creates the DB and the experiment",
     )
     p.add_argument(
