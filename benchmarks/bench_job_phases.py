@@ -94,8 +94,13 @@ def one_job(project: Path, argv: list[str], env: dict) -> dict[str, float]:
     with tempfile.NamedTemporaryFile("r", suffix=".tsv") as marks:
         env = {**env, "PHASE_FILE": marks.name}
         t0 = time.time()
-        done = subprocess.run([sys.executable, "-c", DRIVER, *argv], cwd=project, env=env,
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            [sys.executable, "-c", DRIVER, *argv],
+            cwd=project,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         t_end = time.time()
         if done.returncode != 0:
             raise SystemExit(f"the job failed ({done.returncode}):\n{done.stdout}{done.stderr}")
@@ -121,18 +126,26 @@ def main() -> int:
         project = args.project or render(Path(tmp))
         warm = [*QUICK, *args.extra, "--results-dir", f"{tmp}/warm"]
         one_job(project, warm, env)
-        runs = [one_job(project, [*QUICK, *args.extra, "--results-dir", f"{tmp}/r{i}"], env)
-                for i in range(args.repeats)]
-    print(f"- machine: {platform.machine()}, {len(os.sched_getaffinity(0))} cores, Python "
-          f"{platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M')}, load average "
-          f"(1 min) {os.getloadavg()[0]:.2f}")
-    print(f"- command: `python benchmarks/bench_job_phases.py --repeats {args.repeats}"
-          f"{' -- ' + ' '.join(args.extra) if args.extra else ''}` (1 thread, MLflow deferred)\n")
+        runs = [
+            one_job(project, [*QUICK, *args.extra, "--results-dir", f"{tmp}/r{i}"], env)
+            for i in range(args.repeats)
+        ]
+    print(
+        f"- machine: {platform.machine()}, {len(os.sched_getaffinity(0))} cores, Python "
+        f"{platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M')}, load average "
+        f"(1 min) {os.getloadavg()[0]:.2f}"
+    )
+    print(
+        f"- command: `python benchmarks/bench_job_phases.py --repeats {args.repeats}"
+        f"{' -- ' + ' '.join(args.extra) if args.extra else ''}` (1 thread, MLflow deferred)\n"
+    )
     print("| phase | median (s) | all (s) |\n|---|---:|---|")
     for phase in [*PHASES, "total"]:
         values = [r.get(phase, 0.0) for r in runs]
-        print(f"| {phase} | {statistics.median(values):.2f} | "
-              f"{', '.join(f'{v:.2f}' for v in values)} |")
+        print(
+            f"| {phase} | {statistics.median(values):.2f} | "
+            f"{', '.join(f'{v:.2f}' for v in values)} |"
+        )
     return 0
 
 
