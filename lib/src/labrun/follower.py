@@ -22,6 +22,7 @@ import re
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from . import runs
@@ -29,6 +30,7 @@ from .claim import LOCK_FILE
 from .config import PROJECT_ROOT
 from .runs import first_line
 from .tracking import (
+    RETRY_AFTER_S,
     SYSTEM_METRICS_INTERVAL_S,
     fingerprint,
     mirror,
@@ -101,26 +103,28 @@ class Live:
         self.log = log
         self.sent: dict[Path, dict] = {}  # run dir -> run_id, sent_rows, mirrored
         self.monitors: dict[Path, tuple[str, object]] = {}  # run dir -> (run id, its monitor)
-        self.warned: set[Path] = set()
+        self.failed: dict[Path, float] = {}  # run dir -> when its last live mirror failed
 
     def mirror(self, run_dir: Path, state: dict) -> None:
         mine = self.sent.setdefault(run_dir, {})
         if mine.get("mirrored") == fingerprint(run_dir, state):
             return  # no new epoch
+        if time.monotonic() - self.failed.get(run_dir, -RETRY_AFTER_S) < RETRY_AFTER_S:
+            return  # an unreachable tracker must not hold up the other runs every second
         live = {**state, **mine}
         known = mine.get("sent_rows") if mine.get("run_id") else None  # else: read back once
         try:
             client = mlflow_client(tracking_uri())
             mirror(client, run_dir, live, "RUNNING", {}, known, save=False, by_tag=True)
         except Exception as exc:  # never fatal: the run's end, or `sync`, sends it
-            if run_dir not in self.warned:
-                self.warned.add(run_dir)
-                self.log.warning("%s: not mirrored live: %s: %s", run_dir,
-                                 type(exc).__name__, first_line(exc))  # fmt: skip
+            if run_dir not in self.failed:
+                name = type(exc).__name__
+                self.log.warning("%s: not mirrored live: %s: %s", run_dir, name, first_line(exc))
+            self.failed[run_dir] = time.monotonic()
             return
         mine.update({k: live[k] for k in ("run_id", "sent_rows", "mirrored")})
         if self.monitors.get(run_dir, ("",))[0] != live["run_id"]:  # new, or a rebuilt run
-            self.stop(run_dir)
+            self._stop_monitor(run_dir)
             with contextlib.suppress(Exception):  # no psutil: no system metrics, the rest goes on
                 from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
@@ -134,12 +138,17 @@ class Live:
                 self.monitors[run_dir] = live["run_id"], monitor
 
     def stop(self, run_dir: Path) -> str | None:
-        """Stop `run_dir`'s system metrics; the MLflow run it was mirrored to, if any."""
+        """Its job has ended: stop `run_dir`'s system metrics and forget what was sent (another
+        attempt, e.g. re-queued, is compared in full); the MLflow run it was mirrored to, if any
+        (a second call finds it by its tag)."""
+        self._stop_monitor(run_dir)
+        return self.sent.pop(run_dir, {}).get("run_id")
+
+    def _stop_monitor(self, run_dir: Path) -> None:
         _, monitor = self.monitors.pop(run_dir, ("", None))
         if monitor is not None:
             with contextlib.suppress(Exception):
                 monitor.finish()
-        return self.sent.get(run_dir, {}).get("run_id")
 
 
 def follow(roots: list[Path], log: logging.Logger) -> int:
