@@ -147,26 +147,6 @@ def cli(*args: str, path: str | None = None) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA answer")
-def test_the_fork_server_check_imports_a_job_and_finds_the_driver(tmp_path, monkeypatch):
-    """PASS where a job's imports leave CUDA's driver unloaded (here: a CPU build, a fresh
-    interpreter really importing them); FAIL where they load it (planted); on a CPU device,
-    nothing claimed."""
-    options = argparse.Namespace()
-    log = logging.getLogger("t")
-    ctx = gpucheck.Context(options, torch.device("cuda"), tmp_path, log, ROOT)
-    (result,) = gpucheck.check_fork_server(ctx)
-    assert result.status == PASS and "slots fork" in result.detail, result
-    monkeypatch.setattr(gpucheck, "FORK_PROBE", "print(True)")
-    (result,) = gpucheck.check_fork_server(ctx)
-    assert result.status == FAIL and "cannot fork" in result.detail, result
-    monkeypatch.setattr(gpucheck, "FORK_PROBE", "import no_such_module")
-    (result,) = gpucheck.check_fork_server(ctx)
-    assert result.status == FAIL and "no_such_module" in result.detail, result
-    cpu = gpucheck.Context(options, torch.device("cpu"), tmp_path, log, ROOT)
-    assert gpucheck.check_fork_server(cpu)[0].status == NOT_CHECKED
-
-
 def test_without_cuda_nothing_is_claimed_and_the_exit_is_0(tmp_path):
     (tmp_path / "bin").mkdir()  # a PATH without nvidia-smi: a machine without NVIDIA GPUs
     result = cli(path=f"{tmp_path / 'bin'}:{Path(sys.executable).parent}:/usr/bin:/bin")

@@ -495,3 +495,78 @@ def test_a_sweep_killed_with_kill_9_loses_nothing_the_next_sweep_recovers(tmp_pa
     assert again.returncode == 0, again.stdout + again.stderr
     for run_dir in run_dirs:
         assert_mirrors(uri, run_dir)
+
+
+# run.py, held after its 2nd epoch (its row in history.csv) until GATE_DIR/<run dir name> exists:
+# the test sees MLflow while the job is certainly still running.
+GATED = r"""
+import os, runpy, sys, time
+from pathlib import Path
+from labrun.session import Run
+end_epoch, epochs = Run.end_epoch, []
+def held(self, val):
+    row = end_epoch(self, val)
+    epochs.append(row)
+    go = Path(os.environ["GATE_DIR"]) / self.out.name
+    while len(epochs) == 2 and not go.exists():
+        time.sleep(0.05)
+    return row
+Run.end_epoch = held
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+GATED_PYTHON = """#!/usr/bin/env bash
+if [[ "$1" == run.py && "$2" != --plan ]]; then exec "%s" -c "${GATED}" "$@"; fi
+exec "%s" "$@"
+"""
+
+
+@pytest.mark.slow
+def test_a_sweep_shows_each_run_live_in_mlflow_then_finished(tmp_path):
+    # A real 2-job sweep, polled through MLflow: each run RUNNING with its epochs and the
+    # machine's system metrics (sampled every second here) while its job trains (held after
+    # epoch 2), then FINISHED with exactly history.csv's rows.
+    from test_sweep import copy_real_project, real_env
+
+    tiny = "--dataset digits --epochs 3 --width 8 --workers 0 --compile off --progress off"
+    project = copy_real_project(tmp_path / "p", [f"{tiny} --seed 0", f"{tiny} --seed 1"])
+    python = tmp_path / "python-gated"
+    python.write_text(GATED_PYTHON % (sys.executable, sys.executable))
+    python.chmod(0o755)
+    gates = tmp_path / "gates"
+    gates.mkdir()
+    env = real_env(PYTHON=str(python), GPUS="", CPU_JOBS="2", GATED=GATED, GATE_DIR=str(gates))
+    env["MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"] = "1"
+    env.pop("MLFLOW_TRACKING_URI", None)  # the project's own mlflow.db
+    uri = f"sqlite:///{project / 'mlflow.db'}"
+    client = tracking.mlflow_client(uri)  # the schema made once, under tracking.py's lock
+    sweep = subprocess.Popen(
+        ["bash", "sweep.sh"], cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    results = project / "results" / "sweep"
+
+    def live(run_dir: Path) -> bool:
+        found = mlflow_runs_of(uri, run_dir)
+        if not found or found[0].info.status != "RUNNING":
+            return False
+        system = any(key.startswith("system/cpu") for key in found[0].data.metrics)
+        return system and len(client.get_metric_history(found[0].info.run_id, "val_loss")) == 2
+
+    def both_live() -> bool:
+        run_dirs = [p for p in results.glob("*") if p.is_dir()] if results.is_dir() else []
+        return len(run_dirs) == 2 and all(live(d) for d in run_dirs)
+
+    try:
+        wait_while_running(both_live, sweep, 300)
+        run_dirs = sorted(p for p in results.iterdir() if p.is_dir())
+        for run_dir in run_dirs:  # the jobs have not ended: MLflow shows them as they train
+            assert (run_dir / "status").read_text().strip() == "running"
+            assert not (run_dir / "metrics.json").exists()
+            (gates / run_dir.name).touch()
+        out, _ = sweep.communicate(timeout=600)
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+    assert sweep.returncode == 0, out
+    for run_dir in run_dirs:
+        assert_mirrors(uri, run_dir)  # FINISHED, every history.csv row once

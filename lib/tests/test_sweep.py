@@ -74,6 +74,11 @@ def parser():
     p.add_argument("--peak-mib", type=int, default=0,
                    help="record this peak GPU memory in metrics.json, as a CUDA run.py does")
     p.add_argument("--wait-for", default=None, help="finish only once this file exists")
+    p.add_argument("--touch", default=None, help="create this file as the job starts")
+    p.add_argument("--estimate-mib", type=int, default=0,
+                   help="write this memory estimate to run.log, as run.py's preflight does")
+    p.add_argument("--oom-once", action="store_true",
+                   help="the first attempt fails out of GPU memory; the next one finishes")
     p.add_argument("--results-dir", default=str(ROOT / "results"))
     p.add_argument("--print-run-dir", action="store_true")
     p.add_argument("--init-tracking", action="store_true")
@@ -140,6 +145,13 @@ def main() -> int:
                       job_cpus=int(os.environ.get("LAB_JOB_CPUS") or 1))
     (run_dir / "config.json").write_text(json.dumps(config, indent=2))
     (run_dir / "history.csv").write_text("epoch,val_acc\n1,0.5\n")
+    if args.estimate_mib:
+        (run_dir / "run.log").write_text(
+            f"2026-11-28 10:00:00 INFO memory: training needs about {args.estimate_mib:.1f} MiB "
+            "(parameters 1.0 MiB)\n"
+        )
+    if args.touch:
+        Path(args.touch).touch()
     if args.child:
         record["child_pid"] = subprocess.Popen(["sleep", "300"]).pid
 
@@ -165,6 +177,11 @@ def main() -> int:
         (run_dir / "status").write_text("interrupted\n")
         write_record(end=time.time(), rc=75)
         return 75
+    if args.oom_once and attempt == 1:
+        (run_dir / "status").write_text("failed\n")
+        write_record(end=time.time(), rc=1)
+        print("error: out of memory at --batch-size 256; try --find-batch-size", file=sys.stderr)
+        return 1
     first = args.first_sleep is not None and attempt == 1
     time.sleep(args.first_sleep if first else args.sleep)
     while args.wait_for and not os.path.exists(args.wait_for):
@@ -504,7 +521,7 @@ def test_omp_num_threads_in_the_environment_does_not_shrink_the_slots(tmp_path):
 @pytest.mark.parametrize(
     ("name", "bad"),
     [(n, b) for n in ("JOBS_PER_GPU", "CPU_JOBS") for b in ("0", "-1", "x", "1.5")]
-    + [("GPUS", "-1"), ("GPUS", "x"), ("FORK_JOBS", "on"), ("FORK_JOBS", "x")],
+    + [("GPUS", "-1"), ("GPUS", "x")],
 )
 def test_bad_slot_settings_are_one_error_line_and_exit_2(tmp_path, name, bad):
     project = make_project(tmp_path, ["--tag a"])
@@ -591,14 +608,17 @@ def test_a_jobs_cores_are_its_slots_share(monkeypatch):
         assert available_cpus() == cores
 
 
-def test_jobs_per_gpu_auto_measures_a_first_job_then_fills_the_gpu(tmp_path):
-    # 16 cores, 1 GPU with 10000 MiB free, 9 jobs of 2000 MiB peak: 8 slots by the cores (2
-    # each), 2 by memory (90 % of 10000 / (1.25 x 2000 + 1024 context)); one until a job has
-    # measured it.
-    bin_dir, calls = fake_gpu_box(tmp_path, cores=16, free_mib=10000)
-    project = make_project(
-        tmp_path / "p", [f"--sleep 0.6 --peak-mib 2000 --tag {i}" for i in range(9)]
-    )
+def test_jobs_per_gpu_auto_opens_slots_at_the_first_estimate_then_fits_the_peaks(tmp_path):
+    # 16 cores, 1 GPU with 10000 MiB free, 9 jobs estimating 1000 MiB before training, peaking
+    # at 2000 MiB: 8 slots by the cores (2 each); one until the first job has estimated, then 3
+    # (its own + 90 % of 10000 / (2 x 1000 + 1024 context)) while it still runs: the first job
+    # finishes only once the second has started.
+    bin_dir, _ = fake_gpu_box(tmp_path, cores=16, free_mib=10000)
+    flag = tmp_path / "second-started"
+    jobs = [f"--estimate-mib 1000 --peak-mib 2000 --wait-for {flag} --tag 0"]
+    jobs += [f"--estimate-mib 1000 --peak-mib 2000 --touch {flag} --tag 1"]
+    jobs += [f"--sleep 0.6 --estimate-mib 1000 --peak-mib 2000 --tag {i}" for i in range(2, 9)]
+    project = make_project(tmp_path / "p", jobs)
     # OMP_NUM_THREADS empty: the tests' 1 (conftest) would win over the share, as a user's does.
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "GPUS": "0", "CUDA_VISIBLE_DEVICES": "0"}
     env["OMP_NUM_THREADS"] = ""
@@ -606,19 +626,19 @@ def test_jobs_per_gpu_auto_measures_a_first_job_then_fills_the_gpu(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     why = "JOBS_PER_GPU=auto: 16 core(s) -> 8 per GPU"
     assert (
-        f"1 slot(s) on GPU(s) 0, 2 thread(s) each ({why}, 1 until a job has measured its peak "
+        f"1 slot(s) on GPU(s) 0, 2 thread(s) each ({why}, 1 until a job has estimated its "
         "memory; CUDA MPS off (not measured to help))" in result.stdout
     ), result.stdout
     assert (
-        f"slots now: 2 slot(s) on GPU(s) 0 0, 2 thread(s) each ({why}, 2 in 90 % of 10000 MiB "
-        "free at 1.25 x a measured peak of 2000 MiB + 1024 MiB context per job" in result.stdout
+        f"slots now: 3 slot(s) on GPU(s) 0 0 0, 2 thread(s) each ({why}, 3 in 90 % of 10000 MiB "
+        "free besides 1 running at 2 x an estimate of 1000 MiB + 1024 MiB context per job"
+        in result.stdout
     ), result.stdout
+    # Once a peak is measured it rules: 1.25 x 2000 + 1024 per job.
+    assert "at 1.25 x a measured peak of 2000 MiB + 1024 MiB context per job" in result.stdout
     runs = sorted(attempts(project), key=lambda r: r["start"])
-    assert runs[1]["start"] >= runs[0]["end"]  # the first job ran alone, measuring
-    assert max_overlap([(r["start"], r["end"]) for r in runs]) == 2
+    assert runs[1]["start"] < runs[0]["end"]  # the slots opened while the first job ran
     assert {(r["threads"], r["job_cpus"]) for r in runs} == {("2", "2")}  # 2 x 8 slots <= 16
-    memory_queries = [c for c in calls.read_text().splitlines() if "memory.free" in c]
-    assert len(memory_queries) == 1  # queried once, when a peak was known
     # A re-run finds the peak recorded: both slots at once. An explicit number still wins.
     for d in run_dirs(project)[:4]:
         shutil.rmtree(d)
@@ -640,6 +660,24 @@ def test_jobs_per_gpu_auto_measures_a_first_job_then_fills_the_gpu(tmp_path):
         "1 slot(s) on GPU(s) 0, 8 thread(s) each (JOBS_PER_GPU=auto: 2 job(s) -> 2 per GPU, "
         "1 in 90 % of 3000 MiB free" in tight.stdout
     ), tight.stdout
+
+
+def test_a_job_out_of_gpu_memory_in_a_shared_slot_is_requeued_alone(tmp_path):
+    # 2 slots on one GPU: b runs out of memory beside a; it goes back to the queue's head and
+    # runs alone once a has ended, and c waits until it has; out of memory alone is a failure.
+    flag = tmp_path / "b-started"
+    jobs = [f"--tag a --wait-for {flag}", f"--tag b --touch {flag} --oom-once", "--tag c"]
+    project = make_project(tmp_path / "p", jobs)
+    result = run_sweep(project, GPUS="0", JOBS_PER_GPU="2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "requeued" in result.stdout and "runs alone next" in result.stdout, result.stdout
+    assert "3 done (3 ran now, 0 skipped: already done), 0 failed" in result.stdout
+    runs = {r["name"][len("tag_")]: r for r in attempts(project) if r["rc"] == 0}
+    assert runs["b"]["start"] >= runs["a"]["end"]  # alone: after a
+    assert runs["c"]["start"] >= runs["b"]["end"]  # nothing beside it
+    alone = make_project(tmp_path / "alone", ["--oom-once --tag b"])
+    result = run_sweep(alone, GPUS="0", JOBS_PER_GPU="1")
+    assert result.returncode == 1 and "requeued" not in result.stdout, result.stdout
 
 
 # ---- failures, resume, dry run -----------------------------------------------------------------
@@ -797,12 +835,11 @@ def test_second_signal_kills_jobs_that_ignore_the_first(tmp_path):
 # ---- many processes, one results folder; planning; GPUs; status -----------------------
 
 
-# run.sh's check for labrun, the engine, the sweep's MLflow follower, a slot's fork server: no job
+# run.sh's check for labrun, the engine, the sweep's MLflow follower: no job
 NOT_SCRIPTS = (
     "-c import importlib.util, sys; sys.exit(not importlib.util.find_spec(",
     "-m labrun.sweep ",
     "-m labrun.tracking follow",
-    "-m labrun.forkserver",
 )
 
 
@@ -1383,18 +1420,24 @@ def test_cpu_slots_share_the_cores_and_leave_memory_and_jobs_left_out_of_the_sha
     assert (len(s.slots), s.threads, s.job_cpus, s.reason) == (3, "5", 2, "CPU_JOBS=3")
 
 
-def test_gpu_slots_auto_measure_then_fit_the_free_memory(monkeypatch, tmp_path):
+def test_gpu_slots_auto_open_at_an_estimate_then_fit_the_measured_peak(monkeypatch, tmp_path):
     monkeypatch.setattr(sweep, "gpu_free_mib", lambda gpus: 10000)
-    done = tmp_path / "done"
+    done, new = tmp_path / "done", tmp_path / "new"
     done.mkdir()
+    new.mkdir()
     s = make_sweep({}, ["--tag a", "--tag b"], gpus=["0", "1"])
-    s.jobs[0].dir, s.jobs[1].dir = str(done), str(tmp_path / "new")
+    s.jobs[0].dir, s.jobs[1].dir = str(done), str(new)
     s.gpu_slots(cores=16, jobs=9)  # 16 cores / 2 GPUs / 2 = 4 a GPU; 9 jobs: 5 a GPU
     assert (s.slots, s.gpu_measure, s.job_cpus) == (["0", "1"], True, 2)
-    assert "4 per GPU, 1 until a job has measured its peak memory" in s.reason
+    assert "4 per GPU, 1 until a job has estimated its memory" in s.reason
+    (new / "run.log").write_text("... INFO memory: training needs about 0.5 GiB (parameters)\n")
+    s.gpu_fit()  # 90 % of 10000 MiB / (2 x 512 + 1024): 4 a GPU, before any job has ended
+    assert (s.slots, s.gpu_measure, s.gpu_open) == (["0", "1"] * 4, False, 4)
+    assert "at 2 x an estimate of 512 MiB + 1024 MiB context per job" in s.reason
+    assert all(s.may_start(slot) for slot in range(8))
     (done / "metrics.json").write_text('{"device": "cuda:0", "peak_mem_bytes": 2097152000}')
     s.gpu_fit()  # 90 % of 10000 MiB / (1.25 x 2000 + 1024): 2 a GPU
-    assert (s.slots, s.busy, s.gpu_measure) == (["0", "1", "0", "1"], [False] * 4, False)
+    assert (s.gpu_open, [s.may_start(slot) for slot in range(8)]) == (2, [True] * 4 + [False] * 4)
     assert s.describe_slots().startswith("4 slot(s) on GPU(s) 0 1 0 1, 2 thread(s) each (")
     s = make_sweep({"JOBS_PER_GPU": "3"}, gpus=["0"])
     s.gpu_slots(cores=16, jobs=1)
@@ -1477,8 +1520,8 @@ def test_the_queue_runs_in_process(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("LAB_TRACKING", "off")
     handlers = {n: signal.getsignal(n) for n in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        s = make_sweep(  # FORK_JOBS=off: pytest's process must not become a subreaper
-            {"PYTHON": str(project / "python-standin"), "FORK_JOBS": "off"},
+        s = make_sweep(
+            {"PYTHON": str(project / "python-standin")},
             ["--sleep 0.3 --tag a", "--sleep 0.1 --tag b", "--fail --tag c"],
             gpus=["0", "1"],
         )

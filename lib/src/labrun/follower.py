@@ -4,8 +4,9 @@ their jobs (tracking.py's `mirror`, the one path).
 - `sync PATHS`: every run directory under PATHS, each change printed (after a sweep killed with
   -9, a tracker outage, or runs copied from another machine).
 - `follow RESULTS`: the sweep's follower (sweep.py starts it; its jobs run with
-  `LAB_TRACKING_FOLLOWER=1` and never talk to MLflow): mirrors each run once its job has released
-  the run's claim, and everything left when the sweep ends (stdin closes).
+  `LAB_TRACKING_FOLLOWER=1` and never talk to MLflow): mirrors each run of the sweep's jobs live,
+  as its epochs land (RUNNING, with the machine's system metrics), finishes it once its job has
+  released the run's claim, and mirrors everything left when the sweep ends (stdin closes).
 
 Neither is part of one run: a job's own tracking is tracking.py's. Imports no mlflow until a
 directory is mirrored.
@@ -17,25 +18,37 @@ import argparse
 import contextlib
 import logging
 import os
+import re
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from . import runs
+from .claim import LOCK_FILE
 from .config import PROJECT_ROOT
 from .runs import first_line
-from .tracking import fingerprint, mirror, mlflow_client, read_state, tracking_uri
+from .tracking import (
+    RETRY_AFTER_S,
+    SYSTEM_METRICS_INTERVAL_S,
+    fingerprint,
+    mirror,
+    mlflow_client,
+    read_state,
+    tracking_uri,
+)
 
-FOLLOW_POLL_S = 1.0  # how often the follower looks for runs whose job has ended
+FOLLOW_POLL_S = 1.0  # how often the follower looks for new epochs and runs whose job has ended
 
 
-def sync(run_dir: Path, log: logging.Logger) -> bool | None:
+def sync(run_dir: Path, log: logging.Logger, run_id: str | None = None) -> bool | None:
     """Make MLflow mirror a run directory, saying each change; True if it does now, False if
     it could not be reached, None if a live job holds the directory (its job mirrors it).
 
     Holds the run's claim while it works, like a training job: no job starts meanwhile, and no
-    second sync, so the directory keeps one MLflow run."""
+    second sync, so the directory keeps one MLflow run. `run_id`: the run the follower mirrored
+    live, for a tracking.json that names none (the job wrote it, not the follower)."""
     from .claim import Busy, claim
 
     # Another user's directory is theirs to sync: a claim would put our .lock (and then our
@@ -59,6 +72,8 @@ def sync(run_dir: Path, log: logging.Logger) -> bool | None:
             log.warning("skipped %s: %s", run_dir, exc)
             return False
         state = read_state(run_dir, log)
+        if run_id and not state.get("run_id"):
+            state["run_id"] = run_id
         try:
             changes = mirror(mlflow_client(tracking_uri()), run_dir, state)
         except Exception as exc:
@@ -88,13 +103,87 @@ def _run_dirs(roots: list[Path], with_state: bool) -> list[Path]:
     return sorted({c.parent for root in roots if root.is_dir() for c in root.rglob(name)})
 
 
+def _sweeps_job(run_dir: Path) -> bool:
+    """Whether the claim on `run_dir` is held by a job of this follower's sweep (a child of its
+    parent, read from the claim's pid and /proc): its live run is ours to mirror. One running
+    elsewhere (another sweep, a Slurm task) mirrors itself; no /proc: no live mirror."""
+    try:
+        found = re.match(r"pid=([0-9]+) ", (run_dir / LOCK_FILE).read_text())
+        stat = Path(f"/proc/{found[1]}/stat").read_text() if found else ""
+    except (OSError, UnicodeDecodeError):
+        return False
+    fields = stat.rpartition(")")[2].split()
+    return len(fields) > 1 and fields[1] == str(os.getppid())
+
+
+class Live:
+    """The MLflow runs of the sweep's running jobs, mirrored as their epochs land: RUNNING, the
+    params, each history row, and the machine's system metrics (MLflow's monitor: psutil, and
+    GPU utilisation and memory where NVML answers). The job holds the claim and writes its
+    tracking.json; the follower writes neither: it keeps the MLflow run's id and the rows it
+    sent here, and finds the run again by its run_dir tag when it starts anew (a killed
+    sweep's re-run). `sync` finishes each run once its job has ended."""
+
+    def __init__(self, log: logging.Logger) -> None:
+        self.log = log
+        self.sent: dict[Path, dict] = {}  # run dir -> run_id, sent_rows, mirrored
+        self.monitors: dict[Path, tuple[str, object]] = {}  # run dir -> (run id, its monitor)
+        self.failed: dict[Path, float] = {}  # run dir -> when its last live mirror failed
+
+    def mirror(self, run_dir: Path, state: dict) -> None:
+        mine = self.sent.setdefault(run_dir, {})
+        if mine.get("mirrored") == fingerprint(run_dir, state):
+            return  # no new epoch
+        if time.monotonic() - self.failed.get(run_dir, -RETRY_AFTER_S) < RETRY_AFTER_S:
+            return  # an unreachable tracker must not hold up the other runs every second
+        live = {**state, **mine}
+        known = mine.get("sent_rows") if mine.get("run_id") else None  # else: read back once
+        try:
+            client = mlflow_client(tracking_uri())
+            mirror(client, run_dir, live, "RUNNING", {}, known, save=False, by_tag=True)
+        except Exception as exc:  # never fatal: the run's end, or `sync`, sends it
+            if run_dir not in self.failed:
+                name = type(exc).__name__
+                self.log.warning("%s: not mirrored live: %s: %s", run_dir, name, first_line(exc))
+            self.failed[run_dir] = time.monotonic()
+            return
+        mine.update({k: live[k] for k in ("run_id", "sent_rows", "mirrored")})
+        if self.monitors.get(run_dir, ("",))[0] != live["run_id"]:  # new, or a rebuilt run
+            self._stop_monitor(run_dir)
+            with contextlib.suppress(Exception):  # no psutil: no system metrics, the rest goes on
+                from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+                monitor = SystemMetricsMonitor(
+                    live["run_id"],
+                    sampling_interval=SYSTEM_METRICS_INTERVAL_S,
+                    resume_logging=True,
+                    tracking_uri=tracking_uri(),
+                )
+                monitor.start()
+                self.monitors[run_dir] = live["run_id"], monitor
+
+    def stop(self, run_dir: Path) -> str | None:
+        """Its job has ended: stop `run_dir`'s system metrics and forget what was sent (another
+        attempt, e.g. re-queued, is compared in full); the MLflow run it was mirrored to, if any
+        (a second call finds it by its tag)."""
+        self._stop_monitor(run_dir)
+        return self.sent.pop(run_dir, {}).get("run_id")
+
+    def _stop_monitor(self, run_dir: Path) -> None:
+        _, monitor = self.monitors.pop(run_dir, ("", None))
+        if monitor is not None:
+            with contextlib.suppress(Exception):
+                monitor.finish()
+
+
 def follow(roots: list[Path], log: logging.Logger) -> int:
-    """The sweep's follower: mirror each run directory under `roots` once its job has ended,
-    until stdin closes (run.sh's end), then mirror every one left and return.
+    """The sweep's follower: mirror each run directory under `roots` live while its job (one of
+    this sweep's) runs (Live), finish it once its job has ended, until stdin closes (run.sh's
+    end), then mirror every one left and return.
 
     Ctrl-C is run.sh's to handle (it stops the jobs, then closes stdin); SIGTERM (run.sh died:
-    setpriv's death signal) ends it after the directory at hand: what it did not mirror, the
-    next sweep or `sync` does. During the sweep it touches only directories that changed since
+    its death signal) ends it after the directory at hand: what it did not mirror, the
+    next sweep or `sync` does. During the sweep it claims only directories that changed since
     it started and whose status is no longer `running`, and those done (the sweep runs no job
     there): it never claims a run the sweep may be about to start
     (that would turn its job away)."""
@@ -115,6 +204,7 @@ def follow(roots: list[Path], log: logging.Logger) -> int:
     # a directory fails; a server that does not answer is down for the rest of the sweep: each
     # try would cost MLflow's timeout and retries again, per directory (`sync` later sends all).
     answers: bool | None = None
+    live = Live(log)
     seen = {d: fingerprint(d, read_state(d)) for d in _run_dirs(roots, with_state=True)}
     while not stopping.is_set():
         final = closed.is_set()
@@ -123,16 +213,21 @@ def follow(roots: list[Path], log: logging.Logger) -> int:
                 break
             state = read_state(run_dir)
             now = fingerprint(run_dir, state)
+            running = runs.read_status(run_dir) == "running"
+            if not final and running and _sweeps_job(run_dir):
+                if answers is None:
+                    answers = _answers(log)
+                if answers:  # a silent server is down for the sweep, live rows too
+                    live.mirror(run_dir, state)
+                continue
             if state.get("mirrored") == now or (not final and unreached.get(run_dir) == now):
                 continue  # mirrored; or failed: again when it changes
-            if not final and not (
-                runs.read_status(run_dir) != "running"
-                and (seen.get(run_dir) != now or runs.is_done(run_dir))
-            ):
+            if not final and (running or (seen.get(run_dir) == now and not runs.is_done(run_dir))):
                 continue
+            live_id = live.stop(run_dir)  # the run its job mirrored live, if any
             if answers is None:
                 answers = _answers(log)
-            synced = sync(run_dir, log) if answers else False
+            synced = sync(run_dir, log, live_id) if answers else False
             if synced is False and answers:  # this directory's fault, or the server's?
                 answers = _answers(log)
             if synced is False:
@@ -144,6 +239,8 @@ def follow(roots: list[Path], log: logging.Logger) -> int:
         if final:
             break
         closed.wait(FOLLOW_POLL_S)
+    for run_dir in list(live.monitors):
+        live.stop(run_dir)
     return 1 if unreached else 0
 
 
@@ -157,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         "command",
         choices=("sync", "follow"),
         help="sync: make MLflow mirror run directories, printing each change; follow: run.sh's "
-        "follower (mirrors each run once its job ends, until stdin closes); `run.py "
+        "follower (mirrors each run of its jobs live, finishes it once its job ends, until stdin "
+        "closes); `run.py "
         "--init-tracking` creates the DB and the experiment",
     )
     p.add_argument(

@@ -22,10 +22,8 @@ How it works:
             slot's GPU and a parent-death signal (SIGTERM), so it is told to stop if the sweep
             dies, even by SIGKILL. When a job ends its slot takes the next pending job. A job that
             finds its run claimed by another process exits 73: "running elsewhere".
-            FORK_JOBS=auto, when every slot has two jobs or more to run: a slot's run.py jobs
-            are forked from its fork server (forkserver.py: torch and the project imported
-            once; its first job waits for those imports), adopted by the sweep (a child
-            subreaper), and otherwise treated as above.
+            Every job is a fresh `python run.py`: one process model for claims, signals and
+            exit codes.
   3. stop:  the first INT/TERM/HUP sends SIGTERM to every running job (it checkpoints and exits
             75); any later one SIGKILLs their process groups. Either way the sweep reaps every
             job, marks a killed job's status "interrupted", prints the summary, then exits
@@ -71,18 +69,16 @@ Environment (defaults in brackets):
   GPUS          GPU ids to use, e.g. "0 2" [all visible: CUDA_VISIBLE_DEVICES, else nvidia-smi;
                 none: run on CPU]
   JOBS_PER_GPU  jobs sharing one GPU [auto: one per 2 cores of the GPU's share and per job,
-                as many as the GPU's free memory holds at the largest peak a finished job
-                of the sweep recorded; one per GPU until a job has measured it]
+                as many as the GPU's free memory holds at 2 x the memory a job's preflight
+                estimated, then at 1.25 x the largest peak a finished job recorded; one per
+                GPU until the first job has estimated, seconds after its start]. A job out of
+                GPU memory beside others is re-queued to run alone
   CPU_JOBS      jobs at a time when there is no GPU [auto: one per core, at most one per
                 job and per CPU_JOB_MEM_GB of free memory]
                 Either way each job gets its share of the cores: OMP_NUM_THREADS (unless
                 set) and LAB_JOB_CPUS, from which run.py sizes its loader workers. A resumed
                 job keeps the threads it started with (config.json), so it ends with the
                 numbers it would have had uninterrupted.
-  FORK_JOBS     auto: each slot forks its run.py jobs from a process that imported torch
-                and the project once (labrun/forkserver.py; Linux), so a job starts in
-                seconds; a job whose environment or code differs starts afresh. off: every
-                job is a fresh interpreter [auto]
   CPU_JOB_MEM_GB  memory one CPU job needs, in GiB, for CPU_JOBS=auto [2]
   LOG_DIR       one log file per job [logs/SWEEP_NAME]
   STATUS_EVERY  seconds between status lines on a terminal [60]; STATUS_EVERY_LOG: when the
@@ -105,7 +101,7 @@ Environment (defaults in brackets):
 # The defaults of the settings above (PRESET, SWEEP_NAME, LOG_DIR and GPUS depend on others).
 DEFAULTS = {
     "PYTHON": "python", "JOBS_PER_GPU": "auto", "CPU_JOBS": "auto", "CPU_JOB_MEM_GB": "2",
-    "FORK_JOBS": "auto", "STATUS_EVERY": "60", "STATUS_EVERY_LOG": "600", "SLURM_PARTITION": "",
+    "STATUS_EVERY": "60", "STATUS_EVERY_LOG": "600", "SLURM_PARTITION": "",
     "SLURM_TIME": "24:00:00", "SLURM_MEM": "32G", "SLURM_CPUS": "8", "SLURM_GRES": "gpu:1",
     "SLURM_MAX_PARALLEL": "16", "SLURM_SIGNAL_SECS": "300", "SLURM_EXTRA": "",
     "SLURM_LOG_DIR": "logs/slurm", "SWEEP_JOB_NAME": "", "GPUS_PER_JOB": "1", "NODES_PER_JOB": "1",
@@ -117,6 +113,13 @@ RUNNABLE = ("pending", "interrupted", "failed")
 TASK_SCRIPT = Path(__file__).resolve().with_name("slurm_task.sh")
 POSITIVE = re.compile(r"[1-9][0-9]*")
 GPU_ID = re.compile(r"[0-9]+|(GPU|MIG)-[A-Za-z0-9/-]+")
+ESTIMATE_POLL_S = 0.5  # how often JOBS_PER_GPU=auto looks for the first job's estimate
+# A job's preflight estimate in its run.log (preflight.check_memory, runs.size_text's units).
+ESTIMATE = re.compile(r"memory: training needs about ([0-9.]+) (GiB|MiB|KiB|bytes)")
+UNITS = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "bytes": 1}
+# A job that ran out of GPU memory: CUDA's OOM (run.py's line or a traceback), or the preflight's
+# refusal of a GPU whose free memory its neighbours held.
+OUT_OF_MEMORY = re.compile(r"out of memory|memory on cuda[^\n]* is free", re.I)
 
 
 class Refused(Exception):
@@ -169,6 +172,7 @@ class SweepJob:
     name: str = ""  # basename of its run directory (job-I when it has none)
     result: str = ""  # how it ended here: done, skipped, failed, interrupted, elsewhere, ...
     taken: bool = False  # taken over once from a holder that let go
+    alone: bool = False  # out of GPU memory beside other jobs: re-queued to run alone on a GPU
 
     @classmethod
     def from_line(cls, index: int, args: list[str]) -> SweepJob:
@@ -212,8 +216,6 @@ class Settings:
                 "CPU_JOB_MEM_GB must be a positive integer (GiB one CPU job needs), "
                 f"got '{self.CPU_JOB_MEM_GB}'"
             )
-        if self.FORK_JOBS not in ("auto", "off"):
-            raise BadSetting(f"FORK_JOBS must be auto or off, got '{self.FORK_JOBS}'")
         if not (self.STATUS_EVERY.isdecimal() and self.STATUS_EVERY_LOG.isdecimal()):
             raise Refused("STATUS_EVERY and STATUS_EVERY_LOG must be whole seconds (0 = off)")
         name = self.SWEEP_NAME
@@ -241,105 +243,6 @@ def _guard() -> Callable[[], None] | None:
             os.kill(os.getpid(), signal.SIGTERM)
 
     return guard
-
-
-def _subreaper() -> bool:
-    """Make the sweep a child subreaper (PR_SET_CHILD_SUBREAPER, Linux): a job that a slot's fork
-    server forks through a middle process that exits at once becomes the sweep's child, which
-    it waits for, reads the exit code of and stops as any other. False where that fails."""
-    try:
-        import ctypes
-
-        return ctypes.CDLL(None, use_errno=True).prctl(36, 1) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-# How long a slot's job waits for its fork server's imports before it starts afresh instead.
-SERVER_WAIT_S = 60.0
-# A ready server answers a request in milliseconds (a stat of the watched files and two forks);
-# one silent this long is hung (stopped, swapping), and the queue must not wait on it.
-ANSWER_WAIT_S = 10.0
-
-
-class Adopted:
-    """A job a fork server started, adopted by the sweep: Popen's pid and poll()."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid, self.returncode = pid, None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:  # not the sweep's child after all: its exit code is lost
-                self.returncode = 255
-                return self.returncode
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-
-@dataclass
-class Server:
-    """A slot's fork server (labrun/forkserver.py), started with the slot's environment."""
-
-    proc: subprocess.Popen
-    env: dict[str, str]
-    ready: bool = False
-
-    def is_ready(self, wait_s: float = 0.0, stopped: Callable[[], bool] = lambda: False) -> bool:
-        """Whether it has said `ready` (its imports done), waiting up to `wait_s` for it (in
-        short steps: a stop signal meanwhile ends the wait)."""
-        deadline = time.monotonic() + wait_s
-        while not self.ready and self.proc.poll() is None:
-            left = deadline - time.monotonic()
-            if select.select([self.proc.stdout], [], [], max(0.0, min(left, 0.2)))[0]:
-                self.ready = self.proc.stdout.readline() == b"ready\n"
-                break
-            if left <= 0 or stopped():
-                break
-        return self.ready and self.proc.poll() is None
-
-    def ask(self, request: dict) -> str:
-        """Send one job's request; its answer (a pid, stale, error: ...), '' if none in time."""
-        try:
-            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
-            self.proc.stdin.flush()
-        except OSError:
-            return ""
-        if not select.select([self.proc.stdout], [], [], ANSWER_WAIT_S)[0]:
-            self.proc.kill()  # a late answer would fork a job the sweep no longer waits for
-            return ""
-        return self.proc.stdout.readline().decode(errors="replace").strip()
-
-    def stop(self) -> None:
-        """Close its stdin (it exits at once when ready); one still importing is killed."""
-        if not self.ready:
-            self.proc.kill()
-        with contextlib.suppress(OSError):
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc.stdout.close()
-
-
-def children() -> list[int]:
-    """The pids of this process's children (Linux /proc)."""
-    me = os.getpid()
-    try:
-        return [int(p) for p in Path(f"/proc/{me}/task/{me}/children").read_text().split()]
-    except (OSError, ValueError):
-        pass
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        fields = _read(stat).rpartition(")")[2].split()
-        if len(fields) > 1 and fields[1] == str(me):
-            found.append(int(stat.parent.name))
-    return found
 
 
 # ---- the machine: cores, memory, GPUs ----------------------------------------------------------
@@ -480,8 +383,9 @@ def job_progress(run_dir: str) -> str:
 class Running:
     job: SweepJob
     slot: int
-    proc: subprocess.Popen | Adopted
+    proc: subprocess.Popen
     t0: int
+    shared: bool = False  # another job ran on its GPU meanwhile
 
 
 @dataclass
@@ -499,7 +403,8 @@ class Sweep:
     threads: str = ""  # OMP_NUM_THREADS of a job that starts afresh
     job_cpus: int = 1  # cores of one slot (LAB_JOB_CPUS)
     gpu_width: int = 0  # JOBS_PER_GPU=auto: slots per GPU the cores and jobs allow
-    gpu_measure: bool = False  # JOBS_PER_GPU=auto waits for a job's measured peak memory
+    gpu_measure: bool = False  # JOBS_PER_GPU=auto waits for a job's memory estimate
+    gpu_open: int = 1 << 30  # slots a GPU may run at once (JOBS_PER_GPU=auto: gpu_fit's)
     gpu_why: str = ""
     stop_signal: int = 0
     running: dict[int, Running] = field(default_factory=dict)
@@ -507,8 +412,6 @@ class Sweep:
     took: list[int] = field(default_factory=list)
     queue: list[SweepJob] = field(default_factory=list)
     guard: Callable[[], None] | None = None  # _guard(), made once
-    forking: bool = False  # FORK_JOBS=auto and the sweep is a subreaper: slots fork run.py jobs
-    servers: dict[int, Server] = field(default_factory=dict)  # per slot: its fork server
     follower_pid: int = 0
     folders: set[str] = field(default_factory=set)  # where jobs write: the follower mirrors them
 
@@ -684,8 +587,9 @@ class Sweep:
             self.reason = self.gpu_why + MPS
 
     def add_gpu_slots(self, per_gpu: int) -> None:
-        for dev in self.gpus:
-            for _ in range(self.slots.count(dev), per_gpu):
+        """Slots up to `per_gpu` a GPU, in turns over the GPUs: the queue fills them in order."""
+        for _ in range(max(map(self.slots.count, self.gpus)), per_gpu):
+            for dev in self.gpus:
                 self.slots.append(dev)
                 self.busy.append(False)
 
@@ -699,37 +603,97 @@ class Sweep:
                 peak = max(peak, _json_int(text, "peak_mem_bytes") or 0)
         return -(-peak // 2**20) if peak > 0 else None
 
+    def estimated_mib(self) -> int | None:
+        """The largest memory estimate, in MiB, that a started job's preflight wrote to its
+        run.log before training (preflight.check_memory: `memory: training needs about ...`)."""
+        found = [
+            float(n) * UNITS[unit]
+            for job in self.jobs
+            if job.dir and job.state != "duplicate"
+            for n, unit in ESTIMATE.findall(_read(Path(job.dir) / "run.log"))
+        ]
+        return -(-int(max(found)) // 2**20) if found else None
+
     def gpu_fit(self) -> None:
         """JOBS_PER_GPU=auto: open as many of the gpu_width slots per GPU as 90 % of the GPU's
-        free memory holds at 1.25 x the largest peak a job of the sweep measured plus the CUDA
-        context (SWEEP_CUDA_CONTEXT_MIB, an estimate); until a job has measured it, one per GPU."""
-        peak = self.measured_peak_mib()
-        if peak is None:
-            self.gpu_measure = True
-            self.reason = f"{self.gpu_why}, 1 until a job has measured its peak memory{MPS}"
+        free memory holds, besides the jobs running there, per job: 1.25 x the largest peak a
+        finished job of the sweep measured or, before one has, 2 x the largest estimate its
+        jobs' preflight made (a lower bound: allocator slack, workspaces and compilation are not
+        in it), plus the CUDA context (SWEEP_CUDA_CONTEXT_MIB, an estimate). Until a job has
+        estimated, one per GPU: the first job's estimate comes before its training."""
+        peak, estimate = self.measured_peak_mib(), self.estimated_mib()
+        self.gpu_measure = peak is None and estimate is None
+        if self.gpu_measure:
+            self.reason = f"{self.gpu_why}, 1 until a job has estimated its memory{MPS}"
+            self.gpu_open = 1
             self.add_gpu_slots(1)
             return
-        self.gpu_measure = False
         free = gpu_free_mib(self.gpus)
         if free is None:
             self.reason = f"{self.gpu_why}, 1: free GPU memory unknown (no nvidia-smi){MPS}"
+            self.gpu_open = 1
             self.add_gpu_slots(1)
             return
         context = int(self.settings.env.get("SWEEP_CUDA_CONTEXT_MIB") or 1024)
-        fit = min(max(free * 9 // 10 // (peak * 5 // 4 + context), 1), self.gpu_width)
+        if peak is not None:
+            need, basis = peak * 5 // 4, f"1.25 x a measured peak of {peak} MiB"
+        else:
+            need, basis = estimate * 2, f"2 x an estimate of {estimate} MiB"
+        devices = [self.slots[e.slot] for e in self.running.values()]
+        running = max((devices.count(dev) for dev in self.gpus), default=0)
+        fit = min(max(running + free * 9 // 10 // (need + context), 1), self.gpu_width)
+        beside = f" besides {running} running" if running else ""
         self.reason = (
-            f"{self.gpu_why}, {fit} in 90 % of {free} MiB free at 1.25 x a measured peak of "
-            f"{peak} MiB + {context} MiB context per job{MPS}"
+            f"{self.gpu_why}, {fit} in 90 % of {free} MiB free{beside} at {basis} + "
+            f"{context} MiB context per job{MPS}"
         )
+        self.gpu_open = fit
         self.add_gpu_slots(fit)
+
+    def refit(self) -> None:
+        """JOBS_PER_GPU=auto: fit the slots again (an estimate or a peak arrived), and say so
+        when they change."""
+        before = self.describe_slots()
+        self.gpu_fit()
+        if self.describe_slots() != before:
+            log(f"slots now: {self.describe_slots()}")
+
+    def may_start(self, slot: int) -> bool:
+        """Whether `slot` may take the queue's next job: one of the slots its GPU keeps open
+        (gpu_open), and never beside a job that runs alone (re-queued after it ran out of GPU
+        memory beside others), which itself waits for its GPU to empty."""
+        dev = self.slots[slot]
+        if not dev:
+            return True
+        if self.slots[:slot].count(dev) >= self.gpu_open:
+            return False
+        beside = [e.job for e in self.running.values() if self.slots[e.slot] == dev]
+        if self.queue and self.queue[0].alone:
+            return not beside
+        return not any(job.alone for job in beside)
+
+    def retry_alone(self, entry: Running) -> None:
+        """A job that failed out of GPU memory (its log's last lines say so: CUDA's OOM, or the
+        preflight's refusal) while another job shared its GPU goes back to the queue's head, to
+        run alone: the memory was its neighbours' as much as its own."""
+        job = entry.job
+        if not (entry.shared and job.result == "failed" and not job.alone):
+            return
+        tail = _read(Path(self.settings.LOG_DIR) / f"{job.name}.log")[-4000:]
+        if not OUT_OF_MEMORY.search(tail.rpartition("\n=== ")[2]):  # this attempt's lines
+            return
+        job.result, job.alone = "", True
+        self.queue.insert(0, job)
+        log(f"requeued {job.name}  (out of GPU memory beside other jobs: it runs alone next)")
 
     def describe_slots(self) -> str:
         """'2 CPU slot(s), 1 thread(s) each (CPU_JOBS=auto: 2 core(s))' or '4 slot(s) on GPU(s)
         0 0 1 1, 4 thread(s) each (JOBS_PER_GPU=2; ...)'."""
         if not self.slots or not self.slots[0]:
             return f"{len(self.slots)} CPU slot(s), {self.threads} thread(s) each ({self.reason})"
+        slots = [d for k, d in enumerate(self.slots) if self.slots[:k].count(d) < self.gpu_open]
         return (
-            f"{len(self.slots)} slot(s) on GPU(s) {' '.join(self.slots)}, {self.threads} "
+            f"{len(slots)} slot(s) on GPU(s) {' '.join(slots)}, {self.threads} "
             f"thread(s) each ({self.reason})"
         )
 
@@ -777,32 +741,32 @@ class Sweep:
             f"=== {time.strftime('%F %T')}  CUDA_VISIBLE_DEVICES={dev} OMP_NUM_THREADS="
             f"{threads} LAB_JOB_CPUS={cpus}  {self.python} {job.script} {' '.join(argv)}"
         )
-        proc = self.fork(job, slot, env, argv, log_file, header + "  (forked)", follower_fd)
-        if proc is None:
-            try:  # never through a link planted at the log's name
-                out = open_append(log_file)
-            except OSError as exc:
-                job.result = "failed"
-                log(f"FAILED   {job.name}  (not started: its log: {exc})")
-                return
-            with out:
-                out.write(f"{header}\n")
-                out.flush()
-                proc = subprocess.Popen(
-                    [self.python, job.script, *argv],
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    start_new_session=True,
-                    preexec_fn=self.guard,
-                    pass_fds=() if follower_fd is None else (follower_fd,),
-                )
+        try:  # never through a link planted at the log's name
+            out = open_append(log_file)
+        except OSError as exc:
+            job.result = "failed"
+            log(f"FAILED   {job.name}  (not started: its log: {exc})")
+            return
+        with out:
+            out.write(f"{header}\n")
+            out.flush()
+            proc = subprocess.Popen(
+                [self.python, job.script, *argv],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=self.guard,
+                pass_fds=() if follower_fd is None else (follower_fd,),
+            )
         self.running[proc.pid] = Running(job, slot, proc, int(time.time()))
+        beside = [e for e in self.running.values() if dev and self.slots[e.slot] == dev]
+        for entry in beside if len(beside) > 1 else ():  # retry_alone's "shared"
+            entry.shared = True
         self.groups.append(proc.pid)
         self.busy[slot] = True
         where = f"GPU {dev}" if dev else "CPU"
-        how += ", forked" if isinstance(proc, Adopted) else ""
         log(f"start    {job.name}  ({where}, slot {slot}, {threads} thread(s){how})")
         if self.stop_signal:  # a signal that arrived while this job was being started missed it
             _kill(proc.pid, signal.SIGTERM)
@@ -813,72 +777,6 @@ class Sweep:
         env["OMP_NUM_THREADS"] = threads or self.threads
         env["LAB_JOB_CPUS"] = cpus or str(self.job_cpus)
         return env
-
-    # ---- fork servers (labrun/forkserver.py): a slot's run.py jobs start without imports -------
-    # A job is forked when its script is run.py, its environment is its slot's (a resumed job with
-    # other threads is not) and the slot's server is ready and its code current; otherwise it
-    # starts afresh.
-
-    def fork(self, job, slot, env, argv, log_file, header, follower_fd) -> Adopted | None:
-        """Fork `job` from `slot`'s server: its Adopted process, or None to start it afresh."""
-        if not self.forking or job.script != "run.py":
-            return None
-        if not self.servers:
-            # Servers only pay when each slot runs another job after this one. They start
-            # together, and a slot's first job waits for its server's imports instead of paying
-            # them again beside it: on a few cores both compete (quick sweep on 2 cores: the
-            # first jobs took 12-13 s fresh beside the importing servers, later ones 5-6 s).
-            if len(self.queue) < len(self.slots):
-                return None
-            for each in range(len(self.slots)):
-                self.start_server(each, follower_fd)
-        server = self.servers.get(slot)
-        if server is None or env != server.env:
-            return None
-        if not server.is_ready(SERVER_WAIT_S, lambda: bool(self.stop_signal)):
-            return None
-        request = {"argv": argv, "log": str(log_file), "cwd": os.getcwd(), "header": header}
-        answer = server.ask(request)
-        if answer.isdigit():
-            return Adopted(int(answer))
-        server.stop()
-        if answer == "stale":  # the code changed since the server imported it: a new one
-            self.start_server(slot, follower_fd)
-        else:  # it died or refused: the slot's jobs start afresh from now on
-            err(f"fork server of slot {slot} failed ({answer or 'no answer'}): fresh processes")
-        return None
-
-    def start_server(self, slot: int, follower_fd: int | None) -> None:
-        out = Path(self.settings.LOG_DIR) / f"forkserver-{slot}.out"
-        with open(out, "a") as stderr:
-            proc = subprocess.Popen(
-                [self.python, "-m", "labrun.forkserver", "--engine", str(os.getpid()), "run.py"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                env=self.slot_env(slot),
-                start_new_session=True,
-                preexec_fn=self.guard,
-                pass_fds=() if follower_fd is None else (follower_fd,),
-            )
-        self.servers[slot] = Server(proc, self.slot_env(slot))
-
-    def stop_servers(self) -> None:
-        for server in self.servers.values():
-            server.stop()
-        self.servers.clear()
-
-    def reap_strays(self) -> None:
-        """A subreaper adopts every orphan below it (a dead job's loader workers): wait for those
-        that have ended, so that no zombie is left."""
-        if not self.forking:
-            return
-        known = set(self.running) | {server.proc.pid for server in self.servers.values()}
-        known.add(self.follower_pid)
-        for pid in children():
-            if pid not in known:
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(pid, os.WNOHANG)
 
     def finish(self, pid: int, rc: int) -> None:
         """Record how job `pid` ended and free its slot."""
@@ -972,9 +870,7 @@ class Sweep:
         except OSError as exc:
             raise Refused(f"LOG_DIR: {exc}") from None
         self.guard = _guard()
-        self.forking = settings.FORK_JOBS == "auto" and _subreaper()
         follower, follower_fd = self.start_follower()
-        self.follower_pid = follower.pid
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_r, False)
         os.set_blocking(wake_w, False)
@@ -1007,7 +903,7 @@ class Sweep:
                         job = self.queue.pop(0)
                         job.result = "skipped"
                         log(f"skipped  {job.name}  (finished meanwhile by another process)")
-                    if not self.busy[slot] and self.queue:
+                    if not self.busy[slot] and self.queue and self.may_start(slot):
                         self.launch(self.queue.pop(0), slot, follower_fd)
                         planned = False
             if not self.running:
@@ -1019,6 +915,8 @@ class Sweep:
                         continue
                 break
             timeout = None if next_status is None else max(next_status - time.monotonic(), 0)
+            if self.gpu_measure:  # JOBS_PER_GPU=auto: look for the first job's estimate
+                timeout = min(timeout or ESTIMATE_POLL_S, ESTIMATE_POLL_S)
             select.select([wake_r], [], [], timeout)
             try:
                 while os.read(wake_r, 512):
@@ -1031,18 +929,18 @@ class Sweep:
                 else:
                     self.print_status()
                     next_status = time.monotonic() + every
-            self.reap_strays()
+            if self.gpu_measure and not self.stop_signal:
+                self.refit()
             for pid in list(self.running):
-                rc = self.running[pid].proc.poll()
+                entry = self.running[pid]
+                rc = entry.proc.poll()
                 if rc is None:
                     continue
                 self.finish(pid, 128 - rc if rc < 0 else rc)  # killed by signal N: 128+N
                 if not self.stop_signal:
-                    # JOBS_PER_GPU=auto: the first job to finish has measured its peak memory.
-                    if self.gpu_measure:
-                        self.gpu_fit()
-                        if not self.gpu_measure:
-                            log(f"slots now: {self.describe_slots()}")
+                    self.retry_alone(entry)
+                    if self.gpus and self.settings.JOBS_PER_GPU == "auto" and self.gpu_width > 1:
+                        self.refit()  # a measured peak refines the fit
                     if self.others_pending():
                         self.replan()
                         planned = True
@@ -1050,7 +948,6 @@ class Sweep:
         signal.set_wakeup_fd(old_wakeup_fd)
         os.close(wake_r)
         os.close(wake_w)
-        self.stop_servers()  # they hold the follower's pipe too
         self.reap_groups()
         self.stop_follower(follower, follower_fd)
         return self.summarize()
@@ -1058,7 +955,6 @@ class Sweep:
     def reap_groups(self) -> None:
         """After the queue: give leftover processes of every job's group 10 s, then kill them."""
         for _ in range(100):
-            self.reap_strays()  # a zombie still counts as alive
             if not any(_alive(-pg) for pg in self.groups):
                 return
             time.sleep(0.1)

@@ -12,7 +12,8 @@ The run directory (config.json, status, history.csv, metrics.json) is the record
   local sqlite DB; MLflow's own monitor samples the machine), and with its end status at its end
   (read back again: MLflow then equals the directory).
 - In a sweep (run.sh sets `LAB_TRACKING_FOLLOWER=1`): jobs never talk to MLflow; the sweep's one
-  follower mirrors each run once its job has released the run's claim (follower.py). A sweep
+  follower mirrors each running run live as its epochs land, without writing its tracking.json,
+  and finishes it once its job has released the run's claim (follower.py). A sweep
   killed with -9 loses nothing: the next sweep's follower, or `python -m labrun.tracking sync`
   (which prints every change it makes), mirrors the rest.
 - Tracking URI: `MLFLOW_TRACKING_URI` if set, else an absolute `sqlite:///<project root>/mlflow.db`
@@ -425,6 +426,9 @@ def mirror(
     status: str | None = None,
     summary: dict | None = None,
     known: int | None = None,
+    *,
+    save: bool = True,
+    by_tag: bool | None = None,
 ) -> list[str]:
     """Make the MLflow run of `run_dir` equal the directory; return what was changed.
 
@@ -436,7 +440,9 @@ def mirror(
     rows are added; a run holding rows or params the directory
     does not is rebuilt (MLflow has no delete for them); a name given in MLflow's UI stays.
     Each step is idempotent, so a kill anywhere is repaired by the next mirror. Files are
-    attached only at the end (not RUNNING)."""
+    attached only at the end (not RUNNING). `save=False` (the follower's live mirror of a job
+    that writes tracking.json itself): `state` is updated, never written. `by_tag`: whether a
+    run found by its run_dir tag is this directory's [not for a RUNNING mirror]."""
     from mlflow.entities import Metric, RunTag
 
     run_dir = Path(run_dir)
@@ -461,7 +467,8 @@ def mirror(
     changes: list[str] = []
 
     # A live job never adopts a run by its tag: that run may be a job's that lost the claim.
-    run = _current_run(client, run_dir, state, changes, by_tag=status != "RUNNING")
+    by_tag = status != "RUNNING" if by_tag is None else by_tag
+    run = _current_run(client, run_dir, state, changes, by_tag=by_tag)
     conflicts, logged = [], {}
     if run is not None and known is not None:  # what this job has not sent yet, nothing read
         expected = expected_metrics(history[known:], summary)
@@ -489,7 +496,8 @@ def mirror(
                 f"replaced MLflow run {old.info.run_id} by {run.info.run_id} (the old one is "
                 f"deleted): {'; '.join(conflicts)}"
             )
-        _save(run_dir, state)
+        if save:
+            _save(run_dir, state)
     run_id = state["run_id"] = run.info.run_id
 
     new_tags = [RunTag(k, v) for k, v in tags.items() if run.data.tags.get(k) != v]
@@ -526,7 +534,8 @@ def mirror(
         changes.append(f"status {run.info.status} -> {status}")
     state["ended"] = None if status == "RUNNING" else status
     state["mirrored"] = fingerprint(run_dir, state)
-    _save(run_dir, state)
+    if save:
+        _save(run_dir, state)
     return changes
 
 

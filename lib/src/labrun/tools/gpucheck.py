@@ -35,8 +35,6 @@ FAILed (checks that cannot run here say "not checked" and why); 1: at least one 
   layout       the memory layout run.py trains in (channels_last on CUDA: every conv output)
   resume       exact: with --deterministic, a run stopped after epoch 1 and resumed ends with
                the numbers of the straight run
-  fork server  a job's imports leave CUDA's driver unloaded, so the sweep's slots fork their
-               jobs (FORK_JOBS=auto) instead of starting each afresh
   ddp          several GPUs: run.py's step on 1 and on all of them (torchrun + DDP, the batch
                per GPU fixed), in the run's precision: weak-scaling efficiency >= SCALING_MIN
 `--device cpu` runs what can run on a CPU: a dry run of this script, not a GPU claim. Checks are
@@ -818,41 +816,6 @@ def check_layout(ctx: Context) -> list[Result]:
     ]
 
 
-# Imports what a sweep's fork server imports, in a fresh interpreter, and says whether CUDA's
-# driver is loaded after them: True means the server cannot fork (a test plants True).
-FORK_PROBE = """
-import importlib, torch
-from labrun import forkserver
-for name in forkserver.PRELOAD:
-    importlib.import_module(name)
-print(torch.cuda.is_initialized() or forkserver._cuda_driver_loaded())
-"""
-
-
-def check_fork_server(ctx: Context) -> list[Result]:
-    """The sweep's fork servers (FORK_JOBS=auto) import what every job imports, then fork each
-    job: only while those imports leave CUDA's driver unloaded (a driver loaded before a fork
-    is broken in the child). Else each slot falls back to fresh processes, seconds a job."""
-    if ctx.device.type != "cuda":
-        return [Result("fork server", NOT_CHECKED, "no CUDA: forking is safe on a CPU")]
-    done = subprocess.run(
-        [sys.executable, "-c", FORK_PROBE], cwd=ctx.root, capture_output=True, text=True
-    )
-    if done.returncode != 0 or done.stdout.strip() not in ("True", "False"):
-        tail = (done.stderr.strip().splitlines() or [""])[-1][:200]
-        return [Result("fork server", FAIL, f"a job's imports failed: {tail}")]
-    if done.stdout.strip() == "True":
-        return [
-            Result(
-                "fork server",
-                FAIL,
-                "importing torch loads CUDA's driver here: the sweep's slots cannot fork their "
-                "jobs and start each afresh (FORK_JOBS=auto falls back; ~3 s a job)",
-            )
-        ]
-    return [Result("fork server", PASS, "a job's imports leave CUDA's driver unloaded: slots fork")]
-
-
 def check_resume(ctx: Context) -> list[Result]:
     """--deterministic: stopped by SIGTERM after epoch 1, resumed: the straight run's numbers."""
     flags = (*small_flags(ctx, 2), "--deterministic", "--checkpoint-every", "0")
@@ -920,7 +883,6 @@ CHECKS: list[Callable[[Context], list[Result]]] = [
     check_accumulation,
     check_layout,
     check_resume,
-    check_fork_server,
     check_ddp,
 ]
 
