@@ -334,7 +334,7 @@ def main(
         try:
             prepared = prepare(args) if prepare else None
         except (UsageError, ValueError, OSError) as exc:
-            return error(str(exc), EXIT_USAGE, exc)
+            return error(str(exc), EXIT_USAGE)
         if stop.requested:
             return EXIT_INTERRUPTED  # stopped while starting: nothing of this job exists yet
         from .tracking import provenance

@@ -105,7 +105,7 @@ def _body(train, tool, args, parser, out, stop, held, dist) -> int:
         if bad_input and (run is None or run.log is None):
             if run is None or not run._agreed:  # torchrun: the ranks still starting end too
                 dist.settle(EXIT_USAGE, why=str(exc) or type(exc).__name__)
-            return error(str(exc) or type(exc).__name__, EXIT_USAGE, exc)
+            return error(str(exc) or type(exc).__name__, EXIT_USAGE)  # bad input: one line
         if run is not None and run.record is not None:
             return run.record.failed(exc, explain=run._explain)
         logged = run is not None and run.log is not None

@@ -871,6 +871,7 @@ class Sweep:
             raise Refused(f"LOG_DIR: {exc}") from None
         self.guard = _guard()
         follower, follower_fd = self.start_follower()
+        self.follower_pid = follower.pid  # a second signal kills it too (a silent server)
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_r, False)
         os.set_blocking(wake_w, False)
