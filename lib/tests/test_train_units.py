@@ -252,7 +252,7 @@ def test_a_config_field_is_a_typed_flag_in_the_identity_unless_execution(monkeyp
     @dataclasses.dataclass
     class Config(run_py.Config):
         momentum: float = config.flag(0.9, "SGD momentum, 5% less is ok", at_least=0, below=1)
-        log_every: int = config.flag(50, "steps between log lines", execution=True, above=0)
+        sample_every: int = config.flag(50, "steps between samples drawn", execution=True, above=0)
         nesterov: bool = config.flag(False, "Nesterov's momentum")
 
     monkeypatch.setattr(config, "_config", Config)
@@ -264,12 +264,12 @@ def test_a_config_field_is_a_typed_flag_in_the_identity_unless_execution(monkeyp
     assert config.run_dir(args, parser).name.startswith("digits_momentum=0.5_nesterov=True-")
     resolved = config.resolved_config(args, parser)
     assert resolved["momentum"] == 0.5 and "momentum" in resolved["experiment_keys"]
-    same, _ = config.parse_args(["--momentum", "0.5", "--nesterov", "--log-every", "7"])
+    same, _ = config.parse_args(["--momentum", "0.5", "--nesterov", "--sample-every", "7"])
     assert config.config_hash(same) == config.config_hash(args)  # execution-only
-    assert "log_every" not in config.resolved_config(same, parser)["experiment_keys"]
+    assert "sample_every" not in config.resolved_config(same, parser)["experiment_keys"]
     for argv, message in (
         (["--momentum", "1"], "--momentum: must be in [0, 1), got 1"),
-        (["--log-every", "0"], "--log-every: must be positive, got 0"),
+        (["--sample-every", "0"], "--sample-every: must be positive, got 0"),
     ):
         with pytest.raises(SystemExit) as exited:
             config.parse_args(argv)
@@ -334,9 +334,9 @@ def test_a_run_py_that_names_no_loss_is_refused_before_any_file_of_the_run(
     monkeypatch.setattr(Run, "use_loss", lambda self, loss_fn, report=None: loss_fn)
     assert main_in_process("--tracking", "off", "--results-dir", str(tmp_path)) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == (
-        "error: RunFailed: run.py gave no loss: call run.use_loss(loss_fn) before run.restore"
-    )
+    line = "error: RunFailed: run.py gave no loss: call run.use_loss(loss_fn) before run.restore"
+    at = err.index(line)  # then the traceback's frames in run.py: its run.restore line
+    assert err[at + 1] == "in your code:" and "run.restore(" in err[-1], err
     [run_dir] = tmp_path.iterdir()  # the claim's folder: nothing of the run in it
     assert {p.name for p in run_dir.iterdir()} <= {".lock"}
 

@@ -285,14 +285,16 @@ class Run:
         running, MLflow). A checkpoint that cannot be loaded is refused (status refused, exit 2);
         so is a resume on other data. The first object is the model (its size: the disk check).
         Tools (--find-lr ...) only open the run directory."""
+        import torch
+
         from .preflight import forward_problem
         from .stopping import EarlyStopping
-        from .train import lr_peak_step, peak_epoch
+        from .train import EMA, lr_peak_step, peak_epoch
 
         if self.loss is None:  # labrun never takes the task's loss behind run.py's back
             raise RunFailed("run.py gave no loss: call run.use_loss(loss_fn) before run.restore")
         self.objects = objects
-        model, ema = next(iter(objects.values())), objects.get("ema")
+        model, ema = next(iter(objects.values())), self._given(EMA)
         # Refusals that need the model (no room for a checkpoint), then the run directory and
         # run.log; a refusal on any rank ends all (torchrun).
         args, out, dist = self.args, self.out, self.dist
@@ -326,7 +328,7 @@ class Run:
         for what, why in self._notes + ([("distributed", dist.describe())] if dist.active else []):
             self.log.info(f"{what}: {why}")
         # Patience counts only after the LR peak and --min-epochs: no stop during the warm-up.
-        peak = lr_peak_step(objects.get("scheduler"))
+        peak = lr_peak_step(self._given(torch.optim.lr_scheduler.LRScheduler))
         patience_from = max(args.min_epochs, peak_epoch(peak, self.data_.steps_per_epoch))
         self.stopper = EarlyStopping(
             args.patience, start_epoch=patience_from, mode=self.task.direction(self.task.monitor)
@@ -350,6 +352,11 @@ class Run:
 
         steps = f"{self.data_.steps_per_epoch} steps/epoch | labrun {__version__}"
         self.log.info(f"run {out.name} on {self.device} | {steps} | {self.record.tracker_line()}")
+
+    def _given(self, kind: type):
+        """The object of type `kind` given to restore, whatever its keyword (run.py names them:
+        an `opt=` instead of `optimizer=` must not leave history's lr NaN), or None."""
+        return next((o for o in self.objects.values() if isinstance(o, kind)), None)
 
     def _refuse(self, message: str) -> None:
         self.log.error(message)
@@ -705,6 +712,8 @@ class Run:
         """The epoch's row, returned and written (history.csv, run.log, MLflow): its training
         sums, read now (the one sync of the epoch: NonFiniteLoss when the loss is not finite),
         beside `val`."""
+        import torch
+
         from .stopping import check_finite
 
         p, args = self.progress, self.args
@@ -714,7 +723,7 @@ class Run:
         check_finite(train["loss"], p.epoch + 1, first_step, p.step)
         self.train_sums.reset()
         p.epoch, p.batch, p.samples = p.epoch + 1, 0, p.samples + seen
-        optimizer = self.objects.get("optimizer")
+        optimizer = self._given(torch.optim.Optimizer)
         row = {
             "epoch": p.epoch,
             "step": p.step,
