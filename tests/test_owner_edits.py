@@ -3,6 +3,7 @@ one line of Config that `--help` describes, a run trains with and run.sh sweeps;
 and LBFGS edits `--help` describes only what exists and the project's own tests stay green."""
 
 import ast
+import itertools
 import json
 import os
 import re
@@ -93,7 +94,7 @@ def test_lbfgs_edit_keeps_the_projects_tests_green(bake, capsys):
     losses = pd.read_csv(history).train_loss.tolist()
     with capsys.disabled():
         print(f"\nLBFGS train loss per epoch: {' -> '.join(f'{x:.3f}' for x in losses)}")
-    assert all(later < earlier for earlier, later in zip(losses, losses[1:])), losses
+    assert all(later < earlier for earlier, later in itertools.pairwise(losses)), losses
     returncode, output = run_project_tests(project, "-v", "-rs", capsys=capsys,
                                            label="after the README's LBFGS edit")  # fmt: skip
     assert returncode == 0, output[-6000:]
