@@ -73,4 +73,9 @@ def main(out: str, grad_accum: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], int(sys.argv[2])))
+    # Leave as run.py's ranks do (labrun.jobs._leave): a rank whose interpreter is still tearing
+    # down gloo's threads when torchrun stops the other aborts (SIGABRT, "terminate called
+    # without an active exception"), seen under load on 2 cores; its result is written by then.
+    from labrun.jobs import _leave
+
+    _leave(main(sys.argv[1], int(sys.argv[2])), hooks=False)
