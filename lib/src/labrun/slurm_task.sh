@@ -40,6 +40,25 @@ SWEEP_TRAPPED=0   # a trap ran: `wait` may have returned early
 SWEEP_NODES=0     # > 0: run.py runs under torchrun on this many nodes
 TORCHRUN=()       # filled by torchrun_command
 
+#######################################
+# Wait (60 s at most) until process PID catches SIGNAL, then send it. A Python process catches
+# its stop signals only once its first lines have run: a signal before that kills it (run.py
+# exited 138 when Slurm's warning came at its start) instead of stopping it.
+# Arguments: SIGNAL (a name), PID.
+#######################################
+# shellcheck disable=SC2329
+send_when_caught() {
+  local signal="$1" pid="$2" mask bit tries
+  bit=$(( 1 << ($(kill -l "${signal}") - 1) ))
+  for (( tries = 0; tries < 600; tries++ )); do
+    # SigCgt: the signals the process has a handler for, in hex; gone: it has ended
+    mask="$(awk '/^SigCgt:/ { print $2 }' "/proc/${pid}/status" 2>/dev/null)" || break
+    if [[ -z "${mask}" ]] || (( 16#${mask} & bit )); then break; fi
+    sleep 0.1
+  done
+  kill -"${signal}" "${pid}" 2>/dev/null || true
+}
+
 # Called from the traps in main.
 # shellcheck disable=SC2329
 on_usr1() {
@@ -49,9 +68,9 @@ on_usr1() {
   if (( SWEEP_NODES > 1 )); then
     scancel --signal=TERM "${SLURM_JOB_ID}" || true   # every process of the srun step
   elif (( SWEEP_NODES == 1 )); then
-    kill -TERM "${SWEEP_CHILD_PID}" 2>/dev/null || true   # torchrun passes it on
+    send_when_caught TERM "${SWEEP_CHILD_PID}"   # torchrun passes it on
   else
-    kill -USR1 "${SWEEP_CHILD_PID}" 2>/dev/null || true
+    send_when_caught USR1 "${SWEEP_CHILD_PID}"
   fi
 }
 
