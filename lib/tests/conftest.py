@@ -289,3 +289,22 @@ def wait_for_handler(proc, signum: int, timeout: float = DEADLINE) -> None:
         if int(caught, 16) & bit:
             return
         time.sleep(0.01)
+
+
+def run_edited_run_py(tmp_path: Path, env: dict, data_dir: Path, line: str, edit: str, *args):
+    """run.py with `line` replaced by `edit` (a student's edit), run as `python run.py` from the
+    project with the tiny settings, `--tracking off`, `args` and results in tmp_path/results:
+    (the CompletedProcess, the edited script's path; the script itself is gone by then)."""
+    source = RUN_PY.read_text()
+    assert line in source, "run.py changed: point this test at another line"
+    script = ROOT / f"run_edited_{tmp_path.name}.py"  # in the project, as run.py is
+    script.write_text(source.replace(line, edit, 1))
+    try:
+        cmd = cli_command(*args, "--tracking", "off", results_dir=tmp_path / "results",
+                          data_dir=data_dir)  # fmt: skip
+        cmd[1] = str(script)
+        done = subprocess.run(cmd, env=env, cwd=ROOT, text=True, capture_output=True,
+                              timeout=DEADLINE)  # fmt: skip
+    finally:
+        script.unlink()
+    return done, script

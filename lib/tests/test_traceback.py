@@ -6,11 +6,8 @@ exists as well as after; once run.log is open it holds the whole traceback."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
-from conftest import ROOT, RUN_PY, TINY, run_dir_of
+from conftest import RUN_PY, run_dir_of, run_edited_run_py
 
 
 @pytest.mark.parametrize(
@@ -22,19 +19,11 @@ from conftest import ROOT, RUN_PY, TINY, run_dir_of
     ids=["in-build", "in-the-loop"],
 )
 def test_a_typo_in_run_py_shows_its_line(line, typo, tmp_path, env, data_dir):
-    source = RUN_PY.read_text()
-    assert line in source, "run.py changed: point this test at another line"
-    script = ROOT / f"run_typo_{tmp_path.name}.py"  # in the project, as run.py is
-    script.write_text(source.replace(line, typo, 1))
+    done, script = run_edited_run_py(tmp_path, env, data_dir, line, typo, "--epochs", "1")
     mistake = typo.strip().splitlines()[-1]
-    number = next(i for i, text in enumerate(script.read_text().splitlines(), 1) if mistake in text)
+    edited = RUN_PY.read_text().replace(line, typo, 1).splitlines()
+    number = next(i for i, text in enumerate(edited, 1) if mistake in text)
     results = tmp_path / "results"
-    try:
-        cmd = [sys.executable, str(script), *TINY, "--epochs", "1", "--tracking", "off"]
-        cmd += ["--data-dir", str(data_dir), "--results-dir", str(results)]
-        done = subprocess.run(cmd, env=env, cwd=ROOT, text=True, capture_output=True, timeout=600)
-    finally:
-        script.unlink()
     assert done.returncode == 1, done.stderr
     error_line = next(text for text in done.stderr.splitlines() if text.startswith("error: "))
     assert "Error" in error_line and ("dataa" in error_line or "tikc" in error_line)
