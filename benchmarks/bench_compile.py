@@ -1,7 +1,7 @@
 """What the compile decision costs, and what the project's inductor cache saves, on this machine.
 
 (1) decision: run.py's warm_up, before compiling, peeks a real batch from the loader
-    (Run.peek_batch) and times forward + backward on it (hardware.time_forward_backward: one
+    (train.peek_batch) and times forward + backward on it (hardware.time_forward_backward: one
     untimed pass + 3 timed ones). That is what --compile on (and auto on CUDA) pays before it
     decides; compared with one optimizer step of the same job. --compile auto on CPU decides
     without measuring: hardware.choose_compile's own time is reported too.
@@ -46,7 +46,7 @@ def decision_overhead(project: Path, pkg, args) -> dict:
 
     import torch
     from labrun.hardware import time_forward_backward
-    from labrun.session import capture_step
+    from labrun.tools.tuning import capture_step
 
     spec = importlib.util.spec_from_file_location("run_bench", project / "run.py")
     run_py = importlib.util.module_from_spec(spec)
@@ -56,19 +56,19 @@ def decision_overhead(project: Path, pkg, args) -> dict:
     argv += ["--batch-size", str(args.batch_size), "--width", str(args.width)]
     argv += ["--data-dir", str(work / "data"), "--results-dir", str(work / "r")]
     argv += ["--tracking", "off", "--progress", "off"]
-    captured = capture_step(run_py, argv)  # run.py's build(): model, optimizer, step
-    run, device = captured.run, torch.device("cpu")
+    captured = capture_step(run_py, argv)  # run.py's build() and make_step(): model, step
+    device = torch.device("cpu")
     now = pkg.hardware.timed(device)
     decide, choose, steps = [], [], []
     for _ in range(args.repeats):
         start = now()
-        x, y = run.peek_batch()
-        time_forward_backward(captured.model, x, y, run.loss, None, now)
+        x, y = captured.batch()
+        time_forward_backward(captured.model, x, y, captured.loss_fn, None, now)
         decide.append(now() - start)
         start = time.perf_counter()
         pkg.hardware.choose_compile(device, "auto", 7020, measure=None)
         choose.append(time.perf_counter() - start)
-    batches = iter(run.data_.train)
+    batches = iter(captured.data.train)
     captured.step([next(batches)])  # untimed
     for _ in range(args.repeats):
         start = now()

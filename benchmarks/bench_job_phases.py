@@ -7,20 +7,20 @@
 Runs the quick preset's job (`run.py --epochs 6 --width 16`, as `bash run.sh --quick` runs it,
 MLflow deferred to the follower as in a sweep) `--repeats` times, each in its own results folder,
 after one untimed warm-up (the digits cache, __pycache__). A driver in the job's interpreter
-stamps the end of each phase by wrapping labrun.Run's methods (nothing of run.py is changed):
+stamps the end of each phase by wrapping labrun's verbs (nothing of run.py is changed):
 
     interpreter    Python itself up (from the parent's Popen)
     import torch   `import torch`
     import labrun  labrun's package
-    run set up     run.py's imports, its flags, the claim, the device: labrun.Run made
-    data: load     run.data(): splits and loaders
+    run set up     run.py's imports, its flags, the claim, the device: the TrainingJob made
+    data: load     labrun.load_data: splits and loaders
     data: preflight  preflight.check_memory: the model on the meta device, the memory estimate
-    model, resume  model, optimizer, run.restore (the run directory, run.log)
-    compile        run.compile_mode: the compile decision (and its probe)
-    warm-up        run.warm_up (a compile, when chosen)
+    model, resume  model, optimizer, job.resume (the run directory, run.log)
+    compile        hardware.decide_compile: the compile decision (and its probe)
+    warm-up        the rest of job.compile (a compile, when chosen)
     first epoch    the first epoch's steps, evaluation and history row
     other epochs   the rest of the loop, the test, metrics.json
-    teardown       from run.finish's return to the process's exit (parent's wait)
+    teardown       from job.finish's return to the process's exit (parent's wait)
 
 Prints a markdown table (median seconds per phase) for benchmarks/RESULTS.md.
 """
@@ -54,29 +54,29 @@ mark("interpreter")
 import torch
 mark("import torch")
 import labrun
-from labrun.session import Run
-def after(method, name, once=True):
-    original = getattr(Run, method)
-    def wrapped(self, *a, **k):
-        result = original(self, *a, **k)
+from labrun import hardware, preflight, train
+from labrun.session import TrainingJob
+def after(owner, method, name, once=True):
+    original = getattr(owner, method)
+    def wrapped(*a, **k):
+        result = original(*a, **k)
         if not (once and getattr(wrapped, "done", False)):
             wrapped.done = True
             mark(name)
         return result
-    setattr(Run, method, wrapped)
-after("__init__", "run set up")
-from labrun import preflight
+    setattr(owner, method, wrapped)
+after(TrainingJob, "__init__", "run set up")
 check_memory = preflight.check_memory
 def checked(*a, **k):
     mark("data: load")
     return check_memory(*a, **k)
 preflight.check_memory = checked
-after("data", "data: preflight")
-after("restore", "model, resume")
-after("compile_mode", "compile")
-after("warm_up", "warm-up")
-after("end_epoch", "first epoch")
-after("finish", "other epochs")
+after(train, "load_data", "data: preflight")
+after(TrainingJob, "resume", "model, resume")
+after(hardware, "decide_compile", "compile")
+after(TrainingJob, "compile", "warm-up")
+after(TrainingJob, "end_epoch", "first epoch")
+after(TrainingJob, "finish", "other epochs")
 sys.argv = ["run.py", *sys.argv[1:]]
 mark("import labrun")
 runpy.run_path("run.py", run_name="__main__")

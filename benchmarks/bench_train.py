@@ -10,7 +10,7 @@ and number of timed steps:
                converts and augments one sample at a time, `loss.item()` and a synchronous
                `mlflow.log_metric` every step, no compile
   (c) ceiling  the job's own training step (run.py's `step`, reached with
-               labrun.session.capture_step: same precision, layout and compile choice) on
+               labrun.tools.tuning.capture_step: same precision, layout and compile choice) on
                batches already on the device: nothing but compute
 (a) and (b) come from labrun's `gpucheck` module (`job_rate`, `plain_loop_rate`), the code
 `python -m labrun.gpucheck` runs on a GPU. (b) and (c) run in this
@@ -161,8 +161,8 @@ def main(argv=None) -> int:
     def ceiling() -> float:
         """The job's own step (run.py's, via capture_step: same precision, layout and compile
         choice) on batches already on the device: nothing but compute."""
-        from labrun.session import capture_step
         from labrun.tools.reference import timed_rate
+        from labrun.tools.tuning import capture_step
 
         torch.manual_seed(0)
         captured = capture_step(run_py, ceiling_argv)

@@ -66,5 +66,5 @@ def lbfgs_edit(project: Path) -> None:
     run_py = project / "run.py"
     text = replace_fields(run_py.read_text(), ("lr", "weight_decay", "warm_up"), config)
     text = replace_statements(text, ("opt", "sched"), optimizer)
-    text = replace_line(text, "layout = run.memory_format(model)", layout)
+    text = replace_line(text, "layout = data.layout", layout)
     run_py.write_text(replace_line(text, "scaler.step(opt)", step))

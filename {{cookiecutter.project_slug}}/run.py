@@ -23,9 +23,9 @@ epoch end with one `error:` line, writes nothing more and exits 73: the path may
 
 The method's hyperparameters are `Config` below: one line a flag (`--lr`, `--weight-decay`...),
 each in the run's identity unless it says execution=True. The options every project shares
-(data, model, epochs, device, tracking...) are labrun's; `python run.py --help` lists both. The
-machinery (run directory, checkpoints, exact resume, MLflow, signals, torchrun) is labrun's `Run`;
-what is trained, and how, is this file.
+(data, model, epochs, device, tracking...) are labrun's; `python run.py --help` lists both.
+This file holds the method's objects and its loop; labrun's `job` is the run directory (resume,
+checkpoints, history, MLflow, stop signals), and its other verbs take what this file passes.
 """
 
 import sys
@@ -51,12 +51,13 @@ class Config:
 
 def main(argv: list[str] | None = None) -> int:
     # The contract every job shares: --plan, --print-run-dir, skip when done, the claim (exit
-    # 73); torchrun: one job in N processes, rank 0 alone writes. Then train() below.
+    # 73); torchrun: one job in N processes, rank 0 alone writes. Then train(job) below.
     return labrun.lifecycle(argv, train, Config)
 
 
 def make_model(args, info):
-    """The registered --model, sized for this dataset (a misfit is bad input: ValueError)."""
+    """The registered --model, sized for this dataset (a misfit is bad input: ValueError).
+    labrun's checks (an --image-size the model cannot take, memory) build it with this too."""
     from labrun.models import create_model
 
     return create_model(
@@ -79,17 +80,11 @@ def param_groups(model, weight_decay: float) -> list[dict]:
     ]
 
 
-def build(run: labrun.Run):
-    """Data, model, optimizer, schedule and the step, resumed where the run stopped: what
-    train() loops over, and what tools (--profile, gpucheck, tests) drive by calling this."""
-    import contextlib
-
+def build(args, env):
+    """Data, model, optimizer, schedule, the step's sums and early stopping: what train()
+    resumes and loops over, and what tools (--profile, gpucheck, tests) call to drive the same
+    step. `env`: the device, the autocast dtype, the task (--task) and torchrun's processes."""
     import torch
-
-    args, device = run.args, run.device
-    # The loss the step trains on (the compile probe and --find-lr use it too), and the one
-    # run.evaluate reports as val/test loss (the task's: without --label-smoothing).
-    loss_fn = run.use_loss(run.task.loss, report=run.task.eval_loss)
 
     # ---- the hardware's fast paths --------------------------------------------------------------
     # cuDNN tries each convolution algorithm once for our fixed shapes and keeps the fastest.
@@ -99,19 +94,20 @@ def build(run: labrun.Run):
     torch.backends.cudnn.allow_tf32 = not args.deterministic
 
     # ---- data: splits and loaders ------------------------------------------------------------
-    # Batches arrive on `device`: pinned host memory copied with non_blocking=True (the copy
+    # Batches arrive on the device: pinned host memory copied with non_blocking=True (the copy
     # overlaps the previous step), or the whole uint8 set resident on the GPU when it fits;
     # augmentation and normalisation run on the device. The order is a function of (seed, epoch).
-    data = run.data()
+    # make_model: an --image-size or a batch the model cannot take is refused before any work.
+    data = labrun.load_data(args, env, make_model)
 
     # ---- model ----------------------------------------------------------------------------------
     model = make_model(args, data.info)
     # torchrun: SyncBatchNorm on CUDA, and each rank its own augmentation stream.
-    model = run.dist.prepare(model, args.seed)
+    model = env.dist.prepare(model, args.seed)
     # channels_last (NHWC) is the layout tensor cores convolve in: no transposes per layer; for
     # images on a CPU too (the loaders' layout). Other inputs: contiguous (run.log says which).
-    layout = run.memory_format(model)
-    model = model.to(device, memory_format=layout)
+    layout = data.layout
+    model = model.to(env.device, memory_format=layout)
 
     # ---- optimizer and schedule: swap them here (README, "Another optimizer") -------------------
     # AdamW fused into one kernel (CUDA and CPU; on CUDA it also does GradScaler's inf check on
@@ -122,60 +118,67 @@ def build(run: labrun.Run):
     sched = torch.optim.lr_scheduler.OneCycleLR(
         opt,
         max_lr=args.lr,
-        total_steps=max(run.total_steps, 1),
+        total_steps=max(data.total_steps, 1),
         pct_start=args.warm_up,
         anneal_strategy="cos",
         cycle_momentum=True,
         base_momentum=0.85,
         max_momentum=0.95,
     )
-    # bf16 autocast where the GPU has bf16 tensor cores, fp16 below (run.amp_dtype, chosen by
+    # bf16 autocast where the GPU has bf16 tensor cores, fp16 below (env.amp_dtype, chosen by
     # compute capability), fp32 on CPU. fp16 needs loss scaling to keep small gradients; bf16
     # has fp32's range and needs none.
-    scaler = torch.amp.GradScaler(device.type, enabled=run.amp_dtype == torch.float16)
+    scaler = torch.amp.GradScaler(env.device.type, enabled=env.amp_dtype == torch.float16)
     # An exponential moving average of the weights: what we evaluate and test.
     ema = labrun.EMA(model, args.ema) if args.ema > 0 else None
-    eval_model = ema.module if ema is not None else model
+    # The epoch's loss and metric sums stay on the device: the step adds, no host sync.
+    sums = labrun.TrainSums(env.task, env.device)
+    # Early stopping keeps the best weights; patience counts only after the LR peak and
+    # --min-epochs (no stop while the warm-up makes validation jump).
+    stopper = labrun.EarlyStopping.after_warm_up(args, env.task, sched, data.steps_per_epoch)
+    return SimpleNamespace(
+        data=data, model=model, layout=layout, optimizer=opt, scheduler=sched, scaler=scaler,
+        ema=ema, eval_model=ema.module if ema is not None else model, sums=sums, stopper=stopper,
+    )  # fmt: skip
 
-    # Resume: every object by its state_dict, plus progress, RNG, early stopping (or start).
-    run.restore(model=model, optimizer=opt, scheduler=sched, scaler=scaler, ema=ema)
 
-    # ---- compile where it pays, then DDP around the compiled module (nanoGPT's order) ----------
-    # run.compile_mode times eager passes on a real batch against this machine's recorded
-    # compile cost (run.log says why); None: eager. Rank 0 decides for all.
-    mode = run.compile_mode(model)
-    # dynamic=False: every training batch has one shape (the last ragged one is dropped), so
-    # the graphs stay static even where this process compiled another shape before (dynamo's
-    # automatic dynamic would otherwise trace a symbolic batch size, which CUDA graphs skip).
-    net = torch.compile(model, mode=mode, dynamic=False) if mode else model
-    net = run.distributed(net)  # torchrun: DistributedDataParallel, gradients all-reduced
-    net = run.warm_up(net, eager=model)  # compiles now, outside the timed loop
+def make_step(built, compiled, args, env, loss_fn):
+    """The training step: `compiled.net` (the model, compiled and in DDP where that applies)
+    forward and backward under autocast, then the optimizer, schedule and EMA of `built`."""
+    import contextlib
 
-    # ---- the training step ------------------------------------------------------------------
+    import torch
+
+    model, opt, sched, scaler, ema = (built.model, built.optimizer, built.scheduler,
+                                      built.scaler, built.ema)  # fmt: skip
+    net = compiled.net
+
     def forward_backward(micro_batches, sums: bool = True):
         """Gradients of the mean loss over the micro-batches (summed into .grad); returns that
         mean (LBFGS's closure reads it: README, "Another optimizer")."""
         losses = []
         for i, (x, y) in enumerate(micro_batches):
-            if layout == torch.contiguous_format:  # LBFGS (README): the loaders give images NHWC
+            if built.layout == torch.contiguous_format:  # LBFGS (README): images come NHWC
                 x = x.contiguous()
             # DDP all-reduces the gradients once, on the last micro-batch, not on each.
             final = i == len(micro_batches) - 1
-            with contextlib.nullcontext() if final or not run.ddp else net.no_sync():
-                with torch.autocast(device.type, run.amp_dtype, enabled=run.amp_dtype is not None):
+            with contextlib.nullcontext() if final or not compiled.ddp else net.no_sync():
+                with torch.autocast(
+                    env.device.type, env.amp_dtype, enabled=env.amp_dtype is not None
+                ):
                     outputs = net(x)
                 loss = loss_fn(outputs, y)  # fp32, on the (bf16/fp16) outputs
                 mean = loss / len(micro_batches) if len(micro_batches) > 1 else loss  # no / 1
                 scaler.scale(mean).backward()
             if sums:  # the epoch's loss and metric sums stay on the device: no host sync
-                run.train_sums.add(loss, outputs, y)
+                built.sums.add(loss, outputs, y)
             losses.append(loss)
         # One micro-batch (the default): its loss is the mean, no kernel launched for it.
         return losses[0] if len(losses) == 1 else torch.stack(losses).mean()
 
     def step(micro_batches) -> None:
         """One optimizer step over --grad-accum micro-batches. Nothing here waits for the GPU."""
-        if run.cuda_graphs:  # this step's replay may now reuse the memory of the last one's
+        if compiled.cuda_graphs:  # this replay may now reuse the memory of the last one's
             torch.compiler.cudagraph_mark_step_begin()
         forward_backward(micro_batches)
         if args.clip_grad > 0:
@@ -189,41 +192,54 @@ def build(run: labrun.Run):
         if ema is not None:
             ema.update()
 
-    return SimpleNamespace(
-        data=data, model=model, eval_model=eval_model, optimizer=opt, scheduler=sched, step=step
-    )
+    return step
 
 
-def train(run: labrun.Run) -> int | None:
-    """The method. `run` (labrun.Run) holds the run directory, resume, MLflow and stop signals."""
-    args = run.args
-    built = build(run)
-    data, model, eval_model, step = built.data, built.model, built.eval_model, built.step
-    if run.tool:  # --find-lr, --find-batch-size, --profile: measure, report, exit
-        return run.tools(
-            model=model, optimizer=built.optimizer, scheduler=built.scheduler, step=step
-        )
+def train(job: labrun.TrainingJob) -> None:
+    """The method. `job` (labrun.TrainingJob) is the run directory: resume, history, checkpoints,
+    metrics, MLflow, stop signals; `job.args` the flags, `job.env` the device and the task."""
+    args, env = job.args, job.env
+    # The loss the step trains on (the compile probe and --find-lr use it too), and the one
+    # validation and test report (the task's: without --label-smoothing).
+    loss_fn, report_loss = env.task.loss, env.task.eval_loss
+    built = build(args, env)
+    data, model, eval_model, stopper = built.data, built.model, built.eval_model, built.stopper
+
+    # Resume: every object by its state_dict, plus progress, RNG and early stopping (or start).
+    progress = job.resume(
+        data, stopper, loss_fn, model=model, optimizer=built.optimizer,
+        scheduler=built.scheduler, scaler=built.scaler, ema=built.ema, sums=built.sums,
+    )  # fmt: skip
+
+    # ---- compile where it pays, then DDP around the compiled module (nanoGPT's order) ----------
+    # Times eager passes on a real batch against this machine's recorded compile cost (run.log
+    # says why; rank 0 decides for all), compiles with dynamic=False (one batch shape: static
+    # graphs) outside the timed loop, and wraps it in DistributedDataParallel under torchrun.
+    compiled = job.compile(model, loss_fn, data.train, progress)
+    step = make_step(built, compiled, args, env, loss_fn)
+    if labrun.is_tool(args):  # --find-lr, --find-batch-size, --profile: measure, report, exit
+        return labrun.run_tools(job, built, step, loss_fn)
 
     # ---- the loop: epochs until --epochs (or the one --max-steps ends in), or early stopping ----
-    p = run.progress  # epoch, step, batch: where the run is (resumed: where its checkpoint was)
-    while p.epoch < run.last_epoch and not run.stopper.should_stop:
+    while progress.epoch < data.last_epoch and not stopper.should_stop:
         model.train()
         # This epoch's steps from where the run is (resume-exact: a resumed epoch skips the
         # micro-batches it did), each --grad-accum micro-batches already on the device.
-        for micro_batches in run.batches(data.train):
+        for micro_batches in job.batches(data.train):
             step(micro_batches)
-            run.tick()  # counted; a stop signal: checkpoint, exit 75 (re-run the same command)
-        row = run.end_epoch(run.evaluate(eval_model, data.val))  # history.csv, run.log, MLflow
-        # Early stopping keeps the best weights; patience counts only after the LR peak and
-        # --min-epochs (no stop while the warm-up makes validation jump).
-        if run.stopper.update(row[run.task.monitor], p.epoch, eval_model):
-            run.save_best()  # best_model.pt
-        run.checkpoint(every=args.checkpoint_every)  # checkpoint.pt, when that many s passed
+            job.tick()  # counted; a stop signal: checkpoint, exit 75 (re-run the same command)
+        val = labrun.evaluate(eval_model, data.val, report_loss, env)
+        lr = built.optimizer.param_groups[0]["lr"]
+        row = job.end_epoch(built.sums, val, lr=lr)  # history.csv, run.log, MLflow
+        if stopper.update(row[env.task.monitor], progress.epoch, eval_model):
+            job.save_best(stopper)  # best_model.pt
+        job.checkpoint(every=args.checkpoint_every)  # checkpoint.pt, when that many s passed
 
     # ---- test once, with the weights --test-weights names (best epoch's or final); save --------
     if args.test_weights == "best":
-        run.restore_best(eval_model)  # the best epoch's weights (fails if it was never finite)
-    run.finish(test=run.evaluate(eval_model, data.test))  # checkpoint, then metrics.json last
+        stopper.restore(eval_model)  # the best epoch's weights (fails if it was never finite)
+    test = labrun.evaluate(eval_model, data.test, report_loss, env)
+    job.finish(stopper, test)  # checkpoint, then metrics.json last
 
 
 if __name__ == "__main__":

@@ -229,9 +229,9 @@ def signal_self_after(monkeypatch, step_to_stop: int, *signums: int, pause: floa
     import signal
     import time
 
-    from labrun.session import Run
+    from labrun.session import TrainingJob
 
-    original = Run.tick
+    original = TrainingJob.tick
 
     def tick(self):
         if self.progress.step + 1 == step_to_stop:  # the step just done, not yet counted
@@ -240,32 +240,25 @@ def signal_self_after(monkeypatch, step_to_stop: int, *signums: int, pause: floa
                 time.sleep(pause)
         return original(self)
 
-    monkeypatch.setattr(Run, "tick", tick)
+    monkeypatch.setattr(TrainingJob, "tick", tick)
 
 
 def capture_step(monkeypatch, data_dir, results_dir, *args: str, model=None, amp_dtype="auto"):
-    """run.py's build() for these flags, training nothing (labrun.session.capture_step): run,
-    data, model, eval_model, optimizer, scheduler, step. `model` replaces --model's network (any
+    """run.py's build() and make_step() for these flags, training nothing
+    (labrun.tools.tuning.capture_step): data, model, eval_model, optimizer, scheduler, sums,
+    stopper, step, compiled, args, env, loss_fn. `model` replaces --model's network (any
     module: the step is called with the test's own batches); `amp_dtype` replaces the autocast
     dtype hardware.choose_precision would pick (fp16 turns the GradScaler on, also on CPU)."""
-    import signal
-
     from labrun import hardware
-    from labrun.session import capture_step as capture
-    from labrun.stopping import STOP_SIGNALS
+    from labrun.tools.tuning import capture_step as capture
 
     module = load_run_py()
     if model is not None:
         monkeypatch.setattr(module, "make_model", lambda args, info: model)
     if amp_dtype != "auto":
         monkeypatch.setattr(hardware, "choose_precision", lambda device, amp: (amp_dtype, "test"))
-    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     argv = [*TINY, "--data-dir", str(data_dir), "--results-dir", str(results_dir)]
-    try:
-        return capture(module, [*argv, "--tracking", "off", *args])
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
+    return capture(module, [*argv, "--tracking", "off", *args])
 
 
 def wait_for_handler(proc, signum: int, timeout: float = DEADLINE) -> None:

@@ -13,7 +13,7 @@ import types
 
 import pytest
 import torch
-from conftest import ROOT, capture_step, load_run_py, run_dir_of
+from conftest import ROOT, load_run_py, run_dir_of
 from image_folders import make_folder
 from lab_project.model import build_model
 
@@ -221,15 +221,17 @@ def test_a_mode_is_judged_on_the_training_steps_own_time(tmp_path, monkeypatch, 
     mode, why = choose_compile(CUDA, "auto", 7020, measure=lambda: (0.0052, record.costs(CUDA)))
     assert mode == "reduce-overhead" and "training steps" in why
     # The run records its first epoch's step time in the mode it trained in, once.
-    c = capture_step(monkeypatch, data_dir, tmp_path / "r")
+    from labrun.session import Progress, TrainingJob
+
     saved = []
     fake = types.SimpleNamespace(save_step=lambda mode, s: saved.append((mode, s)))
-    c.run._compile, c.run.compiled = (None, 0.0, fake), None
-    c.run._bar, c.run._busy = types.SimpleNamespace(close=print), None
+    job = TrainingJob.__new__(TrainingJob)  # the loop's bookkeeping only: no run directory
+    job.compiled = types.SimpleNamespace(record=fake, mode=None)
+    job._bar, job._busy = types.SimpleNamespace(close=print), None
     for resumed, epoch in ((False, 0), (True, 0), (False, 1)):
-        c.run._now, c.run._t0, c.run._first_step = (lambda: 2.5), 0.0, 0
-        c.run.progress.step, c.run.progress.epoch, c.run._resumed_in_epoch = 25, epoch, resumed
-        c.run._epoch_trained()
+        job._now, job._t0, job._first_step = (lambda: 2.5), 0.0, 0
+        job.progress, job._resumed_in_epoch = Progress(epoch=epoch, step=25), resumed
+        job._epoch_trained()
     assert saved == [(None, 0.1)]
 
 
@@ -301,16 +303,16 @@ def grey_folder(tmp_path):
 
 
 def graphs_after_warm_up(monkeypatch, graphs) -> list[int]:
-    from labrun.session import Run
+    from labrun import compiling
 
-    seen, original = [], Run.warm_up
+    seen, original = [], compiling._warm
 
-    def warm_up(self, *args, **kwargs):
-        net = original(self, *args, **kwargs)
+    def warm_up(*args, **kwargs):
+        warmed = original(*args, **kwargs)
         seen.append(len(graphs))
-        return net
+        return warmed
 
-    monkeypatch.setattr(Run, "warm_up", warm_up)
+    monkeypatch.setattr(compiling, "_warm", warm_up)
     return seen
 
 
@@ -409,7 +411,7 @@ def test_the_compile_decision_is_rank_0s_on_every_rank(monkeypatch, rank):
     """Issue 28.7: rank 0 measures and decides; the others take its decision (no measuring)."""
     import types
 
-    from labrun.session import Run
+    from labrun import compiling
 
     measured, shared = [], []
 
@@ -422,20 +424,15 @@ def test_the_compile_decision_is_rank_0s_on_every_rank(monkeypatch, rank):
         return "default"
 
     monkeypatch.setattr(hardware, "decide_compile", decide_compile)
-    run = types.SimpleNamespace(
-        _open=lambda model: None,
-        dist=types.SimpleNamespace(is_main=rank == 0, decide=decide, active=True),
-        cuda_graphs=False,
-        device=CPU,
-        peek_batch=None,
-        loss=None,
-        amp_dtype=None,
-        total_steps=10,
-        progress=types.SimpleNamespace(step=0),
-        args=types.SimpleNamespace(grad_accum=1, compile="on", deterministic=False),
-        log=logging.getLogger("test_compile"),
+    monkeypatch.setattr(compiling, "_warm", lambda net, eager, batch, *a: (net, a[2], 0.0))
+    dist = types.SimpleNamespace(is_main=rank == 0, decide=decide, active=True, ddp=lambda m: None)
+    env = types.SimpleNamespace(dist=dist, device=CPU, amp_dtype=None)
+    args = types.SimpleNamespace(grad_accum=1, compile="on", deterministic=False, batch_size=8)
+    log = logging.getLogger("test_compile")
+    compiled = compiling.compile_model(
+        torch.nn.Linear(2, 2), None, None, args, env, steps=10, log=log
     )
-    assert Run.compile_mode(run, torch.nn.Linear(2, 2)) == "default"
+    assert compiled.mode == "default"
     assert measured == ([1] if rank == 0 else [])
     assert shared == ["default" if rank == 0 else None]
 

@@ -23,8 +23,8 @@ TOOLS = "tools"  # labrun/tools/: gpucheck, tuning, similarity, reference
 # its MLflow follower (with `tracking sync`, which mirrors finished runs). No single run needs
 # them: a job imports plan only when run.sh asks `--plan`.
 SIDE = {"analysis", "figures", "sweep", "plan", "follower"}
-# The core's lazy imports of the side, each where a flag asks for it: run.py's --find-lr,
-# --find-batch-size and --profile (session.py, Run.tools); run.sh's `SCRIPT --plan` (jobs.py);
+# The core's lazy imports of the side, each where a flag asks for it: run.py's --profile
+# (session.py: its memory history from the start); run.sh's `SCRIPT --plan` (jobs.py);
 # `python -m labrun.gpucheck`, the command every project's README gives (gpucheck.py runs
 # labrun.tools.gpucheck and nothing else); `python -m labrun.tracking sync` (follower.py).
 LAZY_ALLOWED = {
@@ -124,7 +124,7 @@ def test_the_graph_reads_relative_and_absolute_imports():
     anywhere, top = package_imports("any"), package_imports("module")
     assert "tools.reference" in anywhere["tools.gpucheck"]  # from . import reference (lazy)
     assert "augment" in top["tools.reference"]  # from ..augment import MEAN, STD
-    assert "tools.tuning" in anywhere["session"] - top["session"]  # lazy, in Run.tools
+    assert "tools.tuning" in anywhere["session"] - top["session"]  # lazy, for --profile
     assert "tools.gpucheck" in anywhere["gpucheck"] - top["gpucheck"]  # under __main__
     assert {"tools", "tools.gpucheck", "session", "jobs"} <= set(top)
 
@@ -165,8 +165,10 @@ def test_the_core_never_imports_a_tool_nor_the_results_side():
 
 def test_a_public_name_means_one_thing():
     """Two `Run` (the run's context, a finished run's numbers), two `lifecycle`, two
-    `code_version` meaning different things were found here (issue 35)."""
+    `code_version` meaning different things were found here (issue 35); `Run` went (issue 46):
+    a training job is a TrainingJob, a job of any script a jobs.Job."""
     names = public_names()
-    assert names["Run"] == ["session"] and names["RunResult"] == ["analysis"]
+    assert "Run" not in names and names["RunResult"] == ["analysis"]
+    assert names["TrainingJob"] == ["session"] and names["Job"] == ["jobs"]
     twice = {n: m for n, m in names.items() if len(m) > 1 and n not in QUALIFIED}
     assert not twice, f"defined in more than one module: {twice}"

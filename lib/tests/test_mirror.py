@@ -502,16 +502,16 @@ def test_a_sweep_killed_with_kill_9_loses_nothing_the_next_sweep_recovers(tmp_pa
 GATED = r"""
 import os, runpy, sys, time
 from pathlib import Path
-from labrun.session import Run
-end_epoch, epochs = Run.end_epoch, []
-def held(self, val):
-    row = end_epoch(self, val)
+from labrun.session import TrainingJob
+end_epoch, epochs = TrainingJob.end_epoch, []
+def held(self, sums, val, **kw):
+    row = end_epoch(self, sums, val, **kw)
     epochs.append(row)
     go = Path(os.environ["GATE_DIR"]) / self.out.name
     while len(epochs) == 2 and not go.exists():
         time.sleep(0.05)
     return row
-Run.end_epoch = held
+TrainingJob.end_epoch = held
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

@@ -13,7 +13,15 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import PACKAGE, ROOT, TINY, cli_command, run_dir_of, wait_while_running
+from conftest import (
+    PACKAGE,
+    ROOT,
+    TINY,
+    cli_command,
+    load_run_py,
+    run_dir_of,
+    wait_while_running,
+)
 
 GiB = 2**30
 
@@ -82,18 +90,19 @@ def test_on_cuda_the_model_is_held_against_the_gpus_free_memory_and_the_host_kee
     from labrun.config import UsageError
 
     args, info = _preflight_args(64)
+    make_model = load_run_py().make_model  # what labrun checks is what run.py trains
     gpu = torch.device("cuda", 0)
     free = {"gpu": 16 * 2**20, "host": 1 << 40}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["gpu"], 80 * GiB))
     monkeypatch.setattr(data, "available_ram_bytes", lambda: free["host"])
     with pytest.raises(UsageError, match=r"of memory on cuda:0 .* but 16.0 MiB is free"):
-        preflight.check_memory(args, info, gpu, torch.bfloat16, micro_batch=128)
+        preflight.check_memory(args, info, gpu, torch.bfloat16, make_model, micro_batch=128)
     free.update(gpu=80 * GiB, host=64 * 2**20)  # a small host: only the best weights live there
     assert "training needs about" in preflight.check_memory(
-        args, info, gpu, torch.bfloat16, micro_batch=128
+        args, info, gpu, torch.bfloat16, make_model, micro_batch=128
     )
     with pytest.raises(UsageError, match=r"of host memory .* but 64.0 MiB is free"):
-        preflight.check_memory(args, info, torch.device("cpu"), None, micro_batch=128)
+        preflight.check_memory(args, info, torch.device("cpu"), None, make_model, micro_batch=128)
 
 
 def test_the_estimate_counts_what_training_holds():

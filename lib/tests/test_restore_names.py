@@ -1,6 +1,6 @@
-"""run.py names what it gives run.restore (issue 46): a student's `opt=` instead of `optimizer=`
-must not turn a number silently wrong. labrun finds each object by what it is, not by its
-keyword: history's lr is the optimizer's, patience counts from the schedule's peak."""
+"""run.py names what it gives job.resume (issue 46): a student's `opt=` instead of `optimizer=`
+must not turn a number silently wrong. labrun reads none of those objects back by keyword: it
+checkpoints each by its state_dict; history's lr is what run.py reads from its optimizer."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import math
 from conftest import run_dir_of, run_edited_run_py
 
 
-def test_renamed_restore_keywords_keep_the_lr_column(tmp_path, env, data_dir):
-    line = "run.restore(model=model, optimizer=opt, scheduler=sched, scaler=scaler, ema=ema)"
-    renamed = "run.restore(model=model, opt=opt, sched=sched, scaler=scaler, ema=ema)"
+def test_renamed_resume_keywords_keep_the_lr_column(tmp_path, env, data_dir):
+    line = "model=model, optimizer=built.optimizer,"
+    renamed = "model=model, opt=built.optimizer,"
     done, _ = run_edited_run_py(tmp_path, env, data_dir, line, renamed, "--epochs", "2")
     assert done.returncode == 0, done.stderr
     with open(run_dir_of(tmp_path / "results") / "history.csv", newline="") as f:

@@ -150,7 +150,7 @@ def test_nan_loss_fails_clearly_and_keeps_the_last_good_checkpoint(
 ):
     import torch
 
-    from labrun.state import TrainSums
+    from labrun.train import TrainSums
 
     original, calls = TrainSums.add, {"n": 0}
 

@@ -151,8 +151,8 @@ def test_min_epochs_holds_early_stopping_back(main_in_process, tmp_path, monkeyp
 
     real_evaluate, calls = train.evaluate, []
 
-    def falling(model, loader, **kwargs):
-        values = real_evaluate(model, loader, **kwargs)  # {loss, acc}: the task's names
+    def falling(model, loader, loss_fn, env):
+        values = real_evaluate(model, loader, loss_fn, env)  # {loss, acc}: the task's names
         calls.append(1)
         return {**values, "acc": 0.5 - 0.1 * len(calls)}
 

@@ -216,7 +216,7 @@ def test_signals_with_augmentation_resume_exactly(main_in_process, tmp_path, mon
 
     import pandas as pd
 
-    from labrun.state import TrainSums
+    from labrun.train import TrainSums
 
     argv = ["--dataset", "signals", "--model", "cnn1d", "--augment", "on", "--epochs", "2",
             "--tracking", "off"]  # fmt: skip

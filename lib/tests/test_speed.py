@@ -14,8 +14,8 @@ import torch
 from conftest import capture_step, read_metrics, run_dir_of
 from torch import nn
 
-from labrun import hardware
-from labrun.session import Run
+from labrun import compiling, hardware
+from labrun.session import Progress, TrainingJob
 from labrun.tasks import cross_entropy
 
 CPU = torch.device("cpu")
@@ -83,24 +83,29 @@ def test_the_cuda_speed_scale_is_measured_once_per_machine_and_model(
         hardware, "measure_matmul_flops", lambda device, dtype: peaks.append(1) or 7.69e14
     )
     caplog.set_level(logging.INFO, logger="test_speed")
+    log = logging.getLogger("test_speed")
     for job in ("first", "second"):
         c = capture_step(monkeypatch, data_dir, tmp_path / job)
-        c.run.log = logging.getLogger("test_speed")  # run.log's logger is closed once captured
-        c.run._measure_speed_scale(c.model)
-        assert c.run.speed["flops_per_sample"] > 0 and c.run.speed["peak_flops"] == 7.69e14
+        speed, busy_record = compiling.speed_scale(
+            c.model, c.batch, c.loss_fn, c.env, None, 64, log
+        )
+        assert speed["flops_per_sample"] > 0 and speed["peak_flops"] == 7.69e14
         assert all(p.grad is None for p in c.model.parameters())
         if job == "first":
             assert "769 TFLOP/s in fp32 (measured now)" in caplog.text
-            assert "gpu_busy" not in c.run.speed  # batches() profiles the first epoch
+            assert "gpu_busy" not in speed  # batches() profiles the first epoch
             # The first epoch's end with a profile of it (GpuBusy's numbers, gpu.md's step).
-            c.run._busy = types.SimpleNamespace(share=0.186, step_s=0.00759, close=print)
-            c.run._now, c.run._t0, c.run._first_step = (lambda: 1.0), 0.0, 0
-            c.run._bar, c.run._resumed_in_epoch = types.SimpleNamespace(close=print), False
-            c.run._epoch_trained()
+            job = TrainingJob.__new__(TrainingJob)  # the loop's bookkeeping only: no run directory
+            job.compiled = types.SimpleNamespace(busy_record=busy_record, record=None)
+            job.progress, job.speed, job.log, job.args = Progress(), {}, log, c.args
+            job._busy = types.SimpleNamespace(share=0.186, step_s=0.00759, close=print)
+            job._now, job._t0, job._first_step = (lambda: 1.0), 0.0, 0
+            job._bar, job._resumed_in_epoch = types.SimpleNamespace(close=print), False
+            job._epoch_trained()
             caplog.clear()
     assert peaks == [1], "the second job measured the peak again"
     assert "769 TFLOP/s in fp32 (recorded " in caplog.text
-    assert c.run.speed["gpu_busy"] == 0.186  # batches() profiles nothing
+    assert speed["gpu_busy"] == 0.186  # batches() profiles nothing
     assert "GPU busy 19 % of the step (1.41 of 7.59 ms)" in caplog.text
 
 
@@ -109,14 +114,14 @@ def test_run_log_and_metrics_give_samples_per_sec_and_on_cuda_mfu(
     main_in_process, tmp_path, monkeypatch, cuda
 ):
     speed = {"flops_per_sample": 4.28e8, "peak_flops": 7.69e14, "gpu_busy": 0.186}
-    finish = Run.finish
+    finish = TrainingJob.finish
 
-    def finish_with_cuda_speed(self, test):
-        if cuda:  # what compile_mode and the first epoch measure on a GPU
+    def finish_with_cuda_speed(self, stopper, test):
+        if cuda:  # what compile_model and the first epoch measure on a GPU
             self.speed.update(speed)
-        return finish(self, test)
+        return finish(self, stopper, test)
 
-    monkeypatch.setattr(Run, "finish", finish_with_cuda_speed)
+    monkeypatch.setattr(TrainingJob, "finish", finish_with_cuda_speed)
     monkeypatch.setenv("LAB_TRACKING", "off")
     assert main_in_process("--epochs", "1", "--results-dir", str(tmp_path)) == 0
     run_dir = run_dir_of(tmp_path)

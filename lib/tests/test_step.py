@@ -1,6 +1,6 @@
 """run.py's step on CPU (taken from its train() by conftest.capture_step): GradScaler with clipping
 and accumulation, a skipped step, the epoch's sums, the state that resumes it exactly; EMA, the
-loss; the compile warm-up (Run.warm_up) and its fallback. Tiny models."""
+loss; the compile warm-up (compiling._warm) and its fallback. Tiny models."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from conftest import capture_step
 from torch import nn
 from torch._dynamo.exc import InternalTorchDynamoError
 
+from labrun import checkpoint, compiling
 from labrun.tasks import cross_entropy
 from labrun.train import EMA
 
@@ -129,7 +130,10 @@ def test_grad_scaler_on_cpu_unscales_before_clipping_and_accumulates(step_of, mo
     x, y = torch.randn(8, 8) * 0.1, torch.randint(0, 3, (8,))
     torch.manual_seed(0)
     scaled = step_of(nn.Linear(8, 3), "--clip-grad", "0.01", amp_dtype=torch.float16)
-    assert scaled.run.precision() == {"autocast": "fp16", "grad_scaler": True}
+    assert checkpoint.precision(objects(scaled), torch.float16) == {
+        "autocast": "fp16",
+        "grad_scaler": True,
+    }
     lr = scaled.optimizer.param_groups[0]["lr"]
     start = [p.detach().clone() for p in scaled.model.parameters()]
     scaled.step([(x[:4], y[:4]), (x[4:], y[4:])])
@@ -146,8 +150,8 @@ def test_grad_scaler_on_cpu_unscales_before_clipping_and_accumulates(step_of, mo
     for p, q, p0 in zip(scaled.model.parameters(), reference.parameters(), start, strict=True):
         assert not torch.equal(p, p0)  # the step was taken, not skipped
         torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-3)
-    assert scaled.run.state_dict()["trainer"]["scaler"]["scale"] == 65536.0
-    metrics, seen = scaled.run.train_sums.take()
+    assert scaled.scaler.state_dict()["scale"] == 65536.0
+    metrics, seen = scaled.sums.take()
     assert seen == 8 and 0 <= metrics["acc"] <= 1  # both micro-batches counted, once
 
 
@@ -157,7 +161,7 @@ def test_grad_scaler_skips_a_step_with_inf_gradients_and_halves_the_scale(step_o
     before = [p.detach().clone() for p in c.model.parameters()]
     x = torch.full((4, 8), float("inf"))
     c.step([(x, torch.zeros(4, dtype=torch.long))])
-    assert c.run.state_dict()["trainer"]["scaler"]["scale"] == 32768.0
+    assert c.scaler.state_dict()["scale"] == 32768.0
     for p, q in zip(c.model.parameters(), before, strict=True):
         assert torch.equal(p, q)
 
@@ -173,7 +177,7 @@ def test_grad_accumulation_equals_one_big_batch(step_of, monkeypatch):
     accumulating.step([(x[:4], y[:4]), (x[4:], y[4:])])
     for p, q in zip(big.parameters(), small.parameters(), strict=True):
         torch.testing.assert_close(p, q)
-    metrics, seen = accumulating.run.train_sums.take()
+    metrics, seen = accumulating.sums.take()
     assert seen == 8 and metrics["loss"] == metrics["loss"] and 0 <= metrics["acc"] <= 1
 
 
@@ -208,9 +212,10 @@ class Compiled(nn.Module):
 
 
 def warm(c, net):
-    """Run.warm_up as after a decision to compile (mode "default", nothing recorded)."""
-    c.run.compiled, c.run._compile = "default", ("default", 0.01, None)
-    return c.run.warm_up(net, eager=c.model)
+    """The warm-up after a decision to compile (mode "default", nothing recorded): the module
+    the step calls, its mode (None: eager) and the compile's seconds."""
+    decided, log = ("default", 0.01, None), logging.getLogger("test_step")
+    return compiling._warm(net, c.model, c.batch, c.loss_fn, c.env, "default", decided, log)
 
 
 def test_warm_up_runs_what_the_step_calls_and_leaves_no_trace(step_of):
@@ -219,28 +224,35 @@ def test_warm_up_runs_what_the_step_calls_and_leaves_no_trace(step_of):
     net = Compiled(c.model)
     state = {k: v.clone() for k, v in c.model.state_dict().items()}
     rng = torch.get_rng_state()
-    assert warm(c, net) is net and net.calls == 4  # untimed, then 3 timed passes
+    warmed, mode, seconds = warm(c, net)
+    assert warmed is net and mode == "default" and net.calls == 4  # untimed, 3 timed passes
     for key, value in c.model.state_dict().items():
         assert torch.equal(value, state[key]), key  # BatchNorm statistics put back
     assert all(p.grad is None for p in c.model.parameters())
-    assert torch.equal(torch.get_rng_state(), rng) and c.run.train_sums.seen == 0
-    assert c.run.progress.compile_time_s >= 0
+    assert torch.equal(torch.get_rng_state(), rng) and c.sums.seen == 0
+    assert seconds >= 0
 
 
 @pytest.mark.parametrize("fail_in", ["forward", "backward"])
-def test_warm_up_falls_back_to_eager_when_compiling_fails(step_of, fail_in, capfd):
+def test_warm_up_falls_back_to_eager_when_compiling_fails(step_of, fail_in, caplog):
     c = step_of(small_net())
     monkeypatch_batch(c)
-    assert warm(c, Compiled(c.model, fail_in, fail_on=1)) is c.model
-    assert all(p.grad is None for p in c.model.parameters()) and c.run.compiled is None
-    assert "torch.compile failed" in capfd.readouterr().err  # run.log's logger, closed now
+    assert warm(c, Compiled(c.model, fail_in, fail_on=1)) == (c.model, None, 0.0)
+    assert all(p.grad is None for p in c.model.parameters())
+    assert "torch.compile failed" in caplog.text
     with pytest.raises(RuntimeError, match="simulated"):  # not a compiler error: a bug
         warm(c, Compiled(c.model, "forward", fail_on=1, error=RuntimeError))
 
 
+def objects(c) -> dict:
+    """What run.py's train() gives job.resume: checkpointed by their state_dicts."""
+    names = ("model", "optimizer", "scheduler", "scaler", "ema", "sums")
+    return {name: getattr(c, name) for name in names}
+
+
 def monkeypatch_batch(c):
     """The warm-up's batch: the tests' small images, not digits."""
-    c.run.peek_batch = lambda: batches(1)[0]
+    c.batch = lambda: batches(1)[0]
 
 
 def test_the_state_resumes_the_step_exactly(step_of):
@@ -252,18 +264,19 @@ def test_the_state_resumes_the_step_exactly(step_of):
     for batch in data[:2]:
         first.step([batch])
     buffer = io.BytesIO()
-    torch.save(first.run.state_dict()["trainer"], buffer)
+    torch.save(checkpoint.objects_state(objects(first), None), buffer)
     buffer.seek(0)
     resumed = step_of(small_net(7), "--clip-grad", "1", "--ema", "0.5")  # all must be loaded
-    resumed.run.load_objects(torch.load(buffer, weights_only=True))
+    saved = torch.load(buffer, weights_only=True)
+    checkpoint.load_objects(objects(resumed), saved, None, logging.getLogger("test_step"))
     for batch in data[2:]:
         resumed.step([batch])
     for name in ("model", "ema"):
-        a, b = (c.run.objects[name].state_dict() for c in (straight, resumed))
+        a, b = (objects(c)[name].state_dict() for c in (straight, resumed))
         a, b = (s.get("module", s) for s in (a, b))  # EMA: its module's weights
         for key, value in a.items():
             assert torch.equal(value, b[key]), key
-    assert straight.run.train_sums.take() == resumed.run.train_sums.take()
+    assert straight.sums.take() == resumed.sums.take()
     assert straight.scheduler.get_last_lr() == resumed.scheduler.get_last_lr()
 
 
@@ -304,9 +317,10 @@ def test_the_step_marks_each_step_begin_only_under_cuda_graphs(
 ):
     c = step_of(small_net())
     marks.clear()  # count only the steps' marks
-    c.run.compiled, c.run.device = mode, torch.device(device)  # the device as graphs see it
+    graphs = compiling.replays_graphs(torch.device(device), mode)  # as compile_model decides
+    step = c.run_py.make_step(c, c.compiled._replace(cuda_graphs=graphs), c.args, c.env, c.loss_fn)
     for micro_batches in [[b] for b in batches(3)]:
-        c.step(micro_batches)
+        step(micro_batches)
     assert len(marks) == expected
 
 
@@ -325,9 +339,11 @@ def test_cuda_graph_runs_set_no_inductor_setting_that_keeps_graphs_from_replayin
     c = step_of(small_net())
     monkeypatch.setattr(hardware, "decide_compile", lambda *a, **k: ("reduce-overhead", 0.01, None))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    c.run.device = torch.device("cuda")
-    c.run.log = logging.getLogger("test_step")  # run.log's logger is closed once captured
-    assert c.run.compile_mode(c.model) == "reduce-overhead" and c.run.cuda_graphs
+    monkeypatch.setattr(compiling, "speed_scale", lambda *a: ({}, None))  # no GPU to measure
+    monkeypatch.setattr(compiling, "_warm", lambda net, eager, batch, *a: (net, a[2], 0.0))
+    env, log = c.env._replace(device=torch.device("cuda")), logging.getLogger("test_step")
+    compiled = compiling.compile_model(c.model, c.loss_fn, c.batch, c.args, env, steps=9, log=log)
+    assert compiled.mode == "reduce-overhead" and compiled.cuda_graphs
     after = inductor.get_config_copy()
     assert {k: v for k, v in after.items() if before.get(k) != v} == {}
 
@@ -368,14 +384,14 @@ def test_the_default_step_stays_within_its_op_budget_of_the_reference(step_of, m
     monkeypatch.setattr(augment, "crop_flip_slices", augment.crop_flip_gather)  # the GPU's
     c = step_of(None, "--dataset", "synthetic", "--synthetic-size", "600")
     model = copy.deepcopy(c.model)
-    batches = iter(c.run.data_.train)
+    batches = iter(c.data.train)
     c.step([next(batches)])  # the first step allocates AdamW's state: not a per-step cost
     with OpCounter() as ours:
         c.step([next(batches)])  # the batch's augmentation and the step
     gen = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (256, 3, 32, 32), dtype=torch.uint8, generator=gen)
     labels = torch.randint(0, 10, (256,), generator=gen)
-    step = reference.best_practice_step(model, images, labels, c.run.args.batch_size, None)
+    step = reference.best_practice_step(model, images, labels, c.args.batch_size, None)
     step(0)
     with OpCounter() as theirs:
         step(1)

@@ -32,9 +32,9 @@ from conftest import LIB, PACKAGE, ROOT, mlflow_run, read_metrics, run_dir_of, t
 from labrun.analysis import aggregate, load_runs
 from labrun.arrays import synthetic_targets
 from labrun.data import Split, build_loader
-from labrun.state import TrainSums
 from labrun.stopping import EarlyStopping
 from labrun.tasks import ap_bins, create_task
+from labrun.train import TrainSums
 
 RELEASED = Path(__file__).with_name("released_run")
 REFERENCE = (  # with the tiny settings of conftest.TINY
@@ -329,7 +329,7 @@ print("ok")
 
 
 def test_task_sums_resume_exactly_mid_epoch():
-    """The epoch's running sums (state.TrainSums) go through a checkpoint unchanged."""
+    """The epoch's running sums (train.TrainSums) go through a checkpoint unchanged."""
     logits, y = multilabel_data(n=32, labels=4)
     batches = [(logits[i : i + 8], y[i : i + 8]) for i in range(0, 32, 8)]
     multilabel = task("multilabel")

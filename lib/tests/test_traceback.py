@@ -13,10 +13,10 @@ from conftest import RUN_PY, run_dir_of, run_edited_run_py
 @pytest.mark.parametrize(
     ("line", "typo"),
     [
-        ("    data = run.data()\n", "    data = run.data()\n    dataa.info\n"),  # before run.log
-        ("            run.tick()", "            run.tikc()"),  # in the loop: run.log is open
+        ("    model = make_model(args, data.info)\n", "    model = make_model(args, dataa.info)\n"),
+        ("            job.tick()", "            job.tikc()"),  # in the loop: run.log is open
     ],
-    ids=["in-build", "in-the-loop"],
+    ids=["in-build", "in-the-loop"],  # before run.log exists, and after
 )
 def test_a_typo_in_run_py_shows_its_line(line, typo, tmp_path, env, data_dir):
     done, script = run_edited_run_py(tmp_path, env, data_dir, line, typo, "--epochs", "1")
@@ -36,3 +36,31 @@ def test_a_typo_in_run_py_shows_its_line(line, typo, tmp_path, env, data_dir):
         assert "/labrun/" in log  # the whole traceback, the library's frames included
     else:  # no run.log yet: the project's frames stand under the error line, labrun's do not
         assert frame in after_error and "/labrun/" not in after_error
+
+
+RESUME = "    progress = job.resume(\n"
+COMPILE = "    compiled = job.compile(model, loss_fn, data.train, progress)\n"
+STEP = "    step = make_step(built, compiled, args, env, loss_fn)\n"
+
+
+@pytest.mark.parametrize(
+    ("line", "misordered", "name"),
+    [
+        (RESUME, COMPILE + RESUME, "progress"),  # compiled before resume: no progress yet
+        (COMPILE + STEP, STEP + COMPILE, "compiled"),  # the step before its compiled module
+    ],
+    ids=["compile-before-resume", "step-before-compile"],
+)
+def test_a_misordered_verb_is_a_name_error_at_the_students_line(
+    line, misordered, name, tmp_path, env, data_dir
+):
+    """The order of the verbs is Python's: each takes what the one before returned, so a verb
+    moved above what it needs fails at its own line, with the name it lacks."""
+    done, script = run_edited_run_py(tmp_path, env, data_dir, line, misordered, "--epochs", "1")
+    edited = RUN_PY.read_text().replace(line, misordered, 1).splitlines()
+    first = misordered.splitlines()[0]
+    number = next(i for i, text in enumerate(edited, 1) if text == first)
+    assert done.returncode == 1, done.stderr
+    error_line = next(text for text in done.stderr.splitlines() if text.startswith("error: "))
+    assert error_line.startswith("error: UnboundLocalError: ") and f"'{name}'" in error_line
+    assert f'File "{script}", line {number}' in done.stderr, done.stderr

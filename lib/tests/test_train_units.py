@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import types
 
 import pytest
 import torch
@@ -15,10 +14,10 @@ from conftest import capture_step, load_run_py
 from torch import nn
 
 from labrun import checkpoint, config, runs
-from labrun.session import Run
+from labrun.distributed import Dist
 from labrun.stopping import EarlyStopping, NonFiniteLoss, check_finite
 from labrun.tasks import create_task
-from labrun.train import evaluate, lr_peak_step, peak_epoch
+from labrun.train import Env, evaluate, lr_peak_step, peak_epoch
 
 CPU = torch.device("cpu")
 
@@ -105,10 +104,7 @@ def test_patience_starts_after_the_lr_peak_and_beta1_cycles_as_documented(total,
 def test_stop_reason_is_early_stopping_only_if_patience_ended_the_run_early():
     import argparse
 
-    from labrun.state import Progress
-
-    def stop_reason(progress, args, stopper):
-        return Run.stop_reason(types.SimpleNamespace(progress=progress, args=args, stopper=stopper))
+    from labrun.session import Progress, stop_reason
 
     stopper, model = EarlyStopping(patience=1), _model_with_weight(0.0)
     stopper.update(0.5, 1, model)
@@ -134,7 +130,8 @@ def test_evaluate_is_inference_only_and_restores_train_mode():
     batches = [(torch.randn(6, 4), torch.randint(0, 3, (6,))) for _ in range(2)]
     before = model[1].running_mean.clone()
     task = create_task("classification", argparse.Namespace(label_smoothing=0.0))
-    metrics = evaluate(model, batches, device=CPU, dtype=None, task=task, loss_fn=task.eval_loss)
+    env = Env(CPU, None, task, Dist())
+    metrics = evaluate(model, batches, task.eval_loss, env)
     assert model.training and torch.equal(before, model[1].running_mean)
     assert math.isfinite(metrics["loss"]) and 0 <= metrics["acc"] <= 1
 
@@ -305,13 +302,12 @@ def test_a_monitored_metric_never_finite_fails_the_run_in_one_line(
     """Issue 29.3: no epoch gave a finite val_acc, so there are no best weights to test."""
     from labrun import session
 
-    real = session.Run.evaluate
+    real = session.TrainingJob.end_epoch
 
-    def evaluate(self, model, loader):
-        scores = real(self, model, loader)
-        return {**scores, "acc": math.nan} if loader is self.data_.val else scores
+    def end_epoch(self, sums, val, *, lr):
+        return real(self, sums, {**val, "acc": math.nan}, lr=lr)
 
-    monkeypatch.setattr(session.Run, "evaluate", evaluate)
+    monkeypatch.setattr(session.TrainingJob, "end_epoch", end_epoch)
     assert (
         main_in_process("--epochs", "2", "--tracking", "off", "--results-dir", str(tmp_path)) == 1
     )
@@ -324,21 +320,6 @@ def test_a_monitored_metric_never_finite_fails_the_run_in_one_line(
     assert (run_dir / "status").read_text() == "failed\n" and not (
         run_dir / "metrics.json"
     ).exists()
-
-
-def test_a_run_py_that_names_no_loss_is_refused_before_any_file_of_the_run(
-    main_in_process, tmp_path, monkeypatch, capsys
-):
-    """labrun never falls back on the task's loss behind run.py's back: a run.py whose
-    run.use_loss line is gone fails in one line, before any file of the run is written."""
-    monkeypatch.setattr(Run, "use_loss", lambda self, loss_fn, report=None: loss_fn)
-    assert main_in_process("--tracking", "off", "--results-dir", str(tmp_path)) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    line = "error: RunFailed: run.py gave no loss: call run.use_loss(loss_fn) before run.restore"
-    at = err.index(line)  # then the traceback's frames in run.py: its run.restore line
-    assert err[at + 1] == "in your code:" and "run.restore(" in err[-1], err
-    [run_dir] = tmp_path.iterdir()  # the claim's folder: nothing of the run in it
-    assert {p.name for p in run_dir.iterdir()} <= {".lock"}
 
 
 @pytest.mark.parametrize(

@@ -6,9 +6,11 @@ exact resume, stop signals, MLflow tracking, the sweep engine and Slurm, the dat
 device / precision / compile policy, torchrun, results tables and gpucheck. Importing labrun
 imports no torch: `--help` stays instant (the names below load their module on first use).
 
-run.py's API: `labrun.lifecycle(argv, train, Config)` calls `train(run)` with a `labrun.Run`
-(session.py); `labrun.flag` types a field of run.py's Config (config.py); `labrun.EMA`
-(train.py); `labrun.Interrupted`, `labrun.RunFailed`.
+run.py's API (lib/README.md, "Public surface"): `labrun.lifecycle(argv, train, Config)` calls
+`train(job)` with a `labrun.TrainingJob`, the run directory (session.py); `labrun.flag` types a
+field of run.py's Config (config.py); `labrun.load_data`, `labrun.evaluate`, `labrun.TrainSums`,
+`labrun.EMA` (train.py); `labrun.EarlyStopping` (stopping.py); `labrun.is_tool`,
+`labrun.run_tools` (the tools run.py's flags ask for); `labrun.Interrupted`, `labrun.RunFailed`.
 """
 
 
@@ -26,10 +28,16 @@ def _installed_version() -> str:
 __version__ = _installed_version()
 
 _LAZY = {
-    "Run": "session",
+    "TrainingJob": "session",
     "lifecycle": "session",
-    "RunFailed": "session",
+    "is_tool": "session",
+    "RunFailed": "runs",
     "EMA": "train",
+    "TrainSums": "train",
+    "load_data": "train",
+    "evaluate": "train",
+    "EarlyStopping": "stopping",
+    "run_tools": "tools.tuning",
     "Interrupted": "jobs",
     "flag": "config",
 }

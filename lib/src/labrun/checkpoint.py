@@ -1,13 +1,13 @@
 """Full-state checkpoints: written atomically, checked before they are trusted.
 
 A checkpoint holds everything needed to continue as if never stopped: every object run.py gave
-`run.restore()` by its state_dict (model, optimizer, scheduler, GradScaler and the precision it
-ran under, EMA; under "trainer"), the partial epoch's running sums, early-stopping state with the
-best weights, RNG states (python, numpy, torch CPU and the training GPU's, if any), epoch / step /
-batch-in-epoch, history so far, the MLflow run id and the config hash. It is loaded with
-`weights_only=True` (no pickled code runs), so everything in it is tensors, numbers, strings,
-lists and dicts. `best_model.pt` is different: a plain `state_dict` (`save_weights`), so
-`model.load_state_dict(torch.load(path))` works as documented.
+`job.resume()` by its state_dict (model, optimizer, scheduler, GradScaler and the precision it
+ran under, EMA, the partial epoch's TrainSums; under "trainer"; objects_state / load_objects),
+early-stopping state with the best weights, RNG states (python, numpy, torch CPU and the
+training GPU's, if any), epoch / step / batch-in-epoch, history so far, the MLflow run id and
+the config hash. It is loaded with `weights_only=True` (no pickled code runs), so everything in
+it is tensors, numbers, strings, lists and dicts. `best_model.pt` is different: a plain
+`state_dict` (`save_weights`), so `model.load_state_dict(torch.load(path))` works as documented.
 """
 
 from __future__ import annotations
@@ -111,3 +111,55 @@ def load_model_state(model: torch.nn.Module, state_dict: dict, what: str) -> Non
     except RuntimeError as exc:
         first = str(exc).strip().splitlines()[:3]
         raise CheckpointError(f"{what} does not fit this model: {' '.join(first)}") from exc
+
+
+def precision(objects: dict, amp_dtype) -> dict:
+    """What the checkpoint records of the arithmetic: the autocast dtype and the scaler."""
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}
+    scaled = (o for o in objects.values() if isinstance(o, torch.amp.GradScaler))
+    scaler = any(s.is_enabled() for s in scaled)
+    return {"autocast": names.get(amp_dtype, str(amp_dtype)), "grad_scaler": scaler}
+
+
+def objects_state(objects: dict, amp_dtype) -> dict:
+    """What the checkpoint holds of the objects run.py gave job.resume: each by its state_dict
+    (None recorded as None), and the precision they were trained in."""
+    state = {k: None if o is None else o.state_dict() for k, o in objects.items()}
+    return {**state, "precision": precision(objects, amp_dtype)}
+
+
+def load_objects(objects: dict, saved: dict, amp_dtype, log) -> None:
+    """Every object from the checkpoint's copy (objects_state): strict, refused when it differs,
+    or when one is None here and not there (an EMA that is off)."""
+    for name, obj in objects.items():
+        if name not in saved:
+            raise CheckpointError(f"the checkpoint holds no {name!r}")
+        if (saved[name] is None) != (obj is None):
+            raise CheckpointError(f"the checkpoint's {name!r} setting differs from this run's")
+        if obj is None:
+            continue
+        if isinstance(obj, torch.amp.GradScaler):
+            now = precision(objects, amp_dtype)
+            load_scaler(obj, saved[name], saved["precision"], now, log)
+        elif isinstance(obj, torch.nn.Module):
+            load_model_state(obj, saved[name], f"the checkpoint's {name}")
+        else:
+            obj.load_state_dict(saved[name])
+
+
+def load_scaler(scaler, saved: dict, then: dict, now: dict, log) -> None:
+    """Continue under this run's precision, whatever the checkpoint's (a requeue may land on a GPU
+    without bf16, or with it): the GradScaler's state is taken over when both use one, dropped
+    when this run needs none, and started afresh when only this run needs one (its first steps
+    then find the scale again). run.log says which."""
+    if then["autocast"] != now["autocast"]:
+        log.warning(
+            f"precision: the checkpoint was written under {then['autocast']}, this run "
+            f"continues under {now['autocast']}"
+        )
+    if then["grad_scaler"] and now["grad_scaler"]:
+        scaler.load_state_dict(saved)
+    elif then["grad_scaler"]:
+        log.warning("precision: the checkpoint's GradScaler state is dropped (not needed)")
+    elif now["grad_scaler"]:
+        log.warning(f"precision: a new GradScaler starts at scale {scaler.get_scale():g}")

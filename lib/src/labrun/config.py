@@ -582,36 +582,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     return args, parser
 
 
-def check_model_fits(args: argparse.Namespace) -> None:
-    """Refuse an --image-size that --model cannot take before any image is read or decoded: the
-    model is built on torch's meta device (no memory, no compute), first at a size it surely
-    takes (so a model of another kind of input is left to its real build), then at this one.
-    UsageError (one line, exit 2) with the model's own message."""
-    if args.image_size is None:
-        return
-    import torch
-
-    from .models import create_model
-
-    def error(size, channels) -> Exception | None:
-        shape = dict(channels=channels, image_size=size, input_shape=(channels, *size))
-        try:
-            with torch.device("meta"):
-                create_model(
-                    args.model, num_classes=10, width=args.width, **shape, **args.model_args
-                )
-        except Exception as e:  # noqa: BLE001 (only a ValueError refuses, below)
-            return e
-        return None
-
-    for channels in (3, 1):
-        if error((256, 256), channels) is None:  # the model takes such images
-            misfit = error(tuple(args.image_size), channels)
-            if isinstance(misfit, ValueError):
-                raise UsageError(str(misfit))
-            return
-
-
 def experiment_args(args: argparse.Namespace) -> dict:
     """The arguments that define what is computed (everything but execution_keys())."""
     execution = execution_keys()

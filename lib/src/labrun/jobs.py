@@ -366,6 +366,33 @@ def main(
     return contract(argv, lambda a: (parser.parse_args(a), parser), locate, body, program=work)
 
 
+def explain(exc: BaseException, message: str, args, out: Path) -> tuple[int, str]:
+    """A job's failure once its record started, as its exit code and one line (`message`: the
+    exception's first line, or the rank whose failure caused it): 2 for input that changed
+    under it, else 1 with what to do for the failures that have a remedy."""
+    torch = sys.modules.get("torch")  # imported by the time a training run fails; a job: maybe not
+    from .imagefolder import UnreadableImage
+
+    if isinstance(exc, UnreadableImage):  # changed since the scan: bad input, not a retry
+        from .dataversion import forget
+
+        # the next start fingerprints every file; the hint says so
+        return EXIT_USAGE, f"{exc}; {forget(args.data_path, args.data_dir)}"
+    if isinstance(exc, runs.RunFailed):
+        return EXIT_FAILED, str(exc)
+    if torch is not None and isinstance(exc, torch.OutOfMemoryError):
+        return EXIT_FAILED, (
+            f"out of memory at --batch-size {args.batch_size}; try --find-batch-size, "
+            "or a smaller --batch-size with --grad-accum"
+        )
+    if runs.is_disk_error(exc):
+        return EXIT_FAILED, (
+            f"{exc.strerror} writing {exc.filename or out}: the run stopped; its "
+            "last complete checkpoint is kept (free space, then re-run to resume)"
+        )
+    return EXIT_FAILED, message
+
+
 # ---- what every job leaves behind --------------------------------------------------------------
 class Record:
     """A job's record: config.json, status (running -> finished | failed | interrupted),
@@ -385,6 +412,7 @@ class Record:
     ) -> None:
         """`stop` (GracefulStop): its log is the run's; its exit 130 leaves "interrupted"."""
         self.out, self.log, self.claim, self.dist, self.what = out, stop.log, held, dist, what
+        self.args = args
         self.writes, self.tracker = dist.is_main, None
         stop.on_force_exit = self.force_exited
         if not self.writes:
@@ -457,11 +485,10 @@ class Record:
         runs.write_status(self.out, "finished")
         runs.write_json(self.out / runs.METRICS, metrics)  # last: its existence means "done"
 
-    def failed(self, exc: BaseException, explain=None) -> int:
+    def failed(self, exc: BaseException) -> int:
         """Call in the `except` that caught `exc`: the traceback into run.log, status failed,
-        MLflow FAILED; one `error:` line; returns the exit code (1; 73 when the run directory is
-        no longer ours). `explain(exc, message) -> (code, message)`: a training run's reading of
-        its failure. A rank other than 0 sends its traceback to rank 0."""
+        MLflow FAILED; one `error:` line; returns the exit code (explain; 73 when the run
+        directory is no longer ours). A rank other than 0 sends its traceback to rank 0."""
         text = traceback.format_exc()
         if not self.writes:
             self.log.error("failed:\n%s", text)
@@ -481,7 +508,7 @@ class Record:
         self.log.error("%s failed:\n%s", self.what, text)
         runs.try_write_status(self.out, "failed")
         self.tracker.end("FAILED", error=text)
-        code, message = explain(exc, message) if explain else (EXIT_FAILED, message)
+        code, message = explain(exc, message, self.args, self.out)
         return error(message, code)  # the traceback went to stderr with run.log's lines
 
     def close(self) -> None:

@@ -289,6 +289,7 @@ class Loader:
         augment: bool | Augmentation = True,
         shard: tuple[int, int] = (0, 1),
     ):
+        _OPEN.add(self)  # close_all ends its workers however the run ends
         self.device = torch.device(device)
         self.batch_size, self.train, self.seed = batch_size, train, seed
         self.shard = shard  # (rank, world): this process takes the rank-th 1/world of each batch
@@ -484,3 +485,11 @@ class Loader:
 
 # The one way to make a loader; its name from before Loader did both kinds.
 build_loader = Loader
+_OPEN: weakref.WeakSet[Loader] = weakref.WeakSet()  # every Loader of this process
+
+
+def close_all() -> None:
+    """End the workers of every loader of this process (a job's end, however it ended): they end
+    now, not in the interpreter's exit."""
+    for loader in list(_OPEN):
+        loader.close()

@@ -83,26 +83,46 @@ def estimate(model, batch_shape: tuple[int, ...], *, ema: bool, half: bool) -> N
     return Needs(weights, 3 * trainable, weights if ema else 0, weights, kept)
 
 
-def check_memory(args, info, device, amp_dtype, *, micro_batch: int) -> str:
+def check_model_fits(args, make_model) -> None:
+    """Refuse an --image-size that --model cannot take before any image is read or decoded:
+    run.py's `make_model(args, info)` is built on torch's meta device (no memory, no compute),
+    first at a size it surely takes (so a model of another kind of input is left to its real
+    build), then at this one.
+    UsageError (one line, exit 2) with the model's own message."""
+    if args.image_size is None:
+        return
+    from types import SimpleNamespace
+
+    import torch
+
+    def error(size, channels) -> Exception | None:
+        shape = dict(channels=channels, image_size=size, input_shape=(channels, *size))
+        try:
+            with torch.device("meta"):
+                make_model(args, SimpleNamespace(num_classes=10, **shape))
+        except Exception as e:  # noqa: BLE001 (only a ValueError refuses, below)
+            return e
+        return None
+
+    for channels in (3, 1):
+        if error((256, 256), channels) is None:  # the model takes such images
+            misfit = error(tuple(args.image_size), channels)
+            if isinstance(misfit, ValueError):
+                raise UsageError(str(misfit))
+            return
+
+
+def check_memory(args, info, device, amp_dtype, make_model, *, micro_batch: int) -> str:
     """Refuse (UsageError) a model and batch whose training cannot fit the free memory;
     return the estimate for run.log. See the module docstring."""
     import torch
 
     from .data import available_ram_bytes
-    from .models import create_model
 
     own = getattr(args, "model_args", None) or {}  # --model-args, as config.py parsed them
     try:
         with torch.device("meta"):
-            model = create_model(
-                args.model,
-                num_classes=info.num_classes,
-                channels=info.channels,
-                image_size=info.image_size,
-                input_shape=info.input_shape,
-                width=args.width,
-                **own,
-            )
+            model = make_model(args, info)  # run.py's: what it trains is what is estimated
     except ValueError:
         raise  # a misfit of the model's own arguments: bad input as run.py's build says it
     except Exception as exc:  # noqa: BLE001 (a model the meta device cannot build: not estimated)

@@ -52,6 +52,13 @@ PROBE = "probe"  # ensure_writable's space probe: `.probe.<random>.tmp`
 # running elsewhere (another process holds the directory), interrupted (re-run to resume), forced
 # (a second signal: no checkpoint).
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_BUSY, EXIT_INTERRUPTED, EXIT_FORCED = 0, 1, 2, 73, 75, 130
+
+
+class RunFailed(RuntimeError):
+    """The run cannot give a result (e.g. its monitored metric was never finite, or the method
+    returned before job.finish): status failed, exit 1, this message as the one `error:` line."""
+
+
 STATUSES = ("running", "interrupted", "failed", "finished", "refused")
 # history.csv's columns as classification writes them (and every run before tasks did); another
 # task writes train_loss, train_<metric>..., val_loss, val_<metric>... in their place.

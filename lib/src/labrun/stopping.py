@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .runs import EXIT_FORCED, seconds_from_env
+from .runs import EXIT_FORCED, RunFailed, seconds_from_env
 
 if TYPE_CHECKING:  # torch is imported after the handlers are installed (it takes ~2 s)
     import torch
@@ -201,14 +201,18 @@ class EarlyStopping:
     and validation scores jump.
     """
 
-    def __init__(self, patience: int, start_epoch: int = 0, mode: str = "max") -> None:
+    def __init__(
+        self, patience: int, start_epoch: int = 0, mode: str = "max", monitor: str = "score"
+    ) -> None:
         self.patience, self.start_epoch, self.mode = patience, start_epoch, mode
+        self.monitor, self.epochs = monitor, 0
         self.best_score = -math.inf if mode == "max" else math.inf
         self.best_epoch = self.bad_epochs = 0
         self.best_state: dict[str, torch.Tensor] | None = None
 
     def update(self, score: float, epoch: int, model: nn.Module) -> bool:
         """Record an epoch's score; return True if it is a new best (weights copied to CPU)."""
+        self.epochs = epoch
         if score > self.best_score if self.mode == "max" else score < self.best_score:
             self.best_score, self.best_epoch, self.bad_epochs = score, epoch, 0
             weights = model.state_dict().items()
@@ -222,11 +226,28 @@ class EarlyStopping:
     def should_stop(self) -> bool:
         return self.patience > 0 and self.bad_epochs >= self.patience
 
+    @classmethod
+    def after_warm_up(cls, args, task, scheduler, steps_per_epoch: int) -> EarlyStopping:
+        """--patience on the task's monitored metric (its direction), counted only after the
+        epoch in which `scheduler`'s LR peaks and after --min-epochs."""
+        from .train import lr_peak_step, peak_epoch
+
+        start = max(args.min_epochs, peak_epoch(lr_peak_step(scheduler), steps_per_epoch))
+        mode = task.direction(task.monitor)
+        return cls(args.patience, start_epoch=start, mode=mode, monitor=task.monitor)
+
     def restore(self, model: nn.Module) -> None:
+        """The best epoch's weights into `model`; RunFailed when the score was never finite
+        (no best weights to test)."""
+        if self.best_state is None:
+            raise RunFailed(
+                f"{self.monitor} was never finite in {self.epochs} epoch(s): no best weights "
+                "to test (try a lower --lr or --clip-grad)"
+            )
         model.load_state_dict(self.best_state)
 
     def state_dict(self) -> dict:
         return dict(vars(self))  # numbers, the mode and the best weights: weights_only loads it
 
     def load_state_dict(self, state: dict) -> None:
-        vars(self).update(state)
+        vars(self).update(state)  # a checkpoint from before `monitor`: this run's stays

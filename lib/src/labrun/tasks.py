@@ -10,9 +10,8 @@ decorated function that returns a `Task`: its loss, its metrics as sums, and whi
 
 The contract (README, "Your own task"; docs/design.md, "Metric names"):
 - `loss(outputs, targets)`: the mean loss the optimizer minimises, fp32 (outputs may be bf16/fp16
-  under autocast). `eval_loss` is what val_loss/test_loss report (default: `loss`). run.py
-  hands both to `run.use_loss(loss, report=eval_loss)`: what its step trains on and what
-  evaluation reports are the two losses named on that line.
+  under autocast). `eval_loss` is what val_loss/test_loss report (default: `loss`). run.py's
+  train() names both on one line: what its step trains on, and what evaluation reports.
 - `sums(outputs, targets)`: a 1-d tensor of per-batch *sums* of fixed length and order. The
   training step and `evaluate` add them up on the device (no host sync); the epoch's total is read
   once and given to `finish(total, n)` (a float64 numpy array and the sample count), which returns
@@ -56,6 +55,8 @@ class Task:
         if bad or "loss" in self.metrics:
             raise ValueError(f"task metrics need 'max' or 'min' and no 'loss' entry, got {bad}")
         object.__setattr__(self, "directions", {"loss": "min", **self.metrics})
+        if self.eval_loss is None:  # evaluation reports the loss trained on
+            object.__setattr__(self, "eval_loss", self.loss)
 
     def direction(self, column: str) -> str:
         """'max' or 'min' of a history or metrics.json name: val_r2, test_loss, best_val_acc."""

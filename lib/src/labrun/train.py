@@ -1,10 +1,11 @@
-"""Training pieces that are the same in every project: EMA of the weights, evaluation (device-side
-sums, one host read), the LR peak of a schedule, seeding. The step itself is the project's
-(run.py); its state is state.py's, the run around it session.py's.
+"""The verbs run.py's method calls with its own objects, and what they return: the environment
+(device, precision, task, torchrun), the data, the step's device-side sums, evaluation, a real
+batch to probe with; and the pieces the same in every project (EMA, the LR peak, seeding).
+None of them holds the method's objects: run.py passes them and keeps what comes back.
 
 The step never waits for the device (no host sync, whatever the flags; `gpucheck` proves it on
 CUDA with `torch.cuda.set_sync_debug_mode("error")`): the loss and the task's metric sums are
-added up on the device (state.TrainSums) and read once per epoch; EMA is a foreach lerp over
+added up on the device (TrainSums) and read once per epoch; EMA is a foreach lerp over
 tensors collected once, its counter a Python int; fp16's GradScaler: fused AdamW takes the inf
 check on the device; clipping is foreach.
 """
@@ -15,12 +16,180 @@ import copy
 import math
 import random
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from torch import nn
 
+from .config import UsageError
 from .tasks import Task
+
+
+class Env(NamedTuple):
+    """Where and how a job computes (`job.env`): what run.py's build and step read."""
+
+    device: torch.device
+    amp_dtype: torch.dtype | None  # autocast's: bf16 or fp16 by the GPU's capability; None: fp32
+    task: Task  # --task: the loss, the device-side metric sums, the monitored metric
+    dist: object  # distributed.Dist: torchrun's processes (one without torchrun)
+
+
+def environment(args, dist) -> tuple[Env, list[tuple[str, str]]]:
+    """The job's Env from its flags, and what run.log says of it (precision, kernels). Bad input
+    (a --device without one, a --batch-size the processes cannot share): ValueError/UsageError."""
+    from .hardware import choose_precision, resolve_device, setup_backends
+    from .tasks import create_task
+
+    task = create_task(args.task, args, args.monitor)
+    dist.check(args)  # a --batch-size that does not divide among the processes: exit 2
+    device = dist.place(resolve_device(args.device))
+    amp_dtype, precision = choose_precision(device, args.amp)
+    kernels = setup_backends(device, args.deterministic)
+    return Env(device, amp_dtype, task, dist), [("precision", precision), ("kernels", kernels)]
+
+
+class Data(NamedTuple):
+    splits: dict
+    train: object  # loaders.Loader: batches on the device, an order that is f(seed, epoch)
+    val: object
+    test: object
+    steps_per_epoch: int  # optimizer steps: a trailing remainder of < grad_accum is skipped
+    total_steps: int  # of the whole run: epochs x steps per epoch, or --max-steps
+    last_epoch: int  # the epoch the run's last step falls in (--max-steps may end it sooner)
+    layout: torch.memory_format  # channels_last for images (the loaders'), else contiguous
+    info: object  # data.DatasetInfo: classes, channels, image size, class names, split sizes
+    notes: list  # (what, why) for run.log: sizes, inputs, decoding, layout, memory
+    warnings: list  # what the dataset has to say (skipped files): run.log's warnings
+
+
+def load_data(args, env: Env, make_model) -> Data:
+    """Splits and loaders on env.device (pinned memory + non_blocking copies, or the whole set
+    resident on the GPU). `make_model(args, info)` (run.py's) is built on the meta device first
+    (an --image-size it cannot take, before any decoding) and after (a model or batch too big
+    for the free memory): UsageError, exit 2. Seeds everything afterwards: the same seed gives
+    the same init, split, order and augmentation."""
+    from .data import build_loader, check_batch_size, load_dataset
+    from .hardware import choose_gpu_resident
+    from .preflight import check_memory, check_model_fits
+
+    check_model_fits(args, make_model)  # an --image-size the model cannot take: before decoding
+    # The flags of the same name: data_version is the one in the run's identity, task picks
+    # among a dataset's kinds of targets, augment/crop/crop_* what the training loader does.
+    same = ("data_path", "image_size", "val_fraction", "seed", "synthetic_size", "workers")
+    same += ("data_version", "task", "augment", "crop", "crop_scale", "crop_ratio")
+    loaded = load_dataset(
+        args.dataset,
+        args.data_dir,
+        mode=args.data_mode,
+        spatial_targets=env.task.spatial_targets,  # crop/flip would not move the targets
+        **{name: getattr(args, name) for name in same},
+    )
+    splits, info, dist = loaded.splits, loaded.info, env.dist
+    # Only decoded in-memory data can live on the GPU; streamed files come through workers.
+    in_memory = loaded.mode == "memory"
+    resident = in_memory and choose_gpu_resident(args.gpu_resident, env.device, splits)
+    loaders = {
+        name: build_loader(
+            split,
+            args.batch_size,
+            train=name == "train",
+            device=env.device,
+            workers=args.workers,
+            gpu_resident=resident,
+            seed=args.seed,
+            augment=info.augmentation,  # used by the training loader only
+            shard=dist.shard,
+        )
+        for name, split in splits.items()
+    }
+    # torchrun: a rank with no sample of a split would skip its final all-reduce
+    dist.check_splits({name: len(split) for name, split in splits.items()})
+    steps_per_epoch = len(loaders["train"]) // args.grad_accum
+    check_batch_size(len(splits["train"]), args.batch_size, args.grad_accum)  # small data
+    if len(splits["val"]) == 0:
+        raise UsageError("--val-fraction: the validation split is empty; raise it")
+    seed_everything(args.seed)
+    total = steps_per_epoch * args.epochs
+    total = min(total, args.max_steps) if args.max_steps else total
+    last_epoch = min(args.epochs, math.ceil(total / max(steps_per_epoch, 1)))
+    config = info.as_config()  # num_classes, channels, image_size, class names, split sizes...
+    version = args.data_version or config.get("data_content")
+    sizes = f"{config['split_sizes']} samples (train/val/test) | {version}"
+    # dtype and shape, normalisation, augmentation: what was done to the inputs, and why
+    notes = [("data", sizes), *info.describe().items()]
+    if getattr(loaders["train"], "decoder", ""):  # streamed files: on the GPU or the CPU
+        notes.append(("decode", loaders["train"].decoder))
+    # The layout the step trains in: channels_last is the one tensor cores convolve in, and the
+    # one the loaders deliver images in (no copy per batch on a CPU); contiguous otherwise.
+    shape = tuple(info.input_shape) or (info.channels, *info.image_size)
+    if len(shape) == 3 and info.layout == "NCHW":
+        layout, why = torch.channels_last, "channels_last (images)"
+    else:
+        layout, why = torch.contiguous_format, "contiguous (the inputs are not images)"
+    notes.append(("layout", why))
+    # A model or batch too big for the free memory is refused here (exit 2), not ended by the
+    # OOM killer (preflight.py)
+    micro = max(1, args.batch_size // dist.world)
+    needs = check_memory(args, info, env.device, env.amp_dtype, make_model, micro_batch=micro)
+    notes.append(("memory", needs))
+    train, val, test = (loaders[k] for k in ("train", "val", "test"))
+    steps = (steps_per_epoch, total, last_epoch)
+    return Data(splits, train, val, test, *steps, layout, info, notes, loaded.notes)
+
+
+def peek_batch(loader, epoch: int, layout, device: torch.device):
+    """A training batch exactly as the loop gets it in `epoch` (shape, dtype, strides in
+    `layout`), without shifting the run: the loader's order is f(seed, epoch) and the loop sets
+    the epoch again; the RNG draws of the augmentation are put back. Read in this process
+    (Loader.peek): no loader worker is started for it."""
+    from .checkpoint import rng_state, set_rng_state
+
+    saved = rng_state(device)
+    loader.set_epoch(epoch)
+    try:
+        x, y = loader.peek()
+        return (x.contiguous(memory_format=layout) if x.dim() == 4 else x), y
+    finally:
+        set_rng_state(saved, device)
+
+
+class TrainSums:
+    """The epoch's training loss and the task's metric sums, accumulated on the device (no host
+    sync in the step: run.py's step calls add); read once per epoch by `take()` (job.end_epoch).
+    Checkpointed by its state_dict, like every object run.py gives job.resume."""
+
+    def __init__(self, task: Task, device: torch.device) -> None:
+        self.task, self.device = task, device
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss_sum = torch.zeros((), device=self.device)
+        self.sums: torch.Tensor | None = None  # the task's sums; their length comes with a batch
+        self.seen = 0
+
+    def add(self, loss: torch.Tensor, outputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """Add one micro-batch: `loss` its mean loss, `outputs` the model's outputs."""
+        self.loss_sum.add_(loss.detach(), alpha=targets.shape[0])  # one kernel, not two
+        sums = self.task.sums(outputs.detach(), targets)
+        # A copy first: a CUDA-graph (max-autotune) output is overwritten by the next replay.
+        self.sums = sums.clone() if self.sums is None else self.sums.add_(sums)
+        self.seen += targets.shape[0]
+
+    def take(self, reduce=None) -> tuple[dict[str, float], int]:
+        """({loss, metric...}, samples) since the last reset; `reduce` sums over ranks.
+        # note: sync point (one per epoch)"""
+        return finish(self.task, self.loss_sum, self.sums, self.seen, reduce)
+
+    def state_dict(self) -> dict:
+        return {"loss_sum": self.loss_sum, "sums": self.sums, "seen": self.seen}
+
+    def load_state_dict(self, sums: dict) -> None:
+        self.loss_sum = sums["loss_sum"].to(self.device, torch.float32)
+        if "correct" in sums:  # written before tasks: the classification count
+            sums["sums"] = sums["correct"].reshape(1)
+        self.sums = None if sums["sums"] is None else sums["sums"].to(self.device, torch.float64)
+        self.seen = sums["seen"]
 
 
 def lr_peak_step(scheduler) -> float:
@@ -100,20 +269,17 @@ def compiler_errors() -> tuple[type[BaseException], ...]:
     )
 
 
+def evaluate(model: nn.Module, loader: Iterable, loss_fn, env: Env) -> dict[str, float]:
+    """{loss, metric...} of env.task over `loader` in eval mode, in the run's precision;
+    `loss_fn` is the loss to report (run.py's: the task's, without label smoothing). Torchrun:
+    each rank evaluates its shard and the sums are summed over ranks (BatchNorm statistics
+    first taken from rank 0 on a CPU). One host sync, at the end."""
+    env.dist.sync_buffers(model)  # CPU torchrun: rank 0's BatchNorm statistics
+    return _evaluate(model, loader, env.device, env.amp_dtype, env.task, loss_fn, env.dist.sum)
+
+
 @torch.inference_mode()
-def evaluate(
-    model: nn.Module,
-    loader: Iterable,
-    *,
-    device: torch.device,
-    dtype: torch.dtype | None,
-    task: Task,
-    loss_fn,
-    reduce=None,
-) -> dict[str, float]:
-    """{loss, metric...} of `task` over a loader, in eval mode; one host sync at the end.
-    `loss_fn`: the loss to report (run.py's, given to run.use_loss); `reduce` sums the sums
-    over ranks (torchrun: each rank evaluated its shard)."""
+def _evaluate(model, loader, device, dtype, task: Task, loss_fn, reduce) -> dict[str, float]:
     was_training = model.training
     model.eval()
     loss_sum, sums, seen = torch.zeros((), device=device), None, 0

@@ -366,27 +366,28 @@ def launches_per_step(prof, steps: int, wall_s: float, on_cuda: bool) -> str:
     )
 
 
-def run_tools(run, *, model, optimizer, step, scheduler=None) -> None:
-    """What run.py's --find-lr, --find-batch-size and --profile ask of `run` (a labrun.Run that
-    has its data and loss): each measures on the run's device and precision and prints its
-    answer; `step` is run.py's step, profiled as the run would take it."""
-    args, data, out = run.args, run.data_, run.out
-    on = {"device": run.device, "amp_dtype": run.amp_dtype}  # as the run would train
+def run_tools(job, built, step, loss_fn) -> None:
+    """What run.py's --find-lr, --find-batch-size and --profile ask: each measures on the job's
+    device and precision and prints its answer; files (plots, traces) go to its run directory.
+    `built`: what run.py's build returned; `step` is run.py's step, profiled as the run takes
+    it; `loss_fn` the step's loss."""
+    args, data, out, env = job.args, built.data, job.out, job.env
+    on = {"device": env.device, "amp_dtype": env.amp_dtype}  # as the run would train
     if args.find_lr:
-        lr = find_lr(model, data.train, run.loss, optimizer, out_dir=out, **on)
+        lr = find_lr(built.model, data.train, loss_fn, built.optimizer, out_dir=out, **on)
         print(f"suggested --lr {lr:.3g} (plot in {out})")
     if args.find_batch_size:
         train = data.splits["train"]
         size = find_batch_size(
-            lambda: copy.deepcopy(model),
+            lambda: copy.deepcopy(built.model),
             start=args.batch_size,
             max_batch=len(train),
             input_shape=data.info.input_shape,
-            loss_fn=run.loss,
+            loss_fn=loss_fn,
             targets=train.labels,
             **on,
         )
-        batch, lr = recommend_batch_size(size, run.device)
+        batch, lr = recommend_batch_size(size, env.device)
         print(
             f"largest batch size that fits: {size}; recommended on this device (pass "
             f"it: the default stays 128): --batch-size {batch} --lr {lr:.3g}"
@@ -395,9 +396,43 @@ def run_tools(run, *, model, optimizer, step, scheduler=None) -> None:
         report = profile_training(
             step,
             data.train,
-            device=run.device,
+            device=env.device,
             grad_accum=args.grad_accum,
-            scheduler=scheduler,
+            scheduler=built.scheduler,
             out_dir=out,
         )
         print(report)
+    job.done = True
+
+
+def capture_step(run_py, argv: list[str]):
+    """A project's run.py built for `argv` as far as its step, training nothing, in this
+    process and without a run directory: run.py's own `build(args, env)`, compiled where the
+    run would compile (`job.compile`'s decision, logged to stderr), and its `make_step`. A
+    namespace of what build returns (data, model, optimizer, scheduler, sums...) plus `step`,
+    `compiled`, `args`, `env`, `loss_fn`, `batch` (a function: a real batch) and `run_py`: for
+    tools that drive the project's own step (gpucheck, benchmarks, tests)."""
+    import logging
+    import types
+
+    from ..compiling import compile_model
+    from ..config import parse_args, use_config
+    from ..distributed import Dist
+    from ..train import environment, peek_batch
+
+    use_config(run_py.Config)
+    args, _ = parse_args(list(argv))
+    env, _ = environment(args, Dist())
+    loss_fn = env.task.loss
+    built = run_py.build(args, env)
+    data = built.data
+    batch = lambda: peek_batch(data.train, 0, data.layout, env.device)  # noqa: E731
+    log = logging.getLogger("labrun.capture_step")
+    compiled = compile_model(
+        built.model, loss_fn, batch, args, env, steps=data.total_steps, log=log
+    )
+    step = run_py.make_step(built, compiled, args, env, loss_fn)
+    return types.SimpleNamespace(
+        **vars(built), step=step, compiled=compiled, args=args, env=env, loss_fn=loss_fn,
+        batch=batch, run_py=run_py,
+    )  # fmt: skip
