@@ -458,7 +458,7 @@ def _standin_sweep(tmp_path: Path, jobs: list[str]) -> Path:
 
 
 def test_the_sweep_marks_a_killed_job_without_writing_through_a_planted_link(tmp_path):
-    from labrun.sweep import mark_interrupted
+    from labrun.jobqueue import mark_interrupted
 
     run_dir, victim = tmp_path / "run", tmp_path / "victim"
     run_dir.mkdir()
@@ -692,11 +692,11 @@ def test_cuda_visible_devices_names_no_gpu_on_a_machine_without_one(tmp_path, vi
 
 
 def test_cuda_stops_at_the_first_invalid_visible_device(monkeypatch):
-    from labrun import sweep
+    from labrun import slots
 
-    monkeypatch.setattr(sweep.shutil, "which", lambda name: f"/usr/bin/{name}")  # a GPU machine
-    assert sweep.choose_gpus({"CUDA_VISIBLE_DEVICES": "-1"}) == []
-    assert sweep.choose_gpus({"CUDA_VISIBLE_DEVICES": "1,-1,0"}) == ["1"]
+    monkeypatch.setattr(slots.shutil, "which", lambda name: f"/usr/bin/{name}")  # a GPU machine
+    assert slots.choose_gpus({"CUDA_VISIBLE_DEVICES": "-1"}) == []
+    assert slots.choose_gpus({"CUDA_VISIBLE_DEVICES": "1,-1,0"}) == ["1"]
 
 
 def test_sigusr1_stops_the_sweep_as_sigterm_does(tmp_path):

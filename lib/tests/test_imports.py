@@ -19,10 +19,10 @@ import labrun
 PACKAGE = Path(labrun.__file__).parent
 TOOLS = "tools"  # labrun/tools/: gpucheck, tuning, similarity, reference
 # Not the core, yet not tools: what reads finished runs (plot.py, analyze.py) and the sweep
-# engine: run.sh's queue, its query of every job's state (`SCRIPT --plan`) and
-# its MLflow follower (with `tracking sync`, which mirrors finished runs). No single run needs
-# them: a job imports plan only when run.sh asks `--plan`.
-SIDE = {"analysis", "figures", "sweep", "plan", "follower"}
+# engine: run.sh's queue (sweep, sweepjobs, slots, jobqueue), its query of every job's state
+# (`SCRIPT --plan`) and its MLflow follower (with `tracking sync`, which mirrors finished runs). No
+# single run needs them: a job imports plan only when run.sh asks `--plan`.
+SIDE = {"analysis", "figures", "sweep", "sweepjobs", "slots", "jobqueue", "plan", "follower"}
 # The core's lazy imports of the side, each where a flag asks for it: run.py's --profile
 # (session.py: its memory history from the start); run.sh's `SCRIPT --plan` (jobs.py);
 # `python -m labrun.gpucheck`, the command every project's README gives (gpucheck.py runs

@@ -29,7 +29,7 @@ from conftest import DEADLINE
 from conftest import ROOT as PROJECT
 
 import labrun
-from labrun import sweep
+from labrun import jobqueue, slots, sweep, sweepjobs
 from labrun.claim import claim
 
 SLURM_TASK = Path(labrun.__file__).with_name("slurm_task.sh")
@@ -1354,16 +1354,21 @@ def nul_list(*lists: list[str]) -> io.BytesIO:
 
 
 def test_the_job_list_from_run_sh_is_read_and_checked():
-    quick, jobs = sweep.read_job_list(nul_list(["--epochs", "6"], ["--lr", "1"], [], ["a b"]))
+    quick, jobs = sweepjobs.read_job_list(nul_list(["--epochs", "6"], ["--lr", "1"], [], ["a b"]))
     assert (quick, jobs) == (["--epochs", "6"], [["--lr", "1"], [], ["a b"]])
     for bad in (b"", b"2\0--lr\0", b"x\0", b"0\0-3\0"):
-        with pytest.raises(sweep.Refused, match="job list"):
-            sweep.read_job_list(io.BytesIO(bad))
+        with pytest.raises(sweepjobs.Refused, match="job list"):
+            sweepjobs.read_job_list(io.BytesIO(bad))
 
 
-def make_sweep(env: dict | None = None, lines=(), **fields) -> sweep.Sweep:
-    jobs = [sweep.SweepJob.from_line(i, line.split()) for i, line in enumerate(lines)]
-    return sweep.Sweep(sweep.Settings(env or {}), jobs, **fields)
+def make_sweep(env: dict | None = None, lines=(), **fields) -> sweepjobs.Sweep:
+    jobs = [sweepjobs.SweepJob.from_line(i, line.split()) for i, line in enumerate(lines)]
+    return sweepjobs.Sweep(sweepjobs.Settings(env or {}), jobs, **fields)
+
+
+def make_queue(env: dict | None = None, lines=(), gpus=()) -> jobqueue.Queue:
+    s = make_sweep(env, lines)
+    return jobqueue.Queue(s, slots.Slots(s.settings, s.jobs, list(gpus)))
 
 
 def test_a_run_py_job_gets_the_folder_and_preset_first_and_extra_last():
@@ -1374,7 +1379,7 @@ def test_a_run_py_job_gets_the_folder_and_preset_first_and_extra_last():
     assert s.argv(run_py) == ["--results-dir", "results/scan", "--w", "8", "--lr", "1", "--lr", "2"]
     assert s.argv(analyze) == ["A", "B"]  # another script's job: its own arguments, as is
     assert s.settings.LOG_DIR == "logs/scan" and s.settings.JOBS_PER_GPU == "auto"
-    assert sweep.Settings({}, "quick").SWEEP_NAME == "quick"
+    assert sweepjobs.Settings({}, "quick").SWEEP_NAME == "quick"
 
 
 @pytest.mark.parametrize(
@@ -1388,60 +1393,61 @@ def test_a_run_py_job_gets_the_folder_and_preset_first_and_extra_last():
     ],
 )
 def test_settings_refuse_bad_values(env, message):
-    with pytest.raises((sweep.BadSetting, sweep.Refused), match=re.escape(message)):
-        sweep.Settings(env).check()
+    with pytest.raises((sweepjobs.BadSetting, sweepjobs.Refused), match=re.escape(message)):
+        sweepjobs.Settings(env).check()
 
 
 def test_gpus_are_chosen_from_the_visible_ones(monkeypatch):
-    monkeypatch.setattr(sweep.shutil, "which", lambda name: f"/usr/bin/{name}")  # a GPU machine
+    monkeypatch.setattr(slots.shutil, "which", lambda name: f"/usr/bin/{name}")  # a GPU machine
     visible = {"CUDA_VISIBLE_DEVICES": "0,1,GPU-ab12"}
-    assert sweep.choose_gpus(visible) == ["0", "1", "GPU-ab12"]
-    assert sweep.choose_gpus({**visible, "GPUS": "GPU-ab12,0"}) == ["GPU-ab12", "0"]
-    assert sweep.choose_gpus({**visible, "GPUS": ""}) == []  # set, empty: CPU only
+    assert slots.choose_gpus(visible) == ["0", "1", "GPU-ab12"]
+    assert slots.choose_gpus({**visible, "GPUS": "GPU-ab12,0"}) == ["GPU-ab12", "0"]
+    assert slots.choose_gpus({**visible, "GPUS": ""}) == []  # set, empty: CPU only
     for gpus, message in (("2", "GPU 2 does not exist (visible: 0 1 GPU-ab12)"),
                           ("0 0", "GPU 0 is listed twice"), ("0;1", "not a list")):  # fmt: skip
-        with pytest.raises(sweep.BadSetting, match=re.escape(message)):
-            sweep.choose_gpus({**visible, "GPUS": gpus})
+        with pytest.raises(sweepjobs.BadSetting, match=re.escape(message)):
+            slots.choose_gpus({**visible, "GPUS": gpus})
 
 
 def test_cpu_slots_share_the_cores_and_leave_memory_and_jobs_left_out_of_the_share(monkeypatch):
-    monkeypatch.setattr(sweep, "available_mib", lambda cgroup: 5 * 1024)
-    s = make_sweep({})
+    monkeypatch.setattr(slots, "available_mib", lambda cgroup: 5 * 1024)
+    s = make_queue({}).slots
     s.cpu_slots(cores=8, jobs=20, left=20)  # memory for 2 jobs of 2 GiB: 2 slots, 1 thread each
-    assert (s.slots, s.threads, s.job_cpus) == (["", ""], "1", 1)
-    assert s.describe_slots() == (
+    assert (s.devices, s.threads, s.job_cpus) == (["", ""], "1", 1)
+    assert s.describe() == (
         "2 CPU slot(s), 1 thread(s) each (CPU_JOBS=auto: 8 core(s); 5 GiB free / CPU_JOB_MEM_GB=2)"
     )
     s.cpu_slots(cores=8, jobs=4, left=1)  # 4 jobs: 2 cores each; 1 left: 1 slot
-    assert (len(s.slots), s.threads) == (1, "2")
+    assert (len(s.devices), s.threads) == (1, "2")
     assert s.reason == "CPU_JOBS=auto: 4 job(s); 5 GiB free / CPU_JOB_MEM_GB=2; 1 job(s) left"
-    s = make_sweep({"CPU_JOBS": "3", "OMP_NUM_THREADS": "5"})
+    s = make_queue({"CPU_JOBS": "3", "OMP_NUM_THREADS": "5"}).slots
     s.cpu_slots(cores=8, jobs=20, left=20)  # explicit: no memory check; the user's threads
-    assert (len(s.slots), s.threads, s.job_cpus, s.reason) == (3, "5", 2, "CPU_JOBS=3")
+    assert (len(s.devices), s.threads, s.job_cpus, s.reason) == (3, "5", 2, "CPU_JOBS=3")
 
 
 def test_gpu_slots_auto_open_at_an_estimate_then_fit_the_measured_peak(monkeypatch, tmp_path):
-    monkeypatch.setattr(sweep, "gpu_free_mib", lambda gpus: 10000)
+    monkeypatch.setattr(slots, "gpu_free_mib", lambda gpus: 10000)
     done, new = tmp_path / "done", tmp_path / "new"
     done.mkdir()
     new.mkdir()
-    s = make_sweep({}, ["--tag a", "--tag b"], gpus=["0", "1"])
+    q = make_queue({}, ["--tag a", "--tag b"], gpus=["0", "1"])
+    s = q.slots
     s.jobs[0].dir, s.jobs[1].dir = str(done), str(new)
     s.gpu_slots(cores=16, jobs=9)  # 16 cores / 2 GPUs / 2 = 4 a GPU; 9 jobs: 5 a GPU
-    assert (s.slots, s.gpu_measure, s.job_cpus) == (["0", "1"], True, 2)
+    assert (s.devices, s.gpu_measure, s.job_cpus) == (["0", "1"], True, 2)
     assert "4 per GPU, 1 until a job has estimated its memory" in s.reason
     (new / "run.log").write_text("... INFO memory: training needs about 0.5 GiB (parameters)\n")
-    s.gpu_fit()  # 90 % of 10000 MiB / (2 x 512 + 1024): 4 a GPU, before any job has ended
-    assert (s.slots, s.gpu_measure, s.gpu_open) == (["0", "1"] * 4, False, 4)
+    s.gpu_fit(running=[])  # 90 % of 10000 MiB / (2 x 512 + 1024): 4 a GPU, before any job ended
+    assert (s.devices, s.gpu_measure, s.gpu_open) == (["0", "1"] * 4, False, 4)
     assert "at 2 x an estimate of 512 MiB + 1024 MiB context per job" in s.reason
-    assert all(s.may_start(slot) for slot in range(8))
+    assert all(q.may_start(slot) for slot in range(8))
     (done / "metrics.json").write_text('{"device": "cuda:0", "peak_mem_bytes": 2097152000}')
-    s.gpu_fit()  # 90 % of 10000 MiB / (1.25 x 2000 + 1024): 2 a GPU
-    assert (s.gpu_open, [s.may_start(slot) for slot in range(8)]) == (2, [True] * 4 + [False] * 4)
-    assert s.describe_slots().startswith("4 slot(s) on GPU(s) 0 1 0 1, 2 thread(s) each (")
-    s = make_sweep({"JOBS_PER_GPU": "3"}, gpus=["0"])
+    s.gpu_fit(running=[])  # 90 % of 10000 MiB / (1.25 x 2000 + 1024): 2 a GPU
+    assert (s.gpu_open, [q.may_start(slot) for slot in range(8)]) == (2, [True] * 4 + [False] * 4)
+    assert s.describe().startswith("4 slot(s) on GPU(s) 0 1 0 1, 2 thread(s) each (")
+    s = make_queue({"JOBS_PER_GPU": "3"}, gpus=["0"]).slots
     s.gpu_slots(cores=16, jobs=1)
-    assert (s.slots, s.job_cpus, s.reason) == (["0"] * 3, 5, "JOBS_PER_GPU=3" + sweep.MPS)
+    assert (s.devices, s.job_cpus, s.reason) == (["0"] * 3, 5, "JOBS_PER_GPU=3" + slots.MPS)
 
 
 def test_the_plan_marks_duplicates_and_names_invalid_jobs(tmp_path, monkeypatch):
@@ -1452,16 +1458,17 @@ def test_the_plan_marks_duplicates_and_names_invalid_jobs(tmp_path, monkeypatch)
     assert [j.state for j in s.jobs] == ["pending", "duplicate", "invalid", "pending"]
     assert s.jobs[1].note == "same run as job 0" and s.jobs[2].name == "job-2"
     assert s.jobs[2].note.startswith("run.py rejected the arguments: bad arguments:")
-    s.jobs.append(sweep.SweepJob.from_line(4, ["missing.py"]))
-    with pytest.raises(sweep.Refused, match="job 4: missing.py not found in"):
+    s.jobs.append(sweepjobs.SweepJob.from_line(4, ["missing.py"]))
+    with pytest.raises(sweepjobs.Refused, match="job 4: missing.py not found in"):
         s.plan()
 
 
 def test_how_a_job_ended_is_read_from_its_exit_code_and_run_directory(tmp_path, monkeypatch):
-    kill, signalled = sweep._kill, []  # the pids below are made up: signal none of them
-    monkeypatch.setattr(sweep, "_kill", lambda pid, signum: signalled.append((pid, signum)))
-    s = make_sweep({"LOG_DIR": "logs/x"}, ["--tag a"] * 5, slots=[""], busy=[True])
-    for job, name in zip(s.jobs, "abcde", strict=True):
+    kill, signalled = jobqueue._kill, []  # the pids below are made up: signal none of them
+    monkeypatch.setattr(jobqueue, "_kill", lambda pid, signum: signalled.append((pid, signum)))
+    q = make_queue({"LOG_DIR": "logs/x"}, ["--tag a"] * 5)
+    q.slots.devices, q.slots.busy, jobs = [""], [True], q.sweep.jobs
+    for job, name in zip(jobs, "abcde", strict=True):
         job.dir, job.name = str(tmp_path / name), name
         (tmp_path / name).mkdir()
         (tmp_path / name / "status").write_text("running\n")
@@ -1470,11 +1477,11 @@ def test_how_a_job_ended_is_read_from_its_exit_code_and_run_directory(tmp_path, 
     time.sleep(0.01)
     (tmp_path / "e" / ".lock").write_text("pid=105 host\n")  # claimed after it was done
     for pid, rc in zip(range(101, 106), (0, 73, 75, 1, 0), strict=True):
-        s.running[pid] = sweep.Running(s.jobs[pid - 101], 0, None, int(time.time()))
-        s.finish(pid, rc)
-    assert [j.result for j in s.jobs] == ["done", "elsewhere", "interrupted", "failed", "skipped"]
+        q.running[pid] = jobqueue.Running(jobs[pid - 101], 0, None, int(time.time()))
+        q.finish(pid, rc)
+    assert [j.result for j in jobs] == ["done", "elsewhere", "interrupted", "failed", "skipped"]
     assert (tmp_path / "c" / "status").read_text() == "interrupted\n"  # it said running
-    assert not s.running and s.busy == [False]
+    assert not q.running and q.slots.busy == [False]
     # Each job's group is told to go: the loader workers it may have left behind.
     assert signalled == [(-pid, signal.SIGTERM) for pid in range(101, 106)]
     with pytest.raises(ValueError, match="refusing to signal pid -1"):
@@ -1520,14 +1527,15 @@ def test_the_queue_runs_in_process(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("LAB_TRACKING", "off")
     handlers = {n: signal.getsignal(n) for n in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        s = make_sweep(
+        q = make_queue(
             {"PYTHON": str(project / "python-standin")},
             ["--sleep 0.3 --tag a", "--sleep 0.1 --tag b", "--fail --tag c"],
             gpus=["0", "1"],
         )
-        s.plan()
-        s.gpu_slots(cores=2, jobs=3)
-        assert not s.run_queue()
+        q.sweep.plan()
+        q.slots.gpu_slots(cores=2, jobs=3)
+        (project / "logs" / "sweep").mkdir(parents=True)  # run.sh's own_dir(LOG_DIR)
+        assert not q.run()
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
@@ -1535,6 +1543,6 @@ def test_the_queue_runs_in_process(tmp_path, monkeypatch, capsys):
     assert {r["cvd"] for r in runs} == {"0", "1"}
     for gpu in "01":  # 2 slots: one job a GPU at a time
         assert max_overlap([(r["start"], r["end"]) for r in runs if r["cvd"] == gpu]) == 1
-    assert [j.result for j in s.jobs] == ["done", "done", "failed"]
+    assert [j.result for j in q.sweep.jobs] == ["done", "done", "failed"]
     assert "2 done (2 ran now, 0 skipped: already done), 1 failed" in capsys.readouterr().out
     assert os.environ["LAB_JOBS_PER_NODE"] == "2"
