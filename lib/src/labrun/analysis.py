@@ -660,7 +660,7 @@ class NoResults(Exception):
 def load_runs_from(results: Path, from_mlflow: bool, experiment: str, uri: str | None = None):
     """(runs, skipped) of a results directory or an MLflow experiment; NoResults if none."""
     if from_mlflow:
-        from .tracking import tracking_uri
+        from .mirror import tracking_uri
 
         try:
             runs, skipped = load_runs_from_mlflow(uri or tracking_uri(), experiment)
@@ -729,7 +729,7 @@ def notes(table: Table) -> list[str]:
 
 def load_system_run(target: str, uri: str | None) -> tuple[dict, str]:
     """--system RUN (a run directory or an MLflow run id): its system metrics and its name."""
-    from .tracking import mlflow_run_id, tracking_uri
+    from .mirror import mlflow_run_id, tracking_uri
 
     run_id = name = target
     if Path(target).is_dir():
