@@ -517,9 +517,14 @@ def comparison(table: Table, metric: str) -> tuple[str, pd.DataFrame] | None:
 # ---- tables and warnings ----------------------------------------------------------------------
 
 
-def table_csv(table: Table) -> str:
-    """aggregate.csv: swept keys, n, seeds, fewer_seeds, then <metric>_mean, _se, _n."""
-    stats = table.stats.map(lambda v: json.dumps(v) if isinstance(v, list | dict) else v)
+def table_csv(table: Table, columns: Sequence[str] | None = None) -> str:
+    """aggregate.csv: swept keys, n, seeds, fewer_seeds, then <metric>_mean, _se, _n; with
+    `columns`, table.csv (the paper table's numbers): swept keys, n, then theirs only."""
+    stats = table.stats
+    if columns is not None:
+        fields = [f"{c}_{part}" for c in columns for part in ("mean", "se", "n")]
+        stats = stats[[*table.keys, "n", *fields]]
+    stats = stats.map(lambda v: json.dumps(v) if isinstance(v, list | dict) else v)
     return stats.to_csv(index=False, float_format="%.12g", lineterminator="\n")
 
 
@@ -561,14 +566,6 @@ def latex_tabular(cells: pd.DataFrame, notes: Sequence[str]) -> str:
     return head + tex.replace("\\end{tabular}", rows + "\\end{tabular}")
 
 
-def table_csv_columns(table: Table) -> str:
-    """table.csv: the paper table's numbers: swept keys, n, then mean, se, n of each column."""
-    fields = [f"{c}_{part}" for c in table.columns for part in ("mean", "se", "n")]
-    stats = table.stats[[*table.keys, "n", *fields]]
-    stats = stats.map(lambda v: json.dumps(v) if isinstance(v, list | dict) else v)
-    return stats.to_csv(index=False, float_format="%.12g", lineterminator="\n")
-
-
 def latex_label(name: str, labels: dict[str, str] | None = None) -> str:
     """readable(name) for a LaTeX header: escaped, its ≥ ≤ ² in math mode."""
     text = latex_escape(readable(name, labels))
@@ -605,7 +602,7 @@ def write_tables(
     swept; written atomically."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    texts = {"aggregate.csv": table_csv(table), "table.csv": table_csv_columns(table),
+    texts = {"aggregate.csv": table_csv(table), "table.csv": table_csv(table, table.columns),
              "aggregate.tex": table_latex(table, labels)}  # fmt: skip
     if found := comparison(table, metric):
         row_key, wide = found

@@ -1,11 +1,6 @@
 """analyze.py's results read back for plot.py --analysis: each result's CKA table (layers of run
-A x layers of run B), and the mean +- SE of those whose runs differ only in their seed.
-
-    from labrun.ckaresults import load_cka_results, seed_pairs
-    found, skipped = load_cka_results("results/analysis")   # name -> (table, metrics, config)
-    pairs, unread = seed_pairs(found, PROJECT_ROOT)
-
-No torch here (pandas): the CKA itself is computed by labrun.tools.similarity, in analyze.py.
+A x layers of run B), and the mean +- SE of those whose runs differ only in their seed. No torch
+here (pandas): analyze.py computes the CKA with labrun.tools.similarity.
 """
 
 from __future__ import annotations

@@ -62,6 +62,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..project import current
+
 # Thresholds: each check FAILs below (or above) its own.
 FEED_MIN = 0.9  # job / ceiling: the loader and the loop cost at most 10 % of the step's rate
 PLAIN_MIN = 1.0  # job / naive loop: the job's design must not be slower than a student's loop
@@ -130,15 +132,8 @@ class Context:
     device: object
     work: Path
     log: logging.Logger
-    root: Path = field(default_factory=lambda: project_root())
+    root: Path = field(default_factory=lambda: current().root)  # whose run.py is checked
     runs: int = 0  # jobs started: each gets its own results folder
-
-
-def project_root() -> Path:
-    """The project whose run.py is checked: the one this process finds (labrun/project.py)."""
-    from ..project import current
-
-    return current().root
 
 
 # --------------------------------------------------------------------------------------------
@@ -191,12 +186,7 @@ def run_job(
     if results is None:
         ctx.runs += 1
         results = ctx.work / f"results{ctx.runs}"
-    args = [
-        *("--device", ctx.device.type, "--tracking", "off", "--progress", "off"),
-        *("--width", str(options.width), "--batch-size", str(options.batch_size)),
-        *("--data-dir", str(ctx.work / "data"), "--results-dir", str(results)),
-        *flags,
-    ]
+    args = job_args(ctx, results, *flags)
     launcher = []
     if nproc > 1:
         launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
@@ -233,6 +223,16 @@ def run_job(
         _, err = proc.communicate()
         err += f"\nerror: gpucheck stopped the job after {options.timeout:.0f} s"
     return JobResult(proc.returncode, run_dir, err + plan.stderr)
+
+
+def job_args(ctx: Context, results: Path, *flags: str) -> list[str]:
+    """run.py's command line for a job of this check: the size options, `flags`, `results`."""
+    return [
+        *("--device", ctx.device.type, "--tracking", "off", "--progress", "off"),
+        *("--width", str(ctx.options.width), "--batch-size", str(ctx.options.batch_size)),
+        *("--data-dir", str(ctx.work / "data"), "--results-dir", str(results)),
+        *flags,
+    ]
 
 
 def _epochs_done(run_dir: Path) -> int:
@@ -618,18 +618,8 @@ def check_sync(ctx: Context) -> list[Result]:
     from ..jobs import EXIT_OK
 
     run = run_module(ctx.root)
-    seen = sync_points(
-        lambda: run.main(
-            [
-                *("--device", "cuda", "--tracking", "off", "--progress", "off"),
-                *("--width", str(ctx.options.width), "--batch-size", str(ctx.options.batch_size)),
-                *("--data-dir", str(ctx.work / "data"), "--results-dir", str(ctx.work / "sync")),
-                *speed_flags(ctx, 20),
-            ]
-        ),
-        torch,
-        EXIT_OK,
-    )
+    args = job_args(ctx, ctx.work / "sync", *speed_flags(ctx, 20))
+    seen = sync_points(lambda: run.main(args), torch, EXIT_OK)
     return [sync_result(seen)]
 
 
