@@ -19,7 +19,6 @@ the device synchronised at both ends. Their inputs (`synthetic_split`, `default_
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,26 +26,21 @@ import torch
 import torch.nn.functional as F
 
 from ..augment import MEAN, STD
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work: a clock read before it would time only the launches."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from ..hardware import timed
 
 
 def timed_rate(
     step: Callable[[int], object], *, warmup: int, steps: int, batch_size: int, device
 ) -> float:
-    """samples/s of step(i) for i in warmup..warmup+steps, after `warmup` untimed calls."""
+    """samples/s of step(i) for i in warmup..warmup+steps, after `warmup` untimed calls; the
+    clock waits for the device (hardware.timed), so it times the work, not the launches."""
+    now = timed(device)
     for i in range(warmup):
         step(i)
-    synchronize(device)
-    start = time.perf_counter()
+    start = now()
     for i in range(warmup, warmup + steps):
         step(i)
-    synchronize(device)
-    return steps * batch_size / (time.perf_counter() - start)
+    return steps * batch_size / (now() - start)
 
 
 def best_practice_rate(
