@@ -16,7 +16,7 @@ startup: a freshly rendered project; `run.py` with one optimizer step (digits, w
 sweep: the demo's sweep (9 jobs: 3 lr x 3 seeds, digits, width 16, 6 epochs) under each CPU_JOBS
   / OMP_NUM_THREADS setting, each into its own SWEEP_NAME: wall time of `bash run.sh`.
 loop: issue 28.9, side by side on this CPU (named from /proc/cpuinfo), OMP_NUM_THREADS as set:
-  the plain PyTorch loop (gpucheck.plain_loop_rate: fp32, NCHW, per-sample augmentation),
+  the plain PyTorch loop (reference.plain_loop_rate: fp32, NCHW, per-sample augmentation),
   run.py on the same model, data and batch (its metrics.json samples/s, steps only), and the
   step itself in each candidate habit (NCHW / channels_last x fp32 / bf16 autocast where the CPU
   has native bf16): which habit costs here. Interleaved, --repeats each, the best reported.
@@ -170,7 +170,7 @@ def habit_rate(layout, bf16: bool, batch: int, width: int, steps: int = 8) -> fl
     """samples/s of forward + backward + AdamW of the default model on random images."""
     import torch
     import torch.nn.functional as F
-    from labrun.tools.gpucheck import default_model
+    from labrun.tools.reference import default_model
 
     model = default_model(width).to(memory_format=layout)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -199,7 +199,7 @@ def loop(template: Path, repeats: int, batch: int = 128, width: int = 64, steps:
         os.environ["LABRUN_PROJECT"] = str(project)  # the project's models, as run.py finds them
         sys.path.insert(0, str(project))
         from labrun.hardware import cpu_has_native_bf16
-        from labrun.tools import gpucheck
+        from labrun.tools import gpucheck, reference
 
         rates: dict[str, list[float]] = {}
         candidates = [("NCHW fp32", torch.contiguous_format, False),
@@ -208,10 +208,10 @@ def loop(template: Path, repeats: int, batch: int = 128, width: int = 64, steps:
             candidates += [("NCHW bf16", torch.contiguous_format, True),
                            ("channels_last bf16", torch.channels_last, True)]
         cpu = torch.device("cpu")
-        split = gpucheck.synthetic_split(10_000)
+        split = reference.synthetic_split(10_000)
         layout_line = ""
         for i in range(repeats):
-            rates.setdefault("plain loop", []).append(gpucheck.plain_loop_rate(
+            rates.setdefault("plain loop", []).append(reference.plain_loop_rate(
                 split, cpu, batch_size=batch, steps=steps, warmup=3, tracking_dir=Path(tmp),
                 width=width))
             metrics = gpucheck.job_rate(

@@ -10,7 +10,7 @@ On the same model (the default, --width), batch, synthetic CIFAR-shaped data and
                  channels_last, fused AdamW, no host sync; on CUDA also with torch.compile
                  reduce-overhead (CUDA graphs)
   naive          labrun.tools.reference.naive_rate: fp32, eager, data on the device, loss.item()
-  textbook       gpucheck.plain_loop_rate: per-sample augmentation on the CPU, MLflow per step
+  textbook       reference.plain_loop_rate: per-sample augmentation on the CPU, MLflow per step
 Interleaved, --repeats rounds, the best of each reported (the least disturbed by other load).
 Prints a markdown table for benchmarks/RESULTS.md.
 """
@@ -55,7 +55,7 @@ def main() -> int:
         project = Path(tmp) / "lab_project"
         os.environ["LABRUN_PROJECT"] = str(project)  # the project's models, as run.py finds them
         sys.path.insert(0, str(project))
-        split = gpucheck.synthetic_split(10_000)
+        split = reference.synthetic_split(10_000)
         images, labels = split.images.to(device), split.labels.to(device)
         common = dict(batch_size=args.batch_size, steps=args.steps, warmup=5)
         modes = [None, "reduce-overhead"] if device.type == "cuda" else [None]
@@ -71,15 +71,15 @@ def main() -> int:
                 torch.manual_seed(0)
                 name = "best practice" + (f", torch.compile {mode}" if mode else ", eager")
                 rates.setdefault(name, []).append(reference.best_practice_rate(
-                    gpucheck.default_model(args.width).to(device), images, labels,
+                    reference.default_model(args.width).to(device), images, labels,
                     dtype=dtype, compile_mode=mode, **common))  # fmt: skip
             torch.manual_seed(0)
-            naive = gpucheck.default_model(args.width).to(device)
+            naive = reference.default_model(args.width).to(device)
             rates.setdefault("naive, data on the device", []).append(
                 reference.naive_rate(naive, images, labels, **common))  # fmt: skip
             rates.setdefault("textbook (per-sample CPU augmentation, MLflow)", []).append(
-                gpucheck.plain_loop_rate(split, device, tracking_dir=Path(tmp),
-                                         width=args.width, **common))  # fmt: skip
+                reference.plain_loop_rate(split, device, tracking_dir=Path(tmp),
+                                          width=args.width, **common))  # fmt: skip
     job = max(rates["job (run.py)"])
     print(f"- {device_name(device)} ({platform.processor() or platform.machine()}); torch "
           f"{torch.__version__}; precision {dtype or 'fp32'}; batch {args.batch_size}, width "

@@ -12,8 +12,8 @@ and number of timed steps:
   (c) ceiling  the job's own training step (run.py's `step`, reached with
                labrun.tools.tuning.capture_step: same precision, layout and compile choice) on
                batches already on the device: nothing but compute
-(a) and (b) come from labrun's `gpucheck` module (`job_rate`, `plain_loop_rate`), the code
-`python -m labrun.gpucheck` runs on a GPU. (b) and (c) run in this
+(a) and (b) come from labrun's `gpucheck` and `reference` tools (`job_rate`, `plain_loop_rate`),
+the code `python -m labrun.gpucheck` runs on a GPU. (b) and (c) run in this
 process after `--warmup` untimed steps; the device is synchronised before the clock stops. Each
 variant runs `--repeats` times, interleaved, and the best run is reported (the least disturbed by
 other load on the machine). Achieved GFLOP/s = samples/s x training FLOPs per sample
@@ -112,7 +112,8 @@ def import_package(project: Path):
 
     os.environ["LABRUN_PROJECT"] = str(project)
     sys.path.insert(0, str(project))
-    for module in ("config", "data", "hardware", "train", "models", "tools.gpucheck"):
+    for module in ("config", "data", "hardware", "train", "models", "tools.gpucheck",
+                   "tools.reference"):
         importlib.import_module(f"labrun.{module}")
     return importlib.import_module("labrun"), "labrun"
 
@@ -136,7 +137,7 @@ def main(argv=None) -> int:
     splits = pkg.data.load_dataset("synthetic", data_dir, synthetic_size=args.synthetic_size).splits
     split = splits["train"]
 
-    check = pkg.tools.gpucheck
+    check, reference = pkg.tools.gpucheck, pkg.tools.reference
     if not args.batch_size:
         args.batch_size = pkg.hardware.recommended_batch_size(device)
     loader = pkg.data.build_loader(split, args.batch_size, train=True, device=device)
@@ -172,9 +173,9 @@ def main(argv=None) -> int:
 
     runners = {
         "job": job,
-        "plain": lambda: check.plain_loop_rate(split, device, batch_size=args.batch_size,
-                                               steps=args.steps, warmup=args.warmup,
-                                               tracking_dir=results_dir, width=args.width),
+        "plain": lambda: reference.plain_loop_rate(split, device, batch_size=args.batch_size,
+                                                   steps=args.steps, warmup=args.warmup,
+                                                   tracking_dir=results_dir, width=args.width),
         "ceiling": ceiling,
     }
     dtype, _ = pkg.hardware.choose_precision(device, "auto")
@@ -188,7 +189,7 @@ def main(argv=None) -> int:
                   file=sys.stderr, flush=True)
         peaks.append(pkg.hardware.measure_matmul_flops(device, dtype))
     best = {name: max(values) for name, values in runs.items()}
-    flops_per_sample = check.train_flops_per_sample(args.width, device)
+    flops_per_sample = reference.train_flops_per_sample(args.width, device)
     peak = max(peaks)
 
     speedup = best["job"] / best["plain"]

@@ -83,12 +83,12 @@ def project() -> Path:
 @pytest.fixture(scope="session")
 def mlflow_uri(tmp_path_factory) -> str:
     """A private sqlite DB, created once (as run.sh does before fanning out)."""
-    from labrun import tracking
+    from labrun import mirror
 
     uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
     with pytest.MonkeyPatch.context() as patch:  # in-process: mlflow is imported once anyway
         patch.setenv("MLFLOW_TRACKING_URI", uri)
-        tracking.init()
+        mirror.init()
     return uri
 
 

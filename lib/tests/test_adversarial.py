@@ -136,7 +136,7 @@ def test_a_crafted_tracking_json_is_ignored_not_logged(main_in_process, tmp_path
     ],
 )
 def test_tracking_json_values_are_checked(tmp_path, state, caplog):
-    from labrun.tracking import read_state
+    from labrun.mirror import read_state
 
     (tmp_path / "tracking.json").write_text(json.dumps(state))
     assert read_state(tmp_path, __import__("logging").getLogger("t")) == {}
@@ -262,13 +262,13 @@ def test_a_job_started_under_nohup_keeps_ignoring_sighup():
 
 # ---- the shared MLflow DB ---
 def test_the_mlflow_db_and_its_journal_follow_the_umask(tmp_path, monkeypatch):
-    from labrun import tracking
+    from labrun import mirror
 
     db = tmp_path / "shared" / "mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
     old = os.umask(0o002)
     try:
-        tracking.init("umask")
+        mirror.init("umask")
         with sqlite3.connect(db, isolation_level=None) as con:  # a write keeps a journal open
             con.execute("BEGIN IMMEDIATE")
             con.execute("CREATE TABLE probe (x)")
@@ -284,12 +284,12 @@ def test_the_mlflow_db_and_its_journal_follow_the_umask(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_a_deleted_mlflow_db_is_one_warning_not_a_flood(env, data_dir, tmp_path, monkeypatch):
-    from labrun import tracking
+    from labrun import mirror
 
     db = tmp_path / "mlflow.db"
     env = {**env, "MLFLOW_TRACKING_URI": f"sqlite:///{db}"}
     monkeypatch.setenv("MLFLOW_TRACKING_URI", env["MLFLOW_TRACKING_URI"])
-    tracking.init()
+    mirror.init()
     proc = _start_and_wait_for_the_loop(env, data_dir, tmp_path / "results", "--epochs", "6")
     db.unlink()
     _, err = proc.communicate(timeout=300)

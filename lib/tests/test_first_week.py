@@ -175,13 +175,13 @@ def test_provenance_warns_outside_git(tmp_path, monkeypatch, caplog):
 @pytest.mark.slow  # imports mlflow and creates a sqlite DB
 def test_gitignore_ignores_what_tracking_writes(tmp_path, monkeypatch):
     """mlflow.db, its lock and journal, mlruns/: as the tracker really writes them."""
-    from labrun import tracking
+    from labrun import mirror
 
     shutil.copy(ROOT / ".gitignore", tmp_path / ".gitignore")
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.delenv("GIT_DIR", raising=False)
-    tracking.init("gitignore-check")
+    mirror.init("gitignore-check")
     written = sorted(p.name for p in tmp_path.iterdir() if p.name not in (".git", ".gitignore"))
     assert "mlflow.db" in written and "mlflow.db.lock" in written, written
     status = subprocess.run(

@@ -56,9 +56,9 @@ def test_the_reference_loops_train_the_model_they_are_given(loop):
     from labrun.tools import reference
 
     torch.manual_seed(0)
-    model = gpucheck.default_model(4)
+    model = reference.default_model(4)
     before = [p.detach().clone() for p in model.parameters()]
-    split = gpucheck.synthetic_split(64)
+    split = reference.synthetic_split(64)
     extra = {"dtype": None} if loop == "best_practice_rate" else {}
     rate = getattr(reference, loop)(
         model, split.images, split.labels, batch_size=16, steps=3, warmup=1, **extra

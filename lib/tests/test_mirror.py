@@ -1,7 +1,7 @@
-"""MLflow mirrors the run directory (labrun.tracking): after kills, a full disk, a deleted
+"""MLflow mirrors the run directory (labrun.mirror): after kills, a full disk, a deleted
 metrics.json and the re-run (or `sync`, or the sweep's follower), the MLflow run's status, params
 and metric rows equal the directory's files, compared field by field here with a reader of our
-own (not tracking.py's). Real processes, real signals, a real sqlite store; the full disk is a
+own (not mirror.py's). Real processes, real signals, a real sqlite store; the full disk is a
 real tmpfs (root).
 
 The fast tests build run directories by hand (the files run.py writes); the slow ones train.
@@ -24,7 +24,7 @@ import pytest
 from conftest import DEADLINE, ROOT, cli_command, popen_cli, wait_while_running
 
 from labrun import follower as tracking_cli  # `python -m labrun.tracking sync|follow`
-from labrun import tracking
+from labrun import mirror, tracking
 from labrun.claim import claim
 
 IS_ROOT = os.geteuid() == 0
@@ -235,7 +235,7 @@ def test_a_live_job_reads_its_rows_back_once_not_every_epoch(env, tmp_path, monk
     tracker = tracking.Tracker(
         run_dir, enabled=True, experiment="mirror-test", run_name=run_dir.name,
         log=logging.getLogger("test"), system_metrics=False,
-        params=tracking.run_params(json.loads((run_dir / "config.json").read_text())),
+        params=mirror.run_params(json.loads((run_dir / "config.json").read_text())),
     )  # fmt: skip
     for epoch in range(2, len(losses) + 1):
         write_history(run_dir, history_of(losses[:epoch]))
@@ -539,7 +539,7 @@ def test_a_sweep_shows_each_run_live_in_mlflow_then_finished(tmp_path):
     env["MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"] = "1"
     env.pop("MLFLOW_TRACKING_URI", None)  # the project's own mlflow.db
     uri = f"sqlite:///{project / 'mlflow.db'}"
-    client = tracking.mlflow_client(uri)  # the schema made once, under tracking.py's lock
+    client = mirror.mlflow_client(uri)  # the schema made once, under mirror.py's lock
     sweep = subprocess.Popen(
         ["bash", "sweep.sh"], cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )

@@ -72,7 +72,6 @@ SEED_KEY = "seed"
 DEFAULT_MONITOR = "val_acc"  # runs written before tasks: classification, early-stopped on it
 RESULT_NAMES = ("best_epoch", "tested_epoch", "epochs_run", "steps")  # compared in duplicates
 TIME_METRIC = "wall_time_s"  # with the test metrics in the default table
-CKA_TABLE = "cka_layers.csv"  # analyze.py's table of every layer pair
 
 
 def is_task_metric(name: str) -> bool:
@@ -518,9 +517,14 @@ def comparison(table: Table, metric: str) -> tuple[str, pd.DataFrame] | None:
 # ---- tables and warnings ----------------------------------------------------------------------
 
 
-def table_csv(table: Table) -> str:
-    """aggregate.csv: swept keys, n, seeds, fewer_seeds, then <metric>_mean, _se, _n."""
-    stats = table.stats.map(lambda v: json.dumps(v) if isinstance(v, list | dict) else v)
+def table_csv(table: Table, columns: Sequence[str] | None = None) -> str:
+    """aggregate.csv: swept keys, n, seeds, fewer_seeds, then <metric>_mean, _se, _n; with
+    `columns`, table.csv (the paper table's numbers): swept keys, n, then theirs only."""
+    stats = table.stats
+    if columns is not None:
+        fields = [f"{c}_{part}" for c in columns for part in ("mean", "se", "n")]
+        stats = stats[[*table.keys, "n", *fields]]
+    stats = stats.map(lambda v: json.dumps(v) if isinstance(v, list | dict) else v)
     return stats.to_csv(index=False, float_format="%.12g", lineterminator="\n")
 
 
@@ -550,7 +554,7 @@ def format_mean_se(mean: float, se: float) -> str:
     return f"${mean:.{decimals}f} \\pm {se:.{decimals}f}$"
 
 
-def _latex(cells: pd.DataFrame, notes: Sequence[str]) -> str:
+def latex_tabular(cells: pd.DataFrame, notes: Sequence[str]) -> str:
     """A booktabs tabular (\\usepackage{booktabs}) of ready-made LaTeX cells and headers, with
     notes."""
     body = cells.style.hide(axis="index")
@@ -560,14 +564,6 @@ def _latex(cells: pd.DataFrame, notes: Sequence[str]) -> str:
                    for n in notes)  # fmt: skip
     head = "% Mean $\\pm$ standard error over seeds (plot.py). Needs \\usepackage{booktabs}.\n"
     return head + tex.replace("\\end{tabular}", rows + "\\end{tabular}")
-
-
-def table_csv_columns(table: Table) -> str:
-    """table.csv: the paper table's numbers: swept keys, n, then mean, se, n of each column."""
-    fields = [f"{c}_{part}" for c in table.columns for part in ("mean", "se", "n")]
-    stats = table.stats[[*table.keys, "n", *fields]]
-    stats = stats.map(lambda v: json.dumps(v) if isinstance(v, list | dict) else v)
-    return stats.to_csv(index=False, float_format="%.12g", lineterminator="\n")
 
 
 def latex_label(name: str, labels: dict[str, str] | None = None) -> str:
@@ -595,7 +591,7 @@ def table_latex(table: Table, labels: dict[str, str] | None = None) -> str:
     if any(cell.endswith("$^\\ddagger$") for cell in cells.to_numpy().ravel()):
         notes.append("$^\\ddagger$ over the runs with a finite value (first epochs: that reached "
                      "it) only; their n: table.csv")  # fmt: skip
-    return _latex(cells, notes)
+    return latex_tabular(cells, notes)
 
 
 def write_tables(
@@ -606,7 +602,7 @@ def write_tables(
     swept; written atomically."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    texts = {"aggregate.csv": table_csv(table), "table.csv": table_csv_columns(table),
+    texts = {"aggregate.csv": table_csv(table), "table.csv": table_csv(table, table.columns),
              "aggregate.tex": table_latex(table, labels)}  # fmt: skip
     if found := comparison(table, metric):
         row_key, wide = found
@@ -618,7 +614,7 @@ def write_tables(
             cells[latex_escape(condition)] = [
                 format_mean_se(m, e) for m, e in zip(means, ses, strict=True)
             ]
-        texts["comparison.tex"] = _latex(
+        texts["comparison.tex"] = latex_tabular(
             cells, [f"{latex_label(metric, labels)}, n seeds: comparison.csv"]
         )
     for name, text in texts.items():
@@ -647,15 +643,6 @@ def dropped_line(table: Table, limit: int = 5) -> str:
             f"not counted in n ({'; '.join(parts[:limit])}{more})")  # fmt: skip
 
 
-def read_cka(run_dir: Path) -> tuple[pd.DataFrame, dict, dict]:
-    """An analyze.py result: its cka_layers.csv (layers of A x layers of B), metrics.json and
-    config.json (ValueError, KeyError or OSError when one is missing or malformed)."""
-    frame = pd.read_csv(run_dir / CKA_TABLE, index_col=0, dtype={0: str}).astype(float)
-    metrics, config = read_json(run_dir / METRICS), read_json(run_dir / CONFIG)
-    float(metrics["cka"]), metrics["layer_a"], config["run_a"], config["run_b"]  # noqa: B018
-    return frame, metrics, config
-
-
 # ---- what plot.py's command line needs --------------------------------------------------------
 
 
@@ -670,7 +657,7 @@ class NoResults(Exception):
 def load_runs_from(results: Path, from_mlflow: bool, experiment: str, uri: str | None = None):
     """(runs, skipped) of a results directory or an MLflow experiment; NoResults if none."""
     if from_mlflow:
-        from .tracking import tracking_uri
+        from .mirror import tracking_uri
 
         try:
             runs, skipped = load_runs_from_mlflow(uri or tracking_uri(), experiment)
@@ -739,7 +726,7 @@ def notes(table: Table) -> list[str]:
 
 def load_system_run(target: str, uri: str | None) -> tuple[dict, str]:
     """--system RUN (a run directory or an MLflow run id): its system metrics and its name."""
-    from .tracking import mlflow_run_id, tracking_uri
+    from .mirror import mlflow_run_id, tracking_uri
 
     run_id = name = target
     if Path(target).is_dir():
@@ -777,97 +764,3 @@ def system_panels(series: dict) -> dict[str, list[str]]:
                   "RAM (%)": ["system_memory_usage_percentage"]}  # fmt: skip
     panels = {label: [k for k in names if k in series] for label, names in panels.items()}
     return {label: names for label, names in panels.items() if names}
-
-
-def load_cka_results(directory: Path) -> tuple[dict[str, tuple], list[tuple[str, str]]]:
-    """Every finished analyze.py result in `directory`: name -> read_cka(), and the skipped."""
-    found, skipped = {}, []
-    for path in sorted(Path(directory).glob(f"*/{CKA_TABLE}")):
-        if (path.parent / METRICS).is_file():
-            try:
-                found[path.parent.name] = read_cka(path.parent)
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                skipped.append((path.parent.name, f"unreadable ({type(exc).__name__})"))
-    if not found:
-        raise NoResults(f"--analysis: no finished analyze.py results in {directory}/ "
-                        "(python analyze.py RUN_A RUN_B writes them)"
-                        + (f"; {skipped_line(skipped)[9:]}" if skipped else ""))  # fmt: skip
-    return found, skipped
-
-
-@dataclass
-class SeedPairs:
-    """analyze.py results of runs that differ only in `seed` and share everything else (their
-    other experiment keys, the analysis' layer, inputs and input seed): layer x layer mean and
-    SE over the pairs (SE NaN with one pair)."""
-
-    name: str  # the runs' shared name: run A's without its seed and hash
-    results: list[str]  # the analysis directories, one per seed pair
-    mean: pd.DataFrame  # layers of A (rows) x layers of B
-    se: pd.DataFrame
-
-    def per_row(self) -> pd.DataFrame:
-        """Per layer of A: its best-matching layer of B (highest mean) and that mean +- SE, and
-        the same layer's mean +- SE where B has it: the figure's table."""
-        best = self.mean.idxmax(axis=1)
-        same = [a if a in self.mean.columns else None for a in self.mean.index]
-
-        def at(frame: pd.DataFrame, cols) -> list[float]:  # each row's value in its column
-            return [
-                frame.at[a, b] if b else math.nan for a, b in zip(frame.index, cols, strict=True)
-            ]
-
-        rows = pd.DataFrame({"best_b": best, "best_mean": at(self.mean, best),
-                             "best_se": at(self.se, best), "same_mean": at(self.mean, same),
-                             "same_se": at(self.se, same), "n": len(self.results)})  # fmt: skip
-        return rows.rename_axis("layer_a")
-
-
-def seed_pairs(found: dict[str, tuple], root: Path) -> tuple[list[SeedPairs], list[tuple]]:
-    """load_cka_results()'s results grouped into SeedPairs (each run's config.json read from
-    its directory, relative to `root` if relative); those whose runs differ in anything but the
-    seed stay apart (their own heat maps), those whose runs are gone are returned as skipped."""
-    groups: dict[str, list[str]] = {}
-    skipped, names = [], {}
-    for result, (frame, metrics, config) in found.items():
-        try:
-            a, b = (read_json(root / config[f"run_{side}"] / CONFIG) for side in "ab")
-            same = [{k: c[k] for k in c["experiment_keys"] if k != SEED_KEY} for c in (a, b)]
-        except (OSError, ValueError, KeyError, TypeError):
-            skipped.append((result, "its runs' config.json unreadable: not in the seed mean"))
-            continue
-        if same[0] != same[1] or a.get(SEED_KEY) == b.get(SEED_KEY):
-            continue
-        shared = [same[0], list(frame.index), list(frame.columns), metrics["layer_a"],
-                  metrics["layer_b"], config.get("images"), config.get("seed")]  # fmt: skip
-        key = json.dumps(shared, sort_keys=True, default=str)
-        groups.setdefault(key, []).append(result)
-        name = re.sub(r"-[0-9a-f]{8}$", "", Path(config["run_a"]).name)
-        names.setdefault(key, re.sub(r"_seed=[^_]*", "", name))
-    found_pairs = []
-    for key, results in groups.items():
-        stack = np.stack([found[r][0].to_numpy() for r in results])
-        se = stack.std(0, ddof=1) / math.sqrt(len(stack)) if len(stack) > 1 else stack[0] * np.nan
-        axes = found[results[0]][0].index, found[results[0]][0].columns
-        found_pairs.append(SeedPairs(names[key], results, pd.DataFrame(stack.mean(0), *axes),
-                                     pd.DataFrame(se, *axes)))  # fmt: skip
-    return found_pairs, skipped
-
-
-def write_seed_pair_table(pairs: SeedPairs, out_dir: Path, stem: str) -> list[Path]:
-    """<stem>.csv (every number of per_row) and <stem>.tex (booktabs: mean +- SE)."""
-    rows = pairs.per_row()
-    cells = pd.DataFrame({"layer of A": [latex_escape(a) for a in rows.index],
-                          "best layer of B": [latex_escape(b) for b in rows.best_b]})  # fmt: skip
-    for head, part in (("its CKA", "best"), ("same layer's CKA", "same")):
-        pairs_ = zip(rows[f"{part}_mean"], rows[f"{part}_se"], strict=True)
-        cells[head] = [format_mean_se(m, e) for m, e in pairs_]
-    n = len(pairs.results)
-    note = f"linear CKA, mean $\\pm$ SE over {n} seed pair{'s' * (n != 1)} of "
-    note += latex_escape(pairs.name)
-    texts = {f"{stem}.csv": rows.to_csv(float_format="%.6g", lineterminator="\n"),
-             f"{stem}.tex": _latex(cells, [note])}  # fmt: skip
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    for name, text in texts.items():
-        atomic_write_text(Path(out_dir) / name, text)
-    return [Path(out_dir) / name for name in texts]

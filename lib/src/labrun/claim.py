@@ -15,7 +15,7 @@ On NFS, Linux emulates flock with POSIX byte-range locks, so the claim holds acr
 too; on file systems without working locks it fails with OSError instead of silently passing.
 
 fcntl, not filelock (which the data caches and the MLflow DB use: dataversion.file_lock,
-tracking.mlflow_client): the claim is more than a lock. Its file holds the holder's description,
+mirror.mlflow_client): the claim is more than a lock. Its file holds the holder's description,
 which others read through descriptors of their own (some filelock versions truncate it at
 every open); holder() probes with a shared lock, which filelock has not; still_ours() compares
 the inode this descriptor locked; and on a file system without flock the claim must fail, where

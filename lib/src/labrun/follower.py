@@ -1,5 +1,5 @@
 """`python -m labrun.tracking sync|follow`: MLflow made to mirror run directories from outside
-their jobs (tracking.py's `mirror`, the one path).
+their jobs (mirror.py's `mirror`, the one path).
 
 - `sync PATHS`: every run directory under PATHS, each change printed (after a sweep killed with
   -9, a tracker outage, or runs copied from another machine).
@@ -28,8 +28,7 @@ from pathlib import Path
 from . import runs
 from .claim import LOCK_FILE
 from .config import PROJECT_ROOT
-from .runs import first_line
-from .tracking import (
+from .mirror import (
     RETRY_AFTER_S,
     SYSTEM_METRICS_INTERVAL_S,
     fingerprint,
@@ -38,6 +37,7 @@ from .tracking import (
     read_state,
     tracking_uri,
 )
+from .runs import first_line
 
 FOLLOW_POLL_S = 1.0  # how often the follower looks for new epochs and runs whose job has ended
 
@@ -86,7 +86,7 @@ def sync(run_dir: Path, log: logging.Logger, run_id: str | None = None) -> bool 
 
 def _answers(log: logging.Logger) -> bool:
     """Whether the tracking server answers one request (within MLflow's HTTP timeout and
-    retries, tracking.HTTP_DEFAULTS); if not, said once."""
+    retries, mirror.HTTP_DEFAULTS); if not, said once."""
     uri = tracking_uri()
     try:
         mlflow_client(uri).search_experiments(max_results=1)

@@ -42,7 +42,7 @@ BEST_MODEL = "best_model.pt"
 METRICS = "metrics.json"
 LOG = "run.log"
 LOCK = ".lock"  # held (flock) by the process training this directory: see claim.py
-TRACKING = "tracking.json"  # the MLflow run this directory mirrors: see tracking.py
+TRACKING = "tracking.json"  # the MLflow run this directory mirrors: see mirror.py
 # What a run writes through atomic_path: its temps are this process's own (remove_stale_temps).
 RUN_FILES = (CONFIG, STATUS, HISTORY, CHECKPOINT, BEST_MODEL, METRICS, TRACKING)
 PROBE = "probe"  # ensure_writable's space probe: `.probe.<random>.tmp`

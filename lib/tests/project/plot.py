@@ -27,6 +27,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: the fastest backend to import
 import numpy as np  # noqa: E402
 from labrun import analysis as A  # noqa: E402  (pandas; no torch)
+from labrun import ckaresults as C  # noqa: E402  (analyze.py's results, over seed pairs)
 from labrun import figures as F  # noqa: E402  (legends, wrapping, colours, atomic saves)
 from labrun.config import DEFAULT_EXPERIMENT, PROJECT_ROOT  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
@@ -234,7 +235,7 @@ def plot_cka(frame, metrics: dict, config: dict, page) -> Figure:
     return fig
 
 
-def plot_cka_seeds(pairs: A.SeedPairs, page) -> Figure:
+def plot_cka_seeds(pairs: C.SeedPairs, page) -> Figure:
     """The mean over seed pairs (results of runs that differ only in --seed) of plot_cka's map;
     a dot marks each row's best match (the table beside it: mean +- SE, and the same layer's)."""
     mean = pairs.mean
@@ -294,15 +295,15 @@ def main(argv=None) -> int:
             print(f"{args.out}/system_{name}.* ({len(series)} system metrics)")
             return 0
         if args.analysis is not None:
-            found, skipped = A.load_cka_results(args.analysis)
+            found, skipped = C.load_cka_results(args.analysis)
             for name, cka in found.items():
                 F.save(plot_cka(*cka, page), name, args.out, args.formats)
-            groups, unread = A.seed_pairs(found, PROJECT_ROOT)
+            groups, unread = C.seed_pairs(found, PROJECT_ROOT)
             for i, pairs in enumerate(groups):  # two groups of one name (another layer): numbered
                 stem = f"cka_seeds_{pairs.name}" + f"_{i}" * (len(groups) > len(
                     {g.name for g in groups}))  # fmt: skip
                 F.save(plot_cka_seeds(pairs, page), stem, args.out, args.formats)
-                A.write_seed_pair_table(pairs, args.out, stem)
+                C.write_seed_pair_table(pairs, args.out, stem)
             print(f"{args.out}/: {len(found)} CKA heat map(s) from {args.analysis}, "
                   f"{len(groups)} mean(s) over seed pairs (cka_seeds_*)")  # fmt: skip
             return warn(A.skipped_line(skipped + unread))

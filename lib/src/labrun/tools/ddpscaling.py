@@ -21,16 +21,13 @@ def measure_step(device_name: str, batch: int, steps: int, width: int) -> dict:
     import torch.distributed as td
     import torch.nn.functional as F
 
-    from ..config import build_parser
     from ..hardware import choose_precision, timed
-    from ..models import create_model
+    from .reference import default_model
 
     with session(device_name) as dist:
         device = dist.place(torch.device(device_name))
         dtype, _ = choose_precision(device, "auto")
-        name = build_parser().get_default("model")
-        model = create_model(name, num_classes=10, channels=3, image_size=(32, 32), width=width)
-        model = dist.prepare(model, 0).to(device, memory_format=torch.channels_last)
+        model = dist.prepare(default_model(width), 0).to(device, memory_format=torch.channels_last)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         net = dist.ddp(model) or model
         x = torch.randn(batch, 3, 32, 32, device=device).contiguous(

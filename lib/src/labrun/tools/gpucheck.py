@@ -16,7 +16,7 @@ FAILed (checks that cannot run here say "not checked" and why); 1: at least one 
                (reference.naive_rate: fp32, eager, loss.item() each step; CPU too: the CPU
                path must not be slower than a plain loop on any x86 CPU)
   textbook     the job against the textbook loop (per-sample augmentation on the CPU, MLflow
-               every step: plain_loop_rate), the third reference (info)
+               every step: reference.plain_loop_rate), the third reference (info)
   feed         the job's loader keeps up: with the data streamed from the host, the job
                reaches >= FEED_MIN of the same job with the data resident on the GPU; and a
                folder of JPEGs streamed through workers reaches >= FEED_MIN of the same
@@ -38,9 +38,9 @@ FAILed (checks that cannot run here say "not checked" and why); 1: at least one 
   ddp          several GPUs: run.py's step on 1 and on all of them (torchrun + DDP, the batch
                per GPU fixed), in the run's precision: weak-scaling efficiency >= SCALING_MIN
 `--device cpu` runs what can run on a CPU: a dry run of this script, not a GPU claim. Checks are
-functions in CHECKS (each returns its Result lines). benchmarks/bench_train.py imports the
-measuring functions (`plain_loop_rate`, `job_rate`, `train_flops_per_sample`; the matmul peak is
-hardware's `measure_matmul_flops`).
+functions in CHECKS (each returns its Result lines). The benchmarks import `job_rate` (run.py
+itself, timed) and tools/reference.py's loops; the matmul peak is hardware's
+`measure_matmul_flops`.
 """
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ..project import current
 
 # Thresholds: each check FAILs below (or above) its own.
 FEED_MIN = 0.9  # job / ceiling: the loader and the loop cost at most 10 % of the step's rate
@@ -117,6 +119,11 @@ class Result:
     detail: str
 
 
+def judged(name: str, ok: bool, detail: str) -> Result:
+    """A check's verdict: PASS where `ok` (its threshold met), else FAIL."""
+    return Result(name, PASS if ok else FAIL, detail)
+
+
 @dataclass
 class Context:
     """What every check gets: this script's options, the device, a work folder, the log."""
@@ -125,15 +132,8 @@ class Context:
     device: object
     work: Path
     log: logging.Logger
-    root: Path = field(default_factory=lambda: project_root())
+    root: Path = field(default_factory=lambda: current().root)  # whose run.py is checked
     runs: int = 0  # jobs started: each gets its own results folder
-
-
-def project_root() -> Path:
-    """The project whose run.py is checked: the one this process finds (labrun/project.py)."""
-    from ..project import current
-
-    return current().root
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,12 +186,7 @@ def run_job(
     if results is None:
         ctx.runs += 1
         results = ctx.work / f"results{ctx.runs}"
-    args = [
-        *("--device", ctx.device.type, "--tracking", "off", "--progress", "off"),
-        *("--width", str(options.width), "--batch-size", str(options.batch_size)),
-        *("--data-dir", str(ctx.work / "data"), "--results-dir", str(results)),
-        *flags,
-    ]
+    args = job_args(ctx, results, *flags)
     launcher = []
     if nproc > 1:
         launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
@@ -230,6 +225,16 @@ def run_job(
     return JobResult(proc.returncode, run_dir, err + plan.stderr)
 
 
+def job_args(ctx: Context, results: Path, *flags: str) -> list[str]:
+    """run.py's command line for a job of this check: the size options, `flags`, `results`."""
+    return [
+        *("--device", ctx.device.type, "--tracking", "off", "--progress", "off"),
+        *("--width", str(ctx.options.width), "--batch-size", str(ctx.options.batch_size)),
+        *("--data-dir", str(ctx.work / "data"), "--results-dir", str(results)),
+        *flags,
+    ]
+
+
 def _epochs_done(run_dir: Path) -> int:
     try:
         return max(len((run_dir / "history.csv").read_text().splitlines()) - 1, 0)
@@ -239,92 +244,6 @@ def _epochs_done(run_dir: Path) -> int:
 
 def failed(name: str, job: JobResult) -> Result:
     return Result(name, FAIL, f"run.py exited {job.code}: {job.failure()}")
-
-
-# --------------------------------------------------------------------------------------------
-# Measuring functions (shared with the template's benchmarks/bench_train.py)
-
-
-def synthetic_split(n: int, seed: int = 0):
-    """n random CIFAR-shaped uint8 images with labels: speed does not depend on content."""
-    import torch
-
-    from ..data import Split
-
-    gen = torch.Generator().manual_seed(seed)
-    images = torch.randint(0, 256, (n, 3, 32, 32), dtype=torch.uint8, generator=gen)
-    return Split(images, torch.randint(0, 10, (n,), generator=gen))
-
-
-def default_model(width: int):
-    """The project's default model on CIFAR-shaped inputs (run.py's --model default)."""
-    from ..config import build_parser
-    from ..models import create_model
-
-    name = build_parser().get_default("model")
-    return create_model(name, num_classes=10, channels=3, image_size=(32, 32), width=width)
-
-
-def plain_loop_rate(
-    split, device, *, batch_size: int, steps: int, warmup: int, tracking_dir: Path, width: int = 64
-) -> float:
-    """The textbook loop: fp32, NCHW, a per-sample Dataset that converts and augments on the CPU
-    (num_workers=0), `loss.item()` and a synchronous `mlflow.log_metric` every step, no
-    compile."""
-    import mlflow
-    import torch
-    import torch.nn.functional as F
-
-    from ..augment import MEAN, STD
-    from .reference import timed_rate
-
-    class PerSampleDataset(torch.utils.data.Dataset):
-        def __init__(self, images, labels):
-            self.images, self.labels = images, labels
-            self.mean = torch.tensor(MEAN).view(3, 1, 1) / 255
-            self.std = torch.tensor(STD).view(3, 1, 1) / 255
-
-        def __len__(self):
-            return len(self.labels)
-
-        def __getitem__(self, i):
-            image = self.images[i].float() / 255  # "ToTensor"
-            image = F.pad(image, (4, 4, 4, 4))  # "RandomCrop(32, padding=4)"
-            dy, dx = torch.randint(0, 9, (2,)).tolist()
-            image = image[:, dy : dy + 32, dx : dx + 32]
-            if torch.rand(()) < 0.5:  # "RandomHorizontalFlip"
-                image = image.flip(2)
-            return (image - self.mean) / self.std, self.labels[i]  # "Normalize"
-
-    loader = torch.utils.data.DataLoader(
-        PerSampleDataset(split.images.contiguous(), split.labels),
-        batch_size=batch_size,
-        shuffle=True,
-        num_workers=0,
-        drop_last=True,
-    )
-    model = default_model(width).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=5e-4)
-    mlflow.set_tracking_uri(f"sqlite:///{tracking_dir / 'plain.db'}")
-    mlflow.set_experiment("bench-plain")
-    batches = iter(loader)
-
-    def step(i: int) -> None:
-        nonlocal batches
-        try:
-            x, y = next(batches)
-        except StopIteration:
-            batches = iter(loader)
-            x, y = next(batches)
-        x, y = x.to(device), y.to(device)
-        loss = F.cross_entropy(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        mlflow.log_metric("loss", loss.item(), step=i)
-
-    with mlflow.start_run():
-        return timed_rate(step, warmup=warmup, steps=steps, batch_size=batch_size, device=device)
 
 
 def job_rate(
@@ -356,19 +275,6 @@ def job_rate(
     return metrics
 
 
-def train_flops_per_sample(width: int, device) -> float:
-    """FLOPs of one training step (forward + backward) per sample, counted by torch's
-    FlopCounterMode (matmuls and convolutions; elementwise ops are not counted)."""
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
-
-    model = default_model(width).to(device)
-    x = torch.randn(2, 3, 32, 32, device=device)
-    with FlopCounterMode(display=False) as counter:
-        model(x).sum().backward()
-    return counter.get_total_flops() / 2
-
-
 # --------------------------------------------------------------------------------------------
 # Checks: each takes the Context and returns its Result lines
 
@@ -378,24 +284,14 @@ def check_torch_build(ctx: Context) -> list[Result]:
 
     gpus = nvidia_smi_gpus()
     build = f"torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}"
+    listed = f"nvidia-smi lists {len(gpus)} GPU(s) but {build}"
     if gpus and torch.version.cuda is None:
-        return [
-            Result(
-                "torch build",
-                FAIL,
-                f"nvidia-smi lists {len(gpus)} GPU(s) but {build} is a CPU build: "
-                f"install the CUDA build: {INSTALL_CUDA}",
-            )
-        ]
+        why = f"{listed} is a CPU build: install the CUDA build: {INSTALL_CUDA}"
+        return [Result("torch build", FAIL, why)]
     if gpus and not torch.cuda.is_available():
-        return [
-            Result(
-                "torch build",
-                FAIL,
-                f"nvidia-smi lists {len(gpus)} GPU(s) but {build} sees none "
-                "(driver older than the build's CUDA, or CUDA_VISIBLE_DEVICES hides them)",
-            )
-        ]
+        why = f"{listed} sees none (driver older than the build's CUDA, or CUDA_VISIBLE_DEVICES "
+        why += "hides them)"
+        return [Result("torch build", FAIL, why)]
     if ctx.device.type != "cuda":
         return [Result("torch build", NOT_CHECKED, f"--device cpu ({build})")]
     if not torch.cuda.is_available():
@@ -423,14 +319,8 @@ def check_precision(ctx: Context) -> list[Result]:
     if ctx.device.type != "cuda":
         return [Result("precision", NOT_CHECKED, f"no CUDA ({why})")]
     gain = measure_matmul_flops(ctx.device, dtype) / measure_matmul_flops(ctx.device, None)
-    ok = gain >= PRECISION_MIN_GAIN
-    return [
-        Result(
-            "precision",
-            PASS if ok else FAIL,
-            f"{why}; its matmul is {gain:.2f}x fp32's (threshold {PRECISION_MIN_GAIN}x)",
-        )
-    ]
+    detail = f"{why}; its matmul is {gain:.2f}x fp32's (threshold {PRECISION_MIN_GAIN}x)"
+    return [judged("precision", gain >= PRECISION_MIN_GAIN, detail)]
 
 
 def speed_flags(ctx: Context, steps: int) -> tuple[str, ...]:
@@ -441,6 +331,8 @@ def speed_flags(ctx: Context, steps: int) -> tuple[str, ...]:
 def check_default_job(ctx: Context) -> list[Result]:
     """run.py's defaults on CIFAR-sized synthetic data: the decision, plain, feed, MFU."""
     import torch
+
+    from .reference import plain_loop_rate, synthetic_split, train_flops_per_sample
 
     options, device = ctx.options, ctx.device
     job = run_job(ctx, *speed_flags(ctx, options.steps))
@@ -511,14 +403,14 @@ def reference_results(ctx: Context, rate: float, split) -> list[Result]:
         mode = "reduce-overhead" if device.type == "cuda" else None
         torch.manual_seed(0)
         best = reference.best_practice_rate(
-            default_model(options.width).to(device), images, labels, dtype=dtype,
+            reference.default_model(options.width).to(device), images, labels, dtype=dtype,
             compile_mode=mode, **common,
         )  # fmt: skip
         results.append(reference_result("ceiling", rate, best, CEILING_MIN, mode))
     if "plain" not in options.skip:
         torch.manual_seed(0)
-        naive = reference.naive_rate(default_model(options.width).to(device), images, labels,
-                                     **common)  # fmt: skip
+        naive = reference.naive_rate(reference.default_model(options.width).to(device), images,
+                                     labels, **common)  # fmt: skip
         results.append(reference_result("plain", rate, naive, PLAIN_MIN, None))
     return results
 
@@ -527,22 +419,14 @@ def reference_result(name: str, job: float, loop: float, threshold: float, mode)
     what = {"ceiling": "the best-practice loop", "plain": "the naive loop"}[name]
     if mode:
         what += f" (torch.compile {mode})"
-    return Result(
-        name,
-        PASS if job >= threshold * loop else FAIL,
-        f"job {job:.0f} vs {what} {loop:.0f} samples/s = {job / loop:.2f}x "
-        f"(threshold {threshold}x)",
-    )
+    detail = f"job {job:.0f} vs {what} {loop:.0f} samples/s = {job / loop:.2f}x "
+    return judged(name, job >= threshold * loop, detail + f"(threshold {threshold}x)")
 
 
 def feed_result(name: str, job: float, ceiling: float) -> Result:
     share = job / ceiling
-    return Result(
-        name,
-        PASS if share >= FEED_MIN else FAIL,
-        f"job {job:.0f} of the step's {ceiling:.0f} samples/s = {100 * share:.0f} % "
-        f"(threshold {100 * FEED_MIN:.0f} %)",
-    )
+    detail = f"job {job:.0f} of the step's {ceiling:.0f} samples/s = {100 * share:.0f} % "
+    return judged(name, share >= FEED_MIN, detail + f"(threshold {100 * FEED_MIN:.0f} %)")
 
 
 def check_streamed_folder(ctx: Context) -> list[Result]:
@@ -604,7 +488,7 @@ def recompile_result(name: str, job: JobResult, what: str) -> Result:
     detail = f"{len(recompiles)} recompiles across {what} (threshold 0); {breaks} graph breaks"
     if recompiles:
         detail += f": {recompiles[0].strip()[:160]}"
-    return Result(name, FAIL if recompiles else PASS, detail)
+    return judged(name, not recompiles, detail)
 
 
 COMPILE_LOGS = {"TORCH_LOGS": "recompiles,graph_breaks"}
@@ -719,12 +603,9 @@ def accumulation_result(
     b = [float(r["train_loss"]) for r in eager.history()]
     worst = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
     mode = compiled.line("compile: ") or "compile: ?"
-    return Result(
-        name,
-        PASS if worst <= ACCUM_RTOL else FAIL,
-        f"{what}, run.py's {mode[:80]}: train loss {a[-1]:.4g} vs eager {b[-1]:.4g}, "
-        f"largest difference {100 * worst:.1f} % (threshold {100 * ACCUM_RTOL:.0f} %)",
-    )
+    detail = f"{what}, run.py's {mode[:80]}: train loss {a[-1]:.4g} vs eager {b[-1]:.4g}, "
+    detail += f"largest difference {100 * worst:.1f} % (threshold {100 * ACCUM_RTOL:.0f} %)"
+    return judged(name, worst <= ACCUM_RTOL, detail)
 
 
 def check_sync(ctx: Context) -> list[Result]:
@@ -737,18 +618,8 @@ def check_sync(ctx: Context) -> list[Result]:
     from ..jobs import EXIT_OK
 
     run = run_module(ctx.root)
-    seen = sync_points(
-        lambda: run.main(
-            [
-                *("--device", "cuda", "--tracking", "off", "--progress", "off"),
-                *("--width", str(ctx.options.width), "--batch-size", str(ctx.options.batch_size)),
-                *("--data-dir", str(ctx.work / "data"), "--results-dir", str(ctx.work / "sync")),
-                *speed_flags(ctx, 20),
-            ]
-        ),
-        torch,
-        EXIT_OK,
-    )
+    args = job_args(ctx, ctx.work / "sync", *speed_flags(ctx, 20))
+    seen = sync_points(lambda: run.main(args), torch, EXIT_OK)
     return [sync_result(seen)]
 
 
@@ -792,6 +663,8 @@ def check_layout(ctx: Context) -> list[Result]:
     import torch
     from torch import nn
 
+    from .reference import default_model
+
     if ctx.device.type != "cuda":
         return [Result("layout", NOT_CHECKED, "CPU: measured per machine (run.log's layout)")]
     model = default_model(ctx.options.width).to(ctx.device, memory_format=torch.channels_last)
@@ -807,13 +680,8 @@ def check_layout(ctx: Context) -> list[Result]:
     for hook in hooks:
         hook.remove()
     good = sum(o.is_contiguous(memory_format=torch.channels_last) for o in outputs)
-    return [
-        Result(
-            "layout",
-            PASS if good == len(outputs) else FAIL,
-            f"{good}/{len(outputs)} conv outputs channels_last",
-        )
-    ]
+    detail = f"{good}/{len(outputs)} conv outputs channels_last"
+    return [judged("layout", good == len(outputs), detail)]
 
 
 def check_resume(ctx: Context) -> list[Result]:
@@ -837,12 +705,8 @@ def resume_result(straight: JobResult, resumed: JobResult, *, interrupted: bool)
     a = [{k: v for k, v in r.items() if k not in timing} for r in straight.history()]
     b = [{k: v for k, v in r.items() if k not in timing} for r in resumed.history()]
     how = "stopped after epoch 1 and resumed" if interrupted else "ended before the stop"
-    same = a == b
-    return Result(
-        "resume",
-        PASS if same else FAIL,
-        f"{len(a)} epochs straight vs {how}: " + ("equal histories" if same else "differ"),
-    )
+    detail = f"{len(a)} epochs straight vs {how}: " + ("equal histories" if a == b else "differ")
+    return judged("resume", a == b, detail)
 
 
 def check_ddp(ctx: Context) -> list[Result]:
@@ -857,7 +721,7 @@ def check_ddp(ctx: Context) -> list[Result]:
     ok, detail = check_scaling(
         "cuda", gpus, batch=ctx.options.batch_size, steps=ctx.options.steps, width=ctx.options.width
     )
-    return [Result("ddp", PASS if ok else FAIL, detail)]
+    return [judged("ddp", ok, detail)]
 
 
 def run_module(root: Path):
@@ -918,9 +782,7 @@ def main(argv=None) -> int:
     if failed_:
         print(f"FAILED: {', '.join(failed_)}")
     else:
-        print(
-            "no check failed" + (f"; not checked here: {', '.join(unchecked)}" if unchecked else "")
-        )
+        print("no check failed" + f"; not checked here: {', '.join(unchecked)}" * bool(unchecked))
     return 1 if failed_ else 0
 
 

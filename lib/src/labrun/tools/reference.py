@@ -1,4 +1,4 @@
-"""Two hand-written training loops on the job's model, batch, data and precision: the yardsticks
+"""Three hand-written training loops on the job's model, batch, data and precision: the yardsticks
 `python -m labrun.gpucheck` and benchmarks/bench_reference.py hold run.py against (issue 33.5).
 
   best_practice_rate  what a good engineer writes by hand in an afternoon: the uint8 set on the
@@ -9,41 +9,38 @@
   naive_rate          a student's first loop with the data already on the device: fp32, eager,
                       NCHW, foreach-less AdamW, `loss.item()` every step. gpucheck's `plain`:
                       the job must not be slower.
-(The textbook loop, with per-sample augmentation on the CPU and MLflow every step, is
-gpucheck.plain_loop_rate: the third reference.) Both are written out on purpose, without
-labrun's machinery, so that a reader sees what each yardstick does; each returns samples/s of
-`steps` optimizer steps after `warmup` untimed ones, the device synchronised at both ends.
+  plain_loop_rate     the textbook loop: per-sample augmentation on the CPU, MLflow every step
+                      (gpucheck's `textbook`, info).
+Each is written out on purpose, without labrun's machinery, so that a reader sees what each
+yardstick does; each returns samples/s of `steps` optimizer steps after `warmup` untimed ones,
+the device synchronised at both ends. Their inputs (`synthetic_split`, `default_model`) and
+`train_flops_per_sample` serve the benchmarks too (bench_train.py, bench_cpu.py).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from ..augment import MEAN, STD
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work: a clock read before it would time only the launches."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from ..hardware import timed
 
 
 def timed_rate(
     step: Callable[[int], object], *, warmup: int, steps: int, batch_size: int, device
 ) -> float:
-    """samples/s of step(i) for i in warmup..warmup+steps, after `warmup` untimed calls."""
+    """samples/s of step(i) for i in warmup..warmup+steps, after `warmup` untimed calls; the
+    clock waits for the device (hardware.timed), so it times the work, not the launches."""
+    now = timed(device)
     for i in range(warmup):
         step(i)
-    synchronize(device)
-    start = time.perf_counter()
+    start = now()
     for i in range(warmup, warmup + steps):
         step(i)
-    synchronize(device)
-    return steps * batch_size / (time.perf_counter() - start)
+    return steps * batch_size / (now() - start)
 
 
 def best_practice_rate(
@@ -144,3 +141,90 @@ def naive_step(model, images, labels, batch_size):
         loss.item()  # the printed loss: a host sync every step
 
     return step
+
+
+def synthetic_split(n: int, seed: int = 0):
+    """n random CIFAR-shaped uint8 images with labels: speed does not depend on content."""
+    from ..data import Split
+
+    gen = torch.Generator().manual_seed(seed)
+    images = torch.randint(0, 256, (n, 3, 32, 32), dtype=torch.uint8, generator=gen)
+    return Split(images, torch.randint(0, 10, (n,), generator=gen))
+
+
+def default_model(width: int):
+    """The project's default model on CIFAR-shaped inputs (run.py's --model default)."""
+    from ..config import build_parser
+    from ..models import create_model
+
+    name = build_parser().get_default("model")
+    return create_model(name, num_classes=10, channels=3, image_size=(32, 32), width=width)
+
+
+def plain_loop_rate(
+    split, device, *, batch_size: int, steps: int, warmup: int, tracking_dir: Path, width: int = 64
+) -> float:
+    """The textbook loop: fp32, NCHW, a per-sample Dataset that converts and augments on the CPU
+    (num_workers=0), `loss.item()` and a synchronous `mlflow.log_metric` every step, no
+    compile."""
+    import mlflow
+
+    class PerSampleDataset(torch.utils.data.Dataset):
+        def __init__(self, images, labels):
+            self.images, self.labels = images, labels
+            self.mean = torch.tensor(MEAN).view(3, 1, 1) / 255
+            self.std = torch.tensor(STD).view(3, 1, 1) / 255
+
+        def __len__(self):
+            return len(self.labels)
+
+        def __getitem__(self, i):
+            image = self.images[i].float() / 255  # "ToTensor"
+            image = F.pad(image, (4, 4, 4, 4))  # "RandomCrop(32, padding=4)"
+            dy, dx = torch.randint(0, 9, (2,)).tolist()
+            image = image[:, dy : dy + 32, dx : dx + 32]
+            if torch.rand(()) < 0.5:  # "RandomHorizontalFlip"
+                image = image.flip(2)
+            return (image - self.mean) / self.std, self.labels[i]  # "Normalize"
+
+    loader = torch.utils.data.DataLoader(
+        PerSampleDataset(split.images.contiguous(), split.labels),
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=0,
+        drop_last=True,
+    )
+    model = default_model(width).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=5e-4)
+    mlflow.set_tracking_uri(f"sqlite:///{tracking_dir / 'plain.db'}")
+    mlflow.set_experiment("bench-plain")
+    batches = iter(loader)
+
+    def step(i: int) -> None:
+        nonlocal batches
+        try:
+            x, y = next(batches)
+        except StopIteration:
+            batches = iter(loader)
+            x, y = next(batches)
+        x, y = x.to(device), y.to(device)
+        loss = F.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        mlflow.log_metric("loss", loss.item(), step=i)
+
+    with mlflow.start_run():
+        return timed_rate(step, warmup=warmup, steps=steps, batch_size=batch_size, device=device)
+
+
+def train_flops_per_sample(width: int, device) -> float:
+    """FLOPs of one training step (forward + backward) per sample, counted by torch's
+    FlopCounterMode (matmuls and convolutions; elementwise ops are not counted)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = default_model(width).to(device)
+    x = torch.randn(2, 3, 32, 32, device=device)
+    with FlopCounterMode(display=False) as counter:
+        model(x).sum().backward()
+    return counter.get_total_flops() / 2
