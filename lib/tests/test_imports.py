@@ -22,7 +22,8 @@ TOOLS = "tools"  # labrun/tools/: gpucheck, tuning, similarity, reference
 # engine: run.sh's queue (sweep, sweepjobs, slots, jobqueue), its query of every job's state
 # (`SCRIPT --plan`) and its MLflow follower (with `tracking sync`, which mirrors finished runs). No
 # single run needs them: a job imports plan only when run.sh asks `--plan`.
-SIDE = {"analysis", "ckaresults", "figures", "sweep", "sweepjobs", "slots", "jobqueue", "plan", "follower"}
+SIDE = {"analysis", "ckaresults", "figures", "plan", "follower"}
+SIDE |= {"sweep", "sweepjobs", "slots", "jobqueue"}
 # The core's lazy imports of the side, each where a flag asks for it: run.py's --profile
 # (session.py: its memory history from the start); run.sh's `SCRIPT --plan` (jobs.py);
 # `python -m labrun.gpucheck`, the command every project's README gives (gpucheck.py runs

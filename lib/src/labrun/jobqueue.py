@@ -349,7 +349,7 @@ class Queue:
             _kill(-pg, signal.SIGKILL)
 
 
-# ---- the MLflow follower (labrun/tracking.py's `follow`) ----------------------------------------
+# ---- the MLflow follower (labrun/follower.py's `follow`) ----------------------------------------
 # Jobs do not talk to MLflow (LAB_TRACKING_FOLLOWER=1): one follower per sweep mirrors each run
 # directory into MLflow once its job has ended, and mirrors what is left when its stdin closes
 # (stop_follower). Killed with the sweep, it loses nothing: the next sweep's follower, or

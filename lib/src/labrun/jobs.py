@@ -176,7 +176,7 @@ def contract(
             print(out)
             return EXIT_OK
         if args.init_tracking:
-            from .tracking import init, tracking_uri
+            from .mirror import init, tracking_uri
 
             print(f"MLflow ready: {tracking_uri()} (experiment id {init(args.experiment)})")
             return EXIT_OK

@@ -209,7 +209,8 @@ class TrainingJob:
         self._resume()
         params = tags = None
         if dist.is_main:
-            from .tracking import provenance, run_params
+            from .mirror import run_params
+            from .tracking import provenance
 
             params = run_params(self.config)  # with `experiment_keys`: plot.py --from-mlflow's
             tags = {**provenance(self.log), "run_dir": str(out), "device": str(env.device)}

@@ -107,7 +107,7 @@ def mark_queued_in_slurm(sweep: Sweep) -> None:
 def init_tracking(sweep: Sweep, job: SweepJob) -> None:
     """Create the MLflow database and experiment once, before a Slurm array's tasks start in
     parallel: they log to MLflow live. (A local sweep's jobs do not touch MLflow: its follower
-    creates the database, under tracking.py's schema lock, while the first jobs train.)"""
+    creates the database, under mirror.py's schema lock, while the first jobs train.)"""
     cmd = [sweep.python, job.script, *sweep.argv(job), "--init-tracking"]
     if subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode != 0:
         raise Refused(f"could not create the MLflow database ({job.script} --init-tracking failed)")

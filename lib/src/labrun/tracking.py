@@ -32,15 +32,13 @@ from pathlib import Path
 
 from . import runs
 from .config import PROJECT_ROOT
-from .mirror import (  # init, run_params: jobs.py and session.py import them from here
+from .mirror import (
     RETRY_AFTER_S,
     SYSTEM_METRICS_INTERVAL_S,
     as_texts,
-    init,  # noqa: F401
     mirror,
     mlflow_client,
     read_state,
-    run_params,  # noqa: F401
     save_state,
     tracking_uri,
 )
