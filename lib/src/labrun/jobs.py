@@ -333,8 +333,8 @@ def main(
     def body(args, _parser, out: Path, stop: GracefulStop, held: Claim, dist) -> int:
         try:
             prepared = prepare(args) if prepare else None
-        except (UsageError, ValueError, OSError) as exc:
-            return error(str(exc), EXIT_USAGE)
+        except Exception as exc:  # bad input (exit 2) or a failure in it (1): nothing written
+            return ended(exc)
         if stop.requested:
             return EXIT_INTERRUPTED  # stopped while starting: nothing of this job exists yet
         from .tracking import provenance
@@ -359,11 +359,34 @@ def main(
             record.interrupted(str(exc))
             return EXIT_INTERRUPTED
         except Exception as exc:  # failed: one line here, the traceback in run.log and MLflow
-            return record.failed(exc)
+            return ended(exc, record, job.log)
         finally:
             record.close()
 
     return contract(argv, lambda a: (parser.parse_args(a), parser), locate, body, program=work)
+
+
+BAD_INPUT = (UsageError, ValueError, OSError)  # raised before any file of the job: exit 2
+
+
+def ended(exc: Exception, record: Record | None = None, log=None) -> int:
+    """The one mapping of an exception that ends a job to its exit code and its `error:` line:
+    75 interrupted (its status written where it stopped); once the record started, Record.failed
+    (status failed, the traceback in run.log and MLflow, `explain`'s code: 1, 2 or 73); before
+    it, bad input (BAD_INPUT before run.log opened) 2, a lost claim 73, anything else 1, with
+    the project's frames of the traceback under the line when run.log has not got it."""
+    if isinstance(exc, Interrupted):
+        return EXIT_INTERRUPTED
+    if record is not None:
+        return record.failed(exc)
+    if isinstance(exc, BAD_INPUT) and log is None:
+        return error(str(exc) or type(exc).__name__, EXIT_USAGE)  # bad input: one line
+    if log is not None:  # the whole traceback: run.log, and stderr with its lines
+        log.error("failed:\n%s", traceback.format_exc())
+    if isinstance(exc, LostClaim):
+        return error(str(exc), EXIT_BUSY)
+    line = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return error(line, EXIT_FAILED, None if log is not None else exc)
 
 
 def explain(exc: BaseException, message: str, args, out: Path) -> tuple[int, str]:

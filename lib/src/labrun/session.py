@@ -35,12 +35,10 @@ import functools
 import math
 import sys
 import time
-import traceback
 
 from . import jobs, runs
-from .claim import LostClaim
-from .config import PROJECT_ROOT, UsageError, parse_args, resolved_config, run_dir, use_config
-from .jobs import EXIT_BUSY, EXIT_FAILED, EXIT_OK, EXIT_USAGE, Interrupted, error
+from .config import PROJECT_ROOT, parse_args, resolved_config, run_dir, use_config
+from .jobs import EXIT_OK, EXIT_USAGE, Interrupted, error
 from .runs import RunFailed
 
 
@@ -75,23 +73,12 @@ def _body(train, args, parser, out, stop, held, dist) -> int:
         return EXIT_OK if code is None else code
     except SystemExit as exc:  # a refusal, its line printed and logged: end with its code
         return exc.code
-    except Interrupted:
-        return jobs.EXIT_INTERRUPTED
-    except Exception as exc:  # failed: one line here, the traceback in run.log and MLflow
-        if job is not None and job.record is not None:
-            return job.record.failed(exc)
-        log = job.log if job is not None else None
-        if isinstance(exc, UsageError | ValueError | OSError) and log is None:
-            if job is None or not job.agreed:  # torchrun: the ranks still starting end too
-                dist.settle(EXIT_USAGE, why=str(exc) or type(exc).__name__)
-            return error(str(exc) or type(exc).__name__, EXIT_USAGE)  # bad input: one line
-        if log is not None:  # the whole traceback: run.log, and stderr with its lines
-            log.error("run failed:\n%s", traceback.format_exc())
-        if isinstance(exc, LostClaim):
-            return error(str(exc), EXIT_BUSY)
-        # before run.log: the project's frames of the traceback under the line (a typo's line)
-        line = f"{type(exc).__name__}: {exc}".splitlines()[0]
-        return error(line, EXIT_FAILED, None if log is not None else exc)
+    except Exception as exc:  # interrupted (tick wrote it), refused or failed: jobs.ended
+        record, log = (job.record, job.log) if job is not None else (None, None)
+        bad_input = isinstance(exc, jobs.BAD_INPUT) and log is None
+        if bad_input and (job is None or not job.agreed):  # torchrun: ranks still starting end
+            dist.settle(EXIT_USAGE, why=str(exc) or type(exc).__name__)
+        return jobs.ended(exc, record, log)
     finally:
         if job is not None:
             job.close()
