@@ -11,7 +11,7 @@ import sys
 import pandas as pd
 import torch
 from conftest import ROOT, RUN_PY, load_run_py
-from labrun.state import TrainSums
+from labrun.train import TrainSums
 
 EPOCHS = ("--epochs", "3")
 TIMES = ("epoch_time_s", "samples_per_sec")  # measured, not computed: never compared
