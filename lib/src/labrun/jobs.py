@@ -421,8 +421,8 @@ class Record:
     """A job's record: config.json, status (running -> finished | failed | interrupted),
     metrics.json last (its existence means done) and its MLflow run; a training run adds
     history.csv, checkpoint.pt and best_model.pt (session.TrainingJob, after `ours()`). Every
-    fault path is best-effort: a full disk or a dead tracker never turns an ending job into a traceback.
-    Before each write it checks that the run directory is still this process's
+    fault path is best-effort: a full disk or a dead tracker never turns an ending job into a
+    traceback. Before each write it checks that the run directory is still this process's
     (`claim.check()`): if it was deleted meanwhile, LostClaim, and nothing more is written there.
 
     One writer: under torchrun the ranks other than 0 keep a Record that writes nothing
