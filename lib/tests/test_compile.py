@@ -226,11 +226,11 @@ def test_a_mode_is_judged_on_the_training_steps_own_time(tmp_path, monkeypatch, 
     saved = []
     fake = types.SimpleNamespace(save_step=lambda mode, s: saved.append((mode, s)))
     job = TrainingJob.__new__(TrainingJob)  # the loop's bookkeeping only: no run directory
-    job.compiled = types.SimpleNamespace(record=fake, mode=None)
-    job._bar, job._busy = types.SimpleNamespace(close=print), None
+    job.compiled = types.SimpleNamespace(record=fake, mode=None, busy_record=None)
     for resumed, epoch in ((False, 0), (True, 0), (False, 1)):
-        job._now, job._t0, job._first_step = (lambda: 2.5), 0.0, 0
-        job.progress, job._resumed_in_epoch = Progress(epoch=epoch, step=25), resumed
+        end = lambda p: (2.5, None)  # noqa: E731  (25 steps in 2.5 s, no GPU profile)
+        job.pace = types.SimpleNamespace(end=end, first_step=0, resumed_in_epoch=resumed)
+        job.progress = Progress(epoch=epoch, step=25)
         job._epoch_trained()
     assert saved == [(None, 0.1)]
 

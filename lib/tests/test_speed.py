@@ -15,7 +15,7 @@ from conftest import capture_step, read_metrics, run_dir_of
 from torch import nn
 
 from labrun import compiling, hardware
-from labrun.session import Progress, TrainingJob
+from labrun.session import EpochPace, Progress, TrainingJob
 from labrun.tasks import cross_entropy
 
 CPU = torch.device("cpu")
@@ -97,10 +97,11 @@ def test_the_cuda_speed_scale_is_measured_once_per_machine_and_model(
             # The first epoch's end with a profile of it (GpuBusy's numbers, gpu.md's step).
             job = TrainingJob.__new__(TrainingJob)  # the loop's bookkeeping only: no run directory
             job.compiled = types.SimpleNamespace(busy_record=busy_record, record=None)
-            job.progress, job.speed, job.log, job.args = Progress(), {}, log, c.args
-            job._busy = types.SimpleNamespace(share=0.186, step_s=0.00759, close=print)
-            job._now, job._t0, job._first_step = (lambda: 1.0), 0.0, 0
-            job._bar, job._resumed_in_epoch = types.SimpleNamespace(close=print), False
+            job.progress, job.speed = Progress(), {}
+            pace = job.pace = EpochPace.__new__(EpochPace)  # the epoch's end only
+            pace.now, pace.t0, pace.first_step, pace.resumed_in_epoch = (lambda: 1.0), 0.0, 0, False
+            pace.bar, pace.args, pace.log = types.SimpleNamespace(close=print), c.args, log
+            pace.busy = types.SimpleNamespace(share=0.186, step_s=0.00759, close=print)
             job._epoch_trained()
             caplog.clear()
     assert peaks == [1], "the second job measured the peak again"

@@ -109,6 +109,9 @@ class TrainingJob:
     run directory), `log` (run.log, once `resume` opened it). Its verbs take the method's
     objects: `resume` (the only one that keeps them, to checkpoint them by state_dict),
     `compile`, `batches`/`tick`, `end_epoch`, `save_best`, `checkpoint`, `finish`.
+    Over 300 lines because it is the run directory's whole life in one place (its refusals,
+    resume, checkpoints, the loop's bookkeeping, the endings), each verb short; what it measures
+    stands apart (EpochPace, run_metrics).
     """
 
     def __init__(self, args, parser, out, stop, held, dist) -> None:
@@ -313,34 +316,18 @@ class TrainingJob:
         """This epoch's optimizer steps, each a list of --grad-accum micro-batches on the device,
         from where the run is (the order is f(seed, epoch): a resumed epoch skips the
         micro-batches it did) to the epoch's end or the run's last step. job.tick() follows each
-        step. Times the epoch's training (waiting for the device) and shows a progress bar."""
-        from tqdm import tqdm
-
-        from .hardware import GpuBusy, timed
-
+        step. Times the epoch's training (EpochPace)."""
         if self.progress is None:
             raise RuntimeError("job.batches() before job.resume(): nothing says where the run is")
-        p, accum, main = self.progress, self.args.grad_accum, self.env.dist.is_main
+        p, accum, data = self.progress, self.args.grad_accum, self.data
         self.loader = loader  # finish() reports its share of the training time
         loader.set_epoch(p.epoch, skip_batches=p.batch)
         source = iter(loader)
-        self._now = timed(self.env.device)  # waits for the device: times the work, not the launches
-        self._t0, self._first_step, self._resumed_in_epoch = self._now(), p.step, p.batch > 0
-        # --progress: tqdm's disable=None shows the bar only when stderr is a terminal (auto)
-        off = {"on": False, "off": True, "auto": None}[self.args.progress] if main else True
-        desc, steps = f"epoch {p.epoch + 1}/{self.args.epochs}", self.data.steps_per_epoch
-        self._bar = tqdm(total=steps, initial=p.batch // accum, leave=False, desc=desc, disable=off)
-        # No bar (a log file: nohup, sweeps, Slurm): a line every --log-every seconds instead,
-        # from the wall clock and the step counter only (no wait for the device).
-        self._every = self.args.log_every if main and self._bar.disable else 0.0
-        self._wall0 = time.monotonic()
-        self._line_at = self._wall0 + self._every
-        profile = self.env.device.type == "cuda" and main and "gpu_busy" not in self.speed
-        self._busy = GpuBusy(self.env.device) if profile else None  # a few steps of this epoch
+        profile = "gpu_busy" not in self.speed  # the GPU's busy share: once per model and mode
+        self.pace = EpochPace(p, self.args, data, self.env, self.log, profile=profile)
         try:
-            while p.batch < self.data.steps_per_epoch * accum and p.step < self.data.total_steps:
-                if self._busy is not None:
-                    self._busy.at(p.step - self._first_step)
+            while p.batch < data.steps_per_epoch * accum and p.step < data.total_steps:
+                self.pace.before_step(p)
                 done = p.step
                 yield [next(source) for _ in range(accum)]
                 if p.step == done:  # the loop would never end: say so instead
@@ -355,50 +342,29 @@ class TrainingJob:
         Interrupted: exit 75, and the same command resumes at the next step."""
         p = self.progress
         p.step, p.batch = p.step + 1, p.batch + self.args.grad_accum
-        self._bar.update()
-        if self._every and time.monotonic() >= self._line_at:
-            self._progress_line()
+        self.pace.after_step(p)
         if self.env.dist.stopped(self.stop, p.step):
             self._epoch_trained()
             self._save()
             self.record.interrupted(self.stop.requested or "a stop signal to another rank", p)
             raise Interrupted(self.stop.requested)
 
-    def _progress_line(self) -> None:
-        """run.log: where the epoch is, its pace since the epoch (or the resume) began, and when
-        it ends. Steps are counted as launched: on a GPU the pace includes the queue ahead."""
-        p, args, now = self.progress, self.args, time.monotonic()
-        self._line_at = now + self._every
-        rate = (p.step - self._first_step) / max(now - self._wall0, 1e-9)
-        done = p.batch // args.grad_accum
-        left = min(self.data.steps_per_epoch - done, self.data.total_steps - p.step)
-        self.log.info(
-            f"epoch {p.epoch + 1}/{args.epochs} step {done}/{self.data.steps_per_epoch} | "
-            f"{rate:.2f} steps/s {rate * args.batch_size * args.grad_accum:.0f} samples/s | "
-            f"epoch ETA {left / max(rate, 1e-9):.0f}s"
-        )
-
     def _epoch_trained(self) -> None:
-        """The epoch's training time into progress (once: at its end, or at a stop)."""
-        p, busy = self.progress, self._busy
-        train_s = self._now() - self._t0
-        self._bar.close()
+        """The epoch's training time into progress (once: at its end, or at a stop); what it
+        measured into the compile and busy records."""
+        from .hardware import LOOP_MIN_STEPS, write_record
+
+        p, pace, compiled = self.progress, self.pace, self.compiled
+        train_s, busy = pace.end(p)
         if busy is not None:
-            busy.close(p.step - self._first_step)
-            if busy.share is not None:
-                from .hardware import busy_line, write_record
-
-                self.speed["gpu_busy"] = busy.share
-                self.log.info(busy_line(busy.share, busy.step_s, self.args.batch_size))
-                if record := self.compiled.busy_record:
-                    write_record(*record, share=busy.share, step_s=busy.step_s)
+            self.speed["gpu_busy"] = busy.share
+            if compiled is not None and compiled.busy_record:
+                write_record(*compiled.busy_record, share=busy.share, step_s=busy.step_s)
         p.train_time_s += train_s
-        p.epoch_time_s = train_s + (p.epoch_time_s if self._resumed_in_epoch else 0.0)
-        from .hardware import LOOP_MIN_STEPS
-
+        p.epoch_time_s = train_s + (p.epoch_time_s if pace.resumed_in_epoch else 0.0)
         # A mode is judged on the training step's own time: the first epoch's, once.
-        compiled, steps = self.compiled, p.step - self._first_step
-        first = p.epoch == 0 and not self._resumed_in_epoch and steps >= LOOP_MIN_STEPS
+        steps = p.step - pace.first_step
+        first = p.epoch == 0 and not pace.resumed_in_epoch and steps >= LOOP_MIN_STEPS
         if compiled is not None and compiled.record is not None and first:
             compiled.record.save_step(compiled.mode, train_s / steps)
 
@@ -455,40 +421,14 @@ class TrainingJob:
         """Checkpoint, metrics.json (last: the run is done; strict JSON: finite_or_null):
         `test`'s numbers, the best of `stopper`, the run's steps, times, memory and speed;
         MLflow FINISHED."""
-        from .hardware import peak_memory_bytes
-
         self._save()
         if self.loader is not None:  # the loader's share of the training time
             self.log.info(self.loader.wait_line())
-        p, task, speed = self.progress, self.env.task, self.speed
-        reason, weights = stop_reason(p, self.args, stopper), self.args.test_weights
-        rate = p.samples / max(p.train_time_s, 1e-9)
-        metrics = {
-            f"best_{task.monitor}": stopper.best_score,
-            **{f"test_{name}": test[name] for name in (*task.metrics, "loss")},
-            "task": task.name,
-            "monitor": task.monitor,
-            "best_epoch": stopper.best_epoch,
-            # what the test_* numbers describe (--test-weights): best_* stay the monitor's record
-            "test_weights": weights,
-            "tested_epoch": stopper.best_epoch if weights == "best" else p.epoch,
-            "epochs_run": p.epoch,
-            "steps": p.step,
-            "wall_time_s": p.wall_time_s,
-            "train_time_s": p.train_time_s,
-            "compile_time_s": p.compile_time_s,
-            "samples_per_sec": rate,
-            "peak_mem_bytes": peak_memory_bytes(self.env.device),
-            "device": str(self.env.device),
-            "stop_reason": reason,
-        }
-        mfu = ""
-        if "peak_flops" in speed:  # CUDA: the model's FLOPs at the run's rate / the GPU's peak
-            metrics["flops_per_sample"] = flops = speed["flops_per_sample"]
-            metrics["mfu"] = flops * rate / speed["peak_flops"]
-            mfu = f", MFU {100 * metrics['mfu']:.1f} %"
-        if "gpu_busy" in speed:
-            metrics["gpu_busy_share"] = speed["gpu_busy"]
+        p, task, args = self.progress, self.env.task, self.args
+        metrics = run_metrics(p, args, stopper, task, test, self.env.device, self.speed)
+        reason, weights = metrics["stop_reason"], args.test_weights
+        rate = metrics["samples_per_sec"]
+        mfu = f", MFU {100 * metrics['mfu']:.1f} %" if "mfu" in metrics else ""
         tags = {"stop_reason": reason, "test_weights": weights}
         artifacts = [self.out / runs.HISTORY, self.out / runs.BEST_MODEL]
         self.record.finished(finite_or_null(metrics), p.history, tags=tags, artifacts=artifacts)
@@ -507,7 +447,103 @@ class TrainingJob:
             runs.close_logging(self.log)
 
 
-# ---- the pieces Job names ----------------------------------------------------------------------
+# ---- the pieces TrainingJob names ---------------------------------------------------------------
+class EpochPace:
+    """One epoch's pace, from where it starts (a resumed epoch: mid-way): its training time
+    (waiting for the device: the work, not the launches), the progress bar in a terminal or, in
+    a log file (nohup, sweeps, Slurm), a run.log line every --log-every seconds from the wall
+    clock and the step counter only (no wait for the device); on CUDA, once, the GPU's busy
+    share over a few of its steps (hardware.GpuBusy)."""
+
+    def __init__(self, p: Progress, args, data, env, log, *, profile: bool) -> None:
+        from tqdm import tqdm
+
+        from .hardware import GpuBusy, timed
+
+        self.args, self.data, self.log, main = args, data, log, env.dist.is_main
+        self.now = timed(env.device)
+        self.t0, self.first_step, self.resumed_in_epoch = self.now(), p.step, p.batch > 0
+        # --progress: tqdm's disable=None shows the bar only when stderr is a terminal (auto)
+        off = {"on": False, "off": True, "auto": None}[args.progress] if main else True
+        desc, initial = f"epoch {p.epoch + 1}/{args.epochs}", p.batch // args.grad_accum
+        self.bar = tqdm(total=data.steps_per_epoch, initial=initial, leave=False, desc=desc,
+                        disable=off)  # fmt: skip
+        self.every = args.log_every if main and self.bar.disable else 0.0
+        self.wall0 = time.monotonic()
+        self.line_at = self.wall0 + self.every
+        profile = profile and env.device.type == "cuda" and main
+        self.busy = GpuBusy(env.device) if profile else None
+
+    def before_step(self, p: Progress) -> None:
+        if self.busy is not None:
+            self.busy.at(p.step - self.first_step)
+
+    def after_step(self, p: Progress) -> None:
+        self.bar.update()
+        if self.every and time.monotonic() >= self.line_at:
+            self.line(p)
+
+    def line(self, p: Progress) -> None:
+        """run.log: where the epoch is, its pace since the epoch (or the resume) began, and when
+        it ends. Steps are counted as launched: on a GPU the pace includes the queue ahead."""
+        args, now, per_epoch = self.args, time.monotonic(), self.data.steps_per_epoch
+        self.line_at = now + self.every
+        rate = (p.step - self.first_step) / max(now - self.wall0, 1e-9)
+        done = p.batch // args.grad_accum
+        left = min(per_epoch - done, self.data.total_steps - p.step)
+        self.log.info(
+            f"epoch {p.epoch + 1}/{args.epochs} step {done}/{per_epoch} | "
+            f"{rate:.2f} steps/s {rate * args.batch_size * args.grad_accum:.0f} samples/s | "
+            f"epoch ETA {left / max(rate, 1e-9):.0f}s"
+        )
+
+    def end(self, p: Progress):
+        """(the epoch's training seconds, the GpuBusy that measured a share, or None)."""
+        from .hardware import busy_line
+
+        train_s, busy = self.now() - self.t0, self.busy
+        self.bar.close()
+        if busy is not None:
+            busy.close(p.step - self.first_step)
+            if busy.share is None:
+                return train_s, None
+            self.log.info(busy_line(busy.share, busy.step_s, self.args.batch_size))
+        return train_s, busy
+
+
+def run_metrics(p: Progress, args, stopper, task, test: dict, device, speed: dict) -> dict:
+    """metrics.json's numbers: the test's, the best of early stopping, the run's steps, times,
+    memory, speed, and on CUDA the MFU (the model's FLOPs at the run's rate / the GPU's peak)."""
+    from .hardware import peak_memory_bytes
+
+    weights, rate = args.test_weights, p.samples / max(p.train_time_s, 1e-9)
+    metrics = {
+        f"best_{task.monitor}": stopper.best_score,
+        **{f"test_{name}": test[name] for name in (*task.metrics, "loss")},
+        "task": task.name,
+        "monitor": task.monitor,
+        "best_epoch": stopper.best_epoch,
+        # what the test_* numbers describe (--test-weights): best_* stay the monitor's record
+        "test_weights": weights,
+        "tested_epoch": stopper.best_epoch if weights == "best" else p.epoch,
+        "epochs_run": p.epoch,
+        "steps": p.step,
+        "wall_time_s": p.wall_time_s,
+        "train_time_s": p.train_time_s,
+        "compile_time_s": p.compile_time_s,
+        "samples_per_sec": rate,
+        "peak_mem_bytes": peak_memory_bytes(device),
+        "device": str(device),
+        "stop_reason": stop_reason(p, args, stopper),
+    }
+    if "peak_flops" in speed:
+        metrics["flops_per_sample"] = flops = speed["flops_per_sample"]
+        metrics["mfu"] = flops * rate / speed["peak_flops"]
+    if "gpu_busy" in speed:
+        metrics["gpu_busy_share"] = speed["gpu_busy"]
+    return metrics
+
+
 def stop_reason(p: Progress, args, stopper) -> str:
     """ "early_stopping" only when patience ended the run before its last step (patience
     that runs out on the last epoch changed nothing)."""
