@@ -1,4 +1,4 @@
-"""The training job around run.py's method: `lifecycle` (its main) and `Job`, the run directory.
+"""run.py's training job: `lifecycle` (its main) and `TrainingJob` (the run directory).
 
 run.py holds the method's objects and calls verbs that take them (README, "The method"):
 
@@ -17,8 +17,8 @@ run.py holds the method's objects and calls verbs that take them (README, "The m
         job.checkpoint(every=args.checkpoint_every)
     job.finish(stopper, labrun.evaluate(eval_model, data.test, ...))
 
-A verb called before what it needs exists is a NameError at run.py's line (`progress`, `net`,
-`step` come from the verbs before). The Job writes: config.json, run.log, status, history.csv,
+A verb called before what it needs exists is a NameError at run.py's line (`progress`,
+`compiled`, `step` come from the verbs before). The job writes: config.json, run.log, status, history.csv,
 checkpoint.pt (every object given to `resume` by its state_dict, progress, early stopping with
 the best weights, RNG, the precision), best_model.pt, metrics.json (last; never NaN: null and a
 reason), MLflow; it handles stop signals, exact resume, torchrun (rank 0 writes) and every way a
@@ -50,7 +50,7 @@ def is_tool(args) -> bool:
 
 def lifecycle(argv: list[str] | None, train, config: type) -> int:
     """run.py's main(): --plan, --print-run-dir, skip when done, the claim (exit 73), torchrun's
-    ranks (rank 0 writes); then `train(Job)` with every failure mapped to its exit code.
+    ranks (rank 0 writes); then `train(TrainingJob)`, every failure mapped to its exit code.
     `config`: run.py's Config dataclass, the method's flags (config.flag)."""
     use_config(config)
     body = functools.partial(_body, train)
@@ -256,8 +256,7 @@ class TrainingJob:
         """Load checkpoint.pt if there is one. One that cannot be loaded (corrupt, another
         configuration, another model, anything that fails while loading it) is refused in one
         line with the reason, never a traceback (_refuse). The checkpoint's best weights
-        rewrite best_model.pt. The RNG state is restored last: nothing after it
-        draws."""
+        rewrite best_model.pt. The RNG state is restored last: nothing after it draws."""
         from . import checkpoint as ckpt
         from .dataversion import changed_since
 
