@@ -21,10 +21,10 @@ A verb called before what it needs exists is a NameError at run.py's line (`prog
 `compiled`, `step` come from the verbs before). The job writes: config.json, run.log, status,
 history.csv, checkpoint.pt (every object given to `resume` by its state_dict, progress, early
 stopping with the best weights, RNG, the precision), best_model.pt, metrics.json (last; never
-NaN: null and a reason), MLflow; it handles stop signals, exact resume, torchrun (rank 0 writes) and every way a
-run ends: exit 0 finished, 1 failed (one `error:` line, the traceback in run.log), 2 bad input or
-a refused checkpoint (nothing written), 73 its directory is another's, 75 stopped (re-run to
-resume), 130 forced (status interrupted).
+NaN: null and a reason), MLflow; it handles stop signals, exact resume, torchrun (rank 0
+writes) and every way a run ends: exit 0 finished, 1 failed (one `error:` line, the traceback in
+run.log), 2 bad input or a refused checkpoint (nothing written), 73 its directory is another's,
+75 stopped (re-run to resume), 130 forced (status interrupted).
 """
 
 from __future__ import annotations
