@@ -464,13 +464,16 @@ def use_config(config: type) -> None:
 
 
 @functools.cache
-def _project_config() -> type | None:
-    """The Config of the project's run.py, for callers that are not run.py (plot.py, tools,
-    tests): run.py's module level imports no torch, so reading it is cheap."""
+def project_run_py() -> dict:
+    """The names of the project's run.py (its Config, its make_model...), for callers that are
+    not run.py (plot.py, tools, tests); {} outside a project. run.py's module level imports no
+    torch, so reading it is cheap."""
     path = PROJECT_ROOT / "run.py"
-    if not path.is_file():
-        return None
-    return runpy.run_path(str(path), run_name="_labrun_project_run").get("Config")
+    return runpy.run_path(str(path), run_name="_labrun_project_run") if path.is_file() else {}
+
+
+def _project_config() -> type | None:
+    return project_run_py().get("Config")
 
 
 def fields_of(config: type | None) -> list[tuple[dataclasses.Field, type]]:

@@ -153,12 +153,15 @@ def synthetic_split(n: int, seed: int = 0):
 
 
 def default_model(width: int):
-    """The project's default model on CIFAR-shaped inputs (run.py's --model default)."""
-    from ..config import build_parser
-    from ..models import create_model
+    """The model the project's run.py trains by default, built by its own make_model (what the
+    student changed there is what the yardsticks train too), on CIFAR-shaped inputs."""
+    from types import SimpleNamespace
 
-    name = build_parser().get_default("model")
-    return create_model(name, num_classes=10, channels=3, image_size=(32, 32), width=width)
+    from ..config import parse_args, project_run_py
+
+    args, _ = parse_args(["--width", str(width)])
+    shape = {"channels": 3, "image_size": (32, 32), "input_shape": (3, 32, 32)}
+    return project_run_py()["make_model"](args, SimpleNamespace(num_classes=10, **shape))
 
 
 def plain_loop_rate(
