@@ -120,14 +120,11 @@ class Result:
 
 
 def judged(name: str, ok: bool, detail: str) -> Result:
-    """A check's verdict: PASS where `ok` (its threshold met), else FAIL."""
     return Result(name, PASS if ok else FAIL, detail)
 
 
 @dataclass
 class Context:
-    """What every check gets: this script's options, the device, a work folder, the log."""
-
     options: argparse.Namespace
     device: object
     work: Path
@@ -142,8 +139,6 @@ class Context:
 
 @dataclass
 class JobResult:
-    """What one run.py job left: its exit code, files and logs."""
-
     code: int
     run_dir: Path | None
     stderr: str
@@ -226,7 +221,6 @@ def run_job(
 
 
 def job_args(ctx: Context, results: Path, *flags: str) -> list[str]:
-    """run.py's command line for a job of this check: the size options, `flags`, `results`."""
     return [
         *("--device", ctx.device.type, "--tracking", "off", "--progress", "off"),
         *("--width", str(ctx.options.width), "--batch-size", str(ctx.options.batch_size)),
@@ -300,7 +294,6 @@ def check_torch_build(ctx: Context) -> list[Result]:
 
 
 def nvidia_smi_gpus() -> list[str]:
-    """The GPUs `nvidia-smi -L` lists (none where it is missing or fails)."""
     if shutil.which("nvidia-smi") is None:
         return []
     try:
@@ -329,7 +322,6 @@ def speed_flags(ctx: Context, steps: int) -> tuple[str, ...]:
 
 
 def check_default_job(ctx: Context) -> list[Result]:
-    """run.py's defaults on CIFAR-sized synthetic data: the decision, plain, feed, MFU."""
     import torch
 
     from .reference import plain_loop_rate, synthetic_split, train_flops_per_sample
@@ -387,8 +379,6 @@ def check_default_job(ctx: Context) -> list[Result]:
 
 
 def reference_results(ctx: Context, rate: float, split) -> list[Result]:
-    """`ceiling` and `plain`: the job's samples/s against the hand-written loops of
-    labrun.tools.reference on the same model, batch, data and precision."""
     import torch
 
     from ..hardware import choose_precision
@@ -430,10 +420,8 @@ def feed_result(name: str, job: float, ceiling: float) -> Result:
 
 
 def check_streamed_folder(ctx: Context) -> list[Result]:
-    """Image files streamed through run.py's loader (workers, pinned memory on CUDA) into
-    ResNet-18 at 224 px, against the same images decoded in memory: JPEGs of 500x375 written
-    to a temp folder. Each job is run.py's own (a subprocess): no loader of this process is
-    reused once its workers are gone."""
+    """JPEGs of 500x375 in a temp folder. Each job is run.py's own (a subprocess): no loader of
+    this process is reused once its workers are gone."""
     options = ctx.options
     if "stream" in options.skip:
         return []
@@ -477,7 +465,6 @@ def write_jpegs(root: Path, per_class: int, size=(500, 375), classes: int = 3) -
 
 
 def recompile_result(name: str, job: JobResult, what: str) -> Result:
-    """From a run under TORCH_LOGS=recompiles,graph_breaks: FAIL on any recompile."""
     if job.code != 0:
         return failed(name, job)
     text = job.stderr + job.log
@@ -500,8 +487,6 @@ def small_flags(ctx: Context, epochs: int = 2) -> tuple[str, ...]:
 
 
 def check_recompiles(ctx: Context) -> list[Result]:
-    """--compile on: 2 epochs (train, compiled evaluation, checkpoint), then a third epoch on
-    resume: run.py must never recompile after its warm-up."""
     if "recompiles" in ctx.options.skip:
         return []
     results, flags = ctx.work / "recompiles", (*small_flags(ctx), "--compile", "on")
@@ -514,7 +499,6 @@ def check_recompiles(ctx: Context) -> list[Result]:
 
 
 def check_ddp_compile(ctx: Context) -> list[Result]:
-    """DDP around the compiled module on 2 processes (gloo on CPU, NCCL on 2 GPUs)."""
     import torch
 
     if "ddp-compile" in ctx.options.skip:
@@ -535,7 +519,6 @@ REASON = re.compile(r"reason=([a-zA-Z -]+),")
 
 
 def check_graphs(ctx: Context) -> list[Result]:
-    """--compile reduce-overhead on the default model: do its CUDA graphs replay?"""
     if "graphs" in ctx.options.skip:
         return []
     if ctx.device.type != "cuda":
@@ -550,9 +533,7 @@ def check_graphs(ctx: Context) -> list[Result]:
 
 
 def graphs_result(text: str) -> Result:
-    """From a run's TORCH_LOGS=cudagraphs output: FAIL when any part of the compiled step would
-    run without a CUDA graph (a non-cudagraphable partition, a skipped graph), when a graph is
-    re-recorded, or when no graph was recorded for the forward and the backward."""
+    """The `graphs` verdict from a run's TORCH_LOGS=cudagraphs output."""
     partitions = [tuple(map(int, found)) for found in PARTITIONS.findall(text)]
     graphable = sum(p[1] for p in partitions)
     outside = sum(p[2] for p in partitions)
@@ -583,8 +564,7 @@ def graphs_result(text: str) -> Result:
 
 
 def check_accumulation(ctx: Context) -> list[Result]:
-    """--grad-accum 2 compiled (max-autotune where run.py picks it: CUDA graphs must not
-    overwrite the accumulated gradients) against eager: the same losses within ACCUM_RTOL."""
+    """CUDA graphs must not overwrite the accumulated gradients."""
     if ctx.device.type != "cuda":
         return [Result("accum", NOT_CHECKED, "no CUDA (no CUDA graphs)")]
     flags = (*small_flags(ctx, 2), "--grad-accum", "2", "--seed", "3")
@@ -598,7 +578,6 @@ def check_accumulation(ctx: Context) -> list[Result]:
 def accumulation_result(
     compiled: JobResult, eager: JobResult, name: str = "accum", what: str = "--grad-accum 2"
 ) -> Result:
-    """The compiled job's training losses against the eager job's, epoch by epoch."""
     a = [float(r["train_loss"]) for r in compiled.history()]
     b = [float(r["train_loss"]) for r in eager.history()]
     worst = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
@@ -609,8 +588,6 @@ def accumulation_result(
 
 
 def check_sync(ctx: Context) -> list[Result]:
-    """run.py's default job in this process under torch's sync debug mode: a synchronizing
-    CUDA call whose stack passes through run.py's step is a FAIL."""
     if ctx.device.type != "cuda":
         return [Result("sync", NOT_CHECKED, "no CUDA")]
     import torch
@@ -659,7 +636,6 @@ def sync_result(found: list[str]) -> Result:
 
 
 def check_layout(ctx: Context) -> list[Result]:
-    """The layout run.py's model trains in: on CUDA every conv output is channels_last."""
     import torch
     from torch import nn
 
@@ -685,7 +661,6 @@ def check_layout(ctx: Context) -> list[Result]:
 
 
 def check_resume(ctx: Context) -> list[Result]:
-    """--deterministic: stopped by SIGTERM after epoch 1, resumed: the straight run's numbers."""
     flags = (*small_flags(ctx, 2), "--deterministic", "--checkpoint-every", "0")
     straight = run_job(ctx, *flags)
     results = ctx.work / "resumed"
@@ -710,7 +685,6 @@ def resume_result(straight: JobResult, resumed: JobResult, *, interrupted: bool)
 
 
 def check_ddp(ctx: Context) -> list[Result]:
-    """One job on every visible GPU: DDP's scaling (ddpscaling.check_scaling)."""
     import torch
 
     from .ddpscaling import check_scaling
@@ -725,7 +699,6 @@ def check_ddp(ctx: Context) -> list[Result]:
 
 
 def run_module(root: Path):
-    """The project's run.py, imported (the sync check runs its main() in this process)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("run_checked", root / "run.py")
