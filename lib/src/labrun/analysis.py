@@ -528,20 +528,12 @@ def table_csv(table: Table, columns: Sequence[str] | None = None) -> str:
     return stats.to_csv(index=False, float_format="%.12g", lineterminator="\n")
 
 
+LATEX_SPECIAL = {c: "\\" + c for c in "&%$#_{}"}
+LATEX_SPECIAL |= {"\\": r"\textbackslash ", "~": r"\textasciitilde ", "^": r"\^ "}
+
+
 def latex_escape(text) -> str:
-    special = {
-        "\\": r"\textbackslash ",
-        "&": r"\&",
-        "%": r"\%",
-        "$": r"\$",
-        "#": r"\#",
-        "_": r"\_",
-        "{": r"\{",
-        "}": r"\}",
-        "~": r"\textasciitilde ",
-        "^": r"\^ ",
-    }
-    return "".join(special.get(ch, ch) for ch in str(text))
+    return "".join(LATEX_SPECIAL.get(ch, ch) for ch in str(text))
 
 
 def format_mean_se(mean: float, se: float) -> str:
@@ -622,6 +614,11 @@ def write_tables(
     return [out / name for name in texts]
 
 
+def few(items: Sequence[str], limit: int = 5, sep: str = ", ") -> str:
+    """The first `limit` items, then how many more: `a, b, +3 more`."""
+    return sep.join([*items[:limit], *[f"+{len(items) - limit} more"] * (len(items) > limit)])
+
+
 def skipped_line(skipped: Sequence[tuple], limit: int = 5) -> str:
     """`warning: skipped 3 runs (unfinished: a, b; corrupt: c)`: one line, however many."""
     if not skipped:
@@ -629,18 +626,15 @@ def skipped_line(skipped: Sequence[tuple], limit: int = 5) -> str:
     by_reason: dict[str, list[str]] = {}
     for where, reason in skipped:
         by_reason.setdefault(reason, []).append(Path(str(where)).name)
-    parts = [f"{reason}: " + ", ".join(names[:limit])
-             + (f", +{len(names) - limit} more" if len(names) > limit else "")
-             for reason, names in by_reason.items()]  # fmt: skip
+    parts = [f"{reason}: {few(names, limit)}" for reason, names in by_reason.items()]
     return f"warning: skipped {len(skipped)} run{'s' * (len(skipped) != 1)} ({'; '.join(parts)})"
 
 
 def dropped_line(table: Table, limit: int = 5) -> str:
     """`warning: left out 2 non-finite values, not counted in n (test_loss=nan: a; ...)`."""
     parts = [f"{metric}={value}: {where}" for where, metric, value in table.dropped]
-    more = f"; +{len(parts) - limit} more" if len(parts) > limit else ""
     return (f"warning: left out {len(parts)} non-finite value{'s' * (len(parts) != 1)}, "
-            f"not counted in n ({'; '.join(parts[:limit])}{more})")  # fmt: skip
+            f"not counted in n ({few(parts, limit, '; ')})")  # fmt: skip
 
 
 # ---- what plot.py's command line needs --------------------------------------------------------
@@ -708,12 +702,11 @@ def notes(table: Table) -> list[str]:
     for column in dict.fromkeys(c for _, c in table.never):
         never = [where for where, c in table.never if c == column]
         lines.append(f"note: {len(never)} run{'s' * (len(never) != 1)} never reached {column} "
-                     f"(the first epoch's mean is over the others): " + ", ".join(never[:5])
-                     + (f", +{len(never) - 5} more" if len(never) > 5 else ""))  # fmt: skip
+                     f"(the first epoch's mean is over the others): {few(never)}")  # fmt: skip
     s = table.stats
     if s.fewer_seeds.any():
-        few = "; ".join(f"{c} (n={n})" for c, n in s.n[s.fewer_seeds].items())
-        lines.append(f"note: fewer seeds than the others (max n={s.n.max()}): {few}")
+        short = "; ".join(f"{c} (n={n})" for c, n in s.n[s.fewer_seeds].items())
+        lines.append(f"note: fewer seeds than the others (max n={s.n.max()}): {short}")
     defaulted = sorted(
         {f"{k}={format_value(v)}" for r in table.runs for k, v in r.defaulted.items()}
     )
