@@ -8,35 +8,22 @@ FAILed (checks that cannot run here say "not checked" and why); 1: at least one 
   torch build  a machine whose nvidia-smi lists GPUs runs a CUDA build of torch that sees them
   precision    the autocast dtype's matmul peak is >= PRECISION_MIN_GAIN x fp32's (CUDA)
   decision     run.py's compile decision for the default run, as run.log states it (info)
-  ceiling      the default job is >= CEILING_MIN x a hand-written best-practice loop on the
-               same model, batch, data and precision (labrun.tools.reference.best_practice_rate:
-               data and crop + flip on the device, channels_last, fused AdamW; on CUDA
-               torch.compile reduce-overhead)
-  plain        the default job is >= PLAIN_MIN x a naive loop with the data on the device
-               (reference.naive_rate: fp32, eager, loss.item() each step; CPU too: the CPU
-               path must not be slower than a plain loop on any x86 CPU)
-  textbook     the job against the textbook loop (per-sample augmentation on the CPU, MLflow
-               every step: reference.plain_loop_rate), the third reference (info)
-  feed         the job's loader keeps up: with the data streamed from the host, the job
-               reaches >= FEED_MIN of the same job with the data resident on the GPU; and a
-               folder of JPEGs streamed through workers reaches >= FEED_MIN of the same
-               images decoded in memory (ResNet-18 at 224 px by default)
+  ceiling      the default job is >= CEILING_MIN x reference.best_practice_rate (same model,
+               batch, data and precision)
+  plain        the default job is >= PLAIN_MIN x reference.naive_rate (CPU too)
+  textbook     the job against reference.plain_loop_rate (info)
+  feed         streamed from the host, the job reaches >= FEED_MIN of the same job with the
+               data on the GPU; a folder of JPEGs streamed through workers >= FEED_MIN of the
+               same images decoded in memory
   sync         no host sync inside run.py's training step (torch's sync debug mode, CUDA)
-  recompiles   a compiled run (--compile on) trains, evaluates (compiled), checkpoints and
-               resumes without one recompile (TORCH_LOGS=recompiles)
-  ddp compile  the same on 2 processes under torchrun: DDP around the compiled module, the
-               warm-up through the object the step calls: no recompile in the loop
-  graphs       a --compile reduce-overhead job replays CUDA graphs (TORCH_LOGS=cudagraphs):
-               no non-cudagraphable partition, no skipped graph, no re-recording, and a graph
-               recorded for the forward and the backward; and its training losses are the
-               eager job's within ACCUM_RTOL
-  accum        a compiled run with --grad-accum 2 (max-autotune where run.py picks it, CUDA)
-               learns what the eager run learns: its losses within ACCUM_RTOL
+  recompiles   --compile on trains, evaluates, checkpoints and resumes without one recompile
+  ddp compile  the same on 2 processes under torchrun (DDP around the compiled module)
+  graphs       --compile reduce-overhead replays CUDA graphs (TORCH_LOGS=cudagraphs) for the
+               forward and the backward, and its losses are the eager job's within ACCUM_RTOL
+  accum        --compile on with --grad-accum 2 learns the eager run's losses (CUDA)
   layout       the memory layout run.py trains in (channels_last on CUDA: every conv output)
-  resume       exact: with --deterministic, a run stopped after epoch 1 and resumed ends with
-               the numbers of the straight run
-  ddp          several GPUs: run.py's step on 1 and on all of them (torchrun + DDP, the batch
-               per GPU fixed), in the run's precision: weak-scaling efficiency >= SCALING_MIN
+  resume       --deterministic, stopped after epoch 1 and resumed: the straight run's numbers
+  ddp          run.py on 1 and on every GPU (batch per GPU fixed): efficiency >= SCALING_MIN
 `--device cpu` runs what can run on a CPU: a dry run of this script, not a GPU claim. Checks are
 functions in CHECKS (each returns its Result lines). The benchmarks import `job_rate` (run.py
 itself, timed) and tools/reference.py's loops; the matmul peak is hardware's
