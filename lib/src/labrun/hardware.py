@@ -1,21 +1,11 @@
 """Device, precision, kernel and compile policy: what this machine can do and what a run uses.
 
-Owns every decision that depends on the hardware rather than on the experiment, each returned
-with the reason that run.py logs:
-- device:     `resolve_device` (auto = CUDA when present).
-- precision:  `choose_precision`: bf16 autocast only where the hardware computes in bf16 (CUDA
-              compute capability >= 8.0, or a CPU with native bf16); fp16 + GradScaler on older
-              GPUs; fp32 otherwise. `torch.cuda.is_bf16_supported()` is not used: it also counts
-              emulated bf16 (V100/T4), which has no tensor cores.
-- compile:    `decide_compile` / `choose_compile`: eager, "default", "reduce-overhead" (CUDA
-              graphs) or "max-autotune" from the measured eager time of the steps left and
-              each mode's compile cost and speed recorded for this model on this machine (rule
-              below); `use_inductor_cache`: one cache per project.
-- kernels:    `setup_backends`: cuDNN autotuning + TF32 for speed, or `--deterministic`.
-- batch size: `recommended_batch_size` / `default_lr`: what --find-batch-size recommends per
-              device; the default --batch-size is 128 everywhere (rule below).
-No speed figure is claimed here: the lab template's benchmarks/RESULTS.md measures them
-(`bench_train.py`, `python -m <package>.gpucheck`).
+Every decision that depends on the hardware rather than on the experiment, each returned with
+the reason run.py logs. Precision: bf16 autocast only where the hardware computes in bf16 (CUDA
+compute capability >= 8.0, or a CPU with native bf16), fp16 + GradScaler on older GPUs;
+`torch.cuda.is_bf16_supported()` is not used: it also counts emulated bf16 (V100/T4), which has
+no tensor cores. No speed figure is claimed here: the lab template's benchmarks/RESULTS.md
+measures them (`bench_train.py`, `python -m <package>.gpucheck`).
 """
 
 from __future__ import annotations
@@ -149,16 +139,9 @@ def choose_compile(
     *,
     measure: Callable[[], tuple[float, dict[str, CompileCost]]],
 ) -> tuple[str | None, str]:
-    """(torch.compile mode or None for eager, why), from --compile and the measured work.
-
-    off, --deterministic, and auto on CPU: eager, nothing measured. A mode name: that mode
-    (its no-graphs variant where `blocked` says why graphs cannot be used). Otherwise
-    `measure()` gives the eager seconds of one micro-batch's forward + backward and each
-    mode's CompileCost; the eager time of the run is steps x micro_batches x that, and each
-    candidate would save (1 - ratio) of it. A mode measured slower than eager is never a
-    candidate. auto compiles in the candidate that saves the most net of its compile time, if
-    that saving is at least PAYBACK x the compile time; on always compiles, in that mode.
-    """
+    """(torch.compile mode or None for eager, why), from --compile and the measured work:
+    `measure()` gives the eager seconds of one micro-batch's forward + backward and each mode's
+    CompileCost, and is called only where a choice is left (the compile rule above)."""
     if flag == "off":
         return None, "eager (--compile off)"
     if deterministic:
@@ -237,12 +220,10 @@ def device_name(device: torch.device) -> str:
 
 def labrun_source() -> str:
     """labrun's version and a hash of its source, as runs.code_version records them."""
-    from . import __version__, runs
+    from . import __version__
+    from .runs import labrun_hash
 
-    library = Path(runs.__file__).parent
-    return (
-        f"{__version__}+{runs._files_hash(library, sorted(p.name for p in library.glob('*.py')))}"
-    )
+    return f"{__version__}+{labrun_hash()}"
 
 
 def model_key(model, x: torch.Tensor, dtype, device) -> dict:
@@ -387,10 +368,9 @@ def forward_backward(module, x, y, loss_fn, dtype) -> None:
 
 
 def time_forward_backward(module, x, y, loss_fn, dtype, now, repeats: int = 3) -> float:
-    """Seconds of one forward + backward of `module` (the best of `repeats` after one untimed
-    pass: allocator growth, cuDNN autotuning); `now` waits for the device (`timed`). Puts back
-    everything it touched. `module` is what the step calls (compiled, in DDP): the passes
-    compile it and, under torchrun, are collective (every rank calls this)."""
+    """Seconds of one forward + backward of `module` (`fastest`), put back as it was. `module`
+    is what the step calls (compiled, in DDP): the passes compile it and, under torchrun, are
+    collective (every rank calls this)."""
     with put_back(module, x.device):
         return fastest(lambda: forward_backward(module, x, y, loss_fn, dtype), now, repeats)
 
@@ -422,11 +402,8 @@ def decide_compile(
     ddp: bool = False,
 ) -> tuple[str | None, float, CompileRecord | None]:
     """(torch.compile mode or None, eager seconds of forward + backward, its CompileRecord):
-    choose_compile on the eager time of `model` on the real batch `batch()` (called only when
-    compiling is possible: never for auto on CPU, off or --deterministic). The eager time an
-    earlier job recorded for this model, input and machine stands in for a new timing. Logs
-    the decision with its numbers. Run it on one rank and share the mode (torchrun: the same
-    on all)."""
+    choose_compile on `model`'s eager time on the real batch `batch()`, or the one an earlier
+    job recorded for this model, input and machine. Run it on one rank and share the mode."""
     device = next(model.parameters()).device
     record, eager_s = None, 0.0
 
@@ -452,13 +429,11 @@ def decide_compile(
 
 
 def recommended_batch_size(device: torch.device) -> int:
-    """The batch size --find-batch-size recommends (capped by what fits): BASE_BATCH_SIZE on
-    CPU, CUDA_BATCH_SIZE on CUDA. Not a default: see the batch-size rule above."""
+    """What --find-batch-size recommends (capped by what fits); not a default (batch-size rule)."""
     return CUDA_BATCH_SIZE if device.type == "cuda" else BASE_BATCH_SIZE
 
 
 def default_lr(batch_size: int) -> float:
-    """BASE_LR at BASE_BATCH_SIZE, scaled by sqrt(batch_size / BASE_BATCH_SIZE)."""
     return BASE_LR * math.sqrt(batch_size / BASE_BATCH_SIZE)
 
 
@@ -514,8 +489,7 @@ def timed(device: torch.device) -> Callable[[], float]:
 
 
 def choose_gpu_resident(flag: str, device: torch.device, splits: dict) -> bool:
-    """--gpu-resident on, or auto when the uint8 images use under a quarter of free GPU memory
-    (never off CUDA)."""
+    """--gpu-resident on, or auto where the splits fit (never off CUDA)."""
     from .data import fits_on_device
 
     return device.type == "cuda" and (
@@ -553,10 +527,9 @@ def matmul_peak(cache_dir: Path, device: torch.device, dtype) -> tuple[float, st
 
 
 def measure_matmul_flops(device: torch.device, dtype) -> float:
-    """FLOP/s of the best of PEAK_REPEATS square matmuls in `dtype` (fp32 when None; TF32 where
-    the backends allow it): a measured peak, not the data sheet's, so MFU says how far a job is
-    from what this GPU does (matmul_peak keeps it per machine). A CPU gets 1024-square ones:
-    8192 would take seconds each."""
+    """FLOP/s of the best of PEAK_REPEATS square matmuls in `dtype` (fp32 when None): a measured
+    peak, not the data sheet's, so MFU says how far a job is from what this GPU does. A CPU gets
+    1024-square ones: 8192 would take seconds each."""
     n = PEAK_MATMUL_SIZE if device.type == "cuda" else 1024
     a, b = (torch.randn(n, n, device=device, dtype=dtype or torch.float32) for _ in range(2))
     return 2 * n**3 / fastest(lambda: torch.mm(a, b), timed(device), PEAK_REPEATS)
@@ -582,7 +555,6 @@ class GpuBusy:
             self.close(step)
 
     def close(self, steps: int) -> None:
-        """Ends the profile, if one runs, after `steps` steps of the epoch."""
         if self._profile is None:
             return
         wall = timed(self.device)() - self._started

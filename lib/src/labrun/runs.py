@@ -390,14 +390,19 @@ def code_version(root: Path) -> dict[str, str]:
             subfolders[:] = [d for d in subfolders if _is_code(os.path.join(d, "x.py"))]
             files += [os.path.relpath(os.path.join(folder, name), root) for name in names]
     diff = _git_lines(root, "diff", "HEAD", "--binary", "--", ".", z=False)
-    library = Path(__file__).parent
     return {
         "git_commit": commit[0] if commit else "unknown",
         "git_diff": "none" if diff == [] else _content_hash(diff) if diff else "unknown",
         "project": _files_hash(root, [name for name in files if _is_code(name)]),
         "labrun_version": __version__,
-        "labrun": _files_hash(library, sorted(p.name for p in library.glob("*.py"))),
+        "labrun": labrun_hash(),
     }
+
+
+def labrun_hash() -> str:
+    """A hash of labrun's own source files."""
+    library = Path(__file__).parent
+    return _files_hash(library, [p.name for p in library.glob("*.py")])
 
 
 def other_code_line(run_dir: Path, root: Path, prefix: str) -> str | None:
