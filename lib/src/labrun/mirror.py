@@ -119,6 +119,21 @@ def as_texts(values: dict, limit: int) -> dict[str, str]:
     return {str(k): str(v)[:limit] for k, v in values.items()}
 
 
+def system_monitor(run_id: str):
+    """MLflow's monitor of this machine (psutil; GPU utilisation and memory where NVML answers),
+    started, logging into `run_id`."""
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(
+        run_id,
+        sampling_interval=SYSTEM_METRICS_INTERVAL_S,
+        resume_logging=True,
+        tracking_uri=tracking_uri(),
+    )
+    monitor.start()
+    return monitor
+
+
 def save_state(run_dir: Path, state: dict) -> None:
     with contextlib.suppress(OSError):  # a full disk must not turn tracking into a crash
         runs.write_json(run_dir / runs.TRACKING, state)

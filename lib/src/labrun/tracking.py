@@ -29,12 +29,12 @@ from . import runs
 from .config import PROJECT_ROOT
 from .mirror import (
     RETRY_AFTER_S,
-    SYSTEM_METRICS_INTERVAL_S,
     as_texts,
     mirror,
     mlflow_client,
     read_state,
     save_state,
+    system_monitor,
     tracking_uri,
 )
 from .runs import first_line
@@ -163,18 +163,7 @@ class Tracker:
         if self.system_metrics and self._monitored != self.run_id:
             self.close()  # a rebuilt MLflow run: the monitor follows it
             self._monitored = self.run_id
-            self._guard("start system metrics", self._start_monitor)
-
-    def _start_monitor(self) -> None:
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-        self.monitor = SystemMetricsMonitor(
-            self.run_id,
-            sampling_interval=SYSTEM_METRICS_INTERVAL_S,
-            resume_logging=True,
-            tracking_uri=tracking_uri(),
-        )
-        self.monitor.start()
+            self.monitor = self._guard("start system metrics", system_monitor, self.run_id)
 
     def _save_state(self) -> None:
         if not self._frozen:
