@@ -15,17 +15,13 @@ How it works:
             arguments (QUICK_ARGS with --quick), the job's own, then those after `--` (the last of
             a flag wins); `job SCRIPT.py ARGS...` one of another script built on labrun's jobs.py
             (e.g. analyze.py), as is. ONE call of `SCRIPT --plan` per script (its own parser, no
-            torch) gives every job's run directory and state (plan.py lists them): done, running
-            (running elsewhere), stopping (waited for, up to SWEEP_STOPPING_WAIT_S), interrupted,
-            failed, refused, pending, waiting (planned again whenever a job of the sweep ends),
-            invalid.
+            torch) gives every job's run directory and state (plan.py lists them); stopping ones
+            are waited for (SWEEP_STOPPING_WAIT_S), waiting ones planned again as jobs end.
   2. queue: JOBS_PER_GPU slots per GPU (gpu_slots); without a GPU CPU_JOBS slots (cpu_slots).
             Every job runs in its own session (process group) with CUDA_VISIBLE_DEVICES set to its
             slot's GPU and a parent-death signal (SIGTERM), so it is told to stop if the sweep
-            dies, even by SIGKILL. When a job ends its slot takes the next pending job. A job that
-            finds its run claimed by another process exits 73: "running elsewhere".
-            Every job is a fresh `python run.py`: one process model for claims, signals and
-            exit codes.
+            dies, even by SIGKILL. When a job ends its slot takes the next pending job. Every job
+            is a fresh `python run.py`: one process model for claims, signals and exit codes.
   3. stop:  the first INT/TERM/HUP sends SIGTERM to every running job (it checkpoints and exits
             75); any later one SIGKILLs their process groups. Either way the sweep reaps every
             job, marks a killed job's status "interrupted", prints the summary, then exits
