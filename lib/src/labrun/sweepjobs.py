@@ -98,20 +98,24 @@ def json_int(text: str, key: str) -> int | None:
     return int(found[1]) if found else None
 
 
-def read_job_list(stream: BinaryIO) -> tuple[list[str], list[list[str]]]:
-    """(QUICK_ARGS, each job's arguments) from run.sh's NUL-separated list: the preset's count
-    and arguments, then per job its count and arguments."""
-    data = stream.read()
-    words = [w.decode("utf-8", "surrogateescape") for w in data.split(b"\0")[:-1]]
+def read_lists(stream: BinaryIO) -> list[list[str]]:
+    """`COUNT\\0ARG\\0...` per list, as run.sh and `SCRIPT --plan` read them; ValueError else."""
+    words = [w.decode("utf-8", "surrogateescape") for w in stream.read().split(b"\0")[:-1]]
     lists: list[list[str]] = []
     i = 0
+    while i < len(words):
+        count = int(words[i])
+        if count < 0 or i + 1 + count > len(words):
+            raise ValueError(f"list {len(lists)} is shorter than its count")
+        lists.append(words[i + 1 : i + 1 + count])
+        i += 1 + count
+    return lists
+
+
+def read_job_list(stream: BinaryIO) -> tuple[list[str], list[list[str]]]:
+    """(QUICK_ARGS, each job's arguments) from run.sh's list: the preset's, then each job's."""
     try:
-        while i < len(words):
-            count = int(words[i])
-            if count < 0 or i + 1 + count > len(words):
-                raise ValueError
-            lists.append(words[i + 1 : i + 1 + count])
-            i += 1 + count
+        lists = read_lists(stream)
     except ValueError:
         raise Refused("the job list from run.sh is not 'COUNT\\0ARG\\0...' per job") from None
     if not lists:
