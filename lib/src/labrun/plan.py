@@ -34,7 +34,7 @@ from typing import BinaryIO
 from labrun import config, runs
 from labrun.claim import holder, is_stopping
 from labrun.config import NotReady, UsageError, parse_args, run_dir
-from labrun.sweepjobs import read_lists
+from labrun.sweepjobs import nul_join, read_lists
 
 
 def resolver(parse: Callable, locate: Callable) -> Callable[[list[str]], Path]:
@@ -131,7 +131,7 @@ def main(
         print("error: --plan: stdin is not 'COUNT\\0ARG\\0...' per job", file=sys.stderr)
         return 2
     for fields in plan(jobs, where):
-        stdout.write(b"".join(f.encode("utf-8", "surrogateescape") + b"\0" for f in fields))
+        stdout.write(nul_join(fields))
     stdout.flush()
     return 0
 

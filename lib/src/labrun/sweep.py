@@ -32,6 +32,7 @@ How it works:
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import pwd
@@ -56,6 +57,7 @@ from .sweepjobs import (
     Sweep,
     SweepJob,
     err,
+    nul_join,
     read_job_list,
     text_or_empty,
 )
@@ -173,8 +175,7 @@ def submit_slurm(sweep: Sweep, dry_run: bool) -> None:
     for n, job in enumerate(pending):
         # One file per array task: its arguments, NUL-separated (any character is safe), and
         # its script when it is not run.py.
-        words = [w.encode("utf-8", "surrogateescape") + b"\0" for w in sweep.argv(job)]
-        (submit / "args" / str(n)).write_bytes(b"".join(words))
+        (submit / "args" / str(n)).write_bytes(nul_join(sweep.argv(job)))
         if job.script != "run.py":
             (submit / "script").mkdir(exist_ok=True)
             (submit / "script" / str(n)).write_text(f"{job.script}\n")
@@ -197,11 +198,7 @@ def usage(script: str) -> str:
     """run.sh's header comment (its usage text: line 2 to the first blank line), then the
     settings."""
     lines = text_or_empty(Path(script)).splitlines()[1:]
-    header = []
-    for line in lines:
-        if not line:
-            break
-        header.append(re.sub(r"^# ?", "", line))
+    header = [re.sub(r"^# ?", "", line) for line in itertools.takewhile(bool, lines)]
     return "\n".join(header) + "\n" + ENVIRONMENT
 
 
@@ -218,14 +215,11 @@ def main(argv: list[str] | None = None, stdin: BinaryIO | None = None) -> int:
         sys.stdout.reconfigure(line_buffering=True)
     try:
         return _main(script, args, stdin or sys.stdin.buffer)
-    except Refused as exc:
+    except (Refused, ForeignFile) as exc:  # ForeignFile: a link or another's file in its way
         err(str(exc))
         return 2
     except BadSetting as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except ForeignFile as exc:  # a link or another user's file where the sweep writes its own
-        err(str(exc))
         return 2
 
 

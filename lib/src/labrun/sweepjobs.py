@@ -112,6 +112,11 @@ def read_lists(stream: BinaryIO) -> list[list[str]]:
     return lists
 
 
+def nul_join(words: list[str]) -> bytes:
+    """Each word NUL-terminated: any character is safe in it."""
+    return b"".join(w.encode("utf-8", "surrogateescape") + b"\0" for w in words)
+
+
 def read_job_list(stream: BinaryIO) -> tuple[list[str], list[list[str]]]:
     """(QUICK_ARGS, each job's arguments) from run.sh's list: the preset's, then each job's."""
     try:
@@ -223,10 +228,7 @@ class Sweep:
         for script, mine in scripts.items():
             if not Path(script).is_file():
                 raise Refused(f"job {mine[0].index}: {script} not found in {os.getcwd()}")
-            data = b"".join(
-                b"".join(w.encode("utf-8", "surrogateescape") + b"\0" for w in [str(len(a)), *a])
-                for a in map(self.argv, mine)
-            )
+            data = b"".join(nul_join([str(len(a)), *a]) for a in map(self.argv, mine))
             out = subprocess.run(
                 [self.python, script, "--plan"], input=data, stdout=subprocess.PIPE
             ).stdout
