@@ -227,8 +227,7 @@ def labrun_source() -> str:
 
 
 def model_key(model, x: torch.Tensor, dtype, device) -> dict:
-    """What a measurement of `model`'s step depends on: the model, its input, the precision,
-    this machine's device, torch and labrun."""
+    """What a measurement of `model`'s step depends on."""
     return {
         "model": f"{type(model).__module__}.{type(model).__qualname__}",
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -272,25 +271,22 @@ def utc_now() -> str:
 
 
 class CompileRecord:
-    """The measured compile costs of one model, input and precision on one machine, torch and
-    labrun: a small JSON file in the inductor cache folder named by the hash of that key,
-    shared by the project's jobs (the last compile's numbers win; a lost update between two
-    concurrent jobs only costs a re-measurement)."""
+    """The measured compile costs of one model_key: a small JSON file in the inductor cache folder
+    shared by the project's jobs (a lost update between two jobs only costs a re-measurement)."""
 
     def __init__(self, cache_dir: Path, model, x: torch.Tensor, dtype, device) -> None:
         self.cache_dir, self.key = Path(cache_dir), model_key(model, x, dtype, device)
         self.path = record_path(cache_dir, self.key)
 
     def read(self) -> dict:
-        """Each mode's numbers; {} when none are recorded yet (or the file is unreadable, or of
-        another key): the priors stand in."""
+        """Each mode's numbers; {} when none are recorded (the priors stand in)."""
         seen = read_record(self.cache_dir, self.key)
         return seen["modes"] if seen and isinstance(seen.get("modes"), dict) else {}
 
     def costs(self, device: torch.device) -> dict[str, CompileCost]:
-        """Each mode's cost: its measured ratio, and the warm-cache compile cost once this mode
-        compiled here (the cache beside this record holds its kernels), else the cold one. The
-        ratio of the training steps' own times where jobs ran both eager and in this mode."""
+        """Each mode's cost: the warm-cache compile cost once this mode compiled here, else the
+        cold one; its ratio from the training steps' own times where jobs ran both eager and in
+        this mode, else from the compile's passes."""
         priors = CUDA_PRIORS if device.type == "cuda" else CPU_PRIORS
         costs = prior_costs(device)
         modes = self.read()
@@ -319,17 +315,16 @@ class CompileRecord:
 
     def save_step(self, mode: str | None, step_s: float) -> None:
         """The training loop's mean step time in `mode` (None: eager), from a run's first
-        epoch: what a mode is judged on once eager's is known too, rather than the warm-up's
-        passes through the compiled module (CUDA graphs warm up, record and replay there)."""
+        epoch: what a mode is judged on once eager's is known too (the warm-up's passes record
+        CUDA graphs rather than replay them)."""
         modes = self.read()
         modes.setdefault(mode or EAGER, {}).update(loop_step_s=step_s, loop_when=utc_now())
         write_record(self.cache_dir, self.key, modes=modes)
 
 
 def compile_cache_counts() -> tuple[int, int]:
-    """(hits, misses) of inductor's FX graph cache and AOTAutograd's cache so far in this
-    process: a compile between two counts with hits and no miss was warm (its cost is recorded
-    apart from cold ones)."""
+    """(hits, misses) of inductor's and AOTAutograd's caches so far in this process: a compile
+    between two counts with hits and no miss was warm."""
     from torch._dynamo.utils import counters
 
     inductor, aot = counters["inductor"], counters["aot_autograd"]
@@ -516,7 +511,7 @@ def flops_per_sample(model, x, y, loss_fn, dtype) -> float:
 
 def matmul_peak(cache_dir: Path, device: torch.device, dtype) -> tuple[float, str]:
     """(FLOP/s, "measured now" or "recorded <when>"): measure_matmul_flops once per GPU model,
-    precision, torch and labrun, kept beside the compile records; not by every job."""
+    precision, torch and labrun, kept beside the compile records."""
     key = {"matmul_peak": str(dtype), "device": device_name(device), "torch": torch.__version__}
     key["labrun"] = labrun_source()
     if (seen := read_record(cache_dir, key)) and isinstance(seen.get("flops"), float):
