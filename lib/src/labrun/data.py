@@ -379,10 +379,11 @@ def _carve(split: Split | FileSplit, fraction: float, seed: int):
     order = torch.from_numpy(np.random.default_rng([seed, 0xDA7A]).permutation(len(split)))
     # Sorted indices keep each part in the original order: cheaper gathers, stable files.
     out_idx, keep_idx = order[:n_out].sort().values, order[n_out:].sort().values
-    return _subset(split, keep_idx), _subset(split, out_idx)
+    return subset(split, keep_idx), subset(split, out_idx)
 
 
-def _subset(split: Split | FileSplit, index: torch.Tensor) -> Split | FileSplit:
+def subset(split: Split | FileSplit, index: torch.Tensor) -> Split | FileSplit:
+    """The rows `index` of `split`, which keeps its layout and normalisation."""
     if isinstance(split, FileSplit):
         paths = [split.paths[i] for i in index.tolist()]
         return replace(split, paths=paths, labels=split.labels[index])
@@ -390,7 +391,7 @@ def _subset(split: Split | FileSplit, index: torch.Tensor) -> Split | FileSplit:
         return replace(split, labels=split.labels[index], rows=split.rows[index])
     order = channel_last(split.layout, split.images.ndim)
     stored = split.images.permute(order).index_select(0, index)
-    return Split(_in_layout(stored, order), split.labels[index], layout=split.layout)
+    return replace(split, images=_in_layout(stored, order), labels=split.labels[index])
 
 
 def available_ram_bytes() -> int | None:

@@ -14,7 +14,6 @@ when a layer has more features than there are images), in float64.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import replace
 
 import torch
 from torch import nn
@@ -57,7 +56,7 @@ def choose_layer(model: nn.Module, layer: str | None, which: str) -> str:
 def test_inputs(config: dict, count: int, seed: int, batch_size: int, device, data_dir=None):
     """`count` inputs of the test split a run was tested on (rebuilt from its config.json; a
     seeded choice, in order), in batches on `device`."""
-    from ..data import FileSplit, build_loader, load_dataset
+    from ..data import build_loader, load_dataset, subset
 
     loaded = load_dataset(
         config["dataset"], data_dir or config["data_dir"], data_path=config.get("data_path"),
@@ -69,14 +68,7 @@ def test_inputs(config: dict, count: int, seed: int, batch_size: int, device, da
     test = loaded.splits["test"]
     generator = torch.Generator().manual_seed(seed)
     chosen = torch.randperm(len(test), generator=generator)[:count].sort().values
-    # replace(): the split keeps its layout and the training split's normalisation
-    if isinstance(test, FileSplit):
-        test = replace(test, paths=[test.paths[i] for i in chosen], labels=test.labels[chosen])
-    elif test.rows is not None:  # rows of a shared decoded cache
-        test = replace(test, rows=test.rows[chosen], labels=test.labels[chosen])
-    else:
-        test = replace(test, images=test.images[chosen], labels=test.labels[chosen])
-    loader = build_loader(test, batch_size, train=False, device=device, workers=0)
+    loader = build_loader(subset(test, chosen), batch_size, train=False, device=device, workers=0)
     return [x for x, _ in loader]
 
 
