@@ -83,8 +83,7 @@ def log(message: str) -> None:
 
 
 def text_or_empty(path: Path) -> str:
-    """The text of `path`; "" when it is missing or unreadable (a job's file: not there yet, or
-    half-written)."""
+    """The text of `path`; "" when it is missing or unreadable (not there yet, half-written)."""
     try:
         return path.read_text()
     except (OSError, UnicodeDecodeError):
@@ -210,9 +209,8 @@ class Sweep:
         return self.settings.PYTHON
 
     def argv(self, job: SweepJob) -> list[str]:
-        """Job's complete arguments. A run.py job gets the sweep's results folder and the preset's
-        arguments first, so that its own and those after `--` (last) win: argparse keeps the last
-        value of a flag. A job of another script gets its own arguments only."""
+        """Job's complete arguments: a run.py job's own come after the sweep's results folder and
+        the preset's, and before those after `--`: argparse keeps a flag's last value."""
         if job.script != "run.py":
             return list(job.own)
         head = ["--results-dir", f"results/{self.settings.SWEEP_NAME}", *self.quick]
@@ -256,9 +254,8 @@ class Sweep:
                 seen[job.dir] = job.index
 
     def wait_for_stopping(self, wait_s: int) -> None:
-        """Jobs whose holder is stopping (a run.py told to stop, e.g. the orphans of a sweep
-        killed a moment ago, checkpointing) are free in a few seconds: plan again every second
-        until they are, for at most wait_s seconds; any still stopping then runs elsewhere."""
+        """Jobs whose holder is stopping (checkpointing, e.g. the orphans of a sweep killed a
+        moment ago) are free in a few seconds: plan again every second, for at most wait_s."""
         waited = 0
         while True:
             stopping = sum(job.state == "stopping" for job in self.jobs)
@@ -292,10 +289,8 @@ class Sweep:
         print(line, flush=True)
 
     def replan(self) -> list[SweepJob]:
-        """Plan again (after a job ended, or before the queue ends): the jobs that can run now,
-        those waiting for inputs that have finished meanwhile and, once each, those running
-        elsewhere whose holder has let go of the claim since (it stopped: exit 75, or died); one
-        finished elsewhere meanwhile is skipped."""
+        """Plan again; the jobs that can run now: those whose inputs have finished meanwhile and,
+        once each, those whose holder elsewhere has let go of the claim since."""
         self.plan()
         ready = []
         for job in self.jobs:

@@ -73,11 +73,9 @@ def test_inputs(config: dict, count: int, seed: int, batch_size: int, device, da
 
 
 def first_tensor(output, batch: int) -> torch.Tensor:
-    """What a layer's output stands for, as (batch, features): the first tensor, depth first (a
-    tuple's or list's first element that holds one, a dict's first such value: GRU and LSTM give
-    `(output, h_n)`, MultiheadAttention `(output, weights)`), a PackedSequence padded to (batch,
-    time, features), sequence-first outputs (time, batch, ...) turned batch-first. ValueError
-    when the output holds no tensor with a dimension of `batch` inputs."""
+    """What a layer's output stands for, as (batch, features): the first tensor, depth first
+    (GRU and LSTM give `(output, h_n)`, MultiheadAttention `(output, weights)`), a PackedSequence
+    padded, sequence-first outputs turned batch-first. ValueError when none has `batch` rows."""
     if isinstance(output, nn.utils.rnn.PackedSequence):
         output = nn.utils.rnn.pad_packed_sequence(output, batch_first=True)[0]
     elif isinstance(output, dict):
@@ -107,12 +105,9 @@ def _holds_tensor(value) -> bool:
 def activations(
     model: nn.Module, batches: Iterable[torch.Tensor], names: list[str], on_batch=None
 ) -> dict[str, torch.Tensor]:
-    """Each named layer's outputs for every input, flattened per input: {name: (n, features)}.
-
-    Forward hooks record the layers while the model runs once per batch, in eval mode (BatchNorm
-    uses its running statistics, as at test time); a layer's output is read by first_tensor().
-    `on_batch()` runs after each batch (e.g. to honour a stop request). ValueError names a layer
-    whose output cannot be read."""
+    """Each named layer's outputs for every input, flattened per input: {name: (n, features)},
+    recorded by forward hooks in eval mode (BatchNorm's running statistics, as at test time).
+    `on_batch()` runs after each batch (e.g. to honour a stop request)."""
     modules = dict(layers(model))
     out: dict[str, list[torch.Tensor]] = {name: [] for name in names}
     batch = 0
