@@ -234,10 +234,9 @@ def _numeric(metrics: dict) -> dict[str, float]:
 
 
 def load_runs_from_mlflow(tracking_uri: str, experiment: str) -> tuple[list[RunResult], list]:
-    """`load_runs` from an MLflow experiment (imports mlflow). Every config key is a param;
-    per-epoch metrics carry history.csv's names with step = epoch, final ones metrics.json's.
-    FINISHED runs are done, FAILED failed, the rest unfinished; among duplicates the newest
-    stays. LookupError when the experiment does not exist."""
+    """`load_runs` from an MLflow experiment (as mirror.py writes it): FINISHED runs are done,
+    FAILED failed, the rest unfinished; among duplicates the newest stays. LookupError when the
+    experiment does not exist."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=tracking_uri)
@@ -495,9 +494,8 @@ def curves(table: Table, column: str) -> pd.DataFrame:
 
 
 def comparison(table: Table, metric: str) -> tuple[str, pd.DataFrame] | None:
-    """The final `metric` as <row key> x condition, when a categorical key is swept: the row key
-    is `model` if it is swept, else the first categorical key; the conditions are the values of
-    the other swept keys. A frame indexed by row value, columns (condition, mean|se|n)."""
+    """(row key, the final `metric` as row value x condition: columns (condition, mean|se|n)),
+    when a categorical key is swept; the row key is `model` if swept, else the first one."""
     if not table.categorical or f"{metric}_mean" not in table.stats:
         return None
     row_key = "model" if "model" in table.categorical else table.categorical[0]
@@ -590,8 +588,7 @@ def write_tables(
     table: Table, out_dir: str | os.PathLike, metric: str, labels: dict[str, str] | None = None
 ) -> list[Path]:
     """aggregate.csv (every number), table.csv and aggregate.tex (the table's columns), and
-    comparison.csv/.tex (the model x condition pivot of `metric`) when a categorical key is
-    swept; written atomically."""
+    comparison.csv/.tex (`comparison` of `metric`), written atomically."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     texts = {"aggregate.csv": table_csv(table), "table.csv": table_csv(table, table.columns),

@@ -72,10 +72,9 @@ def band_note(ax, se, height: float) -> str:
 
 
 def references(ax, references: dict[str, dict], column: str, across: bool = True) -> None:
-    """plot.py's REFERENCES of `column` (its own, else those of its name without the split's
-    prefix: "acc" for train_acc, val_acc, test_acc, best_val_acc) as dotted grey lines, named
-    outside the axes where no data can hide the name: at the right end (`across`: the values
-    are on the y axis), else above the top."""
+    """plot.py's REFERENCES of `column` (else of its name without the split's prefix: "acc" for
+    train_acc, best_val_acc...) as dotted grey lines, named outside the axes where no data can
+    hide the name: at the right end (`across`: values on the y axis), else above the top."""
     bare = re.sub(r"^(best_val|train|val|test)_", "", column)
     for name, value in (references.get(column) or references.get(bare, {})).items():
         if across:
@@ -127,9 +126,8 @@ def label(table: Table, config: str, metric: str | None = None) -> str:
 
 
 def legend(fig: Figure, handles, labels, width: float, title: str = "") -> float:
-    """A legend below the axes, in as many columns as fit `width` inches, its labels wrapped to
-    fit, in the order given (the sweep's); returns the height in inches it needs (add it to the
-    figure's)."""
+    """A legend below the axes, in as many columns as fit `width` inches, labels wrapped, in the
+    order given; returns the height in inches it needs (add it to the figure's)."""
     labels, title = [wrap(s, width - 0.5) for s in labels], wrap(title, width - 0.1, 9)
     widest = max(text_width(line, 8) for s in labels for line in s.split("\n")) + 0.4
     ncols = max(1, min(len(labels), int((width - 0.1) // widest)))
