@@ -353,9 +353,8 @@ class Experiment:
 
 @dataclasses.dataclass
 class Execution:
-    """labrun's flags of how a run is executed, not what it computes: left out of the hash, so
-    the same experiment run on another GPU, with more workers or after a Ctrl-C lands in the
-    same directory (run.py's Config fields marked execution=True join them)."""
+    """labrun's flags of how a run is executed, not what it computes: out of the hash, so the
+    same experiment on another GPU, with more workers or after a Ctrl-C has one directory."""
 
     device: str = flag("auto", "auto = cuda when available", choices=("auto", "cpu", "cuda"))
     amp: str = _auto(

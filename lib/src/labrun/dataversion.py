@@ -158,14 +158,9 @@ def read_json_cache(path: Path) -> dict | None:
 @contextlib.contextmanager
 def file_lock(path: Path) -> Iterator[None]:
     """Hold an exclusive lock on `path`.lock: the jobs of a sweep starting at once build a cache
-    once, the others wait and read it.
-
-    filelock opens the lock file without following a link (O_NOFOLLOW, filelock >= 3.20.3): a
-    link planted in a shared --data-dir is refused (OSError), nothing is created or truncated
-    through it. The lock file is deleted before it is released, so nothing is left behind (even
-    after a failed download); a waiter that then gets the lock on the deleted file sees it has
-    no link left (filelock checks st_nlink) and tries again on a new one.
-    """
+    once, the others wait and read it. filelock (>= 3.20.3) refuses a link planted at the lock's
+    name. The lock file is deleted before it is released, so nothing is left behind; a waiter
+    that then gets the deleted file sees it has no link left and tries again on a new one."""
     from filelock import FileLock  # here: --help and --print-run-dir never need it
 
     path = Path(path)

@@ -196,8 +196,7 @@ def own_normalization(split: Split | FileSplit, whose: str = "this split") -> No
 
 
 class _ArrayDataset(torch.utils.data.Dataset):
-    """The whole split channel-last in RAM (or on the device): no per-sample work. The
-    DataLoader asks it (and _FileDataset) for whole batches (a list of indices), never a sample."""
+    """The whole split channel-last in RAM (or on the device): no per-sample work."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor | None):
         self.images, self.labels, self.rows = images, labels, rows

@@ -78,12 +78,9 @@ def _typed(text: str, default, where: str):
 
 
 def model_arguments(declared: Entry, width: int | None, given: dict) -> tuple:
-    """(width or None, {other own argument: value}) for the model `declared`.
-
-    `width`: --width (None: not given, or the default: 64 for a model that takes it); `given`:
-    --model-args as text. A model that does not take (or never names) `width` gets None. Raises
-    ValueError (`--flag: why`) for an argument the model does not take or a required one missing.
-    """
+    """(width or None, {other own argument: value}) for the model `declared`, from --width
+    (None: not given, or its default) and --model-args (`given`). ValueError (`--flag: why`) for
+    an argument the model does not take or a required one missing."""
     own = own_arguments(declared)
     name = declared.name
     listed = listed_arguments(declared) or "none"

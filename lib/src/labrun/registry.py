@@ -62,10 +62,8 @@ class Entry:
 
 
 class Registry(dict):
-    """name -> entry, filled by the register functions as modules are imported. Asking for a
-    name that another module of the package registers (`name in registry`: ask so before
-    `registry[name]`) imports that module first, so a model in `models/unet.py` is found like
-    one in model.py."""
+    """name -> entry, filled by the register functions as modules are imported. `name in
+    registry` (ask so before `registry[name]`) imports the module that registers it first."""
 
     def __init__(self, decorator: str) -> None:
         super().__init__()
