@@ -15,12 +15,10 @@ or an MLflow experiment (`load_runs_from_mlflow`). A run is *done* iff its metri
 a non-empty JSON object. Every run left out is returned in `skipped` with its reason:
 - `unfinished`, `failed` (no metrics.json), `corrupt` (a file missing or unparsable);
 - a config.json without `experiment_keys`: we cannot tell which keys define the experiment;
-- duplicates (same experiment keys *and* seed, e.g. a copied run directory) count once. Their
-  numbers (metrics.json's results) are compared: equal, the one whose directory name is its run
-  name (else the first) stays, the others are `duplicate of ...`; different, the run directory
-  at its own name (the record run.py keeps) stays and the others are `duplicate of ... with
-  other numbers (test_acc 0.91 vs 0.93)`, and without exactly one such record none is chosen:
-  all are left out, `conflicts with ...`.
+- duplicates (same experiment keys *and* seed, e.g. a copied run directory) count once: the one
+  whose directory name is its run name stays (equal numbers: else the first), the others are
+  `duplicate of ...` (`with other numbers (test_acc 0.91 vs 0.93)`); with other numbers and not
+  exactly one such record, all are left out, `conflicts with ...`.
 A key that older runs lack (a flag added since) takes its default from run.py's current parser,
 so those runs join the configuration they belong to (`RunResult.defaulted`).
 

@@ -531,9 +531,8 @@ def measure_matmul_flops(device: torch.device, dtype) -> float:
 
 
 class GpuBusy:
-    """The share of the step the GPU was busy: the CUDA kernels' time (torch.profiler) over the
-    wall time of BUSY_STEPS real steps of the first epoch (fewer in a short epoch). Call
-    `at(step)` before each step of the epoch and `close(steps)` after it."""
+    """The share of the step the GPU was busy: CUDA kernel time (torch.profiler) over the wall
+    time of BUSY_STEPS steps of the first epoch; `at(step)` before each, `close(steps)` after."""
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.share, self.step_s = device, None, None

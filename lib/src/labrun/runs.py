@@ -375,10 +375,9 @@ def _is_code(relative: str) -> bool:
 
 
 def code_version(root: Path) -> dict[str, str]:
-    """Which code makes a run (recorded in config.json `code` and MLflow tags, never in its
-    identity): the project's git commit, a hash of its uncommitted diff, a hash of its code as
-    it is on disk (`project`: the files git tracks or would add that are code, _is_code; the
-    same code gives the same hash whatever was committed), and labrun's version and source."""
+    """Which code makes a run (config.json `code`, MLflow tags; never its identity): the git
+    commit, a hash of the uncommitted diff, a hash of the project's code on disk (`project`:
+    the same code gives the same hash whatever was committed), labrun's version and source."""
     from . import __version__
 
     root = Path(root)
@@ -406,9 +405,8 @@ def labrun_hash() -> str:
 
 
 def other_code_line(run_dir: Path, root: Path, prefix: str) -> str | None:
-    """`PREFIX: RUN was made by other code (...)`: the one line a skip ("note") or a resume of
-    `run_dir` says when other code than `root`'s (code_version) made it (README, "What a run
-    writes"), else None (also for a run made before code versions were recorded)."""
+    """`PREFIX: RUN was made by other code (...)` when other code than `root`'s made `run_dir`
+    (a skip's note, a resume's warning), else None (also for a run before code versions)."""
     try:
         before = json.loads(read_trusted(Path(run_dir) / CONFIG)).get("code")
     except (OSError, ValueError, AttributeError):

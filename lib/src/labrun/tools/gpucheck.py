@@ -162,8 +162,8 @@ def run_job(
     results: Path | None = None,
     stop_after_epoch: int = 0,
 ) -> JobResult:
-    """run.py with run.py's defaults, this check's size options and `flags`; under torchrun
-    with `nproc` > 1. `stop_after_epoch`: SIGTERM once history.csv holds that many epochs."""
+    """run.py with this check's size options and `flags` (torchrun with `nproc` > 1);
+    `stop_after_epoch`: SIGTERM once history.csv holds that many epochs."""
     options = ctx.options
     if results is None:
         ctx.runs += 1
