@@ -187,16 +187,12 @@ def choose_compile(
 
 def use_inductor_cache(project_root: Path) -> tuple[Path, str]:
     """One inductor cache for every job of the project: TORCHINDUCTOR_CACHE_DIR as the user set
-    it, else $LAB_INDUCTOR_CACHE_DIR (a lab-wide folder), else <project>/.cache/inductor.
+    it, else $LAB_INDUCTOR_CACHE_DIR (a lab-wide folder), else <project>/.cache/inductor; torch's
+    /tmp of whichever node runs the job would have every job on another node compile anew.
 
-    When torch reads it (torch 2.13): inductor's caches (FX graphs, autotuning, Triton kernels)
-    call `cache_dir()` (torch/_inductor/runtime/cache_dir_utils.py) lazily, at the first
-    compile, some then memoised: so this runs before the first torch.compile of the process.
-    But `import torch._dynamo` already calls it (for DynamoCache, used only under
-    TORCH_CACHING_PRECOMPILE=1) and writes torch's default, /tmp/torchinductor_<user>, into the
-    environment: a value equal to that default therefore counts as not set by the user. Without
-    this, the cache is /tmp of whichever node runs the job, and every job and resume on another
-    node compiles from scratch.
+    Call it before the first torch.compile: inductor reads `cache_dir()` lazily, at the first
+    compile, then memoises it (torch 2.13). `import torch._dynamo` already writes torch's
+    default, /tmp/torchinductor_<user>, into the environment: that value counts as not set.
     """
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 

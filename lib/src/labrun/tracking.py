@@ -119,8 +119,8 @@ class Tracker:
         return self.state.get("run_id")
 
     def _guard(self, what: str, fn, *args, force: bool = False):
-        """Run fn unless tracking is off or failed recently (`force`: whatever the back-off, for
-        the run's end); a failure warns once, never raises."""
+        """fn(*args) unless tracking is off or failed recently (`force`: whatever the back-off);
+        a failure warns once, never raises."""
         if not self.enabled or self.deferred:
             return None
         recent = self._failed_at is not None and time.monotonic() - self._failed_at < RETRY_AFTER_S
