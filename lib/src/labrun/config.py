@@ -79,9 +79,8 @@ NAME_ORDER = (
     "ema",
     "label_smoothing",
 )
-# The experiment-defining flags of the first release: always in the hash (their run names are
-# pinned by the tests). Every other experiment key (a flag added since, `data_version`) is hashed
-# only while it differs from its default: adding a flag with a default never moves a run.
+# The first release's experiment flags: always hashed (their run names are pinned by the tests);
+# any other only away from its default (identity_args).
 ADDED_SINCE = {"model_args", "task", "monitor", "min_epochs", "augment"}  # in NAME_ORDER too
 FIRST_RELEASE_KEYS = frozenset(NAME_ORDER) - ADDED_SINCE
 MAX_READABLE = 80

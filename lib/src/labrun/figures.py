@@ -103,9 +103,8 @@ def title(table: Table, note: str = "") -> str:
 
 
 def looks(table: Table | Sequence[str], gid: str = GID) -> dict[str, dict]:
-    """Line2D keywords per configuration (or any names, in order): the i-th gets the i-th tab10
-    colour and marker (beyond 10, a colormap's shades), the same in every figure, distinct in
-    greyscale too; `gid` + name tags its artists."""
+    """Line2D keywords per configuration (or any names): the i-th tab10 colour (beyond 10, a
+    colormap's shades) and marker, the same in every figure; `gid` + name tags its artists."""
     names = list(table.stats.index) if isinstance(table, Table) else list(table)
     colours = matplotlib.colormaps["tab10"](range(10))
     if len(names) > 10:
@@ -137,9 +136,8 @@ def legend(fig: Figure, handles, labels, width: float, title: str = "") -> float
 
 
 def heat_map(fig: Figure, frame, height: float):
-    """`frame` (rows x columns, e.g. linear CKA of layer pairs) as a heat map on a fixed 0-1
-    scale (a colour means one value in every such figure), each row and column named, with its
-    colour bar; `fig` set to `height` inches. Returns the axes."""
+    """`frame` (e.g. linear CKA of layer pairs) as a heat map on a fixed 0-1 scale (a colour means
+    one value in every such figure), with its colour bar, `height` inches high; its axes."""
     fig.set_figheight(height)
     ax = fig.add_subplot()
     image = ax.imshow(frame.to_numpy(), vmin=0, vmax=1, cmap="viridis", aspect="auto")

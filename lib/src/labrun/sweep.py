@@ -133,9 +133,8 @@ def submit_slurm(sweep: Sweep, dry_run: bool) -> None:
         gres = re.sub(r":[0-9][^:]*$", "", gres) + f":{job_gpus}"
     cwd = os.getcwd()
     submit = Path(cwd) / s.SLURM_LOG_DIR / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    # --requeue: preempted tasks go back to the queue. B:USR1@N: N s before the time limit,
-    # the task script (only it: B:) gets USR1; it tells run.py, which checkpoints, and
-    # requeues.
+    # --requeue: preempted tasks go back to the queue. B:USR1@N: N s before the time limit, the
+    # task script alone (B:) gets USR1; it tells run.py to checkpoint, then requeues.
     cmd = [
         "sbatch", "--parsable", f"--job-name={s.SWEEP_JOB_NAME or Path(cwd).name}",
         f"--array=0-{len(pending) - 1}%{s.SLURM_MAX_PARALLEL}", f"--gres={gres}",
