@@ -152,7 +152,7 @@ def load_runs(results_dir: str | os.PathLike) -> tuple[list[RunResult], list[tup
 
 
 def first_log_time(log: Path) -> float:
-    """When run.log's first line was written (its run's first start), NaN when unreadable."""
+    """When run.log's first line was written (its run's first start), else NaN."""
     try:
         with open(log, "rb") as f:
             stamp = f.read(19).decode()
@@ -222,8 +222,8 @@ def differences(a: RunResult, b: RunResult) -> str:
 
 
 def _numeric(metrics: dict) -> dict[str, float]:
-    """The numeric entries (bool is a flag here, not a number); a null that `null_reasons` says
-    was not finite (run.py writes strict JSON) is NaN again, so aggregate() names it dropped."""
+    """The numeric entries (not bools); a null that `null_reasons` says was not finite is NaN
+    again, so aggregate() names it dropped."""
     numbers = {k: float(v) for k, v in metrics.items()
                if isinstance(v, int | float) and not isinstance(v, bool)}  # fmt: skip
     reasons = metrics.get("null_reasons")

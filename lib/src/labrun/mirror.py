@@ -104,8 +104,8 @@ def init(experiment: str = DEFAULT_EXPERIMENT, client=None) -> str:
 
 
 def run_params(config: dict) -> dict:
-    """The MLflow params of a run: its experiment-defining config values and the list of their
-    names, `experiment_keys` (analysis.load_runs_from_mlflow needs it to tell them apart)."""
+    """The MLflow params of a run: its experiment-defining config values and `experiment_keys`
+    (analysis.load_runs_from_mlflow tells them apart by it)."""
     keys = list(config.get("experiment_keys", []))
     values = {k: config[k] for k in keys if k in config}
     # As config.json holds them (a tuple is a list there): a live run's params then equal what
@@ -179,8 +179,7 @@ def _history_rows(run_dir: Path) -> list[dict]:
 
 
 def _artifact_files(run_dir: Path, state: dict, status: str) -> list[Path]:
-    """The files to attach, from the run directory only, plain files of its owner (a
-    tracking.json that names anything else uploads nothing)."""
+    """The files to attach: plain files of the run directory's owner, in it (never elsewhere)."""
     names = state.get("artifacts")
     if names is None:  # a directory tracking.json does not describe: what run.py attaches
         names = [runs.CONFIG, runs.HISTORY] + ([runs.BEST_MODEL] if status == "FINISHED" else [])

@@ -87,9 +87,8 @@ def job_state(directory: Path) -> tuple[str, str]:
 
 @contextlib.contextmanager
 def one_parser() -> Iterator[None]:
-    """Let config.parse_args reuse one parser: building it is most of a job's planning time
-    (the lab template's benchmarks/bench_sweep.py), and an argparse parser keeps no state
-    between parses."""
+    """Let config.parse_args reuse one parser (it keeps no state between parses): building it is
+    most of a job's planning time (benchmarks/bench_sweep.py)."""
     build = config.build_parser
     parser = build()
     config.build_parser = lambda: parser
