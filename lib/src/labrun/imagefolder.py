@@ -256,14 +256,11 @@ def _to_8bit(image: Image.Image, channels: int, value_ranges: dict) -> Image.Ima
 
 
 def cover_resize(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """uint8 (C, h, w) -> uint8 (C, height, width) on the image's device: its centered part with
-    the aspect ratio of width x height, resized (antialiased bilinear); (N, C, h, w): N images
-    of one size in one call. The CPU decode and the GPU decode (gpudecode.py) both cut and
-    resize here.
-
-    On the CPU the resize is torch's on the uint8 pixels (its AVX2 path: 0.17 ms for 375x375 ->
-    224x224 on one core, 0.92 ms for Pillow's resize; the same filter, values within 1 of
-    Pillow's); other devices resize in float32, rounded."""
+    """uint8 (C, h, w) -> uint8 (C, height, width) on the image's device (or N images of one
+    size): its centered part with the aspect ratio of width x height, resized (antialiased
+    bilinear), for the CPU and the GPU decode alike. On the CPU on the uint8 pixels (0.17 ms for
+    375x375 -> 224x224 on one core, 0.92 ms for Pillow's, values within 1 of Pillow's); other
+    devices resize in float32, rounded."""
     import torch.nn.functional as F
 
     *_, h, w = image.shape
