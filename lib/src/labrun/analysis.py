@@ -15,12 +15,10 @@ or an MLflow experiment (`load_runs_from_mlflow`). A run is *done* iff its metri
 a non-empty JSON object. Every run left out is returned in `skipped` with its reason:
 - `unfinished`, `failed` (no metrics.json), `corrupt` (a file missing or unparsable);
 - a config.json without `experiment_keys`: we cannot tell which keys define the experiment;
-- duplicates (same experiment keys *and* seed, e.g. a copied run directory) count once. Their
-  numbers (metrics.json's results) are compared: equal, the one whose directory name is its run
-  name (else the first) stays, the others are `duplicate of ...`; different, the run directory
-  at its own name (the record run.py keeps) stays and the others are `duplicate of ... with
-  other numbers (test_acc 0.91 vs 0.93)`, and without exactly one such record none is chosen:
-  all are left out, `conflicts with ...`.
+- duplicates (same experiment keys *and* seed, e.g. a copied run directory) count once: the one
+  whose directory name is its run name stays (equal numbers: else the first), the others are
+  `duplicate of ...` (`with other numbers (test_acc 0.91 vs 0.93)`); with other numbers and not
+  exactly one such record, all are left out, `conflicts with ...`.
 A key that older runs lack (a flag added since) takes its default from run.py's current parser,
 so those runs join the configuration they belong to (`RunResult.defaulted`).
 
@@ -154,7 +152,7 @@ def load_runs(results_dir: str | os.PathLike) -> tuple[list[RunResult], list[tup
 
 
 def first_log_time(log: Path) -> float:
-    """When run.log's first line was written (its run's first start), NaN when unreadable."""
+    """When run.log's first line was written (its run's first start), else NaN."""
     try:
         with open(log, "rb") as f:
             stamp = f.read(19).decode()
@@ -224,8 +222,8 @@ def differences(a: RunResult, b: RunResult) -> str:
 
 
 def _numeric(metrics: dict) -> dict[str, float]:
-    """The numeric entries (bool is a flag here, not a number); a null that `null_reasons` says
-    was not finite (run.py writes strict JSON) is NaN again, so aggregate() names it dropped."""
+    """The numeric entries (not bools); a null that `null_reasons` says was not finite is NaN
+    again, so aggregate() names it dropped."""
     numbers = {k: float(v) for k, v in metrics.items()
                if isinstance(v, int | float) and not isinstance(v, bool)}  # fmt: skip
     reasons = metrics.get("null_reasons")
@@ -234,10 +232,9 @@ def _numeric(metrics: dict) -> dict[str, float]:
 
 
 def load_runs_from_mlflow(tracking_uri: str, experiment: str) -> tuple[list[RunResult], list]:
-    """`load_runs` from an MLflow experiment (imports mlflow). Every config key is a param;
-    per-epoch metrics carry history.csv's names with step = epoch, final ones metrics.json's.
-    FINISHED runs are done, FAILED failed, the rest unfinished; among duplicates the newest
-    stays. LookupError when the experiment does not exist."""
+    """`load_runs` from an MLflow experiment (as mirror.py writes it): FINISHED runs are done,
+    FAILED failed, the rest unfinished; among duplicates the newest stays. LookupError when the
+    experiment does not exist."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=tracking_uri)
@@ -495,9 +492,8 @@ def curves(table: Table, column: str) -> pd.DataFrame:
 
 
 def comparison(table: Table, metric: str) -> tuple[str, pd.DataFrame] | None:
-    """The final `metric` as <row key> x condition, when a categorical key is swept: the row key
-    is `model` if it is swept, else the first categorical key; the conditions are the values of
-    the other swept keys. A frame indexed by row value, columns (condition, mean|se|n)."""
+    """(row key, the final `metric` as row value x condition: columns (condition, mean|se|n)),
+    when a categorical key is swept; the row key is `model` if swept, else the first one."""
     if not table.categorical or f"{metric}_mean" not in table.stats:
         return None
     row_key = "model" if "model" in table.categorical else table.categorical[0]
@@ -528,20 +524,12 @@ def table_csv(table: Table, columns: Sequence[str] | None = None) -> str:
     return stats.to_csv(index=False, float_format="%.12g", lineterminator="\n")
 
 
+LATEX_SPECIAL = {c: "\\" + c for c in "&%$#_{}"}
+LATEX_SPECIAL |= {"\\": r"\textbackslash ", "~": r"\textasciitilde ", "^": r"\^ "}
+
+
 def latex_escape(text) -> str:
-    special = {
-        "\\": r"\textbackslash ",
-        "&": r"\&",
-        "%": r"\%",
-        "$": r"\$",
-        "#": r"\#",
-        "_": r"\_",
-        "{": r"\{",
-        "}": r"\}",
-        "~": r"\textasciitilde ",
-        "^": r"\^ ",
-    }
-    return "".join(special.get(ch, ch) for ch in str(text))
+    return "".join(LATEX_SPECIAL.get(ch, ch) for ch in str(text))
 
 
 def format_mean_se(mean: float, se: float) -> str:
@@ -598,8 +586,7 @@ def write_tables(
     table: Table, out_dir: str | os.PathLike, metric: str, labels: dict[str, str] | None = None
 ) -> list[Path]:
     """aggregate.csv (every number), table.csv and aggregate.tex (the table's columns), and
-    comparison.csv/.tex (the model x condition pivot of `metric`) when a categorical key is
-    swept; written atomically."""
+    comparison.csv/.tex (`comparison` of `metric`), written atomically."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     texts = {"aggregate.csv": table_csv(table), "table.csv": table_csv(table, table.columns),
@@ -622,6 +609,11 @@ def write_tables(
     return [out / name for name in texts]
 
 
+def few(items: Sequence[str], limit: int = 5, sep: str = ", ") -> str:
+    """The first `limit` items, then how many more: `a, b, +3 more`."""
+    return sep.join([*items[:limit], *[f"+{len(items) - limit} more"] * (len(items) > limit)])
+
+
 def skipped_line(skipped: Sequence[tuple], limit: int = 5) -> str:
     """`warning: skipped 3 runs (unfinished: a, b; corrupt: c)`: one line, however many."""
     if not skipped:
@@ -629,18 +621,15 @@ def skipped_line(skipped: Sequence[tuple], limit: int = 5) -> str:
     by_reason: dict[str, list[str]] = {}
     for where, reason in skipped:
         by_reason.setdefault(reason, []).append(Path(str(where)).name)
-    parts = [f"{reason}: " + ", ".join(names[:limit])
-             + (f", +{len(names) - limit} more" if len(names) > limit else "")
-             for reason, names in by_reason.items()]  # fmt: skip
+    parts = [f"{reason}: {few(names, limit)}" for reason, names in by_reason.items()]
     return f"warning: skipped {len(skipped)} run{'s' * (len(skipped) != 1)} ({'; '.join(parts)})"
 
 
 def dropped_line(table: Table, limit: int = 5) -> str:
     """`warning: left out 2 non-finite values, not counted in n (test_loss=nan: a; ...)`."""
     parts = [f"{metric}={value}: {where}" for where, metric, value in table.dropped]
-    more = f"; +{len(parts) - limit} more" if len(parts) > limit else ""
     return (f"warning: left out {len(parts)} non-finite value{'s' * (len(parts) != 1)}, "
-            f"not counted in n ({'; '.join(parts[:limit])}{more})")  # fmt: skip
+            f"not counted in n ({few(parts, limit, '; ')})")  # fmt: skip
 
 
 # ---- what plot.py's command line needs --------------------------------------------------------
@@ -708,12 +697,11 @@ def notes(table: Table) -> list[str]:
     for column in dict.fromkeys(c for _, c in table.never):
         never = [where for where, c in table.never if c == column]
         lines.append(f"note: {len(never)} run{'s' * (len(never) != 1)} never reached {column} "
-                     f"(the first epoch's mean is over the others): " + ", ".join(never[:5])
-                     + (f", +{len(never) - 5} more" if len(never) > 5 else ""))  # fmt: skip
+                     f"(the first epoch's mean is over the others): {few(never)}")  # fmt: skip
     s = table.stats
     if s.fewer_seeds.any():
-        few = "; ".join(f"{c} (n={n})" for c, n in s.n[s.fewer_seeds].items())
-        lines.append(f"note: fewer seeds than the others (max n={s.n.max()}): {few}")
+        short = "; ".join(f"{c} (n={n})" for c, n in s.n[s.fewer_seeds].items())
+        lines.append(f"note: fewer seeds than the others (max n={s.n.max()}): {short}")
     defaulted = sorted(
         {f"{k}={format_value(v)}" for r in table.runs for k, v in r.defaulted.items()}
     )

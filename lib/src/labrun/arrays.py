@@ -52,12 +52,8 @@ DIGITS_CACHE = "digits_32px.npz"  # the decoded arrays below; rename it when the
 
 
 def load_digits_arrays(data_dir: Path) -> tuple:
-    """scikit-learn's 1797 handwritten digits (ships with the package: works offline).
-
-    Decoded once into `data_dir`/DIGITS_CACHE: later jobs read 5.5 MB of arrays (the lab
-    template's benchmarks/RESULTS.md, "Start-up"). Without a writable `data_dir` every call
-    decodes. Decoding reads scikit-learn's data file without importing scikit-learn (2.6 s).
-    """
+    """scikit-learn's 1797 handwritten digits (ships with the package: works offline), read
+    without importing scikit-learn (2.6 s); later jobs read 5.5 MB of cached arrays."""
     try:
         return _cached(Path(data_dir) / DIGITS_CACHE, _decode_digits)
     except OSError:  # a read-only or full data dir: decode in memory
@@ -132,12 +128,9 @@ def _approximate_mode(class_counts: np.ndarray, n_draws: int, rng) -> np.ndarray
 
 
 def load_synthetic_arrays(data_dir: Path, size: int, task: str = "classification") -> tuple:
-    """Learnable CIFAR-shaped data: one smooth random pattern per class, shifted, plus noise.
-
-    `size` training images and size // 5 test images (CIFAR's 5:1), generated from a fixed seed
-    and cached, so every job of a benchmark or sweep reads identical bytes. The targets follow
-    `task` (`synthetic_targets`); any other task gets the class ids.
-    """
+    """Learnable CIFAR-shaped data: one smooth random pattern per class, shifted, plus noise:
+    `size` training and size // 5 test images from a fixed seed, so every job of a sweep reads
+    identical bytes; targets as `task` takes them (synthetic_targets)."""
     if size < SYNTHETIC_CLASSES:
         raise ValueError(f"--synthetic-size must be >= {SYNTHETIC_CLASSES}, got {size}")
     cache = Path(data_dir) / f"synthetic_{size}.npz"
@@ -239,9 +232,8 @@ def _extract_cifar10(tarball: Path) -> dict[str, np.ndarray]:
 
 
 def _cached(path: Path, make) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
-    """The (train, test) arrays cached in the .npz `path`, made by `make()` the first time:
-    under a lock (the jobs of a sweep that start together make it once), written atomically
-    (temp file + rename: a killed job never leaves a half-written cache)."""
+    """The (train, test) arrays cached in the .npz `path`, made by `make()` the first time (as
+    the module's docstring says)."""
     with _lock(path):
         if not path.exists():
             with atomic_path(path) as tmp, open(tmp, "wb") as f:

@@ -95,9 +95,7 @@ def choose_augmentation(
 ) -> Augmentation:
     """What --augment `requested` means for data of this `shape` (one sample), with the
     dataset's declaration (DatasetSplits.augment) and the task's targets; `why` says which and
-    why (run.log, config.json). `crop` (--crop) "resized": images get a random resized crop of
-    `crop_scale` and `crop_ratio` (--crop-scale, --crop-ratio; their defaults are config.py's)
-    instead of the padded crop. Raises ValueError where `on` cannot work."""
+    why (run.log, config.json). Raises ValueError where `on` cannot work."""
     data = describe(shape, layout, dtype)
     if requested == "off":
         return Augmentation(why="off (--augment off)")
@@ -206,12 +204,8 @@ class DeviceTransform:
 
 
 def random_crop_flip(padded: torch.Tensor, padding, *, flip: bool = True) -> torch.Tensor:
-    """Per-sample random crop and horizontal flip of a zero-padded NHWC batch.
-
-    `padding`: (rows, columns). Offsets and flips come from the default RNG of the batch's
-    device (so a checkpoint's RNG state replays them exactly). Both ways of cutting give the
-    same pixels (a test checks).
-    """
+    """Per-sample random crop and horizontal flip of a zero-padded NHWC batch (`padding`: rows,
+    columns), drawn from the device's default RNG: a checkpoint's RNG state replays them."""
     py, px = padding
     n, hp, wp, _ = padded.shape
     dev = padded.device
@@ -284,12 +278,9 @@ def crop_flip_slices(padded, dy, dx, flip, size) -> torch.Tensor:
 
 @contextlib.contextmanager
 def one_cpu_thread(device: torch.device) -> Iterator[None]:
-    """Run a batch's data ops on one thread when they execute on the CPU.
-
-    They are memory-bound and take ~1 ms on one core; spread over the intra-op pool each op
-    waits at a barrier for every thread, which costs milliseconds per op as soon as the cores
-    are shared (measured on 2 busy cores: 15-22 ms per batch with 2 threads, 1.3-2.8 with 1).
-    """
+    """Run a batch's data ops on one thread when they execute on the CPU: memory-bound, ~1 ms on
+    one core, they wait at a barrier for every thread of the intra-op pool (on 2 busy cores:
+    15-22 ms per batch with 2 threads, 1.3-2.8 with 1)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1 if device.type == "cpu" else threads)  # 0.1 us when unchanged
     try:

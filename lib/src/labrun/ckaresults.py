@@ -74,9 +74,8 @@ class SeedPairs:
 
 
 def seed_pairs(found: dict[str, tuple], root: Path) -> tuple[list[SeedPairs], list[tuple]]:
-    """load_cka_results()'s results grouped into SeedPairs (each run's config.json read from
-    its directory, relative to `root` if relative); those whose runs differ in anything but the
-    seed stay apart (their own heat maps), those whose runs are gone are returned as skipped."""
+    """load_cka_results()'s results grouped into SeedPairs (runs relative to `root`); those whose
+    runs differ in more than the seed stay apart, those whose runs are gone are skipped."""
     groups: dict[str, list[str]] = {}
     skipped, names = [], {}
     for result, (frame, metrics, config) in found.items():

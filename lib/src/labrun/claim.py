@@ -48,7 +48,7 @@ class LostClaim(RuntimeError):
     deleted, or its .lock replaced): another process may own the path now. str() says so."""
 
 
-class Claim:
+class Claim(contextlib.AbstractContextManager):
     """A held claim; released by `release()`, by leaving a `with` block, or at process end."""
 
     def __init__(self, run_dir: Path, fd: int, created: bool, info: str = "") -> None:
@@ -89,8 +89,7 @@ class Claim:
         return self._fd is not None and _locked_is_at(self._fd, self.run_dir / LOCK_FILE)
 
     def check(self) -> None:
-        """Raise LostClaim unless still_ours(): call before every write to the run directory
-        that matters (checkpoint, history, status, metrics.json)."""
+        """Raise LostClaim unless still_ours(): call before every write that matters."""
         if not self.still_ours():
             raise LostClaim(self.lost_message())
 
@@ -102,9 +101,6 @@ class Claim:
             "stopping without writing anything more there"
         )
 
-    def __enter__(self) -> Claim:
-        return self
-
     def __exit__(self, *exc_info: object) -> None:
         self.release()
 
@@ -113,7 +109,6 @@ class Claim:
 
 
 def _locked_is_at(fd: int, path: Path) -> bool:
-    """The file `fd` locked is the one at `path` (same device and inode)."""
     try:
         return os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False))
     except OSError:
@@ -141,7 +136,7 @@ def _describe(text: str) -> str:
 
 
 def is_stopping(description: str | None) -> bool:
-    """True if holder()'s description says the holder is checkpointing and about to exit."""
+    """Whether holder()'s description says the holder is checkpointing and about to exit."""
     return description is not None and f", {STOPPING} since " in description
 
 

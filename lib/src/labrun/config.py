@@ -10,12 +10,8 @@ the field says `execution=True`. The options every project shares (data, model, 
 device, tracking, results dir...) are this module's.
 
 Identity (README, "What a run writes"): the run directory is `<results-dir>/<readable>-<hash8>`,
-where the hash is sha256 over the sorted-key JSON of every *experiment-defining* argument, i.e.
-every argument except those of the execution and tools groups (execution_keys). Add a flag to
-the parser and it joins the hash unless it is in one of those groups; at its default it stays
-out of the hash (only the first release's flags, FIRST_RELEASE_KEYS, are hashed at any value),
-so every existing run keeps its directory (and is skipped when done) after the update; set to
-anything else, it is hashed.
+the hash over every argument but execution_keys(); a flag added since the first release is
+hashed only away from its default (FIRST_RELEASE_KEYS), so every existing run keeps its directory.
 """
 
 from __future__ import annotations
@@ -83,9 +79,8 @@ NAME_ORDER = (
     "ema",
     "label_smoothing",
 )
-# The experiment-defining flags of the first release: always in the hash (their run names are
-# pinned by the tests). Every other experiment key (a flag added since, `data_version`) is hashed
-# only while it differs from its default: adding a flag with a default never moves a run.
+# The first release's experiment flags: always hashed (their run names are pinned by the tests);
+# any other only away from its default (identity_args).
 ADDED_SINCE = {"model_args", "task", "monitor", "min_epochs", "augment"}  # in NAME_ORDER too
 FIRST_RELEASE_KEYS = frozenset(NAME_ORDER) - ADDED_SINCE
 MAX_READABLE = 80
@@ -98,8 +93,7 @@ SWEEP_RUN_ARGS = "LAB_SWEEP_RUN_ARGS"
 
 
 def tracking_default() -> str:
-    """LAB_TRACKING as on/off in any case (default on); anything else is refused by parse_args
-    (argparse checks `choices` on the command line only, not on a default)."""
+    """LAB_TRACKING in lower case (default on); parse_args refuses anything but on/off."""
     return os.environ.get(TRACKING_ENV, "").strip().lower() or "on"
 
 
@@ -174,7 +168,7 @@ def _image_size(text: str) -> tuple[int, int]:
     return (int(parts[0]),) * 2 if len(parts) == 1 else (int(parts[0]), int(parts[1]))
 
 
-def _model_args(text: str) -> dict:
+def _model_args(text: str) -> dict:  # parse_model_args's refusal as argparse's
     try:
         return parse_model_args(text)
     except ValueError as e:
@@ -222,12 +216,9 @@ def flag(
     metavar: str | None = None,
 ):
     """One field of run.py's Config: `lr: float = flag(3e-3, "peak learning rate", above=0)`.
-
-    The annotation types the flag (float, int, str, Path, bool: --x / --no-x when it defaults to
-    True, else a switch), or `parse` (text -> value); `choices`, and on an int or float field
-    `above`, `at_least` and `below`, refuse other values with one `error:` line.
-    `execution=True`: how the run is executed, not what it computes (left out of the run's
-    identity and name)."""
+    The annotation types the flag (bool: --x / --no-x when it defaults to True, else a switch),
+    or `parse` (text -> value); `choices` and the bounds refuse other values with one `error:`
+    line. `execution=True`: how the run is executed (out of the run's identity and name)."""
     bounds = {"above": above, "at_least": at_least, "below": below}
     meta = dict(help=help, execution=execution, choices=choices, bounds=bounds, parse=parse)
     meta["metavar"] = metavar
@@ -361,9 +352,8 @@ class Experiment:
 
 @dataclasses.dataclass
 class Execution:
-    """labrun's flags of how a run is executed, not what it computes: left out of the hash, so
-    the same experiment run on another GPU, with more workers or after a Ctrl-C lands in the
-    same directory (run.py's Config fields marked execution=True join them)."""
+    """labrun's flags of how a run is executed, not what it computes: out of the hash, so the
+    same experiment on another GPU, with more workers or after a Ctrl-C has one directory."""
 
     device: str = flag("auto", "auto = cuda when available", choices=("auto", "cpu", "cuda"))
     amp: str = _auto(
@@ -593,9 +583,8 @@ def experiment_args(args: argparse.Namespace) -> dict:
 
 def identity_args(args: argparse.Namespace) -> dict:
     """What the hash covers: the experiment arguments of the first release, and any other one
-    that is not at its default. `data_version` (set by parse_args, not a flag; None for the
-    array datasets, whose released names must not move: their content hash goes to config.json)
-    counts like a flag added since."""
+    away from its default (`data_version` too: None for the array datasets, whose released
+    names must not move)."""
     defaults = {a.dest: a.default for a in build_parser()._actions}
     return {
         k: v
@@ -609,8 +598,7 @@ def config_hash(args: argparse.Namespace) -> str:
 
 
 def short_hash(identity: dict, digits: int = 8) -> str:
-    """`digits` hex digits of sha256 over the sorted-key JSON of `identity` (any job's identity,
-    a compile record's key)."""
+    """`digits` hex digits of sha256 over the sorted-key JSON of `identity`."""
     blob = json.dumps(identity, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:digits]
 
@@ -663,10 +651,9 @@ def run_dir(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Path:
 
 
 def run_of(text: str) -> Path:
-    """The run directory of `run.py TEXT` (e.g. "--lr 0.01 --seed 1"): as the sweep that runs this
-    job runs that line (its results folder, QUICK_ARGS under --quick, `-- ARGS`), else as `python
-    run.py TEXT` would (results/trials). So a job line names a run by its arguments, and one list
-    serves every preset. Bad arguments: run.py's one `error:` line, exit 2."""
+    """The run directory of `run.py TEXT` (e.g. "--lr 0.01 --seed 1"), with the arguments the
+    sweep running this job adds around it (SWEEP_RUN_ARGS), so one job list serves every preset.
+    Bad arguments: run.py's one `error:` line, exit 2."""
     first, last = json.loads(os.environ.get(SWEEP_RUN_ARGS) or "[[], []]")
     return run_dir(*parse_args([*first, *shlex.split(text), *last]))
 

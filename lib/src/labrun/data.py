@@ -11,15 +11,8 @@ The data layer, by what changes together (no module imports one that imports it 
 - loaders.py, augment.py   batches on the device: the loaders, augmentation and normalisation;
 - data.py       this file: load_dataset, the split carving, the memory budget, the batch check.
 
-Arrays are held as the dataset gives them (any numeric dtype and shape, float64 as float32;
-augment.LAYOUTS says how their axes are read): uint8 images take 4x less memory and
-host->device transfer than float32. They are normalised on the device: uint8 images with fixed
-constants, other data with the training split's per-channel statistics (or not, when the
-dataset says so); augmentation follows --augment (augment.choose_augmentation). Two data
-paths for image files, chosen by `load_dataset(mode=)`: "memory", the files decoded once into
-the memory-mapped cache (imagecache.py) and then only gathered; "stream", decoded again batch
-by batch every epoch in DataLoader workers. "auto" picks the cache wherever --data-dir can hold
-it (even when it exceeds RAM: the page cache keeps what fits). Array datasets are in memory.
+Arrays are held as the dataset gives them (float64 as float32): uint8 images take 4x less
+memory and host->device transfer than float32, and are normalised on the device (augment.py).
 """
 
 from __future__ import annotations
@@ -130,13 +123,11 @@ class LoadedDataset:
 def load_dataset(name: str, data_dir: str | os.PathLike, **options) -> LoadedDataset:
     """Load the registered dataset `name` as {"train", "val", "test"} splits and describe it.
 
-    `options`: datasets.DataOptions' fields (keywords). A missing test split is carved out of
-    train with a fixed seed; a missing val split with `seed`. `mode` (datasets of files):
-    "memory" (decoded once into the memory-mapped cache in `data_dir`, imagecache.py),
-    "stream" (decoded every epoch by the loader's workers) or "auto" (the cache, unless the
-    address-space limit or the disk cannot hold it: then stream, and `info.source` says why).
-    `data_version`: the version of `data_path` (dataversion.data_version; computed when None).
-    Raises ValueError with a one-line message for every bad input.
+    `options`: datasets.DataOptions' fields (keywords). `mode` (datasets of files): "memory"
+    (decoded once into the memory-mapped cache in `data_dir`), "stream" (decoded every epoch by
+    the loader's workers) or "auto" (the cache, unless the address-space limit or the disk
+    cannot hold it: then stream, and `info.source` says why; RAM is no limit, the page cache
+    keeps what fits). Raises ValueError with a one-line message for every bad input.
     """
     # --val-fraction, --data-mode and --data-path were checked by run.py's parser (config.py)
     if name not in DATASETS:
@@ -352,10 +343,9 @@ def _as_split(raw, described: DatasetSplits, image_size, where: str) -> Split | 
 
 
 def refuse_non_finite(values: torch.Tensor, where: str, what: str) -> None:
-    """Refuse NaN or inf inputs or targets (`what`; ValueError naming the first row): every
-    loss would be NaN, which reads as a learning rate that diverged, and r2 and the best epoch
-    would be made up. Rows of the user's data (before any carving); in chunks: little memory
-    (a chunk of a non-contiguous array is copied, never the whole array)."""
+    """Refuse NaN or inf inputs or targets (`what`; ValueError naming the first row of the
+    user's data): every loss would be NaN, which reads as a learning rate that diverged. In
+    chunks: a non-contiguous array is copied a chunk at a time, never whole."""
     chunks = values.split(1024)
     bad = torch.cat([~torch.isfinite(chunk.reshape(len(chunk), -1)).all(1) for chunk in chunks])
     if bad.any():
@@ -389,10 +379,11 @@ def _carve(split: Split | FileSplit, fraction: float, seed: int):
     order = torch.from_numpy(np.random.default_rng([seed, 0xDA7A]).permutation(len(split)))
     # Sorted indices keep each part in the original order: cheaper gathers, stable files.
     out_idx, keep_idx = order[:n_out].sort().values, order[n_out:].sort().values
-    return _subset(split, keep_idx), _subset(split, out_idx)
+    return subset(split, keep_idx), subset(split, out_idx)
 
 
-def _subset(split: Split | FileSplit, index: torch.Tensor) -> Split | FileSplit:
+def subset(split: Split | FileSplit, index: torch.Tensor) -> Split | FileSplit:
+    """The rows `index` of `split`, which keeps its layout and normalisation."""
     if isinstance(split, FileSplit):
         paths = [split.paths[i] for i in index.tolist()]
         return replace(split, paths=paths, labels=split.labels[index])
@@ -400,7 +391,7 @@ def _subset(split: Split | FileSplit, index: torch.Tensor) -> Split | FileSplit:
         return replace(split, labels=split.labels[index], rows=split.rows[index])
     order = channel_last(split.layout, split.images.ndim)
     stored = split.images.permute(order).index_select(0, index)
-    return Split(_in_layout(stored, order), split.labels[index], layout=split.layout)
+    return replace(split, images=_in_layout(stored, order), labels=split.labels[index])
 
 
 def available_ram_bytes() -> int | None:
@@ -480,11 +471,9 @@ def _why_not_cached(files: list[FileSplit], data_dir: Path, version: str | None)
 
 
 def check_batch_size(train_images: int, batch_size: int, grad_accum: int = 1) -> None:
-    """Refuse a batch that leaves fewer than MIN_STEPS_PER_EPOCH optimizer steps per epoch.
-
-    Training drops the ragged last batch: ~130 images at the default batch of 128 made one
-    step per epoch and never trained on the rest. Refused with the largest batch that works
-    (changing it quietly would change the experiment its run directory names).
+    """Refuse a batch that leaves fewer than MIN_STEPS_PER_EPOCH optimizer steps per epoch:
+    training drops the ragged last batch (~130 images at batch 128: one step an epoch). The
+    refusal names the largest batch that works; changing it quietly would change the experiment.
     """
     effective = batch_size * grad_accum
     if effective * MIN_STEPS_PER_EPOCH <= train_images:
@@ -500,12 +489,8 @@ def check_batch_size(train_images: int, batch_size: int, grad_accum: int = 1) ->
 
 
 def fits_on_device(splits, device, *, max_fraction: float = 0.25) -> bool:
-    """Whether the splits can be held whole on `device` (for `--gpu-resident auto`).
-
-    `splits`: a mapping or iterable of splits, or of sample counts (held_bytes). The images, as
-    stored (unpadded: crops pad per batch), must take at most `max_fraction` of the free
-    memory: the GPU's on CUDA, the available RAM on the CPU (the rest is for the model).
-    """
+    """Whether the splits (or sample counts: held_bytes) as stored take at most `max_fraction`
+    of `device`'s free memory (the rest is for the model), for `--gpu-resident auto`."""
     device = torch.device(device)
     needed = decoded_bytes(splits.values() if isinstance(splits, Mapping) else splits)
     if device.type == "cuda":

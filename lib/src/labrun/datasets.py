@@ -1,33 +1,10 @@
 """The dataset registry: one decorated function per dataset. Imports neither torch nor numpy.
 
 `run.py --dataset NAME` calls the function registered as NAME, here or in any other module of
-the package, by a decorator or a call (in a loop as well: registry.py lists the registrations
-once, in a child process, so `--help` waits for no import). Add a dataset ("Use your own data"
-in README.md); keep heavy imports inside the function:
-
-    @register_dataset("mydata", help="my lab's images as arrays")
-    def mydata(options: DataOptions) -> DatasetSplits:
-        import numpy as np
-        arrays = np.load(options.data_path)                       # --data-path
-        return DatasetSplits(train=(arrays["x_train"], arrays["y_train"]),
-                             test=(arrays["x_test"], arrays["y_test"]))
-
-A split is `(inputs, targets)`: numpy arrays or tensors of any numeric dtype (uint8, integer,
-float; float64 is held as float32) and shape, one sample per row: (N, L) vectors, (N, C, L)
-signals, (N, C, H, W) images, (N, T, F) sequences (say `layout="NTF"`: 3-D arrays are read as
-(N, C, L) otherwise); or `ImageFiles` (paths + integer labels) decoded from disk. Inputs are kept
-as they are and normalised on the device: uint8 images with fixed constants (as always), any
-other data per channel (C; F of sequences; each feature of vectors) with the mean and std of
-the training split, or not at all with `normalize=False` (e.g. token ids for an embedding).
-Augmentation (--augment auto) crops and flips uint8 images only; `augment=True/False` declares
-it for your data. Targets pass through the loaders as they are (README, "Your own task"):
-integer class ids (N,) in 0..num_classes-1 for classification, float (N, k) for regression,
-float multi-hot (N, L) for multilabel, integer masks (N, H, W) for segmentation. The model's
-output width (DatasetInfo.num_classes) is the number of classes for integer targets
-(len(class_names), else the largest id + 1), else k or L.
-A missing test split is carved out of train with a fixed seed (it never changes with --seed);
-a missing val split is carved out of train with --seed and --val-fraction (data.load_dataset
-does both).
+the package (registry.py). What a dataset function returns, how its inputs are normalised and
+augmented, and what targets each task takes: lib/README.md, "Data" and "Tasks"; keep heavy
+imports inside the function. A missing test split is carved out of train with a fixed seed (it
+never changes with --seed), a missing val split with --seed and --val-fraction (data.py).
 """
 
 from __future__ import annotations

@@ -61,11 +61,8 @@ def data_version(root: Path, cache_dir: Path) -> str:
 
 
 def changed_since(before: dict, now: dict, run_dir: Path) -> str | None:
-    """One line when config.json `before` recorded other array data than `now` describes.
-
-    Array datasets keep their run name across versions (released names must not move), so
-    their content hash is compared at a resume instead of being part of the identity.
-    """
+    """One line when config.json `before` recorded other array data than `now` describes: array
+    datasets keep their run name across versions, so their content hash is compared at a resume."""
     old, new = before.get("data_content"), now.get("data_content")
     if old is None or new is None or old == new:
         return None
@@ -77,12 +74,10 @@ def changed_since(before: dict, now: dict, run_dir: Path) -> str | None:
 
 
 def forget(root: Path | None, cache_dir: Path) -> str:
-    """Drop the cached fingerprint of `root` and the cached check of its images (used when a
-    file fails to decode although the cheap check saw no change: it was rewritten in place, or
-    made unreadable). The next start walks every file again and, as a file damaged with its
-    size and mtime kept gives the same version, checks every image again: the file is then
-    skipped and listed instead of refused at every start. Returns the hint that says so, for
-    the `error:` line after the UnreadableImage's own message."""
+    """Drop the cached fingerprint of `root` and the cached check of its images, for a file that
+    fails to decode although the cheap check saw no change (rewritten in place): the next start
+    checks every image again and skips the file instead of refusing at every start. Returns the
+    hint for the `error:` line."""
     if root is not None:  # None: a dataset of yours that gave image files without --data-path
         # Every version's check of a folder of this name: a check is only a cache, made again.
         checks = Path(cache_dir).glob(f"{CHECK_PREFIX}{Path(root).name}-*.json")
@@ -150,8 +145,7 @@ def _digest(files: list[tuple[str, int, int]]) -> str:
 
 
 def read_json_cache(path: Path) -> dict | None:
-    """A JSON object of data/ read without following a link; None when it is missing, unreadable,
-    a link, not JSON or not an object (a cache is then made again)."""
+    """A JSON object read without following a link; None otherwise (the cache is made again)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         with os.fdopen(fd, encoding="utf-8") as f:
@@ -164,14 +158,9 @@ def read_json_cache(path: Path) -> dict | None:
 @contextlib.contextmanager
 def file_lock(path: Path) -> Iterator[None]:
     """Hold an exclusive lock on `path`.lock: the jobs of a sweep starting at once build a cache
-    once, the others wait and read it.
-
-    filelock opens the lock file without following a link (O_NOFOLLOW, filelock >= 3.20.3): a
-    link planted in a shared --data-dir is refused (OSError), nothing is created or truncated
-    through it. The lock file is deleted before it is released, so nothing is left behind (even
-    after a failed download); a waiter that then gets the lock on the deleted file sees it has
-    no link left (filelock checks st_nlink) and tries again on a new one.
-    """
+    once, the others wait and read it. filelock (>= 3.20.3) refuses a link planted at the lock's
+    name. The lock file is deleted before it is released, so nothing is left behind; a waiter
+    that then gets the deleted file sees it has no link left and tries again on a new one."""
     from filelock import FileLock  # here: --help and --print-run-dir never need it
 
     path = Path(path)

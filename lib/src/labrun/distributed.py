@@ -56,8 +56,7 @@ class JoinFailed(RuntimeError):
 
 
 def timeout_from_env() -> float:
-    """LAB_DIST_TIMEOUT_S (default 600): no rank waits longer than this in the rendezvous or in
-    a collective; then it fails (status failed) instead of hanging."""
+    """No rank waits longer in the rendezvous or a collective: it fails instead of hanging."""
     return seconds_from_env(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
 
 
@@ -80,9 +79,8 @@ def launch_problem() -> str | None:
 
 
 def experiment_identity(args, out) -> dict:
-    """What every rank of one job must share: every argument (the experiment, its data path
-    and data version), the run directory, the code (runs.code_version: the project's code files
-    and labrun's sources as they are on disk), the world size."""
+    """What every rank of one job must share: every argument, the run directory, the code
+    (runs.code_version), the world size."""
     identity = {f"--{k.replace('_', '-')}": str(v) for k, v in sorted(vars(args).items())}
     identity["run directory"] = str(out)
     code = code_version(current().root)
@@ -148,8 +146,8 @@ class Dist:
 
     # ---- decisions -------------------------------------------------------------------------
     def verdict(self, code: int | None) -> int | None:
-        """Rank 0's one decision before training (None: train; else the exit code: done, busy,
-        refused). Collective once; later calls return `code` unchanged."""
+        """Rank 0's one decision before training (None: train; else the exit code). Collective
+        once; later calls return `code` unchanged."""
         if not self.active or self._told:
             return code
         self._told = True
@@ -164,10 +162,8 @@ class Dist:
         return box[0]
 
     def agree_on(self, identity: dict) -> str | None:
-        """None when every rank runs the same experiment (`identity`: experiment_identity, or
-        the data's content hash once loaded); else one line naming the first rank and argument
-        that differ from rank 0, the same line on every rank (one all_gather: call it on every
-        rank, before anything is written)."""
+        """None when every rank's `identity` is rank 0's; else one line, the same on every rank,
+        naming the first rank and key that differ (one all_gather, before anything is written)."""
         if not self.active:
             return None
         everyone: list = [None] * self.world
@@ -184,12 +180,9 @@ class Dist:
         return None
 
     def settle(self, code: int | None, stop=None, why: str = "") -> int | None:
-        """One collective for every way a rank may leave here: the first code in rank order
-        (a refusal or failure on any rank ends every rank with it), else EXIT_INTERRUPTED when
-        a stop signal reached any rank (`stop.requested`), else None (go on). Every rank calls
-        it at the same point, whatever it found: one collective shape on every path. `why`:
-        the refusal's line, printed by rank 0 when another rank refused (rank 0 printed its
-        own already)."""
+        """One collective for every way a rank may leave here, called by every rank at the same
+        point: the first code in rank order, else EXIT_INTERRUPTED when a stop reached any rank,
+        else None (go on). `why`: another rank's refusal line, which rank 0 prints."""
         stopping = stop is not None and stop.requested is not None
         if not self.active:
             return code if code is not None else (EXIT_INTERRUPTED if stopping else None)
@@ -206,8 +199,8 @@ class Dist:
         return votes[first][0]
 
     def stopped(self, stop, step: int | None = None) -> bool:
-        """Whether the job stops here: `stop.requested` (GracefulStop) on any rank. Polled every
-        STOP_EVERY steps and whenever `step` is None (epoch ends); once true, it stays true."""
+        """Whether `stop.requested` on any rank, polled every STOP_EVERY steps and at epoch ends
+        (`step` None); once true, it stays true."""
         if not self.active:
             return stop.requested is not None
         if not self._stop and (step is None or step % STOP_EVERY == 0):
@@ -220,7 +213,6 @@ class Dist:
 
     # ---- a rank that fails: its cause reaches rank 0 (run.log, MLflow) ------------------------
     def _store(self):
-        """torchrun's key-value store of this job (raises outside a process group)."""
         return self.td.distributed_c10d._get_default_store()
 
     def report_failure(self, text: str) -> None:
@@ -232,9 +224,8 @@ class Dist:
             self._store().set(f"{FAILURE_KEY}{self.rank}", text)
 
     def peer_failures(self, wait_s: float = 2.0) -> list[tuple[int, str]]:
-        """[(rank, traceback)] of the other ranks that reported a failure (report_failure);
-        waits up to `wait_s` for one: a peer's exit breaks this rank's collective a moment
-        before its report lands. [] in one process."""
+        """[(rank, traceback)] of the other ranks' report_failure; waits up to `wait_s`: a peer's
+        exit breaks this rank's collective a moment before its report lands."""
         if not self.active:
             return []
         import time
@@ -279,7 +270,6 @@ class Dist:
             raise UsageError("--find-lr, --find-batch-size and --profile run in one process")
 
     def place(self, device):
-        """This rank's device: cuda:LOCAL_RANK on CUDA."""
         import torch
 
         if self.active and device.type == "cuda":
@@ -316,7 +306,6 @@ class Dist:
         return f"{self.world} processes (torchrun, {backend}); {bn}"
 
     def ddp(self, model):
-        """`model` in DistributedDataParallel (None in one process)."""
         if not self.active:
             return None
         from torch.nn.parallel import DistributedDataParallel
@@ -325,7 +314,6 @@ class Dist:
         return DistributedDataParallel(model, device_ids=ids)
 
     def sum(self, totals):
-        """The element-wise sum over ranks of a vector of sums (one all_reduce)."""
         if self.active:
             self.td.all_reduce(totals)
         return totals
@@ -338,8 +326,8 @@ class Dist:
 
     # ---- checkpoint: the full state once, each rank's own part ---------------------------------
     def gather_state(self, state: dict) -> dict | None:
-        """Rank 0's state with every rank's RNG state and partial-epoch sums (collective).
-        Returns what rank 0 writes; None on the other ranks."""
+        """What rank 0 writes: its state with every rank's RNG state and partial-epoch sums
+        (collective); None on the other ranks."""
         state["world_size"] = self.world
         if not self.active:
             return state
@@ -369,8 +357,7 @@ class Dist:
 
     # ---- the ranks other than 0 ---------------------------------------------------------------
     def rank_log(self, name: str) -> logging.Logger:
-        """A rank other than 0's log: its warnings and errors on stderr, `[rank N]` first (rank 0
-        alone writes run.log)."""
+        """A rank other than 0's log: warnings and errors on stderr, `[rank N]` first."""
         log = logging.getLogger(f"run.{name}.rank{self.rank}")
         log.setLevel(logging.WARNING)
         log.propagate = False

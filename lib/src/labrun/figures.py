@@ -72,10 +72,9 @@ def band_note(ax, se, height: float) -> str:
 
 
 def references(ax, references: dict[str, dict], column: str, across: bool = True) -> None:
-    """plot.py's REFERENCES of `column` (its own, else those of its name without the split's
-    prefix: "acc" for train_acc, val_acc, test_acc, best_val_acc) as dotted grey lines, named
-    outside the axes where no data can hide the name: at the right end (`across`: the values
-    are on the y axis), else above the top."""
+    """plot.py's REFERENCES of `column` (else of its name without the split's prefix: "acc" for
+    train_acc, best_val_acc...) as dotted grey lines, named outside the axes where no data can
+    hide the name: at the right end (`across`: values on the y axis), else above the top."""
     bare = re.sub(r"^(best_val|train|val|test)_", "", column)
     for name, value in (references.get(column) or references.get(bare, {})).items():
         if across:
@@ -104,9 +103,8 @@ def title(table: Table, note: str = "") -> str:
 
 
 def looks(table: Table | Sequence[str], gid: str = GID) -> dict[str, dict]:
-    """Line2D keywords per configuration (or any names, in order): the i-th gets the i-th tab10
-    colour and marker (beyond 10, a colormap's shades), the same in every figure, distinct in
-    greyscale too; `gid` + name tags its artists."""
+    """Line2D keywords per configuration (or any names): the i-th tab10 colour (beyond 10, a
+    colormap's shades) and marker, the same in every figure; `gid` + name tags its artists."""
     names = list(table.stats.index) if isinstance(table, Table) else list(table)
     colours = matplotlib.colormaps["tab10"](range(10))
     if len(names) > 10:
@@ -127,9 +125,8 @@ def label(table: Table, config: str, metric: str | None = None) -> str:
 
 
 def legend(fig: Figure, handles, labels, width: float, title: str = "") -> float:
-    """A legend below the axes, in as many columns as fit `width` inches, its labels wrapped to
-    fit, in the order given (the sweep's); returns the height in inches it needs (add it to the
-    figure's)."""
+    """A legend below the axes, in as many columns as fit `width` inches, labels wrapped, in the
+    order given; returns the height in inches it needs (add it to the figure's)."""
     labels, title = [wrap(s, width - 0.5) for s in labels], wrap(title, width - 0.1, 9)
     widest = max(text_width(line, 8) for s in labels for line in s.split("\n")) + 0.4
     ncols = max(1, min(len(labels), int((width - 0.1) // widest)))
@@ -139,9 +136,8 @@ def legend(fig: Figure, handles, labels, width: float, title: str = "") -> float
 
 
 def heat_map(fig: Figure, frame, height: float):
-    """`frame` (rows x columns, e.g. linear CKA of layer pairs) as a heat map on a fixed 0-1
-    scale (a colour means one value in every such figure), each row and column named, with its
-    colour bar; `fig` set to `height` inches. Returns the axes."""
+    """`frame` (e.g. linear CKA of layer pairs) as a heat map on a fixed 0-1 scale (a colour means
+    one value in every such figure), with its colour bar, `height` inches high; its axes."""
     fig.set_figheight(height)
     ax = fig.add_subplot()
     image = ax.imshow(frame.to_numpy(), vmin=0, vmax=1, cmap="viridis", aspect="auto")

@@ -30,11 +30,11 @@ from .claim import LOCK_FILE
 from .config import PROJECT_ROOT
 from .mirror import (
     RETRY_AFTER_S,
-    SYSTEM_METRICS_INTERVAL_S,
     fingerprint,
     mirror,
     mlflow_client,
     read_state,
+    system_monitor,
     tracking_uri,
 )
 from .runs import first_line
@@ -44,11 +44,9 @@ FOLLOW_POLL_S = 1.0  # how often the follower looks for new epochs and runs whos
 
 def sync(run_dir: Path, log: logging.Logger, run_id: str | None = None) -> bool | None:
     """Make MLflow mirror a run directory, saying each change; True if it does now, False if
-    it could not be reached, None if a live job holds the directory (its job mirrors it).
-
-    Holds the run's claim while it works, like a training job: no job starts meanwhile, and no
-    second sync, so the directory keeps one MLflow run. `run_id`: the run the follower mirrored
-    live, for a tracking.json that names none (the job wrote it, not the follower)."""
+    it could not be reached, None if a live job holds the directory (its job mirrors it). Holds
+    the run's claim meanwhile, like a job. `run_id`: the run the follower mirrored live, for a
+    tracking.json that names none."""
     from .claim import Busy, claim
 
     # Another user's directory is theirs to sync: a claim would put our .lock (and then our
@@ -117,12 +115,10 @@ def _sweeps_job(run_dir: Path) -> bool:
 
 
 class Live:
-    """The MLflow runs of the sweep's running jobs, mirrored as their epochs land: RUNNING, the
-    params, each history row, and the machine's system metrics (MLflow's monitor: psutil, and
-    GPU utilisation and memory where NVML answers). The job holds the claim and writes its
-    tracking.json; the follower writes neither: it keeps the MLflow run's id and the rows it
-    sent here, and finds the run again by its run_dir tag when it starts anew (a killed
-    sweep's re-run). `sync` finishes each run once its job has ended."""
+    """The MLflow runs of the sweep's running jobs, mirrored as their epochs land, with the
+    machine's system metrics. The job holds the claim and writes its tracking.json; the follower
+    keeps the run's id and the rows it sent here, and finds the run again by its run_dir tag
+    when it starts anew (a killed sweep's re-run). `sync` finishes each run once its job ends."""
 
     def __init__(self, log: logging.Logger) -> None:
         self.log = log
@@ -151,16 +147,7 @@ class Live:
         if self.monitors.get(run_dir, ("",))[0] != live["run_id"]:  # new, or a rebuilt run
             self._stop_monitor(run_dir)
             with contextlib.suppress(Exception):  # no psutil: no system metrics, the rest goes on
-                from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-                monitor = SystemMetricsMonitor(
-                    live["run_id"],
-                    sampling_interval=SYSTEM_METRICS_INTERVAL_S,
-                    resume_logging=True,
-                    tracking_uri=tracking_uri(),
-                )
-                monitor.start()
-                self.monitors[run_dir] = live["run_id"], monitor
+                self.monitors[run_dir] = live["run_id"], system_monitor(live["run_id"])
 
     def stop(self, run_dir: Path) -> str | None:
         """Its job has ended: stop `run_dir`'s system metrics and forget what was sent (another
@@ -177,16 +164,12 @@ class Live:
 
 
 def follow(roots: list[Path], log: logging.Logger) -> int:
-    """The sweep's follower: mirror each run directory under `roots` live while its job (one of
-    this sweep's) runs (Live), finish it once its job has ended, until stdin closes (run.sh's
-    end), then mirror every one left and return.
-
-    Ctrl-C is run.sh's to handle (it stops the jobs, then closes stdin); SIGTERM (run.sh died:
-    its death signal) ends it after the directory at hand: what it did not mirror, the
-    next sweep or `sync` does. During the sweep it claims only directories that changed since
-    it started and whose status is no longer `running`, and those done (the sweep runs no job
-    there): it never claims a run the sweep may be about to start
-    (that would turn its job away)."""
+    """The sweep's follower: mirror each run directory under `roots` live while its job runs
+    (Live), finish it once its job has ended, until stdin closes (run.sh's end), then mirror
+    every one left. Ctrl-C is run.sh's to handle; SIGTERM (run.sh died) ends it after the
+    directory at hand. During the sweep it claims only directories that changed since it
+    started and are no longer `running`, and those done: never a run the sweep may be about to
+    start (that would turn its job away)."""
     closed, stopping = threading.Event(), threading.Event()
     if not sys.stdin.isatty():  # under run.sh; at a terminal, Ctrl-C stops it as usual
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -255,8 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=("sync", "follow"),
         help="sync: make MLflow mirror run directories, printing each change; follow: run.sh's "
         "follower (mirrors each run of its jobs live, finishes it once its job ends, until stdin "
-        "closes); `run.py "
-        "--init-tracking` creates the DB and the experiment",
+        "closes); `run.py --init-tracking` creates the DB and the experiment",
     )
     p.add_argument(
         "paths",

@@ -8,16 +8,11 @@ read_batch is every streamed batch's reader: without the GPU decode (jpegs=False
 every file and the loader takes `batch.decoded`.
 
 On a 16-core H100 box the CPU decode of 224-px ResNet-18's JPEGs fed 1,808 img/s, nvJPEG in
-batches of 128 with the resize on the GPU 10,272 (../shared/notes/gpu.md). Where a CUDA device
-and torchvision (the optional extra `labrun[gpu-decode]`) are there and its decode_jpeg decodes
-on the device (probed when a loader is made), the loader's workers only read the bytes of each
-JPEG the GPU decodes as the CPU would (8-bit RGB or greyscale, upright; a batch's in one buffer)
-and decode everything else as before (imagefolder.decode_image: PNG, CMYK, 16-bit, EXIF-rotated
-files); the main process decodes the batch's JPEGs on the device, cuts the same centered box
-and resizes it (imagefolder.cover_resize: antialiased bilinear, rounded to uint8; the JPEGs of
-one size in one call): the same data contract (uint8, the run's size, the same files and
-splits), not the same bits (nvJPEG's IDCT and the float resize differ from libjpeg-turbo's and
-the uint8 one by a level or two).
+batches of 128 with the resize on the GPU 10,272 (../shared/notes/gpu.md). The workers send the
+bytes of each JPEG the GPU decodes as the CPU would (jpeg_bytes) and decode every other file;
+the main process decodes and resizes the JPEGs as imagefolder.cover_resize does: the same data
+contract (uint8, the run's size, the same files and splits), not the same bits (nvJPEG's IDCT
+and the float resize differ from libjpeg-turbo's and the uint8 one by a level or two).
 """
 
 from __future__ import annotations
@@ -105,8 +100,7 @@ class EncodedBatch:
 
 def read_batch(paths: list[str], shape, value_ranges, jpegs: bool = True) -> EncodedBatch:
     """In a loader worker: the bytes of the JPEGs the GPU decodes (`jpegs`; else none), every
-    other file decoded (imagefolder.decode_image; UnreadableImage names a file that does not
-    decode)."""
+    other file decoded (imagefolder.decode_image)."""
     channels, height, width = shape
     encoded = [jpeg_bytes(path) if jpegs else None for path in paths]
     cpu = [path for path, data in zip(paths, encoded, strict=True) if data is None]
@@ -124,12 +118,10 @@ def read_batch(paths: list[str], shape, value_ranges, jpegs: bool = True) -> Enc
 
 
 def decode_batch(batch: EncodedBatch, shape, device, refused: list | None = None) -> torch.Tensor:
-    """A worker's batch -> uint8 (N, H, W, C) on `device`. A JPEG nvJPEG refuses (truncated,
-    corrupt) is decoded again on the CPU, which raises UnreadableImage naming it, as the CPU
-    path does; a batch nvJPEG refused that the CPU decodes whole is appended to `refused`
-    (nvJPEG's error: decoded in this process, on one core, it slows the run; the loader's
-    `loader:` line counts them). JPEGs of one size are cut and resized in one call (a folder
-    of one camera's photos: one per batch, not one per image)."""
+    """A worker's batch -> uint8 (N, H, W, C) on `device`. A batch nvJPEG refuses is decoded
+    again on the CPU, which names a bad file (UnreadableImage); if it decodes whole, nvJPEG's
+    error is appended to `refused` (the loader's `loader:` line counts them: they slow the run).
+    JPEGs of one size are cut and resized in one call."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
     channels, height, width = shape

@@ -1,21 +1,11 @@
 """Device, precision, kernel and compile policy: what this machine can do and what a run uses.
 
-Owns every decision that depends on the hardware rather than on the experiment, each returned
-with the reason that run.py logs:
-- device:     `resolve_device` (auto = CUDA when present).
-- precision:  `choose_precision`: bf16 autocast only where the hardware computes in bf16 (CUDA
-              compute capability >= 8.0, or a CPU with native bf16); fp16 + GradScaler on older
-              GPUs; fp32 otherwise. `torch.cuda.is_bf16_supported()` is not used: it also counts
-              emulated bf16 (V100/T4), which has no tensor cores.
-- compile:    `decide_compile` / `choose_compile`: eager, "default", "reduce-overhead" (CUDA
-              graphs) or "max-autotune" from the measured eager time of the steps left and
-              each mode's compile cost and speed recorded for this model on this machine (rule
-              below); `use_inductor_cache`: one cache per project.
-- kernels:    `setup_backends`: cuDNN autotuning + TF32 for speed, or `--deterministic`.
-- batch size: `recommended_batch_size` / `default_lr`: what --find-batch-size recommends per
-              device; the default --batch-size is 128 everywhere (rule below).
-No speed figure is claimed here: the lab template's benchmarks/RESULTS.md measures them
-(`bench_train.py`, `python -m <package>.gpucheck`).
+Every decision that depends on the hardware rather than on the experiment, each returned with
+the reason run.py logs. Precision: bf16 autocast only where the hardware computes in bf16 (CUDA
+compute capability >= 8.0, or a CPU with native bf16), fp16 + GradScaler on older GPUs;
+`torch.cuda.is_bf16_supported()` is not used: it also counts emulated bf16 (V100/T4), which has
+no tensor cores. No speed figure is claimed here: the lab template's benchmarks/RESULTS.md
+measures them (`bench_train.py`, `python -m <package>.gpucheck`).
 """
 
 from __future__ import annotations
@@ -149,16 +139,9 @@ def choose_compile(
     *,
     measure: Callable[[], tuple[float, dict[str, CompileCost]]],
 ) -> tuple[str | None, str]:
-    """(torch.compile mode or None for eager, why), from --compile and the measured work.
-
-    off, --deterministic, and auto on CPU: eager, nothing measured. A mode name: that mode
-    (its no-graphs variant where `blocked` says why graphs cannot be used). Otherwise
-    `measure()` gives the eager seconds of one micro-batch's forward + backward and each
-    mode's CompileCost; the eager time of the run is steps x micro_batches x that, and each
-    candidate would save (1 - ratio) of it. A mode measured slower than eager is never a
-    candidate. auto compiles in the candidate that saves the most net of its compile time, if
-    that saving is at least PAYBACK x the compile time; on always compiles, in that mode.
-    """
+    """(torch.compile mode or None for eager, why), from --compile and the measured work:
+    `measure()` gives the eager seconds of one micro-batch's forward + backward and each mode's
+    CompileCost, and is called only where a choice is left (the compile rule above)."""
     if flag == "off":
         return None, "eager (--compile off)"
     if deterministic:
@@ -204,16 +187,12 @@ def choose_compile(
 
 def use_inductor_cache(project_root: Path) -> tuple[Path, str]:
     """One inductor cache for every job of the project: TORCHINDUCTOR_CACHE_DIR as the user set
-    it, else $LAB_INDUCTOR_CACHE_DIR (a lab-wide folder), else <project>/.cache/inductor.
+    it, else $LAB_INDUCTOR_CACHE_DIR (a lab-wide folder), else <project>/.cache/inductor; torch's
+    /tmp of whichever node runs the job would have every job on another node compile anew.
 
-    When torch reads it (torch 2.13): inductor's caches (FX graphs, autotuning, Triton kernels)
-    call `cache_dir()` (torch/_inductor/runtime/cache_dir_utils.py) lazily, at the first
-    compile, some then memoised: so this runs before the first torch.compile of the process.
-    But `import torch._dynamo` already calls it (for DynamoCache, used only under
-    TORCH_CACHING_PRECOMPILE=1) and writes torch's default, /tmp/torchinductor_<user>, into the
-    environment: a value equal to that default therefore counts as not set by the user. Without
-    this, the cache is /tmp of whichever node runs the job, and every job and resume on another
-    node compiles from scratch.
+    Call it before the first torch.compile: inductor reads `cache_dir()` lazily, at the first
+    compile, then memoises it (torch 2.13). `import torch._dynamo` already writes torch's
+    default, /tmp/torchinductor_<user>, into the environment: that value counts as not set.
     """
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
@@ -237,17 +216,14 @@ def device_name(device: torch.device) -> str:
 
 def labrun_source() -> str:
     """labrun's version and a hash of its source, as runs.code_version records them."""
-    from . import __version__, runs
+    from . import __version__
+    from .runs import labrun_hash
 
-    library = Path(runs.__file__).parent
-    return (
-        f"{__version__}+{runs._files_hash(library, sorted(p.name for p in library.glob('*.py')))}"
-    )
+    return f"{__version__}+{labrun_hash()}"
 
 
 def model_key(model, x: torch.Tensor, dtype, device) -> dict:
-    """What a measurement of `model`'s step depends on: the model, its input, the precision,
-    this machine's device, torch and labrun."""
+    """What a measurement of `model`'s step depends on."""
     return {
         "model": f"{type(model).__module__}.{type(model).__qualname__}",
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -291,25 +267,22 @@ def utc_now() -> str:
 
 
 class CompileRecord:
-    """The measured compile costs of one model, input and precision on one machine, torch and
-    labrun: a small JSON file in the inductor cache folder named by the hash of that key,
-    shared by the project's jobs (the last compile's numbers win; a lost update between two
-    concurrent jobs only costs a re-measurement)."""
+    """The measured compile costs of one model_key: a small JSON file in the inductor cache folder
+    shared by the project's jobs (a lost update between two jobs only costs a re-measurement)."""
 
     def __init__(self, cache_dir: Path, model, x: torch.Tensor, dtype, device) -> None:
         self.cache_dir, self.key = Path(cache_dir), model_key(model, x, dtype, device)
         self.path = record_path(cache_dir, self.key)
 
     def read(self) -> dict:
-        """Each mode's numbers; {} when none are recorded yet (or the file is unreadable, or of
-        another key): the priors stand in."""
+        """Each mode's numbers; {} when none are recorded (the priors stand in)."""
         seen = read_record(self.cache_dir, self.key)
         return seen["modes"] if seen and isinstance(seen.get("modes"), dict) else {}
 
     def costs(self, device: torch.device) -> dict[str, CompileCost]:
-        """Each mode's cost: its measured ratio, and the warm-cache compile cost once this mode
-        compiled here (the cache beside this record holds its kernels), else the cold one. The
-        ratio of the training steps' own times where jobs ran both eager and in this mode."""
+        """Each mode's cost: the warm-cache compile cost once this mode compiled here, else the
+        cold one; its ratio from the training steps' own times where jobs ran both eager and in
+        this mode, else from the compile's passes."""
         priors = CUDA_PRIORS if device.type == "cuda" else CPU_PRIORS
         costs = prior_costs(device)
         modes = self.read()
@@ -338,17 +311,16 @@ class CompileRecord:
 
     def save_step(self, mode: str | None, step_s: float) -> None:
         """The training loop's mean step time in `mode` (None: eager), from a run's first
-        epoch: what a mode is judged on once eager's is known too, rather than the warm-up's
-        passes through the compiled module (CUDA graphs warm up, record and replay there)."""
+        epoch: what a mode is judged on once eager's is known too (the warm-up's passes record
+        CUDA graphs rather than replay them)."""
         modes = self.read()
         modes.setdefault(mode or EAGER, {}).update(loop_step_s=step_s, loop_when=utc_now())
         write_record(self.cache_dir, self.key, modes=modes)
 
 
 def compile_cache_counts() -> tuple[int, int]:
-    """(hits, misses) of inductor's FX graph cache and AOTAutograd's cache so far in this
-    process: a compile between two counts with hits and no miss was warm (its cost is recorded
-    apart from cold ones)."""
+    """(hits, misses) of inductor's and AOTAutograd's caches so far in this process: a compile
+    between two counts with hits and no miss was warm."""
     from torch._dynamo.utils import counters
 
     inductor, aot = counters["inductor"], counters["aot_autograd"]
@@ -387,10 +359,9 @@ def forward_backward(module, x, y, loss_fn, dtype) -> None:
 
 
 def time_forward_backward(module, x, y, loss_fn, dtype, now, repeats: int = 3) -> float:
-    """Seconds of one forward + backward of `module` (the best of `repeats` after one untimed
-    pass: allocator growth, cuDNN autotuning); `now` waits for the device (`timed`). Puts back
-    everything it touched. `module` is what the step calls (compiled, in DDP): the passes
-    compile it and, under torchrun, are collective (every rank calls this)."""
+    """Seconds of one forward + backward of `module` (`fastest`), put back as it was. `module`
+    is what the step calls (compiled, in DDP): the passes compile it and, under torchrun, are
+    collective (every rank calls this)."""
     with put_back(module, x.device):
         return fastest(lambda: forward_backward(module, x, y, loss_fn, dtype), now, repeats)
 
@@ -422,11 +393,8 @@ def decide_compile(
     ddp: bool = False,
 ) -> tuple[str | None, float, CompileRecord | None]:
     """(torch.compile mode or None, eager seconds of forward + backward, its CompileRecord):
-    choose_compile on the eager time of `model` on the real batch `batch()` (called only when
-    compiling is possible: never for auto on CPU, off or --deterministic). The eager time an
-    earlier job recorded for this model, input and machine stands in for a new timing. Logs
-    the decision with its numbers. Run it on one rank and share the mode (torchrun: the same
-    on all)."""
+    choose_compile on `model`'s eager time on the real batch `batch()`, or the one an earlier
+    job recorded for this model, input and machine. Run it on one rank and share the mode."""
     device = next(model.parameters()).device
     record, eager_s = None, 0.0
 
@@ -452,13 +420,11 @@ def decide_compile(
 
 
 def recommended_batch_size(device: torch.device) -> int:
-    """The batch size --find-batch-size recommends (capped by what fits): BASE_BATCH_SIZE on
-    CPU, CUDA_BATCH_SIZE on CUDA. Not a default: see the batch-size rule above."""
+    """What --find-batch-size recommends (capped by what fits); not a default (batch-size rule)."""
     return CUDA_BATCH_SIZE if device.type == "cuda" else BASE_BATCH_SIZE
 
 
 def default_lr(batch_size: int) -> float:
-    """BASE_LR at BASE_BATCH_SIZE, scaled by sqrt(batch_size / BASE_BATCH_SIZE)."""
     return BASE_LR * math.sqrt(batch_size / BASE_BATCH_SIZE)
 
 
@@ -514,8 +480,7 @@ def timed(device: torch.device) -> Callable[[], float]:
 
 
 def choose_gpu_resident(flag: str, device: torch.device, splits: dict) -> bool:
-    """--gpu-resident on, or auto when the uint8 images use under a quarter of free GPU memory
-    (never off CUDA)."""
+    """--gpu-resident on, or auto where the splits fit (never off CUDA)."""
     from .data import fits_on_device
 
     return device.type == "cuda" and (
@@ -542,7 +507,7 @@ def flops_per_sample(model, x, y, loss_fn, dtype) -> float:
 
 def matmul_peak(cache_dir: Path, device: torch.device, dtype) -> tuple[float, str]:
     """(FLOP/s, "measured now" or "recorded <when>"): measure_matmul_flops once per GPU model,
-    precision, torch and labrun, kept beside the compile records; not by every job."""
+    precision, torch and labrun, kept beside the compile records."""
     key = {"matmul_peak": str(dtype), "device": device_name(device), "torch": torch.__version__}
     key["labrun"] = labrun_source()
     if (seen := read_record(cache_dir, key)) and isinstance(seen.get("flops"), float):
@@ -553,19 +518,17 @@ def matmul_peak(cache_dir: Path, device: torch.device, dtype) -> tuple[float, st
 
 
 def measure_matmul_flops(device: torch.device, dtype) -> float:
-    """FLOP/s of the best of PEAK_REPEATS square matmuls in `dtype` (fp32 when None; TF32 where
-    the backends allow it): a measured peak, not the data sheet's, so MFU says how far a job is
-    from what this GPU does (matmul_peak keeps it per machine). A CPU gets 1024-square ones:
-    8192 would take seconds each."""
+    """FLOP/s of the best of PEAK_REPEATS square matmuls in `dtype` (fp32 when None): a measured
+    peak, not the data sheet's, so MFU says how far a job is from what this GPU does. A CPU gets
+    1024-square ones: 8192 would take seconds each."""
     n = PEAK_MATMUL_SIZE if device.type == "cuda" else 1024
     a, b = (torch.randn(n, n, device=device, dtype=dtype or torch.float32) for _ in range(2))
     return 2 * n**3 / fastest(lambda: torch.mm(a, b), timed(device), PEAK_REPEATS)
 
 
 class GpuBusy:
-    """The share of the step the GPU was busy: the CUDA kernels' time (torch.profiler) over the
-    wall time of BUSY_STEPS real steps of the first epoch (fewer in a short epoch). Call
-    `at(step)` before each step of the epoch and `close(steps)` after it."""
+    """The share of the step the GPU was busy: CUDA kernel time (torch.profiler) over the wall
+    time of BUSY_STEPS steps of the first epoch; `at(step)` before each, `close(steps)` after."""
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.share, self.step_s = device, None, None
@@ -582,7 +545,6 @@ class GpuBusy:
             self.close(step)
 
     def close(self, steps: int) -> None:
-        """Ends the profile, if one runs, after `steps` steps of the epoch."""
         if self._profile is None:
             return
         wall = timed(self.device)() - self._started

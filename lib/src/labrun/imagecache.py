@@ -8,23 +8,17 @@ the jobs of a project (and the ranks of a DDP job) on one machine share its page
 cache, and a cache larger than RAM still works (the page cache holds what fits). It stores no
 crop margin: random crops pad with zeros on the device (augment.DeviceTransform).
 
-`key` hashes the dataset's fingerprint (dataversion.data_version), the split's files, the
-decoded shape and value ranges: another version of the folder or another --image-size is
-another cache. Decoding is split into chunks of CHUNK_IMAGES images decoded in order by the
-streaming loader's worker processes (loaders.Loader) and written into
-`decoded-<key>.partial.npy`; one checksum per chunk is appended after the pixels (np.load reads
-past them) and the finished file is renamed into place. A killed decode starts over at the next
-start. A disk or a file-size limit (ulimit -f) too small for the cache is one error line
-(--data-mode stream decodes batch by batch instead). All of it under a file lock: jobs that
-start together decode once, the others wait and read. Delete the files `decoded-*` in
---data-dir to free the space.
+`key` hashes the dataset's version, the split's files, the decoded shape and value ranges:
+another version of the folder or another --image-size is another cache. Chunks of CHUNK_IMAGES
+images are decoded in order by the streaming loader's workers into `decoded-<key>.partial.npy`,
+one checksum per chunk appended after the pixels (np.load reads past them), and the finished
+file renamed into place, under a file lock: jobs that start together decode once. Delete the
+files `decoded-*` in --data-dir to free the space.
 
-Trust (README, "Use your own data"): the key can be computed by anyone who can read the folder,
-so the partial file is created anew (O_EXCL: nothing planted at its name is written through)
-and renamed into place, and the cache is opened without following a link; one that is a link,
-another user's or hard-linked is not used (named in `notes`, and decoded again). Every job
-checks the checksums when it first maps the cache: a damaged cache (zeroed or random pixels) is
-decoded again, with a note, never trained on.
+Trust (README, "Use your own data"): anyone who can read the folder can compute the key, so the
+partial file is created anew (O_EXCL) and the cache opened without following a link; one that
+is a link, another user's or hard-linked is not used (named in `notes`, decoded again), nor is
+one whose checksums fail when a job first maps it.
 """
 
 from __future__ import annotations
@@ -71,15 +65,11 @@ def decode_cached(
     progress: Callable[[int, int], None] | None = None,
     notes: list[str] | None = None,
 ) -> Split:
-    """`split` decoded once into its cache (see the module's docstring), memory-mapped.
-
-    `processes`: decoding processes (None: every core this process may use). `progress`:
-    called with (chunks done, chunks in all) after every chunk (None: a progress bar on
-    stderr). `notes`: gets one line per cache not used (a link, another user's, damaged), for
-    run.log. Raises UnreadableImage naming a file that does not decode, ValueError (one line)
+    """`split` decoded once into its cache, memory-mapped. `processes`: decoding processes
+    (None: every core this process may use); `progress(done, chunks)` after every chunk (None:
+    a bar on stderr); `notes` gets one line per cache not used. Raises UnreadableImage, ValueError
     for a cache that cannot be written, RuntimeError when a decoding process is killed (the OOM
-    killer, most often: a failure of the machine, not bad input; run.py: exit 1, not 2).
-    """
+    killer, most often: a failure of the machine, not bad input; run.py: exit 1, not 2)."""
     cache = cache_path(split, data_dir, version)
     c, h, w = split.image_shape
     shape = (len(split), h, w, c)

@@ -10,14 +10,9 @@ or batch by batch in loader workers (--data-mode stream). Pillow and numpy (torc
 resize, imported when an image is decoded: the scan stays torch-free); imports nothing of the
 data layer but dataversion (datasets.py turns a scan into DatasetSplits).
 
-How an image becomes pixels (README, "Use your own data"): EXIF orientation applied; 16-bit and
-32-bit integer images scaled by the bit depth of the dataset (the smallest of 8, 10, 12, 14, 16,
-24, 32 bits that holds its largest value: a 12-bit ramp stored in 16 bits spans 0..255), float
-images by their range (0..1, or wider when the data is); alpha composited on white; palette,
-CMYK and the rest converted by Pillow; the long side center-cropped and the rest resized to the
-target (the aspect ratio is kept). A JPEG much larger than the target is decoded at a reduced
-DCT scale (Image.draft); no copy is made that changes nothing (an upright image is not
-transposed, an RGB one not converted).
+How an image becomes pixels: lib/README.md, "How an image becomes pixels". A JPEG much larger
+than the target is decoded at a reduced DCT scale (Image.draft); no copy is made that changes
+nothing (an upright image is not transposed, an RGB one not converted).
 """
 
 from __future__ import annotations
@@ -71,10 +66,7 @@ def scan_image_folder(
 ) -> dict:
     """Find the images of `root`, check them, and describe the dataset (one-line errors): the
     keyword arguments of the `folder` dataset's DatasetSplits, a split as (paths, labels) (no
-    key for a split without a readable image). Imports nothing of datasets.py (no circle).
-
-    `version` (dataversion.data_version) keys the cached result of the checks in `report_dir`.
-    (data.load_dataset has refused a missing --data-path.)
+    key for a split without a readable image). `version` keys the cached checks in `report_dir`.
     """
     root = Path(root)
     if not (root / "train").is_dir():
@@ -146,10 +138,7 @@ def scan_image_folder(
 
 def _list_images(root: Path, class_names: list[str]):
     """{split: [(path, label)]} of every image, and a Counter of other files by extension.
-
-    Refuses (ValueError) one image under two labels or in two splits (a symlink, a class folder
-    linked to another, a hard link): the model would learn or test it twice.
-    """
+    Refuses one image under two labels or in two splits (links): it would be learned twice."""
     files: dict[str, list[tuple[str, int]]] = {}
     others: Counter = Counter()
     # An image by its file, not its name: a symlink, a linked folder or a hard link (cp -al,
@@ -194,11 +183,8 @@ def _class_dirs(folder: Path) -> list[Path]:
 
 
 def _check_images(root: Path, paths: list[str], report_dir: Path | None, version: str | None):
-    """{path: [width, height, mode, low, high] or "why unreadable"}, cached per version.
-
-    Decodes every image fully once (im.load()): a file whose header reads but whose data is
-    cut short fails here. Width and height are after EXIF orientation.
-    """
+    """{path: [width, height, mode, low, high] or "why unreadable"}, cached per version: every
+    image fully decoded once (a file cut short fails here), sizes after EXIF orientation."""
     cache = check_cache_path(root, report_dir, version)
     relative = [os.path.relpath(p, root) for p in paths]  # the folder may move: its cache stays
     # A --data-dir that cannot hold it: one error line (data.load_dataset names the flag).
@@ -230,10 +216,8 @@ def decode_image(
     value_ranges: dict[str, tuple[float, float]] | None = None,
 ) -> np.ndarray:
     """One image as uint8 (height, width, channels): oriented, converted, resized, cropped.
-
     `value_ranges`: {"int": (low, high), "float": (low, high)} mapped onto 0..255 for images of
-    more than 8 bits (from the scan; default: the mode's own range). Raises UnreadableImage.
-    """
+    more than 8 bits (from the scan; default: the mode's own range). Raises UnreadableImage."""
     import torch  # here: the scan stays torch-free
 
     height, width = size
@@ -272,14 +256,11 @@ def _to_8bit(image: Image.Image, channels: int, value_ranges: dict) -> Image.Ima
 
 
 def cover_resize(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """uint8 (C, h, w) -> uint8 (C, height, width) on the image's device: its centered part with
-    the aspect ratio of width x height, resized (antialiased bilinear); (N, C, h, w): N images
-    of one size in one call. The CPU decode and the GPU decode (gpudecode.py) both cut and
-    resize here.
-
-    On the CPU the resize is torch's on the uint8 pixels (its AVX2 path: 0.17 ms for 375x375 ->
-    224x224 on one core, 0.92 ms for Pillow's resize; the same filter, values within 1 of
-    Pillow's); other devices resize in float32, rounded."""
+    """uint8 (C, h, w) -> uint8 (C, height, width) on the image's device (or N images of one
+    size): its centered part with the aspect ratio of width x height, resized (antialiased
+    bilinear), for the CPU and the GPU decode alike. On the CPU on the uint8 pixels (0.17 ms for
+    375x375 -> 224x224 on one core, 0.92 ms for Pillow's, values within 1 of Pillow's); other
+    devices resize in float32, rounded."""
     import torch.nn.functional as F
 
     *_, h, w = image.shape

@@ -51,8 +51,7 @@ def _guard() -> Callable[[], None] | None:
 
 
 def recorded_threads(run_dir: str) -> tuple[int, int] | None:
-    """(threads, cpus) that the run recorded when it started (run.py's config.json: torch_threads,
-    job_cpus); None for a run that never started."""
+    """(threads, cpus) the run recorded in config.json when it started; None if it never did."""
     text = text_or_empty(Path(run_dir) / "config.json") if run_dir else ""
     threads = json_int(text, "torch_threads")
     if threads is None:
@@ -92,8 +91,7 @@ class Queue:
     follower_pid: int = 0
 
     def refit(self) -> None:
-        """JOBS_PER_GPU=auto: fit the slots again (an estimate or a peak arrived), and say so
-        when they change."""
+        """JOBS_PER_GPU=auto: fit the slots again, and say so when they change."""
         before = self.slots.describe()
         self.slots.gpu_fit([entry.slot for entry in self.running.values()])
         if self.slots.describe() != before:
@@ -150,9 +148,8 @@ class Queue:
             _kill(pid, signal.SIGTERM)
 
     def launch(self, job: SweepJob, slot: int, follower_fd: int | None) -> None:
-        """Start job in the background, in a session (process group) of its own: stopping it
-        reaches its children too, and Ctrl-C in the terminal reaches the sweep only, which then
-        stops every job the same way."""
+        """Start job in a session of its own: a stop reaches its children too, and Ctrl-C in the
+        terminal reaches the sweep only, which then stops every job the same way."""
         dev, how = self.slots.devices[slot], ""
         argv = self.sweep.argv(job)
         # A job that started before (interrupted, failed) keeps its threads: its numbers depend
@@ -231,8 +228,7 @@ class Queue:
             )
 
     def print_status(self) -> None:
-        """One line: jobs done / running / pending, each running job's epoch, an ETA from the
-        jobs that finished so far in this sweep (mean duration x jobs left / slots)."""
+        """Jobs done / running / pending with an ETA, then each running job's epoch."""
         left = len(self.queue)
         done = sum(job.result in ("done", "skipped") for job in self.sweep.jobs)
         eta = "after the first job finishes"
@@ -245,8 +241,8 @@ class Queue:
             log(f"  running  {entry.job.name} {job_progress(entry.job.dir)}")
 
     def run(self) -> bool:
-        """Run every pending job through the dynamic queue (and each waiting job once its inputs
-        are done); print the summary. True if every job is done."""
+        """Run every pending job (and each waiting one once its inputs are done); print the
+        summary. True if every job is done."""
         settings, slots = self.sweep.settings, self.slots
         for job in self.sweep.jobs:
             if job.runnable:
@@ -349,12 +345,8 @@ class Queue:
             _kill(-pg, signal.SIGKILL)
 
 
-# ---- the MLflow follower (labrun/follower.py's `follow`) ----------------------------------------
-# Jobs do not talk to MLflow (LAB_TRACKING_FOLLOWER=1): one follower per sweep mirrors each run
-# directory into MLflow once its job has ended, and mirrors what is left when its stdin closes
-# (stop_follower). Killed with the sweep, it loses nothing: the next sweep's follower, or
-# `python -m labrun.tracking sync`, mirrors the rest. Its stdin is a pipe whose write end jobs
-# inherit too: it closes once every job is gone.
+# ---- the MLflow follower (follower.py's `follow`): its stdin is a pipe whose write end the jobs
+# inherit too, so it closes once every job is gone.
 
 
 def start_follower(sweep: Sweep, guard: Callable[[], None] | None) -> tuple[subprocess.Popen, int]:
@@ -406,9 +398,8 @@ def _alive(pid: int) -> bool:
 
 
 def mark_interrupted(run_dir: str) -> None:
-    """A job killed before it could write its own status leaves "running": say what happened.
-    Only in a directory of ours, by a temporary file of a fresh name moved into place: a link
-    planted in a run directory is never written through."""
+    """A job killed before it could write its own status leaves "running": say what happened
+    (in a directory of ours only, by runs.write_status: never through a link)."""
     if not run_dir or read_status(Path(run_dir)) != "running":
         return
     try:
@@ -418,9 +409,8 @@ def mark_interrupted(run_dir: str) -> None:
 
 
 def finished_elsewhere(run_dir: Path, pid: int) -> bool:
-    """True if job `pid` found its run already finished by another process (another sweep, a Slurm
-    task) instead of training it. A job writes its pid into .lock when it claims the run; if that
-    is still its claim and metrics.json is older, it only found the run done."""
+    """Whether job `pid` found its run finished by another process instead of training it: .lock
+    still holds its claim (its pid) and metrics.json is older than that claim."""
     lock = run_dir / ".lock"
     lines = text_or_empty(lock).splitlines()
     if not lines or not lines[0].startswith(f"pid={pid} "):

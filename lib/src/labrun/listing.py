@@ -32,8 +32,7 @@ def collect() -> dict:
     registries = (models.MODELS, datasets.DATASETS, tasks.TASKS)
     listed: dict = {registry.decorator: {} for registry in registries}
 
-    def take(module_of) -> None:
-        """Store what was registered since the last call, by the module module_of(entry)."""
+    def take(module_of) -> None:  # what was registered since the last call
         for registry in registries:
             for name, entry in registry.items():
                 if name not in listed[registry.decorator]:
@@ -48,16 +47,14 @@ def collect() -> dict:
 
 
 def describe(entry: Entry, module: str) -> dict:
-    """`entry` as a listing stores it (JSON; registry._entry reads it back): no function, the
-    module that registered it, the function's parameters (defaults as their repr)."""
+    """`entry` as a listing stores it (JSON; registry._entry reads it back): no function."""
     params, unused = _parameters(entry.build, entry.where)
     return {**vars(entry), "build": None, "module": module, "params": params, "unused": unused}
 
 
 def _parameters(fn, where: str) -> tuple[dict, list]:
-    """{name: repr of its literal default (or of REQUIRED)} of a function's parameters, and
-    the ones its body never names, sorted (read from its source; none when it has no source,
-    e.g. a lambda's)."""
+    """{name: repr of its literal default (or of REQUIRED)} of a function's parameters, and those
+    its body never names, sorted (none when it has no source, e.g. a lambda's)."""
     params = {}
     for param in inspect.signature(fn).parameters.values():
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):

@@ -42,15 +42,11 @@ from .imagefolder import UnreadableImage
 
 @dataclass
 class Split:
-    """One split in memory: inputs `images` (uint8 images (N, C, H, W), or any numeric array
-    read as `layout`, augment.LAYOUTS) and targets `labels` (N, ...), on the CPU.
-
-    Inputs are stored channel-last in memory (NHWC for images), the order the loaders gather
-    from. `rows`, when set, makes the split `images[rows]` without copying them: the splits of
-    one decoded cache (decode_cached) are rows of one memory-mapped array, shared by every job
-    on the node. `normalization`: the training split's (data.load_dataset sets it on every
-    split); None: uint8 images' constants, other data this split's own statistics.
-    """
+    """One split in memory, on the CPU: inputs `images` (uint8 images (N, C, H, W), or any
+    numeric array read as `layout`), stored channel-last (the order the loaders gather from),
+    and targets `labels` (N, ...). `rows`: the split is `images[rows]`, uncopied (the splits of
+    one memory-mapped decoded cache). `normalization`: the training split's; None: uint8
+    images' constants, other data this split's own statistics."""
 
     images: torch.Tensor
     labels: torch.Tensor
@@ -105,16 +101,11 @@ def available_cpus() -> int:
 
 
 def default_workers(device: torch.device, *, streaming: bool = False) -> int:
-    """DataLoader workers when --workers is not given.
-
-    Streaming: decoding images is CPU work, so use every core this job may use (its sweep
-    slot's share: available_cpus) but one, left to the main process. A fixed cap of 8 left half
-    of a 16-core GPU box idle while the GPU waited (1,808 img/s streamed vs 8,181 in memory,
-    ResNet-18 at 224 px on an H100). In memory on the CPU: 0,
-    since a batch is a ~1 ms gather against ~270 ms for a training step on 2 cores, and a worker
-    would take a core from the model. In memory on CUDA: a few workers gather and pin the next
-    batches while the GPU computes.
-    """
+    """DataLoader workers when --workers is not given. Streaming: every core this job may use
+    but the main process's (a cap of 8 left half of a 16-core GPU box idle while the GPU
+    waited: 1,808 img/s streamed vs 8,181 in memory, ResNet-18 at 224 px, H100). In memory on
+    the CPU: 0 (a batch is a ~1 ms gather against a ~270 ms step on 2 cores: a worker would take
+    a core from the model). In memory on CUDA: a few, gathering and pinning ahead of the GPU."""
     cpus = available_cpus()
     if streaming:
         return max(1, cpus - 1)
@@ -127,13 +118,11 @@ def worker_init(_worker_id: int) -> None:
     """worker_init_fn: workers leave stop signals to the main process, but not their own end.
 
     Slurm and Ctrl-C signal the whole process group: a worker dying of it would turn a graceful
-    stop (checkpoint, exit 75) into "DataLoader worker killed by signal" in the main process.
-    So the stop signals (INT, TERM, HUP, USR1) stay blocked here (they were blocked for the fork, by
-    workers_started_safely) and one thread takes them: a SIGTERM sent by the parent itself
-    (how multiprocessing's exit handler and torch's shutdown end workers) or any SIGTERM once
-    the parent is gone ends the worker as SIGTERM's default action would. Workers that ignored
-    every SIGTERM kept run.py alive at exit after an error, holding its .lock, forever.
-    PR_SET_PDEATHSIG sends that SIGTERM when the parent dies.
+    stop (exit 75) into "DataLoader worker killed by signal". So the stop signals stay blocked
+    (since workers_started_safely) and one thread takes them: a SIGTERM from the parent itself
+    (how multiprocessing and torch end workers) or any once the parent is gone (PR_SET_PDEATHSIG
+    sends one) ends the worker. Workers that ignored every SIGTERM kept run.py alive at exit
+    after an error, holding its .lock, forever.
     """
     parent = os.getppid()
     signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
@@ -170,22 +159,17 @@ _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1}
 
 def _fix_malloc_mmap_threshold(threshold: int = 4 << 20) -> None:
     """Serve every allocation above `threshold` by mmap, so it goes back to the OS when freed.
-
-    glibc raises its mmap threshold after each large free (up to 32 MB), after which batch-sized
-    buffers come from the heap and fragment it: streaming 256 px images in batches of 64, the
-    main process's RSS grew from 301 to 871 MB in 40 batches; with a fixed threshold, from 302
-    to 319 MB (the lab template's benchmarks/RESULTS.md, bench_data.py, which turns it off).
-    Same as MALLOC_MMAP_THRESHOLD_=4194304.
-    """
+    glibc raises its mmap threshold after each large free, after which batch-sized buffers
+    fragment the heap: streaming 256 px images in batches of 64, the RSS grew from 301 to 871 MB
+    in 40 batches; with a fixed threshold, to 319 MB (benchmarks/RESULTS.md, bench_data.py)."""
     _libc("mallopt", -3, threshold)  # -3: M_MMAP_THRESHOLD, from glibc's malloc.h
 
 
 @contextlib.contextmanager
 def workers_started_safely() -> Iterator[None]:
     """Block the stop signals while DataLoader workers are forked: a group signal landing between
-    a worker's fork and its worker_init_fn would otherwise kill it (Slurm's TERM at an epoch's
-    start, when CPU workers are started anew). Blocked in the main process only for the fork;
-    a signal that came meanwhile reaches the stop handler when they are unblocked."""
+    a worker's fork and its worker_init_fn would kill it. One that came meanwhile reaches the
+    stop handler when they are unblocked."""
     old = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     try:
         yield
@@ -212,8 +196,7 @@ def own_normalization(split: Split | FileSplit, whose: str = "this split") -> No
 
 
 class _ArrayDataset(torch.utils.data.Dataset):
-    """The whole split channel-last in RAM (or on the device): no per-sample work. The
-    DataLoader asks it (and _FileDataset) for whole batches (a list of indices), never a sample."""
+    """The whole split channel-last in RAM (or on the device): no per-sample work."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor | None):
         self.images, self.labels, self.rows = images, labels, rows
@@ -262,18 +245,14 @@ class _EpochBatches(torch.utils.data.Sampler):
 
 class Loader:
     """Iterable of `(x, y)` batches on `device`: x the model's input (float32, normalised, in
-    the split's layout; images channels_last), y the split's labels as they are; `len()` is the
-    number of batches per epoch.
+    the split's layout; images channels_last), y the split's labels as they are.
 
-    Train loaders shuffle (order = f(seed, epoch)), augment (`augment`: an
-    augment.Augmentation, True for --augment auto's choice, False for none) and drop the ragged
-    last batch (BatchNorm sees full batches, compiled graphs one shape); evaluation keeps it, so
-    every sample is scored. `gpu_resident=True` keeps an in-memory split whole on `device` (see
-    data.fits_on_device): batches are gathered there, nothing crosses the bus during training
-    (3 KB per 32x32 RGB image: CIFAR-10 takes ~180 MB). Otherwise a torch DataLoader with
-    `workers` processes (None: `default_workers`) gathers (image files: decodes) uint8 batches,
-    moved to the device and converted there; a `FileSplit` is always streamed.
-    `shard=(rank, world)`: this rank's contiguous 1/world of every batch.
+    Train loaders shuffle (order = f(seed, epoch)), augment and drop the ragged last batch
+    (BatchNorm sees full batches, compiled graphs one shape); evaluation keeps it, so every
+    sample is scored. `gpu_resident=True` keeps an in-memory split whole on `device`: nothing
+    crosses the bus during training. Otherwise a torch DataLoader's `workers` gather (image
+    files: decode) uint8 batches, converted on the device. `shard=(rank, world)`: this rank's
+    contiguous 1/world of every batch.
     """
 
     def __init__(
@@ -385,9 +364,8 @@ class Loader:
         return [b for b in batches if len(b)]  # a shard of an evaluation's short last batch
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """The epoch's batches; the time the caller waits for each (this __next__: a worker's
-        batch from the queue, its copy and transform) counts into `waited_s`, the time from
-        the first request to the epoch's end (or its close) into `spanned_s` (wait_line)."""
+        """The epoch's batches; the caller's waits for them count into `waited_s`, the epoch's
+        time into `spanned_s` (wait_line)."""
         batches = self._batches_on_device()
         start = asked = time.perf_counter()
         try:
@@ -408,9 +386,7 @@ class Loader:
             yield self._on_device(*self.dataset[index])
 
     def wait_line(self) -> str:
-        """run.log's `loader:` line: the share of the training loop's time spent waiting for
-        this loader's batches (a worker's decode the step did not hide, the copy, the
-        transform), over every epoch this process iterated."""
+        """run.log's `loader:` line: the share of the loop's time spent waiting for batches."""
         share = self.waited_s / max(self.spanned_s, 1e-9)
         refused = self.nvjpeg_refused
         slow = (
@@ -435,24 +411,18 @@ class Loader:
         return self._on_device(images, labels)
 
     def _on_device(self, images, labels) -> tuple[torch.Tensor, torch.Tensor]:
-        """A batch as the dataset gives it -> the model's input and the labels, on the device."""
         if self.gpu_jpegs:  # JPEG bytes to nvJPEG, the rows decoded by a worker copied
             shape = self.dataset.split.image_shape
             images = gpudecode.decode_batch(images, shape, self.device, self.nvjpeg_refused)
         # uint8 crosses the bus (4x fewer bytes than float32); non_blocking lets the copy
-        # overlap with the GPU still computing the previous step.
-        # (Resident batches are there already: no copy.)
+        # overlap with the GPU still computing the previous step (resident: no copy).
         images, labels = (t.to(self.device, non_blocking=self._on_cuda) for t in (images, labels))
         return self.transform(images), labels
 
     def raw_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """This epoch's batches as the DataLoader's workers give them: uint8 NHWC
-        (gpudecode.EncodedBatch where JPEGs are decoded on the GPU) and labels, on the CPU.
-
-        An image that fails to decode raises UnreadableImage (naming it). On any error the
-        workers are shut down here, at once: a live iterator kept alive by the exception's
-        traceback would otherwise outlive main() with its workers.
-        """
+        """This epoch's batches as the DataLoader's workers give them (uint8 NHWC, or a
+        gpudecode.EncodedBatch) and labels, on the CPU. On any error the workers are shut down
+        at once: an iterator kept alive by the traceback would outlive main() with them."""
         self._next_epoch()
         with workers_started_safely():
             batches = iter(self._loader)  # forks the workers (CPU: every epoch)
@@ -467,14 +437,9 @@ class Loader:
             raise
 
     def close(self) -> None:
-        """End this loader's worker processes now (a run calls it when it ends), as torch does
-        when an iterator is exhausted or freed; iterating again starts new ones.
-
-        Persistent workers (CUDA) live in the DataLoader until this is called: left to the
-        interpreter's exit, torch <= 2.12 joins each for 5 s in an atexit hook (pytorch issue
-        81794: 19 s after `finished` with 2 workers per loader; benchmarks/RESULTS.md, "Leave at
-        once"); joined here, they end at once and that hook finds them gone.
-        """
+        """End this loader's worker processes now; iterating again starts new ones. Persistent
+        workers left to the interpreter's exit are joined for 5 s each by torch <= 2.12's atexit
+        hook (pytorch issue 81794: 19 s after `finished` with 2 workers per loader)."""
         batches = self._batches and self._batches()  # a weak reference, or None
         self._batches = None
         if self._loader is not None:
@@ -489,7 +454,6 @@ _OPEN: weakref.WeakSet[Loader] = weakref.WeakSet()  # every Loader of this proce
 
 
 def close_all() -> None:
-    """End the workers of every loader of this process (a job's end, however it ended): they end
-    now, not in the interpreter's exit."""
+    """End the workers of every loader of this process (a job's end, however it ended)."""
     for loader in list(_OPEN):
         loader.close()

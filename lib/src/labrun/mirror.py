@@ -1,31 +1,18 @@
 """MLflow, a mirror of the run directory: one MLflow run per run directory, built from its files.
 
 The run directory (config.json, status, history.csv, metrics.json) is the record; MLflow shows it.
-- One path, `mirror`, makes the MLflow run equal the directory: status, params, every per-epoch
-  metric (history.csv, compared at its 6 significant digits), the summaries (metrics.json, at
-  step `steps`), tags, artifacts. MLflow cannot delete a metric row, so a run holding rows the
-  directory does not (a lost attempt's epochs, a summary logged twice) is rebuilt: the old run
-  deleted (MLflow's UI lists it under "Deleted" until `mlflow gc` purges it), a new one with
-  the same name, start time, tags, system metrics and the directory's numbers. A job's Tracker
-  calls it (tracking.py), and so do the sweep's follower and `sync` (follower.py).
-- Tracking URI: `MLFLOW_TRACKING_URI` if set, else an absolute `sqlite:///<project root>/mlflow.db`
-  (absolute, so it does not depend on the directory you start from). Artifacts go next to the
-  database, in `mlruns/`.
-- Safe from any number of processes at once: creating or migrating the sqlite schema happens under
-  an exclusive lock on `mlflow.db.lock` (concurrent first-time migrations of one sqlite file
-  corrupt it), so `python run.py` needs no set-up step.
-- Bounded: an HTTP tracking server that does not answer fails within about
-  `MLFLOW_HTTP_REQUEST_TIMEOUT` x (`MLFLOW_HTTP_REQUEST_MAX_RETRIES` + 1) seconds; this module
-  sets those to 5 s and 1 retry unless you set them yourself.
+- One path, `mirror`, makes the MLflow run equal the directory: status, params, every metric
+  row, tags, artifacts. MLflow cannot delete a metric row, so a run holding rows the directory
+  does not is rebuilt: the old run deleted, a new one with the same name, start time, tags,
+  system metrics and the directory's numbers. A job's Tracker calls it (tracking.py), and so do
+  the sweep's follower and `sync` (follower.py).
+- Tracking URI: `MLFLOW_TRACKING_URI`, else an absolute `sqlite:///<project root>/mlflow.db`
+  (artifacts next to it, in `mlruns/`); an HTTP server that does not answer fails within about
+  5 s x 2 tries (HTTP_DEFAULTS, unless you set them).
 - `tracking.json` in the run directory says which MLflow run it is, what only the job knew
-  (params, tags, start and end times, the error) and what MLflow has (`sent_rows` history rows,
-  the `ended` status). It is checked before use (a run id is 32 hex digits, counts are
-  integers...): a bad one is a warning and a fresh MLflow run.
-- One writer per run directory: a training job holds the run's claim (claim.py), and `sync` and
-  the follower take it too, skipping directories a live job holds: a directory never gets two
-  MLflow runs.
-- The sqlite DB is created with the umask's permissions (like every other file), so a group
-  can share it; SQLite gives its journal the database's permissions.
+  (params, tags, start and end times, the error) and what MLflow has (`sent_rows`, `ended`);
+  checked before use (read_state). One writer per run directory: the job, `sync` and the
+  follower all hold the run's claim (claim.py), so a directory never gets two MLflow runs.
 
 Imports neither torch nor mlflow at module level (mlflow costs ~1.5 s to import).
 """
@@ -117,8 +104,8 @@ def init(experiment: str = DEFAULT_EXPERIMENT, client=None) -> str:
 
 
 def run_params(config: dict) -> dict:
-    """The MLflow params of a run: its experiment-defining config values and the list of their
-    names, `experiment_keys` (analysis.load_runs_from_mlflow needs it to tell them apart)."""
+    """The MLflow params of a run: its experiment-defining config values and `experiment_keys`
+    (analysis.load_runs_from_mlflow tells them apart by it)."""
     keys = list(config.get("experiment_keys", []))
     values = {k: config[k] for k in keys if k in config}
     # As config.json holds them (a tuple is a list there): a live run's params then equal what
@@ -130,6 +117,21 @@ def run_params(config: dict) -> dict:
 def as_texts(values: dict, limit: int) -> dict[str, str]:
     """Params and tags as MLflow stores them: strings, cut to its limits."""
     return {str(k): str(v)[:limit] for k, v in values.items()}
+
+
+def system_monitor(run_id: str):
+    """MLflow's monitor of this machine (psutil; GPU utilisation and memory where NVML answers),
+    started, logging into `run_id`."""
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(
+        run_id,
+        sampling_interval=SYSTEM_METRICS_INTERVAL_S,
+        resume_logging=True,
+        tracking_uri=tracking_uri(),
+    )
+    monitor.start()
+    return monitor
 
 
 def save_state(run_dir: Path, state: dict) -> None:
@@ -162,8 +164,7 @@ def _counts(rows) -> collections.Counter:
 
 
 def _history_rows(run_dir: Path) -> list[dict]:
-    """history.csv as rows of numbers; an empty cell (a value a row did not have) is left out,
-    as run.py never sent it."""
+    """history.csv as rows of numbers, without its empty cells (run.py never sent them)."""
     try:
         text = runs.read_trusted(run_dir / runs.HISTORY, max_bytes=1 << 30)
     except (OSError, ValueError):
@@ -178,8 +179,7 @@ def _history_rows(run_dir: Path) -> list[dict]:
 
 
 def _artifact_files(run_dir: Path, state: dict, status: str) -> list[Path]:
-    """The files to attach, from the run directory only, plain files of its owner (a
-    tracking.json that names anything else uploads nothing)."""
+    """The files to attach: plain files of the run directory's owner, in it (never elsewhere)."""
     names = state.get("artifacts")
     if names is None:  # a directory tracking.json does not describe: what run.py attaches
         names = [runs.CONFIG, runs.HISTORY] + ([runs.BEST_MODEL] if status == "FINISHED" else [])
@@ -194,8 +194,7 @@ def _artifact_files(run_dir: Path, state: dict, status: str) -> list[Path]:
 
 
 def fingerprint(run_dir: Path, state: dict) -> str:
-    """What the mirror reads, as a short hash of file sizes and times and of the job's own
-    notes: when it is unchanged since the last mirror, MLflow needs nothing."""
+    """A hash of what the mirror reads: unchanged since the last mirror, MLflow needs nothing."""
     files = []
     for name in (runs.CONFIG, runs.STATUS, runs.HISTORY, runs.METRICS, runs.BEST_MODEL):
         with contextlib.suppress(OSError):
@@ -217,19 +216,14 @@ def mirror(
     save: bool = True,
     by_tag: bool | None = None,
 ) -> list[str]:
-    """Make the MLflow run of `run_dir` equal the directory; return what was changed.
+    """Make the MLflow run of `run_dir` equal the directory; return what was changed. Each step
+    is idempotent, so a kill anywhere is repaired by the next mirror.
 
-    status and summary default to the directory's files (status, metrics.json); the job passes
-    RUNNING and {} at each epoch, and what it is about to write at its end; the history is
-    history.csv's. `state` (tracking.json) is updated in place and saved after each step that
-    must not be repeated. `known`: the live job's own count of history rows the run already
-    holds (tracking.json's sent_rows, which it sent itself): those are not read back. Missing
-    rows are added; a run holding rows or params the directory
-    does not is rebuilt (MLflow has no delete for them); a name given in MLflow's UI stays.
-    Each step is idempotent, so a kill anywhere is repaired by the next mirror. Files are
-    attached only at the end (not RUNNING). `save=False` (the follower's live mirror of a job
-    that writes tracking.json itself): `state` is updated, never written. `by_tag`: whether a
-    run found by its run_dir tag is this directory's [not for a RUNNING mirror]."""
+    status and summary default to the directory's files (the job passes RUNNING and {} at each
+    epoch). `state` (tracking.json) is updated in place, and saved after each step that must not
+    be repeated unless `save=False` (the follower's live mirror of a job that writes it itself).
+    `known`: history rows the live job sent itself (not read back). `by_tag`: whether a run
+    found by its run_dir tag is this directory's [not for a RUNNING mirror]."""
     from mlflow.entities import Metric, RunTag
 
     run_dir = Path(run_dir)
@@ -372,9 +366,8 @@ def _mirrors(run, run_dir: Path) -> bool:
 
 
 def _new_run(client, run_dir: Path, state: dict, params: dict, old=None):
-    """A new MLflow run for the directory, with its params; in place of `old`, deleted first (a
-    kill between the two leaves no second run: the next mirror finds none and creates one),
-    with its start, tags and system metrics."""
+    """A new MLflow run for the directory, with its params; in place of `old` (its start, tags
+    and system metrics), deleted first: a kill between the two leaves no second run."""
     from mlflow.entities import Metric, Param
 
     experiment_id = init(state.get("experiment", DEFAULT_EXPERIMENT), client)
@@ -415,8 +408,7 @@ STATE_FORMS = {
 
 
 def read_state(run_dir: Path, log: logging.Logger | None = None) -> dict:
-    """tracking.json, checked; {} (a fresh start) if missing, and with a warning if unusable:
-    not a plain file of the run directory's owner, not JSON, or a value of the wrong form
+    """tracking.json, checked; {} (a fresh start) if missing, and with a warning if unusable
     (said in our words, never its content)."""
     path = Path(run_dir) / runs.TRACKING
     try:

@@ -1,17 +1,11 @@
 """The model registry (`--model`): `@register_model("name", help=...)` on a function that
-returns an `nn.Module` (or `register_model(name, help=...)(fn)`, in a loop as well), in any module
-of the project's package. The names, help texts and the function's parameters are listed once
-by running the registrations in a child process (registry.py), so `--help` needs no torch; the
-defaults must be literals. The module is imported when a run asks for one of its models.
+returns an `nn.Module`, in any module of the project's package (lib/README.md, "Models: the
+registry"; listed without torch by registry.py, so the defaults must be literals).
 
-A model function takes what it needs of the data by name: `num_classes`, `channels`,
-`image_size` ((H, W) of images, (L,) of signals) and `input_shape` (one sample's shape, as the
-dataset gives it: (C, H, W), (C, L), (L,), (T, F)). Its other parameters are its own size
-arguments: `width` comes from `--width` (64), any other from `--model-args k=v,...`, else its
-default. Only those it takes (and names in its body) go into the run's name and identity:
-
-    @register_model("mlp", help="a two-layer perceptron")
-    def mlp(num_classes, input_shape, width, depth=1): ...   # --width 32 --model-args depth=2
+A model function takes what it needs of the data by name (`num_classes`, `channels`,
+`image_size`, `input_shape`); its other parameters are its own size arguments: `width` from
+`--width`, any other from `--model-args k=v,...`, else its default. Only those it takes (and
+names in its body) go into the run's name and identity.
 """
 
 from __future__ import annotations
@@ -84,12 +78,9 @@ def _typed(text: str, default, where: str):
 
 
 def model_arguments(declared: Entry, width: int | None, given: dict) -> tuple:
-    """(width or None, {other own argument: value}) for the model `declared`.
-
-    `width`: --width (None: not given, or the default: 64 for a model that takes it); `given`:
-    --model-args as text. A model that does not take (or never names) `width` gets None. Raises
-    ValueError (`--flag: why`) for an argument the model does not take or a required one missing.
-    """
+    """(width or None, {other own argument: value}) for the model `declared`, from --width
+    (None: not given, or its default) and --model-args (`given`). ValueError (`--flag: why`) for
+    an argument the model does not take or a required one missing."""
     own = own_arguments(declared)
     name = declared.name
     listed = listed_arguments(declared) or "none"

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import itertools
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,6 +34,7 @@ from typing import BinaryIO
 from labrun import config, runs
 from labrun.claim import holder, is_stopping
 from labrun.config import NotReady, UsageError, parse_args, run_dir
+from labrun.sweepjobs import nul_join, read_lists
 
 
 def resolver(parse: Callable, locate: Callable) -> Callable[[list[str]], Path]:
@@ -85,18 +85,10 @@ def job_state(directory: Path) -> tuple[str, str]:
     return "pending", ""
 
 
-def read_jobs(stream: BinaryIO) -> Iterator[list[str]]:
-    data = stream.read().removesuffix(b"\0")
-    words = iter(data.decode("utf-8", "surrogateescape").split("\0") if data else [])
-    for count in words:
-        yield list(itertools.islice(words, int(count)))
-
-
 @contextlib.contextmanager
 def one_parser() -> Iterator[None]:
-    """Let config.parse_args reuse one parser: building it is most of a job's planning time
-    (the lab template's benchmarks/bench_sweep.py), and an argparse parser keeps no state
-    between parses."""
+    """Let config.parse_args reuse one parser (it keeps no state between parses): building it is
+    most of a job's planning time (benchmarks/bench_sweep.py)."""
     build = config.build_parser
     parser = build()
     config.build_parser = lambda: parser
@@ -133,12 +125,12 @@ def main(
     stdin = stdin or sys.stdin.buffer
     stdout = stdout or sys.stdout.buffer
     try:
-        jobs = list(read_jobs(stdin))
+        jobs = read_lists(stdin)
     except ValueError:
         print("error: --plan: stdin is not 'COUNT\\0ARG\\0...' per job", file=sys.stderr)
         return 2
     for fields in plan(jobs, where):
-        stdout.write(b"".join(f.encode("utf-8", "surrogateescape") + b"\0" for f in fields))
+        stdout.write(nul_join(fields))
     stdout.flush()
     return 0
 

@@ -59,12 +59,9 @@ def current() -> Project:
 
 
 def version_warning(root: Path, installed: str) -> str | None:
-    """Why the installed labrun is not the one `root`'s pyproject.toml pins (`labrun==X`, the
-    template's pin: a project's numbers are those of its pinned machinery), or None. The local
-    part (`+g<hash>`: the code of the wheel a template built) counts where both have one: a
-    release pin takes any build of it, as pip does, and an editable install names no code.
-    The hint installs the project's own wheel where it carries one (wheels/), else the release
-    from the package index."""
+    """Why the installed labrun is not the one `root`'s pyproject.toml pins (`labrun==X`: a
+    project's numbers are those of its pinned machinery), or None. The local part (`+g<hash>`)
+    counts where both have one: a release pin takes any build of it, as pip does."""
     needs = _pyproject(root).get("project", {}).get("dependencies", [])
     for requirement in needs if isinstance(needs, list) else []:
         name, pin, version = str(requirement).partition(";")[0].partition("==")

@@ -1,20 +1,12 @@
 """Registries of models, datasets and tasks registered in the library or anywhere in the project's
 package (project.py), listed without importing torch in the asking process.
 
-A model or dataset of your own may live in any module of the project's package: model.py,
-data.py, a new file (`mymodels.py`) or a folder (`models/unet.py`, no `__init__.py` needed), and
-be registered by a decorator or by a call, in a loop as well:
-
-    for name, variant in VARIANTS.items():
-        register_dataset(name, help=f"the paper's {name} variant")(variant)
-
 `--help` and the sweep's planning need every name, its help and a model function's parameters,
 but must not wait for torch, which the registering modules import. So the registrations are
 listed once by running them, in a child process (listing.py: it imports every module of the
 package that names a register function), and kept in `<project>/.cache/registry.json` with a
-hash of those modules' sources: while no source changes, reading the names costs a file read and
-the hashes (measured: benchmarks/RESULTS.md); after an edit, the first command pays one import
-of the package. A run that asks for a name imports the module that registered it (`Registry`).
+hash of those modules' sources (lib/README.md, "Models: the registry"). A run that asks for a
+name imports the module that registered it (`Registry`).
 """
 
 from __future__ import annotations
@@ -70,10 +62,8 @@ class Entry:
 
 
 class Registry(dict):
-    """name -> entry, filled by the register functions as modules are imported. Asking for a
-    name that another module of the package registers (`name in registry`: ask so before
-    `registry[name]`) imports that module first, so a model in `models/unet.py` is found like
-    one in model.py."""
+    """name -> entry, filled by the register functions as modules are imported. `name in
+    registry` (ask so before `registry[name]`) imports the module that registers it first."""
 
     def __init__(self, decorator: str) -> None:
         super().__init__()

@@ -46,8 +46,6 @@ TRACKING = "tracking.json"  # the MLflow run this directory mirrors: see mirror.
 # What a run writes through atomic_path: its temps are this process's own (remove_stale_temps).
 RUN_FILES = (CONFIG, STATUS, HISTORY, CHECKPOINT, BEST_MODEL, METRICS, TRACKING)
 PROBE = "probe"  # ensure_writable's space probe: `.probe.<random>.tmp`
-# refused: run.py will not continue this run as it is (its checkpoint cannot be loaded); the
-# sweep does not re-run it, and `run.py ... --fresh` starts it over.
 # How a job's process ends (README, "Exit codes"): finished (or already), failed, bad input,
 # running elsewhere (another process holds the directory), interrupted (re-run to resume), forced
 # (a second signal: no checkpoint).
@@ -59,6 +57,8 @@ class RunFailed(RuntimeError):
     returned before job.finish): status failed, exit 1, this message as the one `error:` line."""
 
 
+# refused: run.py will not continue this run as it is (its checkpoint cannot be loaded); the
+# sweep does not re-run it, and `run.py ... --fresh` starts it over.
 STATUSES = ("running", "interrupted", "failed", "finished", "refused")
 # history.csv's columns as classification writes them (and every run before tasks did); another
 # task writes train_loss, train_<metric>..., val_loss, val_<metric>... in their place.
@@ -87,11 +87,8 @@ FILE_MODE = 0o666 & ~_UMASK  # what open() would give a new file
 
 @contextlib.contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
-    """Yield a temporary path next to `path`; move it into place only if the block succeeds.
-
-    mkstemp creates the file 0600 whatever the umask; it is chmod-ed to what the umask allows
-    before it is moved into place, so a shared results folder stays readable by the group.
-    """
+    """Yield a temporary path next to `path`; move it into place only if the block succeeds
+    (chmod-ed first: mkstemp's 0600 would hide it from the group sharing a results folder)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
     os.close(fd)
@@ -146,9 +143,8 @@ def check_ownership(run_dir: Path) -> None:
 
 
 def open_own(path: Path, flags: int, owner: int | None = None) -> int:
-    """os.open without following a symlink (ELOOP) or blocking on a FIFO; the result must be a
-    regular file owned by `owner` (default: this process's user) with one link, else
-    ForeignFile. A hard link to someone's file is refused too (nlink > 1)."""
+    """os.open without following a symlink (ELOOP) or blocking on a FIFO; ForeignFile unless a
+    regular file owned by `owner` (default: this process's user) with one link (no hard link)."""
     fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, FILE_MODE)
     try:
         st = os.fstat(fd)
@@ -167,8 +163,7 @@ def open_own(path: Path, flags: int, owner: int | None = None) -> int:
 
 
 def open_append(path: Path):
-    """`path` opened for appending text (created if missing), as open_own allows: a plain file
-    of ours, never a link someone planted at its name (run.log, a sweep's logs)."""
+    """`path` opened for appending text (created if missing), as open_own allows."""
     try:
         fd = open_own(Path(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     except OSError as exc:
@@ -179,8 +174,7 @@ def open_append(path: Path):
 
 
 def own_dir(path: Path) -> Path:
-    """`path` made if missing (with its parents); ForeignFile unless it is a directory of this
-    user, not a link: another user's folder is not one to write our files into."""
+    """`path` made if missing (with its parents); ForeignFile unless a directory of this user."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     info = path.lstat()
@@ -213,12 +207,8 @@ def read_trusted(path: Path, max_bytes: int = 1 << 20) -> str:
 
 def remove_stale_temps(run_dir: Path, older_than_s: float = 60.0) -> list[str]:
     """Delete temporary files a killed writer (kill -9, power loss) left behind; return names.
-
-    Only called while holding the run directory's claim, so no live writer of this run exists:
-    a temp of one of the run's own files (`.checkpoint.pt.<random>.tmp`, atomic_path's names,
-    or the space probe's) goes whatever its age; a half-written checkpoint is as big as the
-    model. Any other temp in the folder may be another tool's: it goes after `older_than_s`.
-    """
+    Called under the run directory's claim, so a temp of the run's own files has no live writer
+    and goes whatever its age; any other may be another tool's: it goes after `older_than_s`."""
     removed, now = [], time.time()
     for path in Path(run_dir).glob(f".*{TEMP_SUFFIX}"):
         target = path.name.removeprefix(".").removesuffix(TEMP_SUFFIX).rpartition(".")[0]
@@ -245,8 +235,7 @@ def seconds_from_env(name: str, default: float, *, zero: bool = False) -> float:
 
 
 def first_line(exc: BaseException) -> str:
-    """An error in one line of a warning or an `error:` line: its message's first line (or its
-    type's name), cut to 300 characters."""
+    """An error's message's first line (or its type's name), cut to 300 characters."""
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
 
 
@@ -294,9 +283,7 @@ def write_status(run_dir: Path, status: str) -> None:
 
 def try_write_status(run_dir: Path, status: str) -> bool:
     """write_status for fault paths: never raises (the disk may be the fault); True if written.
-
-    Falls back to an in-place write of the tiny file when there is no room for a temporary copy.
-    """
+    Without room for a temporary copy, the tiny file is written in place."""
     with contextlib.suppress(OSError):
         write_status(run_dir, status)
         return True
@@ -311,7 +298,7 @@ def try_write_status(run_dir: Path, status: str) -> bool:
 
 
 def read_metrics(run_dir: Path) -> dict | None:
-    """metrics.json if it exists and parses to a JSON object, else None."""
+    """metrics.json if it parses to a non-empty JSON object, else None."""
     try:
         metrics = json.loads(read_trusted(Path(run_dir) / METRICS))
     except (OSError, ValueError):
@@ -320,11 +307,8 @@ def read_metrics(run_dir: Path) -> dict | None:
 
 
 def is_done(run_dir: Path) -> bool:
-    """A run is done iff metrics.json (written once, last) exists and parses.
-
-    An empty or truncated file (a disk that filled, a copy that broke off) is not "done": the run
-    resumes from its checkpoint and writes it again.
-    """
+    """A run is done iff metrics.json (written once, last) parses: an empty or truncated one is
+    not, and the run resumes from its checkpoint and writes it again."""
     return read_metrics(run_dir) is not None
 
 
@@ -341,13 +325,9 @@ def write_history(run_dir: Path, rows: list[dict]) -> None:
 
 
 def ensure_writable(directory: Path, need_bytes: int = 0) -> None:
-    """Prove we can write to `directory` (claimed: it exists) and that `need_bytes` fit there;
-    raise OSError.
-
-    The probe allocates `need_bytes` for real (posix_fallocate; glibc writes the blocks where
-    the file system cannot allocate), not just checks statvfs, so quotas and nearly full disks
-    are caught before any work is done rather than at the first checkpoint.
-    """
+    """OSError unless we can write to `directory` and `need_bytes` fit there. The probe
+    allocates them for real (posix_fallocate), not statvfs: quotas and nearly full disks are
+    caught before any work rather than at the first checkpoint."""
     try:
         probe = {"prefix": f".{PROBE}.", "suffix": TEMP_SUFFIX}
         with tempfile.NamedTemporaryFile(dir=directory, **probe) as f:
@@ -365,11 +345,8 @@ def ensure_writable(directory: Path, need_bytes: int = 0) -> None:
 
 
 def clear_run_dir(run_dir: Path) -> list[str]:
-    """Delete the files of a run directory (for --fresh); return their names. Nothing is moved.
-
-    The claim's lock file stays: this process holds it, and a new file would let a second
-    process claim the directory too.
-    """
+    """Delete the files of a run directory (for --fresh); return their names. The claim's lock
+    file stays: this process holds it, and a new file would let a second process claim it."""
     removed = []
     for path in sorted(Path(run_dir).iterdir()):
         if path.name == LOCK:
@@ -398,10 +375,9 @@ def _is_code(relative: str) -> bool:
 
 
 def code_version(root: Path) -> dict[str, str]:
-    """Which code makes a run (recorded in config.json `code` and MLflow tags, never in its
-    identity): the project's git commit, a hash of its uncommitted diff, a hash of its code as
-    it is on disk (`project`: the files git tracks or would add that are code, _is_code; the
-    same code gives the same hash whatever was committed), and labrun's version and source."""
+    """Which code makes a run (config.json `code`, MLflow tags; never its identity): the git
+    commit, a hash of the uncommitted diff, a hash of the project's code on disk (`project`:
+    the same code gives the same hash whatever was committed), labrun's version and source."""
     from . import __version__
 
     root = Path(root)
@@ -413,20 +389,24 @@ def code_version(root: Path) -> dict[str, str]:
             subfolders[:] = [d for d in subfolders if _is_code(os.path.join(d, "x.py"))]
             files += [os.path.relpath(os.path.join(folder, name), root) for name in names]
     diff = _git_lines(root, "diff", "HEAD", "--binary", "--", ".", z=False)
-    library = Path(__file__).parent
     return {
         "git_commit": commit[0] if commit else "unknown",
         "git_diff": "none" if diff == [] else _content_hash(diff) if diff else "unknown",
         "project": _files_hash(root, [name for name in files if _is_code(name)]),
         "labrun_version": __version__,
-        "labrun": _files_hash(library, sorted(p.name for p in library.glob("*.py"))),
+        "labrun": labrun_hash(),
     }
 
 
+def labrun_hash() -> str:
+    """A hash of labrun's own source files."""
+    library = Path(__file__).parent
+    return _files_hash(library, [p.name for p in library.glob("*.py")])
+
+
 def other_code_line(run_dir: Path, root: Path, prefix: str) -> str | None:
-    """`PREFIX: RUN was made by other code (...)`: the one line a skip ("note") or a resume of
-    `run_dir` says when other code than `root`'s (code_version) made it (README, "What a run
-    writes"), else None (also for a run made before code versions were recorded)."""
+    """`PREFIX: RUN was made by other code (...)` when other code than `root`'s made `run_dir`
+    (a skip's note, a resume's warning), else None (also for a run before code versions)."""
     try:
         before = json.loads(read_trusted(Path(run_dir) / CONFIG)).get("code")
     except (OSError, ValueError, AttributeError):
@@ -474,12 +454,10 @@ def _files_hash(root: Path, names: list[str]) -> str:
 
 
 class NoFollowFileHandler(logging.FileHandler):
-    """logging.FileHandler that appends only to a plain file of ours: never through a symlink
-    or a hard link someone planted at the log's name (ForeignFile / ELOOP instead)."""
+    """logging.FileHandler that appends only to a plain file of ours (open_append)."""
 
     def _open(self):
-        fd = open_own(Path(self.baseFilename), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-        return os.fdopen(fd, "a", encoding=self.encoding or "utf-8", errors=self.errors)
+        return open_append(self.baseFilename)
 
 
 def setup_logging(run_dir: Path, name: str) -> logging.Logger:

@@ -44,17 +44,11 @@ def cpu_cores(cgroup: Path) -> int:
     return max(cores, 1)
 
 
-def available_mib(cgroup: Path) -> int | None:
-    """MiB new processes can still use: MemAvailable, capped by a cgroup v2 memory limit; None
-    when /proc/meminfo is missing (not Linux)."""
-    try:
-        meminfo = Path("/proc/meminfo").read_text()
-    except OSError:
-        return None
-    found = re.search(r"^MemAvailable:\s+(\d+)", meminfo, re.M)
-    if not found:
-        return None
-    kib = int(found[1])
+def available_mib(cgroup: Path) -> int:
+    """MiB new processes can still use: MemAvailable, capped by a cgroup v2 memory limit."""
+    import psutil
+
+    kib = psutil.virtual_memory().available // 1024
     try:
         limit = (cgroup / "memory.max").read_text().strip()
         used = (cgroup / "memory.current").read_text().strip()
@@ -122,8 +116,7 @@ def gpu_free_mib(gpus: list[str]) -> int | None:
 
 
 def measured_peak_mib(jobs: list[SweepJob]) -> int | None:
-    """The largest peak GPU memory, in MiB, that a finished job of the sweep recorded
-    (metrics.json: peak_mem_bytes on a CUDA device)."""
+    """The largest peak GPU memory, in MiB, that a finished job of the sweep recorded."""
     peak = 0
     for job in jobs:
         text = text_or_empty(Path(job.dir) / "metrics.json") if job.dir else ""
@@ -133,8 +126,7 @@ def measured_peak_mib(jobs: list[SweepJob]) -> int | None:
 
 
 def estimated_mib(jobs: list[SweepJob]) -> int | None:
-    """The largest memory estimate, in MiB, that a started job's preflight wrote to its
-    run.log before training (preflight.check_memory: `memory: training needs about ...`)."""
+    """The largest memory estimate, in MiB, that a started job's preflight wrote to run.log."""
     found = [
         float(n) * UNITS[unit]
         for job in jobs
@@ -182,12 +174,9 @@ class Slots:
 
     def cpu_slots(self, cores: int, jobs: int, left: int) -> None:
         """Without a GPU: CPU_JOBS=auto runs one job per core (the demo's sweep on 2 cores: 78 s,
-        against 94 s for one job at a time with both cores' threads; the lab template's
-        benchmarks/RESULTS.md, "Jobs at a time"), but no more than the sweep has jobs or than the
-        cores hold at a thread count the user set. Each job's share of the cores follows from
-        that alone: the free memory (CPU_JOB_MEM_GB per job) and the jobs left only take slots
-        away, so that the same job computes with the same threads whatever else the machine
-        runs."""
+        against 94 s for one job at a time with both cores' threads; benchmarks/RESULTS.md), at
+        most one per job or per OMP_NUM_THREADS cores. The free memory and the jobs left only
+        take slots away: the same job computes with the same threads whatever the machine runs."""
         env, setting = self.settings.env, self.settings.CPU_JOBS
         omp = env.get("OMP_NUM_THREADS", "")
         if setting == "auto":
@@ -245,13 +234,10 @@ class Slots:
                 self.busy.append(False)
 
     def gpu_fit(self, running: list[int]) -> None:
-        """JOBS_PER_GPU=auto: open as many of the gpu_width slots per GPU as 90 % of the GPU's
-        free memory holds, besides the jobs running there (in slots `running`), per job: 1.25 x
-        the largest peak a finished job of the sweep measured or, before one has, 2 x the largest
-        estimate its jobs' preflight made (a lower bound: allocator slack, workspaces and
-        compilation are not in it), plus the CUDA context (SWEEP_CUDA_CONTEXT_MIB, an estimate).
-        Until a job has estimated, one per GPU: the first job's estimate comes before its
-        training."""
+        """JOBS_PER_GPU=auto: open as many of the gpu_width slots per GPU as 90 % of its free
+        memory holds besides the jobs running there (slots `running`). A preflight estimate is a
+        lower bound (allocator slack, workspaces and compilation are not in it): doubled. Until a
+        job has estimated, one per GPU."""
         peak, estimate = measured_peak_mib(self.jobs), estimated_mib(self.jobs)
         self.gpu_measure = peak is None and estimate is None
         free = None if self.gpu_measure else gpu_free_mib(self.gpus)

@@ -15,17 +15,13 @@ How it works:
             arguments (QUICK_ARGS with --quick), the job's own, then those after `--` (the last of
             a flag wins); `job SCRIPT.py ARGS...` one of another script built on labrun's jobs.py
             (e.g. analyze.py), as is. ONE call of `SCRIPT --plan` per script (its own parser, no
-            torch) gives every job's run directory and state (plan.py lists them): done, running
-            (running elsewhere), stopping (waited for, up to SWEEP_STOPPING_WAIT_S), interrupted,
-            failed, refused, pending, waiting (planned again whenever a job of the sweep ends),
-            invalid.
+            torch) gives every job's run directory and state (plan.py lists them); stopping ones
+            are waited for (SWEEP_STOPPING_WAIT_S), waiting ones planned again as jobs end.
   2. queue: JOBS_PER_GPU slots per GPU (gpu_slots); without a GPU CPU_JOBS slots (cpu_slots).
             Every job runs in its own session (process group) with CUDA_VISIBLE_DEVICES set to its
             slot's GPU and a parent-death signal (SIGTERM), so it is told to stop if the sweep
-            dies, even by SIGKILL. When a job ends its slot takes the next pending job. A job that
-            finds its run claimed by another process exits 73: "running elsewhere".
-            Every job is a fresh `python run.py`: one process model for claims, signals and
-            exit codes.
+            dies, even by SIGKILL. When a job ends its slot takes the next pending job. Every job
+            is a fresh `python run.py`: one process model for claims, signals and exit codes.
   3. stop:  the first INT/TERM/HUP sends SIGTERM to every running job (it checkpoints and exits
             75); any later one SIGKILLs their process groups. Either way the sweep reaps every
             job, marks a killed job's status "interrupted", prints the summary, then exits
@@ -36,6 +32,7 @@ How it works:
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import pwd
@@ -60,6 +57,7 @@ from .sweepjobs import (
     Sweep,
     SweepJob,
     err,
+    nul_join,
     read_job_list,
     text_or_empty,
 )
@@ -135,9 +133,8 @@ def submit_slurm(sweep: Sweep, dry_run: bool) -> None:
         gres = re.sub(r":[0-9][^:]*$", "", gres) + f":{job_gpus}"
     cwd = os.getcwd()
     submit = Path(cwd) / s.SLURM_LOG_DIR / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    # --requeue: preempted tasks go back to the queue. B:USR1@N: N s before the time limit,
-    # the task script (only it: B:) gets USR1; it tells run.py, which checkpoints, and
-    # requeues.
+    # --requeue: preempted tasks go back to the queue. B:USR1@N: N s before the time limit, the
+    # task script alone (B:) gets USR1; it tells run.py to checkpoint, then requeues.
     cmd = [
         "sbatch", "--parsable", f"--job-name={s.SWEEP_JOB_NAME or Path(cwd).name}",
         f"--array=0-{len(pending) - 1}%{s.SLURM_MAX_PARALLEL}", f"--gres={gres}",
@@ -177,8 +174,7 @@ def submit_slurm(sweep: Sweep, dry_run: bool) -> None:
     for n, job in enumerate(pending):
         # One file per array task: its arguments, NUL-separated (any character is safe), and
         # its script when it is not run.py.
-        words = [w.encode("utf-8", "surrogateescape") + b"\0" for w in sweep.argv(job)]
-        (submit / "args" / str(n)).write_bytes(b"".join(words))
+        (submit / "args" / str(n)).write_bytes(nul_join(sweep.argv(job)))
         if job.script != "run.py":
             (submit / "script").mkdir(exist_ok=True)
             (submit / "script" / str(n)).write_text(f"{job.script}\n")
@@ -201,11 +197,7 @@ def usage(script: str) -> str:
     """run.sh's header comment (its usage text: line 2 to the first blank line), then the
     settings."""
     lines = text_or_empty(Path(script)).splitlines()[1:]
-    header = []
-    for line in lines:
-        if not line:
-            break
-        header.append(re.sub(r"^# ?", "", line))
+    header = [re.sub(r"^# ?", "", line) for line in itertools.takewhile(bool, lines)]
     return "\n".join(header) + "\n" + ENVIRONMENT
 
 
@@ -222,14 +214,11 @@ def main(argv: list[str] | None = None, stdin: BinaryIO | None = None) -> int:
         sys.stdout.reconfigure(line_buffering=True)
     try:
         return _main(script, args, stdin or sys.stdin.buffer)
-    except Refused as exc:
+    except (Refused, ForeignFile) as exc:  # ForeignFile: a link or another's file in its way
         err(str(exc))
         return 2
     except BadSetting as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except ForeignFile as exc:  # a link or another user's file where the sweep writes its own
-        err(str(exc))
         return 2
 
 

@@ -83,8 +83,7 @@ def log(message: str) -> None:
 
 
 def text_or_empty(path: Path) -> str:
-    """The text of `path`; "" when it is missing or unreadable (a job's file: not there yet, or
-    half-written)."""
+    """The text of `path`; "" when it is missing or unreadable (not there yet, half-written)."""
     try:
         return path.read_text()
     except (OSError, UnicodeDecodeError):
@@ -98,20 +97,29 @@ def json_int(text: str, key: str) -> int | None:
     return int(found[1]) if found else None
 
 
-def read_job_list(stream: BinaryIO) -> tuple[list[str], list[list[str]]]:
-    """(QUICK_ARGS, each job's arguments) from run.sh's NUL-separated list: the preset's count
-    and arguments, then per job its count and arguments."""
-    data = stream.read()
-    words = [w.decode("utf-8", "surrogateescape") for w in data.split(b"\0")[:-1]]
+def read_lists(stream: BinaryIO) -> list[list[str]]:
+    """`COUNT\\0ARG\\0...` per list, as run.sh and `SCRIPT --plan` read them; ValueError else."""
+    words = [w.decode("utf-8", "surrogateescape") for w in stream.read().split(b"\0")[:-1]]
     lists: list[list[str]] = []
     i = 0
+    while i < len(words):
+        count = int(words[i])
+        if count < 0 or i + 1 + count > len(words):
+            raise ValueError(f"list {len(lists)} is shorter than its count")
+        lists.append(words[i + 1 : i + 1 + count])
+        i += 1 + count
+    return lists
+
+
+def nul_join(words: list[str]) -> bytes:
+    """Each word NUL-terminated: any character is safe in it."""
+    return b"".join(w.encode("utf-8", "surrogateescape") + b"\0" for w in words)
+
+
+def read_job_list(stream: BinaryIO) -> tuple[list[str], list[list[str]]]:
+    """(QUICK_ARGS, each job's arguments) from run.sh's list: the preset's, then each job's."""
     try:
-        while i < len(words):
-            count = int(words[i])
-            if count < 0 or i + 1 + count > len(words):
-                raise ValueError
-            lists.append(words[i + 1 : i + 1 + count])
-            i += 1 + count
+        lists = read_lists(stream)
     except ValueError:
         raise Refused("the job list from run.sh is not 'COUNT\\0ARG\\0...' per job") from None
     if not lists:
@@ -201,9 +209,8 @@ class Sweep:
         return self.settings.PYTHON
 
     def argv(self, job: SweepJob) -> list[str]:
-        """Job's complete arguments. A run.py job gets the sweep's results folder and the preset's
-        arguments first, so that its own and those after `--` (last) win: argparse keeps the last
-        value of a flag. A job of another script gets its own arguments only."""
+        """Job's complete arguments: a run.py job's own come after the sweep's results folder and
+        the preset's, and before those after `--`: argparse keeps a flag's last value."""
         if job.script != "run.py":
             return list(job.own)
         head = ["--results-dir", f"results/{self.settings.SWEEP_NAME}", *self.quick]
@@ -219,10 +226,7 @@ class Sweep:
         for script, mine in scripts.items():
             if not Path(script).is_file():
                 raise Refused(f"job {mine[0].index}: {script} not found in {os.getcwd()}")
-            data = b"".join(
-                b"".join(w.encode("utf-8", "surrogateescape") + b"\0" for w in [str(len(a)), *a])
-                for a in map(self.argv, mine)
-            )
+            data = b"".join(nul_join([str(len(a)), *a]) for a in map(self.argv, mine))
             out = subprocess.run(
                 [self.python, script, "--plan"], input=data, stdout=subprocess.PIPE
             ).stdout
@@ -250,9 +254,8 @@ class Sweep:
                 seen[job.dir] = job.index
 
     def wait_for_stopping(self, wait_s: int) -> None:
-        """Jobs whose holder is stopping (a run.py told to stop, e.g. the orphans of a sweep
-        killed a moment ago, checkpointing) are free in a few seconds: plan again every second
-        until they are, for at most wait_s seconds; any still stopping then runs elsewhere."""
+        """Jobs whose holder is stopping (checkpointing, e.g. the orphans of a sweep killed a
+        moment ago) are free in a few seconds: plan again every second, for at most wait_s."""
         waited = 0
         while True:
             stopping = sum(job.state == "stopping" for job in self.jobs)
@@ -286,10 +289,8 @@ class Sweep:
         print(line, flush=True)
 
     def replan(self) -> list[SweepJob]:
-        """Plan again (after a job ended, or before the queue ends): the jobs that can run now,
-        those waiting for inputs that have finished meanwhile and, once each, those running
-        elsewhere whose holder has let go of the claim since (it stopped: exit 75, or died); one
-        finished elsewhere meanwhile is skipped."""
+        """Plan again; the jobs that can run now: those whose inputs have finished meanwhile and,
+        once each, those whose holder elsewhere has let go of the claim since."""
         self.plan()
         ready = []
         for job in self.jobs:

@@ -1,19 +1,14 @@
 """A job's MLflow tracking (`Tracker`), its provenance tags, and `python -m labrun.tracking
 sync|follow` (follower.py's command). What MLflow holds is made by mirror.py's `mirror`, the one
 path from a run directory to MLflow.
-- Interactive (`python run.py`): the job mirrors its directory as RUNNING at its start (MLflow's
-  rows read back once), after each epoch (the history rows past `sent_rows`: some 10 ms on a
-  local sqlite DB; MLflow's own monitor samples the machine), and with its end status at its end
-  (read back again: MLflow then equals the directory).
+- Interactive (`python run.py`): the job mirrors its directory as RUNNING at its start, after
+  each epoch (the history rows past `sent_rows`: some 10 ms on a local sqlite DB), and with its
+  end status at its end.
 - In a sweep (run.sh sets `LAB_TRACKING_FOLLOWER=1`): jobs never talk to MLflow; the sweep's one
-  follower mirrors each running run live as its epochs land, without writing its tracking.json,
-  and finishes it once its job has released the run's claim (follower.py). A sweep
-  killed with -9 loses nothing: the next sweep's follower, or `python -m labrun.tracking sync`
-  (which prints every change it makes), mirrors the rest.
-- Never fatal: when the tracker cannot be reached or errors, the job warns once and keeps
-  training; what was not sent is sent at the next epoch that reaches the tracker, at the end
-  (tried once more whatever the back-off), when the run is resumed, or by `sync`.
-- `--tracking off` (or `LAB_TRACKING=off`) runs without MLflow at all.
+  follower mirrors them (follower.py). A sweep killed with -9 loses nothing: the next sweep's
+  follower, or `python -m labrun.tracking sync`, mirrors the rest.
+- Never fatal: an unreachable tracker is one warning; what was not sent follows at a later
+  epoch, at the end, on resume, or by `sync`.
 
 Imports neither torch nor mlflow at module level (mlflow costs ~1.5 s to import).
 """
@@ -34,12 +29,12 @@ from . import runs
 from .config import PROJECT_ROOT
 from .mirror import (
     RETRY_AFTER_S,
-    SYSTEM_METRICS_INTERVAL_S,
     as_texts,
     mirror,
     mlflow_client,
     read_state,
     save_state,
+    system_monitor,
     tracking_uri,
 )
 from .runs import first_line
@@ -49,10 +44,8 @@ MAX_ERROR_CHARS = 20000  # a traceback kept in tracking.json for traceback.txt
 
 
 def provenance(log: logging.Logger | None = None) -> dict[str, str]:
-    """Tags that let someone reproduce the run: code, command, versions, hardware.
-
-    Outside a git repository the commit is `unknown`; `log` then says so (once per run), since a
-    run whose code cannot be found again is a result nobody can reproduce."""
+    """Tags that let someone reproduce the run: code, command, versions, hardware. `log` warns
+    outside a git repository: a run whose code cannot be found again nobody can reproduce."""
     import torch
 
     code = runs.code_version(PROJECT_ROOT)
@@ -84,13 +77,9 @@ def provenance(log: logging.Logger | None = None) -> dict[str, str]:
 
 
 class Tracker:
-    """The MLflow side of one job's run directory; every call is guarded and none raises.
-
-    `tracking.json` (in the run directory) holds the MLflow run id and what this job knows that
-    its files do not (params, tags, start and end times, the error), so a resumed job, the
-    follower or `sync` continues the same MLflow run. Each call mirrors the directory as it is.
-    Deferred (`LAB_TRACKING_FOLLOWER=1`, set by run.sh): tracking.json only, no MLflow at all.
-    """
+    """The MLflow side of one job's run directory; every call is guarded and none raises. It
+    keeps tracking.json (mirror.py), so a resumed job, the follower or `sync` continues the same
+    MLflow run. Deferred (`LAB_TRACKING_FOLLOWER=1`): tracking.json only, no MLflow at all."""
 
     def __init__(
         self,
@@ -130,8 +119,8 @@ class Tracker:
         return self.state.get("run_id")
 
     def _guard(self, what: str, fn, *args, force: bool = False):
-        """Run fn unless tracking is off or failed recently (`force`: whatever the back-off, for
-        the run's end); a failure warns once, never raises."""
+        """fn(*args) unless tracking is off or failed recently (`force`: whatever the back-off);
+        a failure warns once, never raises."""
         if not self.enabled or self.deferred:
             return None
         recent = self._failed_at is not None and time.monotonic() - self._failed_at < RETRY_AFTER_S
@@ -165,7 +154,6 @@ class Tracker:
         return changes
 
     def log_history(self) -> None:
-        """Send history.csv's new rows: mirror the run directory as it is, RUNNING."""
         # After one full comparison, an epoch sends the rows past those this job sent: reading
         # every row back each epoch made a long run's tracking quadratic in its epochs.
         known = self.state.get("sent_rows") if self._verified else None
@@ -175,18 +163,7 @@ class Tracker:
         if self.system_metrics and self._monitored != self.run_id:
             self.close()  # a rebuilt MLflow run: the monitor follows it
             self._monitored = self.run_id
-            self._guard("start system metrics", self._start_monitor)
-
-    def _start_monitor(self) -> None:
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-        self.monitor = SystemMetricsMonitor(
-            self.run_id,
-            sampling_interval=SYSTEM_METRICS_INTERVAL_S,
-            resume_logging=True,
-            tracking_uri=tracking_uri(),
-        )
-        self.monitor.start()
+            self.monitor = self._guard("start system metrics", system_monitor, self.run_id)
 
     def _save_state(self) -> None:
         if not self._frozen:
@@ -201,14 +178,9 @@ class Tracker:
         artifacts: list[Path] = (),
         error: str | None = None,
     ) -> None:
-        """Record how the run ended (tracking.json), then make the MLflow run equal the run
-        directory (`mirror`): FINISHED, KILLED or FAILED. Deferred: the follower does that.
-
-        Tried once more whatever the retry back-off (a short outage near the end must not leave
-        the run RUNNING with half its epochs); what still did not arrive, `sync` (or the next
-        resume) sends: tracking.json's `sent_rows` and `ended` say what MLflow has. The
-        directory's files are sent, not what the job holds: a row a full disk kept out of
-        history.csv is no part of the record. `artifacts`: files of the run directory."""
+        """Record how the run ended (tracking.json), then mirror the run directory (deferred: the
+        follower does), tried whatever the back-off: a short outage near the end must not leave
+        the run RUNNING with half its epochs. `artifacts`: files of the run directory."""
         if not self.enabled:
             return
         self.state.update(

@@ -13,10 +13,9 @@ SCALING_MIN = 0.8  # gpucheck's ddp check: weak-scaling efficiency below this is
 
 
 def measure_step(device_name: str, batch: int, steps: int, width: int) -> dict:
-    """Seconds per optimizer step of the default model on `batch` random images per process,
-    in this process's job (run it under torchrun for N processes); the slowest rank's time.
-    The step is run.py's: channels_last, autocast in the precision run.py picks here (bf16 on
-    recent GPUs: timing fp32 would overstate the all-reduce's share), AdamW, DDP."""
+    """Seconds per optimizer step (the slowest rank's) of the default model on `batch` random
+    images per process, run.py's step: autocast in run.py's precision (timing fp32 would
+    overstate the all-reduce's share), channels_last, AdamW, DDP."""
     import torch
     import torch.distributed as td
     import torch.nn.functional as F

@@ -8,35 +8,22 @@ FAILed (checks that cannot run here say "not checked" and why); 1: at least one 
   torch build  a machine whose nvidia-smi lists GPUs runs a CUDA build of torch that sees them
   precision    the autocast dtype's matmul peak is >= PRECISION_MIN_GAIN x fp32's (CUDA)
   decision     run.py's compile decision for the default run, as run.log states it (info)
-  ceiling      the default job is >= CEILING_MIN x a hand-written best-practice loop on the
-               same model, batch, data and precision (labrun.tools.reference.best_practice_rate:
-               data and crop + flip on the device, channels_last, fused AdamW; on CUDA
-               torch.compile reduce-overhead)
-  plain        the default job is >= PLAIN_MIN x a naive loop with the data on the device
-               (reference.naive_rate: fp32, eager, loss.item() each step; CPU too: the CPU
-               path must not be slower than a plain loop on any x86 CPU)
-  textbook     the job against the textbook loop (per-sample augmentation on the CPU, MLflow
-               every step: reference.plain_loop_rate), the third reference (info)
-  feed         the job's loader keeps up: with the data streamed from the host, the job
-               reaches >= FEED_MIN of the same job with the data resident on the GPU; and a
-               folder of JPEGs streamed through workers reaches >= FEED_MIN of the same
-               images decoded in memory (ResNet-18 at 224 px by default)
+  ceiling      the default job is >= CEILING_MIN x reference.best_practice_rate (same model,
+               batch, data and precision)
+  plain        the default job is >= PLAIN_MIN x reference.naive_rate (CPU too)
+  textbook     the job against reference.plain_loop_rate (info)
+  feed         streamed from the host, the job reaches >= FEED_MIN of the same job with the
+               data on the GPU; a folder of JPEGs streamed through workers >= FEED_MIN of the
+               same images decoded in memory
   sync         no host sync inside run.py's training step (torch's sync debug mode, CUDA)
-  recompiles   a compiled run (--compile on) trains, evaluates (compiled), checkpoints and
-               resumes without one recompile (TORCH_LOGS=recompiles)
-  ddp compile  the same on 2 processes under torchrun: DDP around the compiled module, the
-               warm-up through the object the step calls: no recompile in the loop
-  graphs       a --compile reduce-overhead job replays CUDA graphs (TORCH_LOGS=cudagraphs):
-               no non-cudagraphable partition, no skipped graph, no re-recording, and a graph
-               recorded for the forward and the backward; and its training losses are the
-               eager job's within ACCUM_RTOL
-  accum        a compiled run with --grad-accum 2 (max-autotune where run.py picks it, CUDA)
-               learns what the eager run learns: its losses within ACCUM_RTOL
+  recompiles   --compile on trains, evaluates, checkpoints and resumes without one recompile
+  ddp compile  the same on 2 processes under torchrun (DDP around the compiled module)
+  graphs       --compile reduce-overhead replays CUDA graphs (TORCH_LOGS=cudagraphs) for the
+               forward and the backward, and its losses are the eager job's within ACCUM_RTOL
+  accum        --compile on with --grad-accum 2 learns the eager run's losses (CUDA)
   layout       the memory layout run.py trains in (channels_last on CUDA: every conv output)
-  resume       exact: with --deterministic, a run stopped after epoch 1 and resumed ends with
-               the numbers of the straight run
-  ddp          several GPUs: run.py's step on 1 and on all of them (torchrun + DDP, the batch
-               per GPU fixed), in the run's precision: weak-scaling efficiency >= SCALING_MIN
+  resume       --deterministic, stopped after epoch 1 and resumed: the straight run's numbers
+  ddp          run.py on 1 and on every GPU (batch per GPU fixed): efficiency >= SCALING_MIN
 `--device cpu` runs what can run on a CPU: a dry run of this script, not a GPU claim. Checks are
 functions in CHECKS (each returns its Result lines). The benchmarks import `job_rate` (run.py
 itself, timed) and tools/reference.py's loops; the matmul peak is hardware's
@@ -120,14 +107,11 @@ class Result:
 
 
 def judged(name: str, ok: bool, detail: str) -> Result:
-    """A check's verdict: PASS where `ok` (its threshold met), else FAIL."""
     return Result(name, PASS if ok else FAIL, detail)
 
 
 @dataclass
 class Context:
-    """What every check gets: this script's options, the device, a work folder, the log."""
-
     options: argparse.Namespace
     device: object
     work: Path
@@ -142,8 +126,6 @@ class Context:
 
 @dataclass
 class JobResult:
-    """What one run.py job left: its exit code, files and logs."""
-
     code: int
     run_dir: Path | None
     stderr: str
@@ -180,8 +162,8 @@ def run_job(
     results: Path | None = None,
     stop_after_epoch: int = 0,
 ) -> JobResult:
-    """run.py with run.py's defaults, this check's size options and `flags`; under torchrun
-    with `nproc` > 1. `stop_after_epoch`: SIGTERM once history.csv holds that many epochs."""
+    """run.py with this check's size options and `flags` (torchrun with `nproc` > 1);
+    `stop_after_epoch`: SIGTERM once history.csv holds that many epochs."""
     options = ctx.options
     if results is None:
         ctx.runs += 1
@@ -226,7 +208,6 @@ def run_job(
 
 
 def job_args(ctx: Context, results: Path, *flags: str) -> list[str]:
-    """run.py's command line for a job of this check: the size options, `flags`, `results`."""
     return [
         *("--device", ctx.device.type, "--tracking", "off", "--progress", "off"),
         *("--width", str(ctx.options.width), "--batch-size", str(ctx.options.batch_size)),
@@ -300,7 +281,6 @@ def check_torch_build(ctx: Context) -> list[Result]:
 
 
 def nvidia_smi_gpus() -> list[str]:
-    """The GPUs `nvidia-smi -L` lists (none where it is missing or fails)."""
     if shutil.which("nvidia-smi") is None:
         return []
     try:
@@ -329,7 +309,6 @@ def speed_flags(ctx: Context, steps: int) -> tuple[str, ...]:
 
 
 def check_default_job(ctx: Context) -> list[Result]:
-    """run.py's defaults on CIFAR-sized synthetic data: the decision, plain, feed, MFU."""
     import torch
 
     from .reference import plain_loop_rate, synthetic_split, train_flops_per_sample
@@ -387,8 +366,6 @@ def check_default_job(ctx: Context) -> list[Result]:
 
 
 def reference_results(ctx: Context, rate: float, split) -> list[Result]:
-    """`ceiling` and `plain`: the job's samples/s against the hand-written loops of
-    labrun.tools.reference on the same model, batch, data and precision."""
     import torch
 
     from ..hardware import choose_precision
@@ -430,10 +407,8 @@ def feed_result(name: str, job: float, ceiling: float) -> Result:
 
 
 def check_streamed_folder(ctx: Context) -> list[Result]:
-    """Image files streamed through run.py's loader (workers, pinned memory on CUDA) into
-    ResNet-18 at 224 px, against the same images decoded in memory: JPEGs of 500x375 written
-    to a temp folder. Each job is run.py's own (a subprocess): no loader of this process is
-    reused once its workers are gone."""
+    """JPEGs of 500x375 in a temp folder. Each job is run.py's own (a subprocess): no loader of
+    this process is reused once its workers are gone."""
     options = ctx.options
     if "stream" in options.skip:
         return []
@@ -477,7 +452,6 @@ def write_jpegs(root: Path, per_class: int, size=(500, 375), classes: int = 3) -
 
 
 def recompile_result(name: str, job: JobResult, what: str) -> Result:
-    """From a run under TORCH_LOGS=recompiles,graph_breaks: FAIL on any recompile."""
     if job.code != 0:
         return failed(name, job)
     text = job.stderr + job.log
@@ -500,8 +474,6 @@ def small_flags(ctx: Context, epochs: int = 2) -> tuple[str, ...]:
 
 
 def check_recompiles(ctx: Context) -> list[Result]:
-    """--compile on: 2 epochs (train, compiled evaluation, checkpoint), then a third epoch on
-    resume: run.py must never recompile after its warm-up."""
     if "recompiles" in ctx.options.skip:
         return []
     results, flags = ctx.work / "recompiles", (*small_flags(ctx), "--compile", "on")
@@ -514,7 +486,6 @@ def check_recompiles(ctx: Context) -> list[Result]:
 
 
 def check_ddp_compile(ctx: Context) -> list[Result]:
-    """DDP around the compiled module on 2 processes (gloo on CPU, NCCL on 2 GPUs)."""
     import torch
 
     if "ddp-compile" in ctx.options.skip:
@@ -535,7 +506,6 @@ REASON = re.compile(r"reason=([a-zA-Z -]+),")
 
 
 def check_graphs(ctx: Context) -> list[Result]:
-    """--compile reduce-overhead on the default model: do its CUDA graphs replay?"""
     if "graphs" in ctx.options.skip:
         return []
     if ctx.device.type != "cuda":
@@ -550,9 +520,7 @@ def check_graphs(ctx: Context) -> list[Result]:
 
 
 def graphs_result(text: str) -> Result:
-    """From a run's TORCH_LOGS=cudagraphs output: FAIL when any part of the compiled step would
-    run without a CUDA graph (a non-cudagraphable partition, a skipped graph), when a graph is
-    re-recorded, or when no graph was recorded for the forward and the backward."""
+    """The `graphs` verdict from a run's TORCH_LOGS=cudagraphs output."""
     partitions = [tuple(map(int, found)) for found in PARTITIONS.findall(text)]
     graphable = sum(p[1] for p in partitions)
     outside = sum(p[2] for p in partitions)
@@ -583,8 +551,7 @@ def graphs_result(text: str) -> Result:
 
 
 def check_accumulation(ctx: Context) -> list[Result]:
-    """--grad-accum 2 compiled (max-autotune where run.py picks it: CUDA graphs must not
-    overwrite the accumulated gradients) against eager: the same losses within ACCUM_RTOL."""
+    """CUDA graphs must not overwrite the accumulated gradients."""
     if ctx.device.type != "cuda":
         return [Result("accum", NOT_CHECKED, "no CUDA (no CUDA graphs)")]
     flags = (*small_flags(ctx, 2), "--grad-accum", "2", "--seed", "3")
@@ -598,7 +565,6 @@ def check_accumulation(ctx: Context) -> list[Result]:
 def accumulation_result(
     compiled: JobResult, eager: JobResult, name: str = "accum", what: str = "--grad-accum 2"
 ) -> Result:
-    """The compiled job's training losses against the eager job's, epoch by epoch."""
     a = [float(r["train_loss"]) for r in compiled.history()]
     b = [float(r["train_loss"]) for r in eager.history()]
     worst = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
@@ -609,8 +575,6 @@ def accumulation_result(
 
 
 def check_sync(ctx: Context) -> list[Result]:
-    """run.py's default job in this process under torch's sync debug mode: a synchronizing
-    CUDA call whose stack passes through run.py's step is a FAIL."""
     if ctx.device.type != "cuda":
         return [Result("sync", NOT_CHECKED, "no CUDA")]
     import torch
@@ -659,7 +623,6 @@ def sync_result(found: list[str]) -> Result:
 
 
 def check_layout(ctx: Context) -> list[Result]:
-    """The layout run.py's model trains in: on CUDA every conv output is channels_last."""
     import torch
     from torch import nn
 
@@ -685,7 +648,6 @@ def check_layout(ctx: Context) -> list[Result]:
 
 
 def check_resume(ctx: Context) -> list[Result]:
-    """--deterministic: stopped by SIGTERM after epoch 1, resumed: the straight run's numbers."""
     flags = (*small_flags(ctx, 2), "--deterministic", "--checkpoint-every", "0")
     straight = run_job(ctx, *flags)
     results = ctx.work / "resumed"
@@ -710,7 +672,6 @@ def resume_result(straight: JobResult, resumed: JobResult, *, interrupted: bool)
 
 
 def check_ddp(ctx: Context) -> list[Result]:
-    """One job on every visible GPU: DDP's scaling (ddpscaling.check_scaling)."""
     import torch
 
     from .ddpscaling import check_scaling
@@ -725,7 +686,6 @@ def check_ddp(ctx: Context) -> list[Result]:
 
 
 def run_module(root: Path):
-    """The project's run.py, imported (the sync check runs its main() in this process)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("run_checked", root / "run.py")

@@ -14,7 +14,6 @@ when a layer has more features than there are images), in float64.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import replace
 
 import torch
 from torch import nn
@@ -57,7 +56,7 @@ def choose_layer(model: nn.Module, layer: str | None, which: str) -> str:
 def test_inputs(config: dict, count: int, seed: int, batch_size: int, device, data_dir=None):
     """`count` inputs of the test split a run was tested on (rebuilt from its config.json; a
     seeded choice, in order), in batches on `device`."""
-    from ..data import FileSplit, build_loader, load_dataset
+    from ..data import build_loader, load_dataset, subset
 
     loaded = load_dataset(
         config["dataset"], data_dir or config["data_dir"], data_path=config.get("data_path"),
@@ -69,23 +68,14 @@ def test_inputs(config: dict, count: int, seed: int, batch_size: int, device, da
     test = loaded.splits["test"]
     generator = torch.Generator().manual_seed(seed)
     chosen = torch.randperm(len(test), generator=generator)[:count].sort().values
-    # replace(): the split keeps its layout and the training split's normalisation
-    if isinstance(test, FileSplit):
-        test = replace(test, paths=[test.paths[i] for i in chosen], labels=test.labels[chosen])
-    elif test.rows is not None:  # rows of a shared decoded cache
-        test = replace(test, rows=test.rows[chosen], labels=test.labels[chosen])
-    else:
-        test = replace(test, images=test.images[chosen], labels=test.labels[chosen])
-    loader = build_loader(test, batch_size, train=False, device=device, workers=0)
+    loader = build_loader(subset(test, chosen), batch_size, train=False, device=device, workers=0)
     return [x for x, _ in loader]
 
 
 def first_tensor(output, batch: int) -> torch.Tensor:
-    """What a layer's output stands for, as (batch, features): the first tensor, depth first (a
-    tuple's or list's first element that holds one, a dict's first such value: GRU and LSTM give
-    `(output, h_n)`, MultiheadAttention `(output, weights)`), a PackedSequence padded to (batch,
-    time, features), sequence-first outputs (time, batch, ...) turned batch-first. ValueError
-    when the output holds no tensor with a dimension of `batch` inputs."""
+    """What a layer's output stands for, as (batch, features): the first tensor, depth first
+    (GRU and LSTM give `(output, h_n)`, MultiheadAttention `(output, weights)`), a PackedSequence
+    padded, sequence-first outputs turned batch-first. ValueError when none has `batch` rows."""
     if isinstance(output, nn.utils.rnn.PackedSequence):
         output = nn.utils.rnn.pad_packed_sequence(output, batch_first=True)[0]
     elif isinstance(output, dict):
@@ -115,12 +105,9 @@ def _holds_tensor(value) -> bool:
 def activations(
     model: nn.Module, batches: Iterable[torch.Tensor], names: list[str], on_batch=None
 ) -> dict[str, torch.Tensor]:
-    """Each named layer's outputs for every input, flattened per input: {name: (n, features)}.
-
-    Forward hooks record the layers while the model runs once per batch, in eval mode (BatchNorm
-    uses its running statistics, as at test time); a layer's output is read by first_tensor().
-    `on_batch()` runs after each batch (e.g. to honour a stop request). ValueError names a layer
-    whose output cannot be read."""
+    """Each named layer's outputs for every input, flattened per input: {name: (n, features)},
+    recorded by forward hooks in eval mode (BatchNorm's running statistics, as at test time).
+    `on_batch()` runs after each batch (e.g. to honour a stop request)."""
     modules = dict(layers(model))
     out: dict[str, list[torch.Tensor]] = {name: [] for name in names}
     batch = 0
