@@ -1,11 +1,7 @@
-"""torch.compile where it pays, DDP around it, and the compile before the timed loop: what
-run.py's `job.compile(model, loss_fn, loader, progress)` does (tools call `compile_model`).
-
-The decision (hardware.decide_compile) times eager forward + backward passes on a real batch
-against this machine's recorded compile cost, on rank 0; every rank takes its answer. The
-compile then happens on that batch (`warm`), outside the timed loop; a compiler failure falls
-back to eager with one warning. On CUDA the FLOPs of one sample and the GPU's matmul peak are
-measured once (MFU in metrics.json), and the GPU's busy share a job of this model recorded.
+"""torch.compile where it pays, compiled before the timed loop, DDP around it: what run.py's
+`job.compile(model, loss_fn, loader, progress)` does (tools call `compile_model`). The decision
+is hardware.decide_compile's, on rank 0; a compiler failure falls back to eager with one
+warning. On CUDA it also reads what MFU needs (speed_scale), once per machine and model.
 """
 
 from __future__ import annotations

@@ -1,35 +1,14 @@
 """Jobs: the run-directory contract as an API, for any script, training or not.
 
 run.py trains; analyze.py compares two trained runs; your script may do anything else. Each gets
-the same contract (README, "A job that does not train"; docs/design.md, "Jobs"):
-- its run directory from its arguments: `<results-dir>/<readable>-<hash8 of its identity>`, printed
-  by `--print-run-dir` without doing the work (and without importing torch or mlflow);
-- skip when done: metrics.json exists -> "already finished", exit 0; `--fresh` starts over;
-- one process per run directory (claim.py): another live holder -> exit 73 "running elsewhere";
-- config.json, status (running -> finished | failed | interrupted) and run.log in the directory;
-- exit codes 0 finished, 1 failed (one `error:` line, the traceback in run.log), 2 bad input,
-  73 running elsewhere, 75 stopped by a signal (stopping.GracefulStop; re-run to redo);
-- metrics.json written last: its existence means done (runs.is_done);
-- MLflow tracking (tracking.Tracker: params, metrics, end status, artifacts), `--tracking off`;
-- sweeps: `python SCRIPT --plan` answers run.sh for all of its jobs at once (plan.py).
-
-A job of your own is a parser and one function that returns its metrics:
-
-    parser = jobs.parser("count.py", "Count the images of a dataset.", "results/count")
-    parser.add_argument("--dataset", default="digits", help="which dataset")
-
-    def work(job: jobs.Job) -> dict:
-        n = ...  # the work; long loops call job.check_stop() (exit 75 on a stop signal)
-        (job.out / "counts.csv").write_text(...)  # any file of yours, in its run directory
-        return {"images": n}  # -> metrics.json (last) and MLflow
-
-    if __name__ == "__main__":
-        sys.exit(jobs.main(parser, work))
-
-Its identity is every argument but the job flags parser() adds (COMMON_KEYS); pass `identity=`
-(and `readable=`) to jobs.main to say it yourself, as analyze.py does. Bad input found only by
-loading things (a file, a model) goes in `prepare=`: it runs before any file of the job is written,
-so a refused job leaves nothing behind. Imports neither torch nor mlflow.
+the same contract, and a job of your own is a parser and one `work(job) -> metrics` function
+(lib/README.md, "A job that does not train", with an example; docs/design.md, "Jobs"): its run
+directory from its arguments (`--print-run-dir` imports neither torch nor mlflow), skip when
+done, one process per run directory (claim.py), config.json, status, run.log, metrics.json
+written last, MLflow, `--plan` for sweeps, and one mapping of how it ends to its exit code
+(`ended`). Its identity is every argument but the job flags parser() adds (COMMON_KEYS), unless
+`identity=` says it (analyze.py); bad input found only by loading things goes in `prepare=`,
+which runs before any file of the job is written. Imports neither torch nor mlflow.
 """
 
 from __future__ import annotations

@@ -1,24 +1,21 @@
-"""Refusals before training: a model that does not fit the data or the task, or the memory.
+"""Refusals before training: a model that does not fit the data, the task or the memory.
 
-Two checks, both before the run directory holds anything but its lock (a refusal leaves
-nothing behind, exit 2, one `error:` line naming the flags to change):
-
-- `check_memory`, once the data is loaded and before run.py builds the model: the registered
-  model is built on torch's meta device (shapes only, nothing allocated) and driven forward on
-  a batch of the loop's shape; its parameters, their gradients, AdamW's two moments, the EMA
-  copy, early stopping's best weights (host) and the activations a backward pass keeps are
-  summed and held against the free memory: the host's (labrun.data.available_ram_bytes: the
-  cgroup, Slurm and ulimit included) and, on CUDA, the GPU's (torch.cuda.mem_get_info).
+Each before the run directory holds anything but its lock (a refusal leaves nothing behind,
+exit 2, one `error:` line naming the flags to change), each on run.py's own `make_model`:
+- `check_model_fits`, before any image is decoded: an --image-size the model cannot take.
+- `check_memory`, once the data is loaded: the model built on torch's meta device (shapes only,
+  nothing allocated) and driven forward on a batch of the loop's shape; its parameters, their
+  gradients, AdamW's two moments, the EMA copy, early stopping's best weights (host) and the
+  activations a backward pass keeps, held against the free memory: the host's
+  (data.available_ram_bytes: the cgroup, Slurm and ulimit included) and, on CUDA, the GPU's.
   Without it `--width 4000` grew to 19.5 GB on a 2-core node until the kernel's OOM killer
-  ended it, or a neighbour's job; `--width 100000000` died in the allocator.
+  ended it, or a neighbour's job; `--width 100000000` died in the allocator. The estimate is a
+  lower bound (allocator slack, workspaces): what it refuses cannot train; what it lets through
+  may still meet a CUDA OOM, which the run reports with --find-batch-size's advice.
 - `forward_problem`, once the real model exists: one forward pass and the task's loss on two
   samples of a real training batch, in eval mode without gradients (no BatchNorm statistic,
-  no RNG draw changes the run). A 1-D model on images, or `--task regression` on class ids,
-  is then one line instead of a traceback in a `failed` directory.
-
-The estimate is a lower bound (allocator slack, workspaces and temporaries are not counted):
-what it refuses cannot train; what it lets through may still meet a CUDA OOM, which the run
-reports with --find-batch-size's advice.
+  no RNG draw changes the run): a 1-D model on images, or `--task regression` on class ids,
+  is one line instead of a traceback in a `failed` directory.
 """
 
 from __future__ import annotations

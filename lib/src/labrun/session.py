@@ -1,30 +1,14 @@
 """run.py's training job: `lifecycle` (its main) and `TrainingJob` (the run directory).
 
-run.py holds the method's objects and calls verbs that take them (README, "The method"):
-
-    args, env = job.args, job.env          # the flags; device, autocast dtype, task, torchrun
-    built = build(args, env)               # run.py: labrun.load_data, the model, optimizer...
-    progress = job.resume(data, stopper, loss_fn, model=..., optimizer=..., sums=...)
-    compiled = job.compile(model, loss_fn, data.train, progress)   # where it pays; DDP
-    step = make_step(built, compiled, args, env, loss_fn)          # run.py
-    while progress.epoch < data.last_epoch and not stopper.should_stop:
-        for micro_batches in job.batches(data.train):   # resume-exact
-            step(micro_batches)                         # adds to the TrainSums on the device
-            job.tick()                                  # a stop signal: checkpoint, exit 75
-        row = job.end_epoch(sums, labrun.evaluate(...), lr=...)   # history.csv
-        if stopper.update(row[env.task.monitor], progress.epoch, eval_model):
-            job.save_best(stopper)                      # best_model.pt
-        job.checkpoint(every=args.checkpoint_every)
-    job.finish(stopper, labrun.evaluate(eval_model, data.test, ...))
-
-A verb called before what it needs exists is a NameError at run.py's line (`progress`,
-`compiled`, `step` come from the verbs before). The job writes: config.json, run.log, status,
-history.csv, checkpoint.pt (every object given to `resume` by its state_dict, progress, early
-stopping with the best weights, RNG, the precision), best_model.pt, metrics.json (last; never
-NaN: null and a reason), MLflow; it handles stop signals, exact resume, torchrun (rank 0
-writes) and every way a run ends: exit 0 finished, 1 failed (one `error:` line, the traceback in
-run.log), 2 bad input or a refused checkpoint (nothing written), 73 its directory is another's,
-75 stopped (re-run to resume), 130 forced (status interrupted).
+run.py holds the method's objects; its train(job) calls the job's verbs with them, in the order
+lib/README.md's public surface lists (resume, compile, batches/tick, end_epoch, save_best,
+checkpoint, finish): a verb called before what it needs exists is a NameError at run.py's line.
+The job writes config.json, run.log, status, history.csv, checkpoint.pt (every object given to
+`resume` by its state_dict, progress, early stopping with the best weights, RNG, the
+precision), best_model.pt, metrics.json (last; never NaN: null and a reason) and MLflow; it
+handles stop signals, exact resume, torchrun (rank 0 writes) and every way a run ends (jobs.ended:
+0 finished, 1 failed, 2 bad input or a refused checkpoint, 73 its directory is another's,
+75 stopped: re-run to resume, 130 forced).
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """The task registry (`--task`): what the model's outputs are scored against. A task is one
-decorated function that returns a `Task`: its loss, its metrics as sums, and which way is better:
+decorated function that returns a `Task`: its loss, its metrics as sums, and which way is better
+(`regression` below; lib/README.md, "Tasks", has one of a project's own). `--help` lists the
+names and help texts without importing torch (registry.py).
 
-    @register_task("regression", help="MSE loss; mse, mae and r2")
-    def regression(args) -> Task:
-        return Task(loss=mse, sums=regression_sums, finish=regression_metrics,
-                    metrics={"mse": "min", "mae": "min", "r2": "max"})
-
-`--help` lists the names and help texts without importing torch (registry.py).
-
-The contract (README, "Your own task"; docs/design.md, "Metric names"):
+The contract (docs/design.md, "Metric names"):
 - `loss(outputs, targets)`: the mean loss the optimizer minimises, fp32 (outputs may be bf16/fp16
   under autocast). `eval_loss` is what val_loss/test_loss report (default: `loss`). run.py's
   train() names both on one line: what its step trains on, and what evaluation reports.
@@ -17,9 +12,8 @@ The contract (README, "Your own task"; docs/design.md, "Metric names"):
   once and given to `finish(total, n)` (a float64 numpy array and the sample count), which returns
   `{metric: value}` for every key of `metrics`. Sums, not means, so that batches of any size (and
   later, processes) combine by addition.
-- `metrics`: `{name: "max" | "min"}`: the direction of each metric. History columns are
-  `train_loss, train_<metric>..., val_loss, val_<metric>...`; metrics.json has `test_loss`,
-  `test_<metric>` and `best_<monitor>`. `monitor`: the default of `--monitor` (`val_<first>`).
+- `metrics`: `{name: "max" | "min"}`: the direction of each metric, named so in history.csv and
+  metrics.json (lib/README.md). `monitor`: the default of `--monitor` (`val_<first>`).
 - `spatial_targets`: True when targets are per pixel (segmentation masks): the training loader's
   random crop and flip move the image but not the target, so they are turned off for such a task.
 """
