@@ -664,7 +664,8 @@ def test_jobs_per_gpu_auto_opens_slots_at_the_first_estimate_then_fits_the_peaks
 
 def test_a_job_out_of_gpu_memory_in_a_shared_slot_is_requeued_alone(tmp_path):
     # 2 slots on one GPU: b runs out of memory beside a; it goes back to the queue's head and
-    # runs alone once a has ended, and c waits until it has; out of memory alone is a failure.
+    # runs alone once the GPU is free; out of memory alone is a failure. (c may have started
+    # in a's slot before b's exit was seen; then b waits for c too.)
     flag = tmp_path / "b-started"
     jobs = [f"--tag a --wait-for {flag}", f"--tag b --touch {flag} --oom-once", "--tag c"]
     project = make_project(tmp_path / "p", jobs)
@@ -673,8 +674,8 @@ def test_a_job_out_of_gpu_memory_in_a_shared_slot_is_requeued_alone(tmp_path):
     assert "requeued" in result.stdout and "runs alone next" in result.stdout, result.stdout
     assert "3 done (3 ran now, 0 skipped: already done), 0 failed" in result.stdout
     runs = {r["name"][len("tag_")]: r for r in attempts(project) if r["rc"] == 0}
-    assert runs["b"]["start"] >= runs["a"]["end"]  # alone: after a
-    assert runs["c"]["start"] >= runs["b"]["end"]  # nothing beside it
+    for other in (runs["a"], runs["c"]):  # nothing beside b's second run
+        assert other["end"] <= runs["b"]["start"] or other["start"] >= runs["b"]["end"], runs
     alone = make_project(tmp_path / "alone", ["--oom-once --tag b"])
     result = run_sweep(alone, GPUS="0", JOBS_PER_GPU="1")
     assert result.returncode == 1 and "requeued" not in result.stdout, result.stdout
