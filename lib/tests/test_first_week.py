@@ -118,7 +118,7 @@ def test_own_model_and_dataset_in_new_files_train_and_keep_pytest_green(tmp_path
 
 
 def test_a_name_registered_twice_names_both_places(tmp_path, monkeypatch):
-    from labrun import listing, models, registry
+    from labrun import listing, models, project, registry
 
     package = tmp_path / "pkg"
     package.mkdir()
@@ -128,7 +128,7 @@ def test_a_name_registered_twice_names_both_places(tmp_path, monkeypatch):
             f"def {name}(): ...\n"
         )
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(registry, "packages", lambda: [("pkg", package)])
+    monkeypatch.setattr(project, "current", lambda: project.Project(tmp_path, "pkg", "pkg"))
     monkeypatch.setattr(models, "MODELS", registry.Registry("register_model"))  # ours alone
     monkeypatch.setattr(models, "register_model", models.MODELS.register)
     with pytest.raises(ValueError, match=r"b.py:4: @register_model\('twin'\) is also at .*a.py:4"):

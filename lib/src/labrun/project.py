@@ -28,10 +28,6 @@ class Project:
     package: str | None
     experiment: str
 
-    @property
-    def package_dir(self) -> Path | None:
-        return self.root / self.package if self.package else None
-
 
 def _pyproject(folder: Path) -> dict:
     """folder/pyproject.toml, or {} where there is none or it does not parse."""

@@ -37,6 +37,7 @@ CACHE = Path(".cache") / "registry.json"  # under the project's root (.gitignore
 # Set in the child that lists: there the listing is empty (labrun.config, imported by the
 # registering modules, asks for it at import), never listed again in a grandchild.
 LISTING_ENV = "LABRUN_LISTING"
+FIRST = ("model.py", "data.py")  # the project's modules imported first when listing
 
 
 REQUIRED = "<required>"  # Entry.params: a parameter without a default
@@ -94,28 +95,17 @@ class Registry(dict):
         return add
 
 
-def packages() -> list[tuple[str, Path]]:
-    """(import name, folder) of the project's package, where registrations are looked for."""
-    here = project.current()
-    if here.package and here.package_dir.is_dir():
-        return [(here.package, here.package_dir)]
-    return []
-
-
 def _modules() -> list[tuple[str, Path]]:
-    """(dotted name, path) of every module of the project's package, model.py and data.py
-    first, then by path."""
+    """(dotted name, path) of every module of the project's package (none without one), model.py
+    and data.py first, then by path; hidden files and folders and __pycache__ left out."""
+    here = project.current()
+    if not here.package or not (package_dir := here.root / here.package).is_dir():
+        return []
     found = []
-    for package, package_dir in packages():
-        paths = sorted(
-            (p for p in package_dir.rglob("*.py") if "__pycache__" not in p.parts),
-            key=lambda p: (p.name not in ("model.py", "data.py"), p.relative_to(package_dir)),
-        )
-        for path in paths:
-            parts = path.relative_to(package_dir).with_suffix("").parts
-            if any(part.startswith(".") for part in parts):
-                continue
-            found.append((".".join((package, *(p for p in parts if p != "__init__"))), path))
+    for path in sorted(package_dir.rglob("*.py"), key=lambda p: (p.name not in FIRST, p)):
+        parts = path.relative_to(package_dir).with_suffix("").parts
+        if not any(part.startswith(".") or part == "__pycache__" for part in parts):
+            found.append((".".join((here.package, *(p for p in parts if p != "__init__"))), path))
     return found
 
 
