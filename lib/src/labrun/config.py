@@ -33,7 +33,7 @@ from pathlib import Path
 
 from . import project, runs
 from .dataversion import data_version
-from .models import WIDTH_DEFAULT, listed_arguments, model_arguments, parse_model_args
+from .models import WIDTH_DEFAULT, listed_arguments, model_arguments
 from .registry import REQUIRED, declarations
 
 # The project this process works for (project.py: its pyproject.toml's [tool.labrun]).
@@ -168,11 +168,17 @@ def _image_size(text: str) -> tuple[int, int]:
     return (int(parts[0]),) * 2 if len(parts) == 1 else (int(parts[0]), int(parts[1]))
 
 
-def _model_args(text: str) -> dict:  # parse_model_args's refusal as argparse's
-    try:
-        return parse_model_args(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+def _model_args(text: str) -> dict:
+    """`k=v,k=v` -> {k: v} of texts, typed later by the defaults (models.model_arguments)."""
+    found = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise argparse.ArgumentTypeError(
+                f"expected name=value pairs separated by commas, got {item!r}"
+            )
+        found[key.strip()] = value.strip()
+    return found
 
 
 def _choices_help(declared: dict, more=lambda entry: "") -> str:
@@ -462,10 +468,6 @@ def project_run_py() -> dict:
     return runpy.run_path(str(path), run_name="_labrun_project_run") if path.is_file() else {}
 
 
-def _project_config() -> type | None:
-    return project_run_py().get("Config")
-
-
 def fields_of(config: type | None) -> list[tuple[dataclasses.Field, type]]:
     """(field, type) of each field of a dataclass of flags, in its order."""
     if config is None:
@@ -476,7 +478,7 @@ def fields_of(config: type | None) -> list[tuple[dataclasses.Field, type]]:
 
 def method_fields() -> list[tuple[dataclasses.Field, type]]:
     """(field, type) of each hyperparameter of run.py's Config, in its order."""
-    return fields_of(_config or _project_config())
+    return fields_of(_config or project_run_py().get("Config"))
 
 
 def execution_keys() -> frozenset:
@@ -556,9 +558,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     try:  # the data's version: cheap, a stat per directory while none changed (dataversion.py)
         args.data_version = args.data_path and data_version(args.data_path, args.data_dir)
         # the model's own size arguments, read from its function without importing it
-        given = None if args.width == WIDTH_DEFAULT else args.width
         declared = MODEL_DECLARED[args.model]
-        args.width, args.model_args = model_arguments(declared, given, args.model_args)
+        args.width, args.model_args = model_arguments(declared, args.width, args.model_args)
     except ValueError as exc:
         parser.error(str(exc))
     clash = sorted(set(args.model_args) & set(vars(args)))
@@ -591,10 +592,6 @@ def identity_args(args: argparse.Namespace) -> dict:
         for k, v in experiment_args(args).items()
         if k in FIRST_RELEASE_KEYS or v != defaults.get(k)
     }
-
-
-def config_hash(args: argparse.Namespace) -> str:
-    return short_hash(identity_args(args))
 
 
 def short_hash(identity: dict, digits: int = 8) -> str:
@@ -661,7 +658,7 @@ def run_of(text: str) -> Path:
 def resolved_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     """What config.json holds: all arguments (paths as strings) plus the run's identity."""
     cfg = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    cfg.update(run_name=run_name(args, parser), config_hash=config_hash(args))
+    cfg.update(run_name=run_name(args, parser), config_hash=short_hash(identity_args(args)))
     # The model's own arguments as keys of their own, so tables and legends name them.
     cfg.update(args.model_args)
     cfg["experiment_keys"] = sorted({*experiment_args(args), *args.model_args} - {"model_args"})

@@ -43,17 +43,6 @@ def listed_arguments(declared: Entry) -> str:
     return ", ".join(k if v == REQUIRED else f"{k}={v!r}" for k, v in own.items())
 
 
-def parse_model_args(text: str) -> dict:
-    """`k=v,k=v` -> {k: v} with numbers and true/false as such (typed later by the defaults)."""
-    found = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip().isidentifier():
-            raise ValueError(f"expected name=value pairs separated by commas, got {item!r}")
-        found[key.strip()] = value.strip()
-    return found
-
-
 def _typed(text: str, default, where: str):
     """--model-args text as the type of the argument's default (no default: a guess)."""
     default = None if default == REQUIRED else default
@@ -77,10 +66,10 @@ def _typed(text: str, default, where: str):
     return value
 
 
-def model_arguments(declared: Entry, width: int | None, given: dict) -> tuple:
+def model_arguments(declared: Entry, width: int, given: dict) -> tuple:
     """(width or None, {other own argument: value}) for the model `declared`, from --width
-    (None: not given, or its default) and --model-args (`given`). ValueError (`--flag: why`) for
-    an argument the model does not take or a required one missing."""
+    (a model without one takes only the default) and --model-args (`given`). ValueError
+    (`--flag: why`) for an argument the model does not take or a required one missing."""
     own = own_arguments(declared)
     name = declared.name
     listed = listed_arguments(declared) or "none"
@@ -92,7 +81,7 @@ def model_arguments(declared: Entry, width: int | None, given: dict) -> tuple:
             f"--model-args: model {name!r} takes no {', '.join(map(repr, unknown))}; "
             f"its own arguments: {listed}"
         )
-    if "width" not in own and width is not None:  # (config.py passes None for the default)
+    if "width" not in own and width != WIDTH_DEFAULT:
         raise ValueError(f"--width: model {name!r} takes no width; its arguments: {listed}")
     values = {
         key: _typed(given[key], default, f"--model-args {key}") if key in given else default
@@ -102,7 +91,7 @@ def model_arguments(declared: Entry, width: int | None, given: dict) -> tuple:
     missing = [key for key, value in values.items() if value == REQUIRED]
     if missing:
         raise ValueError(f"--model-args: model {name!r} needs {missing[0]}=VALUE ({listed})")
-    return (WIDTH_DEFAULT if width is None else width) if "width" in own else None, values
+    return width if "width" in own else None, values
 
 
 def create_model(
