@@ -178,8 +178,7 @@ def regression(args) -> Task:
         loss=mse,
         sums=regression_sums,
         finish=regression_metrics,
-        metrics={"mse": "min", "mae": "min", "r2": "max"},
-        monitor="val_mse",
+        metrics={"mse": "min", "mae": "min", "r2": "max"},  # monitor: val_mse, the first
     )
 
 
@@ -225,12 +224,11 @@ def multilabel_metrics(s: np.ndarray, n: int) -> dict[str, float]:
     only by the order inside a bin (tested within 1e-3 on confident, moderate and noisy ones)."""
     labels = len(s) // (3 + 2 * AP_BINS)
     tp, fp, fn = s[: 3 * labels].reshape(3, labels)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        f1 = np.where(2 * tp + fp + fn > 0, 2 * tp / (2 * tp + fp + fn), 0.0)
     hist = s[3 * labels :].reshape(2, labels, AP_BINS)[..., ::-1]  # high scores first
     cum_pos, cum_neg = hist.cumsum(-1)
     total = cum_pos[:, -1:]
     with np.errstate(divide="ignore", invalid="ignore"):
+        f1 = np.where(2 * tp + fp + fn > 0, 2 * tp / (2 * tp + fp + fn), 0.0)
         precision = np.where(cum_pos + cum_neg > 0, cum_pos / (cum_pos + cum_neg), 0.0)
         ap = (hist[0] / total * precision).sum(-1)
     present = total[:, 0] > 0
