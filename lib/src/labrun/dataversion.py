@@ -35,7 +35,6 @@ def is_hidden(name: str) -> bool:
 def data_version(root: Path, cache_dir: Path) -> str:
     """`files:<16 hex>` for the file or folder `root`; ValueError (one line) if it is missing
     or unreadable."""
-    root = Path(root)
     try:
         if not root.is_dir():  # a file, or missing: stat raises
             st = root.stat()
@@ -163,7 +162,6 @@ def file_lock(path: Path) -> Iterator[None]:
     that then gets the deleted file sees it has no link left and tries again on a new one."""
     from filelock import FileLock  # here: --help and --print-run-dir never need it
 
-    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     lock_path = path.with_name(path.name + ".lock")
     with FileLock(lock_path):

@@ -30,11 +30,8 @@ register_model = MODELS.register
 
 def own_arguments(declared: Entry) -> dict:
     """{name: default or REQUIRED} of a model function's own size arguments that it uses."""
-    return {
-        k: v
-        for k, v in declared.params.items()
-        if k not in DATA_PARAMS and k not in declared.unused
-    }
+    skip = {*DATA_PARAMS, *declared.unused}
+    return {k: v for k, v in declared.params.items() if k not in skip}
 
 
 def listed_arguments(declared: Entry) -> str:
