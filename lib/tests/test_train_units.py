@@ -201,7 +201,7 @@ def test_run_identity():
     assert config.short_hash(config.identity_args(base)) != config.short_hash(
         config.identity_args(parser.parse_args(["--lr", "0.02"]))
     )
-    name = config.run_name(base, parser)
+    name = config.run_dir(base, parser).name
     assert name.startswith("digits_lr=0.01_seed=2-") and len(name.rsplit("-", 1)[1]) == 8
     assert {"device", "results_dir", "find_lr"} <= config.execution_keys()
     assert not {"lr", "seed", "data_path"} & config.execution_keys()

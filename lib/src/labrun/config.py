@@ -637,14 +637,11 @@ def readable_name(parts: list[str], identity: dict) -> str:
     return f"{readable}-{short_hash(identity)}"
 
 
-def run_name(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
-    """`<dataset>_key=value_...-<hash8>`: readable part lists the non-default experiment args."""
-    parts = changed_args(args, parser, skip=execution_keys() | {"dataset"}, order=NAME_ORDER)
-    return readable_name([str(args.dataset), *parts], identity_args(args))
-
-
 def run_dir(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Path:
-    return args.results_dir / run_name(args, parser)
+    """`<results-dir>/<dataset>_key=value_...-<hash8>`: the name's readable part lists the
+    non-default experiment args."""
+    parts = changed_args(args, parser, skip=execution_keys() | {"dataset"}, order=NAME_ORDER)
+    return args.results_dir / readable_name([str(args.dataset), *parts], identity_args(args))
 
 
 def run_of(text: str) -> Path:
@@ -658,7 +655,7 @@ def run_of(text: str) -> Path:
 def resolved_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     """What config.json holds: all arguments (paths as strings) plus the run's identity."""
     cfg = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    cfg.update(run_name=run_name(args, parser), config_hash=short_hash(identity_args(args)))
+    cfg.update(run_name=run_dir(args, parser).name, config_hash=short_hash(identity_args(args)))
     # The model's own arguments as keys of their own, so tables and legends name them.
     cfg.update(args.model_args)
     cfg["experiment_keys"] = sorted({*experiment_args(args), *args.model_args} - {"model_args"})
