@@ -229,9 +229,7 @@ def flag(
     meta = dict(help=help, execution=execution, choices=choices, bounds=bounds, parse=parse)
     meta["metavar"] = metavar
     if isinstance(default, dict | list | set):  # a dataclass refuses a mutable default
-        return dataclasses.field(
-            default_factory=functools.partial(type(default), default), metadata=meta
-        )
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -540,11 +538,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
         parser.error(f"--synthetic-size: {args.synthetic_size} images do not fit in this "
                      f"machine's {runs.size_text(ram)} of memory")  # fmt: skip
     dataset = DATASET_DECLARED[args.dataset]
-    reads_files = dataset.needs_data_path
-    if reads_files and args.data_path is None:
+    if dataset.needs_data_path and args.data_path is None:
         parser.error(f"--data-path: dataset {args.dataset!r} reads your files: give --data-path")
     built_in = dataset.module == f"{__package__}.datasets"  # a dataset of yours may read it
-    if args.data_path is not None and built_in and not reads_files:
+    if args.data_path is not None and built_in and not dataset.needs_data_path:
         parser.error(
             f"--data-path: --dataset {args.dataset} reads no files of yours; drop "
             "--data-path, or use --dataset folder (or a dataset of your own)"
@@ -601,13 +598,11 @@ def short_hash(identity: dict, digits: int = 8) -> str:
 
 
 def changed_args(
-    args: argparse.Namespace,
-    parser: argparse.ArgumentParser,
-    skip: frozenset | set = frozenset(),
-    order: tuple = (),
+    args: argparse.Namespace, parser: argparse.ArgumentParser, skip: Collection, order: tuple = ()
 ) -> list[str]:
-    """`key=value` for every argument not at its default: those named in `order` first, in its
-    order, then the others in parser order (stable names)."""
+    """`key=value` for every argument not at its default and not in `skip` (both callers name
+    what stays out of the name): those in `order` first, in its order, then the others in parser
+    order (stable names)."""
     rank, changed = {key: i for i, key in enumerate(order)}, []
     for action in sorted(parser._actions, key=lambda a: rank.get(a.dest, len(rank))):  # stable
         key, value = action.dest, getattr(args, action.dest, None)
