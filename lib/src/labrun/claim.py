@@ -124,7 +124,9 @@ def _open_lock(path: Path) -> int:
         return os.open(path, flags | os.O_RDONLY, 0o666)
 
 
-def _describe(text: str) -> str:
+def _describe(fd: int) -> str:
+    """Who holds the lock file open at `fd`, as its holder wrote there (claim)."""
+    text = os.pread(fd, 4096, 0).decode("utf-8", "replace")
     fields = dict(part.split("=", 1) for part in text.split() if "=" in part)
     if "pid" not in fields:
         return "a process that is just starting (no holder recorded yet)"
@@ -138,10 +140,6 @@ def _describe(text: str) -> str:
 def is_stopping(description: str | None) -> bool:
     """Whether holder()'s description says the holder is checkpointing and about to exit."""
     return description is not None and f", {STOPPING} since " in description
-
-
-def _read(fd: int) -> str:
-    return os.pread(fd, 4096, 0).decode("utf-8", "replace")
 
 
 def claim(run_dir: str | os.PathLike) -> Claim:
@@ -161,7 +159,7 @@ def claim(run_dir: str | os.PathLike) -> Claim:
                 break
         except BlockingIOError:  # held; any other OSError (no flock here) ends the job
             if time.monotonic() >= deadline:
-                who = _describe(_read(fd))
+                who = _describe(fd)
                 os.close(fd)
                 raise Busy(f"{directory} is claimed by {who}") from None
             time.sleep(0.01)
@@ -187,6 +185,6 @@ def holder(run_dir: str | os.PathLike) -> str | None:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         return None
     except BlockingIOError:
-        return _describe(_read(fd))
+        return _describe(fd)
     finally:
         os.close(fd)
