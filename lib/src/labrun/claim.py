@@ -104,8 +104,7 @@ class Claim(contextlib.AbstractContextManager):
     def __exit__(self, *exc_info: object) -> None:
         self.release()
 
-    def __del__(self) -> None:  # a forgotten Claim releases when collected, not at exit only
-        self.release()
+    __del__ = release  # a forgotten Claim releases when collected, not at exit only
 
 
 def _locked_is_at(fd: int, path: Path) -> bool:
