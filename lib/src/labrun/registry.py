@@ -121,9 +121,9 @@ def _fingerprint() -> str:
 
 
 @functools.cache
-def _listing() -> dict[str, dict[str, Entry]]:
-    """{decorator: {name: Entry}}: from the cache while the sources hash the same, else
-    listed again in a child process and cached."""
+def _listing() -> dict[str, dict[str, dict]]:
+    """{decorator: {name: Entry as listing.describe stored it}}: from the cache while the sources
+    hash the same, else listed again in a child process and cached."""
     if os.environ.get(LISTING_ENV):
         return {decorator: {} for decorator in DECORATORS}
     fingerprint = _fingerprint()
@@ -137,10 +137,7 @@ def _listing() -> dict[str, dict[str, Entry]]:
             if cache is not None:
                 cache.parent.mkdir(parents=True, exist_ok=True)
                 atomic_write_text(cache, json.dumps(listed))  # atomic: jobs may list at once
-    return {
-        decorator: {name: _entry(e) for name, e in listed[decorator].items()}
-        for decorator in DECORATORS
-    }
+    return listed
 
 
 def _entry(stored: dict) -> Entry:
@@ -165,7 +162,8 @@ def _list_in_child() -> dict:
     return json.loads(done.stdout)
 
 
+@functools.cache
 def declarations(decorator: str) -> dict[str, Entry]:
     """{name: Entry (listed: no `build`)} of every registration by `decorator` in the library
     and the project's package. A name registered twice is an error naming both places."""
-    return _listing()[decorator]
+    return {name: _entry(e) for name, e in _listing()[decorator].items()}
