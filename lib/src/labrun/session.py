@@ -212,28 +212,25 @@ class TrainingJob:
     # too, not only in best_model.pt (a plain state_dict written at every new best): a hard kill
     # after a new best_model.pt but before the next checkpoint would otherwise resume with the
     # weights of an epoch the checkpoint has not reached. On resume the checkpoint's copy wins.
-    def state_dict(self) -> dict:
-        """Every object given to resume by its state_dict (None recorded as None), progress,
-        early stopping with the best weights, the partial epoch's sums, RNG, the config hash."""
-        from .checkpoint import objects_state, rng_state
-
-        return {
-            # the name distributed.py's gather_state / own_state read
-            "trainer": objects_state(self.objects, self.env.amp_dtype),
-            "early_stopping": self.stopper.state_dict(),
-            "progress": dataclasses.asdict(self.progress),
-            "rng": rng_state(self.env.device),
-            "config_hash": self.config["config_hash"],
-        }
-
     def _save(self) -> None:
-        """checkpoint.pt now: collective under torchrun (every rank calls it, rank 0 writes)."""
+        """checkpoint.pt now: collective under torchrun (every rank calls it, rank 0 writes).
+        It holds every object given to resume by its state_dict (None recorded as None),
+        progress, early stopping with the best weights, the partial epoch's sums, RNG, the
+        config hash."""
         from . import checkpoint as ckpt
 
         self.record.ours()  # LostClaim once the run directory is another's
         now, p = time.monotonic(), self.progress  # wall time is accumulated across resumes
         p.wall_time_s, self._saved_at = p.wall_time_s + now - self._saved_at, now
-        if (state := self.env.dist.gather_state(self.state_dict())) is not None:
+        state = {
+            # the name distributed.py's gather_state / own_state read
+            "trainer": ckpt.objects_state(self.objects, self.env.amp_dtype),
+            "early_stopping": self.stopper.state_dict(),
+            "progress": dataclasses.asdict(self.progress),
+            "rng": ckpt.rng_state(self.env.device),
+            "config_hash": self.config["config_hash"],
+        }
+        if (state := self.env.dist.gather_state(state)) is not None:
             ckpt.save(self.out / runs.CHECKPOINT, state)
 
     def _resume(self) -> None:
@@ -551,11 +548,10 @@ def room_needed(out, objects) -> int:
 
 def tensor_bytes(state) -> int:
     """Bytes of the tensors in a (nested) state_dict."""
-    if isinstance(state, dict):
-        return sum(tensor_bytes(v) for v in state.values())
-    if isinstance(state, list | tuple):
-        return sum(tensor_bytes(v) for v in state)
-    return state.numel() * state.element_size() if hasattr(state, "element_size") else 0
+    from torch.utils._pytree import tree_leaves
+
+    leaves = tree_leaves(state)  # dicts, lists and tuples walked; the rest are leaves
+    return sum(t.numel() * t.element_size() for t in leaves if hasattr(t, "element_size"))
 
 
 def metrics_line(row: dict, prefix: str) -> str:
