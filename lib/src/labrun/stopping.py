@@ -75,7 +75,6 @@ class GracefulStop:
         self.on_request: Callable[[], None] | None = None  # at the first request (claim note)
         # the first stop signal the watchdog saw (0: none yet), when, and how many came since
         self._seen, self._first_at, self._ignored = 0, 0.0, 0
-        self._old: dict = {}
 
     def _handle(self, signum: int, _frame) -> None:
         """The main thread's handler: the first stop request. Every signal also reaches the
@@ -119,7 +118,7 @@ class GracefulStop:
         for sig in STOP_SIGNALS:
             if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
                 continue  # started under nohup: a hang-up is to be ignored, not obeyed
-            self._old[sig] = signal.signal(sig, self._handle)
+            signal.signal(sig, self._handle)
         _watch(self)
         return self
 
@@ -131,12 +130,6 @@ class GracefulStop:
         the stop signals are ignored instead: nothing is left to stop by then."""
         atexit.unregister(_ignore_stop_signals)
         atexit.register(_ignore_stop_signals)
-
-    def restore(self) -> None:
-        """Put back the handlers found at __enter__ (for callers that live on, e.g. tests)."""
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)
-        self._old.clear()
 
 
 _watched: list[GracefulStop] = []  # the GracefulStop the watchdog serves: the latest entered
