@@ -122,7 +122,7 @@ def contract(
     *,
     redo: Callable[[argparse.Namespace], bool] = lambda args: False,
     ranks: bool = False,
-    program: Callable | None = None,
+    program: Callable,
 ) -> int:
     """--plan, parse, --print-run-dir, --init-tracking, skip when done, claim; then
     `body(args, parser, out, stop, held, dist) -> exit code` while holding the claim `held`
@@ -181,9 +181,9 @@ def contract(
                 code = dist.finish(code)  # every rank leaves with rank 0's code
         except distributed.JoinFailed as exc:
             return error(str(exc), EXIT_FAILED)
-        if dist.active and LEAVE_AT_ONCE:
+        if dist.active:  # a torchrun rank leaves once its process group is gone (_leave)
             _leave(code, hooks=False)
-    if ran and LEAVE_AT_ONCE and program is not None and _is_program(program):
+    if ran and _is_program(program):
         _leave(code, hooks=True)
     return code
 
@@ -198,11 +198,6 @@ def _is_program(function: Callable) -> bool:
         and bool(sys.argv)
         and os.path.realpath(script) == os.path.realpath(sys.argv[0])
     )
-
-
-# A torchrun rank leaves with os._exit once its process group is gone (see _leave); False for
-# callers that go on in the same process after run.py's main() (session.capture_step).
-LEAVE_AT_ONCE = True
 
 
 def _leave(code: int, *, hooks: bool) -> None:
