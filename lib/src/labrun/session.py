@@ -459,23 +459,21 @@ class EpochPace:
             self.busy.at(p.step - self.first_step)
 
     def after_step(self, p: Progress) -> None:
+        """The bar; every --log-every seconds (a log file), run.log: where the epoch is, its pace
+        since the epoch (or the resume) began, and when it ends. Steps are counted as launched:
+        on a GPU the pace includes the queue ahead."""
         self.bar.update()
         if self.every and time.monotonic() >= self.line_at:
-            self.line(p)
-
-    def line(self, p: Progress) -> None:
-        """run.log: where the epoch is, its pace since the epoch (or the resume) began, and when
-        it ends. Steps are counted as launched: on a GPU the pace includes the queue ahead."""
-        args, now, per_epoch = self.args, time.monotonic(), self.data.steps_per_epoch
-        self.line_at = now + self.every
-        rate = (p.step - self.first_step) / max(now - self.wall0, 1e-9)
-        done = p.batch // args.grad_accum
-        left = min(per_epoch - done, self.data.total_steps - p.step)
-        self.log.info(
-            f"epoch {p.epoch + 1}/{args.epochs} step {done}/{per_epoch} | "
-            f"{rate:.2f} steps/s {rate * args.batch_size * args.grad_accum:.0f} samples/s | "
-            f"epoch ETA {left / max(rate, 1e-9):.0f}s"
-        )
+            args, now, per_epoch = self.args, time.monotonic(), self.data.steps_per_epoch
+            self.line_at = now + self.every
+            rate = (p.step - self.first_step) / max(now - self.wall0, 1e-9)
+            done = p.batch // args.grad_accum
+            left = min(per_epoch - done, self.data.total_steps - p.step)
+            self.log.info(
+                f"epoch {p.epoch + 1}/{args.epochs} step {done}/{per_epoch} | "
+                f"{rate:.2f} steps/s {rate * args.batch_size * args.grad_accum:.0f} samples/s | "
+                f"epoch ETA {left / max(rate, 1e-9):.0f}s"
+            )
 
     def end(self, p: Progress):
         """(the epoch's training seconds, the GpuBusy that measured a share, or None)."""

@@ -55,13 +55,6 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 HANDLER_LATENCY_S = 2.0  # a main thread that runs Python takes up a signal far sooner
 
 
-def _stdin_is_a_terminal() -> bool:
-    try:
-        return sys.stdin is not None and sys.stdin.isatty()
-    except (OSError, ValueError):  # closed or replaced (pytest, daemons)
-        return False
-
-
 class GracefulStop:
     """Context manager: `requested` is None, or the name of the first stop signal received."""
 
@@ -69,7 +62,10 @@ class GracefulStop:
         self.log = logging.getLogger(__name__)  # the job's run.log once it has one
         # LAB_STOP_GRACE_S: 0 makes a second signal force the exit at once
         self.grace_s = seconds_from_env(GRACE_ENV, DEFAULT_GRACE_S, zero=True)
-        self.interactive = _stdin_is_a_terminal()
+        try:  # a second Ctrl-C exits at once only in a terminal
+            self.interactive = sys.stdin is not None and sys.stdin.isatty()
+        except (OSError, ValueError):  # closed or replaced (pytest, daemons)
+            self.interactive = False
         self.requested: str | None = None
         self.on_force_exit: Callable[[], None] | None = None  # e.g. mark the status file
         self.on_request: Callable[[], None] | None = None  # at the first request (claim note)
