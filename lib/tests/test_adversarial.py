@@ -247,17 +247,18 @@ def test_a_stop_signal_after_the_checkpoint_still_ends_in_75(env, data_dir, tmp_
 
 
 def test_a_job_started_under_nohup_keeps_ignoring_sighup():
-    from labrun.stopping import GracefulStop
+    from labrun.stopping import STOP_SIGNALS, GracefulStop
 
-    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what nohup does
+    old = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}  # put back after the test
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what nohup does
     stop = GracefulStop()
     try:
         with stop:
             assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
             assert signal.getsignal(signal.SIGTERM) == stop._handle
     finally:
-        stop.restore()
-        signal.signal(signal.SIGHUP, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 # ---- the shared MLflow DB ---

@@ -122,7 +122,7 @@ def contract(
     *,
     redo: Callable[[argparse.Namespace], bool] = lambda args: False,
     ranks: bool = False,
-    program: Callable | None = None,
+    program: Callable,
 ) -> int:
     """--plan, parse, --print-run-dir, --init-tracking, skip when done, claim; then
     `body(args, parser, out, stop, held, dist) -> exit code` while holding the claim `held`
@@ -181,9 +181,9 @@ def contract(
                 code = dist.finish(code)  # every rank leaves with rank 0's code
         except distributed.JoinFailed as exc:
             return error(str(exc), EXIT_FAILED)
-        if dist.active and LEAVE_AT_ONCE:
+        if dist.active:  # a torchrun rank leaves once its process group is gone (_leave)
             _leave(code, hooks=False)
-    if ran and LEAVE_AT_ONCE and program is not None and _is_program(program):
+    if ran and _is_program(program):
         _leave(code, hooks=True)
     return code
 
@@ -198,11 +198,6 @@ def _is_program(function: Callable) -> bool:
         and bool(sys.argv)
         and os.path.realpath(script) == os.path.realpath(sys.argv[0])
     )
-
-
-# A torchrun rank leaves with os._exit once its process group is gone (see _leave); False for
-# callers that go on in the same process after run.py's main() (session.capture_step).
-LEAVE_AT_ONCE = True
 
 
 def _leave(code: int, *, hooks: bool) -> None:
@@ -351,7 +346,7 @@ BAD_INPUT = (UsageError, ValueError, OSError)  # raised before any file of the j
 def ended(exc: Exception, record: Record | None = None, log=None) -> int:
     """The one mapping of an exception that ends a job to its exit code and its `error:` line:
     75 interrupted (its status written where it stopped); once the record started, Record.failed
-    (status failed, the traceback in run.log and MLflow, `explain`'s code: 1, 2 or 73); before
+    (status failed, the traceback in run.log and MLflow, its code: 1, 2 or 73); before
     it, bad input (BAD_INPUT before run.log opened) 2, a lost claim 73, anything else 1, with
     the project's frames of the traceback under the line when run.log has not got it."""
     if isinstance(exc, Interrupted):
@@ -366,33 +361,6 @@ def ended(exc: Exception, record: Record | None = None, log=None) -> int:
         return error(str(exc), EXIT_BUSY)
     line = f"{type(exc).__name__}: {exc}".splitlines()[0]
     return error(line, EXIT_FAILED, None if log is not None else exc)
-
-
-def explain(exc: BaseException, message: str, args, out: Path) -> tuple[int, str]:
-    """A job's failure once its record started, as its exit code and one line (`message`: the
-    exception's first line, or the rank whose failure caused it): 2 for input that changed
-    under it, else 1 with what to do for the failures that have a remedy."""
-    torch = sys.modules.get("torch")  # imported by the time a training run fails; a job: maybe not
-    from .imagefolder import UnreadableImage
-
-    if isinstance(exc, UnreadableImage):  # changed since the scan: bad input, not a retry
-        from .dataversion import forget
-
-        # the next start fingerprints every file; the hint says so
-        return EXIT_USAGE, f"{exc}; {forget(args.data_path, args.data_dir)}"
-    if isinstance(exc, runs.RunFailed):
-        return EXIT_FAILED, str(exc)
-    if torch is not None and isinstance(exc, torch.OutOfMemoryError):
-        return EXIT_FAILED, (
-            f"out of memory at --batch-size {args.batch_size}; try --find-batch-size, "
-            "or a smaller --batch-size with --grad-accum"
-        )
-    if runs.is_disk_error(exc):
-        return EXIT_FAILED, (
-            f"{exc.strerror} writing {exc.filename or out}: the run stopped; its "
-            "last complete checkpoint is kept (free space, then re-run to resume)"
-        )
-    return EXIT_FAILED, message
 
 
 # ---- what every job leaves behind --------------------------------------------------------------
@@ -489,8 +457,10 @@ class Record:
 
     def failed(self, exc: BaseException) -> int:
         """Call in the `except` that caught `exc`: the traceback into run.log, status failed,
-        MLflow FAILED; one `error:` line; returns the exit code (explain; 73 when the run
-        directory is no longer ours). A rank other than 0 sends its traceback to rank 0."""
+        MLflow FAILED; one `error:` line (the exception's first line, the rank whose failure
+        caused it, or what to do); returns the exit code: 2 for input that changed under it, 73
+        when the run directory is no longer ours, else 1. A rank other than 0 sends its
+        traceback to rank 0."""
         text = traceback.format_exc()
         if not self.writes:
             self.log.error("failed:\n%s", text)
@@ -510,8 +480,29 @@ class Record:
         self.log.error("%s failed:\n%s", self.what, text)
         runs.try_write_status(self.out, "failed")
         self.tracker.end("FAILED", error=text)
-        code, message = explain(exc, message, self.args, self.out)
-        return error(message, code)  # the traceback went to stderr with run.log's lines
+        # The traceback went to stderr with run.log's lines; the `error:` line says what to do
+        # for the failures that have a remedy. Input that changed under the job is bad input.
+        torch = sys.modules.get("torch")  # imported when a training run fails; a job: maybe not
+        from .imagefolder import UnreadableImage
+
+        if isinstance(exc, UnreadableImage):  # changed since the scan: bad input, not a retry
+            from .dataversion import forget
+
+            # the next start fingerprints every file; the hint says so
+            return error(f"{exc}; {forget(self.args.data_path, self.args.data_dir)}", EXIT_USAGE)
+        if isinstance(exc, runs.RunFailed):
+            message = str(exc)
+        elif torch is not None and isinstance(exc, torch.OutOfMemoryError):
+            message = (
+                f"out of memory at --batch-size {self.args.batch_size}; try --find-batch-size, "
+                "or a smaller --batch-size with --grad-accum"
+            )
+        elif runs.is_disk_error(exc):
+            message = (
+                f"{exc.strerror} writing {exc.filename or self.out}: the run stopped; its "
+                "last complete checkpoint is kept (free space, then re-run to resume)"
+            )
+        return error(message, EXIT_FAILED)
 
     def close(self) -> None:
         if self.writes:

@@ -212,28 +212,25 @@ class TrainingJob:
     # too, not only in best_model.pt (a plain state_dict written at every new best): a hard kill
     # after a new best_model.pt but before the next checkpoint would otherwise resume with the
     # weights of an epoch the checkpoint has not reached. On resume the checkpoint's copy wins.
-    def state_dict(self) -> dict:
-        """Every object given to resume by its state_dict (None recorded as None), progress,
-        early stopping with the best weights, the partial epoch's sums, RNG, the config hash."""
-        from .checkpoint import objects_state, rng_state
-
-        return {
-            # the name distributed.py's gather_state / own_state read
-            "trainer": objects_state(self.objects, self.env.amp_dtype),
-            "early_stopping": self.stopper.state_dict(),
-            "progress": dataclasses.asdict(self.progress),
-            "rng": rng_state(self.env.device),
-            "config_hash": self.config["config_hash"],
-        }
-
     def _save(self) -> None:
-        """checkpoint.pt now: collective under torchrun (every rank calls it, rank 0 writes)."""
+        """checkpoint.pt now: collective under torchrun (every rank calls it, rank 0 writes).
+        It holds every object given to resume by its state_dict (None recorded as None),
+        progress, early stopping with the best weights, the partial epoch's sums, RNG, the
+        config hash."""
         from . import checkpoint as ckpt
 
         self.record.ours()  # LostClaim once the run directory is another's
         now, p = time.monotonic(), self.progress  # wall time is accumulated across resumes
         p.wall_time_s, self._saved_at = p.wall_time_s + now - self._saved_at, now
-        if (state := self.env.dist.gather_state(self.state_dict())) is not None:
+        state = {
+            # the name distributed.py's gather_state / own_state read
+            "trainer": ckpt.objects_state(self.objects, self.env.amp_dtype),
+            "early_stopping": self.stopper.state_dict(),
+            "progress": dataclasses.asdict(self.progress),
+            "rng": ckpt.rng_state(self.env.device),
+            "config_hash": self.config["config_hash"],
+        }
+        if (state := self.env.dist.gather_state(state)) is not None:
             ckpt.save(self.out / runs.CHECKPOINT, state)
 
     def _resume(self) -> None:
@@ -462,23 +459,21 @@ class EpochPace:
             self.busy.at(p.step - self.first_step)
 
     def after_step(self, p: Progress) -> None:
+        """The bar; every --log-every seconds (a log file), run.log: where the epoch is, its pace
+        since the epoch (or the resume) began, and when it ends. Steps are counted as launched:
+        on a GPU the pace includes the queue ahead."""
         self.bar.update()
         if self.every and time.monotonic() >= self.line_at:
-            self.line(p)
-
-    def line(self, p: Progress) -> None:
-        """run.log: where the epoch is, its pace since the epoch (or the resume) began, and when
-        it ends. Steps are counted as launched: on a GPU the pace includes the queue ahead."""
-        args, now, per_epoch = self.args, time.monotonic(), self.data.steps_per_epoch
-        self.line_at = now + self.every
-        rate = (p.step - self.first_step) / max(now - self.wall0, 1e-9)
-        done = p.batch // args.grad_accum
-        left = min(per_epoch - done, self.data.total_steps - p.step)
-        self.log.info(
-            f"epoch {p.epoch + 1}/{args.epochs} step {done}/{per_epoch} | "
-            f"{rate:.2f} steps/s {rate * args.batch_size * args.grad_accum:.0f} samples/s | "
-            f"epoch ETA {left / max(rate, 1e-9):.0f}s"
-        )
+            args, now, per_epoch = self.args, time.monotonic(), self.data.steps_per_epoch
+            self.line_at = now + self.every
+            rate = (p.step - self.first_step) / max(now - self.wall0, 1e-9)
+            done = p.batch // args.grad_accum
+            left = min(per_epoch - done, self.data.total_steps - p.step)
+            self.log.info(
+                f"epoch {p.epoch + 1}/{args.epochs} step {done}/{per_epoch} | "
+                f"{rate:.2f} steps/s {rate * args.batch_size * args.grad_accum:.0f} samples/s | "
+                f"epoch ETA {left / max(rate, 1e-9):.0f}s"
+            )
 
     def end(self, p: Progress):
         """(the epoch's training seconds, the GpuBusy that measured a share, or None)."""
@@ -551,11 +546,10 @@ def room_needed(out, objects) -> int:
 
 def tensor_bytes(state) -> int:
     """Bytes of the tensors in a (nested) state_dict."""
-    if isinstance(state, dict):
-        return sum(tensor_bytes(v) for v in state.values())
-    if isinstance(state, list | tuple):
-        return sum(tensor_bytes(v) for v in state)
-    return state.numel() * state.element_size() if hasattr(state, "element_size") else 0
+    from torch.utils._pytree import tree_leaves
+
+    leaves = tree_leaves(state)  # dicts, lists and tuples walked; the rest are leaves
+    return sum(t.numel() * t.element_size() for t in leaves if hasattr(t, "element_size"))
 
 
 def metrics_line(row: dict, prefix: str) -> str:

@@ -55,13 +55,6 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 HANDLER_LATENCY_S = 2.0  # a main thread that runs Python takes up a signal far sooner
 
 
-def _stdin_is_a_terminal() -> bool:
-    try:
-        return sys.stdin is not None and sys.stdin.isatty()
-    except (OSError, ValueError):  # closed or replaced (pytest, daemons)
-        return False
-
-
 class GracefulStop:
     """Context manager: `requested` is None, or the name of the first stop signal received."""
 
@@ -69,13 +62,15 @@ class GracefulStop:
         self.log = logging.getLogger(__name__)  # the job's run.log once it has one
         # LAB_STOP_GRACE_S: 0 makes a second signal force the exit at once
         self.grace_s = seconds_from_env(GRACE_ENV, DEFAULT_GRACE_S, zero=True)
-        self.interactive = _stdin_is_a_terminal()
+        try:  # a second Ctrl-C exits at once only in a terminal
+            self.interactive = sys.stdin is not None and sys.stdin.isatty()
+        except (OSError, ValueError):  # closed or replaced (pytest, daemons)
+            self.interactive = False
         self.requested: str | None = None
         self.on_force_exit: Callable[[], None] | None = None  # e.g. mark the status file
         self.on_request: Callable[[], None] | None = None  # at the first request (claim note)
         # the first stop signal the watchdog saw (0: none yet), when, and how many came since
         self._seen, self._first_at, self._ignored = 0, 0.0, 0
-        self._old: dict = {}
 
     def _handle(self, signum: int, _frame) -> None:
         """The main thread's handler: the first stop request. Every signal also reaches the
@@ -119,7 +114,7 @@ class GracefulStop:
         for sig in STOP_SIGNALS:
             if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
                 continue  # started under nohup: a hang-up is to be ignored, not obeyed
-            self._old[sig] = signal.signal(sig, self._handle)
+            signal.signal(sig, self._handle)
         _watch(self)
         return self
 
@@ -131,12 +126,6 @@ class GracefulStop:
         the stop signals are ignored instead: nothing is left to stop by then."""
         atexit.unregister(_ignore_stop_signals)
         atexit.register(_ignore_stop_signals)
-
-    def restore(self) -> None:
-        """Put back the handlers found at __enter__ (for callers that live on, e.g. tests)."""
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)
-        self._old.clear()
 
 
 _watched: list[GracefulStop] = []  # the GracefulStop the watchdog serves: the latest entered

@@ -177,9 +177,19 @@ class TrainSums:
         self.seen += targets.shape[0]
 
     def take(self, reduce=None) -> tuple[dict[str, float], int]:
-        """({loss, metric...}, samples) since the last reset; `reduce` sums over ranks.
-        # note: sync point (one per epoch)"""
-        return finish(self.task, self.loss_sum, self.sums, self.seen, reduce)
+        """({loss, metric...}, samples) since the last reset, from the device sums: one host read
+        of loss, sums and count together, after `reduce` (torchrun: their sum over ranks, one
+        all_reduce). # note: sync point (one per epoch, one per evaluation)"""
+        task, sums = self.task, self.sums
+        if sums is None:  # nothing was seen
+            return {"loss": float("nan"), **dict.fromkeys(task.metrics, float("nan"))}, 0
+        count = torch.full((1,), float(self.seen), dtype=torch.float64, device=sums.device)
+        total = torch.cat([self.loss_sum.double().reshape(1), sums.double(), count])
+        total = (reduce(total) if reduce is not None else total).cpu().numpy()
+        seen = int(total[-1])
+        metrics = task.finish(total[1:-1], seen)
+        values = {k: float(metrics[k]) for k in task.metrics}
+        return {"loss": float(total[0] / max(seen, 1)), **values}, seen
 
     def state_dict(self) -> dict:
         return {"loss_sum": self.loss_sum, "sums": self.sums, "seen": self.seen}
@@ -270,44 +280,22 @@ def compiler_errors() -> tuple[type[BaseException], ...]:
 
 
 def evaluate(model: nn.Module, loader: Iterable, loss_fn, env: Env) -> dict[str, float]:
-    """{loss, metric...} of env.task over `loader` in eval mode, in the run's precision;
-    `loss_fn` is the loss to report (run.py's: the task's, without label smoothing). Torchrun:
-    each rank evaluates its shard and the sums are summed over ranks (BatchNorm statistics
-    first taken from rank 0 on a CPU). One host sync, at the end."""
+    """{loss, metric...} of env.task over `loader` in eval mode, in the run's precision, summed
+    on the device as the step's are (TrainSums); `loss_fn` is the loss to report (run.py's: the
+    task's, without label smoothing). Torchrun: each rank evaluates its shard and the sums are
+    summed over ranks (BatchNorm statistics first taken from rank 0 on a CPU). One host sync,
+    at the end."""
     env.dist.sync_buffers(model)  # CPU torchrun: rank 0's BatchNorm statistics
-    return _evaluate(model, loader, env.device, env.amp_dtype, env.task, loss_fn, env.dist.sum)
-
-
-@torch.inference_mode()
-def _evaluate(model, loader, device, dtype, task: Task, loss_fn, reduce) -> dict[str, float]:
     was_training = model.training
     model.eval()
-    loss_sum, sums, seen = torch.zeros((), device=device), None, 0
-    for x, y in loader:
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            outputs = model(x)
-        loss_sum += loss_fn(outputs, y) * y.shape[0]
-        batch_sums = task.sums(outputs, y)
-        sums = batch_sums if sums is None else sums.add_(batch_sums)
-        seen += y.shape[0]
-    model.train(was_training)
-    return finish(task, loss_sum, sums, seen, reduce)[0]  # note: sync point (one per evaluation)
-
-
-def finish(
-    task: Task, loss_sum: torch.Tensor, sums: torch.Tensor | None, seen: int, reduce=None
-) -> tuple[dict[str, float], int]:
-    """({loss, metric...}, samples) from the device sums: one host read of loss, sums and count
-    together, after `reduce` (torchrun: their sum over ranks, one all_reduce)."""
-    if sums is None:  # nothing was seen
-        return {"loss": float("nan"), **dict.fromkeys(task.metrics, float("nan"))}, 0
-    count = torch.full((1,), float(seen), dtype=torch.float64, device=sums.device)
-    total = torch.cat([loss_sum.double().reshape(1), sums.double(), count])
-    total = (reduce(total) if reduce is not None else total).cpu().numpy()
-    seen = int(total[-1])
-    metrics = task.finish(total[1:-1], seen)
-    values = {k: float(metrics[k]) for k in task.metrics}
-    return {"loss": float(total[0] / max(seen, 1)), **values}, seen
+    with torch.inference_mode():
+        sums = TrainSums(env.task, env.device)
+        for x, y in loader:
+            with torch.autocast(env.device.type, env.amp_dtype, enabled=env.amp_dtype is not None):
+                outputs = model(x)
+            sums.add(loss_fn(outputs, y), outputs, y)
+        model.train(was_training)
+        return sums.take(env.dist.sum)[0]  # note: sync point (one per evaluation)
 
 
 def seed_everything(seed: int) -> None:
