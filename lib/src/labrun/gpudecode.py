@@ -21,6 +21,7 @@ import io
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -73,13 +74,9 @@ def jpeg_bytes(path: str) -> bytes | None:
 
 
 def _as_tensor(data: bytes) -> torch.Tensor:
-    # A bytearray: writable, so torch takes it without a copy or a warning; empty: frombuffer
-    # refuses it.
-    return (
-        torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        if data
-        else torch.empty(0, dtype=torch.uint8)
-    )
+    # Over a bytearray: writable, so torch takes it without a copy or a warning (numpy's view,
+    # unlike torch.frombuffer, also takes an empty one).
+    return torch.from_numpy(np.frombuffer(bytearray(data), dtype=np.uint8))
 
 
 @dataclass
