@@ -30,12 +30,6 @@ DESCRIBED = {"NL": "vectors", "NCL": "signals", "NCHW": "images", "NCDHW": "volu
 DESCRIBED["NTF"] = "sequences"
 
 
-def crop_padding(*sizes: int) -> int:
-    """Padding of the random crop along (height, width), or a signal's length: 1/8 of the
-    shorter side (4 px at 32x32)."""
-    return max(1, min(sizes) // 8)
-
-
 def channel_last(layout: str, ndim: int) -> tuple[int, ...]:
     """The permutation from `layout` to the stored channel-last order (N, *spatial, C)."""
     if layout.startswith("NC") and ndim > 2:
@@ -132,7 +126,7 @@ def choose_augmentation(
             why=f"random resized crop (area {low:g}-{high:g} of the image, width/height "
             f"{narrow:.3g}-{wide:.3g}) + flip ({source}; --crop resized)",
         )
-    pad = crop_padding(*spatial)
+    pad = max(1, min(spatial) // 8)  # the crop's padding: 1/8 of the shorter side (4 at 32x32)
     kind = "crop + flip" if len(spatial) == 2 else "shift + flip along the length"
     if 4 * pad > min(spatial):  # the crop would cover more than a quarter of an axis
         skipped = (
