@@ -14,7 +14,7 @@ from conftest import ROOT
 
 from labrun import arrays, augment
 from labrun.augment import random_crop_flip
-from labrun.data import Split, build_loader, fits_on_device, load_dataset
+from labrun.data import FileSplit, Split, build_loader, fits_on_device, load_dataset
 
 NUM_CLASSES = 10  # of every built-in dataset
 
@@ -334,12 +334,15 @@ def test_the_loader_counts_the_loops_wait_for_batches_not_its_steps(small_split,
     assert loader.wait_line() == line
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="--gpu-resident auto: CUDA only")
 def test_fits_on_device(small_split):
-    assert fits_on_device({"train": small_split}, "cpu")
-    assert not fits_on_device([10**12], "cpu")  # ~5 PB of images: more than any node's RAM
-    if torch.cuda.is_available():
-        assert fits_on_device([60_000], "cuda")
-        assert not fits_on_device([10**9], "cuda")
+    assert fits_on_device({"train": small_split}, "cuda")
+
+    def cifar_sized(n):  # n labels of 32x32 RGB images, without holding them
+        return {"train": FileSplit([], torch.zeros(1, dtype=torch.long).expand(n), (3, 32, 32))}
+
+    assert fits_on_device(cifar_sized(60_000), "cuda")
+    assert not fits_on_device(cifar_sized(10**9), "cuda")
 
 
 def test_random_resized_crop_cuts_a_part_and_resizes_it_back():

@@ -22,7 +22,7 @@ import hashlib
 import math
 import os
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -31,7 +31,7 @@ import psutil
 import torch
 import torch.nn.functional as F
 
-from .arrays import CIFAR10_SHAPE, TEST_FRACTION, TEST_SPLIT_SEED
+from .arrays import TEST_FRACTION, TEST_SPLIT_SEED
 from .augment import (
     LAYOUTS,
     Augmentation,
@@ -178,7 +178,6 @@ def load_dataset(name: str, data_dir: str | os.PathLike, **options) -> LoadedDat
     if files and mode == "memory":  # decoded before carving: the cache never depends on --seed
         processes = None if options.workers is None else max(1, options.workers)
         found = all(cache_path(f, data_dir, data_version).exists() for f in files)
-        damaged = len(notes)  # a cache found but not used (decode_cached's notes): decoded again
         try:
             with _data_dir_errors(data_dir):
                 for key, split in splits.items():  # (each key replaced: the dict keeps its size)
@@ -189,8 +188,9 @@ def load_dataset(name: str, data_dir: str | os.PathLike, **options) -> LoadedDat
         except UnreadableImage as e:  # checked by the scan, so it changed since: rewritten
             # in place; the next start fingerprints every file
             raise ValueError(f"{e}; {forget(data_path, data_dir)}") from e
-        # run.log: whether this start paid for the decode (the later ones never do)
-        found = found and len(notes) == damaged
+        # run.log: whether this start paid for the decode (the later ones never do); a cache
+        # found but not used (a note of decode_cached's after the dataset's) was decoded again
+        found = found and len(notes) == len(raw.notes)
         source += "; found, decoded by an earlier start" if found else "; decoded by this start"
     if "test" not in splits:  # a fixed carve: the test set never depends on --seed
         splits["train"], splits["test"] = _carve(splits["train"], TEST_FRACTION, TEST_SPLIT_SEED)
@@ -438,18 +438,11 @@ def _rlimit_headroom() -> int | None:
     return max(limit - psutil.Process().memory_info().vms, 0)
 
 
-def held_bytes(split: Split | FileSplit | int) -> int:
-    """Bytes of a split's inputs as stored (image files: decoded, uint8) and its labels; an int
-    counts that many 32x32 RGB images."""
-    if isinstance(split, int):
-        return split * (math.prod(CIFAR10_SHAPE) + 8)
-    label = split.labels[:1].numel() * split.labels.element_size()
-    return len(split) * (math.prod(split.image_shape) * split.dtype.itemsize + label)
-
-
 def decoded_bytes(splits) -> int:
-    """uint8 bytes of the splits once decoded, labels included."""
-    return sum(held_bytes(split) for split in splits)
+    """Bytes of the splits' inputs as stored (image files: decoded, uint8) and their labels."""
+    return sum(
+        len(s) * (math.prod(s.image_shape) * s.dtype.itemsize + s.labels[:1].nbytes) for s in splits
+    )
 
 
 def _why_not_cached(files: list[FileSplit], data_dir: Path, version: str | None) -> str | None:
@@ -463,7 +456,7 @@ def _why_not_cached(files: list[FileSplit], data_dir: Path, version: str | None)
             f"limit (ulimit -v: {headroom / 2**30:.1f} GiB left)"
         )
     # The disk, before a decode that would fail when it fills (--data-mode memory: that error).
-    to_write = sum(held_bytes(f) for f in files if not cache_path(f, data_dir, version).exists())
+    to_write = decoded_bytes(f for f in files if not cache_path(f, data_dir, version).exists())
     free = shutil.disk_usage(next(p for p in (data_dir, *data_dir.parents) if p.exists())).free
     if to_write > free:
         return f"its decoded cache needs {size_text(to_write)}, --data-dir has {size_text(free)}"
@@ -488,12 +481,8 @@ def check_batch_size(train_images: int, batch_size: int, grad_accum: int = 1) ->
     )
 
 
-def fits_on_device(splits, device, *, max_fraction: float = 0.25) -> bool:
-    """Whether the splits (or sample counts: held_bytes) as stored take at most `max_fraction`
-    of `device`'s free memory (the rest is for the model), for `--gpu-resident auto`."""
-    device = torch.device(device)
-    needed = decoded_bytes(splits.values() if isinstance(splits, Mapping) else splits)
-    if device.type == "cuda":
-        return needed <= max_fraction * torch.cuda.mem_get_info(device)[0]
-    free = available_ram_bytes() if device.type == "cpu" else None
-    return free is not None and needed <= max_fraction * free
+def fits_on_device(splits: dict, device, *, max_fraction: float = 0.25) -> bool:
+    """Whether the splits as stored take at most `max_fraction` of the CUDA `device`'s free
+    memory (the rest is for the model), for `--gpu-resident auto` (which asks only on CUDA:
+    hardware.choose_gpu_resident)."""
+    return decoded_bytes(splits.values()) <= max_fraction * torch.cuda.mem_get_info(device)[0]
