@@ -366,7 +366,12 @@ class Loader:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The epoch's batches; the caller's waits for them count into `waited_s`, the epoch's
         time into `spanned_s` (wait_line)."""
-        batches = self._batches_on_device()
+        if self.resident:  # gathered on the device by this process
+            self._next_epoch()
+            raw = (self.dataset[index] for index in self.batch_indices())
+        else:
+            raw = self.raw_batches()
+        batches = (self._on_device(*batch) for batch in raw)
         start = asked = time.perf_counter()
         try:
             for batch in batches:
@@ -375,15 +380,7 @@ class Loader:
                 asked = time.perf_counter()  # the caller asks for the next batch
         finally:
             self.spanned_s += time.perf_counter() - start
-            batches.close()  # a caller that stops early: the workers end now, not at collection
-
-    def _batches_on_device(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        if not self.resident:
-            yield from (self._on_device(*batch) for batch in self.raw_batches())
-            return
-        self._next_epoch()
-        for index in self.batch_indices():
-            yield self._on_device(*self.dataset[index])
+            raw.close()  # a caller that stops early: the workers end now, not at collection
 
     def wait_line(self) -> str:
         """run.log's `loader:` line: the share of the loop's time spent waiting for batches."""
