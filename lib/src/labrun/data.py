@@ -242,13 +242,13 @@ def _image_source(mode: str, why_not: str | None, files: list[FileSplit]) -> str
     decoded = (
         f"decoded once at {height}x{width} into {size_text(need)} in --data-dir, memory-mapped"
     )
-    if ram is not None and need > ram:
+    if need > ram:
         return (
             f"disk cache: {decoded}; more than the {size_text(ram)} of RAM this job may use, "
             f"so read back from disk every epoch (--data-mode {mode})"
         )
-    ram_text = "" if ram is None else f" (fits the {size_text(ram)} of RAM this job may use)"
-    return f"memory: {decoded}{ram_text}; gathered every epoch (--data-mode {mode})"
+    fits = f"fits the {size_text(ram)} of RAM this job may use"
+    return f"memory: {decoded} ({fits}); gathered every epoch (--data-mode {mode})"
 
 
 @contextlib.contextmanager
@@ -328,7 +328,7 @@ def _as_split(raw, described: DatasetSplits, image_size, where: str) -> Split | 
             )
         need = math.prod((*images.shape[:2], *image_size)) * images.element_size()
         available = available_ram_bytes()
-        if available is not None and need > MEMORY_FRACTION * available:
+        if need > MEMORY_FRACTION * available:
             h, w = image_size
             raise ValueError(
                 f"--image-size: {len(images)} images of {where} at {h}x{w} take "
@@ -394,7 +394,7 @@ def subset(split: Split | FileSplit, index: torch.Tensor) -> Split | FileSplit:
     return replace(split, images=_in_layout(stored, order), labels=split.labels[index])
 
 
-def available_ram_bytes() -> int | None:
+def available_ram_bytes() -> int:
     """Memory this job may still use: the least of MemAvailable, the cgroup v2 headroom
     (memory.max - memory.current, of this cgroup and its parents: Slurm's --mem, a container's
     limit), Slurm's SLURM_MEM_PER_NODE / SLURM_MEM_PER_CPU (less this process's RSS) and
@@ -408,9 +408,8 @@ def available_ram_bytes() -> int | None:
         slurm = int(env.get("SLURM_MEM_PER_NODE") or 0) or per_cpu
         if slurm > 0:
             limits.append(max((slurm << 20) - psutil.Process().memory_info().rss, 0))
-    known = [limit for limit in limits if limit is not None]
-    jobs = env.get("LAB_JOBS_PER_NODE", "")
-    return min(known) // max(1, int(jobs) if jobs.isdecimal() else 1) if known else None
+    jobs = env.get("LAB_JOBS_PER_NODE", "")  # psutil's MemAvailable: always a number
+    return min(x for x in limits if x is not None) // max(1, int(jobs) if jobs.isdecimal() else 1)
 
 
 def _cgroup_headroom(root: str = "/sys/fs/cgroup") -> int | None:
