@@ -1,7 +1,7 @@
 """Load a dataset: the registered source -> checked splits -> (decoded cache) -> described.
 
     data = load_dataset("digits", "data")               # .splits {"train","val","test"}, .info
-    loader = build_loader(data.splits["train"], 128, train=True, device=device)
+    loader = Loader(data.splits["train"], 128, train=True, device=device)  # loaders.py
 
 The data layer, by what changes together (no module imports one that imports it back):
 - datasets.py   the registry: DatasetSplits, one function per dataset (arrays.py: the array
@@ -46,8 +46,7 @@ from .dataversion import data_version as files_version
 from .dataversion import forget
 from .imagecache import cache_path, decode_cached
 from .imagefolder import UnreadableImage
-from .loaders import FileSplit, Split, own_normalization
-from .loaders import build_loader as build_loader  # callers import it from here
+from .loaders import FileSplit, Loader, Split, own_normalization
 from .runs import size_text
 from .tasks import check_targets
 
@@ -57,6 +56,7 @@ MEMORY_FRACTION = 0.25
 # A training split must give at least this many optimizer steps per epoch (check_batch_size).
 MIN_STEPS_PER_EPOCH = 4
 HELD_AS = {torch.bool: torch.uint8, torch.float64: torch.float32}  # array inputs held as
+build_loader = Loader  # train.py's name for loaders.Loader, until it imports that
 EMPTY_SPLIT = "the split is empty; give it samples, or leave it out (None: carved from train)"
 
 

@@ -1,6 +1,6 @@
 """Loaders: a split in RAM or on disk -> batches of the model's input on the training device.
 
-    loader = build_loader(split, 128, train=True, device=device)
+    loader = Loader(split, 128, train=True, device=device)
     for epoch in range(epochs):
         loader.set_epoch(epoch)                         # shuffle order = f(seed, epoch)
         for x, y in loader: ...                         # float32, channels_last, on device
@@ -445,8 +445,6 @@ class Loader:
             batches._shutdown_workers()
 
 
-# The one way to make a loader; its name from before Loader did both kinds.
-build_loader = Loader
 _OPEN: weakref.WeakSet[Loader] = weakref.WeakSet()  # every Loader of this process
 
 
