@@ -385,17 +385,16 @@ class Loader:
     def wait_line(self) -> str:
         """run.log's `loader:` line: the share of the loop's time spent waiting for batches."""
         share = self.waited_s / max(self.spanned_s, 1e-9)
-        refused = self.nvjpeg_refused
-        slow = (
-            f"; nvJPEG failed on {len(refused)} batch(es) of readable JPEGs, decoded again in "
-            f"the main process ({refused[0]})"
-            if refused
-            else ""
-        )
-        return (
+        line = (
             f"loader: the loop waited {self.waited_s:.1f} s of {self.spanned_s:.1f} s for "
-            f"batches ({100 * share:.0f} %; {self.how}){slow}"
+            f"batches ({100 * share:.0f} %; {self.how})"
         )
+        if refused := self.nvjpeg_refused:  # slow: the main process decoded them
+            line += (
+                f"; nvJPEG failed on {len(refused)} batch(es) of readable JPEGs, decoded again in "
+                f"the main process ({refused[0]})"
+            )
+        return line
 
     def peek(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This epoch's first batch as iterating gives it (shape, dtype, device), read in this
