@@ -132,9 +132,8 @@ def load_synthetic_arrays(data_dir: Path, size: int, task: str = "classification
     identical bytes; targets as `task` takes them (synthetic_targets)."""
     if size < SYNTHETIC_CLASSES:
         raise ValueError(f"--synthetic-size must be >= {SYNTHETIC_CLASSES}, got {size}")
-    cache = Path(data_dir) / f"synthetic_{size}.npz"
-    (x_train, y_train), (x_test, y_test) = _cached(cache, lambda: _generate_synthetic(size))
-    return (x_train, synthetic_targets(y_train, task)), (x_test, synthetic_targets(y_test, task))
+    pairs = _cached(Path(data_dir) / f"synthetic_{size}.npz", lambda: _generate_synthetic(size))
+    return tuple((images, synthetic_targets(labels, task)) for images, labels in pairs)
 
 
 def synthetic_targets(labels: np.ndarray, task: str) -> np.ndarray:
