@@ -165,16 +165,13 @@ def load_dataset(name: str, data_dir: str | os.PathLike, **options) -> LoadedDat
     check_targets(splits, options.task, name, num_classes if class_ids else None)
     class_names = [str(c) for c in raw.class_names or range(num_classes)]
     files = [s for s in splits.values() if isinstance(s, FileSplit)]
-    mode = options.mode
-    if not files and mode == "stream":
+    if not files and options.mode == "stream":
         raise ValueError(
             f"--data-mode: dataset {name!r} is held in memory as arrays; "
             "streaming needs a dataset of image files (e.g. folder)"
         )
     notes = list(raw.notes)
-    why_not = _why_not_cached(files, data_dir, data_version) if files and mode == "auto" else None
-    source = _image_source(mode, why_not, files) if files else ""  # run.log's `images from:`
-    mode = "stream" if files and (why_not or mode == "stream") else "memory"
+    mode, source = _image_source(files, options) if files else ("memory", "")
     if files and mode == "memory":  # decoded before carving: the cache never depends on --seed
         processes = None if options.workers is None else max(1, options.workers)
         found = all(cache_path(f, data_dir, data_version).exists() for f in files)
@@ -226,29 +223,31 @@ def load_dataset(name: str, data_dir: str | os.PathLike, **options) -> LoadedDat
     return LoadedDataset(splits, info, mode, notes)
 
 
-def _image_source(mode: str, why_not: str | None, files: list[FileSplit]) -> str:
-    """Which of memory / disk cache / stream serves the image files, and why (run.log's
-    `images from:` line): the decoded cache is memory-mapped, so where it exceeds the RAM this
-    job may use it is read back from disk every epoch (the page cache keeps what fits), still
-    without a decode."""
+def _image_source(files: list[FileSplit], options: DataOptions) -> tuple[str, str]:
+    """The mode that serves the image files ("memory": the decoded cache; "stream") and which
+    of memory / disk cache / stream it is, and why (run.log's `images from:` line): the decoded
+    cache is memory-mapped, so where it exceeds the RAM this job may use it is read back from
+    disk every epoch (the page cache keeps what fits), still without a decode."""
+    mode, version = options.mode, options.data_version
+    why_not = _why_not_cached(files, options.data_dir, version) if mode == "auto" else None
     if mode == "stream" or why_not:
         if mode == "stream":
             why = "--data-mode stream; memory or auto decode once, and later epochs only gather"
         else:
             why = f"--data-mode auto: {why_not}"
-        return f"stream: decoded every epoch by the loader's workers ({why})"
+        return "stream", f"stream: decoded every epoch by the loader's workers ({why})"
     need, ram = decoded_bytes(files), available_ram_bytes()
     _, height, width = files[0].image_shape  # the training size: no resize left per epoch
     decoded = (
         f"decoded once at {height}x{width} into {size_text(need)} in --data-dir, memory-mapped"
     )
     if need > ram:
-        return (
+        return "memory", (
             f"disk cache: {decoded}; more than the {size_text(ram)} of RAM this job may use, "
             f"so read back from disk every epoch (--data-mode {mode})"
         )
     fits = f"fits the {size_text(ram)} of RAM this job may use"
-    return f"memory: {decoded} ({fits}); gathered every epoch (--data-mode {mode})"
+    return "memory", f"memory: {decoded} ({fits}); gathered every epoch (--data-mode {mode})"
 
 
 @contextlib.contextmanager
