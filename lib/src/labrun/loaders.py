@@ -144,12 +144,10 @@ def worker_init(_worker_id: int) -> None:
 
 def _libc(function: str, *args: int) -> None:
     """Call a glibc function; nothing where there is none (macOS, musl)."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         import ctypes
 
         getattr(ctypes.CDLL("libc.so.6"), function)(*args)
-    except (OSError, AttributeError):
-        pass
 
 
 # Every stop signal of stopping.STOP_SIGNALS: a closed terminal's SIGHUP and `scancel --full`'s
