@@ -26,8 +26,7 @@ MEAN = (0.4914 * 255, 0.4822 * 255, 0.4465 * 255)
 STD = (0.2470 * 255, 0.2435 * 255, 0.2616 * 255)
 # How each layout's axes are read; 2-D is "NL" (vectors), 3-D "NCL", 4-D "NCHW", 5-D "NCDHW".
 LAYOUTS = {2: "NL", 3: "NCL", 4: "NCHW", 5: "NCDHW"}
-DESCRIBED = {"NL": "vectors", "NCL": "signals", "NCHW": "images", "NCDHW": "volumes"}
-DESCRIBED["NTF"] = "sequences"
+DESCRIBED = dict(NL="vectors", NCL="signals", NCHW="images", NCDHW="volumes", NTF="sequences")
 
 
 def channel_last(layout: str, ndim: int) -> tuple[int, ...]:
