@@ -303,8 +303,8 @@ def _as_split(raw, described: DatasetSplits, image_size, where: str) -> Split | 
             "DatasetSplits(class_names=...))"
         )
     images = torch.as_tensor(images)
-    labels = torch.as_tensor(labels)  # class ids -> int64, targets -> float32
-    labels = labels.float() if labels.is_floating_point() else labels.long()
+    # class ids (bool, int, uint) -> int64, targets (float) -> float32
+    labels = torch.as_tensor(labels, dtype=torch.float if labels.dtype.kind == "f" else torch.long)
     # bool as uint8; float64 as float32: no model computes in float64, and half the memory
     images = images.to(HELD_AS.get(images.dtype, images.dtype))
     layout = described.layout or LAYOUTS.get(images.ndim)
