@@ -55,7 +55,7 @@ from .tasks import check_targets
 MEMORY_FRACTION = 0.25
 # A training split must give at least this many optimizer steps per epoch (check_batch_size).
 MIN_STEPS_PER_EPOCH = 4
-HELD_AS = {torch.bool: torch.uint8, torch.float64: torch.float32}  # array inputs held as
+HELD_AS = {np.dtype(bool): torch.uint8, np.dtype(np.float64): torch.float32}  # arrays held as
 build_loader = Loader  # train.py's name for loaders.Loader, until it imports that
 EMPTY_SPLIT = "the split is empty; give it samples, or leave it out (None: carved from train)"
 
@@ -302,11 +302,10 @@ def _as_split(raw, described: DatasetSplits, image_size, where: str) -> Split | 
             f"{labels.dtype} such as {first!r}; map them to ids (and the names to "
             "DatasetSplits(class_names=...))"
         )
-    images = torch.as_tensor(images)
+    # bool as uint8; float64 as float32: no model computes in float64, and half the memory
+    images = torch.as_tensor(images, dtype=HELD_AS.get(images.dtype))
     # class ids (bool, int, uint) -> int64, targets (float) -> float32
     labels = torch.as_tensor(labels, dtype=torch.float if labels.dtype.kind == "f" else torch.long)
-    # bool as uint8; float64 as float32: no model computes in float64, and half the memory
-    images = images.to(HELD_AS.get(images.dtype, images.dtype))
     layout = described.layout or LAYOUTS.get(images.ndim)
     if images.is_complex() or images.ndim < 2 or layout is None or len(layout) != images.ndim:
         raise ValueError(
