@@ -98,11 +98,11 @@ def scan_image_folder(
             f"read are {', '.join(IMAGE_EXTENSIONS)}"
         )
     if unreadable:
-        # Next to the caches (the data folder may be read-only), replaced atomically: a link
-        # planted at its name is replaced, never written through.
+        # Next to the caches (the data folder may be read-only; _check_images' lock made the
+        # folder), replaced atomically: a link planted at its name is replaced, never written
+        # through.
         key = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:8]
         listing = Path(report_dir) / f"unreadable-images-{root.name}-{key}.txt"
-        listing.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(listing, "\n".join(unreadable) + "\n")
         if len(unreadable) > MAX_UNREADABLE_FRACTION * total:
             raise ValueError(
