@@ -63,8 +63,8 @@ def scan_image_folder(
     """Find the images of `root`, check them, and describe the dataset (one-line errors): the
     keyword arguments of the `folder` dataset's DatasetSplits, a split as (paths, labels) (no
     key for a split without a readable image). `version` keys the cached checks in `report_dir`.
+    `root`, `report_dir`: Paths (datasets.folder gives load_dataset's).
     """
-    root = Path(root)
     if not (root / "train").is_dir():
         raise ValueError(
             f"--data-path: {root / 'train'} is not a folder; expected "
@@ -102,7 +102,7 @@ def scan_image_folder(
         # folder), replaced atomically: a link planted at its name is replaced, never written
         # through.
         key = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:8]
-        listing = Path(report_dir) / f"unreadable-images-{root.name}-{key}.txt"
+        listing = report_dir / f"unreadable-images-{root.name}-{key}.txt"
         atomic_write_text(listing, "\n".join(unreadable) + "\n")
         if len(unreadable) > MAX_UNREADABLE_FRACTION * total:
             raise ValueError(
