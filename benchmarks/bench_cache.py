@@ -107,7 +107,7 @@ def main(argv=None) -> int:
 
     aug = __import__(f"{package}.augment", fromlist=["crop_flip_gather"])
     batch = cached.images[: args.batch_size].permute(0, 2, 3, 1)
-    pad = aug.crop_padding(args.size, args.size)
+    pad = max(1, args.size // 8)  # augment.py's crop padding: 1/8 of the side
     padded = torch.nn.functional.pad(batch, (0, 0, pad, pad, pad, pad))
     draws = [torch.randint(0, 2 * pad + 1, (len(batch),)) for _ in range(2)]
     draws.append(torch.randint(0, 2, (len(batch),)))

@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labrun.data import Split, build_loader
+from labrun.data import Split
 from labrun.distributed import session
+from labrun.loaders import Loader
 
 STEPS, BATCH = 4, 32
 
@@ -30,9 +31,7 @@ def main(out: str, grad_accum: int) -> int:
         generator = torch.Generator().manual_seed(0)
         images = torch.randint(0, 256, (512, 1, 8, 8), dtype=torch.uint8, generator=generator)
         split = Split(images, torch.randint(0, 10, (512,), generator=generator))
-        loader = build_loader(
-            split, BATCH, train=False, device=cpu, workers=0, seed=0, shard=dist.shard
-        )
+        loader = Loader(split, BATCH, train=False, device=cpu, workers=0, seed=0, shard=dist.shard)
         model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.05)
         net = dist.ddp(model) or model

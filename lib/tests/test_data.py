@@ -14,7 +14,8 @@ from conftest import ROOT
 
 from labrun import arrays, augment
 from labrun.augment import random_crop_flip
-from labrun.data import Split, build_loader, fits_on_device, load_dataset
+from labrun.data import FileSplit, Split, fits_on_device, load_dataset
+from labrun.loaders import Loader
 
 NUM_CLASSES = 10  # of every built-in dataset
 
@@ -191,7 +192,7 @@ def small_split():
 
 @pytest.mark.parametrize("gpu_resident", [False, True])
 def test_loader_batches(small_split, gpu_resident):
-    loader = build_loader(small_split, 32, train=True, device="cpu", gpu_resident=gpu_resident)
+    loader = Loader(small_split, 32, train=True, device="cpu", gpu_resident=gpu_resident)
     assert len(loader) == 3  # 100 // 32, the ragged batch dropped
     batches = list(loader)
     assert len(batches) == 3
@@ -202,7 +203,7 @@ def test_loader_batches(small_split, gpu_resident):
     seen = torch.cat([y for _, y in batches])
     assert len(set(seen.tolist())) == NUM_CLASSES  # labels travel with their images
 
-    evaluation = build_loader(small_split, 32, train=False, device="cpu", gpu_resident=gpu_resident)
+    evaluation = Loader(small_split, 32, train=False, device="cpu", gpu_resident=gpu_resident)
     assert len(evaluation) == 4  # every sample scored
     x, _ = next(iter(evaluation))
     expected = (small_split.images[:32].float() - torch.tensor(augment.MEAN).view(1, 3, 1, 1)) / (
@@ -214,7 +215,7 @@ def test_loader_batches(small_split, gpu_resident):
 @pytest.mark.parametrize("gpu_resident", [False, True])
 def test_shuffle_is_a_function_of_seed_and_epoch(small_split, gpu_resident):
     def epoch_labels(seed, epoch, skip=0):
-        loader = build_loader(
+        loader = Loader(
             small_split, 10, train=True, device="cpu", seed=seed, gpu_resident=gpu_resident
         )
         loader.set_epoch(epoch, skip_batches=skip)
@@ -235,7 +236,7 @@ def test_a_resident_loader_gives_the_batches_of_a_copying_one(small_split, train
 
     def batches(gpu_resident: bool, skip: int = 0):
         torch.manual_seed(7)  # the augmentation's draws
-        loader = build_loader(
+        loader = Loader(
             small_split, 12, train=train, device="cpu", seed=3, shard=(1, 3),
             gpu_resident=gpu_resident,
         )  # fmt: skip
@@ -253,7 +254,7 @@ def test_a_resident_loader_gives_the_batches_of_a_copying_one(small_split, train
 
 
 def test_resume_with_restored_rng_is_exact(small_split):
-    loader = build_loader(small_split, 10, train=True, device="cpu")
+    loader = Loader(small_split, 10, train=True, device="cpu")
     loader.set_epoch(2)
     batches = iter(loader)
     for _ in range(4):
@@ -268,7 +269,7 @@ def test_resume_with_restored_rng_is_exact(small_split):
 
 
 def test_next_iteration_without_set_epoch_moves_on(small_split):
-    loader = build_loader(small_split, 10, train=True, device="cpu")
+    loader = Loader(small_split, 10, train=True, device="cpu")
     first = torch.cat([y for _, y in loader])
     second = torch.cat([y for _, y in loader])
     assert not torch.equal(first, second)
@@ -304,7 +305,7 @@ def test_the_cpu_and_device_crops_cut_the_same_pixels():
 
 
 def test_dataloader_workers(small_split):
-    loader = build_loader(small_split, 25, train=True, device="cpu", workers=1)
+    loader = Loader(small_split, 25, train=True, device="cpu", workers=1)
     assert sum(len(y) for _, y in loader) == 100
 
 
@@ -322,7 +323,7 @@ def test_the_loader_counts_the_loops_wait_for_batches_not_its_steps(small_split,
         return gather(self, index)
 
     monkeypatch.setattr(loaders._ArrayDataset, "__getitem__", slow_gather)
-    loader = build_loader(small_split, 10, train=True, device="cpu", workers=0)
+    loader = Loader(small_split, 10, train=True, device="cpu", workers=0)
     for _ in loader:  # 10 batches
         now[0] += 3.0  # the step
     batches = iter(loader)
@@ -334,12 +335,15 @@ def test_the_loader_counts_the_loops_wait_for_batches_not_its_steps(small_split,
     assert loader.wait_line() == line
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="--gpu-resident auto: CUDA only")
 def test_fits_on_device(small_split):
-    assert fits_on_device({"train": small_split}, "cpu")
-    assert not fits_on_device([10**12], "cpu")  # ~5 PB of images: more than any node's RAM
-    if torch.cuda.is_available():
-        assert fits_on_device([60_000], "cuda")
-        assert not fits_on_device([10**9], "cuda")
+    assert fits_on_device({"train": small_split}, "cuda")
+
+    def cifar_sized(n):  # n labels of 32x32 RGB images, without holding them
+        return {"train": FileSplit([], torch.zeros(1, dtype=torch.long).expand(n), (3, 32, 32))}
+
+    assert fits_on_device(cifar_sized(60_000), "cuda")
+    assert not fits_on_device(cifar_sized(10**9), "cuda")
 
 
 def test_random_resized_crop_cuts_a_part_and_resizes_it_back():

@@ -304,13 +304,14 @@ def test_slurm_task_under_torchrun_reads_75_from_the_run_directory(tmp_path, env
 def test_shards_of_every_global_batch_are_disjoint_and_exact_on_resume():
     import torch
 
-    from labrun.data import Split, build_loader
+    from labrun.data import Split
+    from labrun.loaders import Loader
 
     images = torch.zeros(100, 1, 8, 8, dtype=torch.uint8)
     split = Split(images, torch.arange(100))
 
     def labels(rank: int, world: int, train: bool, skip: int = 0) -> list[list[int]]:
-        loader = build_loader(
+        loader = Loader(
             split, 16, train=train, device="cpu", workers=0, seed=3, shard=(rank, world)
         )
         loader.set_epoch(2, skip_batches=skip)

@@ -225,11 +225,12 @@ def test_a_truncated_jpeg_is_found_by_the_scan_and_listed(tmp_path):
 
 HANG_SCRIPT = textwrap.dedent("""
     import sys, torch
-    from labrun.data import FileSplit, build_loader
+    from labrun.data import FileSplit
+    from labrun.loaders import Loader
 
     paths = sys.argv[1:]
     split = FileSplit(paths, torch.zeros(len(paths)).long(), (3, 16, 16))
-    loader = build_loader(split, 2, train=True, device="cpu", workers=2)
+    loader = Loader(split, 2, train=True, device="cpu", workers=2)
     kept = []
     try:
         for _ in loader:
@@ -414,7 +415,8 @@ def test_the_memory_budget_counts_the_jobs_cgroup_and_slurm(tmp_path, monkeypatc
 
 RSS_SCRIPT = textwrap.dedent("""
     import json, os, resource, sys
-    from labrun.data import build_loader, decoded_bytes, load_dataset
+    from labrun.data import decoded_bytes, load_dataset
+    from labrun.loaders import Loader
 
     def rss():
         with open("/proc/self/statm") as f:
@@ -424,7 +426,7 @@ RSS_SCRIPT = textwrap.dedent("""
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     loaded = load_dataset("folder", cache, data_path=folder, mode="memory", workers=0)
     for name, split in loaded.splits.items():  # small batches: their temporaries stay small
-        for _ in build_loader(split, 4, train=name == "train", device="cpu", workers=0):
+        for _ in Loader(split, 4, train=name == "train", device="cpu", workers=0):
             pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps({"growth": peak - base, "decoded": decoded_bytes(loaded.splits.values())}))

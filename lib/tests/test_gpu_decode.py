@@ -17,8 +17,9 @@ from PIL import Image
 
 from labrun import gpudecode
 from labrun.augment import STD
-from labrun.data import FileSplit, build_loader
+from labrun.data import FileSplit
 from labrun.imagefolder import UnreadableImage, cover_resize, decode_image
+from labrun.loaders import Loader
 
 SHAPE = (3, 24, 32)  # (C, H, W) of the run
 
@@ -133,7 +134,7 @@ def test_a_batch_nvjpeg_fails_whole_is_counted_on_the_loader_line(
     monkeypatch.setattr(sys.modules["torchvision.io"], "decode_jpeg", broken)
     paths = [files["jpeg"], files["png"], files["grey"], files["jpeg"]]
     split = FileSplit(paths, torch.zeros(len(paths), dtype=torch.long), SHAPE)
-    loader = build_loader(split, 2, train=False, device="cpu", workers=0)
+    loader = Loader(split, 2, train=False, device="cpu", workers=0)
     assert sum(len(y) for _, y in loader) == 4
     assert loader.nvjpeg_refused == ["RuntimeError: nvjpegDecodeBatched failed: 7"] * 2
     assert loader.wait_line().endswith(
@@ -204,11 +205,11 @@ def test_the_loader_streams_through_the_gpu_decode(files, monkeypatch, torchvisi
     monkeypatch.setattr(gpudecode, "choose_gpu_decode", lambda device: (True, "patched"))
     paths = list(files.values()) * 2
     split = FileSplit(paths, torch.arange(len(paths)) % 2, SHAPE)
-    loader = build_loader(split, 4, train=False, device="cpu", workers=1)
+    loader = Loader(split, 4, train=False, device="cpu", workers=1)
     assert loader.gpu_jpegs and loader.decoder.startswith("patched")
     streamed = torch.cat([x for x, _ in loader])
     monkeypatch.setattr(gpudecode, "choose_gpu_decode", lambda device: (False, "cpu"))
-    plain = build_loader(split, 4, train=False, device="cpu", workers=0)
+    plain = Loader(split, 4, train=False, device="cpu", workers=0)
     expected = torch.cat([x for x, _ in plain])
     assert streamed.shape == expected.shape == (len(paths), 3, 24, 32)
     assert (streamed - expected).abs().max() <= 2 / min(STD) + 1e-5  # 2 levels, normalised

@@ -19,7 +19,8 @@ from conftest import DEADLINE, ROOT, RUN_PY, cli_command, read_metrics, run_dir_
 from image_folders import CLASSES, make_folder
 
 from labrun import data, gpudecode, loaders
-from labrun.data import FileSplit, Split, build_loader, load_dataset
+from labrun.data import FileSplit, Split, load_dataset
+from labrun.loaders import Loader
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,7 @@ def test_grey_folder_has_one_channel_and_its_native_size(tmp_path):
     loaded = load(folder, tmp_path / "cache", mode="stream")
     assert (loaded.info.channels, loaded.info.image_size) == (1, (6, 10))  # (height, width)
     assert {k: len(v) for k, v in loaded.splits.items()} == {"train": 12, "val": 3, "test": 3}
-    x, _ = next(iter(build_loader(loaded.splits["train"], 4, train=True, device="cpu", workers=0)))
+    x, _ = next(iter(Loader(loaded.splits["train"], 4, train=True, device="cpu", workers=0)))
     assert x.shape == (4, 1, 6, 10)
 
 
@@ -81,7 +82,7 @@ def test_memory_and_stream_give_the_same_batches(mixed_folder, tmp_path):
     for name in ("train", "val", "test"):
         batches = []
         for loaded in (memory, stream):
-            loader = build_loader(
+            loader = Loader(
                 loaded.splits[name], 5, train=name == "train", device="cpu", workers=0, seed=3
             )
             torch.manual_seed(0)  # the augmentation's RNG, as a run would have it
@@ -93,7 +94,7 @@ def test_memory_and_stream_give_the_same_batches(mixed_folder, tmp_path):
 
 def test_stream_resume_with_restored_rng_is_exact(mixed_folder, tmp_path):
     split = load(mixed_folder, tmp_path, image_size=(12, 12), mode="stream").splits["train"]
-    loader = build_loader(split, 4, train=True, device="cpu", workers=1)
+    loader = Loader(split, 4, train=True, device="cpu", workers=1)
     loader.set_epoch(2)
     batches = iter(loader)
     next(batches), next(batches)
@@ -192,13 +193,14 @@ def test_arrays_cannot_be_streamed(tmp_path):
 WORKER_SCRIPT = textwrap.dedent("""
     import signal, sys
     import torch
-    from labrun.data import Split, build_loader
+    from labrun.data import Split
+    from labrun.loaders import Loader
 
     stops = []
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):  # the main decides
         signal.signal(sig, lambda signum, frame: stops.append(signum))
     split = Split(torch.zeros(4096, 3, 8, 8, dtype=torch.uint8), torch.zeros(4096).long())
-    loader = build_loader(split, 4, train=True, device="cpu", workers=2)
+    loader = Loader(split, 4, train=True, device="cpu", workers=2)
     while not stops:
         for step, _ in enumerate(loader):
             if step == 10:
@@ -420,7 +422,7 @@ def test_peek_reads_the_first_batch_in_this_process(mixed_folder, tmp_path, monk
     starting a worker (their prefetched batches were thrown away inside the first timed epoch,
     halving a short streamed run's rate)."""
     split = load(mixed_folder, tmp_path, image_size=(12, 12), mode="stream").splits["train"]
-    loader = build_loader(split, 4, train=True, device="cpu", workers=2)
+    loader = Loader(split, 4, train=True, device="cpu", workers=2)
     loader.set_epoch(1)
     torch.manual_seed(0)
     first = next(iter(loader))
@@ -448,11 +450,11 @@ def test_the_decode_note_names_the_path_and_its_workers(mixed_folder, tmp_path, 
     """run.log's `decode:` line (a streamed run): who decodes, and how many workers."""
     split = load(mixed_folder, tmp_path, image_size=(12, 12), mode="stream").splits["train"]
     monkeypatch.setattr(loaders, "available_cpus", lambda: 2)
-    default = build_loader(split, 4, train=True, device="cpu")
+    default = Loader(split, 4, train=True, device="cpu")
     assert default.decoder.startswith("on the CPU (Pillow")
     assert default.decoder.endswith("; 1 loader worker(s) of the 2 core(s) this job may use")
     assert default.how == "streamed, decoded on the CPU (Pillow), 1 worker(s)"
-    given = build_loader(split, 4, train=True, device="cpu", workers=2)
+    given = Loader(split, 4, train=True, device="cpu", workers=2)
     assert given.decoder.endswith("; 2 loader worker(s) (--workers)")
 
 

@@ -16,8 +16,9 @@ from conftest import PACKAGE, ROOT, RUN_PY
 from labrun import config, datasets, registry
 from labrun.analysis import RunResult, aggregate
 from labrun.augment import choose_augmentation
-from labrun.data import Split, build_loader, load_dataset
+from labrun.data import Split, load_dataset
 from labrun.listing import describe
+from labrun.loaders import Loader
 
 
 @pytest.fixture
@@ -55,7 +56,7 @@ def test_arrays_of_any_dtype_and_shape_are_kept_and_normalised(
     assert described["normalization"].startswith(f"per channel ({channels}), mean and std")
     assert described["augmentation"].startswith("off (auto: only uint8 images")
     for gpu_resident in (False, True):
-        loader = build_loader(train, 50, train=False, device="cpu", gpu_resident=gpu_resident)
+        loader = Loader(train, 50, train=False, device="cpu", gpu_resident=gpu_resident)
         x = torch.cat([x for x, _ in loader])
         assert x.dtype == torch.float32 and x.shape[1:] == shape and x.is_contiguous()
         # Per channel (axis 1; features of vectors; the last axis of sequences): mean 0, std 1.
@@ -71,7 +72,7 @@ def test_inputs_declared_unnormalised_reach_the_model_as_they_are(tmp_path, data
     tokens = np.random.default_rng(0).integers(0, 100, (200, 9))  # ids for an nn.Embedding
     name = dataset(train=(tokens, np.arange(200) % 4), normalize=False)
     loaded = load_dataset(name, tmp_path)
-    x, _ = next(iter(build_loader(loaded.splits["test"], 8, train=False, device="cpu")))
+    x, _ = next(iter(Loader(loaded.splits["test"], 8, train=False, device="cpu")))
     assert x.dtype == torch.int64 and torch.equal(x, loaded.splits["test"].images[:8])
     assert loaded.info.describe()["normalization"].startswith("none (the dataset declares")
 
@@ -108,8 +109,8 @@ def test_signal_augmentation_shifts_and_flips_and_resumes_exactly():
     signals = torch.arange(20 * 40, dtype=torch.float32).view(20, 1, 40)
     split = Split(signals, torch.arange(20) % 4, layout="NCL")
     shift = choose_augmentation((1, 40), "NCL", torch.float32, "on")
-    loader = build_loader(split, 5, train=True, device="cpu", augment=shift)
-    plain = build_loader(split, 5, train=True, device="cpu", augment=False)
+    loader = Loader(split, 5, train=True, device="cpu", augment=shift)
+    plain = Loader(split, 5, train=True, device="cpu", augment=False)
     loader.set_epoch(1)
     plain.set_epoch(1)
     torch.manual_seed(0)

@@ -31,7 +31,8 @@ from conftest import LIB, PACKAGE, ROOT, mlflow_run, read_metrics, run_dir_of, t
 
 from labrun.analysis import aggregate, load_runs
 from labrun.arrays import synthetic_targets
-from labrun.data import Split, build_loader
+from labrun.data import Split
+from labrun.loaders import Loader
 from labrun.stopping import EarlyStopping
 from labrun.tasks import ap_bins, create_task
 from labrun.train import TrainSums
@@ -256,12 +257,12 @@ def test_classification_sums_equal_a_direct_count():
 def test_spatial_targets_turn_crop_and_flip_off():
     images = torch.randint(0, 256, (8, 3, 16, 16), dtype=torch.uint8)
     split = Split(images, torch.randint(0, 2, (8, 16, 16)))  # a mask per image
-    still = build_loader(split, 8, train=True, device="cpu", augment=False, workers=0)
-    plain = build_loader(split, 8, train=False, device="cpu", workers=0)
+    still = Loader(split, 8, train=True, device="cpu", augment=False, workers=0)
+    plain = Loader(split, 8, train=False, device="cpu", workers=0)
     (x, y), (x0, y0) = next(iter(still)), next(iter(plain))
     order = still.batch_indices()[0]  # train order is shuffled: compare image by image
     assert torch.equal(x, x0[order]) and torch.equal(y, y0[order])  # targets pass unchanged
-    moving = build_loader(split, 8, train=True, device="cpu", workers=0)
+    moving = Loader(split, 8, train=True, device="cpu", workers=0)
     assert not torch.equal(next(iter(moving))[0], x0[moving.batch_indices()[0]])
 
 

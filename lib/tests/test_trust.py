@@ -223,7 +223,7 @@ def test_one_file_in_two_classes_or_splits_is_refused_whether_hard_or_symbolic_l
     copy = (folder / "train" / where).resolve()
     link(original, copy)
     with pytest.raises(ValueError, match=r"--data-path: .* is the same (file|image) as"):
-        scan_image_folder(folder, None)
+        scan_image_folder(folder, None, tmp_path / "cache", "v")
 
 
 def damage_in_place(path: Path) -> None:

@@ -10,7 +10,8 @@ import torch
 from lab_project.model import build_model
 from torch import nn
 
-from labrun.data import Split, build_loader
+from labrun.data import Split
+from labrun.loaders import Loader
 from labrun.tools.tuning import (
     find_batch_size,
     find_lr,
@@ -28,7 +29,7 @@ def loader():
     images = (
         labels.view(-1, 1, 1, 1) * 25 + torch.randint(0, 20, (128, 3, 32, 32), generator=gen)
     ).to(torch.uint8)
-    return build_loader(Split(images, labels), 16, train=True, device="cpu")
+    return Loader(Split(images, labels), 16, train=True, device="cpu")
 
 
 def tiny_model():

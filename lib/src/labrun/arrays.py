@@ -8,7 +8,6 @@ that start together decode it once). datasets.py registers them; data.load_datas
 from __future__ import annotations
 
 import hashlib
-import io
 import math
 import pickle
 import shutil
@@ -133,9 +132,8 @@ def load_synthetic_arrays(data_dir: Path, size: int, task: str = "classification
     identical bytes; targets as `task` takes them (synthetic_targets)."""
     if size < SYNTHETIC_CLASSES:
         raise ValueError(f"--synthetic-size must be >= {SYNTHETIC_CLASSES}, got {size}")
-    cache = Path(data_dir) / f"synthetic_{size}.npz"
-    (x_train, y_train), (x_test, y_test) = _cached(cache, lambda: _generate_synthetic(size))
-    return (x_train, synthetic_targets(y_train, task)), (x_test, synthetic_targets(y_test, task))
+    pairs = _cached(Path(data_dir) / f"synthetic_{size}.npz", lambda: _generate_synthetic(size))
+    return tuple((images, synthetic_targets(labels, task)) for images, labels in pairs)
 
 
 def synthetic_targets(labels: np.ndarray, task: str) -> np.ndarray:
@@ -206,8 +204,8 @@ def _fetch_cifar10(data_dir: Path) -> dict[str, np.ndarray]:
             raise ValueError(f"corrupt or partial: md5 {md5}, expected {CIFAR10_MD5}")
         return _extract_cifar10(tarball)
     # Past the md5, only a tarball other than CIFAR-10's (CIFAR10_MD5 pointed at it) fails:
-    # not a tarball, a member missing (KeyError) or a folder (None.read), other sizes
-    except (tarfile.TarError, KeyError, AttributeError, ValueError) as e:
+    # not a tarball, a member missing (KeyError) or a folder (pickle.load(None)), other sizes
+    except (tarfile.TarError, KeyError, TypeError, ValueError) as e:
         tarball.unlink()
         raise ValueError(
             f"{tarball} could not be read as CIFAR-10 ({e}); deleted it, run again"
@@ -222,8 +220,8 @@ def _extract_cifar10(tarball: Path) -> dict[str, np.ndarray]:
             images, labels = [], []
             for name in batches:
                 # Our own md5-verified download, so unpickling it is safe.
-                member = tar.extractfile(f"cifar-10-batches-py/{name}")
-                batch = pickle.load(io.BytesIO(member.read()), encoding="bytes")
+                member = tar.extractfile(f"cifar-10-batches-py/{name}")  # None: a folder
+                batch = pickle.load(member, encoding="bytes")
                 images.append(np.asarray(batch[b"data"], np.uint8).reshape(-1, *CIFAR10_SHAPE))
                 labels.append(np.asarray(batch[b"labels"], dtype=np.int64))
             arrays[f"{split}_images"] = np.concatenate(images)

@@ -26,14 +26,7 @@ MEAN = (0.4914 * 255, 0.4822 * 255, 0.4465 * 255)
 STD = (0.2470 * 255, 0.2435 * 255, 0.2616 * 255)
 # How each layout's axes are read; 2-D is "NL" (vectors), 3-D "NCL", 4-D "NCHW", 5-D "NCDHW".
 LAYOUTS = {2: "NL", 3: "NCL", 4: "NCHW", 5: "NCDHW"}
-DESCRIBED = {"NL": "vectors", "NCL": "signals", "NCHW": "images", "NCDHW": "volumes"}
-DESCRIBED["NTF"] = "sequences"
-
-
-def crop_padding(*sizes: int) -> int:
-    """Padding of the random crop along (height, width), or a signal's length: 1/8 of the
-    shorter side (4 px at 32x32)."""
-    return max(1, min(sizes) // 8)
+DESCRIBED = dict(NL="vectors", NCL="signals", NCHW="images", NCDHW="volumes", NTF="sequences")
 
 
 def channel_last(layout: str, ndim: int) -> tuple[int, ...]:
@@ -132,7 +125,7 @@ def choose_augmentation(
             why=f"random resized crop (area {low:g}-{high:g} of the image, width/height "
             f"{narrow:.3g}-{wide:.3g}) + flip ({source}; --crop resized)",
         )
-    pad = crop_padding(*spatial)
+    pad = max(1, min(spatial) // 8)  # the crop's padding: 1/8 of the shorter side (4 at 32x32)
     kind = "crop + flip" if len(spatial) == 2 else "shift + flip along the length"
     if 4 * pad > min(spatial):  # the crop would cover more than a quarter of an axis
         skipped = (

@@ -1,7 +1,7 @@
 """Load a dataset: the registered source -> checked splits -> (decoded cache) -> described.
 
     data = load_dataset("digits", "data")               # .splits {"train","val","test"}, .info
-    loader = build_loader(data.splits["train"], 128, train=True, device=device)
+    loader = Loader(data.splits["train"], 128, train=True, device=device)  # loaders.py
 
 The data layer, by what changes together (no module imports one that imports it back):
 - datasets.py   the registry: DatasetSplits, one function per dataset (arrays.py: the array
@@ -22,7 +22,7 @@ import hashlib
 import math
 import os
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -31,7 +31,7 @@ import psutil
 import torch
 import torch.nn.functional as F
 
-from .arrays import CIFAR10_SHAPE, TEST_FRACTION, TEST_SPLIT_SEED
+from .arrays import TEST_FRACTION, TEST_SPLIT_SEED
 from .augment import (
     LAYOUTS,
     Augmentation,
@@ -46,8 +46,7 @@ from .dataversion import data_version as files_version
 from .dataversion import forget
 from .imagecache import cache_path, decode_cached
 from .imagefolder import UnreadableImage
-from .loaders import FileSplit, Split, own_normalization
-from .loaders import build_loader as build_loader  # callers import it from here
+from .loaders import FileSplit, Loader, Split, own_normalization
 from .runs import size_text
 from .tasks import check_targets
 
@@ -56,7 +55,8 @@ from .tasks import check_targets
 MEMORY_FRACTION = 0.25
 # A training split must give at least this many optimizer steps per epoch (check_batch_size).
 MIN_STEPS_PER_EPOCH = 4
-HELD_AS = {torch.bool: torch.uint8, torch.float64: torch.float32}  # array inputs held as
+HELD_AS = {np.dtype(bool): torch.uint8, np.dtype(np.float64): torch.float32}  # arrays held as
+build_loader = Loader  # train.py's name for loaders.Loader, until it imports that
 EMPTY_SPLIT = "the split is empty; give it samples, or leave it out (None: carved from train)"
 
 
@@ -165,20 +165,16 @@ def load_dataset(name: str, data_dir: str | os.PathLike, **options) -> LoadedDat
     check_targets(splits, options.task, name, num_classes if class_ids else None)
     class_names = [str(c) for c in raw.class_names or range(num_classes)]
     files = [s for s in splits.values() if isinstance(s, FileSplit)]
-    mode = options.mode
-    if not files and mode == "stream":
+    if not files and options.mode == "stream":
         raise ValueError(
             f"--data-mode: dataset {name!r} is held in memory as arrays; "
             "streaming needs a dataset of image files (e.g. folder)"
         )
     notes = list(raw.notes)
-    why_not = _why_not_cached(files, data_dir, data_version) if files and mode == "auto" else None
-    source = _image_source(mode, why_not, files) if files else ""  # run.log's `images from:`
-    mode = "stream" if files and (why_not or mode == "stream") else "memory"
+    mode, source = _image_source(files, options) if files else ("memory", "")
     if files and mode == "memory":  # decoded before carving: the cache never depends on --seed
         processes = None if options.workers is None else max(1, options.workers)
         found = all(cache_path(f, data_dir, data_version).exists() for f in files)
-        damaged = len(notes)  # a cache found but not used (decode_cached's notes): decoded again
         try:
             with _data_dir_errors(data_dir):
                 for key, split in splits.items():  # (each key replaced: the dict keeps its size)
@@ -189,8 +185,9 @@ def load_dataset(name: str, data_dir: str | os.PathLike, **options) -> LoadedDat
         except UnreadableImage as e:  # checked by the scan, so it changed since: rewritten
             # in place; the next start fingerprints every file
             raise ValueError(f"{e}; {forget(data_path, data_dir)}") from e
-        # run.log: whether this start paid for the decode (the later ones never do)
-        found = found and len(notes) == damaged
+        # run.log: whether this start paid for the decode (the later ones never do); a cache
+        # found but not used (a note of decode_cached's after the dataset's) was decoded again
+        found = found and len(notes) == len(raw.notes)
         source += "; found, decoded by an earlier start" if found else "; decoded by this start"
     if "test" not in splits:  # a fixed carve: the test set never depends on --seed
         splits["train"], splits["test"] = _carve(splits["train"], TEST_FRACTION, TEST_SPLIT_SEED)
@@ -226,29 +223,31 @@ def load_dataset(name: str, data_dir: str | os.PathLike, **options) -> LoadedDat
     return LoadedDataset(splits, info, mode, notes)
 
 
-def _image_source(mode: str, why_not: str | None, files: list[FileSplit]) -> str:
-    """Which of memory / disk cache / stream serves the image files, and why (run.log's
-    `images from:` line): the decoded cache is memory-mapped, so where it exceeds the RAM this
-    job may use it is read back from disk every epoch (the page cache keeps what fits), still
-    without a decode."""
+def _image_source(files: list[FileSplit], options: DataOptions) -> tuple[str, str]:
+    """The mode that serves the image files ("memory": the decoded cache; "stream") and which
+    of memory / disk cache / stream it is, and why (run.log's `images from:` line): the decoded
+    cache is memory-mapped, so where it exceeds the RAM this job may use it is read back from
+    disk every epoch (the page cache keeps what fits), still without a decode."""
+    mode, version = options.mode, options.data_version
+    why_not = _why_not_cached(files, options.data_dir, version) if mode == "auto" else None
     if mode == "stream" or why_not:
         if mode == "stream":
             why = "--data-mode stream; memory or auto decode once, and later epochs only gather"
         else:
             why = f"--data-mode auto: {why_not}"
-        return f"stream: decoded every epoch by the loader's workers ({why})"
+        return "stream", f"stream: decoded every epoch by the loader's workers ({why})"
     need, ram = decoded_bytes(files), available_ram_bytes()
     _, height, width = files[0].image_shape  # the training size: no resize left per epoch
     decoded = (
         f"decoded once at {height}x{width} into {size_text(need)} in --data-dir, memory-mapped"
     )
-    if ram is not None and need > ram:
-        return (
+    if need > ram:
+        return "memory", (
             f"disk cache: {decoded}; more than the {size_text(ram)} of RAM this job may use, "
             f"so read back from disk every epoch (--data-mode {mode})"
         )
-    ram_text = "" if ram is None else f" (fits the {size_text(ram)} of RAM this job may use)"
-    return f"memory: {decoded}{ram_text}; gathered every epoch (--data-mode {mode})"
+    fits = f"fits the {size_text(ram)} of RAM this job may use"
+    return "memory", f"memory: {decoded} ({fits}); gathered every epoch (--data-mode {mode})"
 
 
 @contextlib.contextmanager
@@ -303,11 +302,10 @@ def _as_split(raw, described: DatasetSplits, image_size, where: str) -> Split | 
             f"{labels.dtype} such as {first!r}; map them to ids (and the names to "
             "DatasetSplits(class_names=...))"
         )
-    images = torch.as_tensor(images)
-    labels = torch.as_tensor(labels)  # class ids -> int64, targets -> float32
-    labels = labels.float() if labels.is_floating_point() else labels.long()
     # bool as uint8; float64 as float32: no model computes in float64, and half the memory
-    images = images.to(HELD_AS.get(images.dtype, images.dtype))
+    images = torch.as_tensor(images, dtype=HELD_AS.get(images.dtype))
+    # class ids (bool, int, uint) -> int64, targets (float) -> float32
+    labels = torch.as_tensor(labels, dtype=torch.float if labels.dtype.kind == "f" else torch.long)
     layout = described.layout or LAYOUTS.get(images.ndim)
     if images.is_complex() or images.ndim < 2 or layout is None or len(layout) != images.ndim:
         raise ValueError(
@@ -328,7 +326,7 @@ def _as_split(raw, described: DatasetSplits, image_size, where: str) -> Split | 
             )
         need = math.prod((*images.shape[:2], *image_size)) * images.element_size()
         available = available_ram_bytes()
-        if available is not None and need > MEMORY_FRACTION * available:
+        if need > MEMORY_FRACTION * available:
             h, w = image_size
             raise ValueError(
                 f"--image-size: {len(images)} images of {where} at {h}x{w} take "
@@ -394,7 +392,7 @@ def subset(split: Split | FileSplit, index: torch.Tensor) -> Split | FileSplit:
     return replace(split, images=_in_layout(stored, order), labels=split.labels[index])
 
 
-def available_ram_bytes() -> int | None:
+def available_ram_bytes() -> int:
     """Memory this job may still use: the least of MemAvailable, the cgroup v2 headroom
     (memory.max - memory.current, of this cgroup and its parents: Slurm's --mem, a container's
     limit), Slurm's SLURM_MEM_PER_NODE / SLURM_MEM_PER_CPU (less this process's RSS) and
@@ -408,9 +406,8 @@ def available_ram_bytes() -> int | None:
         slurm = int(env.get("SLURM_MEM_PER_NODE") or 0) or per_cpu
         if slurm > 0:
             limits.append(max((slurm << 20) - psutil.Process().memory_info().rss, 0))
-    known = [limit for limit in limits if limit is not None]
-    jobs = env.get("LAB_JOBS_PER_NODE", "")
-    return min(known) // max(1, int(jobs) if jobs.isdecimal() else 1) if known else None
+    jobs = env.get("LAB_JOBS_PER_NODE", "")  # psutil's MemAvailable: always a number
+    return min(x for x in limits if x is not None) // max(1, int(jobs) if jobs.isdecimal() else 1)
 
 
 def _cgroup_headroom(root: str = "/sys/fs/cgroup") -> int | None:
@@ -438,18 +435,11 @@ def _rlimit_headroom() -> int | None:
     return max(limit - psutil.Process().memory_info().vms, 0)
 
 
-def held_bytes(split: Split | FileSplit | int) -> int:
-    """Bytes of a split's inputs as stored (image files: decoded, uint8) and its labels; an int
-    counts that many 32x32 RGB images."""
-    if isinstance(split, int):
-        return split * (math.prod(CIFAR10_SHAPE) + 8)
-    label = split.labels[:1].numel() * split.labels.element_size()
-    return len(split) * (math.prod(split.image_shape) * split.dtype.itemsize + label)
-
-
 def decoded_bytes(splits) -> int:
-    """uint8 bytes of the splits once decoded, labels included."""
-    return sum(held_bytes(split) for split in splits)
+    """Bytes of the splits' inputs as stored (image files: decoded, uint8) and their labels."""
+    return sum(
+        len(s) * (math.prod(s.image_shape) * s.dtype.itemsize + s.labels[:1].nbytes) for s in splits
+    )
 
 
 def _why_not_cached(files: list[FileSplit], data_dir: Path, version: str | None) -> str | None:
@@ -463,7 +453,7 @@ def _why_not_cached(files: list[FileSplit], data_dir: Path, version: str | None)
             f"limit (ulimit -v: {headroom / 2**30:.1f} GiB left)"
         )
     # The disk, before a decode that would fail when it fills (--data-mode memory: that error).
-    to_write = sum(held_bytes(f) for f in files if not cache_path(f, data_dir, version).exists())
+    to_write = decoded_bytes(f for f in files if not cache_path(f, data_dir, version).exists())
     free = shutil.disk_usage(next(p for p in (data_dir, *data_dir.parents) if p.exists())).free
     if to_write > free:
         return f"its decoded cache needs {size_text(to_write)}, --data-dir has {size_text(free)}"
@@ -488,12 +478,8 @@ def check_batch_size(train_images: int, batch_size: int, grad_accum: int = 1) ->
     )
 
 
-def fits_on_device(splits, device, *, max_fraction: float = 0.25) -> bool:
-    """Whether the splits (or sample counts: held_bytes) as stored take at most `max_fraction`
-    of `device`'s free memory (the rest is for the model), for `--gpu-resident auto`."""
-    device = torch.device(device)
-    needed = decoded_bytes(splits.values() if isinstance(splits, Mapping) else splits)
-    if device.type == "cuda":
-        return needed <= max_fraction * torch.cuda.mem_get_info(device)[0]
-    free = available_ram_bytes() if device.type == "cpu" else None
-    return free is not None and needed <= max_fraction * free
+def fits_on_device(splits: dict, device, *, max_fraction: float = 0.25) -> bool:
+    """Whether the splits as stored take at most `max_fraction` of the CUDA `device`'s free
+    memory (the rest is for the model), for `--gpu-resident auto` (which asks only on CUDA:
+    hardware.choose_gpu_resident)."""
+    return decoded_bytes(splits.values()) <= max_fraction * torch.cuda.mem_get_info(device)[0]

@@ -35,7 +35,7 @@ class DataOptions:
     mode: str = "auto"  # --data-mode of image files (data.load_dataset)
     workers: int | None = None  # processes that decode the cache (None: every core; 0, 1: this)
     # --augment (auto/on/off) and the task's spatial_targets decide the training augmentation
-    # (DatasetInfo.augmentation: pass it to build_loader); --crop, --crop-* the images' crop.
+    # (DatasetInfo.augmentation: pass it to loaders.Loader); --crop, --crop-* the images' crop.
     augment: str = "auto"
     spatial_targets: bool = False
     crop: str = "pad"

@@ -17,10 +17,12 @@ and the float resize differ from libjpeg-turbo's and the uint8 one by a level or
 
 from __future__ import annotations
 
+import contextlib
 import io
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -60,26 +62,20 @@ def choose_gpu_decode(device: torch.device) -> tuple[bool, str]:
 def jpeg_bytes(path: str) -> bytes | None:
     """The file's bytes when the GPU decodes it as the CPU would, else None (decode it on the
     CPU). Reads the header only; a file that does not open is the CPU's to refuse."""
-    try:
+    with contextlib.suppress(*DECODE_ERRORS):
         data = Path(path).read_bytes()  # read once: the header below is parsed from memory
         with Image.open(io.BytesIO(data)) as image:
             upright = image.getexif().get(EXIF_ORIENTATION, 1) == 1
             # The modes nvJPEG decodes as Pillow does (not CMYK, YCCK).
-            if image.format != "JPEG" or image.mode not in ("RGB", "L") or not upright:
-                return None
-        return data
-    except DECODE_ERRORS:
-        return None
+            if image.format == "JPEG" and image.mode in ("RGB", "L") and upright:
+                return data
+    return None
 
 
 def _as_tensor(data: bytes) -> torch.Tensor:
-    # A bytearray: writable, so torch takes it without a copy or a warning; empty: frombuffer
-    # refuses it.
-    return (
-        torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        if data
-        else torch.empty(0, dtype=torch.uint8)
-    )
+    # Over a bytearray: writable, so torch takes it without a copy or a warning (numpy's view,
+    # unlike torch.frombuffer, also takes an empty one).
+    return torch.from_numpy(np.frombuffer(bytearray(data), dtype=np.uint8))
 
 
 @dataclass

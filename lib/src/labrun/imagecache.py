@@ -140,8 +140,7 @@ def _decode(split: FileSplit, cache: Path, shape, processes: int, progress) -> N
         disable=progress is not None,
     )
     try:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(partial)  # a killed decode's (or a planted link: the name, not its target)
+        partial.unlink(missing_ok=True)  # a killed decode's (or a planted link: not its target)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         with os.fdopen(os.open(partial, flags, 0o666), "wb") as f:
             header = {"descr": "|u1", "fortran_order": False, "shape": shape}

@@ -17,7 +17,6 @@ nothing (an upright image is not transposed, an RGB one not converted).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -59,16 +58,13 @@ class UnreadableImage(ValueError):
 
 
 def scan_image_folder(
-    root: Path,
-    image_size: tuple[int, int] | None,
-    report_dir: Path | None = None,
-    version: str | None = None,
+    root: Path, image_size: tuple[int, int] | None, report_dir: Path, version: str
 ) -> dict:
     """Find the images of `root`, check them, and describe the dataset (one-line errors): the
     keyword arguments of the `folder` dataset's DatasetSplits, a split as (paths, labels) (no
     key for a split without a readable image). `version` keys the cached checks in `report_dir`.
+    `root`, `report_dir`: Paths (datasets.folder gives load_dataset's).
     """
-    root = Path(root)
     if not (root / "train").is_dir():
         raise ValueError(
             f"--data-path: {root / 'train'} is not a folder; expected "
@@ -102,11 +98,11 @@ def scan_image_folder(
             f"read are {', '.join(IMAGE_EXTENSIONS)}"
         )
     if unreadable:
-        # Next to the caches (the data folder may be read-only), replaced atomically: a link
-        # planted at its name is replaced, never written through.
+        # Next to the caches (the data folder may be read-only; _check_images' lock made the
+        # folder), replaced atomically: a link planted at its name is replaced, never written
+        # through.
         key = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:8]
-        listing = Path(report_dir or root) / f"unreadable-images-{root.name}-{key}.txt"
-        listing.parent.mkdir(parents=True, exist_ok=True)
+        listing = report_dir / f"unreadable-images-{root.name}-{key}.txt"
         atomic_write_text(listing, "\n".join(unreadable) + "\n")
         if len(unreadable) > MAX_UNREADABLE_FRACTION * total:
             raise ValueError(
@@ -182,18 +178,17 @@ def _class_dirs(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_dir() and not is_hidden(p.name))
 
 
-def _check_images(root: Path, paths: list[str], report_dir: Path | None, version: str | None):
+def _check_images(root: Path, paths: list[str], report_dir: Path, version: str):
     """{path: [width, height, mode, low, high] or "why unreadable"}, cached per version: every
     image fully decoded once (a file cut short fails here), sizes after EXIF orientation."""
     cache = check_cache_path(root, report_dir, version)
     relative = [os.path.relpath(p, root) for p in paths]  # the folder may move: its cache stays
     # A --data-dir that cannot hold it: one error line (data.load_dataset names the flag).
-    with file_lock(cache) if cache is not None else contextlib.nullcontext():
-        checked = (cache and read_json_cache(cache)) or {}
+    with file_lock(cache):
+        checked = read_json_cache(cache) or {}
         if not all(r in checked for r in relative):
             checked = {r: _inspect(p) for r, p in zip(relative, paths, strict=True)}
-            if cache is not None:
-                atomic_write_text(cache, json.dumps(checked))
+            atomic_write_text(cache, json.dumps(checked))
     return {p: checked[r] for p, r in zip(paths, relative, strict=True)}
 
 

@@ -1,6 +1,6 @@
 """Loaders: a split in RAM or on disk -> batches of the model's input on the training device.
 
-    loader = build_loader(split, 128, train=True, device=device)
+    loader = Loader(split, 128, train=True, device=device)
     for epoch in range(epochs):
         loader.set_epoch(epoch)                         # shuffle order = f(seed, epoch)
         for x, y in loader: ...                         # float32, channels_last, on device
@@ -144,12 +144,10 @@ def worker_init(_worker_id: int) -> None:
 
 def _libc(function: str, *args: int) -> None:
     """Call a glibc function; nothing where there is none (macOS, musl)."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         import ctypes
 
         getattr(ctypes.CDLL("libc.so.6"), function)(*args)
-    except (OSError, AttributeError):
-        pass
 
 
 # Every stop signal of stopping.STOP_SIGNALS: a closed terminal's SIGHUP and `scancel --full`'s
@@ -366,7 +364,12 @@ class Loader:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The epoch's batches; the caller's waits for them count into `waited_s`, the epoch's
         time into `spanned_s` (wait_line)."""
-        batches = self._batches_on_device()
+        if self.resident:  # gathered on the device by this process
+            self._next_epoch()
+            raw = (self.dataset[index] for index in self.batch_indices())
+        else:
+            raw = self.raw_batches()
+        batches = (self._on_device(*batch) for batch in raw)
         start = asked = time.perf_counter()
         try:
             for batch in batches:
@@ -375,30 +378,21 @@ class Loader:
                 asked = time.perf_counter()  # the caller asks for the next batch
         finally:
             self.spanned_s += time.perf_counter() - start
-            batches.close()  # a caller that stops early: the workers end now, not at collection
-
-    def _batches_on_device(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        if not self.resident:
-            yield from (self._on_device(*batch) for batch in self.raw_batches())
-            return
-        self._next_epoch()
-        for index in self.batch_indices():
-            yield self._on_device(*self.dataset[index])
+            raw.close()  # a caller that stops early: the workers end now, not at collection
 
     def wait_line(self) -> str:
         """run.log's `loader:` line: the share of the loop's time spent waiting for batches."""
         share = self.waited_s / max(self.spanned_s, 1e-9)
-        refused = self.nvjpeg_refused
-        slow = (
-            f"; nvJPEG failed on {len(refused)} batch(es) of readable JPEGs, decoded again in "
-            f"the main process ({refused[0]})"
-            if refused
-            else ""
-        )
-        return (
+        line = (
             f"loader: the loop waited {self.waited_s:.1f} s of {self.spanned_s:.1f} s for "
-            f"batches ({100 * share:.0f} %; {self.how}){slow}"
+            f"batches ({100 * share:.0f} %; {self.how})"
         )
+        if refused := self.nvjpeg_refused:  # slow: the main process decoded them
+            line += (
+                f"; nvJPEG failed on {len(refused)} batch(es) of readable JPEGs, decoded again in "
+                f"the main process ({refused[0]})"
+            )
+        return line
 
     def peek(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This epoch's first batch as iterating gives it (shape, dtype, device), read in this
@@ -448,8 +442,6 @@ class Loader:
             batches._shutdown_workers()
 
 
-# The one way to make a loader; its name from before Loader did both kinds.
-build_loader = Loader
 _OPEN: weakref.WeakSet[Loader] = weakref.WeakSet()  # every Loader of this process
 
 

@@ -56,7 +56,8 @@ def choose_layer(model: nn.Module, layer: str | None, which: str) -> str:
 def test_inputs(config: dict, count: int, seed: int, batch_size: int, device, data_dir=None):
     """`count` inputs of the test split a run was tested on (rebuilt from its config.json; a
     seeded choice, in order), in batches on `device`."""
-    from ..data import build_loader, load_dataset, subset
+    from ..data import load_dataset, subset
+    from ..loaders import Loader
 
     loaded = load_dataset(
         config["dataset"], data_dir or config["data_dir"], data_path=config.get("data_path"),
@@ -68,7 +69,7 @@ def test_inputs(config: dict, count: int, seed: int, batch_size: int, device, da
     test = loaded.splits["test"]
     generator = torch.Generator().manual_seed(seed)
     chosen = torch.randperm(len(test), generator=generator)[:count].sort().values
-    loader = build_loader(subset(test, chosen), batch_size, train=False, device=device, workers=0)
+    loader = Loader(subset(test, chosen), batch_size, train=False, device=device, workers=0)
     return [x for x, _ in loader]
 
 
