@@ -119,7 +119,7 @@ def worker_init(_worker_id: int) -> None:
 
     Slurm and Ctrl-C signal the whole process group: a worker dying of it would turn a graceful
     stop (exit 75) into "DataLoader worker killed by signal". So the stop signals stay blocked
-    (since workers_started_safely) and one thread takes them: a SIGTERM from the parent itself
+    (since raw_batches forked it) and one thread takes them: a SIGTERM from the parent itself
     (how multiprocessing and torch end workers) or any once the parent is gone (PR_SET_PDEATHSIG
     sends one) ends the worker. Workers that ignored every SIGTERM kept run.py alive at exit
     after an error, holding its .lock, forever.
@@ -161,18 +161,6 @@ def _fix_malloc_mmap_threshold(threshold: int = 4 << 20) -> None:
     fragment the heap: streaming 256 px images in batches of 64, the RSS grew from 301 to 871 MB
     in 40 batches; with a fixed threshold, to 319 MB (benchmarks/RESULTS.md, bench_data.py)."""
     _libc("mallopt", -3, threshold)  # -3: M_MMAP_THRESHOLD, from glibc's malloc.h
-
-
-@contextlib.contextmanager
-def workers_started_safely() -> Iterator[None]:
-    """Block the stop signals while DataLoader workers are forked: a group signal landing between
-    a worker's fork and its worker_init_fn would kill it. One that came meanwhile reaches the
-    stop handler when they are unblocked."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def own_normalization(split: Split | FileSplit, whose: str = "this split") -> Normalization | None:
@@ -418,8 +406,14 @@ class Loader:
         gpudecode.EncodedBatch) and labels, on the CPU. On any error the workers are shut down
         at once: an iterator kept alive by the traceback would outlive main() with them."""
         self._next_epoch()
-        with workers_started_safely():
+        # The stop signals blocked while the workers are forked: a group signal landing between
+        # a worker's fork and its worker_init_fn would kill it. One that came meanwhile reaches
+        # the stop handler when they are unblocked.
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
             batches = iter(self._loader)  # forks the workers (CPU: every epoch)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
         self._batches = weakref.ref(batches)
         try:
             for images, labels in batches:
