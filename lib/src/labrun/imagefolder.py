@@ -47,14 +47,11 @@ DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
 
 
 class UnreadableImage(ValueError):
-    """An image that cannot be decoded: names the file (run.py: one `error:` line, exit 2)."""
-
-    def __init__(self, path: str, reason: str):
-        super().__init__(path, reason)  # its arguments: a loader worker sends it pickled
-        self.path, self.reason = path, reason
+    """An image that cannot be decoded: names the file (run.py: one `error:` line, exit 2).
+    UnreadableImage(path, reason): its args, as a loader worker sends it pickled."""
 
     def __str__(self) -> str:
-        return f"cannot decode {self.path}: {self.reason}"
+        return "cannot decode {}: {}".format(*self.args)
 
 
 def scan_image_folder(
