@@ -5,7 +5,7 @@
 
 Writes --images JPEGs of 500x375 (quality 90, photo-like: gradients plus noise), loads them with
 the generated package's `load_dataset("folder", image_size=224)` and times one training epoch
-(shuffled, batch 64, drop_last) through its `build_loader`, one torch thread, on the CPU:
+(shuffled, batch 64, drop_last) through its `Loader`, one torch thread, on the CPU:
 - stream: `--data-mode stream`, every image decoded again (Pillow: draft, resize, crop) by the
   loader, in the main process (0 workers: one core does everything);
 - cache, gather only: `--data-mode memory`, the decoded uint8 cache memory-mapped, the batches as
@@ -87,6 +87,7 @@ def main(argv=None) -> int:
     project = render_project(work / "render")
     pkg, package = import_package(project)
     data = __import__(f"{package}.data", fromlist=["load_dataset"])
+    loaders = __import__(f"{package}.loaders", fromlist=["Loader"])
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
     folder = make_jpegs(work / "folder", args.images, args.width)
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
     cores = len(os.sched_getaffinity(0))
 
     def loader(split):
-        return data.build_loader(split, args.batch_size, train=True, device="cpu", workers=0)
+        return loaders.Loader(split, args.batch_size, train=True, device="cpu", workers=0)
 
     aug = __import__(f"{package}.augment", fromlist=["crop_flip_gather"])
     batch = cached.images[: args.batch_size].permute(0, 2, 3, 1)

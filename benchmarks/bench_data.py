@@ -68,7 +68,7 @@ def make_jpegs(root: Path, count: int, side: int, *, vary: bool, classes: int = 
 
 
 def epoch_rate(pkg, split, batch_size: int, workers: int) -> float:
-    loader = pkg.data.build_loader(split, batch_size, train=True, device="cpu", workers=workers)
+    loader = pkg.loaders.Loader(split, batch_size, train=True, device="cpu", workers=workers)
     start = time.perf_counter()
     seen = sum(len(y) for _, y in loader)
     return seen / (time.perf_counter() - start)
@@ -103,9 +103,10 @@ CHILD = textwrap.dedent("""
     limit = int(sys.argv[1])
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     import torch
-    from {package}.data import build_loader, load_dataset
+    from {package}.data import load_dataset
+    from {package}.loaders import Loader
     loaded = load_dataset("folder", sys.argv[2], data_path=sys.argv[3], mode="auto")
-    loader = build_loader(loaded.splits["train"], 64, train=True, device="cpu", workers=1)
+    loader = Loader(loaded.splits["train"], 64, train=True, device="cpu", workers=1)
     start = time.perf_counter()
     seen = sum(len(y) for _, y in loader)
     print(json.dumps({{"mode": loaded.mode, "seen": seen,
@@ -121,7 +122,7 @@ GROWTH = textwrap.dedent("""
     if sys.argv[3] == "off":  # what glibc does by default
         loaders._fix_malloc_mmap_threshold = lambda: None
     loaded = data.load_dataset("folder", sys.argv[1], data_path=sys.argv[2], mode="stream")
-    loader = data.build_loader(loaded.splits["train"], 64, train=True, device="cpu", workers=1)
+    loader = loaders.Loader(loaded.splits["train"], 64, train=True, device="cpu", workers=1)
     rss = []
     for i, _ in enumerate(loader):
         if i % 10 == 0:

@@ -112,7 +112,7 @@ def import_package(project: Path):
 
     os.environ["LABRUN_PROJECT"] = str(project)
     sys.path.insert(0, str(project))
-    for module in ("config", "data", "hardware", "train", "models", "tools.gpucheck",
+    for module in ("config", "data", "loaders", "hardware", "train", "models", "tools.gpucheck",
                    "tools.reference"):
         importlib.import_module(f"labrun.{module}")
     return importlib.import_module("labrun"), "labrun"
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     check, reference = pkg.tools.gpucheck, pkg.tools.reference
     if not args.batch_size:
         args.batch_size = pkg.hardware.recommended_batch_size(device)
-    loader = pkg.data.build_loader(split, args.batch_size, train=True, device=device)
+    loader = pkg.loaders.Loader(split, args.batch_size, train=True, device=device)
     batches = [batch for _, batch in zip(range(8), loader, strict=False)]
 
     def job() -> float:
