@@ -20,6 +20,7 @@ from lab_project.model import build_model
 import labrun
 from labrun import hardware
 from labrun.hardware import CompileCost, CompileRecord, choose_compile
+from labrun.tools import tuning
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
@@ -453,8 +454,8 @@ def test_default_batch_size_is_one_on_every_device():
         for device in ("cpu", "cuda", "auto")
     }
     assert len(set(dirs.values())) == 1, dirs
-    assert hardware.recommended_batch_size(CUDA) == hardware.CUDA_BATCH_SIZE
-    assert hardware.recommended_batch_size(CPU) == hardware.BASE_BATCH_SIZE == 128
+    assert tuning.recommended_batch_size(CUDA) == tuning.CUDA_BATCH_SIZE
+    assert tuning.recommended_batch_size(CPU) == tuning.BASE_BATCH_SIZE == 128
 
 
 @pytest.mark.slow

@@ -52,14 +52,6 @@ INDUCTOR_CACHE_ENV = "LAB_INDUCTOR_CACHE_DIR"  # a lab-wide cache folder, shared
 RECORDS = "lab_compile_costs"  # sub-folder of the inductor cache: one JSON per model and machine
 EAGER = "eager"  # a CompileRecord's entry for the eager step (its training steps' time)
 LOOP_MIN_STEPS = 20  # a first epoch this long times the training step (CompileRecord.save_step)
-# Batch-size rule: one default batch size, 128, on every device: the batch size is part of the
-# run's identity (it changes the numbers), so a default that followed the device would put the
-# same command into different run directories on a laptop and on a GPU node, and a sweep's
-# results would stop being comparable. A GPU usually wants more work per launch: CUDA_BATCH_SIZE
-# is the *recommendation* `--find-batch-size` prints (capped by what fits, LR scaled by
-# sqrt(batch ratio), the usual rule for Adam-type optimizers); you pass it explicitly.
-BASE_BATCH_SIZE, BASE_LR = 128, 3e-3
-CUDA_BATCH_SIZE = 512
 BF16_MIN_CAPABILITY = (8, 0)  # Ampere: first GPUs with bf16 tensor cores
 
 
@@ -417,15 +409,6 @@ def decide_compile(
         measure()
     log.info("compile: %s", why)
     return mode, eager_s, record
-
-
-def recommended_batch_size(device: torch.device) -> int:
-    """What --find-batch-size recommends (capped by what fits); not a default (batch-size rule)."""
-    return CUDA_BATCH_SIZE if device.type == "cuda" else BASE_BATCH_SIZE
-
-
-def default_lr(batch_size: int) -> float:
-    return BASE_LR * math.sqrt(batch_size / BASE_BATCH_SIZE)
 
 
 def setup_backends(device: torch.device, deterministic: bool) -> str:
