@@ -427,8 +427,3 @@ def read_state(run_dir: Path, log: logging.Logger | None = None) -> dict:
     if log is not None:
         log.warning("%s ignored: %s; a new MLflow run is started", path, problem)
     return {}
-
-
-def mlflow_run_id(run_dir: Path) -> str | None:
-    """The MLflow run that mirrors `run_dir` (tracking.json's), or None."""
-    return read_state(Path(run_dir)).get("run_id")
