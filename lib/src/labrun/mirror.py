@@ -392,18 +392,17 @@ def _new_run(client, run_dir: Path, state: dict, params: dict, old=None):
 
 # ---- tracking.json -------------------------------------------------------------------------------
 RUN_ID = re.compile(r"[0-9a-f]{32}")  # MLflow's run ids (uuid4().hex)
-STATE_TYPES = {  # each other key of tracking.json, if present: (in words, type)
-    **dict.fromkeys(("params", "tags", "end_tags"), ("a map", dict)),
-    "artifacts": ("a list", list),  # of names: see _artifact_files
-    **dict.fromkeys(("started_at", "ended_at"), ("a time", int | float)),
-    **dict.fromkeys(("experiment", "run_name", "error", "mirrored"), ("a string", str)),
-}
 # What each key of tracking.json must be, if present: (in words, test).
 STATE_FORMS = {
     "run_id": ("32 hex digits", lambda v: v is None or isinstance(v, str) and RUN_ID.fullmatch(v)),
     "sent_rows": ("a count", lambda v: type(v) is int and v >= 0),
     "ended": ("an MLflow end status", lambda v: v in (None, *MLFLOW_STATUS.values())),
-    **{k: (form, lambda v, t=t: isinstance(v, t)) for k, (form, t) in STATE_TYPES.items()},
+    **dict.fromkeys(("params", "tags", "end_tags"), ("a map", lambda v: isinstance(v, dict))),
+    "artifacts": ("a list", lambda v: isinstance(v, list)),  # of names: see _artifact_files
+    **dict.fromkeys(("started_at", "ended_at"), ("a time", lambda v: isinstance(v, int | float))),
+    **dict.fromkeys(
+        ("experiment", "run_name", "error", "mirrored"), ("a string", lambda v: isinstance(v, str))
+    ),
 }
 
 
