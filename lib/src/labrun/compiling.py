@@ -38,17 +38,7 @@ def compile_model(model, loss_fn, batch, args, env, *, steps: int, log) -> Compi
     decided = (None, 0.0, None)
     if dist.is_main:
         decided = decide_compile(
-            model,
-            batch,
-            loss_fn=loss_fn,
-            dtype=env.amp_dtype,
-            steps=steps,
-            micro_batches=args.grad_accum,
-            flag=args.compile,
-            deterministic=args.deterministic,
-            project_root=PROJECT_ROOT,
-            log=log,
-            ddp=dist.active,
+            model, loss_fn, batch, args, env, steps=steps, project_root=PROJECT_ROOT, log=log
         )
     mode = dist.decide(decided[0])  # torchrun: rank 0's, on every rank
     speed, busy = ({}, None)

@@ -155,10 +155,9 @@ class Dist:
 
     def decide(self, value):
         """Rank 0's `value` on every rank (a broadcast over the CPU group)."""
-        if not self.active:
-            return value
         box = [value]
-        self.td.broadcast_object_list(box, src=0, group=self.cpu_group)
+        if self.active:
+            self.td.broadcast_object_list(box, src=0, group=self.cpu_group)
         return box[0]
 
     def agree_on(self, identity: dict) -> str | None:

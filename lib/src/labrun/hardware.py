@@ -371,23 +371,14 @@ def fastest(work: Callable[[], object], now: Callable[[], float], repeats: int) 
 
 
 def decide_compile(
-    model,
-    batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
-    *,
-    loss_fn,
-    dtype,
-    steps: int,
-    micro_batches: int,
-    flag: str,
-    deterministic: bool,
-    project_root: Path,
-    log,
-    ddp: bool = False,
+    model, loss_fn, batch, args, env, *, steps: int, project_root: Path, log
 ) -> tuple[str | None, float, CompileRecord | None]:
     """(torch.compile mode or None, eager seconds of forward + backward, its CompileRecord):
     choose_compile on `model`'s eager time on the real batch `batch()`, or the one an earlier
-    job recorded for this model, input and machine. Run it on one rank and share the mode."""
-    device = next(model.parameters()).device
+    job recorded for this model, input and machine, for run.py's --compile, --grad-accum and
+    --deterministic (`args`) in the run's precision and ranks (`env`, compile_model's). Run it on
+    one rank and share the mode."""
+    device, dtype, micro_batches = next(model.parameters()).device, env.amp_dtype, args.grad_accum
     record, eager_s = None, 0.0
 
     def measure() -> tuple[float, dict[str, CompileCost]]:
@@ -401,9 +392,9 @@ def decide_compile(
         )
         return eager_s, record.costs(device)
 
-    blocked = graphs_blocked(device, micro_batches, ddp, dtype)
+    blocked = graphs_blocked(device, micro_batches, env.dist.active, dtype)
     mode, why = choose_compile(
-        device, flag, steps, deterministic, micro_batches, blocked, measure=measure
+        device, args.compile, steps, args.deterministic, micro_batches, blocked, measure=measure
     )
     if mode in CUDA_PRIORS and record is None:  # a forced mode: its costs are still recorded
         measure()
