@@ -163,10 +163,9 @@ class Dist:
     def agree_on(self, identity: dict) -> str | None:
         """None when every rank's `identity` is rank 0's; else one line, the same on every rank,
         naming the first rank and key that differ (one all_gather, before anything is written)."""
-        if not self.active:
-            return None
-        everyone: list = [None] * self.world
-        self.td.all_gather_object(everyone, identity, group=self.cpu_group)
+        everyone: list = [identity] * self.world  # one process: its own
+        if self.active:
+            self.td.all_gather_object(everyone, identity, group=self.cpu_group)
         ours = everyone[0]
         for rank, theirs in enumerate(everyone[1:], start=1):
             key = next((k for k in {**ours, **theirs} if ours.get(k) != theirs.get(k)), None)

@@ -523,7 +523,7 @@ class GpuBusy:
             return
         wall = timed(self.device)() - self._started
         self._profile.stop()
-        busy_us = kernel_time_us(self._profile.events())
+        busy_us = sum(e.self_device_time_total for e in kernels(self._profile.events()))
         self._profile = None
         self.share = min(1.0, busy_us / 1e6 / wall)
         self.step_s = wall / (steps - BUSY_FIRST)
@@ -535,10 +535,6 @@ def kernels(events) -> list:
     from torch.autograd import DeviceType
 
     return [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
-
-
-def kernel_time_us(events) -> float:
-    return sum(e.self_device_time_total for e in kernels(events))
 
 
 def busy_line(share: float, step_s: float, batch_size: int) -> str:
