@@ -137,10 +137,9 @@ class Dist:
         exits first with a non-zero code would have torchrun kill the writer). torchrun then
         sends SIGTERM to the ranks still exiting: GracefulStop's handlers, kept until the
         process ends, keep their exit code (75, 73, 2) from becoming death by that signal."""
-        if not self.active:
-            return code
         code = self.verdict(code)  # rank 0 ended before training: tell the others why
-        if code != EXIT_FAILED:  # a failure is one rank's: the others may be mid-collective
+        # a failure is one rank's: the others may be mid-collective
+        if self.active and code != EXIT_FAILED:
             self.td.barrier(group=self.cpu_group)
         return code
 
