@@ -21,6 +21,10 @@ from pathlib import Path
 
 import torch
 
+from . import __version__
+from .checkpoint import rng_state, set_rng_state
+from .runs import labrun_hash, write_json
+
 # Compile rule (--compile auto, hardware.choose_compile): compile only where the eager time it
 # saves clearly exceeds what compiling costs. The eager time is measured (forward + backward of a
 # real batch, times the micro-batches left); each candidate mode's compile time (cold, or warm:
@@ -208,9 +212,6 @@ def device_name(device: torch.device) -> str:
 
 def labrun_source() -> str:
     """labrun's version and a hash of its source, as runs.code_version records them."""
-    from . import __version__
-    from .runs import labrun_hash
-
     return f"{__version__}+{labrun_hash()}"
 
 
@@ -246,8 +247,6 @@ def read_record(cache_dir: Path, key: dict) -> dict | None:
 
 def write_record(cache_dir: Path, key: dict, **values) -> None:
     """Keep `values` (numbers a machine measures once) for `key`, with the UTC time."""
-    from .runs import write_json
-
     path = record_path(cache_dir, key)
     with contextlib.suppress(OSError):  # a read-only folder keeps nothing
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -325,8 +324,6 @@ def compile_cache_counts() -> tuple[int, int]:
 @contextlib.contextmanager
 def put_back(module, device: torch.device):
     """Undo what trial passes change: buffers (BatchNorm statistics), gradients, RNG."""
-    from .checkpoint import rng_state, set_rng_state
-
     buffers = [b.detach().clone() for b in module.buffers()]
     rng = rng_state(device)  # Python, numpy, torch and this GPU's generators
     try:
