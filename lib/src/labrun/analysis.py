@@ -172,10 +172,11 @@ def read_history(text: str) -> dict[str, np.ndarray]:
 
 
 def parser_defaults() -> dict:
-    """run.py's current defaults of every flag (no torch)."""
+    """run.py's current defaults of every flag (no torch), as declared: parsing nothing would
+    also settle the job flags (config.Parser: a bad LAB_TRACKING exits), which no table needs."""
     from .config import build_parser
 
-    return vars(build_parser().parse_args([]))
+    return {a.dest: a.default for a in build_parser()._actions if a.dest != "help"}
 
 
 def settle(runs: Sequence[RunResult]) -> tuple[list[RunResult], list[tuple[str, str]]]:
