@@ -24,7 +24,6 @@ import contextlib
 import csv
 import functools
 import hashlib
-import io
 import json
 import logging
 import os
@@ -170,7 +169,7 @@ def _history_rows(run_dir: Path) -> list[dict]:
     except (OSError, ValueError):
         return []
     rows = []
-    for record in csv.DictReader(io.StringIO(text)):
+    for record in csv.DictReader(text.splitlines()):
         with contextlib.suppress(ValueError):
             row = {k: float(v) for k, v in record.items() if k and v not in ("", None)}
             if "epoch" in row:
