@@ -50,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30, help="timed optimizer steps per variant")
     p.add_argument("--batch-size", type=int, default=0,
                    help="batch size of every variant (0: the device's recommendation, "
-                        "hardware.recommended_batch_size: 128 CPU / 512 CUDA)")
+                        "tools.tuning.recommended_batch_size: 128 CPU / 512 CUDA)")
     p.add_argument("--width", type=int, default=64, help="model width (run.py --width)")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                    help="compile policy of (a); (c) compiles in mode default with 'on' and "
@@ -113,7 +113,7 @@ def import_package(project: Path):
     os.environ["LABRUN_PROJECT"] = str(project)
     sys.path.insert(0, str(project))
     for module in ("config", "data", "loaders", "hardware", "train", "models", "tools.gpucheck",
-                   "tools.reference"):
+                   "tools.reference", "tools.tuning"):
         importlib.import_module(f"labrun.{module}")
     return importlib.import_module("labrun"), "labrun"
 
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
 
     check, reference = pkg.tools.gpucheck, pkg.tools.reference
     if not args.batch_size:
-        args.batch_size = pkg.hardware.recommended_batch_size(device)
+        args.batch_size = pkg.tools.tuning.recommended_batch_size(device)
     loader = pkg.loaders.Loader(split, args.batch_size, train=True, device=device)
     batches = [batch for _, batch in zip(range(8), loader, strict=False)]
 

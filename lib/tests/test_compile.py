@@ -20,6 +20,7 @@ from lab_project.model import build_model
 import labrun
 from labrun import hardware
 from labrun.hardware import CompileCost, CompileRecord, choose_compile
+from labrun.tools import tuning
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
@@ -394,13 +395,18 @@ def test_decide_compile_measures_a_real_batch_only_where_it_can_compile(tmp_path
         calls.append(1)
         return batch
 
-    common = dict(
-        loss_fn=torch.nn.functional.cross_entropy, dtype=None, steps=10, micro_batches=1,
-        deterministic=False, project_root=tmp_path, log=log,
-    )  # fmt: skip
-    assert hardware.decide_compile(model, peek, flag="auto", **common) == (None, 0.0, None)
+    env = types.SimpleNamespace(amp_dtype=None, dist=types.SimpleNamespace(active=False))
+
+    def decide(flag: str):
+        args = types.SimpleNamespace(compile=flag, grad_accum=1, deterministic=False)
+        loss_fn = torch.nn.functional.cross_entropy
+        return hardware.decide_compile(
+            model, loss_fn, peek, args, env, steps=10, project_root=tmp_path, log=log
+        )
+
+    assert decide("auto") == (None, 0.0, None)
     assert calls == []  # CPU auto: nothing run
-    mode, eager_s, record = hardware.decide_compile(model, peek, flag="on", **common)
+    mode, eager_s, record = decide("on")
     assert mode == "default" and eager_s > 0 and calls == [1]
     assert record.key["input"][0] == [4, 3, 32, 32]
     assert all(p.grad is None for p in model.parameters())  # its passes left nothing behind
@@ -453,8 +459,8 @@ def test_default_batch_size_is_one_on_every_device():
         for device in ("cpu", "cuda", "auto")
     }
     assert len(set(dirs.values())) == 1, dirs
-    assert hardware.recommended_batch_size(CUDA) == hardware.CUDA_BATCH_SIZE
-    assert hardware.recommended_batch_size(CPU) == hardware.BASE_BATCH_SIZE == 128
+    assert tuning.recommended_batch_size(CUDA) == tuning.CUDA_BATCH_SIZE
+    assert tuning.recommended_batch_size(CPU) == tuning.BASE_BATCH_SIZE == 128
 
 
 @pytest.mark.slow

@@ -136,6 +136,7 @@ def test_a_name_registered_twice_names_both_places(tmp_path, monkeypatch):
 
 
 def test_trial_runs_and_sweep_runs_go_to_their_own_experiments():
+    from labrun import jobs
     from labrun.config import DEFAULT_EXPERIMENT, parse_args
 
     trial, _ = parse_args([])
@@ -143,6 +144,11 @@ def test_trial_runs_and_sweep_runs_go_to_their_own_experiments():
     chosen, _ = parse_args(["--experiment", "mine"])
     assert trial.experiment == f"{DEFAULT_EXPERIMENT}-trials"
     assert sweep.experiment == DEFAULT_EXPERIMENT and chosen.experiment == "mine"
+    job = jobs.parser("count.py", "Count.", "results/count")  # run.py's flags, settled alike
+    assert job.parse_args([]).experiment == DEFAULT_EXPERIMENT
+    assert job.parse_args(["--results-dir", str(ROOT / "results" / "trials")]).experiment == (
+        f"{DEFAULT_EXPERIMENT}-trials"
+    )
 
 
 def test_provenance_warns_outside_git(tmp_path, monkeypatch, caplog):

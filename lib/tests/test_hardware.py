@@ -9,6 +9,7 @@ import torch
 from lab_project.model import build_model
 
 from labrun import checkpoint, hardware
+from labrun.tools import tuning
 from labrun.tools.tuning import recommend_batch_size
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
@@ -136,10 +137,10 @@ def test_the_run_writes_a_best_model_that_loads_strictly(main_in_process, tmp_pa
 
 
 def test_batch_size_rule_and_find_batch_size_agree():
-    assert hardware.recommended_batch_size(CPU) == hardware.BASE_BATCH_SIZE
-    assert hardware.recommended_batch_size(CUDA) == hardware.CUDA_BATCH_SIZE
-    assert hardware.default_lr(hardware.BASE_BATCH_SIZE) == hardware.BASE_LR
-    assert hardware.default_lr(4 * hardware.BASE_BATCH_SIZE) == pytest.approx(2 * hardware.BASE_LR)
-    assert recommend_batch_size(4096, CUDA) == (512, pytest.approx(2 * hardware.BASE_LR))
-    assert recommend_batch_size(256, CUDA) == (256, pytest.approx(2**0.5 * hardware.BASE_LR))
+    assert tuning.recommended_batch_size(CPU) == tuning.BASE_BATCH_SIZE
+    assert tuning.recommended_batch_size(CUDA) == tuning.CUDA_BATCH_SIZE
+    assert tuning.default_lr(tuning.BASE_BATCH_SIZE) == tuning.BASE_LR
+    assert tuning.default_lr(4 * tuning.BASE_BATCH_SIZE) == pytest.approx(2 * tuning.BASE_LR)
+    assert recommend_batch_size(4096, CUDA) == (512, pytest.approx(2 * tuning.BASE_LR))
+    assert recommend_batch_size(256, CUDA) == (256, pytest.approx(2**0.5 * tuning.BASE_LR))
     assert recommend_batch_size(4096, CPU)[0] == 128

@@ -125,6 +125,14 @@ def test_bad_input_exits_2_and_leaves_nothing(count_py, tmp_path):
     assert not results.exists() or not any(results.iterdir())
 
 
+def test_a_bad_lab_tracking_is_refused_as_run_py_refuses_it(count_py, tmp_path):
+    results = tmp_path / "results"
+    bad = count(count_py, "--print-run-dir", results=results, env={"LAB_TRACKING": "no"})
+    assert bad.returncode == 2 and bad.stdout == "", bad.stdout
+    assert bad.stderr == "error: LAB_TRACKING='no': expected on or off (see count.py --help)\n"
+    assert count(count_py, results=results, env={"LAB_TRACKING": " OFF "}).returncode == 0
+
+
 def test_a_stop_signal_ends_the_job_interrupted_with_75(count_py, tmp_path):
     results = tmp_path / "results"
     out = Path(count(count_py, "--n", "3000", "--sleep", "0.01", "--print-run-dir",

@@ -140,7 +140,7 @@ def test_run_log_and_metrics_give_samples_per_sec_and_on_cuda_mfu(
     json.dumps(metrics)  # plain numbers
 
 
-def test_profile_counts_each_steps_kernels_and_the_gpus_busy_time():
+def test_profile_counts_each_steps_kernels_and_the_gpus_busy_time(monkeypatch):
     """--profile on CUDA (the profiler's events patched in): gpu.md's default step at 128.
     Its `optimizer_step_N` regions are on the GPU's timeline too (user annotations, a whole
     step each): counted, they made "GPU busy 25.77 of 18.08 ms (143 %)"."""
@@ -158,4 +158,8 @@ def test_profile_counts_each_steps_kernels_and_the_gpus_busy_time():
     prof = types.SimpleNamespace(events=lambda: [kernel] * 243 * 2 + [host] * 100 + [step] * 2)
     line = launches_per_step(prof, 2, 0.00759, on_cuda=True)
     assert line == "per step: 243 kernels, GPU busy 1.41 of 7.59 ms (19 %)"
-    assert hardware.kernel_time_us(prof.events()) == pytest.approx(2 * 1410)  # GpuBusy's sum
+    busy = hardware.GpuBusy(CPU)  # its sum over the same events, over 1 s of wall time
+    busy._profile, busy._started = types.SimpleNamespace(stop=lambda: None, events=prof.events), 1.0
+    monkeypatch.setattr(hardware, "timed", lambda device: lambda: 2.0)
+    busy.close(hardware.BUSY_FIRST + 2)
+    assert busy.share == pytest.approx(2 * 1410 / 1e6) and busy.step_s == 0.5

@@ -172,10 +172,11 @@ def read_history(text: str) -> dict[str, np.ndarray]:
 
 
 def parser_defaults() -> dict:
-    """run.py's current defaults of every flag (no torch)."""
+    """run.py's current defaults of every flag (no torch), as declared: parsing nothing would
+    also settle the job flags (config.Parser: a bad LAB_TRACKING exits), which no table needs."""
     from .config import build_parser
 
-    return vars(build_parser().parse_args([]))
+    return {a.dest: a.default for a in build_parser()._actions if a.dest != "help"}
 
 
 def settle(runs: Sequence[RunResult]) -> tuple[list[RunResult], list[tuple[str, str]]]:
@@ -714,7 +715,7 @@ def notes(table: Table) -> list[str]:
 
 def load_system_run(target: str, uri: str | None) -> tuple[dict, str]:
     """--system RUN (a run directory or an MLflow run id): its system metrics and its name."""
-    from .mirror import mlflow_run_id, tracking_uri
+    from .mirror import read_state, tracking_uri
 
     run_id = name = target
     if Path(target).is_dir():
@@ -722,7 +723,7 @@ def load_system_run(target: str, uri: str | None) -> tuple[dict, str]:
             run_id = read_json(Path(target) / METRICS).get("mlflow_run_id")
         except (OSError, ValueError, AttributeError):
             run_id = None
-        run_id = run_id or mlflow_run_id(Path(target))  # a sweep's run: its follower's
+        run_id = run_id or read_state(Path(target)).get("run_id")  # a sweep's: its follower's
         if not run_id:
             raise NoResults(
                 f"--system: {target} has no MLflow run id in its {METRICS} "

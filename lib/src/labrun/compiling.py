@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from . import runs
+import torch
+
+from . import hardware, runs
 from .config import PROJECT_ROOT
 
 
@@ -30,25 +32,11 @@ def compile_model(model, loss_fn, batch, args, env, *, steps: int, log) -> Compi
     """`model` compiled where it pays for `steps` more steps (eager otherwise), in DDP under
     torchrun, compiled already on `batch()` (a real batch). Decided on rank 0, the same on
     every rank; `log` (run.log) says why."""
-    import torch
-
-    from .hardware import decide_compile
-
     dist, device = env.dist, env.device
     decided = (None, 0.0, None)
     if dist.is_main:
-        decided = decide_compile(
-            model,
-            batch,
-            loss_fn=loss_fn,
-            dtype=env.amp_dtype,
-            steps=steps,
-            micro_batches=args.grad_accum,
-            flag=args.compile,
-            deterministic=args.deterministic,
-            project_root=PROJECT_ROOT,
-            log=log,
-            ddp=dist.active,
+        decided = hardware.decide_compile(
+            model, loss_fn, batch, args, env, steps=steps, project_root=PROJECT_ROOT, log=log
         )
     mode = dist.decide(decided[0])  # torchrun: rank 0's, on every rank
     speed, busy = ({}, None)
@@ -71,30 +59,27 @@ def replays_graphs(device, mode: str | None) -> bool:
     """Whether a module compiled in `mode` on `device` replays CUDA graphs: each step must then
     mark its start (torch.compiler.cudagraph_mark_step_begin), so that a replay may reuse the
     last step's memory."""
-    from .hardware import WITHOUT_GRAPHS
-
-    return device.type == "cuda" and mode in WITHOUT_GRAPHS
+    return device.type == "cuda" and mode in hardware.WITHOUT_GRAPHS
 
 
 def _warm(net, eager, batch, loss_fn, env, mode, decided, log):
     """Compile `net` on a real batch before the timed loop, and time it: (net, mode, seconds),
     or (eager, None, 0) when the compiler fails. Puts back all it touches (BatchNorm
     statistics, gradients, RNG)."""
-    from .hardware import compile_cache_counts, time_forward_backward, timed
     from .train import compiler_errors
 
     _, eager_s, record = decided
-    now, (x, y), cache_before = timed(env.device), batch(), compile_cache_counts()
+    now, (x, y), cache_before = hardware.timed(env.device), batch(), hardware.compile_cache_counts()
     started = now()
     try:
-        compiled_s = time_forward_backward(net, x, y, loss_fn, env.amp_dtype, now)
+        compiled_s = hardware.time_forward_backward(net, x, y, loss_fn, env.amp_dtype, now)
     except compiler_errors() as exc:
         why = f"{type(exc).__name__}: {runs.first_line(exc)}"
         log.warning(f"torch.compile failed ({why}); continuing eagerly")
         return eager, None, 0.0
     spent = now() - started - 4 * compiled_s  # the compile, without the timed passes
     if record is not None:
-        (hits, misses), (hits_after, misses_after) = cache_before, compile_cache_counts()
+        (hits, misses), (hits_after, misses_after) = cache_before, hardware.compile_cache_counts()
         warm = hits_after > hits and misses_after == misses  # every graph from the cache
         record.save(
             mode, compile_s=spent, warm=warm, eager_step_s=eager_s, compiled_step_s=compiled_s
@@ -112,20 +97,11 @@ def speed_scale(model, batch, loss_fn, env, mode, batch_size: int, log):
     and this GPU's matmul peak in the run's precision (measured once per machine); the GPU's
     busy share where a job of this model and mode recorded one. ({}, None) when it cannot be
     measured: never fails the run. Returns (speed, where this job records its busy share)."""
-    from .hardware import (
-        busy_line,
-        flops_per_sample,
-        matmul_peak,
-        model_key,
-        read_record,
-        use_inductor_cache,
-    )
-
     try:
         x, y = batch()
-        flops = flops_per_sample(model, x, y, loss_fn, env.amp_dtype)
-        cache = use_inductor_cache(PROJECT_ROOT)[0]  # the compile records' folder
-        peak, when = matmul_peak(cache, env.device, env.amp_dtype)
+        flops = hardware.flops_per_sample(model, x, y, loss_fn, env.amp_dtype)
+        cache = hardware.use_inductor_cache(PROJECT_ROOT)[0]  # the compile records' folder
+        peak, when = hardware.matmul_peak(cache, env.device, env.amp_dtype)
     except Exception as exc:  # an op the counter cannot run, no memory for the matmuls
         log.warning(f"MFU not measured ({type(exc).__name__}: {exc})")
         return {}, None
@@ -136,10 +112,9 @@ def speed_scale(model, batch, loss_fn, env, mode, batch_size: int, log):
         f"matmul peak {peak / 1e12:.0f} TFLOP/s in {dtype} ({when})"
     )
     # The busy share: profiled in one job of this model, input and compile mode, then read.
-    key = {**model_key(model, x, env.amp_dtype, env.device), "busy": mode}
-    if seen := read_record(cache, key):
+    key = {**hardware.model_key(model, x, env.amp_dtype, env.device), "busy": mode}
+    if seen := hardware.read_record(cache, key):
         speed["gpu_busy"] = seen["share"]
-        log.info(
-            f"{busy_line(seen['share'], seen['step_s'], batch_size)} (recorded {seen['when']})"
-        )
+        line = hardware.busy_line(seen["share"], seen["step_s"], batch_size)
+        log.info(f"{line} (recorded {seen['when']})")
     return speed, (cache, key)

@@ -106,7 +106,18 @@ class NotReady(UsageError):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but a refusal is one line, `error: --flag: why`, and exit 2 (no usage dump)."""
+    """argparse, but a refusal is one line, `error: --flag: why`, and exit 2 (no usage dump).
+    run.py's parser and a job's (jobs.parser) declare the flags every job shares alike
+    (Execution's, Tools'); parsing settles what argparse leaves of them."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        found, rest = super().parse_known_args(args, namespace)
+        if getattr(found, "tracking", "on") not in ("on", "off"):  # `choices`: command line only
+            self.error(f"{TRACKING_ENV}={os.environ.get(TRACKING_ENV)!r}: expected on or off")
+        if "experiment" in found and found.experiment is None:
+            trial = found.results_dir.resolve() == TRIALS_DIR.resolve()
+            found.experiment = TRIALS_EXPERIMENT if trial else DEFAULT_EXPERIMENT
+        return found, rest
 
     def error(self, message: str):
         message = re.sub(
@@ -525,8 +536,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     """Parse and check what can be checked without data; argparse exits 2 on errors."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.tracking not in ("on", "off"):  # argparse checks `choices` on the command line only
-        parser.error(f"{TRACKING_ENV}={os.environ.get(TRACKING_ENV)!r}: expected on or off")
     # Bounded by the machine, before anything is written: more loader processes than the cores
     # this job may use only compete for them; a synthetic set is made whole in memory (3x32x32
     # bytes an image, and a fifth as many for its test split).
@@ -563,9 +572,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     if clash:  # config.json holds them beside the flags: one name, one meaning
         parser.error(f"--model: model {args.model!r} has argument(s) named like run.py's flags "
                      f"({', '.join(clash)}); rename them in its function")  # fmt: skip
-    if args.experiment is None:
-        trial = args.results_dir.resolve() == TRIALS_DIR.resolve()
-        args.experiment = TRIALS_EXPERIMENT if trial else DEFAULT_EXPERIMENT
     out = run_dir(args, parser)
     for path in (args.results_dir, out):
         if path.exists() and not path.is_dir():

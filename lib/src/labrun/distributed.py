@@ -137,10 +137,9 @@ class Dist:
         exits first with a non-zero code would have torchrun kill the writer). torchrun then
         sends SIGTERM to the ranks still exiting: GracefulStop's handlers, kept until the
         process ends, keep their exit code (75, 73, 2) from becoming death by that signal."""
-        if not self.active:
-            return code
         code = self.verdict(code)  # rank 0 ended before training: tell the others why
-        if code != EXIT_FAILED:  # a failure is one rank's: the others may be mid-collective
+        # a failure is one rank's: the others may be mid-collective
+        if self.active and code != EXIT_FAILED:
             self.td.barrier(group=self.cpu_group)
         return code
 
@@ -155,19 +154,17 @@ class Dist:
 
     def decide(self, value):
         """Rank 0's `value` on every rank (a broadcast over the CPU group)."""
-        if not self.active:
-            return value
         box = [value]
-        self.td.broadcast_object_list(box, src=0, group=self.cpu_group)
+        if self.active:
+            self.td.broadcast_object_list(box, src=0, group=self.cpu_group)
         return box[0]
 
     def agree_on(self, identity: dict) -> str | None:
         """None when every rank's `identity` is rank 0's; else one line, the same on every rank,
         naming the first rank and key that differ (one all_gather, before anything is written)."""
-        if not self.active:
-            return None
-        everyone: list = [None] * self.world
-        self.td.all_gather_object(everyone, identity, group=self.cpu_group)
+        everyone: list = [identity] * self.world  # one process: its own
+        if self.active:
+            self.td.all_gather_object(everyone, identity, group=self.cpu_group)
         ours = everyone[0]
         for rank, theirs in enumerate(everyone[1:], start=1):
             key = next((k for k in {**ours, **theirs} if ours.get(k) != theirs.get(k)), None)

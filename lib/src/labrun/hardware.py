@@ -21,6 +21,10 @@ from pathlib import Path
 
 import torch
 
+from . import __version__
+from .checkpoint import rng_state, set_rng_state
+from .runs import labrun_hash, write_json
+
 # Compile rule (--compile auto, hardware.choose_compile): compile only where the eager time it
 # saves clearly exceeds what compiling costs. The eager time is measured (forward + backward of a
 # real batch, times the micro-batches left); each candidate mode's compile time (cold, or warm:
@@ -52,14 +56,6 @@ INDUCTOR_CACHE_ENV = "LAB_INDUCTOR_CACHE_DIR"  # a lab-wide cache folder, shared
 RECORDS = "lab_compile_costs"  # sub-folder of the inductor cache: one JSON per model and machine
 EAGER = "eager"  # a CompileRecord's entry for the eager step (its training steps' time)
 LOOP_MIN_STEPS = 20  # a first epoch this long times the training step (CompileRecord.save_step)
-# Batch-size rule: one default batch size, 128, on every device: the batch size is part of the
-# run's identity (it changes the numbers), so a default that followed the device would put the
-# same command into different run directories on a laptop and on a GPU node, and a sweep's
-# results would stop being comparable. A GPU usually wants more work per launch: CUDA_BATCH_SIZE
-# is the *recommendation* `--find-batch-size` prints (capped by what fits, LR scaled by
-# sqrt(batch ratio), the usual rule for Adam-type optimizers); you pass it explicitly.
-BASE_BATCH_SIZE, BASE_LR = 128, 3e-3
-CUDA_BATCH_SIZE = 512
 BF16_MIN_CAPABILITY = (8, 0)  # Ampere: first GPUs with bf16 tensor cores
 
 
@@ -216,9 +212,6 @@ def device_name(device: torch.device) -> str:
 
 def labrun_source() -> str:
     """labrun's version and a hash of its source, as runs.code_version records them."""
-    from . import __version__
-    from .runs import labrun_hash
-
     return f"{__version__}+{labrun_hash()}"
 
 
@@ -254,8 +247,6 @@ def read_record(cache_dir: Path, key: dict) -> dict | None:
 
 def write_record(cache_dir: Path, key: dict, **values) -> None:
     """Keep `values` (numbers a machine measures once) for `key`, with the UTC time."""
-    from .runs import write_json
-
     path = record_path(cache_dir, key)
     with contextlib.suppress(OSError):  # a read-only folder keeps nothing
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -333,8 +324,6 @@ def compile_cache_counts() -> tuple[int, int]:
 @contextlib.contextmanager
 def put_back(module, device: torch.device):
     """Undo what trial passes change: buffers (BatchNorm statistics), gradients, RNG."""
-    from .checkpoint import rng_state, set_rng_state
-
     buffers = [b.detach().clone() for b in module.buffers()]
     rng = rng_state(device)  # Python, numpy, torch and this GPU's generators
     try:
@@ -379,23 +368,14 @@ def fastest(work: Callable[[], object], now: Callable[[], float], repeats: int) 
 
 
 def decide_compile(
-    model,
-    batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
-    *,
-    loss_fn,
-    dtype,
-    steps: int,
-    micro_batches: int,
-    flag: str,
-    deterministic: bool,
-    project_root: Path,
-    log,
-    ddp: bool = False,
+    model, loss_fn, batch, args, env, *, steps: int, project_root: Path, log
 ) -> tuple[str | None, float, CompileRecord | None]:
     """(torch.compile mode or None, eager seconds of forward + backward, its CompileRecord):
     choose_compile on `model`'s eager time on the real batch `batch()`, or the one an earlier
-    job recorded for this model, input and machine. Run it on one rank and share the mode."""
-    device = next(model.parameters()).device
+    job recorded for this model, input and machine, for run.py's --compile, --grad-accum and
+    --deterministic (`args`) in the run's precision and ranks (`env`, compile_model's). Run it on
+    one rank and share the mode."""
+    device, dtype, micro_batches = next(model.parameters()).device, env.amp_dtype, args.grad_accum
     record, eager_s = None, 0.0
 
     def measure() -> tuple[float, dict[str, CompileCost]]:
@@ -409,23 +389,14 @@ def decide_compile(
         )
         return eager_s, record.costs(device)
 
-    blocked = graphs_blocked(device, micro_batches, ddp, dtype)
+    blocked = graphs_blocked(device, micro_batches, env.dist.active, dtype)
     mode, why = choose_compile(
-        device, flag, steps, deterministic, micro_batches, blocked, measure=measure
+        device, args.compile, steps, args.deterministic, micro_batches, blocked, measure=measure
     )
     if mode in CUDA_PRIORS and record is None:  # a forced mode: its costs are still recorded
         measure()
     log.info("compile: %s", why)
     return mode, eager_s, record
-
-
-def recommended_batch_size(device: torch.device) -> int:
-    """What --find-batch-size recommends (capped by what fits); not a default (batch-size rule)."""
-    return CUDA_BATCH_SIZE if device.type == "cuda" else BASE_BATCH_SIZE
-
-
-def default_lr(batch_size: int) -> float:
-    return BASE_LR * math.sqrt(batch_size / BASE_BATCH_SIZE)
 
 
 def setup_backends(device: torch.device, deterministic: bool) -> str:
@@ -549,7 +520,7 @@ class GpuBusy:
             return
         wall = timed(self.device)() - self._started
         self._profile.stop()
-        busy_us = kernel_time_us(self._profile.events())
+        busy_us = sum(e.self_device_time_total for e in kernels(self._profile.events()))
         self._profile = None
         self.share = min(1.0, busy_us / 1e6 / wall)
         self.step_s = wall / (steps - BUSY_FIRST)
@@ -561,10 +532,6 @@ def kernels(events) -> list:
     from torch.autograd import DeviceType
 
     return [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
-
-
-def kernel_time_us(events) -> float:
-    return sum(e.self_device_time_total for e in kernels(events))
 
 
 def busy_line(share: float, step_s: float, batch_size: int) -> str:

@@ -27,18 +27,15 @@ from pathlib import Path
 from . import distributed, runs
 from .claim import Busy, Claim, LostClaim, claim
 from .config import (
-    DEFAULT_EXPERIMENT,
     PROJECT_ROOT,
-    TRACKING_ENV,
+    Execution,
     NotReady,  # noqa: F401  (jobs.NotReady: scripts raise it, analyze.py)
     Parser,
+    Tools,
     UsageError,
     _add_field,
-    _directory,
-    _experiment,
     changed_args,
     fields_of,
-    flag,
     readable_name,
     short_hash,
     tracking_default,
@@ -46,26 +43,11 @@ from .config import (
 from .runs import EXIT_BUSY, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from .stopping import GracefulStop
 
-
-@dataclass
-class JobFlags:
-    """The flags parser() adds: how a job runs, never what it computes, so out of its identity
-    (the same fields as run.py's, config.Execution and config.Tools, with a job's help)."""
-
-    results_dir: Path = flag(None, "parent of this script's run directories", parse=_directory)
-    fresh: bool = flag(False, "delete this job's directory contents and redo it")
-    print_run_dir: bool = flag(False, "print the absolute run directory and exit (no torch)")
-    experiment: str = flag(DEFAULT_EXPERIMENT, "MLflow experiment name", parse=_experiment)
-    tracking: str = flag(
-        "on", f"log to MLflow (off: only the run directory; also {TRACKING_ENV}=off)",
-        choices=("on", "off"),
-    )  # fmt: skip
-    init_tracking: bool = flag(
-        False, "create the MLflow DB and experiment, then exit (sweeps call it once)"
-    )
-
-
-COMMON_KEYS = frozenset(f.name for f, _ in fields_of(JobFlags))
+# The flags parser() adds, declared once with run.py's (config.Execution and config.Tools): how
+# a job runs, never what it computes, so out of its identity.
+COMMON_KEYS = frozenset(
+    ("results_dir", "fresh", "print_run_dir", "experiment", "tracking", "init_tracking")
+)
 
 
 class Interrupted(Exception):
@@ -107,8 +89,9 @@ def parser(prog: str, description: str, results_dir: str | Path) -> argparse.Arg
         prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     j = p.add_argument_group("job (not part of the identity)")
-    for field_, kind in fields_of(JobFlags):
-        _add_field(j, field_, kind)
+    for field_, kind in fields_of(Execution) + fields_of(Tools):
+        if field_.name in COMMON_KEYS:
+            _add_field(j, field_, kind)
     p.set_defaults(results_dir=PROJECT_ROOT / results_dir, tracking=tracking_default())
     return p
 

@@ -24,7 +24,6 @@ import contextlib
 import csv
 import functools
 import hashlib
-import io
 import json
 import logging
 import os
@@ -170,7 +169,7 @@ def _history_rows(run_dir: Path) -> list[dict]:
     except (OSError, ValueError):
         return []
     rows = []
-    for record in csv.DictReader(io.StringIO(text)):
+    for record in csv.DictReader(text.splitlines()):
         with contextlib.suppress(ValueError):
             row = {k: float(v) for k, v in record.items() if k and v not in ("", None)}
             if "epoch" in row:
@@ -392,18 +391,17 @@ def _new_run(client, run_dir: Path, state: dict, params: dict, old=None):
 
 # ---- tracking.json -------------------------------------------------------------------------------
 RUN_ID = re.compile(r"[0-9a-f]{32}")  # MLflow's run ids (uuid4().hex)
-STATE_TYPES = {  # each other key of tracking.json, if present: (in words, type)
-    **dict.fromkeys(("params", "tags", "end_tags"), ("a map", dict)),
-    "artifacts": ("a list", list),  # of names: see _artifact_files
-    **dict.fromkeys(("started_at", "ended_at"), ("a time", int | float)),
-    **dict.fromkeys(("experiment", "run_name", "error", "mirrored"), ("a string", str)),
-}
 # What each key of tracking.json must be, if present: (in words, test).
 STATE_FORMS = {
     "run_id": ("32 hex digits", lambda v: v is None or isinstance(v, str) and RUN_ID.fullmatch(v)),
     "sent_rows": ("a count", lambda v: type(v) is int and v >= 0),
     "ended": ("an MLflow end status", lambda v: v in (None, *MLFLOW_STATUS.values())),
-    **{k: (form, lambda v, t=t: isinstance(v, t)) for k, (form, t) in STATE_TYPES.items()},
+    **dict.fromkeys(("params", "tags", "end_tags"), ("a map", lambda v: isinstance(v, dict))),
+    "artifacts": ("a list", lambda v: isinstance(v, list)),  # of names: see _artifact_files
+    **dict.fromkeys(("started_at", "ended_at"), ("a time", lambda v: isinstance(v, int | float))),
+    **dict.fromkeys(
+        ("experiment", "run_name", "error", "mirrored"), ("a string", lambda v: isinstance(v, str))
+    ),
 }
 
 
@@ -427,8 +425,3 @@ def read_state(run_dir: Path, log: logging.Logger | None = None) -> dict:
     if log is not None:
         log.warning("%s ignored: %s; a new MLflow run is started", path, problem)
     return {}
-
-
-def mlflow_run_id(run_dir: Path) -> str | None:
-    """The MLflow run that mirrors `run_dir` (tracking.json's), or None."""
-    return read_state(Path(run_dir)).get("run_id")

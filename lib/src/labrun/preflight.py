@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from .config import UsageError
 from .runs import first_line, size_text
 
@@ -53,8 +55,6 @@ def estimate(model, batch_shape: tuple[int, ...], *, ema: bool, half: bool) -> N
     `batch_shape`; `half`: the forward runs under 16-bit autocast (activations of 2 bytes).
     A forward the meta device cannot run (data-dependent Python, an op without a meta kernel)
     leaves the activations at 0: the rest still refuses what cannot fit."""
-    import torch
-
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     outputs: dict[int, torch.Tensor] = {}  # by identity: an in-place ReLU's output is its input
@@ -90,8 +90,6 @@ def check_model_fits(args, make_model) -> None:
         return
     from types import SimpleNamespace
 
-    import torch
-
     def error(size, channels) -> Exception | None:
         shape = dict(channels=channels, image_size=size, input_shape=(channels, *size))
         try:
@@ -112,8 +110,6 @@ def check_model_fits(args, make_model) -> None:
 def check_memory(args, info, device, amp_dtype, make_model, *, micro_batch: int) -> str:
     """Refuse (UsageError) a model and batch whose training cannot fit the free memory;
     return the estimate for run.log. See the module docstring."""
-    import torch
-
     from .data import available_ram_bytes
 
     own = getattr(args, "model_args", None) or {}  # --model-args, as config.py parsed them
@@ -156,8 +152,6 @@ def check_memory(args, info, device, amp_dtype, make_model, *, micro_batch: int)
 def forward_problem(model, batch, loss_fn, dtype) -> str | None:
     """Why `model` cannot train on this data and task (one forward pass and the loss on two
     samples of the real `batch`), or None. Eval mode, no gradients: nothing of the run moves."""
-    import torch
-
     x, y = batch
     was_training = model.training
     model.eval()

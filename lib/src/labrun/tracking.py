@@ -37,7 +37,6 @@ from .mirror import (
     system_monitor,
     tracking_uri,
 )
-from .runs import first_line
 
 FOLLOWER_ENV = "LAB_TRACKING_FOLLOWER"  # "1" (run.sh): the sweep's follower mirrors this job
 MAX_ERROR_CHARS = 20000  # a traceback kept in tracking.json for traceback.txt
@@ -136,7 +135,7 @@ class Tracker:
                     "MLflow (%s) failed to %s: %s: %s -- training goes on; the run directory "
                     "keeps everything and unsent metrics follow later (or run `python -m "
                     "%s.tracking sync %s`)",
-                    *(tracking_uri(), what, type(exc).__name__, first_line(exc)),
+                    *(tracking_uri(), what, type(exc).__name__, runs.first_line(exc)),
                     *(__package__, self.run_dir),
                 )
             return None

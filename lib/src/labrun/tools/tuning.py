@@ -22,6 +22,14 @@ from ..data import available_ram_bytes
 
 SMOOTHING = 0.98  # EMA factor of the LR-finder loss (fastai's value: ~50 steps of memory)
 DIVERGENCE_FACTOR = 4.0  # stop the range test once the smoothed loss is 4x its best
+# Batch-size rule: one default batch size, 128, on every device: the batch size is part of the
+# run's identity (it changes the numbers), so a default that followed the device would put the
+# same command into different run directories on a laptop and on a GPU node, and a sweep's
+# results would stop being comparable. A GPU usually wants more work per launch: CUDA_BATCH_SIZE
+# is the *recommendation* `--find-batch-size` prints (capped by what fits, LR scaled by
+# sqrt(batch ratio), the usual rule for Adam-type optimizers); you pass it explicitly.
+BASE_BATCH_SIZE, BASE_LR = 128, 3e-3
+CUDA_BATCH_SIZE = 512
 
 
 def _cycle_batches(loader: Iterable) -> Iterable:
@@ -265,12 +273,19 @@ def find_batch_size(
     return largest
 
 
-def recommend_batch_size(largest_fitting: int, device) -> tuple[int, float]:
-    """The device's recommended batch size (hardware.recommended_batch_size, sqrt LR scaling)
-    capped by what fits: the (--batch-size, --lr) to pass on this device (not a default: the
-    batch size is part of the run's identity, see hardware.py's batch-size rule)."""
-    from ..hardware import default_lr, recommended_batch_size
+def recommended_batch_size(device: torch.device) -> int:
+    """What --find-batch-size recommends (capped by what fits); not a default (batch-size rule)."""
+    return CUDA_BATCH_SIZE if device.type == "cuda" else BASE_BATCH_SIZE
 
+
+def default_lr(batch_size: int) -> float:
+    return BASE_LR * math.sqrt(batch_size / BASE_BATCH_SIZE)
+
+
+def recommend_batch_size(largest_fitting: int, device) -> tuple[int, float]:
+    """The device's recommended batch size (recommended_batch_size, sqrt LR scaling) capped by
+    what fits: the (--batch-size, --lr) to pass on this device (not a default: the batch size
+    is part of the run's identity, see the batch-size rule above)."""
     batch = min(largest_fitting, recommended_batch_size(torch.device(device)))
     return batch, default_lr(batch)
 
