@@ -173,21 +173,6 @@ def open_append(path: Path):
     return os.fdopen(fd, "a", encoding="utf-8")
 
 
-def own_dir(path: Path) -> Path:
-    """`path` made if missing (with its parents); ForeignFile unless a directory of this user."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    info = path.lstat()
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
-        raise ForeignFile(
-            errno.EPERM,
-            f"{path} is not a directory of {owner_name(os.geteuid())} (owner "
-            f"{owner_name(info.st_uid)}{', a link' if stat.S_ISLNK(info.st_mode) else ''}): "
-            "nothing is written there",
-        )
-    return path
-
-
 def size_text(nbytes: float) -> str:
     """`2.5 GiB`, `40.0 MiB`, `19.5 KiB`: a small size never reads `0.0 GiB`."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
