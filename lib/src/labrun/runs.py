@@ -266,20 +266,17 @@ def write_status(run_dir: Path, status: str) -> None:
     atomic_write_text(Path(run_dir) / STATUS, status + "\n")
 
 
-def try_write_status(run_dir: Path, status: str) -> bool:
-    """write_status for fault paths: never raises (the disk may be the fault); True if written.
-    Without room for a temporary copy, the tiny file is written in place."""
-    with contextlib.suppress(OSError):
-        write_status(run_dir, status)
-        return True
+def try_write_status(run_dir: Path, status: str) -> None:
+    """write_status for fault paths: never raises (the disk may be the fault). Without room
+    for a temporary copy, the tiny file is written in place."""
     try:
-        fd = open_own(Path(run_dir) / STATUS, os.O_WRONLY | os.O_CREAT)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.truncate()
-            f.write(status + "\n")
-        return True
+        write_status(run_dir, status)
     except OSError:
-        return False
+        with contextlib.suppress(OSError):  # still not written: the ending goes on without
+            fd = open_own(Path(run_dir) / STATUS, os.O_WRONLY | os.O_CREAT)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.truncate()
+                f.write(status + "\n")
 
 
 def read_metrics(run_dir: Path) -> dict | None:

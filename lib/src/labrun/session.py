@@ -20,7 +20,7 @@ import math
 import sys
 import time
 
-from . import jobs, runs
+from . import __version__, jobs, runs
 from .config import PROJECT_ROOT, parse_args, resolved_config, run_dir, use_config
 from .jobs import EXIT_OK, EXIT_USAGE, Interrupted, error
 from .runs import RunFailed
@@ -101,7 +101,6 @@ class TrainingJob:
     def __init__(self, args, parser, out, stop, held, dist) -> None:
         import torch
 
-        from . import __version__
         from .loaders import available_cpus
         from .project import version_warning
         from .train import environment
@@ -193,8 +192,6 @@ class TrainingJob:
         # config.json, status running, its MLflow run (rank 0 writes); an OSError here (the
         # disk filled since the start-up check) is _body's: one `error:` line, exit 1
         self.record = jobs.Record(out, self.config, args, self.stop, self.held, dist, params, tags)
-        from . import __version__
-
         steps = f"{data.steps_per_epoch} steps/epoch | labrun {__version__}"
         self.log.info(f"run {out.name} on {env.device} | {steps} | {self.record.tracker_line()}")
         return self.progress
