@@ -133,14 +133,13 @@ def contract(
     other ranks do as it decides; the body runs on every rank (`held`: the claim on rank 0, None
     on the others; `dist`: distributed.Dist, one process without torchrun). `program`: the
     project's function (run.py's train, a job's work); when it is the script's own
-    (`python run.py`), the process leaves as soon as a body has run and the claim is released
-    (_leave), instead of returning. The body is called from here, no deeper: a
+    (`python run.py`), the process leaves as soon as the claim is released (_leave), instead of
+    returning. The body is called from here, no deeper: a
     traceback from the project's function reads main -> lifecycle -> contract -> body."""
     try:
         stop = GracefulStop()
     except ValueError as exc:  # LAB_STOP_GRACE_S is not a number of seconds
         return error(str(exc), EXIT_USAGE)
-    ran = False
     with stop:  # first: a stop signal at any later moment still ends in 75
         if (sys.argv[1:] if argv is None else argv) == ["--plan"]:  # run.sh: all jobs, one call
             from . import plan  # the sweep's query (side): one interpreter answers for all
@@ -168,7 +167,6 @@ def contract(
                 try:
                     code, held = _admit(dist, args, out, redo, stop, claimed)
                     if code is None:
-                        ran = True
                         code = body(args, parser_, out, stop, held, dist)
                         if held is not None and code in (EXIT_USAGE, EXIT_INTERRUPTED):
                             held.discard()  # refused or stopped before any work: leave nothing
@@ -183,7 +181,7 @@ def contract(
             return error(str(exc), EXIT_FAILED)
         if dist.active:  # a torchrun rank leaves once its process group is gone (_leave)
             _leave(code, hooks=False)
-    if ran and _is_program(program):
+    if _is_program(program):  # after the body, a skip or a refusal alike: nothing is left
         _leave(code, hooks=True)
     return code
 

@@ -262,7 +262,7 @@ def read_status(run_dir: Path) -> str | None:
 
 
 def write_status(run_dir: Path, status: str) -> None:
-    assert status in STATUSES, status
+    """`status`: one of STATUSES (every caller passes one as a literal)."""
     atomic_write_text(Path(run_dir) / STATUS, status + "\n")
 
 

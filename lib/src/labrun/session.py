@@ -95,7 +95,7 @@ class TrainingJob:
     `compile`, `batches`/`tick`, `end_epoch`, `save_best`, `checkpoint`, `finish`.
     Over 300 lines because it is the run directory's whole life in one place (its refusals,
     resume, checkpoints, the loop's bookkeeping, the endings), each verb short; what it measures
-    stands apart (EpochPace, run_metrics).
+    stands apart (EpochPace).
     """
 
     def __init__(self, args, parser, out, stop, held, dist) -> None:
@@ -332,8 +332,8 @@ class TrainingJob:
         from .hardware import LOOP_MIN_STEPS, write_record
 
         p, pace, compiled = self.progress, self.pace, self.compiled
-        train_s, busy = pace.end(p)
-        if busy is not None:
+        train_s, busy = pace.end(p), pace.busy  # busy: its share None where none was measured
+        if busy is not None and busy.share is not None:
             self.speed["gpu_busy"] = busy.share
             if compiled is not None and compiled.busy_record:
                 write_record(*compiled.busy_record, share=busy.share, step_s=busy.step_s)
@@ -396,15 +396,40 @@ class TrainingJob:
 
     def finish(self, stopper, test: dict[str, float]) -> None:
         """Checkpoint, metrics.json (last: the run is done; strict JSON: finite_or_null):
-        `test`'s numbers, the best of `stopper`, the run's steps, times, memory and speed;
-        MLflow FINISHED."""
+        `test`'s numbers, the best of `stopper`, the run's steps, times, memory, speed and on
+        CUDA the MFU (the model's FLOPs at the run's rate / the GPU's peak); MLflow FINISHED."""
+        from .hardware import peak_memory_bytes
+
         self._save()
         if self.loader is not None:  # the loader's share of the training time
             self.log.info(self.loader.wait_line())
-        p, task, args = self.progress, self.env.task, self.args
-        metrics = run_metrics(p, args, stopper, task, test, self.env.device, self.speed)
-        reason, weights = metrics["stop_reason"], args.test_weights
-        rate = metrics["samples_per_sec"]
+        p, task, args, speed = self.progress, self.env.task, self.args, self.speed
+        weights, rate = args.test_weights, p.samples / max(p.train_time_s, 1e-9)
+        reason = stop_reason(p, args, stopper)
+        metrics = {
+            f"best_{task.monitor}": stopper.best_score,
+            **{f"test_{name}": test[name] for name in (*task.metrics, "loss")},
+            "task": task.name,
+            "monitor": task.monitor,
+            "best_epoch": stopper.best_epoch,
+            # what the test_* numbers describe (--test-weights): best_* stay the monitor's record
+            "test_weights": weights,
+            "tested_epoch": stopper.best_epoch if weights == "best" else p.epoch,
+            "epochs_run": p.epoch,
+            "steps": p.step,
+            "wall_time_s": p.wall_time_s,
+            "train_time_s": p.train_time_s,
+            "compile_time_s": p.compile_time_s,
+            "samples_per_sec": rate,
+            "peak_mem_bytes": peak_memory_bytes(self.env.device),
+            "device": str(self.env.device),
+            "stop_reason": reason,
+        }
+        if "peak_flops" in speed:
+            metrics["flops_per_sample"] = flops = speed["flops_per_sample"]
+            metrics["mfu"] = flops * rate / speed["peak_flops"]
+        if "gpu_busy" in speed:
+            metrics["gpu_busy_share"] = speed["gpu_busy"]
         mfu = f", MFU {100 * metrics['mfu']:.1f} %" if "mfu" in metrics else ""
         tags = {"stop_reason": reason, "test_weights": weights}
         artifacts = [self.out / runs.HISTORY, self.out / runs.BEST_MODEL]
@@ -472,51 +497,17 @@ class EpochPace:
                 f"epoch ETA {left / max(rate, 1e-9):.0f}s"
             )
 
-    def end(self, p: Progress):
-        """(the epoch's training seconds, the GpuBusy that measured a share, or None)."""
+    def end(self, p: Progress) -> float:
+        """The epoch's training seconds; the GPU's busy share into run.log, once measured."""
         from .hardware import busy_line
 
         train_s, busy = self.now() - self.t0, self.busy
         self.bar.close()
         if busy is not None:
             busy.close(p.step - self.first_step)
-            if busy.share is None:
-                return train_s, None
-            self.log.info(busy_line(busy.share, busy.step_s, self.args.batch_size))
-        return train_s, busy
-
-
-def run_metrics(p: Progress, args, stopper, task, test: dict, device, speed: dict) -> dict:
-    """metrics.json's numbers: the test's, the best of early stopping, the run's steps, times,
-    memory, speed, and on CUDA the MFU (the model's FLOPs at the run's rate / the GPU's peak)."""
-    from .hardware import peak_memory_bytes
-
-    weights, rate = args.test_weights, p.samples / max(p.train_time_s, 1e-9)
-    metrics = {
-        f"best_{task.monitor}": stopper.best_score,
-        **{f"test_{name}": test[name] for name in (*task.metrics, "loss")},
-        "task": task.name,
-        "monitor": task.monitor,
-        "best_epoch": stopper.best_epoch,
-        # what the test_* numbers describe (--test-weights): best_* stay the monitor's record
-        "test_weights": weights,
-        "tested_epoch": stopper.best_epoch if weights == "best" else p.epoch,
-        "epochs_run": p.epoch,
-        "steps": p.step,
-        "wall_time_s": p.wall_time_s,
-        "train_time_s": p.train_time_s,
-        "compile_time_s": p.compile_time_s,
-        "samples_per_sec": rate,
-        "peak_mem_bytes": peak_memory_bytes(device),
-        "device": str(device),
-        "stop_reason": stop_reason(p, args, stopper),
-    }
-    if "peak_flops" in speed:
-        metrics["flops_per_sample"] = flops = speed["flops_per_sample"]
-        metrics["mfu"] = flops * rate / speed["peak_flops"]
-    if "gpu_busy" in speed:
-        metrics["gpu_busy_share"] = speed["gpu_busy"]
-    return metrics
+            if busy.share is not None:
+                self.log.info(busy_line(busy.share, busy.step_s, self.args.batch_size))
+        return train_s
 
 
 def stop_reason(p: Progress, args, stopper) -> str:
