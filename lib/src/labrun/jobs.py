@@ -234,20 +234,17 @@ def _admit(dist, args, out: Path, redo, stop: GracefulStop, claimed: ExitStack):
     if not dist.is_main:  # the others run when rank 0 does, else leave with its code
         return dist.verdict(None), None
     skip = not (args.fresh or redo(args))
-    done = f"already finished: {out} (metrics.json exists; --fresh starts over)"
-    if skip and runs.is_done(out):
-        print(done)
-        if note := runs.other_code_line(out, PROJECT_ROOT, "note"):
-            print(note)
-        return EXIT_OK, None  # contract's dist.finish tells the other ranks
-    # one process per run directory, freed by the kernel on death
-    held = claimed.enter_context(claim(out))
-    stop.on_request = held.mark_stopping  # run.sh waits for a stopping holder
-    if skip and runs.is_done(out):  # done meanwhile, by the process we waited for
-        print(done)
-        return EXIT_OK, None
-    dist.verdict(None)  # torchrun: the other ranks run too
-    return None, held
+    if not (skip and runs.is_done(out)):
+        # one process per run directory, freed by the kernel on death
+        held = claimed.enter_context(claim(out))
+        stop.on_request = held.mark_stopping  # run.sh waits for a stopping holder
+        if not (skip and runs.is_done(out)):  # else done meanwhile, by the process we waited for
+            dist.verdict(None)  # torchrun: the other ranks run too
+            return None, held
+    print(f"already finished: {out} (metrics.json exists; --fresh starts over)")
+    if note := runs.other_code_line(out, PROJECT_ROOT, "note"):
+        print(note)
+    return EXIT_OK, None  # contract's dist.finish tells the other ranks
 
 
 def open_dir(out: Path, fresh: bool, stop: GracefulStop):
