@@ -524,9 +524,8 @@ def room_needed(out, objects) -> int:
     of the weights that come with its first step, the best weights) twice during its atomic
     replace, plus best_model.pt; less the checkpoint and best_model.pt a re-run replaces (their
     space is the run's already, and comes back as each new file replaces the old one)."""
-    objects = [o for o in objects if o is not None]
-    weights = tensor_bytes(objects[0].state_dict())  # the model: resume's first object
-    held = sum(tensor_bytes(o.state_dict()) for o in objects)
+    sizes = [tensor_bytes(o.state_dict()) for o in objects if o is not None]
+    weights, held = sizes[0], sum(sizes)  # weights: the model's, resume's first object
     ours = [out / name for name in (runs.CHECKPOINT, runs.BEST_MODEL)]  # claimed: none goes
     kept = sum(path.stat().st_size for path in ours if path.is_file())
     return max(2 * (held + 3 * weights) + weights - kept, 0)
