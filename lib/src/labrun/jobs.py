@@ -125,17 +125,18 @@ def contract(
     program: Callable,
 ) -> int:
     """--plan, parse, --print-run-dir, --init-tracking, skip when done, claim; then
-    `body(args, parser, out, stop, held, dist) -> exit code` while holding the claim `held`
-    (claim.Claim: the Record checks it before every write, in case the directory was deleted).
+    `body(program, args, parser, out, stop, held, dist) -> exit code` while holding the claim
+    `held` (claim.Claim: the Record checks it before every write, in case the directory was
+    deleted).
 
     `locate` may raise UsageError (bad input, exit 2); `redo(args)` True runs even when done
     (run.py's tools). `ranks=True` (run.py): under torchrun rank 0 alone does all this; the
     other ranks do as it decides; the body runs on every rank (`held`: the claim on rank 0, None
     on the others; `dist`: distributed.Dist, one process without torchrun). `program`: the
-    project's function (run.py's train, a job's work); when it is the script's own
-    (`python run.py`), the process leaves as soon as the claim is released (_leave), instead of
-    returning. The body is called from here, no deeper: a
-    traceback from the project's function reads main -> lifecycle -> contract -> body."""
+    project's function (run.py's train, a job's work), which the body calls; when it is the
+    script's own (`python run.py`), the process leaves as soon as the claim is released
+    (_leave), instead of returning. The body is called from here, no deeper: a traceback from
+    the project's function reads main -> lifecycle -> contract -> body."""
     try:
         stop = GracefulStop()
     except ValueError as exc:  # LAB_STOP_GRACE_S is not a number of seconds
@@ -167,7 +168,7 @@ def contract(
                 try:
                     code, held = _admit(dist, args, out, redo, stop, claimed)
                     if code is None:
-                        code = body(args, parser_, out, stop, held, dist)
+                        code = body(program, args, parser_, out, stop, held, dist)
                         if held is not None and code in (EXIT_USAGE, EXIT_INTERRUPTED):
                             held.discard()  # refused or stopped before any work: leave nothing
                 except Busy as exc:
@@ -299,7 +300,7 @@ def main(
     def locate(args, _parser) -> Path:
         return args.results_dir / readable_name(name(args), ident(args))
 
-    def body(args, _parser, out: Path, stop: GracefulStop, held: Claim, dist) -> int:
+    def body(work, args, _parser, out: Path, stop: GracefulStop, held: Claim, dist) -> int:
         try:
             prepared = prepare(args) if prepare else None
         except Exception as exc:  # bad input (exit 2) or a failure in it (1): nothing written

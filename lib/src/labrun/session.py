@@ -37,8 +37,7 @@ def lifecycle(argv: list[str] | None, train, config: type) -> int:
     ranks (rank 0 writes); then `train(TrainingJob)`, every failure mapped to its exit code.
     `config`: run.py's Config dataclass, the method's flags (config.flag)."""
     use_config(config)
-    body = functools.partial(_body, train)
-    return jobs.contract(argv, parse_args, run_dir, body, redo=is_tool, ranks=True, program=train)
+    return jobs.contract(argv, parse_args, run_dir, _body, redo=is_tool, ranks=True, program=train)
 
 
 def _body(train, args, parser, out, stop, held, dist) -> int:
