@@ -14,13 +14,12 @@ which runs before any file of the job is written. Imports neither torch nor mlfl
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import time
 import traceback
 from collections.abc import Callable
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack, nullcontext, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -220,7 +219,7 @@ def _leave(code: int, *, hooks: bool) -> None:
         atexit._run_exitfuncs()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing left to say
+        with suppress(OSError, ValueError):  # a closed pipe: nothing left to say
             stream.flush()
     os._exit(code)
 
