@@ -184,7 +184,6 @@ def size_text(nbytes: float) -> str:
 def read_trusted(path: Path, max_bytes: int = 1 << 20) -> str:
     """The text of `path` if it is a regular file (not a link) owned by its directory's owner;
     OSError otherwise (ForeignFile for a foreign or linked file)."""
-    path = Path(path)
     fd = open_own(path, os.O_RDONLY, owner=path.parent.stat().st_uid)
     with os.fdopen(fd, "rb") as f:
         return f.read(max_bytes).decode("utf-8")
@@ -362,7 +361,6 @@ def code_version(root: Path) -> dict[str, str]:
     the same code gives the same hash whatever was committed), labrun's version and source."""
     from . import __version__
 
-    root = Path(root)
     commit = _git_lines(root, "rev-parse", "HEAD", z=False)
     files = _git_lines(root, "ls-files", "-z", "--cached", "--others", "--exclude-standard")
     if files is None:  # not in git: the files under root, skipped folders left unwalked
