@@ -136,11 +136,6 @@ def _describe(fd: int) -> str:
     )
 
 
-def is_stopping(description: str | None) -> bool:
-    """Whether holder()'s description says the holder is checkpointing and about to exit."""
-    return description is not None and f", {STOPPING} since " in description
-
-
 def claim(run_dir: str | os.PathLike) -> Claim:
     """Claim `run_dir` (created if missing) for this process, or raise Busy naming the holder."""
     directory = Path(run_dir)

@@ -6,10 +6,12 @@ memory beside others), the status lines, the stop on INT/TERM/HUP, and the MLflo
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import select
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -17,7 +19,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .runs import EXIT_BUSY, EXIT_INTERRUPTED, open_append, own_dir, read_status, write_status
+from .runs import (
+    EXIT_BUSY,
+    EXIT_INTERRUPTED,
+    ForeignFile,
+    open_append,
+    owner_name,
+    read_status,
+    write_status,
+)
 from .slots import Slots
 from .sweepjobs import Sweep, SweepJob, err, json_int, log, text_or_empty
 
@@ -395,6 +405,21 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def own_dir(path: Path) -> Path:
+    """`path` made if missing (with its parents); ForeignFile unless a directory of this user."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+        raise ForeignFile(
+            errno.EPERM,
+            f"{path} is not a directory of {owner_name(os.geteuid())} (owner "
+            f"{owner_name(info.st_uid)}{', a link' if stat.S_ISLNK(info.st_mode) else ''}): "
+            "nothing is written there",
+        )
+    return path
 
 
 def mark_interrupted(run_dir: str) -> None:

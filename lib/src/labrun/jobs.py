@@ -14,13 +14,12 @@ which runs before any file of the job is written. Imports neither torch nor mlfl
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import time
 import traceback
 from collections.abc import Callable
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack, nullcontext, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,22 +107,22 @@ def contract(
     program: Callable,
 ) -> int:
     """--plan, parse, --print-run-dir, --init-tracking, skip when done, claim; then
-    `body(args, parser, out, stop, held, dist) -> exit code` while holding the claim `held`
-    (claim.Claim: the Record checks it before every write, in case the directory was deleted).
+    `body(program, args, parser, out, stop, held, dist) -> exit code` while holding the claim
+    `held` (claim.Claim: the Record checks it before every write, in case the directory was
+    deleted).
 
     `locate` may raise UsageError (bad input, exit 2); `redo(args)` True runs even when done
     (run.py's tools). `ranks=True` (run.py): under torchrun rank 0 alone does all this; the
     other ranks do as it decides; the body runs on every rank (`held`: the claim on rank 0, None
     on the others; `dist`: distributed.Dist, one process without torchrun). `program`: the
-    project's function (run.py's train, a job's work); when it is the script's own
-    (`python run.py`), the process leaves as soon as a body has run and the claim is released
-    (_leave), instead of returning. The body is called from here, no deeper: a
-    traceback from the project's function reads main -> lifecycle -> contract -> body."""
+    project's function (run.py's train, a job's work), which the body calls; when it is the
+    script's own (`python run.py`), the process leaves as soon as the claim is released
+    (_leave), instead of returning. The body is called from here, no deeper: a traceback from
+    the project's function reads main -> lifecycle -> contract -> body."""
     try:
         stop = GracefulStop()
     except ValueError as exc:  # LAB_STOP_GRACE_S is not a number of seconds
         return error(str(exc), EXIT_USAGE)
-    ran = False
     with stop:  # first: a stop signal at any later moment still ends in 75
         if (sys.argv[1:] if argv is None else argv) == ["--plan"]:  # run.sh: all jobs, one call
             from . import plan  # the sweep's query (side): one interpreter answers for all
@@ -151,8 +150,7 @@ def contract(
                 try:
                     code, held = _admit(dist, args, out, redo, stop, claimed)
                     if code is None:
-                        ran = True
-                        code = body(args, parser_, out, stop, held, dist)
+                        code = body(program, args, parser_, out, stop, held, dist)
                         if held is not None and code in (EXIT_USAGE, EXIT_INTERRUPTED):
                             held.discard()  # refused or stopped before any work: leave nothing
                 except Busy as exc:
@@ -166,7 +164,7 @@ def contract(
             return error(str(exc), EXIT_FAILED)
         if dist.active:  # a torchrun rank leaves once its process group is gone (_leave)
             _leave(code, hooks=False)
-    if ran and _is_program(program):
+    if _is_program(program):  # after the body, a skip or a refusal alike: nothing is left
         _leave(code, hooks=True)
     return code
 
@@ -204,7 +202,7 @@ def _leave(code: int, *, hooks: bool) -> None:
         atexit._run_exitfuncs()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing left to say
+        with suppress(OSError, ValueError):  # a closed pipe: nothing left to say
             stream.flush()
     os._exit(code)
 
@@ -219,20 +217,17 @@ def _admit(dist, args, out: Path, redo, stop: GracefulStop, claimed: ExitStack):
     if not dist.is_main:  # the others run when rank 0 does, else leave with its code
         return dist.verdict(None), None
     skip = not (args.fresh or redo(args))
-    done = f"already finished: {out} (metrics.json exists; --fresh starts over)"
-    if skip and runs.is_done(out):
-        print(done)
-        if note := runs.other_code_line(out, PROJECT_ROOT, "note"):
-            print(note)
-        return EXIT_OK, None  # contract's dist.finish tells the other ranks
-    # one process per run directory, freed by the kernel on death
-    held = claimed.enter_context(claim(out))
-    stop.on_request = held.mark_stopping  # run.sh waits for a stopping holder
-    if skip and runs.is_done(out):  # done meanwhile, by the process we waited for
-        print(done)
-        return EXIT_OK, None
-    dist.verdict(None)  # torchrun: the other ranks run too
-    return None, held
+    if not (skip and runs.is_done(out)):
+        # one process per run directory, freed by the kernel on death
+        held = claimed.enter_context(claim(out))
+        stop.on_request = held.mark_stopping  # run.sh waits for a stopping holder
+        if not (skip and runs.is_done(out)):  # else done meanwhile, by the process we waited for
+            dist.verdict(None)  # torchrun: the other ranks run too
+            return None, held
+    print(f"already finished: {out} (metrics.json exists; --fresh starts over)")
+    if note := runs.other_code_line(out, PROJECT_ROOT, "note"):
+        print(note)
+    return EXIT_OK, None  # contract's dist.finish tells the other ranks
 
 
 def open_dir(out: Path, fresh: bool, stop: GracefulStop):
@@ -287,7 +282,7 @@ def main(
     def locate(args, _parser) -> Path:
         return args.results_dir / readable_name(name(args), ident(args))
 
-    def body(args, _parser, out: Path, stop: GracefulStop, held: Claim, dist) -> int:
+    def body(work, args, _parser, out: Path, stop: GracefulStop, held: Claim, dist) -> int:
         try:
             prepared = prepare(args) if prepare else None
         except Exception as exc:  # bad input (exit 2) or a failure in it (1): nothing written

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from labrun import config, runs
-from labrun.claim import holder, is_stopping
+from labrun.claim import STOPPING, holder
 from labrun.config import NotReady, UsageError, parse_args, run_dir
 from labrun.sweepjobs import nul_join, read_lists
 
@@ -59,6 +59,11 @@ def resolver(parse: Callable, locate: Callable) -> Callable[[list[str]], Path]:
 
 
 resolve = resolver(parse_args, run_dir)  # run.py's
+
+
+def is_stopping(description: str | None) -> bool:
+    """Whether holder()'s description says the holder is checkpointing and about to exit."""
+    return description is not None and f", {STOPPING} since " in description
 
 
 def job_state(directory: Path) -> tuple[str, str]:

@@ -173,21 +173,6 @@ def open_append(path: Path):
     return os.fdopen(fd, "a", encoding="utf-8")
 
 
-def own_dir(path: Path) -> Path:
-    """`path` made if missing (with its parents); ForeignFile unless a directory of this user."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    info = path.lstat()
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
-        raise ForeignFile(
-            errno.EPERM,
-            f"{path} is not a directory of {owner_name(os.geteuid())} (owner "
-            f"{owner_name(info.st_uid)}{', a link' if stat.S_ISLNK(info.st_mode) else ''}): "
-            "nothing is written there",
-        )
-    return path
-
-
 def size_text(nbytes: float) -> str:
     """`2.5 GiB`, `40.0 MiB`, `19.5 KiB`: a small size never reads `0.0 GiB`."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -199,7 +184,6 @@ def size_text(nbytes: float) -> str:
 def read_trusted(path: Path, max_bytes: int = 1 << 20) -> str:
     """The text of `path` if it is a regular file (not a link) owned by its directory's owner;
     OSError otherwise (ForeignFile for a foreign or linked file)."""
-    path = Path(path)
     fd = open_own(path, os.O_RDONLY, owner=path.parent.stat().st_uid)
     with os.fdopen(fd, "rb") as f:
         return f.read(max_bytes).decode("utf-8")
@@ -277,24 +261,21 @@ def read_status(run_dir: Path) -> str | None:
 
 
 def write_status(run_dir: Path, status: str) -> None:
-    assert status in STATUSES, status
+    """`status`: one of STATUSES (every caller passes one as a literal)."""
     atomic_write_text(Path(run_dir) / STATUS, status + "\n")
 
 
-def try_write_status(run_dir: Path, status: str) -> bool:
-    """write_status for fault paths: never raises (the disk may be the fault); True if written.
-    Without room for a temporary copy, the tiny file is written in place."""
-    with contextlib.suppress(OSError):
-        write_status(run_dir, status)
-        return True
+def try_write_status(run_dir: Path, status: str) -> None:
+    """write_status for fault paths: never raises (the disk may be the fault). Without room
+    for a temporary copy, the tiny file is written in place."""
     try:
-        fd = open_own(Path(run_dir) / STATUS, os.O_WRONLY | os.O_CREAT)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.truncate()
-            f.write(status + "\n")
-        return True
+        write_status(run_dir, status)
     except OSError:
-        return False
+        with contextlib.suppress(OSError):  # still not written: the ending goes on without
+            fd = open_own(Path(run_dir) / STATUS, os.O_WRONLY | os.O_CREAT)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.truncate()
+                f.write(status + "\n")
 
 
 def read_metrics(run_dir: Path) -> dict | None:
@@ -380,7 +361,6 @@ def code_version(root: Path) -> dict[str, str]:
     the same code gives the same hash whatever was committed), labrun's version and source."""
     from . import __version__
 
-    root = Path(root)
     commit = _git_lines(root, "rev-parse", "HEAD", z=False)
     files = _git_lines(root, "ls-files", "-z", "--cached", "--others", "--exclude-standard")
     if files is None:  # not in git: the files under root, skipped folders left unwalked

@@ -20,7 +20,7 @@ import math
 import sys
 import time
 
-from . import jobs, runs
+from . import __version__, jobs, runs
 from .config import PROJECT_ROOT, parse_args, resolved_config, run_dir, use_config
 from .jobs import EXIT_OK, EXIT_USAGE, Interrupted, error
 from .runs import RunFailed
@@ -37,8 +37,7 @@ def lifecycle(argv: list[str] | None, train, config: type) -> int:
     ranks (rank 0 writes); then `train(TrainingJob)`, every failure mapped to its exit code.
     `config`: run.py's Config dataclass, the method's flags (config.flag)."""
     use_config(config)
-    body = functools.partial(_body, train)
-    return jobs.contract(argv, parse_args, run_dir, body, redo=is_tool, ranks=True, program=train)
+    return jobs.contract(argv, parse_args, run_dir, _body, redo=is_tool, ranks=True, program=train)
 
 
 def _body(train, args, parser, out, stop, held, dist) -> int:
@@ -95,13 +94,12 @@ class TrainingJob:
     `compile`, `batches`/`tick`, `end_epoch`, `save_best`, `checkpoint`, `finish`.
     Over 300 lines because it is the run directory's whole life in one place (its refusals,
     resume, checkpoints, the loop's bookkeeping, the endings), each verb short; what it measures
-    stands apart (EpochPace, run_metrics).
+    stands apart (EpochPace).
     """
 
     def __init__(self, args, parser, out, stop, held, dist) -> None:
         import torch
 
-        from . import __version__
         from .loaders import available_cpus
         from .project import version_warning
         from .train import environment
@@ -193,8 +191,6 @@ class TrainingJob:
         # config.json, status running, its MLflow run (rank 0 writes); an OSError here (the
         # disk filled since the start-up check) is _body's: one `error:` line, exit 1
         self.record = jobs.Record(out, self.config, args, self.stop, self.held, dist, params, tags)
-        from . import __version__
-
         steps = f"{data.steps_per_epoch} steps/epoch | labrun {__version__}"
         self.log.info(f"run {out.name} on {env.device} | {steps} | {self.record.tracker_line()}")
         return self.progress
@@ -335,8 +331,8 @@ class TrainingJob:
         from .hardware import LOOP_MIN_STEPS, write_record
 
         p, pace, compiled = self.progress, self.pace, self.compiled
-        train_s, busy = pace.end(p)
-        if busy is not None:
+        train_s, busy = pace.end(p), pace.busy  # busy: its share None where none was measured
+        if busy is not None and busy.share is not None:
             self.speed["gpu_busy"] = busy.share
             if compiled is not None and compiled.busy_record:
                 write_record(*compiled.busy_record, share=busy.share, step_s=busy.step_s)
@@ -399,15 +395,40 @@ class TrainingJob:
 
     def finish(self, stopper, test: dict[str, float]) -> None:
         """Checkpoint, metrics.json (last: the run is done; strict JSON: finite_or_null):
-        `test`'s numbers, the best of `stopper`, the run's steps, times, memory and speed;
-        MLflow FINISHED."""
+        `test`'s numbers, the best of `stopper`, the run's steps, times, memory, speed and on
+        CUDA the MFU (the model's FLOPs at the run's rate / the GPU's peak); MLflow FINISHED."""
+        from .hardware import peak_memory_bytes
+
         self._save()
         if self.loader is not None:  # the loader's share of the training time
             self.log.info(self.loader.wait_line())
-        p, task, args = self.progress, self.env.task, self.args
-        metrics = run_metrics(p, args, stopper, task, test, self.env.device, self.speed)
-        reason, weights = metrics["stop_reason"], args.test_weights
-        rate = metrics["samples_per_sec"]
+        p, task, args, speed = self.progress, self.env.task, self.args, self.speed
+        weights, rate = args.test_weights, p.samples / max(p.train_time_s, 1e-9)
+        reason = stop_reason(p, args, stopper)
+        metrics = {
+            f"best_{task.monitor}": stopper.best_score,
+            **{f"test_{name}": test[name] for name in (*task.metrics, "loss")},
+            "task": task.name,
+            "monitor": task.monitor,
+            "best_epoch": stopper.best_epoch,
+            # what the test_* numbers describe (--test-weights): best_* stay the monitor's record
+            "test_weights": weights,
+            "tested_epoch": stopper.best_epoch if weights == "best" else p.epoch,
+            "epochs_run": p.epoch,
+            "steps": p.step,
+            "wall_time_s": p.wall_time_s,
+            "train_time_s": p.train_time_s,
+            "compile_time_s": p.compile_time_s,
+            "samples_per_sec": rate,
+            "peak_mem_bytes": peak_memory_bytes(self.env.device),
+            "device": str(self.env.device),
+            "stop_reason": reason,
+        }
+        if "peak_flops" in speed:
+            metrics["flops_per_sample"] = flops = speed["flops_per_sample"]
+            metrics["mfu"] = flops * rate / speed["peak_flops"]
+        if "gpu_busy" in speed:
+            metrics["gpu_busy_share"] = speed["gpu_busy"]
         mfu = f", MFU {100 * metrics['mfu']:.1f} %" if "mfu" in metrics else ""
         tags = {"stop_reason": reason, "test_weights": weights}
         artifacts = [self.out / runs.HISTORY, self.out / runs.BEST_MODEL]
@@ -475,51 +496,17 @@ class EpochPace:
                 f"epoch ETA {left / max(rate, 1e-9):.0f}s"
             )
 
-    def end(self, p: Progress):
-        """(the epoch's training seconds, the GpuBusy that measured a share, or None)."""
+    def end(self, p: Progress) -> float:
+        """The epoch's training seconds; the GPU's busy share into run.log, once measured."""
         from .hardware import busy_line
 
         train_s, busy = self.now() - self.t0, self.busy
         self.bar.close()
         if busy is not None:
             busy.close(p.step - self.first_step)
-            if busy.share is None:
-                return train_s, None
-            self.log.info(busy_line(busy.share, busy.step_s, self.args.batch_size))
-        return train_s, busy
-
-
-def run_metrics(p: Progress, args, stopper, task, test: dict, device, speed: dict) -> dict:
-    """metrics.json's numbers: the test's, the best of early stopping, the run's steps, times,
-    memory, speed, and on CUDA the MFU (the model's FLOPs at the run's rate / the GPU's peak)."""
-    from .hardware import peak_memory_bytes
-
-    weights, rate = args.test_weights, p.samples / max(p.train_time_s, 1e-9)
-    metrics = {
-        f"best_{task.monitor}": stopper.best_score,
-        **{f"test_{name}": test[name] for name in (*task.metrics, "loss")},
-        "task": task.name,
-        "monitor": task.monitor,
-        "best_epoch": stopper.best_epoch,
-        # what the test_* numbers describe (--test-weights): best_* stay the monitor's record
-        "test_weights": weights,
-        "tested_epoch": stopper.best_epoch if weights == "best" else p.epoch,
-        "epochs_run": p.epoch,
-        "steps": p.step,
-        "wall_time_s": p.wall_time_s,
-        "train_time_s": p.train_time_s,
-        "compile_time_s": p.compile_time_s,
-        "samples_per_sec": rate,
-        "peak_mem_bytes": peak_memory_bytes(device),
-        "device": str(device),
-        "stop_reason": stop_reason(p, args, stopper),
-    }
-    if "peak_flops" in speed:
-        metrics["flops_per_sample"] = flops = speed["flops_per_sample"]
-        metrics["mfu"] = flops * rate / speed["peak_flops"]
-    if "gpu_busy" in speed:
-        metrics["gpu_busy_share"] = speed["gpu_busy"]
-    return metrics
+            if busy.share is not None:
+                self.log.info(busy_line(busy.share, busy.step_s, self.args.batch_size))
+        return train_s
 
 
 def stop_reason(p: Progress, args, stopper) -> str:
@@ -536,9 +523,8 @@ def room_needed(out, objects) -> int:
     of the weights that come with its first step, the best weights) twice during its atomic
     replace, plus best_model.pt; less the checkpoint and best_model.pt a re-run replaces (their
     space is the run's already, and comes back as each new file replaces the old one)."""
-    objects = [o for o in objects if o is not None]
-    weights = tensor_bytes(objects[0].state_dict())  # the model: resume's first object
-    held = sum(tensor_bytes(o.state_dict()) for o in objects)
+    sizes = [tensor_bytes(o.state_dict()) for o in objects if o is not None]
+    weights, held = sizes[0], sum(sizes)  # weights: the model's, resume's first object
     ours = [out / name for name in (runs.CHECKPOINT, runs.BEST_MODEL)]  # claimed: none goes
     kept = sum(path.stat().st_size for path in ours if path.is_file())
     return max(2 * (held + 3 * weights) + weights - kept, 0)

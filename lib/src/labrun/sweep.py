@@ -45,8 +45,8 @@ import time
 from pathlib import Path
 from typing import BinaryIO
 
-from .jobqueue import Queue
-from .runs import ForeignFile, own_dir
+from .jobqueue import Queue, own_dir
+from .runs import ForeignFile
 from .slots import Slots, choose_gpus
 from .sweepjobs import (
     ENVIRONMENT,
