@@ -203,6 +203,21 @@ def test_a_job_whose_directory_is_deleted_exits_73_and_writes_nothing_more(tmp_p
     assert not list(results.rglob("*.json")), list(results.rglob("*"))
 
 
+def test_a_job_out_of_memory_ends_with_its_own_line(tmp_path):
+    """run.py's remedy for an out-of-memory failure names --batch-size; a job has no such flag,
+    so its failure is its own first line (it was an AttributeError inside the failure path)."""
+    oom = COUNT.replace(
+        'raise RuntimeError("counting failed on purpose")',
+        'raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")',
+    )
+    script = tmp_path / "oom.py"
+    script.write_text(oom.replace("import sys\n", "import sys\n\nimport torch\n", 1))
+    result = count(script, "--fail", results=tmp_path / "results")
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == "error: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+
+
 def test_plan_answers_for_every_job_of_a_script_in_one_call(count_py, tmp_path):
     results = tmp_path / "results"
     assert count(count_py, "--n", "1", results=results).returncode == 0

@@ -460,17 +460,19 @@ class Record:
         self.tracker.end("FAILED", error=text)
         # The traceback went to stderr with run.log's lines; the `error:` line says what to do
         # for the failures that have a remedy. Input that changed under the job is bad input.
+        # The remedies name run.py's flags: a job that does not train has its own first line.
+        training = self.what == "run"
         torch = sys.modules.get("torch")  # imported when a training run fails; a job: maybe not
         from .imagefolder import UnreadableImage
 
-        if isinstance(exc, UnreadableImage):  # changed since the scan: bad input, not a retry
+        if training and isinstance(exc, UnreadableImage):  # changed since the scan: bad input
             from .dataversion import forget
 
             # the next start fingerprints every file; the hint says so
             return error(f"{exc}; {forget(self.args.data_path, self.args.data_dir)}", EXIT_USAGE)
         if isinstance(exc, runs.RunFailed):
             message = str(exc)
-        elif torch is not None and isinstance(exc, torch.OutOfMemoryError):
+        elif training and torch is not None and isinstance(exc, torch.OutOfMemoryError):
             message = (
                 f"out of memory at --batch-size {self.args.batch_size}; try --find-batch-size, "
                 "or a smaller --batch-size with --grad-accum"
