@@ -46,7 +46,7 @@ from .dataversion import data_version as files_version
 from .dataversion import forget
 from .imagecache import cache_path, decode_cached
 from .imagefolder import UnreadableImage
-from .loaders import FileSplit, Loader, Split, own_normalization
+from .loaders import FileSplit, Split, own_normalization
 from .runs import size_text
 from .tasks import check_targets
 
@@ -56,7 +56,6 @@ MEMORY_FRACTION = 0.25
 # A training split must give at least this many optimizer steps per epoch (check_batch_size).
 MIN_STEPS_PER_EPOCH = 4
 HELD_AS = {np.dtype(bool): torch.uint8, np.dtype(np.float64): torch.float32}  # arrays held as
-build_loader = Loader  # train.py's name for loaders.Loader, until it imports that
 EMPTY_SPLIT = "the split is empty; give it samples, or leave it out (None: carved from train)"
 
 

@@ -69,8 +69,9 @@ def load_data(args, env: Env, make_model) -> Data:
     (an --image-size it cannot take, before any decoding) and after (a model or batch too big
     for the free memory): UsageError, exit 2. Seeds everything afterwards: the same seed gives
     the same init, split, order and augmentation."""
-    from .data import build_loader, check_batch_size, load_dataset
+    from .data import check_batch_size, load_dataset
     from .hardware import choose_gpu_resident
+    from .loaders import Loader
     from .preflight import check_memory, check_model_fits
 
     check_model_fits(args, make_model)  # an --image-size the model cannot take: before decoding
@@ -90,7 +91,7 @@ def load_data(args, env: Env, make_model) -> Data:
     in_memory = loaded.mode == "memory"
     resident = in_memory and choose_gpu_resident(args.gpu_resident, env.device, splits)
     loaders = {
-        name: build_loader(
+        name: Loader(
             split,
             args.batch_size,
             train=name == "train",
