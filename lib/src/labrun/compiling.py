@@ -49,10 +49,9 @@ def compile_model(model, loss_fn, batch, args, env, *, steps: int, log) -> Compi
     compile_s = 0.0
     if mode:
         net, mode, compile_s = _warm(net, model, batch, loss_fn, env, mode, decided, log)
-    wrapped = dist.ddp(net)  # torchrun: DistributedDataParallel around the compiled module
+    net = dist.ddp(net)  # torchrun: DistributedDataParallel around the compiled module
     graphs = replays_graphs(device, mode)
-    net = wrapped if wrapped is not None else net
-    return Compiled(net, wrapped is not None, graphs, mode, compile_s, decided[2], speed, busy)
+    return Compiled(net, dist.active, graphs, mode, compile_s, decided[2], speed, busy)
 
 
 def replays_graphs(device, mode: str | None) -> bool:

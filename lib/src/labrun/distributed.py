@@ -181,10 +181,9 @@ class Dist:
         point: the first code in rank order, else EXIT_INTERRUPTED when a stop reached any rank,
         else None (go on). `why`: another rank's refusal line, which rank 0 prints."""
         stopping = stop is not None and stop.requested is not None
-        if not self.active:
-            return code if code is not None else (EXIT_INTERRUPTED if stopping else None)
-        votes: list = [None] * self.world
-        self.td.all_gather_object(votes, (code, stopping, why), group=self.cpu_group)
+        votes: list = [(code, stopping, why)] * self.world  # one process: its own
+        if self.active:
+            self.td.all_gather_object(votes, votes[0], group=self.cpu_group)
         first = next((rank for rank, vote in enumerate(votes) if vote[0] is not None), None)
         if first is None:
             if any(vote[1] for vote in votes):
@@ -215,22 +214,20 @@ class Dist:
     def report_failure(self, text: str) -> None:
         """Leave this rank's traceback in torchrun's store (not a collective: the others may
         be anywhere), where rank 0 reads it when its own collective breaks."""
-        if not self.active:
-            return
-        with contextlib.suppress(Exception):  # the store may be gone: stderr still has it
+        # the store may be gone (or, one process, never was: no td): stderr still has it
+        with contextlib.suppress(Exception):
             self._store().set(f"{FAILURE_KEY}{self.rank}", text)
 
     def peer_failures(self, wait_s: float = 2.0) -> list[tuple[int, str]]:
         """[(rank, traceback)] of the other ranks' report_failure; waits up to `wait_s`: a peer's
         exit breaks this rank's collective a moment before its report lands."""
-        if not self.active:
-            return []
         import time
 
         found: list[tuple[int, str]] = []
         keys = [f"{FAILURE_KEY}{r}" for r in range(self.world) if r != self.rank]
         deadline = time.monotonic() + wait_s
-        with contextlib.suppress(Exception):  # no store (the group is gone): nothing to read
+        # no store (the group is gone; one process: no td, no peers): nothing to read
+        with contextlib.suppress(Exception):
             store = self._store()
             while not found and time.monotonic() <= deadline:
                 found = [
@@ -303,8 +300,9 @@ class Dist:
         return f"{self.world} processes (torchrun, {backend}); {bn}"
 
     def ddp(self, model):
+        """`model` in DistributedDataParallel under torchrun; one process: `model` itself."""
         if not self.active:
-            return None
+            return model
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [self.local_rank] if self.cuda else None
