@@ -214,20 +214,22 @@ class Dist:
     def report_failure(self, text: str) -> None:
         """Leave this rank's traceback in torchrun's store (not a collective: the others may
         be anywhere), where rank 0 reads it when its own collective breaks."""
-        # the store may be gone (or, one process, never was: no td): stderr still has it
-        with contextlib.suppress(Exception):
+        if not self.active:
+            return
+        with contextlib.suppress(Exception):  # the store may be gone: stderr still has it
             self._store().set(f"{FAILURE_KEY}{self.rank}", text)
 
     def peer_failures(self, wait_s: float = 2.0) -> list[tuple[int, str]]:
         """[(rank, traceback)] of the other ranks' report_failure; waits up to `wait_s`: a peer's
         exit breaks this rank's collective a moment before its report lands."""
+        if not self.active:
+            return []
         import time
 
         found: list[tuple[int, str]] = []
         keys = [f"{FAILURE_KEY}{r}" for r in range(self.world) if r != self.rank]
         deadline = time.monotonic() + wait_s
-        # no store (the group is gone; one process: no td, no peers): nothing to read
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # no store (the group is gone): nothing to read
             store = self._store()
             while not found and time.monotonic() <= deadline:
                 found = [
