@@ -477,17 +477,17 @@ def project_run_py() -> dict:
     return runpy.run_path(str(path), run_name="_labrun_project_run") if path.is_file() else {}
 
 
-def fields_of(config: type | None) -> list[tuple[dataclasses.Field, type]]:
+def fields_of(config: type) -> list[tuple[dataclasses.Field, type]]:
     """(field, type) of each field of a dataclass of flags, in its order."""
-    if config is None:
-        return []
     hints = typing.get_type_hints(config)
     return [(f, hints[f.name]) for f in dataclasses.fields(config)]
 
 
 def method_fields() -> list[tuple[dataclasses.Field, type]]:
-    """(field, type) of each hyperparameter of run.py's Config, in its order."""
-    return fields_of(_config or project_run_py().get("Config"))
+    """(field, type) of each hyperparameter of run.py's Config, in its order (none outside a
+    project)."""
+    config = _config or project_run_py().get("Config")
+    return fields_of(config) if config else []
 
 
 def execution_keys() -> frozenset:
