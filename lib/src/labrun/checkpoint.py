@@ -116,8 +116,7 @@ def load_model_state(model: torch.nn.Module, state_dict: dict, what: str) -> Non
 def precision(objects: dict, amp_dtype) -> dict:
     """What the checkpoint records of the arithmetic: the autocast dtype and the scaler."""
     names = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}
-    scaled = (o for o in objects.values() if isinstance(o, torch.amp.GradScaler))
-    scaler = any(s.is_enabled() for s in scaled)
+    scaler = any(isinstance(o, torch.amp.GradScaler) and o.is_enabled() for o in objects.values())
     return {"autocast": names.get(amp_dtype, str(amp_dtype)), "grad_scaler": scaler}
 
 

@@ -477,17 +477,17 @@ def project_run_py() -> dict:
     return runpy.run_path(str(path), run_name="_labrun_project_run") if path.is_file() else {}
 
 
-def fields_of(config: type | None) -> list[tuple[dataclasses.Field, type]]:
+def fields_of(config: type) -> list[tuple[dataclasses.Field, type]]:
     """(field, type) of each field of a dataclass of flags, in its order."""
-    if config is None:
-        return []
     hints = typing.get_type_hints(config)
     return [(f, hints[f.name]) for f in dataclasses.fields(config)]
 
 
 def method_fields() -> list[tuple[dataclasses.Field, type]]:
-    """(field, type) of each hyperparameter of run.py's Config, in its order."""
-    return fields_of(_config or project_run_py().get("Config"))
+    """(field, type) of each hyperparameter of run.py's Config, in its order (none outside a
+    project)."""
+    config = _config or project_run_py().get("Config")
+    return fields_of(config) if config else []
 
 
 def execution_keys() -> frozenset:
@@ -579,21 +579,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     return args, parser
 
 
-def experiment_args(args: argparse.Namespace) -> dict:
-    """The arguments that define what is computed (everything but execution_keys())."""
-    execution = execution_keys()
-    return {k: v for k, v in vars(args).items() if k not in execution}
-
-
 def identity_args(args: argparse.Namespace) -> dict:
-    """What the hash covers: the experiment arguments of the first release, and any other one
-    away from its default (`data_version` too: None for the array datasets, whose released
-    names must not move)."""
-    defaults = {a.dest: a.default for a in build_parser()._actions}
+    """What the hash covers: of the experiment arguments (all but execution_keys()), those of
+    the first release, and any other one away from its default (`data_version` too: None for
+    the array datasets, whose released names must not move)."""
+    defaults, execution = {a.dest: a.default for a in build_parser()._actions}, execution_keys()
     return {
         k: v
-        for k, v in experiment_args(args).items()
-        if k in FIRST_RELEASE_KEYS or v != defaults.get(k)
+        for k, v in vars(args).items()
+        if k not in execution and (k in FIRST_RELEASE_KEYS or v != defaults.get(k))
     }
 
 
@@ -659,6 +653,9 @@ def resolved_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     cfg.update(run_name=run_dir(args, parser).name, config_hash=short_hash(identity_args(args)))
     # The model's own arguments as keys of their own, so tables and legends name them.
     cfg.update(args.model_args)
-    cfg["experiment_keys"] = sorted({*experiment_args(args), *args.model_args} - {"model_args"})
+    # the experiment arguments (all but execution_keys()), the model's own among them
+    cfg["experiment_keys"] = sorted(
+        {*vars(args), *args.model_args} - execution_keys() - {"model_args"}
+    )
     cfg["code"] = runs.code_version(PROJECT_ROOT)  # which code made it: never in the identity
     return cfg

@@ -110,7 +110,7 @@ class Tracker:
             tags=as_texts(tags or {}, 8000),
         )
         self.state.pop("ended_at", None)
-        self._save_state()
+        save_state(self.run_dir, self.state)
         self.log_history()  # the MLflow run: found (a resume) or created, RUNNING
 
     @property
@@ -164,10 +164,6 @@ class Tracker:
             self._monitored = self.run_id
             self.monitor = self._guard("start system metrics", system_monitor, self.run_id)
 
-    def _save_state(self) -> None:
-        if not self._frozen:
-            save_state(self.run_dir, self.state)
-
     def end(
         self,
         status: str,
@@ -188,7 +184,8 @@ class Tracker:
             artifacts=[p.name for p in artifacts if Path(p).parent == self.run_dir],
             error=(error or "")[-MAX_ERROR_CHARS:],
         )
-        self._save_state()
+        if not self._frozen:  # abandon(): the directory is another's
+            save_state(self.run_dir, self.state)
         if not self.deferred:
             self._guard("end the MLflow run", self._mirror, status, metrics or {}, force=True)
         self.close()
