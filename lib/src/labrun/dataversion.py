@@ -89,12 +89,10 @@ def forget(root: Path | None, cache_dir: Path) -> str:
     )
 
 
-def check_cache_path(root: Path, cache_dir: Path | None, version: str | None) -> Path | None:
-    """Where imagefolder.py caches the check of every image of `root` at `version`."""
-    if cache_dir is None or version is None:
-        return None
-    name = f"{CHECK_PREFIX}{Path(root).name}-{version.removeprefix(VERSION_PREFIX)}.json"
-    return Path(cache_dir) / name
+def check_cache_path(root: Path, cache_dir: Path, version: str) -> Path:
+    """Where imagefolder.py caches the check of every image of `root` at `version` (its one
+    caller, imagefolder._check_images, has both: scan_image_folder requires them)."""
+    return cache_dir / f"{CHECK_PREFIX}{root.name}-{version.removeprefix(VERSION_PREFIX)}.json"
 
 
 def _cache_path(root: Path, cache_dir: Path) -> Path:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import ast
 import contextlib
 import functools
-import hashlib
 import importlib
 import inspect
 import json
@@ -27,7 +26,7 @@ from pathlib import Path
 
 from . import project
 from .dataversion import read_json_cache
-from .runs import atomic_write_text
+from .runs import _files_hash, atomic_write_text
 
 LIBRARY_DIR = Path(__file__).resolve().parent
 DECORATORS = ("register_model", "register_dataset", "register_task")
@@ -110,14 +109,11 @@ def _modules() -> list[tuple[str, Path]]:
 
 
 def _fingerprint() -> str:
-    """sha256 of the texts the listing depends on: the project's modules and the library's own."""
+    """A hash of the texts the listing depends on: the project's modules and the library's own,
+    by their absolute paths (an entry's `where` names them), as a run's code version hashes
+    files (runs._files_hash)."""
     sources = [path for _, path in _modules()] + [LIBRARY_DIR / name for name in LISTING_INPUTS]
-    digest = hashlib.sha256()
-    for path in sorted(sources):
-        text = path.read_bytes()
-        digest.update(f"{path}\0{len(text)}\0".encode())
-        digest.update(text)
-    return digest.hexdigest()
+    return _files_hash(Path("/"), [str(path) for path in sources])
 
 
 @functools.cache

@@ -206,11 +206,9 @@ def multilabel_sums(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     y = y.reshape(logits.shape) > 0.5
     pred = logits.float() >= 0  # sigmoid(z) >= 0.5
     index = (ap_bins(logits) + AP_BINS * torch.arange(labels, device=logits.device)).flatten()
-    positives = torch.zeros(labels * AP_BINS, dtype=torch.float64, device=logits.device)
-    negatives = torch.zeros_like(positives)
-    positives.index_add_(0, index, y.flatten().double())
-    negatives.index_add_(0, index, (~y).flatten().double())
-    return summed((pred & y).sum(0), (pred & ~y).sum(0), (~pred & y).sum(0), positives, negatives)
+    hist = torch.zeros(2, labels * AP_BINS, dtype=torch.float64, device=logits.device)
+    hist.index_add_(1, index, torch.stack([y, ~y]).flatten(1).double())  # positives, negatives
+    return summed((pred & y).sum(0), (pred & ~y).sum(0), (~pred & y).sum(0), hist)
 
 
 def multilabel_metrics(s: np.ndarray, n: int) -> dict[str, float]:
