@@ -328,11 +328,12 @@ class TrainingJob:
     def _epoch_trained(self) -> None:
         """The epoch's training time into progress (once: at its end, or at a stop); what it
         measured into the compile and busy records."""
-        from .hardware import LOOP_MIN_STEPS, write_record
+        from .hardware import LOOP_MIN_STEPS, busy_line, write_record
 
         p, pace, compiled = self.progress, self.pace, self.compiled
         train_s, busy = pace.end(p), pace.busy  # busy: its share None where none was measured
-        if busy is not None and busy.share is not None:
+        if busy is not None and busy.share is not None:  # the GPU's busy share, once measured
+            self.log.info(busy_line(busy.share, busy.step_s, self.args.batch_size))
             self.speed["gpu_busy"] = busy.share
             if compiled is not None and compiled.busy_record:
                 write_record(*compiled.busy_record, share=busy.share, step_s=busy.step_s)
@@ -497,15 +498,11 @@ class EpochPace:
             )
 
     def end(self, p: Progress) -> float:
-        """The epoch's training seconds; the GPU's busy share into run.log, once measured."""
-        from .hardware import busy_line
-
-        train_s, busy = self.now() - self.t0, self.busy
+        """The epoch's training seconds (its GPU profile, if any, closed)."""
+        train_s = self.now() - self.t0
         self.bar.close()
-        if busy is not None:
-            busy.close(p.step - self.first_step)
-            if busy.share is not None:
-                self.log.info(busy_line(busy.share, busy.step_s, self.args.batch_size))
+        if self.busy is not None:
+            self.busy.close(p.step - self.first_step)
         return train_s
 
 
