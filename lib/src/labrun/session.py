@@ -185,7 +185,7 @@ class TrainingJob:
             from .tracking import provenance
 
             params = run_params(self.config)  # with `experiment_keys`: plot.py --from-mlflow's
-            tags = {**provenance(self.log), "run_dir": str(out), "device": str(env.device)}
+            tags = {**provenance(self.log), "device": str(env.device)}  # Record adds run_dir
             tags.update(amp_dtype=str(env.amp_dtype), compile=args.compile)
             tags.update(workers=str(args.workers), world_size=str(dist.world))
         # config.json, status running, its MLflow run (rank 0 writes); an OSError here (the
@@ -433,7 +433,9 @@ class TrainingJob:
         mfu = f", MFU {100 * metrics['mfu']:.1f} %" if "mfu" in metrics else ""
         tags = {"stop_reason": reason, "test_weights": weights}
         artifacts = [self.out / runs.HISTORY, self.out / runs.BEST_MODEL]
-        self.record.finished(finite_or_null(metrics), p.history, tags=tags, artifacts=artifacts)
+        if self.env.dist.is_main:  # history.csv written again, before MLflow attaches it
+            runs.write_history(self.out, p.history)
+        self.record.finished(finite_or_null(metrics), tags=tags, artifacts=artifacts)
         self.log.info(
             f"finished ({reason}): best {task.monitor} {stopper.best_score:.4g} at epoch "
             f"{stopper.best_epoch} | test ({weights} weights) {metrics_line(metrics, 'test_')} | "
