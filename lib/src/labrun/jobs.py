@@ -456,8 +456,7 @@ class Record:
         # The traceback went to stderr with run.log's lines; the `error:` line says what to do
         # for the failures that have a remedy. Input that changed under the job is bad input.
         # The remedies name run.py's flags: a job that does not train has its own first line.
-        training = self.what == "run"
-        torch = sys.modules.get("torch")  # imported when a training run fails; a job: maybe not
+        training = self.what == "run"  # then torch is imported (TrainingJob.__init__)
         from .imagefolder import UnreadableImage
 
         if training and isinstance(exc, UnreadableImage):  # changed since the scan: bad input
@@ -467,7 +466,7 @@ class Record:
             return error(f"{exc}; {forget(self.args.data_path, self.args.data_dir)}", EXIT_USAGE)
         if isinstance(exc, runs.RunFailed):
             message = str(exc)
-        elif training and torch is not None and isinstance(exc, torch.OutOfMemoryError):
+        elif training and isinstance(exc, sys.modules["torch"].OutOfMemoryError):
             message = (
                 f"out of memory at --batch-size {self.args.batch_size}; try --find-batch-size, "
                 "or a smaller --batch-size with --grad-accum"
