@@ -300,10 +300,11 @@ class TrainingJob:
         loader.set_epoch(p.epoch, skip_batches=p.batch)
         source = iter(loader)
         profile = "gpu_busy" not in self.speed  # the GPU's busy share: once per model and mode
-        self.pace = EpochPace(p, self.args, data, self.env, self.log, profile=profile)
+        pace = self.pace = EpochPace(p, self.args, data, self.env, self.log, profile=profile)
         try:
             while p.batch < data.steps_per_epoch * accum and p.step < data.total_steps:
-                self.pace.before_step(p)
+                if pace.busy is not None:  # GpuBusy.at before each step
+                    pace.busy.at(p.step - pace.first_step)
                 done = p.step
                 yield [next(source) for _ in range(accum)]
                 if p.step == done:  # the loop would never end: say so instead
@@ -477,10 +478,6 @@ class EpochPace:
         self.line_at = self.wall0 + self.every
         profile = profile and env.device.type == "cuda" and main
         self.busy = GpuBusy(env.device) if profile else None
-
-    def before_step(self, p: Progress) -> None:
-        if self.busy is not None:
-            self.busy.at(p.step - self.first_step)
 
     def after_step(self, p: Progress) -> None:
         """The bar; every --log-every seconds (a log file), run.log: where the epoch is, its pace
