@@ -229,8 +229,9 @@ def test_a_mode_is_judged_on_the_training_steps_own_time(tmp_path, monkeypatch, 
     job = TrainingJob.__new__(TrainingJob)  # the loop's bookkeeping only: no run directory
     job.compiled = types.SimpleNamespace(record=fake, mode=None, busy_record=None)
     for resumed, epoch in ((False, 0), (True, 0), (False, 1)):
-        end = lambda p: (2.5, None)  # noqa: E731  (25 steps in 2.5 s, no GPU profile)
-        job.pace = types.SimpleNamespace(end=end, first_step=0, resumed_in_epoch=resumed)
+        end = lambda p: 2.5  # noqa: E731  (25 steps in 2.5 s)
+        pace = {"end": end, "busy": None, "first_step": 0, "resumed_in_epoch": resumed}
+        job.pace = types.SimpleNamespace(**pace)  # busy None: no GPU profile
         job.progress = Progress(epoch=epoch, step=25)
         job._epoch_trained()
     assert saved == [(None, 0.1)]

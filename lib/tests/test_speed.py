@@ -97,10 +97,10 @@ def test_the_cuda_speed_scale_is_measured_once_per_machine_and_model(
             # The first epoch's end with a profile of it (GpuBusy's numbers, gpu.md's step).
             job = TrainingJob.__new__(TrainingJob)  # the loop's bookkeeping only: no run directory
             job.compiled = types.SimpleNamespace(busy_record=busy_record, record=None)
-            job.progress, job.speed = Progress(), {}
+            job.progress, job.speed, job.args, job.log = Progress(), {}, c.args, log
             pace = job.pace = EpochPace.__new__(EpochPace)  # the epoch's end only
             pace.now, pace.t0, pace.first_step, pace.resumed_in_epoch = (lambda: 1.0), 0.0, 0, False
-            pace.bar, pace.args, pace.log = types.SimpleNamespace(close=print), c.args, log
+            pace.bar = types.SimpleNamespace(close=print)
             pace.busy = types.SimpleNamespace(share=0.186, step_s=0.00759, close=print)
             job._epoch_trained()
             caplog.clear()

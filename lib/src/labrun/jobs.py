@@ -296,8 +296,7 @@ def main(
         # (write_json turns the Paths of args into strings in config.json)
         config = dict(vars(args), identity=identity, experiment_keys=sorted(identity))
         config.update(run_name=out.name, config_hash=short_hash(identity))
-        tags = {**(provenance() if args.tracking == "on" else {}), "run_dir": str(out)}
-        tags["job"] = sys.argv[0]
+        tags = {**(provenance() if args.tracking == "on" else {}), "job": sys.argv[0]}
         record = Record(out, config, args, stop, held, dist, identity, tags, what="job")
         try:  # recorded as it ends: finished, interrupted or failed
             metrics = work(job)
@@ -377,7 +376,7 @@ class Record:
             run_name=out.name,
             log=self.log,
             params=params,
-            tags=tags,
+            tags={**tags, "run_dir": str(out)},  # every job's, training or not
             system_metrics=what == "run",  # a job that does not train: no machine samples
         )
 
@@ -412,16 +411,12 @@ class Record:
         if self.writes and self.claim.still_ours() and not runs.is_done(self.out):
             runs.try_write_status(self.out, "interrupted")
 
-    def finished(
-        self, metrics: dict, history: list[dict] | None = None, *, tags=None, artifacts=()
-    ) -> None:
+    def finished(self, metrics: dict, *, tags=None, artifacts=()) -> None:
         """MLflow FINISHED (the numbers of `metrics`, `tags`, config.json and `artifacts`
         attached), status finished, then metrics.json with the MLflow run's id: last, its
-        existence means done. `history`: a training run's rows, history.csv written again."""
+        existence means done."""
         if not self.ours():
             return
-        if history is not None:
-            runs.write_history(self.out, history)
         self.tracker.end(
             "FINISHED",
             metrics={k: v for k, v in metrics.items() if v is not None},
@@ -461,8 +456,7 @@ class Record:
         # The traceback went to stderr with run.log's lines; the `error:` line says what to do
         # for the failures that have a remedy. Input that changed under the job is bad input.
         # The remedies name run.py's flags: a job that does not train has its own first line.
-        training = self.what == "run"
-        torch = sys.modules.get("torch")  # imported when a training run fails; a job: maybe not
+        training = self.what == "run"  # then torch is imported (TrainingJob.__init__)
         from .imagefolder import UnreadableImage
 
         if training and isinstance(exc, UnreadableImage):  # changed since the scan: bad input
@@ -472,7 +466,7 @@ class Record:
             return error(f"{exc}; {forget(self.args.data_path, self.args.data_dir)}", EXIT_USAGE)
         if isinstance(exc, runs.RunFailed):
             message = str(exc)
-        elif training and torch is not None and isinstance(exc, torch.OutOfMemoryError):
+        elif training and isinstance(exc, sys.modules["torch"].OutOfMemoryError):
             message = (
                 f"out of memory at --batch-size {self.args.batch_size}; try --find-batch-size, "
                 "or a smaller --batch-size with --grad-accum"

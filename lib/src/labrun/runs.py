@@ -328,16 +328,13 @@ def ensure_writable(directory: Path, need_bytes: int = 0) -> None:
 def clear_run_dir(run_dir: Path) -> list[str]:
     """Delete the files of a run directory (for --fresh); return their names. The claim's lock
     file stays: this process holds it, and a new file would let a second process claim it."""
-    removed = []
-    for path in sorted(Path(run_dir).iterdir()):
-        if path.name == LOCK:
-            continue
+    removed = sorted(path for path in Path(run_dir).iterdir() if path.name != LOCK)
+    for path in removed:
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
         else:
             path.unlink()
-        removed.append(path.name)
-    return removed
+    return [path.name for path in removed]
 
 
 # What counts as the code of a project: its Python and configuration files, not its tests,

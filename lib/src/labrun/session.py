@@ -185,7 +185,7 @@ class TrainingJob:
             from .tracking import provenance
 
             params = run_params(self.config)  # with `experiment_keys`: plot.py --from-mlflow's
-            tags = {**provenance(self.log), "run_dir": str(out), "device": str(env.device)}
+            tags = {**provenance(self.log), "device": str(env.device)}  # Record adds run_dir
             tags.update(amp_dtype=str(env.amp_dtype), compile=args.compile)
             tags.update(workers=str(args.workers), world_size=str(dist.world))
         # config.json, status running, its MLflow run (rank 0 writes); an OSError here (the
@@ -300,10 +300,11 @@ class TrainingJob:
         loader.set_epoch(p.epoch, skip_batches=p.batch)
         source = iter(loader)
         profile = "gpu_busy" not in self.speed  # the GPU's busy share: once per model and mode
-        self.pace = EpochPace(p, self.args, data, self.env, self.log, profile=profile)
+        pace = self.pace = EpochPace(p, self.args, data, self.env, self.log, profile=profile)
         try:
             while p.batch < data.steps_per_epoch * accum and p.step < data.total_steps:
-                self.pace.before_step(p)
+                if pace.busy is not None:  # GpuBusy.at before each step
+                    pace.busy.at(p.step - pace.first_step)
                 done = p.step
                 yield [next(source) for _ in range(accum)]
                 if p.step == done:  # the loop would never end: say so instead
@@ -328,11 +329,12 @@ class TrainingJob:
     def _epoch_trained(self) -> None:
         """The epoch's training time into progress (once: at its end, or at a stop); what it
         measured into the compile and busy records."""
-        from .hardware import LOOP_MIN_STEPS, write_record
+        from .hardware import LOOP_MIN_STEPS, busy_line, write_record
 
         p, pace, compiled = self.progress, self.pace, self.compiled
         train_s, busy = pace.end(p), pace.busy  # busy: its share None where none was measured
-        if busy is not None and busy.share is not None:
+        if busy is not None and busy.share is not None:  # the GPU's busy share, once measured
+            self.log.info(busy_line(busy.share, busy.step_s, self.args.batch_size))
             self.speed["gpu_busy"] = busy.share
             if compiled is not None and compiled.busy_record:
                 write_record(*compiled.busy_record, share=busy.share, step_s=busy.step_s)
@@ -432,7 +434,9 @@ class TrainingJob:
         mfu = f", MFU {100 * metrics['mfu']:.1f} %" if "mfu" in metrics else ""
         tags = {"stop_reason": reason, "test_weights": weights}
         artifacts = [self.out / runs.HISTORY, self.out / runs.BEST_MODEL]
-        self.record.finished(finite_or_null(metrics), p.history, tags=tags, artifacts=artifacts)
+        if self.env.dist.is_main:  # history.csv written again, before MLflow attaches it
+            runs.write_history(self.out, p.history)
+        self.record.finished(finite_or_null(metrics), tags=tags, artifacts=artifacts)
         self.log.info(
             f"finished ({reason}): best {task.monitor} {stopper.best_score:.4g} at epoch "
             f"{stopper.best_epoch} | test ({weights} weights) {metrics_line(metrics, 'test_')} | "
@@ -475,10 +479,6 @@ class EpochPace:
         profile = profile and env.device.type == "cuda" and main
         self.busy = GpuBusy(env.device) if profile else None
 
-    def before_step(self, p: Progress) -> None:
-        if self.busy is not None:
-            self.busy.at(p.step - self.first_step)
-
     def after_step(self, p: Progress) -> None:
         """The bar; every --log-every seconds (a log file), run.log: where the epoch is, its pace
         since the epoch (or the resume) began, and when it ends. Steps are counted as launched:
@@ -497,15 +497,11 @@ class EpochPace:
             )
 
     def end(self, p: Progress) -> float:
-        """The epoch's training seconds; the GPU's busy share into run.log, once measured."""
-        from .hardware import busy_line
-
-        train_s, busy = self.now() - self.t0, self.busy
+        """The epoch's training seconds (its GPU profile, if any, closed)."""
+        train_s = self.now() - self.t0
         self.bar.close()
-        if busy is not None:
-            busy.close(p.step - self.first_step)
-            if busy.share is not None:
-                self.log.info(busy_line(busy.share, busy.step_s, self.args.batch_size))
+        if self.busy is not None:
+            self.busy.close(p.step - self.first_step)
         return train_s
 
 

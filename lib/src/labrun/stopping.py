@@ -62,10 +62,9 @@ class GracefulStop:
         self.log = logging.getLogger(__name__)  # the job's run.log once it has one
         # LAB_STOP_GRACE_S: 0 makes a second signal force the exit at once
         self.grace_s = seconds_from_env(GRACE_ENV, DEFAULT_GRACE_S, zero=True)
-        try:  # a second Ctrl-C exits at once only in a terminal
+        self.interactive = False  # a second Ctrl-C exits at once only in a terminal
+        with contextlib.suppress(OSError, ValueError):  # closed or replaced (pytest, daemons)
             self.interactive = sys.stdin is not None and sys.stdin.isatty()
-        except (OSError, ValueError):  # closed or replaced (pytest, daemons)
-            self.interactive = False
         self.requested: str | None = None
         self.on_force_exit: Callable[[], None] | None = None  # e.g. mark the status file
         self.on_request: Callable[[], None] | None = None  # at the first request (claim note)

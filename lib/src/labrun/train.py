@@ -251,11 +251,8 @@ class EMA:
     @torch.no_grad()
     def update(self) -> None:
         ema, live = self._float
-        decay = self.current_decay()
-        if decay == 0.0:
-            torch._foreach_copy_(ema, live)
-        else:
-            torch._foreach_lerp_(ema, live, 1 - decay)
+        # decay 0 (the first update): lerp's weight 1 computes live - (live - ema) * 0, the copy
+        torch._foreach_lerp_(ema, live, 1 - self.current_decay())
         for e, m in self._other:
             e.copy_(m)
         self.updates += 1
