@@ -106,12 +106,9 @@ def default_workers(device: torch.device, *, streaming: bool = False) -> int:
     waited: 1,808 img/s streamed vs 8,181 in memory, ResNet-18 at 224 px, H100). In memory on
     the CPU: 0 (a batch is a ~1 ms gather against a ~270 ms step on 2 cores: a worker would take
     a core from the model). In memory on CUDA: a few, gathering and pinning ahead of the GPU."""
-    cpus = available_cpus()
     if streaming:
-        return max(1, cpus - 1)
-    if device.type != "cuda":
-        return 0
-    return min(4, cpus // 2)
+        return max(1, available_cpus() - 1)
+    return min(4, available_cpus() // 2) if device.type == "cuda" else 0
 
 
 def worker_init(_worker_id: int) -> None:
@@ -357,10 +354,9 @@ class Loader:
             raw = (self.dataset[index] for index in self.batch_indices())
         else:
             raw = self.raw_batches()
-        batches = (self._on_device(*batch) for batch in raw)
         start = asked = time.perf_counter()
         try:
-            for batch in batches:
+            for batch in (self._on_device(*batch) for batch in raw):
                 self.waited_s += time.perf_counter() - asked
                 yield batch
                 asked = time.perf_counter()  # the caller asks for the next batch
