@@ -152,14 +152,6 @@ def _libc(function: str, *args: int) -> None:
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1}
 
 
-def _fix_malloc_mmap_threshold(threshold: int = 4 << 20) -> None:
-    """Serve every allocation above `threshold` by mmap, so it goes back to the OS when freed.
-    glibc raises its mmap threshold after each large free, after which batch-sized buffers
-    fragment the heap: streaming 256 px images in batches of 64, the RSS grew from 301 to 871 MB
-    in 40 batches; with a fixed threshold, to 319 MB (benchmarks/RESULTS.md, bench_data.py)."""
-    _libc("mallopt", -3, threshold)  # -3: M_MMAP_THRESHOLD, from glibc's malloc.h
-
-
 def own_normalization(split: Split | FileSplit, whose: str = "this split") -> Normalization | None:
     """None for uint8 images (their constants); else per channel (the last stored axis) mean
     and std of `split` itself: data.load_dataset gives the training split's to every split."""
@@ -296,7 +288,12 @@ class Loader:
             self.how = f"streamed, decoded {where}, {workers} worker(s)"
             whose = f"of the {cpus} core(s) this job may use" if default else "(--workers)"
             self.decoder += f"; {workers} loader worker(s) {whose}"
-        _fix_malloc_mmap_threshold()  # batch-sized buffers, freed, must not fragment the heap
+        # Batch-sized buffers, freed, must not fragment the heap: every allocation above 4 MiB
+        # served by mmap goes back to the OS when freed. glibc raises its mmap threshold after
+        # each large free: streaming 256 px images in batches of 64, the RSS grew from 301 to
+        # 871 MB in 40 batches; with a fixed threshold, to 319 MB (benchmarks/RESULTS.md,
+        # bench_data.py). -3: M_MMAP_THRESHOLD, from glibc's malloc.h.
+        _libc("mallopt", -3, 4 << 20)
         background = self._on_cuda and workers > 0
         self._loader = torch.utils.data.DataLoader(
             self.dataset,
