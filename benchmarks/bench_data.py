@@ -120,7 +120,7 @@ GROWTH = textwrap.dedent("""
     import {package}.data as data
     import {package}.loaders as loaders
     if sys.argv[3] == "off":  # what glibc does by default
-        loaders._fix_malloc_mmap_threshold = lambda: None
+        loaders._libc = lambda *args: None  # no mallopt (nor the worker's prctl: no matter here)
     loaded = data.load_dataset("folder", sys.argv[1], data_path=sys.argv[2], mode="stream")
     loader = loaders.Loader(loaded.splits["train"], 64, train=True, device="cpu", workers=1)
     rss = []

@@ -45,9 +45,8 @@ def spatial_sizes(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
 
 def describe(shape: tuple[int, ...], layout: str, dtype) -> str:
     """`float32 signals (N, 1, 40)`."""
-    kind = DESCRIBED.get(layout, "arrays")
     dims = ", ".join(map(str, shape))
-    return f"{str(dtype).removeprefix('torch.')} {kind} (N, {dims})"
+    return f"{str(dtype).removeprefix('torch.')} {DESCRIBED.get(layout, 'arrays')} (N, {dims})"
 
 
 @dataclass(frozen=True)
@@ -262,8 +261,7 @@ def crop_flip_slices(padded, dy, dx, flip, size) -> torch.Tensor:
     bench_cache.py); `.tolist()` would sync a GPU, so only the CPU."""
     h, w = size
     out = torch.empty((len(padded), h, w, padded.shape[3]), dtype=padded.dtype)
-    draws = zip(dy.tolist(), dx.tolist(), flip.tolist(), strict=True)
-    for i, (y, x, mirrored) in enumerate(draws):
+    for i, (y, x, mirrored) in enumerate(zip(dy.tolist(), dx.tolist(), flip.tolist(), strict=True)):
         window = padded[i, y : y + h, x : x + w]
         out[i] = window.flip(1) if mirrored else window
     return out

@@ -138,8 +138,7 @@ def load_objects(objects: dict, saved: dict, amp_dtype, log) -> None:
         if obj is None:
             continue
         if isinstance(obj, torch.amp.GradScaler):
-            now = precision(objects, amp_dtype)
-            load_scaler(obj, saved[name], saved["precision"], now, log)
+            load_scaler(obj, saved[name], saved["precision"], precision(objects, amp_dtype), log)
         elif isinstance(obj, torch.nn.Module):
             load_model_state(obj, saved[name], f"the checkpoint's {name}")
         else:

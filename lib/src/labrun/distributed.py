@@ -332,9 +332,7 @@ class Dist:
         own = {"rng": state["rng"], "sums": sums}
         parts: list | None = [None] * self.world if self.is_main else None
         self.td.gather_object(own, parts, dst=0, group=self.cpu_group)
-        if not self.is_main:
-            return None
-        return {**state, "ranks": parts}
+        return {**state, "ranks": parts} if self.is_main else None
 
     def own_state(self, state: dict, path) -> dict:
         """The checkpoint as this rank resumes it; refused when written by another world size."""

@@ -215,6 +215,13 @@ def labrun_source() -> str:
     return f"{__version__}+{labrun_hash()}"
 
 
+def machine_key(device: torch.device) -> dict:
+    """What any measurement on this machine depends on: the device, torch and labrun (a record
+    measured under a defect since fixed, CUDA graphs that never replayed: "measured slower",
+    must not outlive that labrun)."""
+    return {"device": device_name(device), "torch": torch.__version__, "labrun": labrun_source()}
+
+
 def model_key(model, x: torch.Tensor, dtype, device) -> dict:
     """What a measurement of `model`'s step depends on."""
     return {
@@ -222,11 +229,7 @@ def model_key(model, x: torch.Tensor, dtype, device) -> dict:
         "parameters": sum(p.numel() for p in model.parameters()),
         "input": [list(x.shape), str(x.dtype), list(x.stride())],
         "autocast": str(dtype),
-        "device": device_name(device),
-        "torch": torch.__version__,
-        # A record measured under a defect since fixed (CUDA graphs that never replayed:
-        # "measured slower") must not outlive that labrun.
-        "labrun": labrun_source(),
+        **machine_key(device),
     }
 
 
@@ -479,8 +482,7 @@ def flops_per_sample(model, x, y, loss_fn, dtype) -> float:
 def matmul_peak(cache_dir: Path, device: torch.device, dtype) -> tuple[float, str]:
     """(FLOP/s, "measured now" or "recorded <when>"): measure_matmul_flops once per GPU model,
     precision, torch and labrun, kept beside the compile records."""
-    key = {"matmul_peak": str(dtype), "device": device_name(device), "torch": torch.__version__}
-    key["labrun"] = labrun_source()
+    key = {"matmul_peak": str(dtype), **machine_key(device)}
     if (seen := read_record(cache_dir, key)) and isinstance(seen.get("flops"), float):
         return seen["flops"], f"recorded {seen['when']}"
     flops = float(measure_matmul_flops(device, dtype))

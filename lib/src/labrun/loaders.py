@@ -106,12 +106,9 @@ def default_workers(device: torch.device, *, streaming: bool = False) -> int:
     waited: 1,808 img/s streamed vs 8,181 in memory, ResNet-18 at 224 px, H100). In memory on
     the CPU: 0 (a batch is a ~1 ms gather against a ~270 ms step on 2 cores: a worker would take
     a core from the model). In memory on CUDA: a few, gathering and pinning ahead of the GPU."""
-    cpus = available_cpus()
     if streaming:
-        return max(1, cpus - 1)
-    if device.type != "cuda":
-        return 0
-    return min(4, cpus // 2)
+        return max(1, available_cpus() - 1)
+    return min(4, available_cpus() // 2) if device.type == "cuda" else 0
 
 
 def worker_init(_worker_id: int) -> None:
@@ -153,14 +150,6 @@ def _libc(function: str, *args: int) -> None:
 # Every stop signal of stopping.STOP_SIGNALS: a closed terminal's SIGHUP and `scancel --full`'s
 # USR1 reach the whole group too, and their default action would kill a worker.
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1}
-
-
-def _fix_malloc_mmap_threshold(threshold: int = 4 << 20) -> None:
-    """Serve every allocation above `threshold` by mmap, so it goes back to the OS when freed.
-    glibc raises its mmap threshold after each large free, after which batch-sized buffers
-    fragment the heap: streaming 256 px images in batches of 64, the RSS grew from 301 to 871 MB
-    in 40 batches; with a fixed threshold, to 319 MB (benchmarks/RESULTS.md, bench_data.py)."""
-    _libc("mallopt", -3, threshold)  # -3: M_MMAP_THRESHOLD, from glibc's malloc.h
 
 
 def own_normalization(split: Split | FileSplit, whose: str = "this split") -> Normalization | None:
@@ -299,7 +288,12 @@ class Loader:
             self.how = f"streamed, decoded {where}, {workers} worker(s)"
             whose = f"of the {cpus} core(s) this job may use" if default else "(--workers)"
             self.decoder += f"; {workers} loader worker(s) {whose}"
-        _fix_malloc_mmap_threshold()  # batch-sized buffers, freed, must not fragment the heap
+        # Batch-sized buffers, freed, must not fragment the heap: every allocation above 4 MiB
+        # served by mmap goes back to the OS when freed. glibc raises its mmap threshold after
+        # each large free: streaming 256 px images in batches of 64, the RSS grew from 301 to
+        # 871 MB in 40 batches; with a fixed threshold, to 319 MB (benchmarks/RESULTS.md,
+        # bench_data.py). -3: M_MMAP_THRESHOLD, from glibc's malloc.h.
+        _libc("mallopt", -3, 4 << 20)
         background = self._on_cuda and workers > 0
         self._loader = torch.utils.data.DataLoader(
             self.dataset,
@@ -357,10 +351,9 @@ class Loader:
             raw = (self.dataset[index] for index in self.batch_indices())
         else:
             raw = self.raw_batches()
-        batches = (self._on_device(*batch) for batch in raw)
         start = asked = time.perf_counter()
         try:
-            for batch in batches:
+            for batch in (self._on_device(*batch) for batch in raw):
                 self.waited_s += time.perf_counter() - asked
                 yield batch
                 asked = time.perf_counter()  # the caller asks for the next batch
