@@ -31,7 +31,9 @@ def main(out: str, grad_accum: int) -> int:
         generator = torch.Generator().manual_seed(0)
         images = torch.randint(0, 256, (512, 1, 8, 8), dtype=torch.uint8, generator=generator)
         split = Split(images, torch.randint(0, 10, (512,), generator=generator))
-        loader = Loader(split, BATCH, train=False, device=cpu, workers=0, seed=0, shard=dist.shard)
+        loader = Loader(
+            split, BATCH, train=False, device=cpu, workers=0, seed=0, shard=(dist.rank, dist.world)
+        )
         model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.05)
         net = dist.ddp(model) or model

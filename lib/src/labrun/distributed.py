@@ -272,10 +272,6 @@ class Dist:
             return torch.device("cuda", self.local_rank)
         return device
 
-    @property
-    def shard(self) -> tuple[int, int]:
-        return self.rank, self.world
-
     def prepare(self, model, seed: int):
         """SyncBatchNorm on CUDA; then each rank its own augmentation stream (the init above
         came from the common seed, and DDP starts every rank from rank 0's weights anyway)."""

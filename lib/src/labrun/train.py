@@ -100,7 +100,7 @@ def load_data(args, env: Env, make_model) -> Data:
             gpu_resident=resident,
             seed=args.seed,
             augment=info.augmentation,  # used by the training loader only
-            shard=dist.shard,
+            shard=(dist.rank, dist.world),
         )
         for name, split in splits.items()
     }
