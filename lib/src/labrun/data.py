@@ -194,7 +194,6 @@ def load_dataset(name: str, data_dir: str | os.PathLike, **options) -> LoadedDat
         splits["train"], splits["val"] = _carve(splits["train"], options.val_fraction, options.seed)
     if len(splits["train"]) == 0 or len(splits["test"]) == 0:
         raise ValueError(f"dataset {name!r}: too few images to split into train and test")
-    sizes = {k: len(splits[k]) for k in ("train", "val", "test")}
     if not raw.normalize:
         normalization = Normalization(None, None, "none (the dataset declares normalize=False)")
     else:  # the training split's: val and test are scaled as the model saw train
@@ -211,7 +210,7 @@ def load_dataset(name: str, data_dir: str | os.PathLike, **options) -> LoadedDat
         spatial_sizes(input_shape, layout),
         class_names,
         content,
-        sizes,
+        {k: len(splits[k]) for k in ("train", "val", "test")},
         input_shape=input_shape,
         layout=layout,
         dtype=str(dtype).removeprefix("torch."),
