@@ -147,7 +147,6 @@ def load_dataset(name: str, data_dir: str | os.PathLike, **options) -> LoadedDat
         for s in ("train", "val", "test")
         if getattr(raw, s) is not None
     }
-    content = None if data_path is not None else content_hash(raw)  # of splits checked above
     shapes = {(split.image_shape, split.layout, split.dtype) for split in splits.values()}
     if len(shapes) > 1:
         found = sorted(describe(*shape) for shape in shapes)
@@ -209,7 +208,7 @@ def load_dataset(name: str, data_dir: str | os.PathLike, **options) -> LoadedDat
         channels,
         spatial_sizes(input_shape, layout),
         class_names,
-        content,
+        None if data_path is not None else content_hash(raw),  # arrays: of the splits checked
         {k: len(splits[k]) for k in ("train", "val", "test")},
         input_shape=input_shape,
         layout=layout,
