@@ -572,8 +572,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     if clash:  # config.json holds them beside the flags: one name, one meaning
         parser.error(f"--model: model {args.model!r} has argument(s) named like run.py's flags "
                      f"({', '.join(clash)}); rename them in its function")  # fmt: skip
-    out = run_dir(args, parser)
-    for path in (args.results_dir, out):
+    for path in (args.results_dir, run_dir(args, parser)):
         if path.exists() and not path.is_dir():
             parser.error(f"--results-dir: {path} exists and is not a directory")
     return args, parser

@@ -147,7 +147,6 @@ def load_dataset(name: str, data_dir: str | os.PathLike, **options) -> LoadedDat
         for s in ("train", "val", "test")
         if getattr(raw, s) is not None
     }
-    content = None if data_path is not None else content_hash(raw)  # of splits checked above
     shapes = {(split.image_shape, split.layout, split.dtype) for split in splits.values()}
     if len(shapes) > 1:
         found = sorted(describe(*shape) for shape in shapes)
@@ -194,7 +193,6 @@ def load_dataset(name: str, data_dir: str | os.PathLike, **options) -> LoadedDat
         splits["train"], splits["val"] = _carve(splits["train"], options.val_fraction, options.seed)
     if len(splits["train"]) == 0 or len(splits["test"]) == 0:
         raise ValueError(f"dataset {name!r}: too few images to split into train and test")
-    sizes = {k: len(splits[k]) for k in ("train", "val", "test")}
     if not raw.normalize:
         normalization = Normalization(None, None, "none (the dataset declares normalize=False)")
     else:  # the training split's: val and test are scaled as the model saw train
@@ -210,8 +208,8 @@ def load_dataset(name: str, data_dir: str | os.PathLike, **options) -> LoadedDat
         channels,
         spatial_sizes(input_shape, layout),
         class_names,
-        content,
-        sizes,
+        None if data_path is not None else content_hash(raw),  # arrays: of the splits checked
+        {k: len(splits[k]) for k in ("train", "val", "test")},
         input_shape=input_shape,
         layout=layout,
         dtype=str(dtype).removeprefix("torch."),

@@ -27,11 +27,6 @@ VERSION_PREFIX = "files:"
 CHECK_PREFIX = "image-check-"  # imagefolder.py's cached check of every image, per version
 
 
-def is_hidden(name: str) -> bool:
-    """`.DS_Store`, macOS `._x.png`, `.ipynb_checkpoints`, `.git`: never data."""
-    return name.startswith(".")
-
-
 def data_version(root: Path, cache_dir: Path) -> str:
     """`files:<16 hex>` for the file or folder `root`; ValueError (one line) if it is missing
     or unreadable."""
@@ -39,7 +34,7 @@ def data_version(root: Path, cache_dir: Path) -> str:
         if not root.is_dir():  # a file, or missing: stat raises
             st = root.stat()
             return _digest([(root.name, st.st_size, st.st_mtime_ns)])
-        cache = _cache_path(root, cache_dir)
+        cache = cache_file(root, cache_dir)
         cached = read_json_cache(cache) or {}  # a cache of this folder, as written below?
         stamps = cached.get("dirs") if cached.get("root") == str(root) else None
         valid = isinstance(stamps, dict) and str(cached.get("version")).startswith(VERSION_PREFIX)
@@ -80,7 +75,7 @@ def forget(root: Path | None, cache_dir: Path) -> str:
     if root is not None:  # None: a dataset of yours that gave image files without --data-path
         # Every version's check of a folder of this name: a check is only a cache, made again.
         checks = Path(cache_dir).glob(f"{CHECK_PREFIX}{Path(root).name}-*.json")
-        for path in [_cache_path(Path(root), cache_dir), *checks]:
+        for path in [cache_file(Path(root), cache_dir), *checks]:
             with contextlib.suppress(OSError):
                 path.unlink()
     return (
@@ -89,15 +84,11 @@ def forget(root: Path | None, cache_dir: Path) -> str:
     )
 
 
-def check_cache_path(root: Path, cache_dir: Path, version: str) -> Path:
-    """Where imagefolder.py caches the check of every image of `root` at `version` (its one
-    caller, imagefolder._check_images, has both: scan_image_folder requires them)."""
-    return cache_dir / f"{CHECK_PREFIX}{root.name}-{version.removeprefix(VERSION_PREFIX)}.json"
-
-
-def _cache_path(root: Path, cache_dir: Path) -> Path:
+def cache_file(root: Path, cache_dir: Path, prefix: str = CACHE_PREFIX, suffix=".json") -> Path:
+    """The file of `cache_dir` that belongs to the folder `root` (its cached fingerprint, or
+    imagefolder.py's list of its unreadable images): named by it and a hash of its full path."""
     key = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:12]
-    return Path(cache_dir) / f"{CACHE_PREFIX}{root.name}-{key}.json"
+    return Path(cache_dir) / f"{prefix}{root.name}-{key}{suffix}"
 
 
 def _dir_stamp(path: str) -> list[int]:
@@ -123,7 +114,7 @@ def _walk(root: Path) -> tuple[dict[str, list[int]], list[tuple[str, int, int]]]
         dirs[rel or "."] = _dir_stamp(path)
         with os.scandir(path) as entries:
             for entry in entries:
-                if is_hidden(entry.name):
+                if entry.name.startswith("."):  # .DS_Store, ._x.png, .ipynb_checkpoints, .git
                     continue
                 child = f"{rel}/{entry.name}" if rel else entry.name
                 if entry.is_dir():

@@ -17,7 +17,6 @@ nothing (an upright image is not transposed, an RGB one not converted).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections import Counter
@@ -27,7 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from PIL import Image, ImageOps
 
-from .dataversion import check_cache_path, file_lock, is_hidden, read_json_cache
+from .dataversion import CHECK_PREFIX, VERSION_PREFIX, cache_file, file_lock, read_json_cache
 from .runs import atomic_write_text
 
 if TYPE_CHECKING:
@@ -98,8 +97,7 @@ def scan_image_folder(
         # Next to the caches (the data folder may be read-only; _check_images' lock made the
         # folder), replaced atomically: a link planted at its name is replaced, never written
         # through.
-        key = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:8]
-        listing = report_dir / f"unreadable-images-{root.name}-{key}.txt"
+        listing = cache_file(root, report_dir, "unreadable-images-", ".txt")
         atomic_write_text(listing, "\n".join(unreadable) + "\n")
         if len(unreadable) > MAX_UNREADABLE_FRACTION * total:
             raise ValueError(
@@ -148,7 +146,7 @@ def _list_images(root: Path, class_names: list[str]):
             listed = len(files[split])
             for entry in sorted(os.scandir(class_dir), key=lambda e: e.name):
                 ext = os.path.splitext(entry.name)[1].lower()
-                if is_hidden(entry.name) or not entry.is_file():
+                if entry.name.startswith(".") or not entry.is_file():  # hidden: never data
                     continue
                 if ext not in IMAGE_EXTENSIONS:
                     others[ext] += 1
@@ -172,13 +170,13 @@ def _list_images(root: Path, class_names: list[str]):
 
 def _class_dirs(folder: Path) -> list[Path]:
     """The class folders of a split's folder, sorted: its folders but hidden ones."""
-    return sorted(p for p in folder.iterdir() if p.is_dir() and not is_hidden(p.name))
+    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
 def _check_images(root: Path, paths: list[str], report_dir: Path, version: str):
     """{path: [width, height, mode, low, high] or "why unreadable"}, cached per version: every
     image fully decoded once (a file cut short fails here), sizes after EXIF orientation."""
-    cache = check_cache_path(root, report_dir, version)
+    cache = report_dir / f"{CHECK_PREFIX}{root.name}-{version.removeprefix(VERSION_PREFIX)}.json"
     relative = [os.path.relpath(p, root) for p in paths]  # the folder may move: its cache stays
     # A --data-dir that cannot hold it: one error line (data.load_dataset names the flag).
     with file_lock(cache):

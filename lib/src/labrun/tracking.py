@@ -186,8 +186,7 @@ class Tracker:
         )
         if not self._frozen:  # abandon(): the directory is another's
             save_state(self.run_dir, self.state)
-        if not self.deferred:
-            self._guard("end the MLflow run", self._mirror, status, metrics or {}, force=True)
+        self._guard("end the MLflow run", self._mirror, status, metrics or {}, force=True)
         self.close()
 
     def abandon(self, reason: str) -> None:
