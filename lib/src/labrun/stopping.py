@@ -221,7 +221,7 @@ class EarlyStopping:
         from .train import lr_peak_step, peak_epoch
 
         start = max(args.min_epochs, peak_epoch(lr_peak_step(scheduler), steps_per_epoch))
-        mode = task.direction(task.monitor)
+        mode = task.directions[task.monitor.removeprefix("val_")]  # its 'max' or 'min'
         return cls(args.patience, start_epoch=start, mode=mode, monitor=task.monitor)
 
     def restore(self, model: nn.Module) -> None:

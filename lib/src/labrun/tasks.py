@@ -52,10 +52,6 @@ class Task:
         if self.eval_loss is None:  # evaluation reports the loss trained on
             object.__setattr__(self, "eval_loss", self.loss)
 
-    def direction(self, column: str) -> str:
-        """'max' or 'min' of a history or metrics.json name: val_r2, test_loss, best_val_acc."""
-        return self.directions[column.removeprefix("best_").split("_", 1)[-1]]
-
 
 TASKS: dict[str, Entry] = Registry("register_task")  # the project may add its own
 
