@@ -46,7 +46,7 @@ def main() -> int:
         (run_dir / "status").write_text("running\n")
         write_history(run_dir, 1)
         log = logging.getLogger("bench")
-        tracker = tracking.Tracker(run_dir, enabled=True, experiment="bench", run_name="bench",
+        tracker = tracking.Tracker(run_dir, enabled=True, experiment="bench",
                                    log=log, params={"lr": "0.1"}, system_metrics=False)  # fmt: skip
         seconds = []
         for epoch in range(2, args.epochs + 1):

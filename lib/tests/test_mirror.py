@@ -233,7 +233,7 @@ def test_a_live_job_reads_its_rows_back_once_not_every_epoch(env, tmp_path, monk
     losses = [2.0 - 0.05 * i for i in range(30)]
     run_dir = make_run_dir(tmp_path, history_of(losses[:1]), status="running")
     tracker = tracking.Tracker(
-        run_dir, enabled=True, experiment="mirror-test", run_name=run_dir.name,
+        run_dir, enabled=True, experiment="mirror-test",
         log=logging.getLogger("test"), system_metrics=False,
         params=mirror.run_params(json.loads((run_dir / "config.json").read_text())),
     )  # fmt: skip
@@ -270,7 +270,7 @@ def test_the_follower_mirrors_a_run_once_its_claim_is_released(env, tmp_path):
         started = time.time()
         state = {"run_id": None, "started_at": started - 30, "ended_at": started, "tags": {}}
         state |= {"params": {"lr": "0.01", "width": "8", "experiment_keys": "['lr', 'width']"}}
-        state |= {"experiment": "mirror-test", "run_name": run_dir.name}
+        state |= {"experiment": "mirror-test"}
         (run_dir / "tracking.json").write_text(json.dumps(state))
         time.sleep(3 * tracking_cli.FOLLOW_POLL_S)  # passes over it while it is held
         assert mlflow_runs_of(uri, run_dir) == []

@@ -373,7 +373,6 @@ class Record:
             out,
             enabled=args.tracking == "on",
             experiment=args.experiment,
-            run_name=out.name,
             log=self.log,
             params=params,
             tags={**tags, "run_dir": str(out)},  # every job's, training or not

@@ -381,8 +381,7 @@ def _new_run(client, run_dir: Path, state: dict, params: dict, old=None):
             for m in client.get_metric_history(old.info.run_id, key)
         ]
         client.delete_run(old.info.run_id)
-    run_name = state.get("run_name", run_dir.name)
-    run_id = client.create_run(experiment_id, start_ms, tags, run_name).info.run_id
+    run_id = client.create_run(experiment_id, start_ms, tags, run_dir.name).info.run_id
     client.log_batch(
         run_id, metrics=system, params=[Param(k, v) for k, v in sorted(params.items())]
     )
@@ -400,7 +399,7 @@ STATE_FORMS = {
     "artifacts": ("a list", lambda v: isinstance(v, list)),  # of names: see _artifact_files
     **dict.fromkeys(("started_at", "ended_at"), ("a time", lambda v: isinstance(v, int | float))),
     **dict.fromkeys(
-        ("experiment", "run_name", "error", "mirrored"), ("a string", lambda v: isinstance(v, str))
+        ("experiment", "error", "mirrored"), ("a string", lambda v: isinstance(v, str))
     ),
 }
 

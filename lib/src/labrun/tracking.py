@@ -86,7 +86,6 @@ class Tracker:
         *,
         enabled: bool,
         experiment: str,
-        run_name: str,
         log: logging.Logger,
         params: dict | None = None,
         tags: dict | None = None,
@@ -105,7 +104,6 @@ class Tracker:
         self.state.setdefault("started_at", time.time())
         self.state.update(
             experiment=experiment,
-            run_name=run_name,
             params=as_texts(params or {}, 6000),
             tags=as_texts(tags or {}, 8000),
         )
