@@ -14,7 +14,7 @@ from conftest import ROOT
 
 from labrun import arrays, augment
 from labrun.augment import random_crop_flip
-from labrun.data import FileSplit, Split, fits_on_device, load_dataset
+from labrun.data import FileSplit, Split, load_dataset
 from labrun.loaders import Loader
 
 NUM_CLASSES = 10  # of every built-in dataset
@@ -335,17 +335,24 @@ def test_the_loader_counts_the_loops_wait_for_batches_not_its_steps(small_split,
     assert loader.wait_line() == line
 
 
-def test_fits_on_device(small_split, monkeypatch):
-    """At most a quarter of the GPU's free memory (torch.cuda.mem_get_info's, patched here: 1 GiB
-    free of 80 GiB), so that the model has the rest."""
+def test_gpu_resident_auto_takes_at_most_a_quarter_of_the_free_gpu_memory(small_split, monkeypatch):
+    """--gpu-resident: auto keeps the splits on the GPU when they take at most a quarter of its
+    free memory (torch.cuda.mem_get_info's, patched here: 1 GiB free of 80 GiB), so that the model
+    has the rest; on without asking; never off CUDA."""
+    from labrun.hardware import choose_gpu_resident
+
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**30, 80 * 2**30))
-    assert fits_on_device({"train": small_split}, "cuda")
+    cuda = torch.device("cuda")
 
     def cifar_sized(n):  # n labels of 32x32 RGB images, without holding them
         return {"train": FileSplit([], torch.zeros(1, dtype=torch.long).expand(n), (3, 32, 32))}
 
-    assert fits_on_device(cifar_sized(80_000), "cuda")  # 246 MB <= 256 MiB
-    assert not fits_on_device(cifar_sized(90_000), "cuda")  # 277 MB
+    assert choose_gpu_resident("auto", cuda, {"train": small_split})
+    assert choose_gpu_resident("auto", cuda, cifar_sized(80_000))  # 246 MB <= 256 MiB
+    assert not choose_gpu_resident("auto", cuda, cifar_sized(90_000))  # 277 MB
+    assert choose_gpu_resident("on", cuda, cifar_sized(90_000))
+    assert not choose_gpu_resident("off", cuda, {"train": small_split})
+    assert not choose_gpu_resident("on", torch.device("cpu"), {"train": small_split})
 
 
 def test_random_resized_crop_cuts_a_part_and_resizes_it_back():

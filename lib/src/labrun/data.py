@@ -473,10 +473,3 @@ def check_batch_size(train_images: int, batch_size: int, grad_accum: int = 1) ->
         f"({train_images} images): {train_images // effective} optimizer step(s) per epoch, "
         f"{train_images % effective} images left out of every epoch; {hint}"
     )
-
-
-def fits_on_device(splits: dict, device, *, max_fraction: float = 0.25) -> bool:
-    """Whether the splits as stored take at most `max_fraction` of the CUDA `device`'s free
-    memory (the rest is for the model), for `--gpu-resident auto` (which asks only on CUDA:
-    hardware.choose_gpu_resident)."""
-    return decoded_bytes(splits.values()) <= max_fraction * torch.cuda.mem_get_info(device)[0]

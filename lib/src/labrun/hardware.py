@@ -454,12 +454,13 @@ def timed(device: torch.device) -> Callable[[], float]:
 
 
 def choose_gpu_resident(flag: str, device: torch.device, splits: dict) -> bool:
-    """--gpu-resident on, or auto where the splits fit (never off CUDA)."""
-    from .data import fits_on_device
+    """--gpu-resident on, or auto where the splits as stored take at most a quarter of the
+    GPU's free memory (the rest is for the model); never off CUDA."""
+    from .data import decoded_bytes
 
-    return device.type == "cuda" and (
-        flag == "on" or flag == "auto" and fits_on_device(splits, device)
-    )
+    if device.type != "cuda" or flag == "off":
+        return False
+    return flag == "on" or decoded_bytes(splits.values()) <= torch.cuda.mem_get_info(device)[0] / 4
 
 
 # ---- speed you can see: MFU and the share of the step the GPU was busy (issue 33.4) ------------
