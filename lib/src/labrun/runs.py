@@ -183,7 +183,7 @@ def size_text(nbytes: float) -> str:
 
 def read_trusted(path: Path, max_bytes: int = 1 << 20) -> str:
     """The text of `path` if it is a regular file (not a link) owned by its directory's owner;
-    OSError otherwise (ForeignFile for a foreign or linked file)."""
+    OSError otherwise (ForeignFile for a foreign file or a hard link, ELOOP for a symbolic link)."""
     fd = open_own(path, os.O_RDONLY, owner=path.parent.stat().st_uid)
     with os.fdopen(fd, "rb") as f:
         return f.read(max_bytes).decode("utf-8")
